@@ -1,0 +1,24 @@
+# Set-up and the two everyday commands. Each target creates .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch 2.13.0 lies on the CI/dev machines' disk; on a GPU host, pass TORCH=torch.
+TORCH ?= torch==2.13.0
+
+.PHONY: serve test lint gpu-test
+
+$(BIN)/moe-serve: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)" "numpy<2.4"
+	$(BIN)/pip install -q -e ".[test]"
+	@touch $@
+
+serve: $(BIN)/moe-serve  ## run the service on the embedded demo layer (CPU when no GPU is present)
+	$(BIN)/moe-serve serve $(ARGS)
+
+test: $(BIN)/moe-serve  ## the whole test suite (GPU-marked tests skip on a machine without CUDA)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+lint: $(BIN)/moe-serve
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .

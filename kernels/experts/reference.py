@@ -1,0 +1,99 @@
+"""Exact experts in plain torch, float32 throughout: the oracle every fast backend is tested
+against, and the backend the service runs on a machine without a GPU.
+
+Legend: P = routed (token, expert) pairs, K = hidden size, I = intermediate size.
+For each pair p going to expert e:
+    h[p] = act(a[p] @ W13[e].T + b13[e])          # [2I] -> [I]
+    h[p] = dequant(quant(h)) when the scheme quantises activations (over all pairs at once)
+    y[p] = h[p] @ W2[e].T + b2[e]                  # [K]
+Weights are dequantised one expert at a time, so a large layer never exists in float32.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from kernels.activations import apply_activation
+from kernels.quant_scheme import ActQuant, QuantConfig, QuantScheme
+from kernels.quantize import dequantize_activation, dequantize_weight, quantize_activation
+from kernels.registry import register_experts
+from kernels.stages import Experts
+from kernels.tensors import Dispatched, Format
+from kernels.workspace import Workspace
+
+
+def _expert_linear(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    experts: torch.Tensor,
+    quant: QuantConfig,
+) -> torch.Tensor:
+    """a [P, K_in] @ W[experts[p]].T (+ bias) per pair -> float32 [P, N]; expert -1 rows stay 0."""
+    out = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float32, device=a.device)
+    for e in torch.unique(experts[experts >= 0]).tolist():
+        rows = experts == e
+        w_e = dequantize_weight(w[e : e + 1], None if scale is None else scale[e : e + 1], quant)[0]
+        out[rows] = a[rows] @ w_e.T
+        if bias is not None:
+            out[rows] += bias[e].float()
+    return out
+
+
+def run_pairs(experts_obj: Experts, a: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """a [P, K] float32 activations, experts [P] local ids (-1 = skip) -> float32 [P, K]."""
+    cfg, w = experts_obj.cfg, experts_obj.weights
+    h = _expert_linear(a, w.w13, w.w13_scale, w.w13_bias, experts, cfg.quant)  # [P, 2I]
+    h = apply_activation(h, cfg.activation)  # [P, I]
+    act_quant = experts_obj.act_quant()
+    valid = experts >= 0
+    if act_quant is not None and valid.any():
+        q, scale = quantize_activation(h[valid], act_quant)
+        h[valid] = dequantize_activation(q, scale, act_quant)
+    return _expert_linear(h, w.w2, w.w2_scale, w.w2_bias, experts, cfg.quant)
+
+
+def dequantize_input(x: Dispatched, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The dispatched activations in float32: all [M, K], or the `rows` mask's rows [P, K]."""
+    hidden = x.hidden if rows is None else x.hidden[rows]
+    if x.act_quant is None:
+        return hidden.float()
+    scale = x.scale
+    if rows is not None and x.act_quant != ActQuant.TENSOR:
+        scale = scale[rows]
+    return dequantize_activation(hidden, scale, x.act_quant)
+
+
+@register_experts
+class ReferenceExperts(Experts):
+    name: ClassVar[str] = "reference"
+    format: ClassVar[Format] = Format.STANDARD
+    schemes: ClassVar[frozenset[QuantScheme]] = frozenset(QuantScheme)
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
+
+    def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:  # noqa: ARG002
+        m, k = x.topk_ids.shape
+        a = dequantize_input(x).repeat_interleave(k, dim=0)  # [M * k, K], pair = token * k + slot
+        y = run_pairs(self, a, x.topk_ids.flatten().long())
+        return y.view(m, k, -1)
+
+
+@register_experts
+class BatchedReferenceExperts(Experts):
+    name: ClassVar[str] = "reference-batched"
+    format: ClassVar[Format] = Format.BATCHED
+    schemes: ClassVar[frozenset[QuantScheme]] = frozenset(QuantScheme)
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
+
+    def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:  # noqa: ARG002
+        num_experts, max_tokens, _ = x.hidden.shape
+        slots = torch.arange(max_tokens, device=x.hidden.device)
+        valid = slots[None, :] < x.tokens_per_expert[:, None]  # [E, max_tokens]
+        experts = torch.arange(num_experts, device=valid.device)[:, None].expand_as(valid)[valid]
+        y = run_pairs(self, dequantize_input(x, valid), experts)
+        out = torch.zeros(num_experts, max_tokens, y.shape[1], device=y.device)
+        out[valid] = y
+        return out

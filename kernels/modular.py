@@ -1,0 +1,63 @@
+"""The modular kernel: one PrepareFinalize composed with one Experts.
+
+    routing -> prepare (quantise, dispatch) -> experts (GEMM1 -> act -> GEMM2) -> finalize
+
+Built once per layer. It checks the two stages agree on the activation format, reserves the
+experts' workspaces for `max_tokens` up front, and splits larger inputs into chunks of that size
+when the experts allow it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.stages import DispatchSpec, Experts, PrepareFinalize
+from kernels.tensors import Routing
+from kernels.workspace import Workspace
+
+DEFAULT_CHUNK_TOKENS = 8192
+
+
+class ModularKernel:
+    def __init__(
+        self,
+        prepare_finalize: PrepareFinalize,
+        experts: Experts,
+        workspace: Workspace,
+        expert_map: torch.Tensor | None = None,
+        max_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ) -> None:
+        if prepare_finalize.format != experts.format:
+            raise ValueError(
+                f"{prepare_finalize.name} dispatches in the {prepare_finalize.format} format "
+                f"but {experts.name} takes {experts.format}"
+            )
+        if expert_map is not None and not experts.supports_expert_map:
+            raise ValueError(f"{experts.name} does not support an expert_map")
+        self.prepare_finalize = prepare_finalize
+        self.experts = experts
+        self.workspace = workspace
+        self.max_tokens = max_tokens
+        cfg = experts.cfg
+        self.spec = DispatchSpec(
+            act_quant=experts.act_quant(),
+            num_local_experts=experts.weights.num_experts,
+            expert_map=expert_map,
+            apply_router_weight_on_input=cfg.apply_router_weight_on_input,
+        )
+        workspace.reserve(experts.workspace_shapes(max_tokens))
+
+    def forward(
+        self, hidden: torch.Tensor, routing: Routing, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """hidden [M, K] + routing -> [M, K] in hidden's dtype (written into `out` if given)."""
+        out = torch.empty_like(hidden) if out is None else out
+        m = hidden.shape[0]
+        step = self.max_tokens if self.experts.supports_chunking else max(m, 1)
+        for start in range(0, m, step):
+            rows = slice(start, start + step)
+            chunk = Routing(routing.topk_ids[rows], routing.topk_weights[rows])
+            x = self.prepare_finalize.prepare(hidden[rows], chunk, self.spec, self.workspace)
+            y = self.experts.apply(x, self.workspace)
+            self.prepare_finalize.finalize(y, x, out[rows], reduce=not self.experts.reduces_topk)
+        return out

@@ -1,0 +1,1 @@
+"""Prepare/finalize stages: how tokens reach the experts and how their outputs come back."""

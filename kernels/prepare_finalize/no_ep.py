@@ -1,0 +1,50 @@
+"""Single process, standard format: quantise in place, no data movement, weighted combine."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from kernels.quantize import quantize_activation
+from kernels.registry import register_prepare_finalize
+from kernels.routing import to_local_ids
+from kernels.stages import DispatchSpec, PrepareFinalize, weighted_topk_sum
+from kernels.tensors import Dispatched, Format, Routing
+from kernels.workspace import Workspace
+
+
+def dispatch_locally(hidden: torch.Tensor, routing: Routing, spec: DispatchSpec) -> Dispatched:
+    """hidden [M, K] -> standard-format Dispatched: local ids, optional input weighting, fp8."""
+    ids = to_local_ids(routing.topk_ids, spec.expert_map)
+    weights = routing.topk_weights
+    if spec.apply_router_weight_on_input:  # top_k == 1: scale x, then weigh the output by 1
+        hidden = (hidden.float() * weights).to(hidden.dtype)
+        weights = torch.ones_like(weights)
+    scale = None
+    if spec.act_quant is not None:
+        hidden, scale = quantize_activation(hidden, spec.act_quant)
+    return Dispatched(hidden, scale, spec.act_quant, ids, weights)
+
+
+@register_prepare_finalize
+class NoEP(PrepareFinalize):
+    name: ClassVar[str] = "no-ep"
+    format: ClassVar[Format] = Format.STANDARD
+
+    def prepare(
+        self,
+        hidden: torch.Tensor,
+        routing: Routing,
+        spec: DispatchSpec,
+        ws: Workspace,  # noqa: ARG002
+    ) -> Dispatched:
+        return dispatch_locally(hidden, routing, spec)
+
+    def finalize(
+        self, expert_out: torch.Tensor, x: Dispatched, out: torch.Tensor, reduce: bool
+    ) -> None:
+        if reduce:
+            out.copy_(weighted_topk_sum(expert_out, x.topk_ids, x.topk_weights))
+        elif expert_out.data_ptr() != out.data_ptr():
+            out.copy_(expert_out)

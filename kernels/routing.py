@@ -1,0 +1,71 @@
+"""Router logits -> which k experts each token visits and with what weight.
+
+Ties between equal scores go to the lower expert (or group) index, on every device, so that
+routing is a function of the logits alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.config import GroupScore, RoutingConfig, Scoring
+from kernels.tensors import Routing
+
+
+def stable_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries along the last axis, lower index first among equals."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def _limit_to_groups(choice: torch.Tensor, cfg: RoutingConfig) -> torch.Tensor:
+    """Mask (-inf) the experts outside each token's `topk_groups` best groups. [M, E] -> [M, E]."""
+    m, e = choice.shape
+    grouped = choice.view(m, cfg.num_groups, e // cfg.num_groups)
+    if cfg.group_score == GroupScore.MAX:
+        group_scores = grouped.amax(dim=-1)
+    else:  # TOP2_SUM
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, stable_topk(group_scores, cfg.topk_groups), True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view(m, e)
+
+
+def route(
+    logits: torch.Tensor,
+    cfg: RoutingConfig,
+    correction_bias: torch.Tensor | None = None,
+) -> Routing:
+    """logits [M, E] (+ score-correction bias [E]) -> Routing(topk_ids [M, k], weights [M, k]).
+
+    The bias only steers the choice (DeepSeek-V3); weights come from the uncorrected scores.
+    """
+    logits = logits.float()
+    if cfg.softmax_after_topk:
+        ids = stable_topk(logits, cfg.top_k)
+        weights = torch.softmax(logits.gather(1, ids), dim=-1)
+        return Routing(ids.to(torch.int32), weights * cfg.routed_scaling_factor)
+
+    scores = torch.softmax(logits, dim=-1) if cfg.scoring == Scoring.SOFTMAX else logits.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if cfg.num_groups > 1:
+        choice = _limit_to_groups(choice, cfg)
+    ids = stable_topk(choice, cfg.top_k)
+    weights = scores.gather(1, ids)
+    if cfg.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    return Routing(ids.to(torch.int32), weights * cfg.routed_scaling_factor)
+
+
+def contiguous_expert_map(num_experts: int, rank: int, world_size: int) -> torch.Tensor:
+    """global id -> local id on `rank` (or -1), experts split in contiguous slices. [E] int32."""
+    per_rank = -(-num_experts // world_size)
+    ids = torch.arange(num_experts)
+    local = ids - rank * per_rank
+    return torch.where((local >= 0) & (local < per_rank), local, -1).to(torch.int32)
+
+
+def to_local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
+    """Global [M, k] ids -> local ids through `expert_map` [E] (-1 = not on this rank)."""
+    if expert_map is None:
+        return topk_ids
+    return expert_map.to(topk_ids.device)[topk_ids.long()].to(topk_ids.dtype)

@@ -1,0 +1,138 @@
+"""The two stages a modular kernel composes, and how each says whether it can run here.
+
+    [route] -> [prepare: quantise, dispatch] -> [experts: GEMM1 -> act -> GEMM2] -> [finalize]
+
+`PrepareFinalize` owns both ends of the data movement (they must agree on the layout, e.g. the
+two halves of a collective). `Experts` owns the math. Exactly one of them weighs each expert's
+output by its router weight and sums over top-k: the experts when `reduces_topk`, else finalize.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kernels.config import Activation, MoEConfig
+from kernels.quant_scheme import ActQuant, QuantScheme
+from kernels.tensors import Dispatched, ExpertWeights, Format, Routing
+from kernels.workspace import Workspace
+
+
+@dataclass(frozen=True)
+class Support:
+    """An answer to "can this run here?", with the reason when it cannot."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+YES = Support(True)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+@dataclass(frozen=True)
+class DispatchSpec:
+    """What prepare must do for one (layer, experts) pair; fixed when the kernel is built."""
+
+    act_quant: ActQuant | None  # quantise activations to fp8 before dispatch
+    num_local_experts: int
+    expert_map: torch.Tensor | None = None  # [E_global] -> local id or -1
+    apply_router_weight_on_input: bool = False
+
+
+class Experts(ABC):
+    """GEMM1 -> activation -> GEMM2 over the experts of one layer; built once per layer."""
+
+    name: ClassVar[str]
+    format: ClassVar[Format]
+    schemes: ClassVar[frozenset[QuantScheme]]
+    activations: ClassVar[frozenset[Activation]] = frozenset(Activation)
+    devices: ClassVar[frozenset[str]] = frozenset({"cuda"})
+    supports_expert_map: ClassVar[bool] = True
+    supports_chunking: ClassVar[bool] = True
+    reduces_topk: ClassVar[bool] = False  # True: apply() returns [M, K], weighted and summed
+    takes_quantized_input: ClassVar[bool] = True  # False: prepare leaves activations 16-bit
+
+    def __init__(self, cfg: MoEConfig, weights: ExpertWeights) -> None:
+        self.cfg = cfg
+        self.weights = weights
+
+    @classmethod
+    def environment(cls, device: torch.device) -> Support:  # noqa: ARG003
+        """Can this backend run on `device` at all (packages, GPU generation)?"""
+        return YES
+
+    @classmethod
+    def check_config(cls, cfg: MoEConfig) -> Support:  # noqa: ARG003
+        """Backend-specific limits on the layer's shape, beyond scheme and activation."""
+        return YES
+
+    @classmethod
+    def supports(cls, cfg: MoEConfig | None, device: torch.device) -> Support:
+        if device.type not in cls.devices:
+            return Support(False, f"runs on {'/'.join(sorted(cls.devices))}, not {device.type}")
+        env = cls.environment(device)
+        if not env or cfg is None:
+            return env
+        if cfg.quant.scheme not in cls.schemes:
+            return Support(False, f"quant scheme {cfg.quant.scheme} not supported")
+        if cfg.activation.kind not in cls.activations:
+            return Support(False, f"activation {cfg.activation.kind} not supported")
+        return cls.check_config(cfg)
+
+    def act_quant(self) -> ActQuant | None:
+        """The quantisation prepare applies to the activations for these experts."""
+        return self.cfg.quant.scheme.act_quant if self.takes_quantized_input else None
+
+    def workspace_shapes(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:  # noqa: ARG002
+        """Named buffers apply() takes from the workspace for a chunk of `num_tokens` tokens."""
+        return {}
+
+    @abstractmethod
+    def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
+        """STANDARD: [M, K] if reduces_topk else [M, k, K] (zero rows for ids of -1).
+        BATCHED: [E_local, max_tokens, K] (padding rows unspecified)."""
+
+
+class PrepareFinalize(ABC):
+    name: ClassVar[str]
+    format: ClassVar[Format]
+
+    @classmethod
+    def supports(cls, device: torch.device) -> Support:  # noqa: ARG003
+        return YES
+
+    @abstractmethod
+    def prepare(
+        self, hidden: torch.Tensor, routing: Routing, spec: DispatchSpec, ws: Workspace
+    ) -> Dispatched:
+        """hidden [M, K] + global routing -> what the experts take, in this stage's format."""
+
+    @abstractmethod
+    def finalize(
+        self, expert_out: torch.Tensor, x: Dispatched, out: torch.Tensor, reduce: bool
+    ) -> None:
+        """Write the layer output [M, K] into `out`; weigh and sum over top-k when `reduce`."""
+
+
+def weighted_topk_sum(
+    expert_out: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+) -> torch.Tensor:
+    """TopKWeightAndReduce for the standard format: [M, k, K] -> float32 [M, K].
+
+    Slots whose expert is not local (-1) contribute nothing, whatever their rows hold.
+    """
+    w = torch.where(topk_ids >= 0, topk_weights, 0.0).float()
+    rows = torch.where((topk_ids >= 0)[..., None], expert_out.float(), 0.0)
+    return torch.einsum("mk,mkh->mh", w, rows)

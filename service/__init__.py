@@ -1,0 +1,1 @@
+"""moe-serve's HTTP service and command line."""

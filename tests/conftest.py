@@ -1,0 +1,39 @@
+"""Markers, devices and tiny configs shared by every test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels.config import MoEConfig, RoutingConfig
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; run on the device machine (DEVELOPERS.md)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """CUDA when present (and not forced off with MOE_SERVE_TEST_DEVICE=cpu), else CPU."""
+    name = os.environ.get("MOE_SERVE_TEST_DEVICE") or ("cuda" if HAS_CUDA else "cpu")
+    return torch.device(name)
+
+
+@pytest.fixture
+def tiny_config() -> MoEConfig:
+    return MoEConfig(
+        num_experts=4,
+        hidden_size=64,
+        intermediate_size=128,
+        routing=RoutingConfig(top_k=2),
+        dtype=torch.float32,
+    )
