@@ -1,10 +1,30 @@
-"""`moe-serve` command line (placeholder until the service lands)."""
+"""`moe-serve` command line: one subcommand per job, each defined beside the code it drives.
+
+Every module in COMMAND_MODULES has `register(subparsers)`, which adds its subcommand(s) with
+`set_defaults(run=callable)`; `run(args) -> int` is the exit status.
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import sys
+
+COMMAND_MODULES: tuple[str, ...] = ()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moe-serve", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(subparsers)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("moe-serve: the HTTP service is not built yet (issue 5)", file=sys.stderr)  # noqa: T201
-    return 2
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
