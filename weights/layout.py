@@ -1,0 +1,164 @@
+"""The tensors of `experts.safetensors`: their names, and the shape and dtype each must have.
+
+| name                     | shape                        | dtype                    |
+| ------------------------ | ---------------------------- | ------------------------ |
+| w13, w2, their scales    | by quant scheme (quant_scheme.py table; w13 [E, 2I, H]) |
+| w13_bias, w2_bias        | [E, 2I], [E, H]              | float32                  |
+| gate, gate_bias          | [E, H], [E]                  | layer dtype, float32     |
+| e_score_correction_bias  | [E]                          | float32                  |
+| shared_w13, shared_w2    | [2Is, H] gate then up, [H, Is] | layer dtype            |
+| shared_gate              | [1, H]                       | layer dtype              |
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kernels.layer import LayerWeights, RouterWeights, SharedExpert
+from kernels.quant_scheme import FP8_BLOCK, MXFP4_GROUP, QuantScheme
+from kernels.tensors import ExpertWeights
+from weights.errors import LayerFileError
+from weights.manifest import Manifest
+
+# file name <- field of RouterWeights / SharedExpert
+ROUTER_NAMES = {"weight": "gate", "bias": "gate_bias", "correction_bias": "e_score_correction_bias"}
+SHARED_NAMES = {"w13": "shared_w13", "w2": "shared_w2", "gate": "shared_gate"}
+EXPERT_NAMES = ("w13", "w2", "w13_scale", "w2_scale", "w13_bias", "w2_bias")
+
+F32 = torch.float32
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    per_expert: bool = False  # axis 0 is the expert axis: expert parallelism slices it
+    is_scale: bool = False  # must be finite (e8m0: not the NaN code 255)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _gemm_weight(m: Manifest, e: int, n: int, k: int) -> tuple[TensorSpec, TensorSpec | None]:
+    """The stored weight [E, N, K'] and its scale for one GEMM, by scheme."""
+    match m.quant.scheme:
+        case QuantScheme.NONE:
+            return TensorSpec((e, n, k), m.torch_dtype, True), None
+        case QuantScheme.FP8_TENSOR:
+            scale = (e,)
+        case QuantScheme.FP8_TOKEN | QuantScheme.INT8_W8A16:
+            scale = (e, n)
+        case QuantScheme.FP8_BLOCK:
+            scale = (e, _ceil_div(n, FP8_BLOCK), _ceil_div(k, FP8_BLOCK))
+        case QuantScheme.INT4_W4A16:
+            scale = (e, n, k // m.quant.group_size)
+        case QuantScheme.MXFP4:
+            scale = (e, n, k // MXFP4_GROUP)
+    scheme = m.quant.scheme
+    weight_dtype = {QuantScheme.INT8_W8A16: torch.int8}.get(scheme, torch.float8_e4m3fn)
+    if scheme.packs_two_per_byte:
+        weight = TensorSpec((e, n, k // 2), torch.uint8, True)
+    else:
+        weight = TensorSpec((e, n, k), weight_dtype, True)
+    scale_dtype = torch.uint8 if scheme == QuantScheme.MXFP4 else F32
+    return weight, TensorSpec(scale, scale_dtype, True, True)
+
+
+def expected_tensors(m: Manifest) -> dict[str, TensorSpec]:
+    """Every tensor the layer file must hold (and nothing else), by name."""
+    e, h, i = m.num_experts, m.hidden_size, m.intermediate_size
+    specs: dict[str, TensorSpec] = {}
+    for name, (n, k) in (("w13", (2 * i, h)), ("w2", (h, i))):
+        weight, scale = _gemm_weight(m, e, n, k)
+        specs[name] = weight
+        if scale is not None:
+            specs[f"{name}_scale"] = scale
+    if m.has_bias:
+        specs["w13_bias"] = TensorSpec((e, 2 * i), F32, True)
+        specs["w2_bias"] = TensorSpec((e, h), F32, True)
+    if m.router:
+        specs["gate"] = TensorSpec((e, h), m.torch_dtype)
+    if m.router_bias:
+        specs["gate_bias"] = TensorSpec((e,), F32)
+    if m.correction_bias:
+        specs["e_score_correction_bias"] = TensorSpec((e,), F32)
+    if m.shared_experts:
+        si = m.shared_intermediate_size
+        specs["shared_w13"] = TensorSpec((2 * si, h), m.torch_dtype)
+        specs["shared_w2"] = TensorSpec((h, si), m.torch_dtype)
+    if m.shared_gate:
+        specs["shared_gate"] = TensorSpec((1, h), m.torch_dtype)
+    return specs
+
+
+def flatten(weights: LayerWeights) -> dict[str, torch.Tensor]:
+    """LayerWeights -> the file's tensors by name (contiguous, as safetensors wants them)."""
+    named = dict(weights.experts.tensors())
+    for part, names in ((weights.router, ROUTER_NAMES), (weights.shared, SHARED_NAMES)):
+        if part is not None:
+            named |= {names[f]: t for f, t in vars(part).items() if t is not None}
+    return {n: t.contiguous() for n, t in named.items()}
+
+
+def unflatten(tensors: dict[str, torch.Tensor]) -> LayerWeights:
+    """The inverse of `flatten`."""
+    experts = ExpertWeights(**{n: tensors[n] for n in EXPERT_NAMES if n in tensors})
+    router = RouterWeights(**{f: tensors.get(n) for f, n in ROUTER_NAMES.items()})
+    shared = None
+    if "shared_w13" in tensors:
+        shared = SharedExpert(**{f: tensors.get(n) for f, n in SHARED_NAMES.items()})
+    return LayerWeights(experts, router, shared)
+
+
+def header_sha256(path: Path) -> str:
+    """sha256 of a safetensors file's header: the 8-byte length and the JSON it announces.
+
+    The header names every tensor with its dtype, shape and byte range, so it changes with
+    any change of layout; reading it costs microseconds even for an 11 GB layer.
+    """
+    with path.open("rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) != 8:
+            raise ValueError("file is shorter than a safetensors header")
+        (length,) = struct.unpack("<Q", raw_len)
+        header = f.read(length)
+        if len(header) != length:
+            raise ValueError(f"header announces {length} bytes, file has {len(header)}")
+    return hashlib.sha256(raw_len + header).hexdigest()
+
+
+# safetensors header dtype names of the dtypes a layer file may hold
+SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+}
+
+
+def check_tensor(
+    path: Path, name: str, spec: TensorSpec, shape: tuple[int, ...], dtype: torch.dtype | str
+) -> None:
+    """Raise LayerFileError naming `path` and `name` unless shape and dtype match `spec`."""
+    if isinstance(dtype, str):
+        dtype = SAFETENSORS_DTYPES.get(dtype, dtype)
+    if tuple(shape) != spec.shape:
+        raise LayerFileError(path, name, f"expected shape {list(spec.shape)}, got {list(shape)}")
+    if dtype != spec.dtype:
+        raise LayerFileError(path, name, f"expected dtype {spec.dtype}, got {dtype}")
+
+
+def check_names(path: Path, expected: set[str], present: set[str]) -> None:
+    """Raise LayerFileError for the first missing or unexpected tensor name."""
+    for name in sorted(expected - present):
+        raise LayerFileError(path, name, "missing")
+    for name in sorted(present - expected):
+        raise LayerFileError(path, name, "unexpected tensor (the manifest does not declare it)")
