@@ -1,0 +1,68 @@
+"""What route handlers need, as typed dependencies: the engine, the batcher, the body."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from service.batcher import DynamicBatcher
+from service.engine import Engine
+from service.errors import NotReady, PayloadTooLarge
+from service.metrics import Metrics
+from service.settings import Settings
+
+RETRY_WHILE_LOADING_S = "5"
+
+
+@dataclass
+class Runtime:
+    """The app's moving parts; engine and batcher appear once the layers are loaded and warm."""
+
+    settings: Settings
+    metrics: Metrics
+    engine: Engine | None = None
+    batcher: DynamicBatcher | None = None
+    not_ready: str | None = "loading layers"  # None once ready
+
+
+def get_runtime(request: Request) -> Runtime:
+    return request.app.state.runtime
+
+
+RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
+
+
+def _ready(runtime: Runtime) -> Runtime:
+    if runtime.not_ready is not None:
+        raise NotReady(f"not ready: {runtime.not_ready}", {"Retry-After": RETRY_WHILE_LOADING_S})
+    return runtime
+
+
+def get_engine(runtime: RuntimeDep) -> Engine:
+    return _ready(runtime).engine
+
+
+def get_batcher(runtime: RuntimeDep) -> DynamicBatcher:
+    return _ready(runtime).batcher
+
+
+async def get_body(request: Request, runtime: RuntimeDep) -> bytes:
+    """The request body, refused with 413 as soon as it passes max_body_bytes."""
+    limit = runtime.settings.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the {limit}-byte limit")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+EngineDep = Annotated[Engine, Depends(get_engine)]
+BatcherDep = Annotated[DynamicBatcher, Depends(get_batcher)]
+BodyDep = Annotated[bytes, Depends(get_body)]

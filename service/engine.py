@@ -1,0 +1,112 @@
+"""Engine: layer name -> MoE layer built on the device; `forward` runs one batch of one layer.
+
+Every forward goes through `Engine.forward` on the batcher's single worker thread, so the
+layers can share one Workspace (their forwards never overlap) and one device stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kernels.config import MoEConfig
+from kernels.layer import LayerOutput, LayerWeights, MoELayer, build_layer
+from kernels.registry import Selection
+from kernels.tensors import ForwardInputs, Routing
+from kernels.workspace import Workspace
+from service.errors import UnknownLayer
+
+log = logging.getLogger(__name__)
+
+WARM_UP_TOKENS = 4
+
+
+class LayerSource(Protocol):
+    """What the engine needs of a loaded layer (weights.load.LoadedLayer fits)."""
+
+    name: str
+    config: MoEConfig
+    weights: LayerWeights  # already on the engine's device
+
+
+@dataclass(frozen=True)
+class ServedLayer:
+    name: str
+    config: MoEConfig
+    layer: MoELayer
+    selection: Selection
+    device_bytes: int  # the layer's weights on the device
+
+    @property
+    def backend(self) -> str:
+        return self.selection.experts.name
+
+    @property
+    def has_router(self) -> bool:
+        return self.layer.router.weight is not None
+
+
+class Engine:
+    def __init__(self, device: torch.device, backend: str = "auto") -> None:
+        self.device = device
+        self.backend = backend
+        self.workspace = Workspace(device)  # shared by every layer
+        self.layers: dict[str, ServedLayer] = {}
+
+    def add(self, source: LayerSource) -> ServedLayer:
+        """Build `source`'s modular kernel on the device (backend chosen per layer)."""
+        if source.name in self.layers:
+            raise ValueError(f"two layers are named {source.name!r}; layer names must be unique")
+        layer, selection = build_layer(
+            source.config, source.weights, self.device, self.backend, workspace=self.workspace
+        )
+        served = ServedLayer(source.name, source.config, layer, selection, source.weights.nbytes())
+        self.layers[source.name] = served
+        log.info(
+            "layer %s: %s + %s (%s)",
+            source.name,
+            selection.prepare_finalize.name,
+            selection.experts.name,
+            selection.reason,
+        )
+        return served
+
+    def get(self, name: str) -> ServedLayer:
+        try:
+            return self.layers[name]
+        except KeyError:
+            known = ", ".join(sorted(self.layers)) or "none"
+            raise UnknownLayer(f"no layer named {name!r}; served layers: {known}") from None
+
+    def forward(self, name: str, inputs: ForwardInputs) -> LayerOutput:
+        """One batch [M, H] of layer `name` (CPU tensors) -> output [M, H] and routing, on CPU.
+
+        The one path from a batch to the device and back: expert parallelism replaces this.
+        """
+        served = self.get(name)
+        logits = inputs.router_logits
+        on_device = ForwardInputs(
+            inputs.hidden_states.to(self.device),
+            None if logits is None else logits.to(self.device),
+        )
+        with torch.inference_mode():
+            result = served.layer.forward(on_device)
+        routing = result.routing
+        return LayerOutput(
+            result.output.cpu(), Routing(routing.topk_ids.cpu(), routing.topk_weights.cpu())
+        )
+
+    def warm_up(self) -> None:
+        """Run a few tokens through every layer, so the first request pays no compile or alloc."""
+        for name, served in self.layers.items():
+            cfg = served.config
+            hidden = torch.randn(
+                WARM_UP_TOKENS, cfg.hidden_size, generator=torch.Generator().manual_seed(0)
+            )
+            logits = None if served.has_router else torch.zeros(WARM_UP_TOKENS, cfg.num_experts)
+            out = self.forward(name, ForwardInputs(hidden, logits)).output
+            if not torch.isfinite(out.float()).all():
+                raise RuntimeError(f"warm-up forward of layer {name!r} produced NaN or Inf")

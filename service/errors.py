@@ -1,0 +1,89 @@
+"""The errors a request can end in, each with its HTTP status, and the one error body.
+
+Every error answers `{"error": "<message>"}` (the KServe v2 shape). Bad input is a 4xx that
+names the tensor or field; a 500 means a bug or a failed forward, never bad input.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
+
+
+class ServiceError(Exception):
+    status: int = 500
+
+    def __init__(self, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers or {}
+
+
+class BadInput(ServiceError):
+    status = 400
+
+
+class Unauthorized(ServiceError):
+    status = 401
+
+
+class UnknownLayer(ServiceError):
+    status = 404
+
+
+class PayloadTooLarge(ServiceError):
+    status = 413
+
+
+class UnsupportedMediaType(ServiceError):
+    status = 415
+
+
+class Overloaded(ServiceError):
+    status = 429
+
+
+class NotReady(ServiceError):
+    status = 503
+
+
+class ForwardFailed(ServiceError):
+    """The kernel raised on a batch: every request in that batch gets this, the server stays up."""
+
+    status = 500
+
+
+def error_response(
+    status: int, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def describe_validation_error(err: ValidationError | RequestValidationError) -> str:
+    """Pydantic's errors as one line naming each field: 'hidden_states.0.1: Input should be...'."""
+    parts = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"] if p != "body") or "body"
+        parts.append(f"{where}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServiceError)
+    async def _service_error(_: Request, err: ServiceError) -> JSONResponse:
+        return error_response(err.status, err.message, err.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+        return error_response(422, describe_validation_error(err))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, err: HTTPException) -> JSONResponse:
+        return error_response(err.status_code, str(err.detail), err.headers)

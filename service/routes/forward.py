@@ -1,0 +1,144 @@
+"""POST /v1/layers/{name}/forward: JSON for humans and curl, a safetensors blob for clients."""
+
+from __future__ import annotations
+
+import safetensors.torch
+from fastapi import APIRouter, Request, Response
+from pydantic import ValidationError
+
+from kernels.layer import LayerOutput
+from service.deps import BatcherDep, BodyDep, EngineDep
+from service.errors import BadInput, UnsupportedMediaType, describe_validation_error
+from service.inputs import check_inputs, rows_to_tensor
+from service.schemas import ErrorBody, ForwardRequest, ForwardResponse
+
+router = APIRouter(tags=["forward"])
+
+JSON = "application/json"
+BINARY = "application/octet-stream"
+TENSOR_NAMES = ("hidden_states", "router_logits")
+
+_ERRORS = {
+    status: {"model": ErrorBody, "description": what}
+    for status, what in {
+        400: "bad input: wrong shape, H or E, NaN/Inf, ragged or empty arrays, dtype, blob",
+        401: "missing or wrong bearer token",
+        404: "no layer of that name",
+        413: "body over the size limit",
+        415: "content type is neither application/json nor application/octet-stream",
+        422: "JSON body does not match the schema",
+        429: "the layer's queue is full; retry after Retry-After seconds",
+        503: "not ready (loading) or shutting down",
+    }.items()
+}
+
+_OPENAPI = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            JSON: {
+                "schema": ForwardRequest.model_json_schema(),
+                "examples": {
+                    "stored router": {"value": {"hidden_states": [[0.1] * 4, [0.2] * 4]}},
+                    "client logits": {
+                        "value": {
+                            "hidden_states": [[0.1] * 4],
+                            "router_logits": [[1.0, 0.0, -1.0, 0.5]],
+                            "return_routing": True,
+                        }
+                    },
+                },
+            },
+            BINARY: {
+                "schema": {"type": "string", "format": "binary"},
+                "description": "safetensors blob: hidden_states [T, H] (and optionally "
+                "router_logits [T, E]) in float32, bfloat16 or float16. The reply is a "
+                "safetensors blob with output [T, H] in the same dtype.",
+            },
+        },
+    }
+}
+
+
+def _media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def _load_blob(body: bytes) -> dict:
+    try:
+        tensors = safetensors.torch.load(body)
+    except Exception as err:  # the library raises several types for a corrupt blob
+        raise BadInput(f"body is not a valid safetensors blob: {err}") from None
+    unknown = sorted(set(tensors) - set(TENSOR_NAMES))
+    if unknown:
+        raise BadInput(f"unknown tensors {unknown} in the blob; expected {list(TENSOR_NAMES)}")
+    if "hidden_states" not in tensors:
+        raise BadInput("the blob has no hidden_states tensor")
+    return tensors
+
+
+@router.post(
+    "/v1/layers/{name}/forward",
+    summary="Run the MoE block on hidden states (JSON or safetensors body)",
+    response_model=ForwardResponse,
+    response_model_exclude_none=True,
+    responses={
+        200: {"content": {BINARY: {"schema": {"type": "string", "format": "binary"}}}},
+        **_ERRORS,
+    },
+    openapi_extra=_OPENAPI,
+)
+async def forward(
+    name: str,
+    request: Request,
+    body: BodyDep,
+    engine: EngineDep,
+    batcher: BatcherDep,
+    return_routing: bool = False,
+) -> Response | ForwardResponse:
+    """The routed experts, weighted and summed, plus shared experts where the layer has them.
+
+    Without router_logits the layer's stored router (and bias) computes them. A binary reply
+    also carries topk_ids and topk_weights when `?return_routing=true`.
+    """
+    served = engine.get(name)
+    media = _media_type(request)
+    if media == JSON:
+        try:
+            req = ForwardRequest.model_validate_json(body)
+        except ValidationError as err:
+            raise BadInput(describe_validation_error(err)) from None
+        hidden = rows_to_tensor("hidden_states", req.hidden_states)
+        logits = req.router_logits
+        inputs = check_inputs(
+            served, hidden, None if logits is None else rows_to_tensor("router_logits", logits)
+        )
+        result = await batcher.submit(name, inputs)
+        return _json_reply(served.name, served.backend, result, req.return_routing)
+    if media == BINARY:
+        tensors = _load_blob(body)
+        hidden = tensors["hidden_states"]
+        inputs = check_inputs(served, hidden, tensors.get("router_logits"))
+        result = await batcher.submit(name, inputs)
+        out = {"output": result.output.to(hidden.dtype)}
+        if return_routing:
+            out |= {
+                "topk_ids": result.routing.topk_ids,
+                "topk_weights": result.routing.topk_weights,
+            }
+        meta = {"layer": served.name, "backend": served.backend, "tokens": str(hidden.shape[0])}
+        return Response(safetensors.torch.save(out, metadata=meta), media_type=BINARY)
+    raise UnsupportedMediaType(
+        f"content type {media or '(none)'!r} is not accepted; send {JSON} or {BINARY}"
+    )
+
+
+def _json_reply(layer: str, backend: str, result: LayerOutput, routing: bool) -> ForwardResponse:
+    return ForwardResponse(
+        output=result.output.float().tolist(),
+        layer=layer,
+        tokens=result.output.shape[0],
+        backend=backend,
+        topk_ids=result.routing.topk_ids.tolist() if routing else None,
+        topk_weights=result.routing.topk_weights.tolist() if routing else None,
+    )

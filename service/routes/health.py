@@ -1,0 +1,28 @@
+"""Probes: /health (the process answers) and /ready (layers loaded and warmed up)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from service.deps import RuntimeDep
+from service.schemas import HealthResponse, ReadyResponse
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/health", summary="Liveness: 200 while the process serves")
+async def health() -> HealthResponse:
+    return HealthResponse()
+
+
+@router.get(
+    "/ready",
+    summary="Readiness: 200 once every layer is loaded and warmed up, else 503 with the reason",
+    responses={503: {"model": ReadyResponse}},
+)
+async def ready(runtime: RuntimeDep) -> JSONResponse:
+    if runtime.not_ready is None:
+        return JSONResponse(ReadyResponse(ready=True).model_dump())
+    body = ReadyResponse(ready=False, reason=runtime.not_ready)
+    return JSONResponse(body.model_dump(), status_code=503)

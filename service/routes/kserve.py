@@ -1,0 +1,116 @@
+"""KServe v2 / Open Inference Protocol: stock clients (tritonclient) work unchanged.
+
+Each served layer is a model with inputs hidden_states [-1, H] (and optional router_logits
+[-1, E]) and output `output` [-1, H] in the input's datatype.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from service import __version__
+from service.deps import BatcherDep, BodyDep, EngineDep, RuntimeDep
+from service.engine import ServedLayer
+from service.errors import BadInput
+from service.inputs import check_inputs
+from service.kserve_codec import (
+    HEADER_LENGTH,
+    ModelMetadata,
+    ServerMetadata,
+    TensorMetadata,
+    decode_request,
+    encode_response,
+)
+from service.routes.forward import BINARY, TENSOR_NAMES
+from service.schemas import ErrorBody
+
+router = APIRouter(prefix="/v2", tags=["kserve-v2"])
+
+OUTPUT = "output"
+
+
+@router.get("", summary="Server metadata")
+async def server_metadata() -> ServerMetadata:
+    return ServerMetadata(name="moe-serve", version=__version__, extensions=["binary_tensor_data"])
+
+
+@router.get("/health/live", summary="200 while the process serves")
+async def live() -> dict[str, bool]:
+    return {"live": True}
+
+
+@router.get("/health/ready", summary="200 once every layer is loaded and warm, else 503")
+async def ready(runtime: RuntimeDep) -> JSONResponse:
+    if runtime.not_ready is not None:
+        return JSONResponse({"error": f"not ready: {runtime.not_ready}"}, status_code=503)
+    return JSONResponse({"ready": True})
+
+
+def _metadata(served: ServedLayer) -> ModelMetadata:
+    cfg = served.config
+    return ModelMetadata(
+        name=served.name,
+        versions=["1"],
+        platform="moe-serve",
+        inputs=[
+            TensorMetadata(name="hidden_states", datatype="FP32", shape=[-1, cfg.hidden_size]),
+            TensorMetadata(name="router_logits", datatype="FP32", shape=[-1, cfg.num_experts]),
+        ],
+        outputs=[TensorMetadata(name=OUTPUT, datatype="FP32", shape=[-1, cfg.hidden_size])],
+    )
+
+
+@router.get(
+    "/models/{name}",
+    summary="Model metadata: input and output tensors",
+    responses={404: {"model": ErrorBody}},
+)
+async def model_metadata(name: str, engine: EngineDep) -> ModelMetadata:
+    return _metadata(engine.get(name))
+
+
+@router.get("/models/{name}/ready", summary="200 when the model can serve")
+async def model_ready(name: str, engine: EngineDep) -> dict[str, bool]:
+    engine.get(name)
+    return {"ready": True}
+
+
+def _header_length(request: Request) -> int | None:
+    value = request.headers.get(HEADER_LENGTH)
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise BadInput(f"{HEADER_LENGTH} must be a byte count, got {value!r}")
+    return int(value)
+
+
+@router.post(
+    "/models/{name}/infer",
+    summary="Inference with JSON tensors or the binary tensor data extension",
+    responses={400: {"model": ErrorBody}, 404: {"model": ErrorBody}, 429: {"model": ErrorBody}},
+)
+async def infer(
+    name: str, request: Request, body: BodyDep, engine: EngineDep, batcher: BatcherDep
+) -> Response:
+    served = engine.get(name)
+    infer_request, tensors = decode_request(body, _header_length(request))
+    unknown = sorted(set(tensors) - set(TENSOR_NAMES))
+    if unknown:
+        raise BadInput(f"unknown inputs {unknown}; model {name!r} takes {list(TENSOR_NAMES)}")
+    if "hidden_states" not in tensors:
+        raise BadInput("input hidden_states is missing")
+    for requested in infer_request.outputs or ():
+        if requested.name != OUTPUT:
+            raise BadInput(f"unknown output {requested.name!r}; model {name!r} has {OUTPUT!r}")
+    hidden = tensors["hidden_states"]
+    inputs = check_inputs(served, hidden, tensors.get("router_logits"))
+    result = await batcher.submit(name, inputs)
+    encoded = encode_response(name, infer_request, {OUTPUT: result.output.to(hidden.dtype)})
+    if encoded.header_length is None:
+        return Response(encoded.body, media_type="application/json")
+    return Response(
+        encoded.body,
+        media_type=BINARY,
+        headers={HEADER_LENGTH: str(encoded.header_length)},
+    )

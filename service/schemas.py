@@ -1,0 +1,94 @@
+"""Pydantic bodies of the /v1 API and the health and introspection routes."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_EXAMPLE_ROWS = [[0.1, -0.2, 0.3, 0.0], [0.5, 0.25, -1.0, 2.0]]
+
+
+class ErrorBody(BaseModel):
+    error: str = Field(examples=["hidden_states has 4 columns; this layer's hidden_size is 256"])
+
+
+class ForwardRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    hidden_states: list[list[float]] = Field(
+        description="[tokens, hidden_size] activations entering the MoE block",
+        examples=[_EXAMPLE_ROWS],
+    )
+    router_logits: list[list[float]] | None = Field(
+        None,
+        description="[tokens, num_experts]; omitted: computed from the layer's stored router",
+    )
+    return_routing: bool = Field(False, description="also return topk_ids and topk_weights")
+
+
+class ForwardResponse(BaseModel):
+    output: list[list[float]] = Field(description="[tokens, hidden_size] MoE block output")
+    layer: str
+    tokens: int
+    backend: str = Field(description="the experts backend that ran the forward")
+    topk_ids: list[list[int]] | None = Field(None, description="[tokens, top_k] expert ids")
+    topk_weights: list[list[float]] | None = Field(None, description="[tokens, top_k] weights")
+
+
+class LayerInfo(BaseModel):
+    name: str
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    activation: dict[str, str | float]
+    routing: dict[str, str | int | float | bool]
+    quant: dict[str, str | int]
+    dtype: str
+    device_bytes: int
+    shared_experts: bool
+    backend: str
+
+
+class LayersResponse(BaseModel):
+    layers: list[LayerInfo]
+
+
+class BackendInfo(BaseModel):
+    name: str
+    available: bool
+    reason: str = Field(description="why it cannot run on this device; empty when available")
+    format: str = Field(description="activation format: standard [M, K] or batched [E, max, K]")
+    schemes: list[str] = Field(default_factory=list, description="quant schemes (experts only)")
+    activations: list[str] = Field(default_factory=list, description="(experts only)")
+
+
+class LayerBackend(BaseModel):
+    layer: str
+    experts: str
+    prepare_finalize: str
+    reason: str = Field(description="why this pair: forced by --backend, or the auto rule")
+    rejected: dict[str, str] = Field(description="other experts backends and why not")
+    workspace_bytes: int = Field(description="scratch memory, shared by all layers")
+
+
+class DeviceInfo(BaseModel):
+    type: str
+    name: str
+    compute_capability: str | None = None
+    memory_bytes: int | None = None
+
+
+class BackendsResponse(BaseModel):
+    device: DeviceInfo
+    experts: list[BackendInfo]
+    prepare_finalize: list[BackendInfo]
+    layers: list[LayerBackend]
+
+
+class HealthResponse(BaseModel):
+    status: str = "alive"
+
+
+class ReadyResponse(BaseModel):
+    ready: bool
+    reason: str = Field("", description="what is missing when not ready")

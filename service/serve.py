@@ -1,0 +1,75 @@
+"""`moe-serve serve`: run the HTTP service (uvicorn) on the configured layers."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import uvicorn
+from pydantic import ValidationError
+
+from service import logs
+from service.app import create_app
+from service.errors import describe_validation_error
+from service.settings import Settings
+from weights.load import inspect_layer
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="serve MoE layers over HTTP",
+        description="Serve MoE layers over HTTP. Every option also reads MOE_SERVE_<OPTION> "
+        "(e.g. MOE_SERVE_PORT); an option given here wins. Without --weights the demo layers "
+        "are generated into MOE_SERVE_CACHE_DIR and served.",
+    )
+    # Defaults are None so that an option left out falls through to the environment/Settings.
+    p.add_argument(
+        "--weights", action="append", type=Path, metavar="DIR", help="layer to serve (repeatable)"
+    )
+    p.add_argument("--host", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="default 8000")
+    p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
+    p.add_argument("--backend", help="experts backend for every layer, or auto (default)")
+    p.add_argument("--max-batch-tokens", type=int, help="tokens per forward (default 1024)")
+    p.add_argument("--max-batch-delay-ms", type=float, help="batch wait (default 2)")
+    p.add_argument(
+        "--max-queue", type=int, help="requests waiting per layer before 429 (default 256)"
+    )
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", choices=["text", "json"])
+    p.add_argument("--cache-dir", type=Path, help="where the demo layers are generated")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    given = {
+        name: value
+        for name, value in vars(args).items()
+        if name in Settings.model_fields and value is not None
+    }
+    try:
+        settings = Settings(**given)
+    except ValidationError as err:
+        logging.basicConfig()
+        log.error("invalid settings: %s", describe_validation_error(err))
+        return 2
+    logs.configure(settings.log_level, settings.log_format)
+    try:
+        settings.torch_device()
+        for path in settings.weights:  # fail here, naming the file, rather than never get ready
+            inspect_layer(path)
+    except ValueError as err:  # LayerFileError is a ValueError
+        log.error("%s", err)
+        return 2
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_config=None,  # keep the handlers logs.configure installed
+        timeout_graceful_shutdown=settings.drain_timeout_s,
+    )
+    return 0

@@ -1,0 +1,67 @@
+"""The service's settings: one pydantic-settings model, every field also an env var MOE_SERVE_*."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+import torch
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+MIN_TOKEN_CHARS = 16  # a shorter bearer token is a placeholder, not a secret
+
+
+class Settings(BaseSettings):
+    """Validated once at start; `moe-serve serve` options override the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="MOE_SERVE_", frozen=True)
+
+    # Layer directories/files to serve; empty: generate and serve the demo layers.
+    # In the environment: comma-separated (MOE_SERVE_WEIGHTS=/w/layer0,/w/layer1).
+    weights: Annotated[tuple[Path, ...], NoDecode] = ()
+    host: str = "127.0.0.1"  # loopback unless asked: the API has no auth by default
+    port: int = Field(8000, ge=0, le=65535)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    backend: str = "auto"  # experts backend for every layer, or auto per layer
+    max_batch_tokens: int = Field(1024, ge=1)  # tokens per forward; larger requests are chunked
+    max_batch_delay_ms: float = Field(2.0, ge=0.0)  # how long a batch waits for company
+    max_queue: int = Field(256, ge=1)  # requests waiting per layer before 429
+    max_body_bytes: int = Field(64 << 20, ge=1024)  # request bodies above this get 413
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"
+    api_token: SecretStr | None = None  # bearer token required on every non-probe route
+    cache_dir: Path = Path.home() / ".cache" / "moe-serve"  # where the demo layers are written
+    drain_timeout_s: float = Field(30.0, gt=0)  # SIGTERM: how long in-flight requests may finish
+
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _split_paths(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(p for p in value.split(",") if p.strip())
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if not _DEVICE.fullmatch(value):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
+        return value
+
+    @field_validator("api_token")
+    @classmethod
+    def _check_token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < MIN_TOKEN_CHARS:
+            raise ValueError(f"api_token must have at least {MIN_TOKEN_CHARS} characters")
+        return value
+
+    def torch_device(self) -> torch.device:
+        """The device layers run on: `auto` is the first GPU when there is one, else the CPU."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} was asked for but no CUDA GPU is visible")
+        return device
