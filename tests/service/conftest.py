@@ -1,0 +1,56 @@
+"""A TestClient around create_app with the tiny layers, ready before the test starts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.settings import Settings
+from tests.service.layers import tiny_loader
+
+READY_TIMEOUT_S = 20.0
+
+
+def wait_ready(get: Callable[[str], httpx.Response]) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while get("/ready").status_code != 200:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not ready after {READY_TIMEOUT_S} s: {get('/ready').text}")
+        time.sleep(0.01)
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings read MOE_SERVE_* variables: keep the developer's own out of the tests."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("MOE_SERVE_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def make_client() -> Iterator[Callable[..., TestClient]]:
+    """make_client(**settings) -> a ready TestClient on the tiny layers."""
+    clients: list[TestClient] = []
+
+    def make(**settings: object) -> TestClient:
+        client = TestClient(create_app(Settings(device="cpu", **settings), tiny_loader))
+        client.__enter__()
+        clients.append(client)
+        wait_ready(client.get)
+        return client
+
+    yield make
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+@pytest.fixture
+def client(make_client: Callable[..., TestClient]) -> TestClient:
+    return make_client()

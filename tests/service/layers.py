@@ -1,0 +1,75 @@
+"""Tiny in-memory layers for the service tests, and the unbatched reference forward."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import uvicorn
+from fastapi import FastAPI
+
+from kernels.config import MoEConfig, RoutingConfig
+from kernels.layer import LayerWeights, RouterWeights, build_layer
+from kernels.tensors import ForwardInputs
+from kernels.testing import random_expert_weights
+
+E, H, I, TOP_K = 4, 64, 128, 2
+TINY = "tiny"  # float32, stored router
+NO_ROUTER = "tiny-no-router"  # clients must send router logits
+START_TIMEOUT_S = 20.0
+
+
+@dataclass
+class TinyLayer:
+    name: str
+    config: MoEConfig
+    weights: LayerWeights
+
+
+def tiny_layers(seed: int = 0) -> list[TinyLayer]:
+    cfg = MoEConfig(E, H, I, RoutingConfig(top_k=TOP_K), dtype=torch.float32)
+    router = torch.randn(E, H, generator=torch.Generator().manual_seed(seed)) / H**0.5
+    return [
+        TinyLayer(TINY, cfg, LayerWeights(random_expert_weights(cfg, seed), RouterWeights(router))),
+        TinyLayer(
+            NO_ROUTER, cfg, LayerWeights(random_expert_weights(cfg, seed + 1), RouterWeights())
+        ),
+    ]
+
+
+def tiny_loader(settings: object, device: torch.device) -> list[TinyLayer]:
+    return tiny_layers()
+
+
+def reference_forward(
+    name: str, hidden: torch.Tensor, logits: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The layer's output for exactly these rows, one unbatched forward on the reference backend."""
+    source = next(layer for layer in tiny_layers() if layer.name == name)
+    layer, _ = build_layer(source.config, source.weights, torch.device("cpu"), "reference")
+    with torch.inference_mode():
+        inputs = ForwardInputs(hidden.float(), None if logits is None else logits.float())
+        return layer.forward(inputs).output
+
+
+@contextlib.contextmanager
+def running_server(app: FastAPI) -> Iterator[str]:
+    """A real uvicorn server for `app` on a free 127.0.0.1 port; yields its base URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(START_TIMEOUT_S)

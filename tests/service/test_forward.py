@@ -1,0 +1,234 @@
+"""POST /v1/layers/{name}/forward: JSON and safetensors bodies, against the reference layer,
+and every kind of bad input answered with a 4xx that names the problem."""
+
+from __future__ import annotations
+
+import safetensors.torch
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from kernels.config import RoutingConfig
+from kernels.routing import route
+from tests.service.layers import E, H, NO_ROUTER, TINY, TOP_K, reference_forward
+
+BINARY = {"Content-Type": "application/octet-stream"}
+URL = f"/v1/layers/{TINY}/forward"
+
+
+def hidden(tokens: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed))
+
+
+def post_blob(client: TestClient, url: str = URL, **tensors: torch.Tensor):
+    return client.post(url, content=safetensors.torch.save(tensors), headers=BINARY)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 37], ids=lambda t: f"M={t}")
+def test_json_forward_matches_the_reference_layer(client: TestClient, tokens: int) -> None:
+    x = hidden(tokens)
+    r = client.post(URL, json={"hidden_states": x.tolist()})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["layer"], body["tokens"], body["backend"]) == (TINY, tokens, "reference")
+    torch.testing.assert_close(torch.tensor(body["output"]), reference_forward(TINY, x))
+    assert "topk_ids" not in body
+
+
+def test_json_forward_routes_by_the_given_logits_and_returns_routing(client: TestClient) -> None:
+    x = hidden(6)
+    logits = torch.randn(6, E, generator=torch.Generator().manual_seed(1))
+    r = client.post(
+        URL,
+        json={
+            "hidden_states": x.tolist(),
+            "router_logits": logits.tolist(),
+            "return_routing": True,
+        },
+    )
+    assert r.status_code == 200, r.text
+    expected = route(logits, RoutingConfig(top_k=TOP_K))
+    body = r.json()
+    assert torch.equal(torch.tensor(body["topk_ids"], dtype=torch.int32), expected.topk_ids)
+    torch.testing.assert_close(torch.tensor(body["topk_weights"]), expected.topk_weights)
+    torch.testing.assert_close(torch.tensor(body["output"]), reference_forward(TINY, x, logits))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_binary_forward_answers_in_the_input_dtype(client: TestClient, dtype: torch.dtype) -> None:
+    x = hidden(9).to(dtype)
+    r = post_blob(client, hidden_states=x)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "application/octet-stream"
+    out = safetensors.torch.load(r.content)["output"]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, reference_forward(TINY, x).to(dtype))
+
+
+def test_binary_forward_returns_routing_when_asked(client: TestClient) -> None:
+    x = hidden(4)
+    logits = torch.randn(4, E)
+    r = client.post(
+        URL + "?return_routing=true",
+        content=safetensors.torch.save({"hidden_states": x, "router_logits": logits}),
+        headers=BINARY,
+    )
+    blob = safetensors.torch.load(r.content)
+    assert torch.equal(blob["topk_ids"], route(logits, RoutingConfig(top_k=TOP_K)).topk_ids)
+
+
+def test_layer_without_router_runs_on_client_logits(client: TestClient) -> None:
+    x, logits = hidden(3), torch.randn(3, E)
+    r = post_blob(client, f"/v1/layers/{NO_ROUTER}/forward", hidden_states=x, router_logits=logits)
+    assert r.status_code == 200, r.text
+    out = safetensors.torch.load(r.content)["output"]
+    torch.testing.assert_close(out, reference_forward(NO_ROUTER, x, logits))
+
+
+def test_request_larger_than_the_batch_limit_is_chunked_not_refused(make_client) -> None:
+    client = make_client(max_batch_tokens=8)
+    x = hidden(29)
+    r = post_blob(client, hidden_states=x)
+    assert r.status_code == 200, r.text
+    torch.testing.assert_close(
+        safetensors.torch.load(r.content)["output"], reference_forward(TINY, x)
+    )
+
+
+def test_all_tokens_on_one_expert_match_the_reference(client: TestClient) -> None:
+    x = hidden(7)
+    logits = torch.full((7, E), -5.0)
+    logits[:, 2] = 5.0  # expert 2 first for every token; expert 3 never chosen (ties: lower id)
+    r = post_blob(client, hidden_states=x, router_logits=logits)
+    torch.testing.assert_close(
+        safetensors.torch.load(r.content)["output"], reference_forward(TINY, x, logits)
+    )
+
+
+# ---- bad input: 4xx naming the problem --------------------------------------------------------
+
+NAN = hidden(2)
+NAN[1, 3] = float("nan")
+INF = hidden(2)
+INF[0, 5] = float("inf")
+
+BAD_BLOBS = {
+    "wrong hidden size": ({"hidden_states": torch.zeros(2, H + 1)}, "hidden_size is 64"),
+    "wrong expert count": (
+        {"hidden_states": hidden(2), "router_logits": torch.zeros(2, E + 1)},
+        "router_logits has 5 columns",
+    ),
+    "logits for other tokens": (
+        {"hidden_states": hidden(2), "router_logits": torch.zeros(3, E)},
+        "router_logits has 3 tokens but hidden_states has 2",
+    ),
+    "1-D hidden states": ({"hidden_states": torch.zeros(H)}, "hidden_states must be 2-D"),
+    "no tokens": ({"hidden_states": torch.zeros(0, H)}, "hidden_states is empty"),
+    "NaN": ({"hidden_states": NAN}, "hidden_states holds NaN or Inf (first at row 1, column 3)"),
+    "Inf": ({"hidden_states": INF}, "hidden_states holds NaN or Inf (first at row 0, column 5)"),
+    "float64": ({"hidden_states": hidden(2).double()}, "hidden_states has dtype torch.float64"),
+    "int32": ({"hidden_states": torch.zeros(2, H, dtype=torch.int32)}, "dtype torch.int32"),
+    "unknown tensor": ({"hidden_states": hidden(1), "extra": torch.zeros(1)}, "['extra']"),
+    "missing hidden states": ({"router_logits": torch.zeros(1, E)}, "no hidden_states"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_BLOBS, ids=str)
+def test_bad_blob_returns_400_naming_the_problem(client: TestClient, case: str) -> None:
+    tensors, message = BAD_BLOBS[case]
+    r = post_blob(client, **tensors)
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]
+
+
+BAD_JSON = {
+    "ragged": ({"hidden_states": [[0.0] * H, [0.0] * 3]}, 400, "hidden_states is ragged"),
+    "empty": ({"hidden_states": []}, 400, "hidden_states is empty"),
+    "empty row": ({"hidden_states": [[]]}, 400, "hidden_states is empty"),
+    "wrong hidden size": ({"hidden_states": [[0.0] * 3]}, 400, "hidden_size is 64"),
+    "not numbers": ({"hidden_states": [["a"] * H]}, 400, "hidden_states.0.0"),
+    "missing field": ({"router_logits": [[0.0] * E]}, 400, "hidden_states: Field required"),
+    "unknown field": ({"hidden_states": [[0.0] * H], "hiden": 1}, 400, "hiden"),
+    "ragged logits": (
+        {"hidden_states": [[0.0] * H] * 2, "router_logits": [[0.0] * E, [0.0]]},
+        400,
+        "router_logits is ragged",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_JSON, ids=str)
+def test_bad_json_returns_4xx_naming_the_problem(client: TestClient, case: str) -> None:
+    body, status, message = BAD_JSON[case]
+    r = client.post(URL, json=body)
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]
+
+
+def test_nan_in_json_returns_400(client: TestClient) -> None:
+    row = ", ".join(["0.0"] * (H - 1) + ["NaN"])
+    r = client.post(
+        URL, content=f'{{"hidden_states": [[{row}]]}}', headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 400
+    assert "NaN" in r.json()["error"]
+
+
+def test_malformed_json_returns_400(client: TestClient) -> None:
+    r = client.post(
+        URL, content=b'{"hidden_states": [[1,', headers={"Content-Type": "application/json"}
+    )
+    assert r.status_code == 400
+    assert "JSON" in r.json()["error"]
+
+
+def test_corrupt_safetensors_blob_returns_400(client: TestClient) -> None:
+    blob = safetensors.torch.save({"hidden_states": hidden(2)})
+    r = client.post(URL, content=blob[:40], headers=BINARY)
+    assert r.status_code == 400
+    assert "not a valid safetensors blob" in r.json()["error"]
+
+
+def test_unknown_content_type_returns_415(client: TestClient) -> None:
+    r = client.post(URL, content=b"x", headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415
+    assert "'text/plain'" in r.json()["error"]
+
+
+def test_body_over_the_size_limit_returns_413(make_client) -> None:
+    client = make_client(max_body_bytes=4096)
+    r = post_blob(client, hidden_states=hidden(64))
+    assert r.status_code == 413
+    assert "4096-byte limit" in r.json()["error"]
+
+
+def test_unknown_layer_returns_404_listing_the_served_ones(client: TestClient) -> None:
+    r = post_blob(client, "/v1/layers/nope/forward", hidden_states=hidden(1))
+    assert r.status_code == 404
+    assert r.json()["error"] == f"no layer named 'nope'; served layers: {TINY}, {NO_ROUTER}"
+
+
+def test_layer_without_router_refuses_requests_without_logits(client: TestClient) -> None:
+    r = post_blob(client, f"/v1/layers/{NO_ROUTER}/forward", hidden_states=hidden(1))
+    assert r.status_code == 400
+    assert "no stored router: send router_logits" in r.json()["error"]
+
+
+def test_failing_forward_returns_500_and_the_next_request_succeeds(
+    client: TestClient, monkeypatch
+) -> None:
+    engine = client.app.state.runtime.engine
+    real = engine.forward
+    calls = []
+
+    def fail_once(name, inputs):
+        calls.append(name)
+        if len(calls) == 1:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return real(name, inputs)
+
+    monkeypatch.setattr(engine, "forward", fail_once)
+    r = post_blob(client, hidden_states=hidden(2))
+    assert r.status_code == 500
+    assert "forward of layer 'tiny' failed: RuntimeError: CUDA error" in r.json()["error"]
+    assert post_blob(client, hidden_states=hidden(2)).status_code == 200

@@ -1,0 +1,193 @@
+"""Health, readiness, introspection, metrics, docs, auth and request ids."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import safetensors.torch
+import torch
+from fastapi.testclient import TestClient
+
+from service.app import create_app
+from service.settings import Settings
+from tests.service.conftest import wait_ready
+from tests.service.layers import E, H, NO_ROUTER, TINY, tiny_loader
+
+TOKEN = "s3cret-token-of-32-characters-xx"
+BINARY = {"Content-Type": "application/octet-stream"}
+
+
+def test_health_is_200_and_ready_is_503_with_the_reason_while_loading() -> None:
+    release = threading.Event()
+
+    def slow_loader(settings, device):
+        release.wait(10)
+        return tiny_loader(settings, device)
+
+    with TestClient(create_app(Settings(device="cpu"), slow_loader)) as client:
+        assert client.get("/health").status_code == 200
+        r = client.get("/ready")
+        assert (r.status_code, r.json()) == (503, {"ready": False, "reason": "loading layers"})
+        assert client.get("/v2/health/ready").status_code == 503
+        forward = client.post(f"/v1/layers/{TINY}/forward", json={"hidden_states": [[0.0] * H]})
+        assert forward.status_code == 503
+        assert forward.headers["Retry-After"] == "5"
+        release.set()
+        wait_ready(client.get)
+        assert client.get("/ready").json() == {"ready": True, "reason": ""}
+
+
+def test_ready_reports_why_loading_failed() -> None:
+    def broken_loader(settings, device):
+        raise ValueError(
+            "/w/layer0/experts.safetensors: tensor 'w13': shape [4, 8] expected [4, 9]"
+        )
+
+    with TestClient(create_app(Settings(device="cpu"), broken_loader)) as client:
+        for _ in range(500):  # bounded: 5 s
+            r = client.get("/ready")
+            if "failed" in r.json()["reason"]:
+                break
+            time.sleep(0.01)
+        assert r.status_code == 503
+        assert (
+            "loading the layers failed: /w/layer0/experts.safetensors: tensor 'w13'"
+            in r.json()["reason"]
+        )
+        assert client.get("/health").status_code == 200
+
+
+def test_layers_lists_every_layer_with_its_shape_and_numerics(client: TestClient) -> None:
+    layers = client.get("/v1/layers").json()["layers"]
+    assert [layer["name"] for layer in layers] == [TINY, NO_ROUTER]
+    tiny = layers[0]
+    assert tiny == client.get(f"/v1/layers/{TINY}").json()
+    assert {k: tiny[k] for k in ("num_experts", "top_k", "hidden_size", "intermediate_size")} == {
+        "num_experts": E,
+        "top_k": 2,
+        "hidden_size": H,
+        "intermediate_size": 128,
+    }
+    assert tiny["quant"]["scheme"] == "none"
+    assert tiny["dtype"] == "float32"
+    assert tiny["activation"]["kind"] == "silu"
+    assert tiny["routing"]["scoring"] == "softmax"
+    assert tiny["shared_experts"] is False
+    router_bytes = E * H * 4
+    assert tiny["device_bytes"] == (E * 2 * 128 * H + E * H * 128) * 4 + router_bytes
+
+
+def test_unknown_layer_info_returns_404(client: TestClient) -> None:
+    r = client.get("/v1/layers/nope")
+    assert r.status_code == 404
+    assert "no layer named 'nope'" in r.json()["error"]
+
+
+def test_backends_shows_each_backend_and_each_layers_choice(client: TestClient) -> None:
+    body = client.get("/backends").json()
+    assert body["device"]["type"] == "cpu"
+    experts = {b["name"]: b for b in body["experts"]}
+    assert experts["reference"]["available"] is True
+    assert "fp8-block" in experts["reference"]["schemes"]
+    assert "silu" in experts["reference"]["activations"]
+    unavailable = [b for b in body["experts"] if not b["available"]]
+    assert all(b["reason"] for b in unavailable)  # every refusal says why
+    assert any(b["name"] == "no-ep" and b["available"] for b in body["prepare_finalize"])
+    layer = body["layers"][0]
+    assert (layer["layer"], layer["experts"], layer["prepare_finalize"]) == (
+        TINY,
+        "reference",
+        "no-ep",
+    )
+    assert layer["reason"].startswith("auto")
+    assert layer["workspace_bytes"] >= 0
+
+
+def test_forced_backend_is_reported_as_forced(make_client) -> None:
+    client = make_client(backend="reference")
+    assert client.get("/backends").json()["layers"][0]["reason"] == "forced by --backend"
+
+
+def test_metrics_count_requests_and_tokens_per_expert(client: TestClient) -> None:
+    logits = torch.full((5, E), -5.0)
+    logits[:, 1], logits[:, 3] = 5.0, 4.0  # every token to experts 1 and 3
+    blob = safetensors.torch.save({"hidden_states": torch.randn(5, H), "router_logits": logits})
+    assert (
+        client.post(f"/v1/layers/{TINY}/forward", content=blob, headers=BINARY).status_code == 200
+    )
+    text = client.get("/metrics").text
+    assert 'moe_serve_expert_tokens_total{expert="1",layer="tiny"} 5.0' in text
+    assert 'moe_serve_expert_tokens_total{expert="3",layer="tiny"} 5.0' in text
+    assert 'moe_serve_expert_tokens_total{expert="0",layer="tiny"} 0.0' in text
+    assert 'moe_serve_tokens_total{layer="tiny"} 5.0' in text
+    assert 'moe_serve_requests_total{route="/v1/layers/{name}/forward",status="200"} 1.0' in text
+    assert 'moe_serve_forward_seconds_count{backend="reference",layer="tiny"}' in text
+    assert 'moe_serve_queue_depth{layer="tiny"} 0.0' in text
+    assert "moe_serve_batch_tokens_bucket" in text
+    assert "moe_serve_request_seconds_bucket" in text
+
+
+def test_docs_and_openapi_describe_every_route_with_examples(client: TestClient) -> None:
+    assert client.get("/docs").status_code == 200
+    spec = client.get("/openapi.json").json()
+    paths = set(spec["paths"])
+    assert {
+        "/health",
+        "/ready",
+        "/metrics",
+        "/backends",
+        "/v1/layers",
+        "/v1/layers/{name}",
+        "/v1/layers/{name}/forward",
+        "/v2",
+        "/v2/health/live",
+        "/v2/health/ready",
+        "/v2/models/{name}",
+        "/v2/models/{name}/ready",
+        "/v2/models/{name}/infer",
+    } <= paths
+    body = spec["paths"]["/v1/layers/{name}/forward"]["post"]["requestBody"]["content"]
+    assert set(body) == {"application/json", "application/octet-stream"}
+    assert body["application/json"]["examples"]
+    assert all(op.get("summary") for route in spec["paths"].values() for op in route.values())
+
+
+def test_request_id_is_echoed_or_made_up(client: TestClient) -> None:
+    assert (
+        client.get("/health", headers={"X-Request-ID": "abc-1"}).headers["X-Request-ID"] == "abc-1"
+    )
+    assert len(client.get("/health").headers["X-Request-ID"]) == 32
+
+
+@pytest.fixture
+def secured(make_client) -> TestClient:
+    return make_client(api_token=TOKEN)
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/layers", "/backends", "/v2/models/tiny", "/docs", "/openapi.json"]
+)
+def test_token_is_required_on_api_routes(secured: TestClient, path: str) -> None:
+    r = secured.get(path)
+    assert r.status_code == 401
+    assert r.headers["WWW-Authenticate"] == "Bearer"
+    assert secured.get(path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert secured.get(path, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path", ["/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready"]
+)
+def test_probes_and_metrics_need_no_token(secured: TestClient, path: str) -> None:
+    assert secured.get(path).status_code == 200
+
+
+def test_forward_needs_the_token(secured: TestClient) -> None:
+    body = {"hidden_states": [[0.0] * H]}
+    assert secured.post(f"/v1/layers/{TINY}/forward", json=body).status_code == 401
+    ok = secured.post(
+        f"/v1/layers/{TINY}/forward", json=body, headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    assert ok.status_code == 200
