@@ -52,7 +52,7 @@ class ModularKernel:
     ) -> torch.Tensor:
         """hidden [M, K] + routing -> [M, K] in hidden's dtype (written into `out` if given)."""
         out = torch.empty_like(hidden) if out is None else out
-        m = hidden.shape[0]
+        m = self.prepare_finalize.planned_tokens(hidden)  # rows past this rank's end are empty
         step = self.max_tokens if self.experts.supports_chunking else max(m, 1)
         for start in range(0, m, step):
             rows = slice(start, start + step)

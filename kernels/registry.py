@@ -23,12 +23,14 @@ _PREPARE_FINALIZE: dict[str, type[PrepareFinalize]] = {}
 _BACKEND_MODULES = (
     "kernels.prepare_finalize.no_ep",
     "kernels.prepare_finalize.batched",
+    "kernels.prepare_finalize.naive_ep",
     "kernels.experts.reference",
+    "kernels.experts.triton",
 )
 
 # `auto` tries these in order; the first that supports the layer wins. Fast GPU paths first,
 # the exact torch reference last (it runs everywhere).
-AUTO_ORDER: tuple[str, ...] = ("reference",)
+AUTO_ORDER: tuple[str, ...] = ("triton", "reference")
 
 T = TypeVar("T")
 

@@ -113,6 +113,13 @@ class PrepareFinalize(ABC):
     def supports(cls, device: torch.device) -> Support:  # noqa: ARG003
         return YES
 
+    def planned_tokens(self, hidden: torch.Tensor) -> int:
+        """How many tokens the kernel plans its chunks for, given this rank's hidden [M, K].
+
+        A stage whose prepare and finalize are collectives answers the same on every rank, so
+        that every rank runs as many chunks (ranks may bring different M, 0 included)."""
+        return hidden.shape[0]
+
     @abstractmethod
     def prepare(
         self, hidden: torch.Tensor, routing: Routing, spec: DispatchSpec, ws: Workspace

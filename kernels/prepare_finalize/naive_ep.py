@@ -1,0 +1,161 @@
+"""Expert parallelism over torch.distributed: all-gather the tokens, run the local experts on all
+of them, reduce-scatter the partial outputs.
+
+    rank r: hidden [M_r, K] -all-gather-> [M, K], M = sum of M_r -local experts-> partial [M, K]
+            -reduce-scatter (sum over ranks)-> [M_r, K]
+
+Each rank holds a slice of the experts (`kernels.placement`); `DispatchSpec.expert_map` turns
+the gathered global ids into local ones (-1 elsewhere), so every (token, expert) pair is computed
+on exactly one rank and the sum over ranks is the layer output.
+
+Two ways of bringing tokens:
+- equal (default): every rank brings the same M_r (data-parallel ranks padded alike), so the
+  collectives run on fixed shapes without a host sync.
+- sequence_parallel: ranks bring any M_r, 0 included (the service's rank 0 brings the whole batch
+  and the others none). The counts are all-gathered first and rows padded to the largest count.
+
+What travels, packed into one byte row per token so a dispatch is one collective: the
+activations (fp8 + per-token or per-group scales when the experts take them), the global topk
+ids and the weights. A per-tensor fp8 scale depends on every token of the batch, so for it the
+16-bit rows travel and the gathered batch is quantised once, as on one GPU. Partial outputs are
+summed in float32, so the sum over ranks rounds once, like the single-GPU combine.
+
+Standard format only: batched-format experts regroup tokens per expert after prepare, which a
+standard-format EP stage would have to redo; every scheme has a standard-format backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from kernels.prepare_finalize.no_ep import dispatch_locally
+from kernels.quant_scheme import ActQuant
+from kernels.quantize import quantize_activation
+from kernels.registry import register_prepare_finalize
+from kernels.routing import to_local_ids
+from kernels.stages import YES, DispatchSpec, PrepareFinalize, Support, weighted_topk_sum
+from kernels.tensors import Dispatched, Format, Routing
+from kernels.workspace import Workspace
+
+# Renamed in torch 2.13 (the old names warn there); the device machine runs torch 2.11.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def pack_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Tensors [R, ...] -> uint8 [R, total bytes per row]: one buffer, one collective."""
+    return torch.cat([t.flatten(1).contiguous().view(torch.uint8) for t in tensors], dim=1)
+
+
+def unpack_rows(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Inverse of `pack_rows`: rows of `packed` [R', bytes] as tensors typed and shaped like
+    `like`'s rows ([R', ...])."""
+    widths = [t.shape[1:].numel() * t.element_size() for t in like]
+    parts = packed.split(widths, dim=1)
+    return [
+        p.contiguous().view(t.dtype).view(packed.shape[0], *t.shape[1:])
+        for p, t in zip(parts, like, strict=True)
+    ]
+
+
+@register_prepare_finalize
+class NaiveEP(PrepareFinalize):
+    name: ClassVar[str] = "naive-ep"
+    format: ClassVar[Format] = Format.STANDARD
+
+    def __init__(
+        self, group: dist.ProcessGroup | None = None, sequence_parallel: bool = False
+    ) -> None:
+        self.group = group  # None: the default (world) group
+        self.sequence_parallel = sequence_parallel
+        # tokens each rank brought to the chunk in flight: set by prepare, read by finalize
+        # (the modular kernel runs them back to back)
+        self._counts: list[int] = []
+
+    @classmethod
+    def supports(cls, device: torch.device) -> Support:  # noqa: ARG003
+        if not (dist.is_available() and dist.is_initialized()):
+            return Support(False, "needs an initialised torch.distributed process group")
+        return YES
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def planned_tokens(self, hidden: torch.Tensor) -> int:
+        if not self.sequence_parallel:
+            return hidden.shape[0]
+        m = torch.tensor([hidden.shape[0]], dtype=torch.int64, device=hidden.device)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
+        return int(m.item())
+
+    def prepare(
+        self,
+        hidden: torch.Tensor,
+        routing: Routing,
+        spec: DispatchSpec,
+        ws: Workspace,  # noqa: ARG002
+    ) -> Dispatched:
+        # Quantise before sending unless the scale would depend on other ranks' tokens.
+        quantise_first = spec.act_quant not in (None, ActQuant.TENSOR)
+        local = dispatch_locally(
+            hidden,
+            routing,
+            replace(spec, expert_map=None, act_quant=spec.act_quant if quantise_first else None),
+        )
+        rows = [local.hidden, local.topk_ids, local.topk_weights]
+        if quantise_first:
+            rows.append(local.scale)
+        gathered = unpack_rows(self.all_gather(pack_rows(rows)), rows)
+        x, ids, weights = gathered[:3]
+        scale = gathered[3] if quantise_first else None
+        if spec.act_quant == ActQuant.TENSOR:
+            x, scale = quantize_activation(x, spec.act_quant)
+        return Dispatched(x, scale, spec.act_quant, to_local_ids(ids, spec.expert_map), weights)
+
+    def finalize(
+        self, expert_out: torch.Tensor, x: Dispatched, out: torch.Tensor, reduce: bool
+    ) -> None:
+        partial = (
+            weighted_topk_sum(expert_out, x.topk_ids, x.topk_weights)
+            if reduce
+            else expert_out.float()
+        )  # [M, K] float32, this rank's experts only
+        out.copy_(self.reduce_scatter(partial)[: out.shape[0]])
+
+    def all_gather(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's rows [M_r, B] -> every rank's rows [M, B], in rank order."""
+        world = self.world_size
+        if not self.sequence_parallel:
+            self._counts = [rows.shape[0]] * world
+            out = rows.new_empty((world * rows.shape[0], rows.shape[1]))
+            _all_gather_single(out, rows, group=self.group)
+            return out
+        count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=rows.device)
+        counts = count.new_empty(world)
+        _all_gather_single(counts, count, group=self.group)
+        self._counts = counts.tolist()
+        longest = max(self._counts)
+        padded = rows.new_zeros((longest, rows.shape[1]))
+        padded[: rows.shape[0]] = rows
+        out = rows.new_empty((world * longest, rows.shape[1]))
+        _all_gather_single(out, padded, group=self.group)
+        out = out.view(world, longest, -1)
+        return torch.cat([out[r, :c] for r, c in enumerate(self._counts)])
+
+    def reduce_scatter(self, partial: torch.Tensor) -> torch.Tensor:
+        """Every rank's partial sums [M, K] -> the sum over ranks of this rank's rows [M_r, K]
+        (sequence_parallel: [max M_r, K], rows past this rank's count are padding)."""
+        longest = max(self._counts)
+        if self.sequence_parallel:
+            padded = partial.new_zeros((self.world_size, longest, partial.shape[1]))
+            for r, rows in enumerate(partial.split(self._counts)):
+                padded[r, : rows.shape[0]] = rows
+            partial = padded.view(-1, partial.shape[1])
+        out = partial.new_empty((longest, partial.shape[1]))
+        _reduce_scatter_single(out, partial, group=self.group)
+        return out
