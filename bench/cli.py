@@ -1,0 +1,208 @@
+"""`moe-serve bench kernels | plot | summary | http`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+
+from bench.environment import capture, device_slug
+from bench.http_bench import HttpBenchConfig, run_http_bench, write_report
+from bench.kernel_bench import KernelBench, KernelBenchConfig, read_run
+from bench.loads import Load
+from bench.schema import BenchRun
+from bench.shapes import DEFAULT_SHAPES, parse_shapes
+from bench.summary import render
+from bench.timing import TimingPlan
+
+log = logging.getLogger(__name__)
+
+RESULTS_DIR = Path("bench/results")
+DEFAULT_TOKENS = ",".join(str(2**i) for i in range(15))  # 1, 2, 4, ..., 16384
+
+
+def int_list(text: str) -> list[int]:
+    """ "1,8,64" -> [1, 8, 64]; each a positive integer."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from err
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _shapes(text: str) -> list[str]:
+    try:
+        return parse_shapes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
+
+
+def _loads(text: str) -> list[Load]:
+    try:
+        return [Load(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        known = ", ".join(load.value for load in Load)
+        raise argparse.ArgumentTypeError(f"unknown load in {text!r}; known: {known}") from err
+
+
+def _device(text: str) -> torch.device:
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError as err:
+        raise argparse.ArgumentTypeError(f"not a device: {text!r}") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("--device cuda asked for, but no CUDA GPU is visible")
+    return device
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def run_kernels(args: argparse.Namespace) -> int:
+    _setup_logging()
+    plan = TimingPlan(args.warmup, args.min_iters, args.max_iters, args.budget_ms / 1e3)
+    try:
+        config = KernelBenchConfig(
+            shapes=tuple(args.shapes),
+            tokens=tuple(sorted(set(args.tokens))),
+            device=args.device,
+            backends=None if args.backends == "all" else tuple(args.backends.split(",")),
+            loads=tuple(args.loads),
+            reference_max_tokens=args.reference_max_tokens,
+            check_rows=args.check_rows,
+            plan=plan,
+            deadline_s=None if args.max_minutes is None else args.max_minutes * 60,
+        )
+        env = capture(args.device, args.commit)
+        out = args.out or RESULTS_DIR / f"{device_slug(env)}-{datetime.now(UTC):%Y-%m-%d}.json"
+        KernelBench(config, out, env).run()
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
+    log.info("wrote %s", out)
+    return 0
+
+
+def _read(path: Path) -> BenchRun | None:
+    try:
+        return read_run(path)
+    except (OSError, ValidationError) as err:
+        log.error("cannot read %s as a kernel benchmark result: %s", path, err)
+        return None
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    _setup_logging()
+    try:  # matplotlib is the optional `bench` extra
+        from bench.plot import plot_run
+    except ImportError as err:
+        log.error("plotting needs matplotlib: pip install 'moe-serve[bench]' (%s)", err)
+        return 2
+    run = _read(args.file)
+    if run is None:
+        return 2
+    for path in plot_run(run, args.file):
+        log.info("wrote %s", path)
+    return 0
+
+
+def run_summary(args: argparse.Namespace) -> int:
+    _setup_logging()
+    run = _read(args.file)
+    if run is None:
+        return 2
+    sys.stdout.write(render(run))
+    return 0
+
+
+def run_http(args: argparse.Namespace) -> int:
+    _setup_logging()
+    try:
+        config = HttpBenchConfig(
+            url=args.url,
+            layer=args.layer,
+            tokens=args.tokens,
+            concurrency=tuple(args.concurrency),
+            duration_s=args.duration,
+            max_requests=args.max_requests,
+            binary=args.binary,
+            timeout_s=args.timeout,
+        )
+        report = asyncio.run(run_http_bench(config))
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
+    sys.stdout.write(report.table() + "\n")
+    if args.out:
+        write_report(report, args.out)
+        log.info("wrote %s", args.out)
+    return 0
+
+
+def _add_kernels(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("kernels", help="time every available backend against measured ceilings")
+    p.add_argument("--shapes", type=_shapes, default=list(DEFAULT_SHAPES), help="comma list")
+    p.add_argument("--tokens", type=int_list, default=int_list(DEFAULT_TOKENS), help="comma list")
+    p.add_argument("--backends", default="all", help="all, or a comma list of experts backends")
+    p.add_argument("--loads", type=_loads, default=list(Load), help="uniform,skewed")
+    p.add_argument("--device", type=_device, default=_device("auto"), help="auto, cpu or cuda[:N]")
+    p.add_argument("--out", type=Path, help="result JSON (default bench/results/DEVICE-DATE.json)")
+    p.add_argument(
+        "--reference-max-tokens",
+        type=int,
+        default=64,
+        help="time the slow reference backends only up to this many tokens",
+    )
+    p.add_argument("--check-rows", type=int, default=32, help="rows checked against the reference")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--min-iters", type=int, default=5)
+    p.add_argument("--max-iters", type=int, default=100)
+    p.add_argument("--budget-ms", type=float, default=200.0, help="timed work per point")
+    p.add_argument("--max-minutes", type=float, help="stop timing new points after this long")
+    p.add_argument("--commit", help="commit to record (default: git rev-parse --short HEAD)")
+    p.set_defaults(run=run_kernels)
+
+
+def _add_http(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("http", help="load a running server and report throughput and latency")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--layer", required=True, help="layer name as listed by /v1/layers")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per request")
+    p.add_argument("--concurrency", type=int_list, default=[1, 16, 64, 256], help="comma list")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds per concurrency level")
+    p.add_argument("--max-requests", type=int, default=100_000, help="per concurrency level")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
+    body = p.add_mutually_exclusive_group()
+    body.add_argument("--binary", dest="binary", action="store_true", default=True)
+    body.add_argument("--json", dest="binary", action="store_false")
+    p.add_argument("--out", type=Path, help="also write the report as JSON")
+    p.set_defaults(run=run_http)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="kernel and service benchmarks")
+    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    _add_kernels(sub)
+    for name, fn, text in (
+        ("plot", run_plot, "draw PNGs beside a kernel result file"),
+        ("summary", run_summary, "print a kernel result file as markdown tables"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("file", type=Path)
+        p.set_defaults(run=fn)
+    _add_http(sub)

@@ -1,0 +1,346 @@
+"""`moe-serve bench kernels`: every available backend on every shape, load and token count.
+
+Per shape: weights are drawn on the device (bench.random_layer), router logits for each load
+(bench.loads), hidden states for the largest token count; a point with M tokens takes the first
+M rows, so the first `check_rows` rows are the same at every M and the reference backend's
+output for them is computed once. Each backend is built once per shape; at every point its
+output is checked against that reference *before* it is timed, then it is timed with routing
+excluded and included, and freed before the next backend is built.
+
+Reference rule: the `reference*` backends dequantise every hit expert to float32 on each call
+(hundreds of milliseconds at full size), so they are timed only up to `reference_max_tokens`
+tokens (64 by default). They still check every other backend at every token count.
+
+Tolerance on the checked rows (relative L2 error against the float32 reference): 2e-2 for
+16-bit activations (bf16 rounding of the intermediate and output); 1e-1 for fp8 activations,
+where a differently rounded intermediate moves a value by a whole fp8 step, and fp8-tensor's
+scale depends on all M rows while the reference saw only the checked rows.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from bench import ceilings as measured
+from bench.environment import capture
+from bench.loads import Load, router_logits
+from bench.random_layer import random_layer
+from bench.roofline import Ceilings, Work, bound, count_work
+from bench.schema import (
+    BackendResult,
+    BenchRun,
+    CeilingsResult,
+    Environment,
+    Point,
+    Settings,
+    ShapeResult,
+    Timing,
+)
+from bench.shapes import SHAPES, precision
+from bench.timing import Timer, TimingPlan
+from kernels.config import MoEConfig
+from kernels.layer import LayerWeights, MoELayer, build_layer
+from kernels.registry import experts_backends, select
+from kernels.routing import route
+from kernels.tensors import ForwardInputs, Routing
+from kernels.testing import relative_error
+
+log = logging.getLogger(__name__)
+
+REFERENCE_BACKENDS = frozenset({"reference", "reference-batched"})
+TOLERANCE_16BIT = 2e-2
+TOLERANCE_FP8 = 1e-1
+
+
+def tolerance(cfg: MoEConfig) -> float:
+    return TOLERANCE_16BIT if cfg.quant.scheme.act_quant is None else TOLERANCE_FP8
+
+
+@dataclass(frozen=True)
+class KernelBenchConfig:
+    shapes: tuple[str, ...]
+    tokens: tuple[int, ...]
+    device: torch.device
+    backends: tuple[str, ...] | None = None  # None: every registered experts backend
+    loads: tuple[Load, ...] = tuple(Load)
+    reference_max_tokens: int = 64
+    check_rows: int = 32
+    plan: TimingPlan = field(default_factory=TimingPlan)
+    seed: int = 0
+    deadline_s: float | None = None  # points not reached by then are recorded as not timed
+
+    def __post_init__(self) -> None:
+        if not self.tokens or min(self.tokens) < 1:
+            raise ValueError(f"token counts must be >= 1, got {self.tokens}")
+        unknown = [s for s in self.shapes if s not in SHAPES]
+        if unknown or not self.shapes:
+            raise ValueError(f"unknown shape(s) {unknown}; known: {', '.join(SHAPES)}")
+
+    def settings(self) -> Settings:
+        return Settings(
+            tokens=list(self.tokens),
+            loads=[str(load) for load in self.loads],
+            reference_max_tokens=self.reference_max_tokens,
+            check_rows=self.check_rows,
+            warmup=self.plan.warmup,
+            min_iters=self.plan.min_iters,
+            max_iters=self.plan.max_iters,
+            budget_s=self.plan.budget_s,
+        )
+
+
+def measure_ceilings(config: KernelBenchConfig, timer: Timer) -> CeilingsResult:
+    """Copy bandwidth and the GEMM peak of every precision the chosen shapes need."""
+    peaks = {}
+    for name in sorted({precision(SHAPES[s]) for s in config.shapes}):
+        try:
+            peaks[name] = measured.gemm_peak(timer, config.device, name)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"cannot measure the {name} GEMM peak on {config.device} ({err}); "
+                f"leave out the shapes that need it"
+            ) from err
+        log.info("%s GEMM peak: %.1f TFLOP/s", name, peaks[name] / 1e12)
+    copy = measured.copy_bandwidth(timer, config.device)
+    log.info("copy bandwidth: %.0f GB/s", copy / 1e9)
+    return CeilingsResult(copy_bytes_per_s=copy, gemm_flops_per_s=peaks)
+
+
+@dataclass(frozen=True)
+class ShapeInputs:
+    """Everything the points of one shape share; row r is the same at every token count."""
+
+    hidden: torch.Tensor  # [max M, H] in the layer's dtype
+    logits: dict[Load, torch.Tensor]  # [max M, E] float32
+    routing: dict[Load, Routing]  # [max M, k]
+    expected: dict[Load, torch.Tensor]  # reference output of the first check rows [R, H]
+
+    def at(self, load: Load, m: int) -> tuple[torch.Tensor, torch.Tensor, Routing]:
+        """(hidden [m, H], logits [m, E], routing [m, k]) of the point with m tokens."""
+        r = self.routing[load]
+        return self.hidden[:m], self.logits[load][:m], Routing(r.topk_ids[:m], r.topk_weights[:m])
+
+
+def make_inputs(cfg: MoEConfig, weights: LayerWeights, config: KernelBenchConfig) -> ShapeInputs:
+    device, max_m = config.device, max(config.tokens)
+    generator = torch.Generator(device).manual_seed(config.seed + 1)
+    hidden = torch.randn(max_m, cfg.hidden_size, generator=generator, device=device).to(cfg.dtype)
+    logits, routing, expected = {}, {}, {}
+    reference, _ = build_layer(cfg, weights, device, backend="reference")
+    rows = min(config.check_rows, max_m)
+    for i, load in enumerate(config.loads):
+        logits[load] = router_logits(load, max_m, cfg.num_experts, config.seed + 2 + i, device)
+        routing[load] = route(logits[load], cfg.routing, weights.router.correction_bias)
+        r = routing[load]
+        check = Routing(r.topk_ids[:rows], r.topk_weights[:rows])
+        expected[load] = reference.kernel.forward(hidden[:rows], check)
+    return ShapeInputs(hidden, logits, routing, expected)
+
+
+def check_and_time(
+    layer: MoELayer, inputs: ShapeInputs, load: Load, m: int, timer: Timer
+) -> BackendResult:
+    """Check the backend's first rows against the reference, then time it if it is right."""
+    hidden, logits, routing = inputs.at(load, m)
+    name = layer.kernel.experts.name
+    expected = inputs.expected[load][:m]
+    out = layer.kernel.forward(hidden, routing)
+    err = relative_error(out[: expected.shape[0]], expected)
+    ok = err <= tolerance(layer.cfg)
+    if not ok:
+        log.warning("%s is wrong at %d tokens (%s): relative error %.3g", name, m, load, err)
+    excluded = timer.measure(lambda: layer.kernel.forward(hidden, routing))
+    included = timer.measure(lambda: layer.forward(ForwardInputs(hidden, logits)))
+    return BackendResult(
+        backend=name,
+        routing_excluded=Timing(**vars(excluded)),
+        routing_included=Timing(**vars(included)),
+        rel_error=err,
+        correct=ok,
+    )
+
+
+@dataclass(frozen=True)
+class PointKey:
+    shape: str
+    load: Load
+    tokens: int
+
+
+def score_point(
+    key: PointKey,
+    work: Work,
+    ceilings: Ceilings,
+    results: list[BackendResult],
+    auto: str | None,
+) -> Point:
+    """Roofline, fractions of the ceilings and ratios to the best correct backend."""
+    limit = bound(work, ceilings)
+    correct = [r for r in results if r.routing_excluded is not None and r.correct]
+    best = min(correct, key=lambda r: r.routing_excluded.median_us, default=None)
+    scored = []
+    for r in results:
+        if r.routing_excluded is not None:
+            t = r.routing_excluded.median_us * 1e-6
+            ratio = t / (best.routing_excluded.median_us * 1e-6) if best else None
+            r = r.model_copy(
+                update={
+                    "achieved_fraction": limit.roofline_s / t,
+                    "bandwidth_fraction": work.bytes / t / ceilings.copy_bytes_per_s,
+                    "compute_fraction": work.flops / t / ceilings.gemm_flops_per_s,
+                    "ratio_to_best": ratio,
+                }
+            )
+        scored.append(r)
+    auto_ratio = next((r.ratio_to_best for r in scored if r.backend == auto), None)
+    return Point(
+        shape=key.shape,
+        load=str(key.load),
+        tokens=key.tokens,
+        experts_hit=work.experts_hit,
+        bytes=work.bytes,
+        flops=work.flops,
+        memory_us=limit.memory_s * 1e6,
+        compute_us=limit.compute_s * 1e6,
+        roofline_us=limit.roofline_s * 1e6,
+        bound_by=limit.bound_by,
+        best=best.backend if best else None,
+        auto_ratio=auto_ratio,
+        results=scored,
+    )
+
+
+def _free_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class KernelBench:
+    """One run: the ceilings once, then shape after shape, saving the file after each shape."""
+
+    def __init__(
+        self, config: KernelBenchConfig, out: Path, env: Environment | None = None
+    ) -> None:
+        self.config = config
+        self.out = out
+        self.timer = Timer(config.device, config.plan)
+        self.env = env or capture(config.device)
+        self.started = time.monotonic()
+
+    def _backends(self) -> list[str]:
+        known = experts_backends()
+        wanted = self.config.backends or tuple(known)
+        unknown = [b for b in wanted if b not in known]
+        if unknown:
+            raise ValueError(f"unknown backend(s) {unknown}; registered: {', '.join(known)}")
+        return list(wanted)
+
+    def _out_of_time(self) -> bool:
+        deadline = self.config.deadline_s
+        return deadline is not None and time.monotonic() - self.started > deadline
+
+    def _time_backend(
+        self, layer: MoELayer, inputs: ShapeInputs, results: dict[PointKey, list[BackendResult]]
+    ) -> None:
+        name = layer.kernel.experts.name
+        for key in results:
+            if name in REFERENCE_BACKENDS and key.tokens > self.config.reference_max_tokens:
+                continue
+            if self._out_of_time():
+                error = "not timed: the run's time limit (--max-minutes) was reached"
+                results[key].append(BackendResult(backend=name, error=error))
+                continue
+            try:
+                results[key].append(check_and_time(layer, inputs, key.load, key.tokens, self.timer))
+            except Exception as err:  # a failing backend is a result, not the end of the run
+                log.warning("%s failed at %s: %s", name, key, err)
+                results[key].append(
+                    BackendResult(backend=name, error=f"{type(err).__name__}: {err}")
+                )
+
+    def bench_shape(self, name: str, ceilings: CeilingsResult) -> tuple[ShapeResult, list[Point]]:
+        cfg, device = SHAPES[name], self.config.device
+        weights = random_layer(cfg, device, self.config.seed)
+        inputs = make_inputs(cfg, weights, self.config)
+        keys = [PointKey(name, load, m) for load in self.config.loads for m in self.config.tokens]
+        results: dict[PointKey, list[BackendResult]] = {key: [] for key in keys}
+        not_run = {}
+        backends = experts_backends()
+        for backend in tqdm(self._backends(), desc=name, disable=None):
+            support = backends[backend].supports(cfg, device)
+            if not support:
+                not_run[backend] = support.reason
+                continue
+            try:
+                layer, _ = build_layer(cfg, weights, device, backend=backend)
+            except Exception as err:  # recorded with its reason, like an unsupported backend
+                not_run[backend] = f"build failed: {type(err).__name__}: {err}"
+                continue
+            self._time_backend(layer, inputs, results)
+            del layer
+            _free_device_memory()
+        try:
+            auto = select(cfg, device).experts.name
+        except ValueError:
+            auto = None
+        limits = Ceilings(ceilings.copy_bytes_per_s, ceilings.gemm_flops_per_s[precision(cfg)])
+        points = []
+        for key in keys:
+            _, _, routing = inputs.at(key.load, key.tokens)
+            work = count_work(cfg, weights.experts, routing.topk_ids)
+            points.append(score_point(key, work, limits, results[key], auto))
+        shape = ShapeResult(
+            name=name,
+            num_experts=cfg.num_experts,
+            top_k=cfg.top_k,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            scheme=str(cfg.quant.scheme),
+            activation=str(cfg.activation.kind),
+            dtype=str(cfg.dtype).removeprefix("torch."),
+            precision=precision(cfg),
+            weight_bytes=weights.experts.nbytes(),
+            auto=auto,
+            not_run=not_run,
+        )
+        del weights, inputs
+        _free_device_memory()
+        return shape, points
+
+    def run(self) -> BenchRun:
+        ceilings = measure_ceilings(self.config, self.timer)
+        shapes, points = [], []
+        for name in self.config.shapes:
+            shape, shape_points = self.bench_shape(name, ceilings)
+            shapes.append(shape)
+            points.extend(shape_points)
+            result = BenchRun(
+                environment=self.env,
+                settings=self.config.settings(),
+                ceilings=ceilings,
+                shapes=shapes,
+                points=points,
+            )
+            write_run(result, self.out)  # after each shape: a cut-off run keeps what it measured
+        return result
+
+
+def write_run(run: BenchRun, path: Path) -> None:
+    """Write atomically, so a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(run.model_dump_json(indent=1))
+    os.replace(tmp, path)
+
+
+def read_run(path: Path) -> BenchRun:
+    return BenchRun.model_validate_json(path.read_text())

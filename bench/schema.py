@@ -1,0 +1,108 @@
+"""The kernel benchmark's result file, as pydantic models: this module is its documentation.
+
+One JSON file holds one run: where it ran, the ceilings measured there, the layer shapes, and
+one `Point` per (shape, load, tokens) with every backend's times. Times are microseconds of one
+full layer forward; `routing_excluded` times `ModularKernel.forward(hidden, routing)` with the
+routing computed beforehand, `routing_included` times `MoELayer.forward` from router logits.
+Derived figures (`achieved_fraction`, `ratio_to_best`, ...) are computed from the
+routing-excluded median, the figure the roofline bounds.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Environment(_Model):
+    device: str  # e.g. "NVIDIA H100 80GB HBM3" or "cpu"
+    device_type: Literal["cuda", "cpu"]
+    driver: str | None  # NVIDIA driver version, None on CPU
+    torch: str
+    cuda: str | None  # CUDA runtime torch was built with
+    triton: str | None  # None when triton is not importable
+    python: str
+    commit: str  # git commit of the code measured ("-dirty" when the tree had changes)
+    created: str  # ISO 8601 UTC
+
+
+class Settings(_Model):
+    tokens: list[int]
+    loads: list[str]
+    reference_max_tokens: int  # the reference backends run only up to this many tokens
+    check_rows: int  # rows of each output compared with the reference backend
+    warmup: int
+    min_iters: int
+    max_iters: int
+    budget_s: float  # timed work aimed for per backend and point
+
+
+class CeilingsResult(_Model):
+    copy_bytes_per_s: float  # device-to-device copy, bytes read + written per second
+    gemm_flops_per_s: dict[str, float]  # precision ("bf16", "fp8", ...) -> dense GEMM FLOP/s
+
+
+class ShapeResult(_Model):
+    name: str
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int
+    scheme: str
+    activation: str
+    dtype: str
+    precision: str  # key into CeilingsResult.gemm_flops_per_s
+    weight_bytes: int  # all experts' weights, scales and biases
+    auto: str | None  # the backend `auto` picks for this layer on this device
+    not_run: dict[str, str] = Field(default_factory=dict)  # backend -> why it was not timed
+
+
+class Timing(_Model):
+    median_us: float
+    p90_us: float
+    iters: int
+
+
+class BackendResult(_Model):
+    backend: str
+    routing_excluded: Timing | None = None
+    routing_included: Timing | None = None
+    rel_error: float | None = None  # ||out - reference|| / ||reference|| on the checked rows
+    correct: bool = False  # rel_error within the scheme's tolerance (see bench.kernel_bench)
+    error: str | None = None  # why this backend failed at this point
+    achieved_fraction: float | None = None  # roofline time / median
+    bandwidth_fraction: float | None = None  # (bytes / median) / copy bandwidth
+    compute_fraction: float | None = None  # (flops / median) / GEMM peak
+    ratio_to_best: float | None = None  # median / best correct backend's median (>= 1)
+
+
+class Point(_Model):
+    shape: str
+    load: str  # "uniform" or "skewed", see bench.loads
+    tokens: int
+    experts_hit: int
+    bytes: int  # that must move, see bench.roofline
+    flops: int
+    memory_us: float  # bytes / copy bandwidth
+    compute_us: float  # flops / GEMM peak of the shape's precision
+    roofline_us: float  # max of the two
+    bound_by: Literal["memory", "compute"]
+    best: str | None  # fastest correct backend
+    auto_ratio: float | None  # auto's backend median / best median, when auto's ran here
+    results: list[BackendResult]
+
+
+class BenchRun(_Model):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    environment: Environment
+    settings: Settings
+    ceilings: CeilingsResult
+    shapes: list[ShapeResult]
+    points: list[Point]

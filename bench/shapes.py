@@ -1,0 +1,74 @@
+"""The layer shapes the kernel benchmark runs, by name.
+
+The four reference shapes of the Triton issue at full size (Mixtral twice: bf16 and fp8
+per-tensor), and `tiny` for CPU runs and tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.config import ActivationSpec, GroupScore, MoEConfig, RoutingConfig, Scoring
+from kernels.quant_scheme import QuantConfig, QuantScheme
+
+_MIXTRAL_ROUTING = RoutingConfig(top_k=2)
+_MIXTRAL = {"num_experts": 8, "hidden_size": 4096, "intermediate_size": 14336}
+
+SHAPES: dict[str, MoEConfig] = {
+    "mixtral": MoEConfig(**_MIXTRAL, routing=_MIXTRAL_ROUTING),
+    "mixtral-fp8": MoEConfig(
+        **_MIXTRAL, routing=_MIXTRAL_ROUTING, quant=QuantConfig(QuantScheme.FP8_TENSOR)
+    ),
+    "qwen3": MoEConfig(
+        num_experts=128, hidden_size=2048, intermediate_size=768, routing=RoutingConfig(top_k=8)
+    ),
+    "deepseek-v3": MoEConfig(
+        num_experts=256,
+        hidden_size=7168,
+        intermediate_size=2048,
+        routing=RoutingConfig(
+            top_k=8,
+            scoring=Scoring.SIGMOID,
+            num_groups=8,
+            topk_groups=4,
+            group_score=GroupScore.TOP2_SUM,
+            routed_scaling_factor=2.5,
+        ),
+        quant=QuantConfig(QuantScheme.FP8_BLOCK),
+    ),
+    "gpt-oss": MoEConfig(
+        num_experts=128,
+        hidden_size=2880,
+        intermediate_size=2880,
+        routing=RoutingConfig(top_k=4, softmax_after_topk=True),
+        activation=ActivationSpec(kind="swigluoai", gate_up="interleaved"),
+        quant=QuantConfig(QuantScheme.MXFP4),
+        has_bias=True,
+    ),
+    # CPU runs and tests: float32, because CPU kernels have no bf16 fast path worth timing.
+    "tiny": MoEConfig(
+        num_experts=8,
+        hidden_size=64,
+        intermediate_size=128,
+        routing=RoutingConfig(top_k=2),
+        dtype=torch.float32,
+    ),
+}
+
+DEFAULT_SHAPES = ("mixtral", "mixtral-fp8", "qwen3", "deepseek-v3", "gpt-oss")
+
+
+def parse_shapes(text: str) -> list[str]:
+    """ "a,b" -> ["a", "b"], each a known shape name."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown or not names:
+        raise ValueError(f"unknown shape(s) {unknown or text!r}; known: {', '.join(SHAPES)}")
+    return names
+
+
+def precision(cfg: MoEConfig) -> str:
+    """The dense-GEMM precision whose peak bounds this layer: fp8 when activations are fp8."""
+    if cfg.quant.scheme.act_quant is not None:
+        return "fp8"
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[cfg.dtype]

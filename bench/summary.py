@@ -1,0 +1,60 @@
+"""`moe-serve bench summary FILE`: the run as markdown tables, for the README and reviews."""
+
+from __future__ import annotations
+
+from bench.schema import BenchRun, Point
+from bench.targets import check_targets
+
+
+def _cell(point: Point, backend: str) -> str:
+    r = next((r for r in point.results if r.backend == backend), None)
+    if r is None:
+        return ""
+    if r.routing_excluded is None:
+        return "failed" if r.error and not r.error.startswith("not timed") else "-"
+    text = f"{r.routing_excluded.median_us:,.0f}"
+    if not r.correct:
+        text += " (wrong)"
+    return f"**{text}**" if backend == point.best else text
+
+
+def times_table(run: BenchRun, load: str) -> str:
+    """Median us per backend (routing excluded, best in bold), roofline and best fraction."""
+    backends = sorted({r.backend for p in run.points for r in p.results})
+    head = ["shape", "M", *backends, "roofline us", "best / roofline", "auto"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    autos = {s.name: s.auto or "-" for s in run.shapes}
+    for p in run.points:
+        if p.load != load:
+            continue
+        best = next((r for r in p.results if r.backend == p.best), None)
+        fraction = f"{best.achieved_fraction:.0%}" if best else "-"
+        cells = [p.shape, str(p.tokens), *(_cell(p, b) for b in backends)]
+        cells += [f"{p.roofline_us:,.0f}", fraction, autos[p.shape]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def targets_table(run: BenchRun) -> str:
+    lines = ["| target | met | worst point |", "| --- | --- | --- |"]
+    for check in check_targets(run):
+        met = {True: "yes", False: "no", None: "not measured"}[check.met]
+        lines.append(f"| {check.target} | {met} | {check.worst} |")
+    return "\n".join(lines)
+
+
+def render(run: BenchRun) -> str:
+    env, ceilings = run.environment, run.ceilings
+    peaks = ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s" for k, v in ceilings.gemm_flops_per_s.items())
+    parts = [
+        f"Device {env.device} (driver {env.driver}), torch {env.torch}, triton {env.triton}, "
+        f"commit {env.commit}, {env.created}.",
+        f"Measured ceilings: copy {ceilings.copy_bytes_per_s / 1e9:,.4g} GB/s; GEMM {peaks}.",
+    ]
+    for load in run.settings.loads:
+        parts += [
+            f"Median forward time in us, routing excluded, {load} load:",
+            times_table(run, load),
+        ]
+    parts += ["Targets:", targets_table(run)]
+    return "\n\n".join(parts) + "\n"
