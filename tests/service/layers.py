@@ -17,7 +17,7 @@ from kernels.layer import LayerWeights, RouterWeights, build_layer
 from kernels.tensors import ForwardInputs
 from kernels.testing import random_expert_weights
 
-E, H, I, TOP_K = 4, 64, 128, 2
+E, H, INTER, TOP_K = 4, 64, 128, 2
 TINY = "tiny"  # float32, stored router
 NO_ROUTER = "tiny-no-router"  # clients must send router logits
 START_TIMEOUT_S = 20.0
@@ -31,7 +31,7 @@ class TinyLayer:
 
 
 def tiny_layers(seed: int = 0) -> list[TinyLayer]:
-    cfg = MoEConfig(E, H, I, RoutingConfig(top_k=TOP_K), dtype=torch.float32)
+    cfg = MoEConfig(E, H, INTER, RoutingConfig(top_k=TOP_K), dtype=torch.float32)
     router = torch.randn(E, H, generator=torch.Generator().manual_seed(seed)) / H**0.5
     return [
         TinyLayer(TINY, cfg, LayerWeights(random_expert_weights(cfg, seed), RouterWeights(router))),

@@ -3,14 +3,14 @@ and every kind of bad input answered with a 4xx that names the problem."""
 
 from __future__ import annotations
 
-import safetensors.torch
 import pytest
+import safetensors.torch
 import torch
 from fastapi.testclient import TestClient
 
 from kernels.config import RoutingConfig
 from kernels.routing import route
-from tests.service.layers import E, H, NO_ROUTER, TINY, TOP_K, reference_forward
+from tests.service.layers import NO_ROUTER, TINY, TOP_K, E, H, reference_forward
 
 BINARY = {"Content-Type": "application/octet-stream"}
 URL = f"/v1/layers/{TINY}/forward"

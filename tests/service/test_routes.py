@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from service.app import create_app
 from service.settings import Settings
 from tests.service.conftest import wait_ready
-from tests.service.layers import E, H, NO_ROUTER, TINY, tiny_loader
+from tests.service.layers import NO_ROUTER, TINY, E, H, tiny_loader
 
 TOKEN = "s3cret-token-of-32-characters-xx"
 BINARY = {"Content-Type": "application/octet-stream"}

@@ -1,0 +1,183 @@
+"""DynamicBatcher on a real CPU engine: merging, chunking, back-pressure, failure isolation,
+draining. Each test drives its own event loop with asyncio.run."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from kernels.config import MoEConfig, RoutingConfig
+from kernels.layer import LayerWeights, RouterWeights
+from kernels.quant_scheme import QuantConfig
+from kernels.tensors import ForwardInputs
+from kernels.testing import random_expert_weights
+from service.batcher import BatchPolicy, DynamicBatcher
+from service.engine import Engine
+from service.errors import ForwardFailed, NotReady, Overloaded
+from service.metrics import Metrics
+from tests.service.layers import TINY, E, H, TinyLayer, reference_forward, tiny_layers
+
+WAIT_S = 10.0  # bound on every wait in these tests
+
+
+class RecordingEngine(Engine):
+    """An Engine that records each batch's size and can hold or fail a forward."""
+
+    def __init__(self, layers: list[TinyLayer]) -> None:
+        super().__init__(torch.device("cpu"))
+        for layer in layers:
+            self.add(layer)
+        self.batch_sizes: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_next = False
+
+    def forward(self, name: str, inputs: ForwardInputs):
+        assert self.gate.wait(WAIT_S), "test gate never opened"
+        self.batch_sizes.append(inputs.hidden_states.shape[0])
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("device fault")
+        return super().forward(name, inputs)
+
+
+def rows(tokens: int, seed: int) -> torch.Tensor:
+    return torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed))
+
+
+def run(engine: Engine, policy: BatchPolicy, body) -> object:
+    async def main():
+        batcher = DynamicBatcher(engine, policy, Metrics())
+        batcher.start()
+        try:
+            return await asyncio.wait_for(body(batcher), WAIT_S)
+        finally:
+            engine.gate.set()
+            await batcher.close()
+
+    return asyncio.run(main())
+
+
+def test_concurrent_requests_merge_and_each_gets_its_own_rows() -> None:
+    engine = RecordingEngine(tiny_layers())
+    inputs = [rows(t, seed) for seed, t in enumerate([1, 3, 2, 5, 1, 4])]
+
+    async def body(batcher):
+        return await asyncio.gather(*(batcher.submit(TINY, ForwardInputs(x)) for x in inputs))
+
+    results = run(engine, BatchPolicy(64, 0.05, 16), body)
+    assert engine.batch_sizes == [16]  # one forward for all six
+    for x, result in zip(inputs, results, strict=True):
+        torch.testing.assert_close(result.output, reference_forward(TINY, x))
+        assert result.routing.topk_ids.shape == (x.shape[0], 2)
+
+
+def test_batches_stop_at_the_token_budget() -> None:
+    engine = RecordingEngine(tiny_layers())
+    inputs = [rows(4, seed) for seed in range(5)]
+
+    async def body(batcher):
+        return await asyncio.gather(*(batcher.submit(TINY, ForwardInputs(x)) for x in inputs))
+
+    results = run(engine, BatchPolicy(8, 0.05, 16), body)
+    assert engine.batch_sizes == [8, 8, 4]
+    for x, result in zip(inputs, results, strict=True):
+        torch.testing.assert_close(result.output, reference_forward(TINY, x))
+
+
+def test_large_request_is_chunked_and_reassembled_in_order() -> None:
+    engine = RecordingEngine(tiny_layers())
+    x = rows(21, 0)
+    result = run(engine, BatchPolicy(8, 0.0, 4), lambda b: b.submit(TINY, ForwardInputs(x)))
+    assert engine.batch_sizes == [8, 8, 5]
+    torch.testing.assert_close(result.output, reference_forward(TINY, x))
+
+
+def test_requests_with_and_without_logits_go_in_separate_batches() -> None:
+    engine = RecordingEngine(tiny_layers())
+    x1, x2, logits = rows(2, 0), rows(3, 1), torch.randn(3, E)
+
+    async def body(batcher):
+        return await asyncio.gather(
+            batcher.submit(TINY, ForwardInputs(x1)), batcher.submit(TINY, ForwardInputs(x2, logits))
+        )
+
+    first, second = run(engine, BatchPolicy(64, 0.05, 16), body)
+    assert sorted(engine.batch_sizes) == [2, 3]
+    torch.testing.assert_close(first.output, reference_forward(TINY, x1))
+    torch.testing.assert_close(second.output, reference_forward(TINY, x2, logits))
+
+
+def test_full_queue_raises_overloaded_and_drops_nothing() -> None:
+    engine = RecordingEngine(tiny_layers())
+    engine.gate.clear()  # the device is busy
+    inputs = [rows(2, 0), rows(2, 1)]
+
+    async def body(batcher):
+        admitted = [asyncio.create_task(batcher.submit(TINY, ForwardInputs(x))) for x in inputs]
+        await asyncio.sleep(0.05)
+        with pytest.raises(Overloaded, match="already has 2 requests queued") as err:
+            await batcher.submit(TINY, ForwardInputs(rows(1, 2)))
+        assert err.value.headers == {"Retry-After": "1"}
+        engine.gate.set()
+        return await asyncio.gather(*admitted)
+
+    results = run(engine, BatchPolicy(64, 0.0, 2), body)
+    for x, result in zip(inputs, results, strict=True):
+        torch.testing.assert_close(result.output, reference_forward(TINY, x))
+
+
+def test_failing_forward_fails_only_its_batch() -> None:
+    engine = RecordingEngine(tiny_layers())
+    engine.fail_next = True
+
+    async def body(batcher):
+        failed = await asyncio.gather(
+            batcher.submit(TINY, ForwardInputs(rows(1, 0))),
+            batcher.submit(TINY, ForwardInputs(rows(2, 1))),
+            return_exceptions=True,
+        )
+        later = await batcher.submit(TINY, ForwardInputs(rows(3, 2)))
+        return failed, later
+
+    failed, later = run(engine, BatchPolicy(64, 0.05, 16), body)
+    assert all(isinstance(f, ForwardFailed) and "device fault" in str(f) for f in failed)
+    torch.testing.assert_close(later.output, reference_forward(TINY, rows(3, 2)))
+
+
+def test_fp8_tensor_layer_runs_each_request_alone() -> None:
+    """One activation scale per forward: merging would change other requests' numbers."""
+    cfg = MoEConfig(E, H, 128, RoutingConfig(top_k=2), quant=QuantConfig("fp8-tensor"))
+    router = RouterWeights(torch.randn(E, H))
+    engine = RecordingEngine(
+        [TinyLayer("fp8", cfg, LayerWeights(random_expert_weights(cfg), router))]
+    )
+
+    async def body(batcher):
+        return await asyncio.gather(
+            *(batcher.submit("fp8", ForwardInputs(rows(2, s))) for s in range(3))
+        )
+
+    run(engine, BatchPolicy(64, 0.05, 16), body)
+    assert engine.batch_sizes == [2, 2, 2]
+
+
+def test_close_drains_queued_requests_then_refuses_new_ones() -> None:
+    engine = RecordingEngine(tiny_layers())
+    x = rows(2, 0)
+
+    async def main():
+        batcher = DynamicBatcher(engine, BatchPolicy(64, 5.0, 16), Metrics())  # long wait
+        batcher.start()
+        pending = asyncio.create_task(batcher.submit(TINY, ForwardInputs(x)))
+        await asyncio.sleep(0.01)
+        await asyncio.wait_for(batcher.close(), WAIT_S)  # must not wait out the 5 s delay
+        with pytest.raises(NotReady, match="shutting down"):
+            await batcher.submit(TINY, ForwardInputs(x))
+        return await pending
+
+    result = asyncio.run(main())
+    torch.testing.assert_close(result.output, reference_forward(TINY, x))
