@@ -1,4 +1,5 @@
-"""`moe-serve demo-weights | inspect`: write the demo layers, check and describe a layer dir."""
+"""`moe-serve convert | inspect | demo-weights`: Hugging Face layer -> layer dir, check and
+describe a layer dir, write the demo layers."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from kernels.quant_scheme import QuantConfig, QuantScheme
+from weights.convert.pipeline import FAMILIES, convert_checkpoint
 from weights.demo import ensure_demo_layers
 from weights.errors import LayerFileError
 from weights.layout import expected_tensors
@@ -15,6 +18,16 @@ from weights.load import inspect_layer
 def _fail(command: str, err: Exception) -> int:
     sys.stderr.write(f"moe-serve {command}: error: {err}\n")
     return 1
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    quant = None if args.quant is None else QuantConfig(args.quant, args.group_size)
+    try:
+        manifest = convert_checkpoint(args.src_dir, args.layer, args.out, quant, args.name)
+    except (ValueError, OSError) as err:  # LayerFileError is a ValueError
+        return _fail("convert", err)
+    sys.stdout.write(f"{args.out}: layer {manifest.name!r}, {manifest.quant.scheme}\n")
+    return 0
 
 
 def run_demo_weights(args: argparse.Namespace) -> int:
@@ -42,6 +55,25 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    convert = subparsers.add_parser(
+        "convert",
+        help="convert one MoE layer of a Hugging Face checkpoint into a layer directory",
+        description=f"Supported model_type values: {', '.join(FAMILIES)}.",
+    )
+    convert.add_argument("src_dir", type=Path, metavar="SRC_DIR", help="config.json + safetensors")
+    convert.add_argument("--layer", type=int, required=True, metavar="N")
+    convert.add_argument("--out", type=Path, required=True, metavar="OUT_DIR")
+    convert.add_argument(
+        "--quant",
+        choices=[s.value for s in QuantScheme],
+        help="quantise the experts to this scheme (default: keep the checkpoint's)",
+    )
+    convert.add_argument(
+        "--group-size", type=int, default=128, help="int4-w4a16: columns per scale (default 128)"
+    )
+    convert.add_argument("--name", help="layer name (default: <model dir>-layer<N>)")
+    convert.set_defaults(run=run_convert)
+
     demo = subparsers.add_parser(
         "demo-weights", help="write the seeded demo layers (demo, demo-fp8) under OUT_DIR"
     )

@@ -15,6 +15,7 @@ FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 TENSORS_FILE = "experts.safetensors"
 
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # layer names appear in URLs
 DtypeName = Literal["float32", "bfloat16", "float16"]
 
 
@@ -37,7 +38,7 @@ class Manifest(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     format_version: Literal[1] = FORMAT_VERSION
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")  # appears in URLs
+    name: str = Field(pattern=NAME_PATTERN)
     source: Source
     num_experts: PositiveInt
     hidden_size: PositiveInt

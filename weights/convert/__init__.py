@@ -1,0 +1,1 @@
+"""Hugging Face MoE checkpoints -> one layer directory: `convert_checkpoint` in `pipeline.py`."""
