@@ -26,11 +26,23 @@ _BACKEND_MODULES = (
     "kernels.prepare_finalize.naive_ep",
     "kernels.experts.reference",
     "kernels.experts.triton",
+    "kernels.experts.deep_gemm",
+    "kernels.experts.deep_gemm_fp4",
+    "kernels.experts.triton_or_deep_gemm",
+    "kernels.experts.oai_triton",
 )
 
-# `auto` tries these in order; the first that supports the layer wins. Fast GPU paths first,
-# the exact torch reference last (it runs everywhere).
-AUTO_ORDER: tuple[str, ...] = ("triton", "reference")
+# `auto` follows the measured rule table of kernels/selection.py where this GPU and layer have
+# one; otherwise it tries these in order and the first that supports the layer wins. Fast GPU
+# paths first, the exact torch reference last (it runs everywhere).
+AUTO_ORDER: tuple[str, ...] = (
+    "triton-or-deep-gemm",
+    "oai-triton",
+    "triton",
+    "deep-gemm",
+    "oai-triton-unfused",
+    "reference",
+)
 
 T = TypeVar("T")
 
@@ -99,10 +111,12 @@ def select(cfg: MoEConfig, device: torch.device, requested: str = "auto") -> Sel
             raise ValueError(f"backend {requested!r} cannot run this layer: {rejected[requested]}")
         cls = backends[requested]
         return Selection(cls, _prepare_finalize_for(cls, device), "forced by --backend", rejected)
-    for name in AUTO_ORDER:
-        if name in backends and name not in rejected:
-            cls = backends[name]
-            reason = f"auto: first available in order {', '.join(AUTO_ORDER)}"
-            return Selection(cls, _prepare_finalize_for(cls, device), reason, rejected)
+    from kernels.selection import auto_choice  # selection reads this module's AUTO_ORDER
+
+    available = [name for name in backends if name not in rejected]
+    choice = auto_choice(cfg, device, available, AUTO_ORDER)
+    if choice is not None:
+        cls = backends[choice.name]
+        return Selection(cls, _prepare_finalize_for(cls, device), choice.reason, rejected)
     details = "; ".join(f"{n}: {r}" for n, r in rejected.items())
     raise ValueError(f"no backend can run this layer on {device}: {details}")

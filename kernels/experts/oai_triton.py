@@ -1,0 +1,258 @@
+"""OpenAI `triton_kernels` experts: `matmul_ogs` (gather -> grouped matmul -> scatter) for bf16
+and MXFP4 weights, the gpt-oss path.
+
+    for e in experts:  Y[rows of e] (+)= X[tokens of e] @ W[e] + b[e]     (matmul_ogs, per GEMM)
+
+- `oai-triton`: GEMM1 gathers the token rows by expert and fuses swigluoai into its epilogue;
+  GEMM2 weighs each row by its router weight and scatter-sums the k rows of each token.
+- `oai-triton-unfused`: the same GEMMs with the activation as a separate torch step (any kind).
+- `oai-triton-monolithic`: also routes, with triton_kernels' own top-k, from the router logits
+  (`forward_logits`): gpt-oss routing (top-k on the logits, softmax over the k) in one call.
+
+matmul_ogs takes W as [E, K, N] and, for MXFP4, its own swizzled layouts; both are made once at
+build from our [E, N, K] tensors (a transposed view for bf16). Its fused swiglu reads gate and up
+interleaved, so split layers are interleaved at build too (`interleave_gate_up`).
+
+triton_kernels is not on the package index (it ships in the vllm wheel's third_party folder):
+without it these backends stay registered and say so.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, ClassVar
+
+import torch
+
+from kernels.activations import apply_activation
+from kernels.config import Activation, GateUp, MoEConfig
+from kernels.quant_scheme import QuantScheme
+from kernels.registry import register_experts
+from kernels.stages import YES, Experts, Support, cuda_capability
+from kernels.tensors import Dispatched, ExpertWeights, Format
+from kernels.workspace import Workspace
+
+HOPPER_MX_NUM_WARPS = 8  # the MXFP4 scale swizzle is laid out for the warps its kernel runs
+
+
+@functools.cache
+def import_triton_kernels() -> ModuleType | str:
+    """The `triton_kernels` package, or why it cannot be loaded."""
+    try:
+        for sub in ("matmul_ogs", "routing", "swiglu", "tensor", "tensor_details.layout"):
+            importlib.import_module(f"triton_kernels.{sub}")
+        return importlib.import_module("triton_kernels")
+    except Exception as err:  # a broken triton install fails in many ways: each is a reason
+        return f"triton_kernels not importable: {type(err).__name__}: {err}"
+
+
+def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, ...] with gate rows then up rows -> row 2i = gate i, row 2i + 1 = up i."""
+    gate, up = t.chunk(2, dim=1)
+    return torch.stack((gate, up), dim=2).flatten(1, 2)
+
+
+@dataclass(frozen=True)
+class OgsIndices:
+    """The (token, slot) pairs sorted by expert, as matmul_ogs gathers and scatters them."""
+
+    sorted_pairs: torch.Tensor  # [P] int32: pair (token * k + slot) at each expert-sorted row
+    row_of_pair: torch.Tensor  # [P] int32: inverse of sorted_pairs
+    row_weights: torch.Tensor  # [P] float32: router weight of each sorted row
+    tokens_per_expert: torch.Tensor  # [E] int32
+
+
+def ogs_indices(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> OgsIndices:
+    """topk_ids, topk_weights [M, k] -> the sort matmul_ogs works in (stable: token order kept)."""
+    flat = topk_ids.flatten()
+    sorted_pairs = torch.argsort(flat, stable=True)
+    row_of_pair = torch.argsort(sorted_pairs)
+    return OgsIndices(
+        sorted_pairs.to(torch.int32),
+        row_of_pair.to(torch.int32),
+        topk_weights.flatten()[sorted_pairs].float(),
+        torch.bincount(flat.long(), minlength=num_experts).to(torch.int32),
+    )
+
+
+@dataclass(frozen=True)
+class OgsRouting:
+    """triton_kernels' routing objects for one call."""
+
+    data: Any  # RoutingData
+    gather: Any  # GatherIndx
+    scatter: Any  # ScatterIndx
+
+
+def ogs_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> OgsRouting:
+    from triton_kernels.routing import GatherIndx, RoutingData, ScatterIndx, compute_expt_data
+
+    m, k = topk_ids.shape
+    idx = ogs_indices(topk_ids, topk_weights, num_experts)
+    expt_data = compute_expt_data(idx.tokens_per_expert, num_experts, m * k)
+    data = RoutingData(idx.row_weights, idx.tokens_per_expert, num_experts, k, expt_data)
+    return OgsRouting(
+        data,
+        GatherIndx(src_indx=idx.sorted_pairs, dst_indx=idx.row_of_pair),
+        ScatterIndx(src_indx=idx.row_of_pair, dst_indx=idx.sorted_pairs),
+    )
+
+
+@dataclass(frozen=True)
+class OgsWeight:
+    """One GEMM's weight as matmul_ogs takes it."""
+
+    w: Any  # [E, K, N]: a torch view (bf16) or a triton_kernels Tensor (MXFP4, swizzled)
+    bias: torch.Tensor | None  # [E, N] float32
+    precision: Any  # PrecisionConfig
+
+
+def _ogs_weight(
+    w: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None
+) -> OgsWeight:
+    """Our [E, N, K] (mxfp4: [E, N, K/2] + scales [E, N, K/32]) -> matmul_ogs' [E, K, N]."""
+    from triton_kernels.matmul_ogs import PrecisionConfig
+    from triton_kernels.tensor import FP4, convert_layout, wrap_torch_tensor
+    from triton_kernels.tensor_details import layout
+
+    bias = None if bias is None else bias.float().contiguous()
+    if scale is None:
+        return OgsWeight(w.transpose(1, 2), bias, PrecisionConfig())
+    value_layout, value_opts = layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
+    scale_layout, scale_opts = layout.make_default_matmul_mxfp4_w_scale_layout(
+        mx_axis=1, num_warps=HOPPER_MX_NUM_WARPS
+    )
+    # the packed K axis becomes dim 1, as the layouts expect ([E, K/2, N] with stride 1 on K)
+    values = convert_layout(
+        wrap_torch_tensor(w.transpose(1, 2), dtype=FP4), value_layout, **value_opts
+    )
+    scales = convert_layout(wrap_torch_tensor(scale.transpose(1, 2)), scale_layout, **scale_opts)
+    return OgsWeight(values, bias, PrecisionConfig(weight_scale=scales))
+
+
+def oai_environment(device: torch.device) -> Support:
+    module = import_triton_kernels()
+    if isinstance(module, str):
+        return Support(False, module)
+    cap = cuda_capability(device)
+    if cap is None:
+        return Support(False, "needs a CUDA GPU")
+    if not (9, 0) <= cap < (11, 0):
+        return Support(
+            False, f"matmul_ogs runs on sm_90 and sm_100; this GPU is sm_{cap[0]}{cap[1]}"
+        )
+    return YES
+
+
+class _OaiBase(Experts):
+    format: ClassVar[Format] = Format.STANDARD
+    schemes: ClassVar[frozenset[QuantScheme]] = frozenset({QuantScheme.NONE, QuantScheme.MXFP4})
+    supports_expert_map: ClassVar[bool] = False  # matmul_ogs' scatter has no "skip this pair"
+    reduces_topk: ClassVar[bool] = True
+    takes_quantized_input: ClassVar[bool] = False
+    fuses_activation: ClassVar[bool]
+
+    def __init__(self, cfg: MoEConfig, weights: ExpertWeights) -> None:
+        super().__init__(cfg, weights)
+        w13, s13, b13 = weights.w13, weights.w13_scale, weights.w13_bias
+        if self.fuses_activation and cfg.activation.gate_up == GateUp.SPLIT:
+            w13, s13, b13 = (None if t is None else interleave_gate_up(t) for t in (w13, s13, b13))
+        self.gemm1 = _ogs_weight(w13, s13, b13)
+        self.gemm2 = _ogs_weight(weights.w2, weights.w2_scale, weights.w2_bias)
+        if cfg.quant.scheme == QuantScheme.MXFP4 and cuda_capability(w13.device)[0] == 9:
+            from triton_kernels.matmul_ogs_details import opt_flags
+
+            # split-k would reduce MXFP4 partial sums outside the swizzled path on Hopper; this
+            # constraint is process-wide in triton_kernels (no per-call option exists)
+            opt_flags.update_opt_flags_constraints({"split_k": 1})
+
+    @classmethod
+    def environment(cls, device: torch.device) -> Support:
+        return oai_environment(device)
+
+    @classmethod
+    def check_config(cls, cfg: MoEConfig) -> Support:
+        if cfg.dtype != torch.bfloat16:
+            return Support(False, f"runs bf16 activations, the layer's are {cfg.dtype}")
+        return YES
+
+    def _fused_activation(self) -> Any:
+        from triton_kernels.matmul_ogs import FnSpecs, FusedActivation
+        from triton_kernels.swiglu import swiglu_fn
+
+        spec = self.cfg.activation
+        return FusedActivation(
+            FnSpecs("swiglu", swiglu_fn, ("alpha", "limit")), (spec.alpha, spec.limit), 2
+        )
+
+    def _experts(self, hidden: torch.Tensor, routing: OgsRouting) -> torch.Tensor:
+        """hidden [M, H] bf16 -> [M, H]: GEMM1 (gather) -> act -> GEMM2 (weigh, scatter-sum)."""
+        from triton_kernels.matmul_ogs import matmul_ogs
+
+        g1, g2 = self.gemm1, self.gemm2
+        fused = self._fused_activation() if self.fuses_activation else None
+        h = matmul_ogs(
+            hidden,
+            g1.w,
+            g1.bias,
+            routing.data,
+            gather_indx=routing.gather,
+            precision_config=g1.precision,
+            fused_activation=fused,
+        )  # [M * k, I] (fused) or [M * k, 2I], rows sorted by expert
+        if not self.fuses_activation:
+            h = apply_activation(h.float(), self.cfg.activation).to(hidden.dtype)
+        return matmul_ogs(
+            h,
+            g2.w,
+            g2.bias,
+            routing.data,
+            scatter_indx=routing.scatter,
+            precision_config=g2.precision,
+            gammas=routing.data.gate_scal,
+        )
+
+    def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:  # noqa: ARG002
+        if x.num_tokens == 0:
+            return torch.zeros_like(x.hidden)
+        routing = ogs_routing(x.topk_ids, x.topk_weights, self.weights.num_experts)
+        return self._experts(x.hidden, routing)
+
+
+@register_experts
+class OaiTritonExperts(_OaiBase):
+    name: ClassVar[str] = "oai-triton"
+    activations: ClassVar[frozenset[Activation]] = frozenset({Activation.SWIGLUOAI})
+    fuses_activation: ClassVar[bool] = True
+
+
+@register_experts
+class UnfusedOaiTritonExperts(_OaiBase):
+    name: ClassVar[str] = "oai-triton-unfused"
+    fuses_activation: ClassVar[bool] = False
+
+
+@register_experts
+class MonolithicOaiTritonExperts(OaiTritonExperts):
+    """oai-triton that can also route: `forward_logits` is routing + both GEMMs in one call."""
+
+    name: ClassVar[str] = "oai-triton-monolithic"
+
+    @classmethod
+    def check_config(cls, cfg: MoEConfig) -> Support:
+        r = cfg.routing
+        if not r.softmax_after_topk or r.num_groups > 1 or r.routed_scaling_factor != 1.0:
+            return Support(
+                False, "routes like gpt-oss only (top-k on the logits, then softmax over the k)"
+            )
+        return super().check_config(cfg)
+
+    def forward_logits(self, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """hidden [M, H] bf16, router logits [M, E] -> [M, H] bf16."""
+        from triton_kernels.routing import routing
+
+        data, gather, scatter = routing(logits, self.cfg.top_k, sm_first=False)
+        return self._experts(hidden, OgsRouting(data, gather, scatter))

@@ -1,0 +1,79 @@
+"""`triton-or-deep-gemm`: DeepGEMM for token counts where it was measured faster, our Triton
+experts below that (decode), per call.
+
+The threshold comes from this GPU's rule table (kernels/selection.py, written by the timing
+test): the smallest measured token count from which deep-gemm beat triton at every larger one.
+Without a measurement, or where deep-gemm never won, every call runs Triton. Until the Triton
+backend is registered (or when it cannot run the layer) the exact reference stands in for it.
+`last_ran` says which ran the latest call.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import ClassVar
+
+import torch
+
+from kernels.config import MoEConfig
+from kernels.experts.deep_gemm import DeepGemmExperts, check_block_shape, deep_gemm_environment
+from kernels.experts.reference import dequantize_input
+from kernels.quant_scheme import QuantScheme
+from kernels.registry import experts_backends, register_experts
+from kernels.selection import deep_gemm_min_tokens
+from kernels.stages import Experts, Support, weighted_topk_sum
+from kernels.tensors import Dispatched, ExpertWeights, Format
+from kernels.workspace import Workspace
+
+logger = logging.getLogger(__name__)
+
+SMALL_BATCH_BACKENDS = ("triton", "reference")  # the first that supports the layer stands in
+
+
+@register_experts
+class TritonOrDeepGemmExperts(Experts):
+    name: ClassVar[str] = "triton-or-deep-gemm"
+    format: ClassVar[Format] = Format.STANDARD
+    schemes: ClassVar[frozenset[QuantScheme]] = DeepGemmExperts.schemes
+    reduces_topk: ClassVar[bool] = True
+
+    def __init__(self, cfg: MoEConfig, weights: ExpertWeights) -> None:
+        super().__init__(cfg, weights)
+        device = weights.w13.device
+        self.deep_gemm = DeepGemmExperts(cfg, weights)
+        backends = experts_backends()
+        small = next(n for n in SMALL_BATCH_BACKENDS if backends[n].supports(cfg, device))
+        self.small = backends[small](cfg, weights)
+        self.min_tokens, source = deep_gemm_min_tokens(cfg, device)
+        self.last_ran = ""
+        logger.info(
+            "triton-or-deep-gemm: deep-gemm from %s tokens (%s), else %s",
+            self.min_tokens,
+            source,
+            small,
+        )
+
+    @classmethod
+    def environment(cls, device: torch.device) -> Support:
+        return deep_gemm_environment(device)
+
+    @classmethod
+    def check_config(cls, cfg: MoEConfig) -> Support:
+        return check_block_shape(cfg)
+
+    def uses_deep_gemm(self, num_tokens: int) -> bool:
+        return self.min_tokens is not None and num_tokens >= self.min_tokens
+
+    def workspace_shapes(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return self.small.workspace_shapes(num_tokens)
+
+    def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
+        experts = self.deep_gemm if self.uses_deep_gemm(x.num_tokens) else self.small
+        self.last_ran = experts.name
+        if not experts.takes_quantized_input:
+            x = replace(
+                x, hidden=dequantize_input(x).to(self.cfg.dtype), scale=None, act_quant=None
+            )
+        out = experts.apply(x, ws)
+        return out if experts.reduces_topk else weighted_topk_sum(out, x.topk_ids, x.topk_weights)
