@@ -10,6 +10,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
 
 import torch
 from fastapi import FastAPI, Request, Response
@@ -18,6 +20,7 @@ from service import __version__, logs
 from service.batcher import BatchPolicy, DynamicBatcher
 from service.deps import Runtime
 from service.engine import Engine, LayerSource
+from service.ep import EPEngine
 from service.errors import error_response, install_handlers
 from service.metrics import Metrics
 from service.routes import forward, health, introspect, kserve, metrics
@@ -32,19 +35,28 @@ LayerLoader = Callable[[Settings, torch.device], Sequence[LayerSource]]
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready"})
 
 
-def load_from_disk(settings: Settings, device: torch.device) -> list[LayerSource]:
+def layer_paths(settings: Settings) -> list[Path]:
     """The layers named by --weights, or the demo layers (generated into the cache once)."""
     from weights.demo import ensure_demo_layers
+
+    return list(settings.weights) or ensure_demo_layers(settings.cache_dir)
+
+
+def load_from_disk(settings: Settings, device: torch.device) -> list[LayerSource]:
     from weights.load import load_layer
 
-    paths = list(settings.weights) or ensure_demo_layers(settings.cache_dir)
-    return [load_layer(path, device) for path in paths]
+    return [load_layer(path, device) for path in layer_paths(settings)]
 
 
 def _build_engine(settings: Settings, loader: LayerLoader, metrics: Metrics) -> Engine:
     device = settings.torch_device()
-    engine = Engine(device, settings.backend)
-    for source in loader(settings, device):
+    if settings.ep > 1:  # this process is rank 0; each rank loads only its experts from disk
+        engine = EPEngine(settings, layer_paths(settings))
+        sources = engine.load()
+    else:
+        engine = Engine(device, settings.backend)
+        sources = loader(settings, device)
+    for source in sources:
         served = engine.add(source)
         metrics.add_layer(served.name, served.config.num_experts)
     if not engine.layers:
@@ -64,6 +76,8 @@ async def _start(runtime: Runtime, loader: LayerLoader) -> None:
     policy = BatchPolicy(
         settings.max_batch_tokens, settings.max_batch_delay_ms / 1000, settings.max_queue
     )
+    if isinstance(engine, EPEngine):  # a lost rank turns /ready and every request into 503
+        engine.on_failure = partial(setattr, runtime, "not_ready")
     runtime.batcher = DynamicBatcher(engine, policy, runtime.metrics)
     runtime.batcher.start()
     runtime.engine = engine
@@ -130,6 +144,8 @@ def create_app(settings: Settings, loader: LayerLoader = load_from_disk) -> Fast
         await starting  # a load in progress finishes before the process exits
         if runtime.batcher is not None:
             await runtime.batcher.close()
+        if isinstance(runtime.engine, EPEngine):
+            await asyncio.to_thread(runtime.engine.close)
 
     app = FastAPI(
         title="moe-serve",

@@ -195,13 +195,14 @@ class DynamicBatcher:
         except Exception as err:
             tokens = inputs.hidden_states.shape[0]
             log.exception("forward of layer %s failed on a batch of %d tokens", name, tokens)
+            failure = (
+                err  # the engine cannot serve at all (a lost expert-parallel rank): 503
+                if isinstance(err, NotReady)
+                else ForwardFailed(f"forward of layer {name!r} failed: {type(err).__name__}: {err}")
+            )
             for c in batch:
                 if not c.future.done():
-                    c.future.set_exception(
-                        ForwardFailed(
-                            f"forward of layer {name!r} failed: {type(err).__name__}: {err}"
-                        )
-                    )
+                    c.future.set_exception(failure)
             return
         start = 0
         for c in batch:

@@ -60,9 +60,7 @@ class Engine:
         """Build `source`'s modular kernel on the device (backend chosen per layer)."""
         if source.name in self.layers:
             raise ValueError(f"two layers are named {source.name!r}; layer names must be unique")
-        layer, selection = build_layer(
-            source.config, source.weights, self.device, self.backend, workspace=self.workspace
-        )
+        layer, selection = self.build(source)
         served = ServedLayer(source.name, source.config, layer, selection, source.weights.nbytes())
         self.layers[source.name] = served
         log.info(
@@ -73,6 +71,12 @@ class Engine:
             selection.reason,
         )
         return served
+
+    def build(self, source: LayerSource) -> tuple[MoELayer, Selection]:
+        """`source`'s layer on the device (expert parallelism composes its own)."""
+        return build_layer(
+            source.config, source.weights, self.device, self.backend, workspace=self.workspace
+        )
 
     def get(self, name: str) -> ServedLayer:
         try:

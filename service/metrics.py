@@ -62,10 +62,12 @@ class Metrics:
         )
 
     def add_layer(self, layer: str, num_experts: int) -> None:
-        """Start every expert's count at 0, so a cold expert shows up as 0 rather than missing."""
+        """Start the layer's series at 0, so a cold expert shows up as 0 rather than missing."""
         for expert in range(num_experts):
             self.expert_tokens.labels(layer, str(expert))
         self.queue_depth.labels(layer).set(0)
+        for per_layer in (self.tokens, self.batch_tokens, self.batch_requests):
+            per_layer.labels(layer)
 
     def record_forward(
         self, layer: str, backend: str, topk_ids: torch.Tensor, seconds: float

@@ -39,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-queue", type=int, help="requests waiting per layer before 429 (default 256)"
     )
+    p.add_argument("--ep", type=int, help="expert-parallel ranks, one GPU each (default 1)")
+    p.add_argument("--ep-placement", type=Path, metavar="FILE", help="JSON: experts per rank")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", choices=["text", "json"])
     p.add_argument("--cache-dir", type=Path, help="where the demo layers are generated")
@@ -53,18 +55,14 @@ def run(args: argparse.Namespace) -> int:
     }
     try:
         settings = Settings(**given)
-    except ValidationError as err:
-        logging.basicConfig()
-        log.error("invalid settings: %s", describe_validation_error(err))
-        return 2
-    logs.configure(settings.log_level, settings.log_format)
-    try:
         settings.torch_device()
         for path in settings.weights:  # fail here, naming the file, rather than never get ready
             inspect_layer(path)
+    except ValidationError as err:
+        return _refuse(f"invalid settings: {describe_validation_error(err)}")
     except ValueError as err:  # LayerFileError is a ValueError
-        log.error("%s", err)
-        return 2
+        return _refuse(str(err))
+    logs.configure(settings.log_level, settings.log_format)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -73,3 +71,9 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=settings.drain_timeout_s,
     )
     return 0
+
+
+def _refuse(message: str) -> int:
+    logging.basicConfig(format="moe-serve serve: %(message)s")
+    log.error("%s", message)
+    return 2

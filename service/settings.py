@@ -34,6 +34,8 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = "text"
     api_token: SecretStr | None = None  # bearer token required on every non-probe route
     cache_dir: Path = Path.home() / ".cache" / "moe-serve"  # where the demo layers are written
+    ep: int = Field(1, ge=1)  # expert-parallel ranks, one GPU each; rank 0 serves HTTP
+    ep_placement: Path | None = None  # JSON: experts per rank; None: contiguous slices
     drain_timeout_s: float = Field(30.0, gt=0)  # SIGTERM: how long in-flight requests may finish
 
     @field_validator("weights", mode="before")

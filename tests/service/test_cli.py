@@ -1,0 +1,130 @@
+"""`moe-serve serve` as users run it: settings from options and environment, refusals that
+name the problem, and a SIGTERM that lets in-flight requests finish."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import safetensors.torch
+import torch
+from pydantic import ValidationError
+
+from service.cli import main
+from service.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 90.0
+EXIT_TIMEOUT_S = 30.0
+
+
+def test_every_setting_reads_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOE_SERVE_PORT", "9001")
+    monkeypatch.setenv("MOE_SERVE_WEIGHTS", "/w/a,/w/b")
+    monkeypatch.setenv("MOE_SERVE_MAX_BATCH_TOKENS", "64")
+    monkeypatch.setenv("MOE_SERVE_LOG_FORMAT", "json")
+    settings = Settings()
+    assert (settings.port, settings.max_batch_tokens, settings.log_format) == (9001, 64, "json")
+    assert settings.weights == (Path("/w/a"), Path("/w/b"))
+    assert settings.host == "127.0.0.1"
+    assert Settings(port=9002).port == 9002  # an option beats the environment
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("device", "tpu", "device must be auto, cpu, cuda or cuda:N"),
+        ("api_token", "short", "at least 16 characters"),
+        ("port", 70000, "less than or equal to 65535"),
+        ("max_batch_tokens", 0, "greater than or equal to 1"),
+        ("log_format", "xml", "'text' or 'json'"),
+    ],
+)
+def test_bad_setting_is_refused_naming_the_field(field: str, value: object, message: str) -> None:
+    with pytest.raises(ValidationError, match=message) as err:
+        Settings(**{field: value})
+    assert err.value.errors()[0]["loc"] == (field,)
+
+
+def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve", *args],
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_serve_refuses_a_missing_weights_dir_naming_it(tmp_path: Path, caplog) -> None:
+    missing = tmp_path / "no-such-layer"
+    assert main(["serve", "--weights", str(missing), "--device", "cpu"]) == 2
+    assert str(missing) in caplog.text
+
+
+def test_serve_refuses_a_bad_option_value_naming_it(caplog) -> None:
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "port: Input should be less than or equal to 65535" in caplog.text
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_requests_before_exiting(tmp_path: Path) -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    # A long batch delay keeps the request in flight when SIGTERM arrives.
+    proc = _serve(
+        "--port", str(port), "--device", "cpu", "--max-batch-delay-ms", "1500",
+        "--log-format", "json",
+        env={"MOE_SERVE_CACHE_DIR": str(tmp_path)},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server never got ready"
+            time.sleep(0.1)
+        x = torch.randn(3, 256)
+        replies: list[httpx.Response] = []
+        request = threading.Thread(
+            target=lambda: replies.append(
+                httpx.post(
+                    f"{url}/v1/layers/demo/forward",
+                    content=safetensors.torch.save({"hidden_states": x}),
+                    headers={"Content-Type": "application/octet-stream"},
+                    timeout=EXIT_TIMEOUT_S,
+                )
+            )
+        )
+        request.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        request.join(EXIT_TIMEOUT_S)
+        # uvicorn re-raises the signal once it has shut down, as a process killed by it would
+        assert proc.wait(EXIT_TIMEOUT_S) == -signal.SIGTERM
+    finally:
+        proc.kill()
+    assert replies[0].status_code == 200
+    assert safetensors.torch.load(replies[0].content)["output"].shape == (3, 256)
+    log = proc.stdout.read()
+    assert '"message": "POST /v1/layers/demo/forward -> 200' in log  # JSON lines, with its id
+    assert log.index("POST /v1/layers/demo/forward -> 200") < log.index("shutdown complete")
