@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,12 +117,8 @@ def unflatten(tensors: dict[str, torch.Tensor]) -> LayerWeights:
     return LayerWeights(experts, router, shared)
 
 
-def header_sha256(path: Path) -> str:
-    """sha256 of a safetensors file's header: the 8-byte length and the JSON it announces.
-
-    The header names every tensor with its dtype, shape and byte range, so it changes with
-    any change of layout; reading it costs microseconds even for an 11 GB layer.
-    """
+def _raw_header(path: Path) -> bytes:
+    """A safetensors file's first 8 bytes (little-endian JSON length) and the JSON header."""
     with path.open("rb") as f:
         raw_len = f.read(8)
         if len(raw_len) != 8:
@@ -130,7 +127,24 @@ def header_sha256(path: Path) -> str:
         header = f.read(length)
         if len(header) != length:
             raise ValueError(f"header announces {length} bytes, file has {len(header)}")
-    return hashlib.sha256(raw_len + header).hexdigest()
+    return raw_len + header
+
+
+def header_sha256(path: Path) -> str:
+    """sha256 of a safetensors file's header: the 8-byte length and the JSON it announces.
+
+    The header names every tensor with its dtype, shape and byte range, so it changes with
+    any change of layout; reading it costs microseconds even for an 11 GB layer.
+    """
+    return hashlib.sha256(_raw_header(path)).hexdigest()
+
+
+def tensor_offsets(path: Path) -> dict[str, int]:
+    """Each tensor's first byte in the file (data follows the header, at its `data_offsets`)."""
+    raw = _raw_header(path)
+    header = json.loads(raw[8:])
+    header.pop("__metadata__", None)
+    return {name: len(raw) + entry["data_offsets"][0] for name, entry in header.items()}
 
 
 # safetensors header dtype names of the dtypes a layer file may hold

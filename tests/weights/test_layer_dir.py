@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from kernels.layer import build_layer
 from kernels.tensors import ForwardInputs
@@ -221,3 +221,30 @@ def test_header_sha256_covers_length_and_json(tmp_path: Path):
     (length,) = struct.unpack("<Q", raw[:8])
 
     assert header_sha256(file) == hashlib.sha256(raw[: 8 + length]).hexdigest()
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 64 << 20], ids=["4KiB-chunks", "64MiB-chunks"])
+def test_loaded_bytes_equal_safetensors_own_reader(
+    demo_dirs: list[Path], chunk_bytes: int, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr("weights.load.READ_CHUNK_BYTES", chunk_bytes)
+    for path in demo_dirs:
+        expected = load_file(path / TENSORS_FILE)
+        loaded = flatten(load_layer(path, CPU, experts=[7, 2, 3, 4]).weights)
+        for name, t in expected.items():
+            want = t[[7, 2, 3, 4]] if name.startswith("w") else t
+            assert torch.equal(loaded[name].view(torch.uint8), want.view(torch.uint8)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts", [None, [6, 7, 0]], ids=["all", "subset"])
+def test_cuda_load_equals_cpu_load_through_small_pinned_chunks(
+    demo_dirs: list[Path], experts: list[int] | None, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr("weights.load.READ_CHUNK_BYTES", 1 << 20)  # many turns of both buffers
+    for path in demo_dirs:
+        on_gpu = flatten(load_layer(path, torch.device("cuda"), experts).weights)
+        on_cpu = flatten(load_layer(path, CPU, experts).weights)
+        for name, t in on_cpu.items():
+            assert on_gpu[name].is_cuda
+            assert torch.equal(on_gpu[name].cpu().view(torch.uint8), t.view(torch.uint8)), name
