@@ -1,0 +1,132 @@
+"""`serve --ep 2` on the CPU (gloo): rank 0 serves HTTP, rank 1 is a spawned process.
+
+Each app here spawns a real second rank, loads the demo layers from disk on both ranks and
+answers like the single-process service.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from kernels.layer import build_layer
+from kernels.tensors import ForwardInputs
+from service.app import create_app
+from service.settings import Settings
+from tests.service.conftest import wait_ready
+from weights.demo import ensure_demo_layers
+from weights.load import load_layer
+
+DEMO_EXPERTS = 8
+FAIL_FAST_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cache = tmp_path_factory.mktemp("ep_cache")
+    ensure_demo_layers(cache)
+    return cache
+
+
+@contextlib.contextmanager
+def _ep_app(cache: Path, ready: bool = True, **settings: object) -> Iterator[TestClient]:
+    app = create_app(Settings(device="cpu", ep=2, cache_dir=cache, **settings))
+    with TestClient(app) as client:
+        if ready:
+            wait_ready(client.get)
+        yield client
+
+
+@pytest.fixture(scope="module")
+def served(demo_cache: Path) -> Iterator[TestClient]:
+    """One healthy 2-rank app on the demo layers, shared by the tests that only read from it."""
+    with _ep_app(demo_cache) as client:
+        yield client
+
+
+@pytest.fixture
+def ep_client(demo_cache: Path) -> Iterator[Callable[..., TestClient]]:
+    """ep_client(**settings) -> a TestClient around a fresh 2-rank app on the demo layers."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **settings: stack.enter_context(_ep_app(demo_cache, **settings))
+
+
+def _single_process(cache: Path, layer: str, hidden: torch.Tensor) -> torch.Tensor:
+    source = load_layer(cache / layer, torch.device("cpu"))
+    moe, _ = build_layer(source.config, source.weights, torch.device("cpu"), "reference")
+    with torch.inference_mode():
+        return moe.forward(ForwardInputs(hidden)).output.float()
+
+
+def _forward(client: TestClient, layer: str, hidden: torch.Tensor) -> torch.Tensor:
+    r = client.post(f"/v1/layers/{layer}/forward", json={"hidden_states": hidden.tolist()})
+    assert r.status_code == 200, r.text
+    return torch.tensor(r.json()["output"])
+
+
+@pytest.mark.parametrize("layer", ["demo", "demo-fp8"])
+def test_two_rank_service_answers_like_the_single_process_layer(
+    served: TestClient, demo_cache: Path, layer: str
+) -> None:
+    for tokens in (1, 37):
+        hidden = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens))
+        got = _forward(served, layer, hidden)
+        expected = _single_process(demo_cache, layer, hidden)
+        assert (got - expected).norm() / expected.norm() < 1e-2
+
+
+def test_backends_show_naive_ep_and_the_experts_per_rank(served: TestClient) -> None:
+    body = served.get("/backends").json()
+    for layer in body["layers"]:
+        assert layer["prepare_finalize"] == "naive-ep"
+        assert "experts over 2 ranks, per rank [4, 4]" in layer["reason"]
+    stage = next(s for s in body["prepare_finalize"] if s["name"] == "naive-ep")
+    assert stage["available"], stage["reason"]
+
+
+def test_placement_file_decides_which_rank_holds_which_expert(
+    ep_client: Callable[..., TestClient], demo_cache: Path, tmp_path: Path
+) -> None:
+    placement = tmp_path / "placement.json"
+    placement.write_text('{"ranks": [[7, 2, 5], [0, 1, 3, 4, 6]]}')
+    client = ep_client(ep_placement=placement)
+    hidden = torch.randn(9, 256, generator=torch.Generator().manual_seed(3))
+    expected = _single_process(demo_cache, "demo", hidden)
+    assert (_forward(client, "demo", hidden) - expected).norm() / expected.norm() < 1e-2
+    reasons = [layer["reason"] for layer in client.get("/backends").json()["layers"]]
+    assert all("per rank [3, 5]" in reason for reason in reasons)
+
+
+def test_bad_placement_file_keeps_the_service_unready_naming_the_file(
+    ep_client: Callable[..., TestClient], tmp_path: Path
+) -> None:
+    placement = tmp_path / "placement.json"
+    placement.write_text('{"ranks": [[0, 1, 2], [3, 4, 5]]}')  # experts 6 and 7 nowhere
+    client = ep_client(ready=False, ep_placement=placement)
+    deadline = time.monotonic() + 30
+    while "loading the layers failed" not in (reason := client.get("/ready").json()["reason"]):
+        assert time.monotonic() < deadline, reason
+        time.sleep(0.05)
+    assert str(placement) in reason and "missing [6, 7]" in reason
+
+
+def test_a_dead_rank_turns_ready_and_requests_into_503_without_hanging(
+    ep_client: Callable[..., TestClient],
+) -> None:
+    client = ep_client()
+    client.app.state.runtime.engine.workers[0].kill()
+    deadline = time.monotonic() + FAIL_FAST_S
+    while (ready := client.get("/ready")).status_code == 200:
+        assert time.monotonic() < deadline, "/ready still 200 after rank 1 died"
+        time.sleep(0.05)
+    assert ready.status_code == 503 and "rank 1 exited" in ready.json()["reason"]
+    started = time.monotonic()
+    r = client.post("/v1/layers/demo/forward", json={"hidden_states": [[0.5] * 256]})
+    assert r.status_code == 503 and "rank 1 exited" in r.json()["error"]
+    assert time.monotonic() - started < FAIL_FAST_S

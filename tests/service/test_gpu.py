@@ -1,0 +1,50 @@
+"""The service on a GPU with the demo layers: a GPU backend is chosen, /backends shows the
+device, and forwards over HTTP match the reference backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from fastapi.testclient import TestClient
+
+from kernels.layer import build_layer
+from kernels.tensors import ForwardInputs
+from kernels.testing import relative_error
+from service.app import create_app
+from service.settings import Settings
+from tests.service.conftest import wait_ready
+from weights.load import load_layer
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = {"demo": 2e-2, "demo-fp8": 6e-2}  # bf16 out; fp8 rounds inputs and intermediates
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 300], ids=lambda t: f"M={t}")
+def test_demo_layers_on_gpu_match_the_reference(tmp_path: Path, tokens: int) -> None:
+    app = create_app(Settings(device="cuda", cache_dir=tmp_path))
+    with TestClient(app) as client:
+        wait_ready(client.get)
+        backends = client.get("/backends").json()
+        assert backends["device"]["type"] == "cuda"
+        assert backends["device"]["memory_bytes"] > 0
+        for layer in backends["layers"]:
+            name = layer["layer"]
+            loaded = load_layer(tmp_path / name, torch.device("cpu"))
+            reference, _ = build_layer(
+                loaded.config, loaded.weights, torch.device("cpu"), "reference"
+            )
+            hidden = torch.randn(tokens, loaded.config.hidden_size).bfloat16()
+            r = client.post(
+                f"/v1/layers/{name}/forward",
+                content=safetensors.torch.save({"hidden_states": hidden}),
+                headers={"Content-Type": "application/octet-stream"},
+            )
+            assert r.status_code == 200, r.text
+            out = safetensors.torch.load(r.content)["output"]
+            expected = reference.forward(ForwardInputs(hidden)).output
+            error = relative_error(out, expected)
+            assert error < TOLERANCE[name], f"{name} on {layer['experts']}: {error:.2e}"

@@ -1,0 +1,102 @@
+"""The KServe v2 codec: binary and JSON tensors round-trip; malformed requests are refused
+naming the problem."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from service.errors import BadInput
+from service.kserve_codec import decode_request, encode_response
+
+
+def _binary_request(tensor: torch.Tensor, size: int | None = None) -> tuple[bytes, int]:
+    raw = tensor.numpy().tobytes()
+    header = {
+        "inputs": [
+            {
+                "name": "hidden_states",
+                "shape": list(tensor.shape),
+                "datatype": "FP32",
+                "parameters": {"binary_data_size": len(raw) if size is None else size},
+            }
+        ],
+        "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
+    }
+    text = json.dumps(header).encode()
+    return text + raw, len(text)
+
+
+def test_codec_round_trips_binary_tensors() -> None:
+    x = torch.randn(3, 4)
+    request, tensors = decode_request(*_binary_request(x))
+    assert torch.equal(tensors["hidden_states"], x)
+    encoded = encode_response("m", request, {"output": x.half()})
+    header = json.loads(encoded.body[: encoded.header_length])
+    assert header["outputs"][0] == {
+        "name": "output",
+        "shape": [3, 4],
+        "datatype": "FP16",
+        "parameters": {"binary_data_size": 24},
+    }
+    back = torch.frombuffer(bytearray(encoded.body[encoded.header_length :]), dtype=torch.float16)
+    assert torch.equal(back.reshape(3, 4), x.half())
+
+
+def test_codec_json_tensors_accept_flat_and_nested_data() -> None:
+    for data in ([1, 2, 3, 4], [[1, 2], [3, 4]]):
+        body = {"inputs": [{"name": "a", "shape": [2, 2], "datatype": "FP32", "data": data}]}
+        _, tensors = decode_request(json.dumps(body).encode(), None)
+        assert tensors["a"].tolist() == [[1.0, 2.0], [3.0, 4.0]]
+
+
+CODEC_ERRORS = {
+    "size mismatch": (
+        lambda: _binary_request(torch.zeros(2, 4), size=16),
+        "16 binary bytes for shape [2, 4]",
+    ),
+    "header longer than body": (lambda: (b"{}", 10), "Inference-Header-Content-Length is 10"),
+    "trailing bytes": (
+        lambda: (
+            _binary_request(torch.zeros(1, 2))[0] + b"xx",
+            _binary_request(torch.zeros(1, 2))[1],
+        ),
+        "2 binary bytes follow",
+    ),
+    "unknown datatype": (
+        lambda: (
+            json.dumps(
+                {"inputs": [{"name": "a", "shape": [1], "datatype": "STRING", "data": ["x"]}]}
+            ).encode(),
+            None,
+        ),
+        "datatype 'STRING' is not supported",
+    ),
+    "too few values": (
+        lambda: (
+            json.dumps(
+                {"inputs": [{"name": "a", "shape": [2, 2], "datatype": "FP32", "data": [1]}]}
+            ).encode(),
+            None,
+        ),
+        "1 values do not fill shape [2, 2]",
+    ),
+    "no data": (
+        lambda: (
+            json.dumps({"inputs": [{"name": "a", "shape": [1], "datatype": "FP32"}]}).encode(),
+            None,
+        ),
+        "neither data nor parameters.binary_data_size",
+    ),
+    "not a request": (lambda: (b'{"inputs": 3}', None), "inputs"),
+}
+
+
+@pytest.mark.parametrize("case", CODEC_ERRORS, ids=str)
+def test_codec_refuses_malformed_requests_naming_the_problem(case: str) -> None:
+    make, message = CODEC_ERRORS[case]
+    with pytest.raises(BadInput, match=re.escape(message)):
+        decode_request(*make())
