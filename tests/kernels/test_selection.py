@@ -1,0 +1,109 @@
+"""`--backend auto`: measured rules first, the fallback order otherwise, the reference last."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kernels import registry, selection
+from kernels.config import MoEConfig, RoutingConfig
+from kernels.quant_scheme import QuantConfig, QuantScheme
+
+GPU = torch.device("cuda")
+LARGE = MoEConfig(256, 7168, 2048, RoutingConfig(top_k=8), quant=QuantConfig("fp8-block"))
+SMALL = MoEConfig(16, 512, 256, RoutingConfig(top_k=4), quant=QuantConfig("fp8-block"))
+TIMES = {
+    "1": {"triton": 40.0, "deep-gemm": 90.0},
+    "64": {"triton": 80.0, "deep-gemm": 85.0},
+    "4096": {"triton": 900.0, "deep-gemm": 500.0},
+}
+
+
+def _table(**rules: selection.Rule) -> selection.RuleTable:
+    return selection.RuleTable("NVIDIA H100 80GB HBM3", "abc1234", "auto_h100.json", rules)
+
+
+@pytest.fixture
+def measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    rule = selection.Rule("fp8-block/large", ("deep-gemm", "triton", "reference"), TIMES, 4096)
+    monkeypatch.setattr(selection, "rule_table", lambda device: _table(**{rule.key: rule}))
+
+
+def test_shape_class_splits_full_size_layers_from_scaled_down_ones() -> None:
+    assert selection.rule_key(LARGE) == "fp8-block/large"
+    assert selection.rule_key(SMALL) == "fp8-block/small"
+
+
+def test_a_rule_picks_its_fastest_available_backend_and_says_so(measured: None) -> None:
+    choice = selection.auto_choice(LARGE, GPU, ["reference", "triton", "deep-gemm"], ())
+    assert choice.name == "deep-gemm"
+    assert "rule fp8-block/large of auto_h100.json" in choice.reason
+    assert "abc1234" in choice.reason
+    choice = selection.auto_choice(LARGE, GPU, ["reference", "triton"], ())
+    assert choice.name == "triton"  # the winner is unavailable: the next in the rule's order
+
+
+def test_without_a_rule_the_fallback_order_decides_and_reference_comes_last(
+    measured: None,
+) -> None:
+    choice = selection.auto_choice(SMALL, GPU, ["reference", "triton"], ("deep-gemm", "triton"))
+    assert choice.name == "triton"
+    assert choice.reason.startswith("auto: no rule for fp8-block/small; first available in order")
+    assert choice.reason.endswith("deep-gemm, triton, reference")
+    only_reference = selection.auto_choice(SMALL, GPU, ["reference"], ("deep-gemm",))
+    assert only_reference.name == "reference"
+    assert selection.auto_choice(SMALL, GPU, [], ("reference",)) is None
+
+
+def test_the_cpu_has_no_rules_and_auto_selects_the_reference() -> None:
+    choice = registry.select(SMALL, torch.device("cpu"))
+    assert choice.experts.name == "reference"
+    assert choice.reason.startswith("auto: no measured rules for cpu")
+    assert choice.rejected["deep-gemm"] == "runs on cuda, not cpu"
+
+
+def test_ranking_is_by_geometric_mean_over_token_counts() -> None:
+    # triton: 40 * 80 * 900 = 2.88e6; deep-gemm: 90 * 85 * 500 = 3.8e6
+    assert selection.rank_backends(TIMES) == ("triton", "deep-gemm")
+    partial = TIMES | {"1": {"triton": 40.0}}  # deep-gemm missing at one count: not ranked
+    assert selection.rank_backends(partial) == ("triton",)
+
+
+@pytest.mark.parametrize(
+    ("times", "expected"),
+    [
+        (TIMES, 4096),
+        (TIMES | {"64": {"triton": 90.0, "deep-gemm": 85.0}}, 64),
+        (TIMES | {"4096": {"triton": 400.0, "deep-gemm": 500.0}}, None),
+        # a win at 64 that is lost again at 4096 does not count
+        (
+            TIMES
+            | {"64": {"triton": 90.0, "deep-gemm": 85.0}, "4096": {"triton": 1, "deep-gemm": 2}},
+            None,
+        ),
+    ],
+)
+def test_crossover_is_where_deep_gemm_wins_for_good(times: dict, expected: int | None) -> None:
+    assert selection.crossover_tokens(times, "deep-gemm", "triton") == expected
+
+
+def test_deep_gemm_threshold_comes_from_the_rule(measured: None) -> None:
+    assert selection.deep_gemm_min_tokens(LARGE, GPU) == (
+        4096,
+        "rule fp8-block/large of auto_h100.json",
+    )
+    assert selection.deep_gemm_min_tokens(SMALL, GPU)[0] is None
+
+
+@pytest.mark.parametrize("path", sorted(selection.TUNED_DIR.glob("auto_*.json")), ids=str)
+def test_shipped_rule_tables_name_registered_backends(path) -> None:
+    table = selection.RuleTable.from_json(path)
+    backends = registry.experts_backends()
+    assert table.rules, f"{path.name} holds no rules"
+    for rule in table.rules.values():
+        assert set(rule.order) <= set(backends), rule.key
+        assert rule.key.split("/")[0] in {s.value for s in QuantScheme}
+        assert list(rule.times_us) == sorted(rule.times_us, key=int)
+    assert json.loads(path.read_text())["device"].startswith("NVIDIA")
