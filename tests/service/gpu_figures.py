@@ -61,7 +61,9 @@ def serve(cache_dir: Path, *options: str) -> Iterator[str]:
     """A `moe-serve serve` subprocess on the GPU; yields its URL once /ready is 200."""
     port = _free_port()
     env = {**os.environ, "MOE_SERVE_CACHE_DIR": str(cache_dir)}
-    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port), *options]
+    # warning: a log line per request would be part of what is timed
+    command = [sys.executable, "-m", "service.cli", "serve", "--port", str(port)]
+    command += ["--log-level", "warning", *options]
     proc = subprocess.Popen(command, env=env)
     url = f"http://127.0.0.1:{port}"
     try:

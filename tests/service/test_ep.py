@@ -7,6 +7,7 @@ answers like the single-process service.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +24,6 @@ from tests.service.conftest import wait_ready
 from weights.demo import ensure_demo_layers
 from weights.load import load_layer
 
-DEMO_EXPERTS = 8
 FAIL_FAST_S = 5.0
 
 
@@ -43,16 +43,11 @@ def _ep_app(cache: Path, ready: bool = True, **settings: object) -> Iterator[Tes
         yield client
 
 
-@pytest.fixture(scope="module")
-def served(demo_cache: Path) -> Iterator[TestClient]:
-    """One healthy 2-rank app on the demo layers, shared by the tests that only read from it."""
-    with _ep_app(demo_cache) as client:
-        yield client
-
-
 @pytest.fixture
 def ep_client(demo_cache: Path) -> Iterator[Callable[..., TestClient]]:
-    """ep_client(**settings) -> a TestClient around a fresh 2-rank app on the demo layers."""
+    """ep_client(**settings) -> a TestClient around a fresh 2-rank app on the demo layers.
+
+    A process joins one torch.distributed group at a time, so apps never overlap in time."""
     with contextlib.ExitStack() as stack:
         yield lambda **settings: stack.enter_context(_ep_app(demo_cache, **settings))
 
@@ -70,19 +65,21 @@ def _forward(client: TestClient, layer: str, hidden: torch.Tensor) -> torch.Tens
     return torch.tensor(r.json()["output"])
 
 
-@pytest.mark.parametrize("layer", ["demo", "demo-fp8"])
 def test_two_rank_service_answers_like_the_single_process_layer(
-    served: TestClient, demo_cache: Path, layer: str
+    ep_client: Callable[..., TestClient], demo_cache: Path
 ) -> None:
-    for tokens in (1, 37):
+    served = ep_client()
+    for layer, tokens in itertools.product(("demo", "demo-fp8"), (1, 37)):
         hidden = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens))
         got = _forward(served, layer, hidden)
         expected = _single_process(demo_cache, layer, hidden)
         assert (got - expected).norm() / expected.norm() < 1e-2
 
 
-def test_backends_show_naive_ep_and_the_experts_per_rank(served: TestClient) -> None:
-    body = served.get("/backends").json()
+def test_backends_show_naive_ep_and_the_experts_per_rank(
+    ep_client: Callable[..., TestClient],
+) -> None:
+    body = ep_client().get("/backends").json()
     for layer in body["layers"]:
         assert layer["prepare_finalize"] == "naive-ep"
         assert "experts over 2 ranks, per rank [4, 4]" in layer["reason"]

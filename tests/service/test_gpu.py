@@ -3,6 +3,7 @@ device, and forwards over HTTP match the reference backend."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,28 +24,39 @@ pytestmark = pytest.mark.gpu
 TOLERANCE = {"demo": 2e-2, "demo-fp8": 6e-2}  # bf16 out; fp8 rounds inputs and intermediates
 
 
-@pytest.mark.parametrize("tokens", [1, 64, 300], ids=lambda t: f"M={t}")
-def test_demo_layers_on_gpu_match_the_reference(tmp_path: Path, tokens: int) -> None:
-    app = create_app(Settings(device="cuda", cache_dir=tmp_path))
-    with TestClient(app) as client:
+@pytest.fixture(scope="module")
+def gpu_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, Path]]:
+    cache = tmp_path_factory.mktemp("cache")
+    with TestClient(create_app(Settings(device="cuda", cache_dir=cache))) as client:
         wait_ready(client.get)
-        backends = client.get("/backends").json()
-        assert backends["device"]["type"] == "cuda"
-        assert backends["device"]["memory_bytes"] > 0
-        for layer in backends["layers"]:
-            name = layer["layer"]
-            loaded = load_layer(tmp_path / name, torch.device("cpu"))
-            reference, _ = build_layer(
-                loaded.config, loaded.weights, torch.device("cpu"), "reference"
-            )
-            hidden = torch.randn(tokens, loaded.config.hidden_size).bfloat16()
-            r = client.post(
-                f"/v1/layers/{name}/forward",
-                content=safetensors.torch.save({"hidden_states": hidden}),
-                headers={"Content-Type": "application/octet-stream"},
-            )
-            assert r.status_code == 200, r.text
-            out = safetensors.torch.load(r.content)["output"]
-            expected = reference.forward(ForwardInputs(hidden)).output
-            error = relative_error(out, expected)
-            assert error < TOLERANCE[name], f"{name} on {layer['experts']}: {error:.2e}"
+        yield client, cache
+
+
+def test_backends_shows_the_gpu_and_a_gpu_backend_per_layer(gpu_client) -> None:
+    client, _ = gpu_client
+    backends = client.get("/backends").json()
+    assert backends["device"]["type"] == "cuda"
+    assert backends["device"]["memory_bytes"] > 0
+    assert backends["device"]["compute_capability"]
+    for layer in backends["layers"]:
+        assert layer["experts"] not in ("reference", "reference-batched"), layer
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 300], ids=lambda t: f"M={t}")
+def test_demo_layers_on_gpu_match_the_reference(gpu_client, tokens: int) -> None:
+    client, cache = gpu_client
+    for layer in client.get("/backends").json()["layers"]:
+        name = layer["layer"]
+        loaded = load_layer(cache / name, torch.device("cpu"))
+        cpu = torch.device("cpu")
+        reference, _ = build_layer(loaded.config, loaded.weights, cpu, "reference")
+        hidden = torch.randn(tokens, loaded.config.hidden_size).bfloat16()
+        r = client.post(
+            f"/v1/layers/{name}/forward",
+            content=safetensors.torch.save({"hidden_states": hidden}),
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        assert r.status_code == 200, r.text
+        out = safetensors.torch.load(r.content)["output"]
+        error = relative_error(out, reference.forward(ForwardInputs(hidden)).output)
+        assert error < TOLERANCE[name], f"{name} on {layer['experts']}: {error:.2e}"
