@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 LayerLoader = Callable[[Settings, torch.device], Sequence[LayerSource]]
 
 # Probes and scrapes answer without the bearer token: orchestrators and Prometheus hold none.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's id is echoed and logged
+
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready"})
 
 
@@ -97,7 +100,8 @@ def _observe(runtime: Runtime) -> Callable[[Request, Callable], Awaitable[Respon
     m = runtime.metrics
 
     async def observe(request: Request, call_next: Callable) -> Response:
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        given = request.headers.get("x-request-id", "")
+        rid = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex  # no log injection
         reset = logs.request_id.set(rid)
         started = time.perf_counter()
         try:

@@ -154,6 +154,25 @@ def test_docs_and_openapi_describe_every_route_with_examples(client: TestClient)
     assert all(op.get("summary") for route in spec["paths"].values() for op in route.values())
 
 
+def test_request_id_that_could_forge_log_lines_is_replaced(client: TestClient) -> None:
+    r = client.get("/health", headers={"X-Request-ID": "abc\\n2026 INFO forged"})
+    assert r.headers["X-Request-ID"] != "abc\\n2026 INFO forged"
+    assert len(r.headers["X-Request-ID"]) == 32
+
+
+def test_unexpected_error_is_a_json_500_with_the_request_id(
+    client: TestClient, monkeypatch
+) -> None:
+    def broken(served):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr("service.routes.introspect.layer_info", broken)
+    r = client.get("/v1/layers", headers={"X-Request-ID": "req-42"})
+    assert r.status_code == 500
+    assert r.json() == {"error": "internal error; request id req-42"}
+    assert client.get("/health").status_code == 200
+
+
 def test_request_id_is_echoed_or_made_up(client: TestClient) -> None:
     assert (
         client.get("/health", headers={"X-Request-ID": "abc-1"}).headers["X-Request-ID"] == "abc-1"
