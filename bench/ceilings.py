@@ -17,7 +17,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def _sizes(device: torch.device) -> tuple[int, int]:
     """(copy bytes, GEMM n): big enough to fill an H100, small enough to be quick on a CPU."""
-    return (2**30, 8192) if device.type == "cuda" else (2**26, 1024)
+    return (2**30, 8192) if device.type == "cuda" else (2**24, 512)
 
 
 def copy_bandwidth(timer: Timer, device: torch.device) -> float:

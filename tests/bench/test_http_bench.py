@@ -1,0 +1,108 @@
+"""The HTTP load generator: its pure parts, and a short bounded run against the real service
+on a free 127.0.0.1 port with the tiny layers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from prometheus_client import generate_latest
+
+from bench.http_bench import (
+    BATCH_TOKENS,
+    FORWARD_SECONDS,
+    HttpBenchConfig,
+    mean_delta,
+    metric_totals,
+    percentiles_ms,
+    run_http_bench,
+)
+from service.app import create_app
+from service.cli import main
+from service.metrics import Metrics
+from service.settings import Settings
+from tests.service.conftest import wait_ready
+from tests.service.layers import TINY, running_server, tiny_loader
+
+
+def test_percentiles_of_a_hundred_latencies() -> None:
+    p50, p90, p99 = percentiles_ms([i / 1000 for i in range(1, 101)])  # 1..100 ms
+    assert p50 == pytest.approx(50.5)
+    assert p90 == pytest.approx(90.1)
+    assert p99 == pytest.approx(99.01)
+    assert percentiles_ms([]) == (None, None, None)
+
+
+def test_server_forward_time_is_the_mean_of_the_observations_between_two_scrapes() -> None:
+    metrics = Metrics()
+    ids = torch.zeros(4, 2, dtype=torch.int32)
+    metrics.record_forward("a", "ref", ids, 0.010)
+    metrics.record_forward("b", "ref", ids, 5.0)  # another layer: not counted
+    before = metric_totals(generate_latest(metrics.registry).decode(), "a")
+    metrics.record_forward("a", "ref", ids[:2], 0.002)
+    metrics.record_forward("a", "ref", ids[:2], 0.004)
+    after = metric_totals(generate_latest(metrics.registry).decode(), "a")
+    assert mean_delta(before, after, FORWARD_SECONDS) == pytest.approx(0.003)
+    assert mean_delta(before, after, BATCH_TOKENS) == pytest.approx(2)
+    assert mean_delta(after, after, FORWARD_SECONDS) is None
+
+
+def test_config_refuses_a_url_without_scheme() -> None:
+    with pytest.raises(ValueError, match="--url must be http"):
+        HttpBenchConfig(url="127.0.0.1:8000", layer=TINY)
+
+
+@pytest.fixture(scope="module")
+def server_url() -> Iterator[str]:
+    app = create_app(Settings(device="cpu"), tiny_loader)
+    with running_server(app) as url:
+        wait_ready(lambda path: httpx.get(url + path))
+        yield url
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_bounded_run_against_the_service_reports_throughput_latency_and_forward_time(
+    server_url: str, binary: bool
+) -> None:
+    config = HttpBenchConfig(
+        url=server_url, layer=TINY, tokens=4, concurrency=(1, 4), duration_s=0.4, binary=binary
+    )
+    report = asyncio.run(run_http_bench(config))
+    assert [lv.concurrency for lv in report.levels] == [1, 4]
+    for level in report.levels:
+        assert level.errors == 0 and level.requests > 0
+        assert level.requests_per_s > 0 and level.tokens_per_s == pytest.approx(
+            4 * level.requests_per_s
+        )
+        assert 0 < level.p50_ms <= level.p90_ms <= level.p99_ms
+        assert 0 < level.server_forward_ms < level.p99_ms
+        assert level.server_batch_tokens >= 4
+        assert level.elapsed_s < config.duration_s + 2
+
+
+def test_request_count_bound_stops_a_level_early(server_url: str) -> None:
+    config = HttpBenchConfig(
+        url=server_url, layer=TINY, tokens=2, concurrency=(3,), duration_s=30, max_requests=5
+    )
+    (level,) = asyncio.run(run_http_bench(config)).levels
+    assert level.requests + level.errors == 5
+    assert level.elapsed_s < 10
+
+
+def test_unknown_layer_is_an_error_naming_it(server_url: str) -> None:
+    config = HttpBenchConfig(url=server_url, layer="nope", concurrency=(1,), duration_s=0.1)
+    with pytest.raises(ValueError, match="/v1/layers/nope answered 404"):
+        asyncio.run(run_http_bench(config))
+
+
+def test_http_command_writes_its_report(server_url: str, tmp_path: Path) -> None:
+    out = tmp_path / "http.json"
+    args = ["bench", "http", "--url", server_url, "--layer", TINY, "--tokens", "2"]
+    assert main([*args, "--concurrency", "2", "--duration", "0.2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["body"] == "binary" and report["levels"][0]["requests"] > 0

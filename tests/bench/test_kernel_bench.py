@@ -1,0 +1,135 @@
+"""The kernel benchmark end to end on the CPU with the tiny shape, and its building blocks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+
+from bench import random_layer as random_layer_module
+from bench.kernel_bench import KernelBench, KernelBenchConfig
+from bench.loads import Load, router_logits
+from bench.random_layer import random_layer
+from bench.timing import TimingPlan
+from kernels import registry
+from kernels.config import MoEConfig, RoutingConfig
+from kernels.experts.reference import ReferenceExperts
+from kernels.quant_scheme import QuantConfig, QuantScheme
+from kernels.routing import route
+from kernels.testing import random_expert_weights
+from service.cli import main
+
+CPU = torch.device("cpu")
+QUICK = TimingPlan(warmup=1, min_iters=2, max_iters=3, budget_s=0.001)
+
+
+class _WrongExperts(ReferenceExperts):
+    name: ClassVar[str] = "test-wrong"
+
+    def apply(self, x, ws):
+        return super().apply(x, ws) * 2
+
+
+class _FailingExperts(ReferenceExperts):
+    name: ClassVar[str] = "test-failing"
+
+    def apply(self, x, ws):
+        raise RuntimeError("kernel exploded")
+
+
+@pytest.mark.parametrize("scheme", list(QuantScheme), ids=str)
+def test_random_layer_has_the_layout_of_the_scheme_even_when_drawn_in_chunks(
+    scheme: QuantScheme, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = MoEConfig(
+        3, 128, 64, RoutingConfig(top_k=2), quant=QuantConfig(scheme, group_size=32), has_bias=True
+    )
+    monkeypatch.setattr(random_layer_module, "_CHUNK_ELEMENTS", 128 * 128)  # one expert a chunk
+    got = random_layer(cfg, CPU).experts.tensors()
+    want = random_expert_weights(cfg).tensors()
+    assert {n: (t.shape, t.dtype) for n, t in got.items()} == {
+        n: (t.shape, t.dtype) for n, t in want.items()
+    }
+
+
+def test_skewed_load_sends_more_tokens_to_the_hottest_expert_than_uniform() -> None:
+    cfg = RoutingConfig(top_k=2)
+    shares = {}
+    for load in Load:
+        ids = route(router_logits(load, 4096, 16, seed=0, device=CPU), cfg).topk_ids
+        shares[load] = torch.bincount(ids.flatten(), minlength=16).max().item() / ids.numel()
+    assert shares[Load.UNIFORM] < 0.1
+    assert shares[Load.SKEWED] > 2 * shares[Load.UNIFORM]
+
+
+def test_kernel_bench_times_checks_and_scores_every_backend_on_the_tiny_shape(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(registry._EXPERTS, "test-wrong", _WrongExperts)
+    monkeypatch.setitem(registry._EXPERTS, "test-failing", _FailingExperts)
+    out = tmp_path / "run.json"
+    config = KernelBenchConfig(
+        shapes=("tiny",),
+        tokens=(1, 5),
+        device=CPU,
+        loads=(Load.UNIFORM,),
+        reference_max_tokens=1,
+        plan=QUICK,
+    )
+    run = KernelBench(config, out).run()
+
+    assert json.loads(out.read_text())["points"]  # written, and valid JSON
+    (shape,) = run.shapes
+    assert shape.auto == "reference"
+    by_tokens = {p.tokens: {r.backend: r for r in p.results} for p in run.points}
+    # reference backends only up to reference_max_tokens
+    assert set(by_tokens[1]) == {"reference", "reference-batched", "test-wrong", "test-failing"}
+    assert set(by_tokens[5]) == {"test-wrong", "test-failing"}
+    one = by_tokens[1]
+    assert one["reference"].correct and one["reference"].rel_error < 1e-6
+    assert not one["test-wrong"].correct and one["test-wrong"].rel_error == pytest.approx(1.0)
+    assert "kernel exploded" in one["test-failing"].error
+    assert one["test-failing"].routing_excluded is None
+    timing = one["reference"].routing_included
+    assert timing.iters >= 2 and timing.median_us > 0
+    best = {p.tokens: p.best for p in run.points}
+    assert best[1] in ("reference", "reference-batched")
+    assert best[5] is None  # only a wrong and a failing backend ran there
+
+
+def test_kernel_bench_records_unsupported_backends_with_their_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class _Bf16Only(ReferenceExperts):
+        name: ClassVar[str] = "test-bf16-only"
+        schemes: ClassVar[frozenset[QuantScheme]] = frozenset({QuantScheme.FP8_BLOCK})
+
+    monkeypatch.setitem(registry._EXPERTS, "test-bf16-only", _Bf16Only)
+    config = KernelBenchConfig(
+        shapes=("tiny",), tokens=(2,), device=CPU, loads=(Load.SKEWED,), plan=QUICK
+    )
+    run = KernelBench(config, tmp_path / "run.json").run()
+    assert "quant scheme none not supported" in run.shapes[0].not_run["test-bf16-only"]
+
+
+def test_kernels_command_writes_a_valid_result_and_refuses_unknown_backends(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = tmp_path / "cli.json"
+    quick = ["--warmup", "1", "--min-iters", "2", "--max-iters", "2", "--budget-ms", "1"]
+    args = ["bench", "kernels", "--device", "cpu", "--shapes", "tiny", "--tokens", "3"]
+    assert main([*args, "--loads", "uniform", "--out", str(out), *quick]) == 0
+    assert json.loads(out.read_text())["settings"]["tokens"] == [3]
+    assert main([*args, "--backends", "nope", "--out", str(tmp_path / "x.json"), *quick]) == 2
+    assert "unknown backend(s) ['nope']" in caplog.text
+
+
+def test_kernels_command_rejects_an_unknown_shape_naming_the_known_ones(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "kernels", "--shapes", "llama"])
+    assert "unknown shape(s) ['llama']" in capsys.readouterr().err

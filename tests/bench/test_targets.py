@@ -1,0 +1,65 @@
+"""Scoring a point (ratios, fractions, best) and checking the issue's targets on it."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.kernel_bench import PointKey, score_point
+from bench.loads import Load
+from bench.roofline import Ceilings, Work
+from bench.schema import BackendResult, Timing
+from bench.targets import check_targets
+from tests.bench.sample import sample_run
+
+CEILINGS = Ceilings(copy_bytes_per_s=1e12, gemm_flops_per_s=1e15)
+WORK = Work(bytes=10**6, flops=10**6, experts_hit=2)  # 1 us of copying, 1 ns of compute
+
+
+def _timed(backend: str, us: float, correct: bool = True) -> BackendResult:
+    return BackendResult(
+        backend=backend,
+        routing_excluded=Timing(median_us=us, p90_us=us * 1.1, iters=5),
+        routing_included=Timing(median_us=us + 1, p90_us=us * 1.2, iters=5),
+        rel_error=0.0 if correct else 1.0,
+        correct=correct,
+    )
+
+
+def _point(tokens: int, results: list[BackendResult], auto: str | None = "triton"):
+    return score_point(PointKey("s", Load.UNIFORM, tokens), WORK, CEILINGS, results, auto)
+
+
+def test_score_point_rates_each_backend_against_the_fastest_correct_one() -> None:
+    point = _point(
+        8, [_timed("triton", 2.0), _timed("deep-gemm", 4.0), _timed("wrong", 1.0, False)]
+    )
+    by_name = {r.backend: r for r in point.results}
+    assert point.best == "triton"  # "wrong" is faster but incorrect
+    assert by_name["deep-gemm"].ratio_to_best == pytest.approx(2.0)
+    assert by_name["triton"].achieved_fraction == pytest.approx(0.5)  # 1 us roofline / 2 us
+    assert by_name["triton"].bandwidth_fraction == pytest.approx(0.5)
+    assert point.roofline_us == pytest.approx(1.0)
+    assert point.bound_by == "memory"
+    assert point.auto_ratio == pytest.approx(1.0)
+
+
+def test_score_point_keeps_failures_and_has_no_best_without_a_correct_result() -> None:
+    point = _point(8, [BackendResult(backend="triton", error="boom"), _timed("x", 1.0, False)])
+    assert point.best is None
+    assert point.auto_ratio is None
+    assert point.results[0].error == "boom"
+
+
+def test_targets_report_the_worst_point_and_whether_each_is_met() -> None:
+    run = sample_run(
+        [
+            _point(1, [_timed("triton", 1.1), _timed("deep-gemm", 1.5)]),  # 91% of copy bw
+            _point(64, [_timed("triton", 2.0), _timed("deep-gemm", 1.8)], auto="deep-gemm"),
+        ]
+    )
+    checks = {c.target.split(" ")[0]: c for c in check_targets(run)}
+    assert checks["decode"].met is False
+    assert checks["decode"].worst.endswith("M=64: 0.556")
+    assert checks["prefill"].met is None
+    assert checks["our"].met is False  # deep-gemm beats triton at M=64
+    assert checks["auto"].met is True
