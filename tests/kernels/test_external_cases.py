@@ -1,0 +1,111 @@
+"""Layers and inputs shared by the external backends' GPU tests and their timing run.
+
+DeepSeek-V3 (fp8 block, E=256, H=7168, I=2048, top 8 of 8 groups) and gpt-oss-120b (MXFP4,
+swigluoai with biases, E=128, H=I=2880, top 4), each at full size and scaled down. Weights are
+drawn and quantised on the GPU, a few experts at a time, with the one quantiser
+(kernels.quantize), so a full-size layer never exists in float32 at once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.config import Activation, ActivationSpec, GateUp, GroupScore, MoEConfig, RoutingConfig
+from kernels.experts.reference import ReferenceExperts
+from kernels.modular import ModularKernel
+from kernels.prepare_finalize.batched import Batched
+from kernels.prepare_finalize.no_ep import NoEP
+from kernels.quant_scheme import QuantConfig, QuantScheme
+from kernels.quantize import quantize_weight
+from kernels.routing import route
+from kernels.stages import Experts
+from kernels.tensors import ExpertWeights, Routing
+from kernels.workspace import Workspace
+
+DEEPSEEK_ROUTING = RoutingConfig(
+    top_k=8,
+    scoring="sigmoid",
+    num_groups=8,
+    topk_groups=4,
+    group_score=GroupScore.TOP2_SUM,
+    routed_scaling_factor=2.5,
+)
+GPT_OSS_ROUTING = RoutingConfig(top_k=4, softmax_after_topk=True)
+SWIGLUOAI = ActivationSpec(Activation.SWIGLUOAI, GateUp.INTERLEAVED)
+
+LAYERS = {
+    "deepseek-small": MoEConfig(
+        16, 512, 256, DEEPSEEK_ROUTING, quant=QuantConfig(QuantScheme.FP8_BLOCK)
+    ),
+    "deepseek-full": MoEConfig(
+        256, 7168, 2048, DEEPSEEK_ROUTING, quant=QuantConfig(QuantScheme.FP8_BLOCK)
+    ),
+    "gpt-oss-small": MoEConfig(
+        8, 256, 320, GPT_OSS_ROUTING, SWIGLUOAI, QuantConfig(QuantScheme.MXFP4), has_bias=True
+    ),
+    "gpt-oss-full": MoEConfig(
+        128, 2880, 2880, GPT_OSS_ROUTING, SWIGLUOAI, QuantConfig(QuantScheme.MXFP4), has_bias=True
+    ),
+    "gpt-oss-bf16-small": MoEConfig(8, 256, 320, GPT_OSS_ROUTING, SWIGLUOAI, has_bias=True),
+}
+EXPERTS_PER_DRAW = 16
+
+# relative error against the float32 reference backend: bf16 GEMM outputs, and for fp8-block
+# the fp8 rounding of the intermediate taken from them instead of from float32
+TOLERANCE = {QuantScheme.FP8_BLOCK: 3e-2, QuantScheme.MXFP4: 2e-2, QuantScheme.NONE: 2e-2}
+
+
+def _quantized(cfg: MoEConfig, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    q, scale = quantize_weight(w, cfg.quant)
+    return (q.to(cfg.dtype) if scale is None else q), scale
+
+
+@functools.cache
+def layer_weights(name: str, seed: int = 0) -> ExpertWeights:
+    cfg, dev = LAYERS[name], torch.device("cuda")
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+    g = torch.Generator(device=dev).manual_seed(seed)
+    parts: dict[str, list[torch.Tensor]] = {"w13": [], "s13": [], "w2": [], "s2": []}
+    for start in range(0, e, EXPERTS_PER_DRAW):
+        n = min(EXPERTS_PER_DRAW, e - start)
+        w13, s13 = _quantized(cfg, torch.randn(n, 2 * i, h, device=dev, generator=g) / h**0.5)
+        w2, s2 = _quantized(cfg, torch.randn(n, h, i, device=dev, generator=g) / i**0.5)
+        for key, t in (("w13", w13), ("s13", s13), ("w2", w2), ("s2", s2)):
+            if t is not None:
+                parts[key].append(t)
+    cat = {k: torch.cat(v) if v else None for k, v in parts.items()}
+    biases = (None, None)
+    if cfg.has_bias:
+        biases = (
+            torch.randn(e, 2 * i, device=dev, generator=g) / 2,
+            torch.randn(e, h, device=dev, generator=g) / 2,
+        )
+    return ExpertWeights(cat["w13"], cat["w2"], cat["s13"], cat["s2"], *biases)
+
+
+def layer_inputs(name: str, m: int, crowded: bool = False, seed: int = 1) -> tuple:
+    """hidden [M, H], logits [M, E], routing. `crowded`: every token to experts 0..k-1, so one
+    expert gets all tokens at slot 0 and the others none."""
+    cfg, dev = LAYERS[name], torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    hidden = torch.randn(m, cfg.hidden_size, device=dev, generator=g).to(cfg.dtype)
+    logits = torch.randn(m, cfg.num_experts, device=dev, generator=g)
+    routing = route(logits, cfg.routing)
+    if crowded:
+        ids = torch.arange(cfg.top_k, device=dev, dtype=torch.int32).expand(m, -1).contiguous()
+        routing = Routing(ids, routing.topk_weights)
+    return hidden, logits, routing
+
+
+def modular(experts: Experts, max_tokens: int = 8192) -> ModularKernel:
+    pf = Batched() if experts.format == "batched" else NoEP()
+    return ModularKernel(pf, experts, Workspace(torch.device("cuda")), max_tokens=max_tokens)
+
+
+@functools.cache
+def reference_output(name: str, m: int, crowded: bool = False) -> torch.Tensor:
+    cfg = LAYERS[name]
+    hidden, _, routing = layer_inputs(name, m, crowded)
+    return modular(ReferenceExperts(cfg, layer_weights(name))).forward(hidden, routing).float()
