@@ -86,17 +86,35 @@ class Selection:
     rejected: dict[str, str] = field(default_factory=dict)  # backend name -> why not
 
 
-def _prepare_finalize_for(experts: type[Experts], device: torch.device) -> type[PrepareFinalize]:
+def _prepare_finalize_for(
+    experts: type[Experts], device: torch.device, expert_parallel: bool = False
+) -> type[PrepareFinalize]:
+    if expert_parallel:
+        return prepare_finalize_backends()["naive-ep"]
     for pf in prepare_finalize_backends().values():
         if pf.format == experts.format and pf.supports(device) and pf.name != "naive-ep":
             return pf
     raise LookupError(f"no prepare/finalize stage for the {experts.format} format")
 
 
-def select(cfg: MoEConfig, device: torch.device, requested: str = "auto") -> Selection:
+def _expert_parallel_problem(experts: type[Experts]) -> str:
+    """Why `experts` cannot hold one rank's slice of a layer under naive-ep; "" if it can."""
+    from kernels.tensors import Format
+
+    if experts.format != Format.STANDARD:
+        return "expert parallelism (naive-ep) dispatches in the standard format"
+    if not experts.supports_expert_map:
+        return "takes no expert_map, so it cannot hold a slice of the experts"
+    return ""
+
+
+def select(
+    cfg: MoEConfig, device: torch.device, requested: str = "auto", expert_parallel: bool = False
+) -> Selection:
     """Choose the experts backend for one layer on `device`.
 
     `requested` is a backend name (forced: an error if it cannot run the layer) or "auto".
+    `expert_parallel`: this rank holds a slice of the experts; the backend pairs with naive-ep.
     """
     backends = experts_backends()
     rejected = {}
@@ -104,19 +122,23 @@ def select(cfg: MoEConfig, device: torch.device, requested: str = "auto") -> Sel
         support = cls.supports(cfg, device)
         if not support:
             rejected[name] = support.reason
+        elif expert_parallel and _expert_parallel_problem(cls):
+            rejected[name] = _expert_parallel_problem(cls)
     if requested != "auto":
         if requested not in backends:
             raise ValueError(f"unknown backend {requested!r}; registered: {', '.join(backends)}")
         if requested in rejected:
             raise ValueError(f"backend {requested!r} cannot run this layer: {rejected[requested]}")
         cls = backends[requested]
-        return Selection(cls, _prepare_finalize_for(cls, device), "forced by --backend", rejected)
+        pf = _prepare_finalize_for(cls, device, expert_parallel)
+        return Selection(cls, pf, "forced by --backend", rejected)
     from kernels.selection import auto_choice  # selection reads this module's AUTO_ORDER
 
     available = [name for name in backends if name not in rejected]
     choice = auto_choice(cfg, device, available, AUTO_ORDER)
     if choice is not None:
         cls = backends[choice.name]
-        return Selection(cls, _prepare_finalize_for(cls, device), choice.reason, rejected)
+        pf = _prepare_finalize_for(cls, device, expert_parallel)
+        return Selection(cls, pf, choice.reason, rejected)
     details = "; ".join(f"{n}: {r}" for n, r in rejected.items())
     raise ValueError(f"no backend can run this layer on {device}: {details}")

@@ -132,6 +132,8 @@ class EPEngine(Engine):
     """The engine of rank 0: starts ranks 1..N-1, and has them join every forward."""
 
     def __init__(self, settings: Settings, paths: Sequence[Path]) -> None:
+        if dist.is_initialized():
+            raise RuntimeError("this process is already in a torch.distributed group")
         self.world_size = settings.ep
         super().__init__(rank_device(settings.torch_device(), 0), settings.backend)
         self.failure: str | None = None  # why the group is broken; None while it works
@@ -144,10 +146,10 @@ class EPEngine(Engine):
         ctx = mp.get_context("spawn")
         self._status = ctx.Queue()  # (rank, "" when loaded, else why it failed)
         self._commands = [ctx.Queue() for _ in range(1, self.world_size)]
-        self._workers = []
+        self.workers: list[mp.Process] = []  # rank r is workers[r - 1]
         for rank, commands in enumerate(self._commands, start=1):
             spec = dataclasses.replace(self._spec, rank=rank, device=rank_device(self.device, rank))
-            self._workers.append(
+            self.workers.append(
                 ctx.Process(
                     target=_worker_main,
                     args=(spec, commands, self._status),
@@ -155,16 +157,24 @@ class EPEngine(Engine):
                     daemon=True,  # never outlives this process
                 )
             )
-        for worker in self._workers:
+        for worker in self.workers:
             worker.start()
-        init_group(self._spec)
         self._placements: dict[str, Placement] = {}
+        try:
+            init_group(self._spec)
+        except Exception:
+            self.close()
+            raise
 
     def load(self) -> list[LoadedLayer]:
         """Rank 0's slice of every layer, once every other rank has loaded its own."""
-        loaded = load_local_layers(self._spec)
+        try:
+            loaded = load_local_layers(self._spec)
+            self._wait_for_workers()
+        except Exception:
+            self.close()
+            raise
         self._placements = {layer.name: placement for layer, placement in loaded}
-        self._wait_for_workers()
         threading.Thread(target=self._watch, name="moe-serve-ep-watch", daemon=True).start()
         return [layer for layer, _ in loaded]
 
@@ -189,11 +199,11 @@ class EPEngine(Engine):
         self._closing = True
         for commands in self._commands:
             commands.put(None)
-        for worker in self._workers:
+        for worker in self.workers:
             worker.join(COLLECTIVE_TIMEOUT_S if self.failure is None else 0)
             if worker.is_alive():
                 worker.kill()
-        if self.failure is None:
+        if dist.is_initialized():
             dist.destroy_process_group()
 
     def _wait_for_workers(self) -> None:
@@ -203,7 +213,7 @@ class EPEngine(Engine):
                 rank, problem = self._status.get(timeout=_POLL_S)
             except queue.Empty:
                 for rank in pending:
-                    worker = self._workers[rank - 1]
+                    worker = self.workers[rank - 1]
                     if not worker.is_alive():
                         raise RuntimeError(
                             f"expert-parallel rank {rank} exited with code {worker.exitcode} "
@@ -216,11 +226,11 @@ class EPEngine(Engine):
 
     def _watch(self) -> None:
         """Mark the group broken as soon as any other rank exits."""
-        sentinels = {w.sentinel: rank for rank, w in enumerate(self._workers, start=1)}
+        sentinels = {w.sentinel: rank for rank, w in enumerate(self.workers, start=1)}
         ready = multiprocessing.connection.wait(list(sentinels))
         if not self._closing:
             rank = sentinels[ready[0]]
-            self._fail(f"rank {rank} exited with code {self._workers[rank - 1].exitcode}")
+            self._fail(f"rank {rank} exited with code {self.workers[rank - 1].exitcode}")
 
     def _fail(self, reason: str) -> None:
         if self.failure is None:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kernels import registry
 from kernels.config import MoEConfig, RoutingConfig
 from kernels.experts.reference import ReferenceExperts
 from kernels.modular import ModularKernel
@@ -258,3 +259,15 @@ def test_bad_placement_file_is_refused_naming_the_file_and_problem(
 def test_missing_placement_file_names_the_path(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cannot read it"):
         Placement.from_file(tmp_path / "nope.json", num_experts=4, world_size=2)
+
+
+def test_expert_parallel_selection_pairs_naive_ep_and_names_unfit_backends(
+    tiny_config: MoEConfig,
+) -> None:
+    cpu = torch.device("cpu")
+    auto = registry.select(tiny_config, cpu, expert_parallel=True)
+    assert auto.experts is ReferenceExperts and auto.prepare_finalize is NaiveEP
+    assert "standard format" in auto.rejected["reference-batched"]
+    with pytest.raises(ValueError, match=r"reference-batched.*standard format"):
+        registry.select(tiny_config, cpu, "reference-batched", expert_parallel=True)
+    assert registry.select(tiny_config, cpu).prepare_finalize is NoEP
