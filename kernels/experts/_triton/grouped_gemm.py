@@ -1,0 +1,385 @@
+"""One grouped GEMM for both MoE GEMMs and both formats.
+
+For each block of BLOCK_M rows that all belong to expert e:
+    C[rows] = epilogue(A[rows // a_div] @ dequant(W[e]).T)
+where the rows come from `align_pairs` (standard format: pair ids, A row = pair // top_k, so the
+input is gathered, never permuted) or from an expert's valid rows of [E, max_tokens, K]
+(batched format: blocks past an expert's count exit at once). The epilogue adds the bias,
+applies the gated activation (GEMM1: gate and up tiles accumulate side by side, so the 2I-wide
+product never reaches memory) and multiplies by the pair's router weight (GEMM2).
+Weights are dequantised in the K loop; fp8 activations go to the tensor cores as fp8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.config import Activation, ActivationSpec, GateUp
+from kernels.experts._triton.align import AlignedPairs
+from kernels.quant_scheme import FP8_BLOCK, MXFP4_GROUP, ActQuant, QuantConfig, QuantScheme
+
+
+class WeightKind(IntEnum):
+    """How the kernel turns stored weights into dot operands (constexpr values)."""
+
+    DENSE = 0  # 16/32-bit, as stored
+    FP8_TENSOR = 1  # fp8, one scale per expert, applied after the K loop
+    PER_CHANNEL = 2  # fp8 or int8, one scale per output row, applied after the K loop
+    FP8_BLOCK = 3  # fp8, one scale per 128 x 128 tile, applied per K step
+    INT4_GROUP = 4  # nibbles - 8, one scale per `group` K columns, dequantised before the dot
+    MXFP4 = 5  # e2m1 nibbles, 2**(e8m0 - 127) per 32 K columns, dequantised before the dot
+
+
+_WEIGHT_KIND = {
+    QuantScheme.NONE: WeightKind.DENSE,
+    QuantScheme.FP8_TENSOR: WeightKind.FP8_TENSOR,
+    QuantScheme.FP8_TOKEN: WeightKind.PER_CHANNEL,
+    QuantScheme.FP8_BLOCK: WeightKind.FP8_BLOCK,
+    QuantScheme.INT8_W8A16: WeightKind.PER_CHANNEL,
+    QuantScheme.INT4_W4A16: WeightKind.INT4_GROUP,
+    QuantScheme.MXFP4: WeightKind.MXFP4,
+}
+_ACT_SCALE = {None: 0, ActQuant.TENSOR: 1, ActQuant.TOKEN: 2, ActQuant.GROUP: 3}
+_ACTIVATION = {Activation.SILU: 1, Activation.GELU: 2, Activation.SWIGLUOAI: 3}
+
+
+@dataclass(frozen=True)
+class Activations:
+    """A: [R, K] rows the GEMM reads (fp8 with `scale`, or 16/32-bit with none)."""
+
+    data: torch.Tensor  # [R, K]
+    scale: torch.Tensor | None = None  # [1], [R, 1] or [R, ceil(K/128)] float32
+    act_quant: ActQuant | None = None
+    pairs_per_row: int = 1  # output row r reads A row r // pairs_per_row (top_k for tokens)
+
+
+@dataclass(frozen=True)
+class ExpertMatrix:
+    """One GEMM's weights for every expert: logical [E, N, K] in `quant`'s stored layout."""
+
+    data: torch.Tensor  # [E, N, K], packed 4-bit [E, N, K/2]
+    scale: torch.Tensor | None
+    bias: torch.Tensor | None  # [E, N]
+    quant: QuantConfig
+
+    @property
+    def n(self) -> int:
+        return self.data.shape[1]
+
+    @property
+    def k(self) -> int:
+        return self.data.shape[2] * (2 if self.quant.scheme.packs_two_per_byte else 1)
+
+
+@dataclass(frozen=True)
+class BatchedRows:
+    """Batched format: row e * max_tokens + t is valid when t < tokens_per_expert[e]."""
+
+    tokens_per_expert: torch.Tensor  # [E] int32
+    max_tokens: int
+    block_m: int
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    gate_up: ActivationSpec | None = None  # GEMM1: fuse this gated activation (N -> N / 2)
+    row_weights: torch.Tensor | None = None  # GEMM2: [P] float32 router weight per pair
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@triton.jit
+def _load_tile(ptrs, mask):
+    """tl.load with zeros where masked; fp8 travels as its bytes (the interpreter cannot fill
+    fp8 lanes, and the bitcast costs nothing compiled)."""
+    if ptrs.dtype.element_ty == tl.float8e4nv:
+        raw = tl.load(ptrs.to(tl.pointer_type(tl.uint8)), mask=mask, other=0)
+        return raw.to(tl.float8e4nv, bitcast=True)
+    return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
+def _weight_tile(
+    w_ptr,  # this expert's [N, K'] block
+    s_ptr,  # this expert's scales
+    n_rows,  # [BLOCK_N] weight rows
+    n_mask,
+    offs_k,  # [BLOCK_K]
+    k_mask,
+    stride_wn,
+    stride_wk,
+    stride_sn,
+    stride_sk,
+    KIND: tl.constexpr,
+    GROUP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """[BLOCK_K, BLOCK_N] dot operand: as stored (dense, fp8, int8 as float) or dequantised."""
+    mask = k_mask[:, None] & n_mask[None, :]
+    if KIND == 4 or KIND == 5:  # two nibbles per byte, element 2j low
+        byte = tl.load(
+            w_ptr + n_rows[None, :] * stride_wn + (offs_k[:, None] // 2) * stride_wk,
+            mask=mask,
+            other=0,
+        )
+        nibble = (byte >> ((offs_k[:, None] % 2) * 4).to(tl.uint8)) & 0xF
+        scale = tl.load(
+            s_ptr + n_rows[None, :] * stride_sn + (offs_k[:, None] // GROUP) * stride_sk,
+            mask=mask,
+            other=0,
+        )
+        if KIND == 4:
+            w = (nibble.to(tl.int32) - 8).to(tl.float32) * scale
+        else:  # e2m1: exponent bits 1-2, mantissa bit 0, sign bit 3
+            exp = ((nibble >> 1) & 3).to(tl.float32)
+            man = (nibble & 1).to(tl.float32)
+            mag = tl.where(exp == 0, man * 0.5, (1.0 + man * 0.5) * tl.exp2(exp - 1.0))
+            mag = mag * tl.exp2(scale.to(tl.float32) - 127.0)
+            w = tl.where((nibble & 8) != 0, -mag, mag)
+        return w.to(DOT_DTYPE)
+    w = _load_tile(w_ptr + n_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask)
+    if w.dtype != DOT_DTYPE:  # int8 (w8a16); fp8 and 16-bit weights go to the dot as stored
+        w = w.to(DOT_DTYPE)
+    return w
+
+
+@triton.jit
+def _block_scales(a_s_ptr, a_rows, stride_asm, s_ptr, n_rows, stride_sn, stride_sk, k0):
+    """fp8-block: ([BLOCK_M] activation group scales, [BLOCK_N] weight tile scales) at k0."""
+    kb = k0 // 128
+    a_s = tl.load(a_s_ptr + a_rows * stride_asm + kb)
+    b_s = tl.load(s_ptr + (n_rows // 128) * stride_sn + kb * stride_sk)
+    return a_s, b_s
+
+
+@triton.jit
+def _after_k_scales(acc, a_s_ptr, a_rows, stride_asm, s_ptr, n_rows, ACT_SCALE, KIND, stride_sn):
+    """Scales constant along K: activation (tensor / row) times weight (expert / row)."""
+    if ACT_SCALE == 1:
+        acc = acc * tl.load(a_s_ptr)
+    if ACT_SCALE == 2:
+        acc = acc * tl.load(a_s_ptr + a_rows * stride_asm)[:, None]
+    if KIND == 1:
+        acc = acc * tl.load(s_ptr)
+    if KIND == 2:
+        acc = acc * tl.load(s_ptr + n_rows * stride_sn)[None, :]
+    return acc
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,
+    a_s_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    c_ptr,
+    row_ids_ptr,
+    block_expert_ptr,
+    tokens_per_expert_ptr,
+    row_weights_ptr,
+    num_pairs,
+    max_tokens,
+    a_div,
+    n_out,
+    k,
+    up_offset,
+    stride_am,
+    stride_asm,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_se,
+    stride_sn,
+    stride_sk,
+    stride_be,
+    stride_cm,
+    alpha,
+    limit,
+    BATCHED: tl.constexpr,
+    KIND: tl.constexpr,
+    ACT_SCALE: tl.constexpr,
+    GROUP: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # 0: none, 1 silu, 2 gelu, 3 swigluoai (gate and up tiles)
+    GATE_STEP: tl.constexpr,  # weight row of gate n: n * GATE_STEP; of up n: that + up_offset
+    HAS_BIAS: tl.constexpr,
+    HAS_ROW_WEIGHTS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    if BATCHED:
+        blocks_per_expert = tl.cdiv(max_tokens, BLOCK_M)
+        expert = pid_m // blocks_per_expert
+        first = (pid_m % blocks_per_expert) * BLOCK_M
+        count = tl.load(tokens_per_expert_ptr + expert)
+        if first >= count:
+            return
+        row_mask = first + offs_m < count
+        rows = expert.to(tl.int64) * max_tokens + first + offs_m
+    else:
+        expert = tl.load(block_expert_ptr + pid_m)
+        if expert < 0:
+            return
+        rows = tl.load(row_ids_ptr + pid_m * BLOCK_M + offs_m).to(tl.int64)
+        row_mask = rows < num_pairs
+    rows = tl.where(row_mask, rows, 0)
+    a_rows = rows // a_div
+    expert = expert.to(tl.int64)
+    w_ptr += expert * stride_we
+    if KIND != 0:
+        s_ptr += expert * stride_se
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_out
+    gate_rows = offs_n * GATE_STEP
+    up_rows = gate_rows + up_offset
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < k
+        a = _load_tile(
+            a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
+            row_mask[:, None] & k_mask[None, :],
+        )
+        b = _weight_tile(
+            w_ptr, s_ptr, gate_rows, n_mask, offs_k, k_mask,
+            stride_wn, stride_wk, stride_sn, stride_sk, KIND, GROUP, DOT_DTYPE,
+        )  # fmt: skip
+        part = tl.dot(a, b, input_precision=DOT_PRECISION)
+        if KIND == 3:
+            a_s, b_s = _block_scales(
+                a_s_ptr, a_rows, stride_asm, s_ptr, gate_rows, stride_sn, stride_sk, k0
+            )
+            part = part * a_s[:, None] * b_s[None, :]
+        acc += part
+        if ACTIVATION != 0:
+            b = _weight_tile(
+                w_ptr, s_ptr, up_rows, n_mask, offs_k, k_mask,
+                stride_wn, stride_wk, stride_sn, stride_sk, KIND, GROUP, DOT_DTYPE,
+            )  # fmt: skip
+            part = tl.dot(a, b, input_precision=DOT_PRECISION)
+            if KIND == 3:
+                a_s, b_s = _block_scales(
+                    a_s_ptr, a_rows, stride_asm, s_ptr, up_rows, stride_sn, stride_sk, k0
+                )
+                part = part * a_s[:, None] * b_s[None, :]
+            acc_up += part
+
+    acc = _after_k_scales(acc, a_s_ptr, a_rows, stride_asm, s_ptr, gate_rows, ACT_SCALE, KIND,
+                          stride_sn)  # fmt: skip
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_be + gate_rows, mask=n_mask, other=0)[None, :]
+    if ACTIVATION != 0:
+        up = _after_k_scales(acc_up, a_s_ptr, a_rows, stride_asm, s_ptr, up_rows, ACT_SCALE,
+                             KIND, stride_sn)  # fmt: skip
+        if HAS_BIAS:
+            up += tl.load(bias_ptr + expert * stride_be + up_rows, mask=n_mask, other=0)[None, :]
+        if ACTIVATION == 1:
+            acc = acc * tl.sigmoid(acc) * up
+        elif ACTIVATION == 2:
+            acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476)) * up
+        else:
+            gate = tl.minimum(acc, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            acc = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+    if HAS_ROW_WEIGHTS:
+        acc = acc * tl.load(row_weights_ptr + rows, mask=row_mask, other=0)[:, None]
+    tl.store(
+        c_ptr + rows[:, None] * stride_cm + offs_n[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & n_mask[None, :],
+    )
+
+
+_DOT_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def _dot_dtype(a: torch.Tensor) -> tl.dtype:
+    return tl.float8e4nv if a.dtype == torch.float8_e4m3fn else _DOT_DTYPE[a.dtype]
+
+
+def _scale_strides(w: ExpertMatrix) -> tuple[int, int, int]:
+    """(expert, row, column) strides of the weight scale, 0 along axes it does not have."""
+    s = w.scale
+    if s is None:
+        return 0, 0, 0
+    strides = list(s.stride()) + [0] * (3 - s.dim())
+    return strides[0], strides[1], strides[2]
+
+
+def _weight_group(w: ExpertMatrix) -> int:
+    return {
+        QuantScheme.INT4_W4A16: w.quant.group_size,
+        QuantScheme.MXFP4: MXFP4_GROUP,
+        QuantScheme.FP8_BLOCK: FP8_BLOCK,
+    }.get(w.quant.scheme, 1)
+
+
+def grouped_gemm(
+    a: Activations,
+    w: ExpertMatrix,
+    out: torch.Tensor,
+    rows: AlignedPairs | BatchedRows,
+    epilogue: Epilogue,
+    tile: GemmTile,
+) -> None:
+    """Write `out` [rows, N'] (N' = N / 2 with a gated activation) for every valid row."""
+    spec = epilogue.gate_up
+    gated = spec is not None
+    n_out = w.n // 2 if gated else w.n
+    interleaved = gated and spec.gate_up == GateUp.INTERLEAVED
+    kind = _WEIGHT_KIND[w.quant.scheme]
+    if kind == WeightKind.FP8_BLOCK and FP8_BLOCK % tile.block_k:
+        raise ValueError(f"fp8-block needs block_k to divide {FP8_BLOCK}, got {tile.block_k}")
+    if isinstance(rows, AlignedPairs):
+        block_m, grid_m, max_tokens, num_pairs = rows.block_m, rows.num_blocks, 0, rows.num_pairs
+        row_ids, block_expert, tokens_per_expert = rows.row_ids, rows.block_expert, None
+    else:
+        block_m, max_tokens, num_pairs = rows.block_m, rows.max_tokens, 0
+        grid_m = w.data.shape[0] * triton.cdiv(max_tokens, block_m)
+        row_ids = block_expert = None
+        tokens_per_expert = rows.tokens_per_expert
+    if grid_m == 0:
+        return
+    s_e, s_n, s_k = _scale_strides(w)
+    grid = (grid_m, triton.cdiv(n_out, tile.block_n))
+    _grouped_gemm_kernel[grid](
+        a.data, a.scale, w.data, w.scale, w.bias, out,
+        row_ids, block_expert, tokens_per_expert, epilogue.row_weights,
+        num_pairs, max_tokens, a.pairs_per_row, n_out, w.k,
+        1 if interleaved else n_out,
+        a.data.stride(0), a.scale.stride(0) if a.scale is not None and a.scale.dim() == 2 else 0,
+        w.data.stride(0), w.data.stride(1), w.data.stride(2), s_e, s_n, s_k,
+        w.bias.stride(0) if w.bias is not None else 0, out.stride(0),
+        spec.alpha if gated else 0.0, spec.limit if gated else 0.0,
+        BATCHED=isinstance(rows, BatchedRows),
+        KIND=int(kind),
+        ACT_SCALE=_ACT_SCALE[a.act_quant],
+        GROUP=_weight_group(w),
+        ACTIVATION=_ACTIVATION[spec.kind] if gated else 0,
+        GATE_STEP=2 if interleaved else 1,
+        HAS_BIAS=w.bias is not None,
+        HAS_ROW_WEIGHTS=epilogue.row_weights is not None,
+        DOT_DTYPE=_dot_dtype(a.data),
+        DOT_PRECISION="ieee" if a.data.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )  # fmt: skip

@@ -1,0 +1,123 @@
+"""Tile sizes for one layer and batch: a tuned JSON file when one matches, else a heuristic.
+
+Files live in kernels/tuned/ (written by `moe-serve tune`), one per layer shape, scheme, dtype
+and GPU; inside, one entry per token-count bucket M. Both GEMMs share block_m, because they
+share the expert-aligned row order; each has its own block_n / block_k / warps / stages.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from kernels.config import MoEConfig
+from kernels.experts._triton.grouped_gemm import GemmTile
+from kernels.quant_scheme import FP8_BLOCK, QuantScheme
+
+log = logging.getLogger(__name__)
+
+TUNED_DIR = Path(__file__).resolve().parents[2] / "tuned"
+_SMEM_BUDGET_BYTES = 160 * 1024  # of Hopper's 227 KiB per block, leaving room for the epilogue
+
+
+@dataclass(frozen=True)
+class LayerTiles:
+    block_m: int
+    gemm1: GemmTile
+    gemm2: GemmTile
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, entry: dict) -> LayerTiles:
+        return cls(entry["block_m"], GemmTile(**entry["gemm1"]), GemmTile(**entry["gemm2"]))
+
+
+@dataclass(frozen=True)
+class TileKey:
+    """What a tuned file is specific to."""
+
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    scheme: str
+    dtype: str
+    device_name: str
+
+    @classmethod
+    def of(cls, cfg: MoEConfig, device_name: str) -> TileKey:
+        dtype = str(cfg.dtype).removeprefix("torch.")
+        return cls(
+            cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.quant.scheme, dtype,
+            device_name,
+        )  # fmt: skip
+
+    def filename(self) -> str:
+        device = "".join(c if c.isalnum() else "_" for c in self.device_name)
+        return (
+            f"E={self.num_experts},H={self.hidden_size},I={self.intermediate_size},"
+            f"scheme={self.scheme},dtype={self.dtype},device={device}.json"
+        )
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+@cache
+def _tuned_table(filename: str) -> dict[int, LayerTiles]:
+    path = TUNED_DIR / filename
+    if not path.exists():
+        return {}
+    buckets = json.loads(path.read_text())["buckets"]
+    log.info("using tuned Triton tiles from %s", path.name)
+    return {int(m): LayerTiles.from_json(entry) for m, entry in buckets.items()}
+
+
+def read_table(path: Path) -> dict[int, LayerTiles]:
+    """A tuned file's buckets (for `moe-serve tune` to resume); empty if it does not exist."""
+    if not path.exists():
+        return {}
+    return {
+        int(m): LayerTiles.from_json(e) for m, e in json.loads(path.read_text())["buckets"].items()
+    }
+
+
+def _stages(block_m: int, block_n: int, block_k: int, b_tiles: int, elem_bytes: int) -> int:
+    """As many pipeline stages (2 to 4) as fit the shared-memory budget."""
+    per_stage = (block_m * block_k + b_tiles * block_k * block_n) * elem_bytes
+    return max(2, min(4, _SMEM_BUDGET_BYTES // per_stage))
+
+
+def heuristic_tiles(cfg: MoEConfig, num_tokens: int) -> LayerTiles:
+    """Small row tiles when each expert sees few rows (decode), large ones for prefill."""
+    rows_per_expert = num_tokens * cfg.top_k / cfg.num_experts
+    if rows_per_expert <= 16:
+        block_m, block_n, block_k, warps = 16, 64, 128, 4
+    elif rows_per_expert <= 64:
+        block_m, block_n, block_k, warps = 32, 64, 128, 4
+    elif rows_per_expert <= 256:
+        block_m, block_n, block_k, warps = 64, 128, 64, 4
+    else:
+        block_m, block_n, block_k, warps = 128, 128, 64, 8
+    if cfg.quant.scheme == QuantScheme.FP8_BLOCK:
+        block_k = min(block_k, FP8_BLOCK)
+    elem = 1 if cfg.quant.scheme.act_quant else cfg.dtype.itemsize
+    gemm1 = GemmTile(block_n, block_k, warps, _stages(block_m, block_n, block_k, 2, elem))
+    gemm2 = GemmTile(block_n, block_k, warps, _stages(block_m, block_n, block_k, 1, elem))
+    return LayerTiles(block_m, gemm1, gemm2)
+
+
+def tiles_for(cfg: MoEConfig, num_tokens: int, device: torch.device) -> LayerTiles:
+    """The tuned entry of the nearest M bucket for this layer on this GPU, else the heuristic."""
+    table = _tuned_table(TileKey.of(cfg, device_name(device)).filename())
+    if not table:
+        return heuristic_tiles(cfg, num_tokens)
+    nearest = min(table, key=lambda m: (abs(m - num_tokens), m))
+    return table[nearest]

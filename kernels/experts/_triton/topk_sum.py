@@ -1,0 +1,39 @@
+"""Sum each token's k already-weighted expert rows: [M * k, H] -> [M, H], skipping slots whose
+expert lives elsewhere (id -1), whose rows nothing wrote. Accumulates in float32."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_H = 1024
+
+
+@triton.jit
+def _topk_sum_kernel(
+    y_ptr, ids_ptr, out_ptr, h, stride_y, stride_out, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < h
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = token * TOP_K + slot
+        here = tl.load(ids_ptr + pair) + tl.zeros_like(offs) >= 0  # [BLOCK_H]
+        acc += tl.load(y_ptr + pair * stride_y + offs, mask=mask & here, other=0).to(tl.float32)
+    tl.store(out_ptr + token * stride_out + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def topk_sum(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """y [M * k, H] weighted rows, topk_ids [M, k] local ids -> out [M, H]."""
+    m, k = topk_ids.shape
+    h = out.shape[1]
+    if m == 0:
+        return out
+    block_h = min(_BLOCK_H, triton.next_power_of_2(h))
+    grid = (m, triton.cdiv(h, block_h))
+    _topk_sum_kernel[grid](
+        y, topk_ids, out, h, y.stride(0), out.stride(0), TOP_K=k, BLOCK_H=block_h
+    )
+    return out

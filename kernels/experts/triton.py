@@ -1,0 +1,139 @@
+"""Our Triton experts: GEMM1 (+ bias, gated activation) -> GEMM2 (+ bias, router weight), for
+every quant scheme, in the standard (`triton`) and batched (`triton-batched`) formats.
+
+Standard format, for M tokens and P = M * k (token, slot) pairs:
+    aligned = align_pairs(topk_ids)           # pair ids sorted by expert, runs padded to BLOCK_M
+    h[p] = act(x[p // k] @ W13[e_p].T + b13)  # [P, I], input rows gathered, never permuted
+    h    = quant(h) over all pairs            # fp8 schemes, as the reference does
+    y[p] = w_p * (h[p] @ W2[e_p].T + b2)      # [P, H]
+    out[t] = sum over the token's local slots of y   # [M, H]
+The batched format runs the same two GEMMs over the valid rows of [E, max_tokens, K] and leaves
+weight-and-reduce to finalize. Kernel bodies are in kernels/experts/_triton/.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import ClassVar
+
+import torch
+
+from kernels.config import MoEConfig
+from kernels.quant_scheme import ActQuant, QuantScheme
+from kernels.quantize import quantize_activation
+from kernels.registry import register_experts
+from kernels.stages import YES, Experts, Support, cuda_capability
+from kernels.tensors import Dispatched, ExpertWeights, Format
+from kernels.workspace import Workspace
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+if HAS_TRITON:  # without it the backends stay registered and say why they cannot run
+    from kernels.experts._triton.align import AlignedPairs, align_pairs
+    from kernels.experts._triton.grouped_gemm import (
+        Activations,
+        BatchedRows,
+        Epilogue,
+        ExpertMatrix,
+        grouped_gemm,
+    )
+    from kernels.experts._triton.tiles import LayerTiles, tiles_for
+    from kernels.experts._triton.topk_sum import topk_sum
+
+_FP8_CAPABILITY = (8, 9)  # fp8 tensor-core dots: Ada and Hopper onwards
+
+
+class _TritonBase(Experts):
+    schemes: ClassVar[frozenset[QuantScheme]] = frozenset(QuantScheme)
+
+    def __init__(self, cfg: MoEConfig, weights: ExpertWeights) -> None:
+        super().__init__(cfg, weights)
+        self.w13 = ExpertMatrix(weights.w13, weights.w13_scale, weights.w13_bias, cfg.quant)
+        self.w2 = ExpertMatrix(weights.w2, weights.w2_scale, weights.w2_bias, cfg.quant)
+
+    @classmethod
+    def environment(cls, device: torch.device) -> Support:
+        if not HAS_TRITON:
+            return Support(False, "triton is not installed (pip install 'moe-serve[gpu]')")
+        if cuda_capability(device) is None:
+            return Support(False, f"needs a CUDA GPU, {device} has none")
+        return YES
+
+    @classmethod
+    def supports(cls, cfg: MoEConfig | None, device: torch.device) -> Support:
+        support = super().supports(cfg, device)
+        capability = cuda_capability(device)
+        needs_fp8 = cfg is not None and cfg.quant.scheme.act_quant is not None
+        if support and needs_fp8 and capability < _FP8_CAPABILITY:
+            return Support(False, f"fp8 dots need compute capability 8.9+, got {capability}")
+        return support
+
+    @property
+    def intermediate_dtype(self) -> torch.dtype:
+        # fp8 schemes quantise the intermediate from float32, exactly as the reference does
+        return torch.float32 if self.act_quant() else self.cfg.dtype
+
+    def _gemms(
+        self,
+        a: Activations,
+        rows: AlignedPairs | BatchedRows,
+        h: torch.Tensor,  # [R, I]
+        y: torch.Tensor,  # [R, H]
+        tiles: LayerTiles,
+        row_weights: torch.Tensor | None,  # [R] float32, standard format only
+    ) -> None:
+        """GEMM1 + activation into h, quantise h if the scheme does, GEMM2 into y."""
+        how = self.act_quant()
+        if how == ActQuant.TENSOR:
+            h.zero_()  # rows no pair writes must not raise the one tensor-wide scale
+        grouped_gemm(a, self.w13, h, rows, Epilogue(gate_up=self.cfg.activation), tiles.gemm1)
+        second = Activations(h) if how is None else Activations(*quantize_activation(h, how), how)
+        grouped_gemm(second, self.w2, y, rows, Epilogue(row_weights=row_weights), tiles.gemm2)
+
+
+@register_experts
+class TritonExperts(_TritonBase):
+    name: ClassVar[str] = "triton"
+    format: ClassVar[Format] = Format.STANDARD
+    reduces_topk: ClassVar[bool] = True
+
+    def workspace_shapes(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        cfg = self.cfg
+        pairs = num_tokens * cfg.top_k
+        return {
+            "triton_intermediate": ((pairs, cfg.intermediate_size), self.intermediate_dtype),
+            "triton_pair_out": ((pairs, cfg.hidden_size), cfg.dtype),
+            "triton_out": ((num_tokens, cfg.hidden_size), cfg.dtype),
+        }
+
+    def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
+        m, k = x.topk_ids.shape
+        buf = {name: ws.get(name, *spec) for name, spec in self.workspace_shapes(m).items()}
+        tiles = tiles_for(self.cfg, m, x.hidden.device)
+        aligned = align_pairs(x.topk_ids, self.weights.num_experts, tiles.block_m)
+        a = Activations(x.hidden, x.scale, x.act_quant, pairs_per_row=k)
+        row_weights = x.topk_weights.float().flatten().contiguous()  # [P]
+        pair_out = buf["triton_pair_out"]
+        self._gemms(a, aligned, buf["triton_intermediate"], pair_out, tiles, row_weights)
+        return topk_sum(pair_out, x.topk_ids, buf["triton_out"])
+
+
+@register_experts
+class TritonBatchedExperts(_TritonBase):
+    name: ClassVar[str] = "triton-batched"
+    format: ClassVar[Format] = Format.BATCHED
+
+    def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
+        cfg = self.cfg
+        num_experts, max_tokens, hidden = x.hidden.shape
+        rows = num_experts * max_tokens
+        tiles = tiles_for(cfg, x.num_tokens, x.hidden.device)
+        scale = x.scale
+        if scale is not None and x.act_quant != ActQuant.TENSOR:
+            scale = scale.reshape(rows, -1)  # [E, max_tokens, G] -> [E * max_tokens, G]
+        a = Activations(x.hidden.reshape(rows, hidden), scale, x.act_quant)
+        h = ws.get("triton_batched_intermediate", (rows, cfg.intermediate_size),
+                   self.intermediate_dtype)  # fmt: skip
+        out = ws.get("triton_batched_out", (num_experts, max_tokens, cfg.hidden_size), cfg.dtype)
+        batched = BatchedRows(x.tokens_per_expert, max_tokens, tiles.block_m)
+        self._gemms(a, batched, h, out.view(rows, cfg.hidden_size), tiles, None)
+        return out

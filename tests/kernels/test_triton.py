@@ -1,0 +1,199 @@
+"""The Triton experts on CPU, under Triton's interpreter (fp16 / fp32 / fp8 on tiny shapes),
+against the reference backend; plus the align step and tile selection.
+
+bf16 runs on the GPU only (tests/kernels/test_triton_gpu.py): the interpreter's bf16 dot is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is decorated
+
+import json
+
+import pytest
+import torch
+
+from kernels.config import Activation, GateUp
+from kernels.experts._triton import tiles
+from kernels.experts._triton.align import align_pairs, aligned_capacity
+from kernels.experts._triton.grouped_gemm import GemmTile
+from kernels.experts.triton import TritonBatchedExperts, TritonExperts
+from kernels.modular import ModularKernel
+from kernels.prepare_finalize.no_ep import NoEP
+from kernels.quant_scheme import QuantScheme
+from kernels.routing import contiguous_expert_map
+from kernels.tensors import Format
+from kernels.testing import random_expert_weights
+from kernels.workspace import Workspace
+from tests.kernels.triton_cases import (
+    ALL_SCHEMES,
+    Case,
+    random_routing,
+    tolerance,
+    triton_vs_reference,
+)
+
+CPU = torch.device("cpu")
+FORMATS = (Format.STANDARD, Format.BATCHED)
+
+
+# ---- align ---------------------------------------------------------------------------------
+
+
+def _runs(topk_ids: torch.Tensor, num_experts: int) -> dict[int, list[int]]:
+    """The align step's plain twin: expert -> its pair ids, ascending."""
+    runs: dict[int, list[int]] = {}
+    for pair, e in enumerate(topk_ids.flatten().tolist()):
+        if e >= 0:
+            runs.setdefault(e, []).append(pair)
+    return runs
+
+
+@pytest.mark.parametrize(("m", "block_m"), [(1, 16), (7, 16), (50, 32), (333, 64)])
+def test_align_groups_every_local_pair_into_padded_runs_of_its_expert(m: int, block_m: int) -> None:
+    num_experts, k = 6, 3
+    ids = random_routing(m, num_experts, k, seed=m).topk_ids
+    ids[ids == 2] = -1  # an expert on another rank
+    aligned = align_pairs(ids, num_experts, block_m)
+    rows = aligned.row_ids.view(-1, block_m)
+    assert rows.shape[0] == aligned.num_blocks
+    assert aligned.row_ids.numel() == aligned_capacity(m * k, num_experts, block_m)
+    found: dict[int, list[int]] = {}
+    for block, e in enumerate(aligned.block_expert.tolist()):
+        pairs = [p for p in rows[block].tolist() if p < m * k]
+        if e < 0:
+            assert not pairs, "a block without an expert holds pairs"
+            continue
+        found.setdefault(e, []).extend(pairs)
+        assert all(ids.flatten()[p] == e for p in pairs)
+    assert found == _runs(ids, num_experts)
+
+
+def test_align_gives_no_block_to_an_expert_without_pairs() -> None:
+    ids = torch.tensor([[0, 3], [3, 0], [0, 3]], dtype=torch.int32)
+    aligned = align_pairs(ids, num_experts=5, block_m=16)
+    used = aligned.block_expert[aligned.block_expert >= 0].tolist()
+    assert used == [0, 3]
+
+
+def test_align_of_pairs_all_on_other_ranks_leaves_every_block_unused() -> None:
+    aligned = align_pairs(torch.full((4, 2), -1, dtype=torch.int32), num_experts=3, block_m=16)
+    assert (aligned.block_expert == -1).all()
+    assert (aligned.row_ids == 8).all()
+
+
+# ---- the experts against the reference -------------------------------------------------------
+
+
+def _scheme_cases() -> list:
+    """Every scheme in both formats, alternating fp16 / fp32 and the activations."""
+    params = []
+    kinds = [(Activation.SILU, GateUp.SPLIT), (Activation.GELU, GateUp.SPLIT),
+             (Activation.SWIGLUOAI, GateUp.INTERLEAVED)]  # fmt: skip
+    for i, scheme in enumerate(ALL_SCHEMES):
+        activation, layout = kinds[i % 3]
+        dtype = torch.float16 if i % 2 else torch.float32
+        case = Case(scheme, dtype, activation, layout, has_bias=activation == Activation.SWIGLUOAI)
+        for fmt in FORMATS:
+            name = f"{scheme}-{str(dtype)[6:]}-{activation}-{fmt}"
+            params.append(pytest.param(case, fmt, id=name))
+    return params
+
+
+@pytest.mark.parametrize(("case", "fmt"), _scheme_cases())
+def test_triton_matches_reference_for_every_scheme_and_format(case: Case, fmt: Format) -> None:
+    cfg = case.config()
+    err = triton_vs_reference(cfg, random_routing(9, cfg.num_experts, cfg.top_k, seed=1), CPU, fmt)
+    assert err < tolerance(cfg)
+
+
+@pytest.mark.parametrize("activation", list(Activation))
+@pytest.mark.parametrize("layout", list(GateUp))
+def test_fused_activation_matches_reference_for_each_gate_up_layout_with_bias(
+    activation: Activation, layout: GateUp
+) -> None:
+    cfg = Case(activation=activation, gate_up=layout, has_bias=True).config()
+    err = triton_vs_reference(cfg, random_routing(5, 4, 2, seed=3), CPU)
+    assert err < tolerance(cfg)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    "scheme", [QuantScheme.NONE, QuantScheme.FP8_BLOCK, QuantScheme.INT4_W4A16]
+)
+def test_single_token_matches_reference(fmt: Format, scheme: QuantScheme) -> None:
+    cfg = Case(scheme).config()
+    assert triton_vs_reference(cfg, random_routing(1, 4, 2, seed=4), CPU, fmt) < tolerance(cfg)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_all_tokens_on_one_expert_and_empty_experts_match_reference(fmt: Format) -> None:
+    cfg = Case(num_experts=8, top_k=2).config()
+    routing = random_routing(40, 8, 2, seed=5, only=6)  # 6 takes all 40; some others none
+    assert triton_vs_reference(cfg, routing, CPU, fmt) < tolerance(cfg)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scheme", [QuantScheme.NONE, QuantScheme.FP8_TENSOR])
+def test_expert_map_skips_pairs_of_experts_on_other_ranks(fmt: Format, scheme: QuantScheme) -> None:
+    cfg = Case(scheme, num_experts=6, top_k=3).config()
+    expert_map = contiguous_expert_map(6, rank=1, world_size=2)  # experts 3..5 here, 0..2 -1
+    routing = random_routing(11, 6, 3, seed=6)
+    assert triton_vs_reference(cfg, routing, CPU, fmt, expert_map) < tolerance(cfg)
+
+
+def test_repeated_forwards_reuse_the_workspace() -> None:
+    cfg = Case().config()
+    ws = Workspace(CPU)
+    kernel = ModularKernel(NoEP(), TritonExperts(cfg, random_expert_weights(cfg)), ws,
+                           max_tokens=16)  # fmt: skip
+    allocated = ws.allocations
+    for m in (16, 3, 40):  # 40: three chunks of at most 16
+        routing = random_routing(m, 4, 2, seed=m)
+        kernel.forward(torch.randn(m, 64).half(), routing)
+    assert ws.allocations == allocated
+
+
+# ---- selection and tiles -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [TritonExperts, TritonBatchedExperts])
+def test_triton_backends_are_not_offered_without_a_cuda_gpu(cls: type) -> None:
+    support = cls.supports(Case().config(), CPU)
+    assert not support and "cuda" in support.reason
+
+
+def test_heuristic_uses_small_row_tiles_for_decode_and_large_for_prefill() -> None:
+    cfg = Case(num_experts=8, top_k=2).config()
+    assert tiles.heuristic_tiles(cfg, 1).block_m == 16
+    assert tiles.heuristic_tiles(cfg, 8192).block_m == 128
+
+
+def test_heuristic_block_k_divides_the_fp8_weight_block() -> None:
+    cfg = Case(QuantScheme.FP8_BLOCK).config()
+    for m in (1, 64, 4096):
+        assert 128 % tiles.heuristic_tiles(cfg, m).gemm1.block_k == 0
+
+
+def test_tuned_file_wins_over_the_heuristic_at_the_nearest_bucket(tmp_path, monkeypatch) -> None:
+    cfg = Case().config()
+    small = tiles.LayerTiles(16, GemmTile(32, 64, 2, 2), GemmTile(32, 32, 2, 3))
+    large = tiles.LayerTiles(64, GemmTile(64, 32, 4, 3), GemmTile(128, 64, 8, 4))
+    name = tiles.TileKey.of(cfg, "cpu").filename()
+    body = {"buckets": {"1": small.to_json(), "1024": large.to_json()}}
+    (tmp_path / name).write_text(json.dumps(body))
+    monkeypatch.setattr(tiles, "TUNED_DIR", tmp_path)
+    tiles._tuned_table.cache_clear()
+    try:
+        assert tiles.tiles_for(cfg, 3, CPU) == small
+        assert tiles.tiles_for(cfg, 900, CPU) == large
+    finally:
+        tiles._tuned_table.cache_clear()
+
+
+def test_shipped_tuned_files_parse() -> None:
+    for path in tiles.TUNED_DIR.glob("*.json"):
+        table = tiles.read_table(path)
+        assert table, f"{path.name} has no buckets"

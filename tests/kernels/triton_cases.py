@@ -1,0 +1,99 @@
+"""Shared by the CPU (interpreter) and GPU tests of the Triton experts: one tolerance table,
+layer builders and the side-by-side run against the reference backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.config import Activation, ActivationSpec, GateUp, MoEConfig, RoutingConfig
+from kernels.experts.reference import ReferenceExperts
+from kernels.experts.triton import TritonBatchedExperts, TritonExperts
+from kernels.modular import ModularKernel
+from kernels.prepare_finalize.batched import Batched
+from kernels.prepare_finalize.no_ep import NoEP
+from kernels.quant_scheme import QuantConfig, QuantScheme
+from kernels.tensors import Format, Routing
+from kernels.testing import random_expert_weights, relative_error
+from kernels.workspace import Workspace
+
+# Relative L2 error against the reference backend (same quantised weights, float32 math).
+# 16-bit: products and the stored intermediate round to the activation dtype. fp8 schemes: the
+# intermediate is re-quantised; a value on an fp8 rounding midpoint may go either way.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+FP8_TOLERANCE = 3e-2
+ALL_SCHEMES = tuple(QuantScheme)
+
+
+def tolerance(cfg: MoEConfig) -> float:
+    base = TOLERANCE[cfg.dtype]
+    return max(base, FP8_TOLERANCE) if cfg.quant.scheme.act_quant else base
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layer configuration under test."""
+
+    scheme: QuantScheme = QuantScheme.NONE
+    dtype: torch.dtype = torch.float16
+    activation: Activation = Activation.SILU
+    gate_up: GateUp = GateUp.SPLIT
+    has_bias: bool = False
+    num_experts: int = 4
+    hidden: int = 64
+    intermediate: int = 96  # not a multiple of the 64-wide N tiles
+    top_k: int = 2
+    group_size: int = 32
+    limit: float = 1.5  # swigluoai: low enough that the clamps act on random inputs
+
+    def config(self) -> MoEConfig:
+        return MoEConfig(
+            num_experts=self.num_experts,
+            hidden_size=self.hidden,
+            intermediate_size=self.intermediate,
+            routing=RoutingConfig(top_k=self.top_k),
+            activation=ActivationSpec(self.activation, self.gate_up, limit=self.limit),
+            quant=QuantConfig(self.scheme, self.group_size),
+            dtype=self.dtype,
+            has_bias=self.has_bias,
+        )
+
+
+def random_routing(
+    m: int, num_experts: int, top_k: int, seed: int, only: int | None = None
+) -> Routing:
+    """Distinct experts per token; `only` sends every token's first slot to that expert."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(m)])
+    if only is not None:
+        others = [[e for e in row.tolist() if e != only][: top_k - 1] for row in ids]
+        ids = torch.tensor([[only, *rest] for rest in others])
+    weights = torch.rand(m, top_k, generator=g) + 0.1
+    return Routing(ids.reshape(m, top_k).to(torch.int32), weights / weights.sum(1, keepdim=True))
+
+
+def triton_vs_reference(
+    cfg: MoEConfig,
+    routing: Routing,
+    device: torch.device,
+    fmt: Format = Format.STANDARD,
+    expert_map: torch.Tensor | None = None,
+    seed: int = 0,
+) -> float:
+    """Relative error of the Triton experts in `fmt` against the reference, same inputs."""
+    weights = random_expert_weights(cfg, seed).to(device)
+    m = routing.topk_ids.shape[0]
+    g = torch.Generator().manual_seed(seed + 1)
+    hidden = torch.randn(m, cfg.hidden_size, generator=g).to(cfg.dtype).to(device)
+    routing = Routing(routing.topk_ids.to(device), routing.topk_weights.to(device))
+    local = weights if expert_map is None else weights.select(torch.nonzero(expert_map >= 0)[:, 0])
+    fast_cls, stage = (
+        (TritonExperts, NoEP()) if fmt == Format.STANDARD else (TritonBatchedExperts, Batched())
+    )
+    emap = None if expert_map is None else expert_map.to(device)
+    fast = ModularKernel(stage, fast_cls(cfg, local.to(device)), Workspace(device), emap)
+    ref = ModularKernel(NoEP(), ReferenceExperts(cfg, local.to(device)), Workspace(device), emap)
+    out = fast.forward(hidden, routing)
+    assert out.dtype == cfg.dtype and out.shape == hidden.shape
+    return relative_error(out.cpu(), ref.forward(hidden, routing).cpu())
