@@ -16,6 +16,8 @@ from service.errors import BadInput
 from service.inputs import check_inputs
 from service.kserve_codec import (
     HEADER_LENGTH,
+    InferRequest,
+    InferResponse,
     ModelMetadata,
     ServerMetadata,
     TensorMetadata,
@@ -85,10 +87,54 @@ def _header_length(request: Request) -> int | None:
     return int(value)
 
 
+_INFER_OPENAPI = {
+    "requestBody": {
+        "required": True,
+        "description": f"JSON; or, with the {HEADER_LENGTH} header, JSON followed by the raw "
+        "bytes of each input that has parameters.binary_data_size",
+        "content": {
+            "application/json": {
+                "schema": InferRequest.model_json_schema(),
+                "examples": {
+                    "JSON tensors": {
+                        "value": {
+                            "id": "42",
+                            "inputs": [
+                                {
+                                    "name": "hidden_states",
+                                    "shape": [1, 4],
+                                    "datatype": "FP32",
+                                    "data": [0.1, -0.2, 0.3, 0.0],
+                                }
+                            ],
+                        }
+                    },
+                    "binary output": {
+                        "value": {
+                            "inputs": [
+                                {
+                                    "name": "hidden_states",
+                                    "shape": [1, 4],
+                                    "datatype": "FP32",
+                                    "data": [0.1, -0.2, 0.3, 0.0],
+                                }
+                            ],
+                            "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
+                        }
+                    },
+                },
+            }
+        },
+    }
+}
+
+
 @router.post(
     "/models/{name}/infer",
     summary="Inference with JSON tensors or the binary tensor data extension",
+    response_model=InferResponse,
     responses={400: {"model": ErrorBody}, 404: {"model": ErrorBody}, 429: {"model": ErrorBody}},
+    openapi_extra=_INFER_OPENAPI,
 )
 async def infer(
     name: str, request: Request, body: BodyDep, engine: EngineDep, batcher: BatcherDep

@@ -152,6 +152,8 @@ def test_docs_and_openapi_describe_every_route_with_examples(client: TestClient)
     assert set(body) == {"application/json", "application/octet-stream"}
     assert body["application/json"]["examples"]
     assert all(op.get("summary") for route in spec["paths"].values() for op in route.values())
+    infer = spec["paths"]["/v2/models/{name}/infer"]["post"]["requestBody"]["content"]
+    assert infer["application/json"]["examples"]
 
 
 def test_request_id_that_could_forge_log_lines_is_replaced(client: TestClient) -> None:
@@ -210,3 +212,32 @@ def test_forward_needs_the_token(secured: TestClient) -> None:
         f"/v1/layers/{TINY}/forward", json=body, headers={"Authorization": f"Bearer {TOKEN}"}
     )
     assert ok.status_code == 200
+
+
+def test_full_queue_returns_429_with_retry_after_and_drops_nothing(
+    make_client, monkeypatch
+) -> None:
+    client = make_client(max_queue=1)
+    engine = client.app.state.runtime.engine
+    real, started, release = engine.forward, threading.Event(), threading.Event()
+
+    def busy(name, inputs):
+        started.set()
+        release.wait(10)
+        return real(name, inputs)
+
+    monkeypatch.setattr(engine, "forward", busy)
+    body = {"hidden_states": [[0.5] * H]}
+    first: list = []
+    waiting = threading.Thread(
+        target=lambda: first.append(client.post(f"/v1/layers/{TINY}/forward", json=body))
+    )
+    waiting.start()
+    assert started.wait(10)
+    r = client.post(f"/v1/layers/{TINY}/forward", json=body)
+    assert r.status_code == 429
+    assert r.headers["Retry-After"] == "1"
+    assert "already has 1 requests queued (max_queue=1)" in r.json()["error"]
+    release.set()
+    waiting.join(10)
+    assert first[0].status_code == 200
