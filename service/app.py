@@ -32,9 +32,9 @@ log = logging.getLogger(__name__)
 # A loader turns settings into layers whose weights are on `device`.
 LayerLoader = Callable[[Settings, torch.device], Sequence[LayerSource]]
 
-# Probes and scrapes answer without the bearer token: orchestrators and Prometheus hold none.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's id is echoed and logged
 
+# Probes and scrapes answer without the bearer token: orchestrators and Prometheus hold none.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready"})
 
 
