@@ -132,6 +132,7 @@ def run_summary(args: argparse.Namespace) -> int:
 
 def run_http(args: argparse.Namespace) -> int:
     _setup_logging()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request under load
     try:
         config = HttpBenchConfig(
             url=args.url,

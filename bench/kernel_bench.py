@@ -285,7 +285,9 @@ class KernelBench:
             except Exception as err:  # recorded with its reason, like an unsupported backend
                 not_run[backend] = f"build failed: {type(err).__name__}: {err}"
                 continue
+            started = time.monotonic()
             self._time_backend(layer, inputs, results)
+            log.info("%s: %s done in %.1f s", name, backend, time.monotonic() - started)
             del layer
             _free_device_memory()
         try:

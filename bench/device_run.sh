@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Both benchmarks in one call on a GPU host, from the project root:
+#     bash bench/device_run.sh OUT_DIR [COMMIT]
+# 1. the kernel benchmark (every available backend, reference shapes) -> OUT_DIR/kernels.json;
+# 2. the service benchmark on the demo layer, 64-token binary requests, with dynamic batching
+#    on (default --max-batch-tokens) and off (--max-batch-tokens 64, one request per forward)
+#    -> OUT_DIR/http-batching.json, OUT_DIR/http-no-batching.json.
+# Knobs (environment): BENCH_DEVICE (cuda), BENCH_SHAPES, BENCH_TOKENS, BENCH_KERNEL_MINUTES, BENCH_HTTP_SECONDS.
+set -uo pipefail
+out=${1:?usage: bench/device_run.sh OUT_DIR [COMMIT]}
+commit=${2:-}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+cli=(python3 -m service.cli)
+port=8765
+url=http://127.0.0.1:$port
+
+"${cli[@]}" bench kernels --device "${BENCH_DEVICE:-cuda}" \
+  --shapes "${BENCH_SHAPES:-deepseek-v3,gpt-oss,qwen3,mixtral,mixtral-fp8}" \
+  --tokens "${BENCH_TOKENS:-1,8,64,512,4096}" \
+  --budget-ms 50 --max-iters 30 --max-minutes "${BENCH_KERNEL_MINUTES:-5}" \
+  ${commit:+--commit "$commit"} --out "$out/kernels.json" 2>&1 | tee "$out/kernels.log"
+
+wait_ready() {  # up to 180 s for the demo layers to load and warm up
+  python3 - "$url" <<'PY'
+import sys, time, httpx
+deadline = time.monotonic() + 180
+while time.monotonic() < deadline:
+    try:
+        if httpx.get(sys.argv[1] + "/ready", timeout=2).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+sys.exit("server not ready after 180 s")
+PY
+}
+
+for mode in batching no-batching; do
+  extra=()
+  [ "$mode" = no-batching ] && extra=(--max-batch-tokens 64)
+  "${cli[@]}" serve --device "${BENCH_DEVICE:-cuda}" --port $port --log-level warning "${extra[@]}" \
+    >>"$out/serve.log" 2>&1 &
+  server=$!
+  if wait_ready; then
+    "${cli[@]}" bench http --url "$url" --layer demo --tokens 64 --concurrency 1,16,64,256 \
+      --duration "${BENCH_HTTP_SECONDS:-5}" --out "$out/http-$mode.json" 2>&1 \
+      | tee -a "$out/http.log"
+  else
+    echo "service ($mode) did not get ready; see serve.log" | tee -a "$out/http.log"
+  fi
+  kill "$server"
+  wait "$server"
+done
+
+"${cli[@]}" bench summary "$out/kernels.json" | tee "$out/summary.md"
