@@ -1,14 +1,11 @@
-"""The Triton experts on CPU, under Triton's interpreter (fp16 / fp32 / fp8 on tiny shapes),
-against the reference backend; plus the align step and tile selection.
+"""The Triton experts on tiny shapes (fp16 / fp32 / fp8) against the reference backend, plus the
+align step and tile selection. On a CPU the kernels run in Triton's interpreter
+(kernels/experts/_triton/__init__.py turns it on); with a GPU, compiled on it.
 
 bf16 runs on the GPU only (tests/kernels/test_triton_gpu.py): the interpreter's bf16 dot is wrong.
 """
 
 from __future__ import annotations
-
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is decorated
 
 import json
 
@@ -35,7 +32,7 @@ from tests.kernels.triton_cases import (
     triton_vs_reference,
 )
 
-CPU = torch.device("cpu")
+CPU = torch.device("cpu")  # selection and align; the kernels run on the `device` fixture
 FORMATS = (Format.STANDARD, Format.BATCHED)
 
 
@@ -103,19 +100,22 @@ def _scheme_cases() -> list:
 
 
 @pytest.mark.parametrize(("case", "fmt"), _scheme_cases())
-def test_triton_matches_reference_for_every_scheme_and_format(case: Case, fmt: Format) -> None:
+def test_triton_matches_reference_for_every_scheme_and_format(
+    case: Case, fmt: Format, device: torch.device
+) -> None:
     cfg = case.config()
-    err = triton_vs_reference(cfg, random_routing(9, cfg.num_experts, cfg.top_k, seed=1), CPU, fmt)
+    routing = random_routing(9, cfg.num_experts, cfg.top_k, seed=1)
+    err = triton_vs_reference(cfg, routing, device, fmt)
     assert err < tolerance(cfg)
 
 
 @pytest.mark.parametrize("activation", list(Activation))
 @pytest.mark.parametrize("layout", list(GateUp))
 def test_fused_activation_matches_reference_for_each_gate_up_layout_with_bias(
-    activation: Activation, layout: GateUp
+    activation: Activation, layout: GateUp, device: torch.device
 ) -> None:
     cfg = Case(activation=activation, gate_up=layout, has_bias=True).config()
-    err = triton_vs_reference(cfg, random_routing(5, 4, 2, seed=3), CPU)
+    err = triton_vs_reference(cfg, random_routing(5, 4, 2, seed=3), device)
     assert err < tolerance(cfg)
 
 
@@ -123,36 +123,43 @@ def test_fused_activation_matches_reference_for_each_gate_up_layout_with_bias(
 @pytest.mark.parametrize(
     "scheme", [QuantScheme.NONE, QuantScheme.FP8_BLOCK, QuantScheme.INT4_W4A16]
 )
-def test_single_token_matches_reference(fmt: Format, scheme: QuantScheme) -> None:
+def test_single_token_matches_reference(
+    fmt: Format, scheme: QuantScheme, device: torch.device
+) -> None:
     cfg = Case(scheme).config()
-    assert triton_vs_reference(cfg, random_routing(1, 4, 2, seed=4), CPU, fmt) < tolerance(cfg)
+    assert triton_vs_reference(cfg, random_routing(1, 4, 2, seed=4), device, fmt) < tolerance(cfg)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_all_tokens_on_one_expert_and_empty_experts_match_reference(fmt: Format) -> None:
+def test_all_tokens_on_one_expert_and_empty_experts_match_reference(
+    fmt: Format, device: torch.device
+) -> None:
     cfg = Case(num_experts=8, top_k=2).config()
     routing = random_routing(40, 8, 2, seed=5, only=6)  # 6 takes all 40; some others none
-    assert triton_vs_reference(cfg, routing, CPU, fmt) < tolerance(cfg)
+    assert triton_vs_reference(cfg, routing, device, fmt) < tolerance(cfg)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("scheme", [QuantScheme.NONE, QuantScheme.FP8_TENSOR])
-def test_expert_map_skips_pairs_of_experts_on_other_ranks(fmt: Format, scheme: QuantScheme) -> None:
+def test_expert_map_skips_pairs_of_experts_on_other_ranks(
+    fmt: Format, scheme: QuantScheme, device: torch.device
+) -> None:
     cfg = Case(scheme, num_experts=6, top_k=3).config()
     expert_map = contiguous_expert_map(6, rank=1, world_size=2)  # experts 3..5 here, 0..2 -1
     routing = random_routing(11, 6, 3, seed=6)
-    assert triton_vs_reference(cfg, routing, CPU, fmt, expert_map) < tolerance(cfg)
+    assert triton_vs_reference(cfg, routing, device, fmt, expert_map) < tolerance(cfg)
 
 
-def test_repeated_forwards_reuse_the_workspace() -> None:
+def test_repeated_forwards_reuse_the_workspace(device: torch.device) -> None:
     cfg = Case().config()
-    ws = Workspace(CPU)
-    kernel = ModularKernel(NoEP(), TritonExperts(cfg, random_expert_weights(cfg)), ws,
-                           max_tokens=16)  # fmt: skip
+    ws = Workspace(device)
+    experts = TritonExperts(cfg, random_expert_weights(cfg).to(device))
+    kernel = ModularKernel(NoEP(), experts, ws, max_tokens=16)
     allocated = ws.allocations
     for m in (16, 3, 40):  # 40: three chunks of at most 16
-        routing = random_routing(m, 4, 2, seed=m)
-        kernel.forward(torch.randn(m, 64).half(), routing)
+        r = random_routing(m, 4, 2, seed=m)
+        routing = type(r)(r.topk_ids.to(device), r.topk_weights.to(device))
+        kernel.forward(torch.randn(m, 64, device=device).half(), routing)
     assert ws.allocations == allocated
 
 

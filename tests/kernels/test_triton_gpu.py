@@ -1,0 +1,94 @@
+"""The Triton experts on the GPU against the reference backend: every scheme x format at
+M in {1, 7, 64, 333, 4096}, bf16 included; every activation and layout; all tokens on one
+expert, empty experts, an expert_map with -1; K = 320 and N = 192 (2I = 384), multiples of none
+of the 128-wide tiles. Tolerances: tests/kernels/triton_cases.py (one table).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.config import Activation, GateUp
+from kernels.layer import LayerWeights, RouterWeights, build_layer
+from kernels.quant_scheme import QuantScheme
+from kernels.registry import select
+from kernels.routing import contiguous_expert_map
+from kernels.tensors import Format, ForwardInputs
+from kernels.testing import random_expert_weights, relative_error
+from tests.kernels.triton_cases import Case, random_routing, tolerance, triton_vs_reference
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.device("cuda")
+TOKENS = (1, 7, 64, 333, 4096)
+FORMATS = (Format.STANDARD, Format.BATCHED)
+
+
+def _gpu_case(scheme: QuantScheme, dtype: torch.dtype = torch.bfloat16, **kw: object) -> Case:
+    # group 64: int4 needs K (320 and 192) to be a multiple of the group
+    return Case(scheme, dtype, num_experts=8, hidden=320, intermediate=192, group_size=64, **kw)
+
+
+@pytest.mark.parametrize("m", TOKENS)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scheme", list(QuantScheme))
+def test_triton_matches_reference_on_gpu(scheme: QuantScheme, fmt: Format, m: int) -> None:
+    cfg = _gpu_case(scheme).config()
+    routing = random_routing(m, cfg.num_experts, cfg.top_k, seed=m)
+    assert triton_vs_reference(cfg, routing, CUDA, fmt) < tolerance(cfg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("scheme", [QuantScheme.NONE, QuantScheme.FP8_BLOCK, QuantScheme.MXFP4])
+def test_other_activation_dtypes_match_reference_on_gpu(
+    scheme: QuantScheme, dtype: torch.dtype
+) -> None:
+    cfg = _gpu_case(scheme, dtype).config()
+    routing = random_routing(333, cfg.num_experts, cfg.top_k, seed=2)
+    assert triton_vs_reference(cfg, routing, CUDA) < tolerance(cfg)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("activation", list(Activation))
+@pytest.mark.parametrize("layout", list(GateUp))
+def test_every_activation_and_layout_with_bias_matches_reference_on_gpu(
+    activation: Activation, layout: GateUp, fmt: Format
+) -> None:
+    cfg = _gpu_case(QuantScheme.NONE, activation=activation, gate_up=layout, has_bias=True)
+    routing = random_routing(64, 8, 2, seed=3)
+    assert triton_vs_reference(cfg.config(), routing, CUDA, fmt) < tolerance(cfg.config())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scheme", [QuantScheme.NONE, QuantScheme.FP8_TENSOR, QuantScheme.MXFP4])
+def test_all_tokens_on_one_expert_others_empty_match_reference_on_gpu(
+    scheme: QuantScheme, fmt: Format
+) -> None:
+    cfg = _gpu_case(scheme, top_k=1).config()
+    routing = random_routing(4096, 8, 1, seed=4, only=5)
+    assert triton_vs_reference(cfg, routing, CUDA, fmt) < tolerance(cfg)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize(
+    "scheme", [QuantScheme.NONE, QuantScheme.FP8_BLOCK, QuantScheme.INT4_W4A16]
+)
+def test_expert_map_skips_other_ranks_experts_on_gpu(scheme: QuantScheme, fmt: Format) -> None:
+    cfg = _gpu_case(scheme, top_k=3).config()
+    expert_map = contiguous_expert_map(8, rank=0, world_size=2)  # 4..7 are -1 here
+    routing = random_routing(333, 8, 3, seed=5)
+    assert triton_vs_reference(cfg, routing, CUDA, fmt, expert_map) < tolerance(cfg)
+
+
+def test_auto_selects_triton_on_the_gpu_and_matches_reference_through_the_layer() -> None:
+    cfg = _gpu_case(QuantScheme.NONE).config()
+    assert select(cfg, CUDA, "triton").experts.name == "triton"
+    assert "triton" not in select(cfg, CUDA).rejected
+    assert "triton-batched" not in select(cfg, CUDA).rejected
+    weights = LayerWeights(random_expert_weights(cfg).to(CUDA), RouterWeights())
+    fast, _ = build_layer(cfg, weights, CUDA, backend="triton")
+    ref, _ = build_layer(cfg, weights, CUDA, backend="reference")
+    inputs = ForwardInputs(torch.randn(77, 320, device=CUDA), torch.randn(77, 8, device=CUDA))
+    out = fast.forward(inputs).output
+    assert relative_error(out, ref.forward(inputs).output) < tolerance(cfg)
