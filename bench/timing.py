@@ -20,7 +20,7 @@ _DEFAULT_L2_BYTES = 50 * 2**20  # H100; used when the device does not report its
 
 @dataclass(frozen=True)
 class TimingPlan:
-    warmup: int = 3  # calls before timing (the first compiles and autotunes)
+    warmup: int = 3  # calls before timing (the first compiles and autotunes), at least 1
     min_iters: int = 5
     max_iters: int = 100
     budget_s: float = 0.2  # aim for about this much timed work per point
@@ -57,14 +57,19 @@ class Timer:
             torch.cuda.synchronize(self.device)
 
     def _iterations(self, fn: Callable[[], object]) -> int:
-        """Warm up, then size the run so it takes about plan.budget_s."""
-        for _ in range(self.plan.warmup):
+        """Warm up, then size the run from the last warm-up call so it takes about budget_s.
+
+        A call too slow to fit min_iters in the budget (the reference at full size) stops the
+        warm-up after its second call: the first compiled and allocated, the second is steady.
+        """
+        for i in range(max(1, self.plan.warmup)):
+            self._sync()
+            start = time.perf_counter()
             fn()
-        self._sync()
-        start = time.perf_counter()
-        fn()
-        self._sync()
-        once = max(time.perf_counter() - start, 1e-7)
+            self._sync()
+            once = max(time.perf_counter() - start, 1e-7)
+            if i >= 1 and once * self.plan.min_iters > self.plan.budget_s:
+                break
         return min(self.plan.max_iters, max(self.plan.min_iters, int(self.plan.budget_s / once)))
 
     def measure(self, fn: Callable[[], object]) -> Timing:
