@@ -64,7 +64,7 @@ def _build_engine(settings: Settings, loader: LayerLoader, metrics: Metrics) -> 
         metrics.add_layer(served.name, served.config.num_experts)
     if not engine.layers:
         raise ValueError("no layers to serve")
-    engine.warm_up()
+    engine.warm_up(sorted({1, settings.max_batch_tokens}))
     return engine
 
 

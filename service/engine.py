@@ -7,6 +7,7 @@ layers can share one Workspace (their forwards never overlap) and one device str
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,8 +21,6 @@ from kernels.workspace import Workspace
 from service.errors import UnknownLayer
 
 log = logging.getLogger(__name__)
-
-WARM_UP_TOKENS = 4
 
 
 class LayerSource(Protocol):
@@ -103,14 +102,15 @@ class Engine:
             result.output.cpu(), Routing(routing.topk_ids.cpu(), routing.topk_weights.cpu())
         )
 
-    def warm_up(self) -> None:
-        """Run a few tokens through every layer, so the first request pays no compile or alloc."""
+    def warm_up(self, token_counts: Sequence[int]) -> None:
+        """Run every layer at each of `token_counts` (the smallest and the largest batch), so
+        no request pays for a kernel's first compile or a workspace allocation."""
+        generator = torch.Generator().manual_seed(0)
         for name, served in self.layers.items():
             cfg = served.config
-            hidden = torch.randn(
-                WARM_UP_TOKENS, cfg.hidden_size, generator=torch.Generator().manual_seed(0)
-            )
-            logits = None if served.has_router else torch.zeros(WARM_UP_TOKENS, cfg.num_experts)
-            out = self.forward(name, ForwardInputs(hidden, logits)).output
-            if not torch.isfinite(out.float()).all():
-                raise RuntimeError(f"warm-up forward of layer {name!r} produced NaN or Inf")
+            for tokens in token_counts:
+                hidden = torch.randn(tokens, cfg.hidden_size, generator=generator)
+                logits = None if served.has_router else torch.zeros(tokens, cfg.num_experts)
+                out = self.forward(name, ForwardInputs(hidden, logits)).output
+                if not torch.isfinite(out.float()).all():
+                    raise RuntimeError(f"warm-up forward of layer {name!r} produced NaN or Inf")

@@ -11,6 +11,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from service.app import create_app
+from service.engine import Engine
 from service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import NO_ROUTER, TINY, E, H, tiny_loader
@@ -241,3 +242,18 @@ def test_full_queue_returns_429_with_retry_after_and_drops_nothing(
     release.set()
     waiting.join(10)
     assert first[0].status_code == 200
+
+
+def test_warm_up_runs_each_layer_at_the_smallest_and_largest_batch(
+    make_client, monkeypatch
+) -> None:
+    seen = []
+    real = Engine.forward
+
+    def recording(self, name, inputs):
+        seen.append((name, inputs.hidden_states.shape[0]))
+        return real(self, name, inputs)
+
+    monkeypatch.setattr(Engine, "forward", recording)
+    make_client(max_batch_tokens=16)  # ready: warm-up done, no request sent yet
+    assert sorted(seen) == sorted([(TINY, 1), (TINY, 16), (NO_ROUTER, 1), (NO_ROUTER, 16)])
