@@ -7,8 +7,12 @@ outputs; each test then compares one case with NoEP + the reference experts over
 from __future__ import annotations
 
 import json
+import logging
+import os
 import socket
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -18,6 +22,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench.random_layer import random_layer
+from bench.shapes import SHAPES
+from bench.timing import Timer, TimingPlan
 from kernels import registry
 from kernels.config import MoEConfig, RoutingConfig
 from kernels.experts.reference import ReferenceExperts
@@ -30,6 +37,8 @@ from kernels.routing import contiguous_expert_map, route
 from kernels.tensors import Routing
 from kernels.testing import random_expert_weights, relative_error
 from kernels.workspace import Workspace
+
+log = logging.getLogger(__name__)
 
 WORLD = 2
 TIMEOUT_S = 20  # collectives and the whole spawn: a broken rank fails the test, never hangs it
@@ -271,3 +280,198 @@ def test_expert_parallel_selection_pairs_naive_ep_and_names_unfit_backends(
     with pytest.raises(ValueError, match=r"reference-batched.*standard format"):
         registry.select(tiny_config, cpu, "reference-batched", expert_parallel=True)
     assert registry.select(tiny_config, cpu).prepare_finalize is NoEP
+
+
+# ---- GPU: a DeepSeek-V3 layer over two GPUs (NCCL) against one GPU, with timings -------------
+#
+# Run on nvidia-h200-x2:
+#   python3 -m pytest -q -m gpu tests/kernels/test_naive_ep.py -o log_cli=true --log-cli-level=INFO
+# Both ranks draw the whole layer from the same seed on their own GPU and keep their half of the
+# experts. Per backend and token count M: rank 0 alone (NoEP, all experts), then EP over 2 GPUs
+# with M/2 tokens per rank ("split", equal counts) and with all M on rank 0 ("rank0", as the
+# service runs it). Collectives are timed in place with CUDA events.
+
+GPU_TOKENS = (64, 4096)
+GPU_TOL = 1e-2  # EP against one GPU, same backend: only the summation order differs
+GPU_PLAN = TimingPlan(warmup=3, min_iters=20, max_iters=20, budget_s=0.0)
+REFERENCE_PLAN = TimingPlan(warmup=1, min_iters=2, max_iters=2, budget_s=0.0)  # the oracle, slow
+
+
+@dataclass(frozen=True)
+class GpuRun:
+    shape: str = "deepseek-v3"
+    tokens: tuple[int, ...] = GPU_TOKENS
+    backend: str = "nccl"
+
+
+class TimedNaiveEP(NaiveEP):
+    """NaiveEP that records how long its collectives take, per forward (CUDA events or clock)."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.calls: list[list[tuple[object, object]]] = []  # per forward: (start, end) marks
+
+    def _mark(self) -> object:
+        if not torch.cuda.is_available():
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _timed(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        start = self._mark()
+        out = fn()
+        self.calls[-1].append((start, self._mark()))
+        return out
+
+    def planned_tokens(self, hidden: torch.Tensor) -> int:
+        self.calls.append([])  # the modular kernel asks this first, once per forward
+        return self._timed(lambda: super(TimedNaiveEP, self).planned_tokens(hidden))
+
+    def all_gather(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._timed(lambda: super(TimedNaiveEP, self).all_gather(rows))
+
+    def reduce_scatter(self, partial: torch.Tensor) -> torch.Tensor:
+        return self._timed(lambda: super(TimedNaiveEP, self).reduce_scatter(partial))
+
+    def comm_us(self, last: int) -> float:
+        """Median over the last `last` forwards of the time spent in collectives, microseconds."""
+        per_call = []
+        for marks in self.calls[-last:]:
+            if torch.cuda.is_available():
+                per_call.append(sum(a.elapsed_time(b) * 1e3 for a, b in marks))
+            else:
+                per_call.append(sum((b - a) * 1e6 for a, b in marks))
+        return statistics.median(per_call)
+
+
+def _gpu_rank(rank: int, port: int, files: Path, run: GpuRun) -> None:
+    device = torch.device("cuda", rank) if run.backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        run.backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=120),
+    )
+    cfg = SHAPES[run.shape]
+    layer = random_layer(cfg, device, seed=0)
+    placement = Placement.contiguous(cfg.num_experts, WORLD)
+    local = layer.experts.select(torch.tensor(placement.local_experts(rank), device=device))
+    expert_map = placement.expert_map(rank).to(device)
+    names = []
+    for name in registry.experts_backends():
+        try:
+            registry.select(cfg, device, name, expert_parallel=True)
+            names.append(name)
+        except ValueError:
+            continue
+    rows = []
+    for m in run.tokens:
+        gen = torch.Generator(device).manual_seed(m)
+        hidden = torch.randn(m, cfg.hidden_size, generator=gen, device=device).to(cfg.dtype)
+        logits = torch.randn(m, cfg.num_experts, generator=gen, device=device)
+        routing = route(logits, cfg.routing, layer.router.correction_bias)
+        for name in names:
+            if name == "reference" and m > min(run.tokens):
+                continue  # the float32 oracle: correctness at the small M is enough
+            rows += _gpu_backend_rows(rank, name, cfg, (layer, local, expert_map), hidden, routing)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # each backend may hold its own weight layout
+    if rank == 0:
+        (files / "gpu_rows.json").write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _gpu_backend_rows(
+    rank: int,
+    name: str,
+    cfg: MoEConfig,
+    weights: tuple,
+    hidden: torch.Tensor,
+    routing: Routing,
+) -> list[dict]:
+    """One backend at one M: rank 0 alone, EP split, EP rank0. Rows only on rank 0."""
+    layer, local, expert_map = weights
+    device, m = hidden.device, hidden.shape[0]
+    cls = registry.experts_backends()[name]
+    timer = Timer(device, REFERENCE_PLAN if name == "reference" else GPU_PLAN)
+    iters = timer.plan.max_iters
+    rows, single = [], None
+    if rank == 0:
+        kernel = ModularKernel(NoEP(), cls(cfg, layer.experts), Workspace(device))
+        single = kernel.forward(hidden, routing)
+        t = timer.measure(lambda: kernel.forward(hidden, routing))
+        rows.append({"backend": name, "M": m, "mode": "1 GPU", "us": t.median_us})
+    dist.barrier()
+    half = slice(rank * m // WORLD, (rank + 1) * m // WORLD)
+    for mode, sp, part in (
+        ("EP2 split", False, half),
+        ("EP2 rank0", True, slice(0, m * (1 - rank))),
+    ):
+        pf = TimedNaiveEP(sequence_parallel=sp)
+        kernel = ModularKernel(pf, cls(cfg, local), Workspace(device), expert_map=expert_map)
+        mine = Routing(routing.topk_ids[part], routing.topk_weights[part])
+        out = kernel.forward(hidden[part], mine)
+        if not sp:
+            full = out.new_empty((m, out.shape[1]))
+            dist.all_gather_into_tensor(full, out.contiguous())
+            out = full
+        t = timer.measure(lambda k=kernel, h=hidden[part], r=mine: k.forward(h, r))
+        comm = pf.comm_us(iters)
+        if rank == 0:
+            rows.append(
+                {
+                    "backend": name,
+                    "M": m,
+                    "mode": mode,
+                    "us": t.median_us,
+                    "comm_us": comm,
+                    "rel_err": relative_error(out, single),
+                }
+            )
+    return rows
+
+
+def _table(rows: list[dict]) -> str:
+    lines = ["backend | M | mode | forward us | comm us | comm share | rel err vs 1 GPU"]
+    for r in rows:
+        comm = r.get("comm_us")
+        share = "" if comm is None else f"{comm / r['us']:.0%}"
+        comm_text = "" if comm is None else f"{comm:.0f}"
+        err = f"{r['rel_err']:.1e}" if "rel_err" in r else ""
+        cells = [r["backend"], r["M"], r["mode"], f"{r['us']:.0f}", comm_text, share, err]
+        lines.append(" | ".join(map(str, cells)))
+    return "\n".join(lines)
+
+
+def _run_two_ranks(run: GpuRun, files: Path, timeout_s: float) -> list[dict]:
+    ctx = mp.start_processes(
+        _gpu_rank, args=(_free_port(), files, run), nprocs=WORLD, start_method="spawn", join=False
+    )
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the two ranks did not finish in {timeout_s} s")
+    return json.loads((files / "gpu_rows.json").read_text())
+
+
+@pytest.mark.gpu
+def test_deepseek_v3_over_two_gpus_matches_one_gpu_for_every_expert_map_backend(
+    tmp_path: Path,
+) -> None:
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} GPUs (nvidia-h200-x2), found {torch.cuda.device_count()}")
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ[name] = "0" if name == "NCCL_NVLS_ENABLE" else "1"  # KINDS.md: keep these set
+    rows = _run_two_ranks(GpuRun(), tmp_path, timeout_s=480)
+    log.info("DeepSeek-V3 layer (%s):\n%s", torch.cuda.get_device_name(0), _table(rows))
+    log.info("rows: %s", json.dumps(rows))
+    bad = [r for r in rows if r.get("rel_err", 0.0) >= GPU_TOL]
+    assert not bad, f"EP differs from one GPU: {bad}"
+    assert {r["mode"] for r in rows} == {"1 GPU", "EP2 split", "EP2 rank0"}
