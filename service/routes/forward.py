@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import safetensors.torch
 from fastapi import APIRouter, Request, Response
 from pydantic import ValidationError
 
 from kernels.layer import LayerOutput
+from kernels.tensors import ForwardInputs
 from service.deps import BatcherDep, BodyDep, EngineDep
+from service.engine import ServedLayer
 from service.errors import BadInput, UnsupportedMediaType, describe_validation_error
 from service.inputs import check_inputs, rows_to_tensor
 from service.schemas import ErrorBody, ForwardRequest, ForwardResponse
@@ -81,7 +85,6 @@ def _load_blob(body: bytes) -> dict:
     "/v1/layers/{name}/forward",
     summary="Run the MoE block on hidden states (JSON or safetensors body)",
     response_model=ForwardResponse,
-    response_model_exclude_none=True,
     responses={
         200: {"content": {BINARY: {"schema": {"type": "string", "format": "binary"}}}},
         **_ERRORS,
@@ -95,7 +98,7 @@ async def forward(
     engine: EngineDep,
     batcher: BatcherDep,
     return_routing: bool = False,
-) -> Response | ForwardResponse:
+) -> Response:
     """The routed experts, weighted and summed, plus shared experts where the layer has them.
 
     Without router_logits the layer's stored router (and bias) computes them. A binary reply
@@ -104,17 +107,11 @@ async def forward(
     served = engine.get(name)
     media = _media_type(request)
     if media == JSON:
-        try:
-            req = ForwardRequest.model_validate_json(body)
-        except ValidationError as err:
-            raise BadInput(describe_validation_error(err)) from None
-        hidden = rows_to_tensor("hidden_states", req.hidden_states)
-        logits = req.router_logits
-        inputs = check_inputs(
-            served, hidden, None if logits is None else rows_to_tensor("router_logits", logits)
-        )
+        # Parsing and printing thousands of floats takes tens of ms: off the event loop.
+        inputs, want_routing = await asyncio.to_thread(_decode_json, served, body)
         result = await batcher.submit(name, inputs)
-        return _json_reply(served.name, served.backend, result, req.return_routing)
+        reply = await asyncio.to_thread(_encode_json, served, result, want_routing)
+        return Response(reply, media_type=JSON)
     if media == BINARY:
         tensors = _load_blob(body)
         hidden = tensors["hidden_states"]
@@ -133,12 +130,24 @@ async def forward(
     )
 
 
-def _json_reply(layer: str, backend: str, result: LayerOutput, routing: bool) -> ForwardResponse:
-    return ForwardResponse(
+def _decode_json(served: ServedLayer, body: bytes) -> tuple[ForwardInputs, bool]:
+    try:
+        req = ForwardRequest.model_validate_json(body)
+    except ValidationError as err:
+        raise BadInput(describe_validation_error(err)) from None
+    hidden = rows_to_tensor("hidden_states", req.hidden_states)
+    logits = req.router_logits
+    logits = None if logits is None else rows_to_tensor("router_logits", logits)
+    return check_inputs(served, hidden, logits), req.return_routing
+
+
+def _encode_json(served: ServedLayer, result: LayerOutput, routing: bool) -> bytes:
+    reply = ForwardResponse(
         output=result.output.float().tolist(),
-        layer=layer,
+        layer=served.name,
         tokens=result.output.shape[0],
-        backend=backend,
+        backend=served.backend,
         topk_ids=result.routing.topk_ids.tolist() if routing else None,
         topk_weights=result.routing.topk_weights.tolist() if routing else None,
     )
+    return reply.model_dump_json(exclude_none=True).encode()
