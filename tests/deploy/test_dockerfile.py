@@ -5,7 +5,6 @@ engine and a CUDA host, so it does not run here)."""
 from __future__ import annotations
 
 import fnmatch
-import shlex
 import shutil
 import subprocess
 import sys
@@ -26,7 +25,7 @@ BUILD_TOOLS = {"git", "cmake", "make", "ninja-build", "build-essential", "pip"}
 
 def package_install(build: Stage) -> list[str]:
     """The argv of the build stage's `pip install "/src[extras]"`."""
-    runs = [shlex.split(c.value[0]) for c in build.all("RUN")]
+    runs = [c.words() for c in build.all("RUN")]
     found = [argv for argv in runs if any(a.startswith(f"{SRC}[") for a in argv)]
     assert len(found) == 1, f"expected one RUN installing {SRC}[...], found {found}"
     return found[0]
@@ -34,7 +33,12 @@ def package_install(build: Stage) -> list[str]:
 
 def copies(build: Stage) -> list[tuple[list[str], str]]:
     """(build-context sources, destination) of each COPY of the build stage (not --from)."""
-    return [(list(c.value[:-1]), c.value[-1]) for c in build.all("COPY") if not c.flags]
+    found = []
+    for copy in build.all("COPY"):
+        *sources, dest = copy.words()
+        if not any(s.startswith("--") for s in sources):
+            found.append((sources, dest))
+    return found
 
 
 def copied_sources(build: Stage) -> set[str]:
@@ -86,7 +90,7 @@ def test_torch_and_triton_pins_satisfy_pyproject(build: Stage) -> None:
 
 def test_deep_gemm_and_triton_kernels_come_from_pinned_sources(build: Stage) -> None:
     pins = build.args()
-    runs = " ".join(c.value[0] for c in build.all("RUN"))
+    runs = " ".join(c.value for c in build.all("RUN"))
     assert len(pins["DEEPGEMM_COMMIT"]) == 40  # a full hash: a branch or short hash can move
     assert 'checkout "${DEEPGEMM_COMMIT}"' in runs
     assert "triton.git@v${TRITON_VERSION}#subdirectory=python/triton_kernels" in runs
@@ -112,20 +116,18 @@ def test_dockerignore_keeps_out_tests_results_weights_and_local_tooling(build: S
 
 
 def test_runtime_stage_has_no_build_tooling_and_only_the_venv_from_build(runtime: Stage) -> None:
-    words = {w for c in runtime.all("RUN") for w in shlex.split(c.value[0])}
+    words = {w for c in runtime.all("RUN") for w in c.words()}
     assert "apt-get" in words  # the check below reads the install line
     assert not words & BUILD_TOOLS
-    assert [c.value for c in runtime.all("COPY")] == [("/opt/venv", "/opt/venv")]
+    assert [c.words() for c in runtime.all("COPY")] == [["--from=build", "/opt/venv", "/opt/venv"]]
 
 
 def test_runtime_runs_moe_serve_as_non_root_on_every_interface(runtime: Stage) -> None:
-    pairs = [v for c in runtime.all("ENV") for v in c.value]  # ENV K1 V1 K2 V2 ...
-    env = dict(zip(pairs[::2], pairs[1::2], strict=True))
-    assert env["MOE_SERVE_HOST"] == "0.0.0.0"
-    assert runtime.all("USER")[-1].value[0].split(":")[0] not in {"0", "root"}
-    assert runtime.all("ENTRYPOINT")[-1].value == ("moe-serve", "serve")
-    healthcheck = runtime.all("HEALTHCHECK")[-1].value
-    assert healthcheck[0] == "CMD" and "/ready" in healthcheck[-1]
+    assert runtime.env()["MOE_SERVE_HOST"] == "0.0.0.0"
+    assert runtime.all("USER")[-1].value.split(":")[0] not in {"0", "root"}
+    assert runtime.all("ENTRYPOINT")[-1].exec_form() == ["moe-serve", "serve"]
+    healthcheck = runtime.all("HEALTHCHECK")[-1]
+    assert " CMD [" in healthcheck.value and "/ready" in healthcheck.exec_form()[-1]
 
 
 @pytest.mark.slow

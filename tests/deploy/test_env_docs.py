@@ -28,8 +28,7 @@ def compose_environment_names(text: str) -> set[str]:
 
 def image_settings(stages: list[Stage]) -> dict[str, str]:
     """MOE_SERVE_* variables the Dockerfile's final stage sets."""
-    values = [v for c in stages[-1].all("ENV") for v in c.value]  # ENV K1 V1 K2 V2 ...
-    return {k: v for k, v in zip(values[::2], values[1::2], strict=True) if k.startswith(PREFIX)}
+    return {k: v for k, v in stages[-1].env().items() if k.startswith(PREFIX)}
 
 
 @pytest.fixture(scope="module")
