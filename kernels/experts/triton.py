@@ -45,8 +45,11 @@ _FP8_CAPABILITY = (8, 9)  # fp8 tensor-core dots: Ada and Hopper onwards
 class _TritonBase(Experts):
     schemes: ClassVar[frozenset[QuantScheme]] = frozenset(QuantScheme)
 
-    def __init__(self, cfg: MoEConfig, weights: ExpertWeights) -> None:
+    def __init__(
+        self, cfg: MoEConfig, weights: ExpertWeights, fixed_tiles: LayerTiles | None = None
+    ) -> None:
         super().__init__(cfg, weights)
+        self.fixed_tiles = fixed_tiles  # `moe-serve tune` times candidates; None: file/heuristic
         self.w13 = ExpertMatrix(weights.w13, weights.w13_scale, weights.w13_bias, cfg.quant)
         self.w2 = ExpertMatrix(weights.w2, weights.w2_scale, weights.w2_bias, cfg.quant)
 
@@ -66,6 +69,10 @@ class _TritonBase(Experts):
         if support and needs_fp8 and capability < _FP8_CAPABILITY:
             return Support(False, f"fp8 dots need compute capability 8.9+, got {capability}")
         return support
+
+    def tiles(self, num_tokens: int, device: torch.device) -> LayerTiles:
+        """Tile sizes for a call of `num_tokens` tokens."""
+        return self.fixed_tiles or tiles_for(self.cfg, num_tokens, device)
 
     @property
     def intermediate_dtype(self) -> torch.dtype:
@@ -108,7 +115,7 @@ class TritonExperts(_TritonBase):
     def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
         m, k = x.topk_ids.shape
         buf = {name: ws.get(name, *spec) for name, spec in self.workspace_shapes(m).items()}
-        tiles = tiles_for(self.cfg, m, x.hidden.device)
+        tiles = self.tiles(m, x.hidden.device)
         aligned = align_pairs(x.topk_ids, self.weights.num_experts, tiles.block_m)
         a = Activations(x.hidden, x.scale, x.act_quant, pairs_per_row=k)
         row_weights = x.topk_weights.float().flatten().contiguous()  # [P]
@@ -126,7 +133,7 @@ class TritonBatchedExperts(_TritonBase):
         cfg = self.cfg
         num_experts, max_tokens, hidden = x.hidden.shape
         rows = num_experts * max_tokens
-        tiles = tiles_for(cfg, x.num_tokens, x.hidden.device)
+        tiles = self.tiles(x.num_tokens, x.hidden.device)
         scale = x.scale
         if scale is not None and x.act_quant != ActQuant.TENSOR:
             scale = scale.reshape(rows, -1)  # [E, max_tokens, G] -> [E * max_tokens, G]

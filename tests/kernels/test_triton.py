@@ -204,3 +204,47 @@ def test_shipped_tuned_files_parse() -> None:
     for path in tiles.TUNED_DIR.glob("*.json"):
         table = tiles.read_table(path)
         assert table, f"{path.name} has no buckets"
+
+
+# ---- moe-serve tune ------------------------------------------------------------------------
+
+
+def test_tune_candidates_include_the_heuristic_and_respect_the_fp8_block() -> None:
+    from kernels.tune import candidates
+
+    cfg = Case(QuantScheme.FP8_BLOCK).config()
+    found = candidates(cfg, 64)
+    assert found[0] == tiles.heuristic_tiles(cfg, 64)
+    assert len(set(found)) == len(found) > 3
+    assert all(128 % t.gemm1.block_k == 0 and 128 % t.gemm2.block_k == 0 for t in found)
+
+
+def test_tune_shape_accepts_names_and_four_integers_and_names_the_format_on_error() -> None:
+    import argparse
+
+    from kernels.tune import parse_shape
+
+    assert parse_shape("qwen3").num_experts == 128
+    cfg = parse_shape("16,256,512,4")
+    assert (cfg.num_experts, cfg.hidden_size, cfg.intermediate_size, cfg.top_k) == (16, 256, 512, 4)
+    with pytest.raises(argparse.ArgumentTypeError, match="E,H,I,top_k"):
+        parse_shape("16,256")
+
+
+def test_tune_resumes_without_retiming_buckets_already_in_the_file(tmp_path) -> None:
+    from kernels.tune import TuneRequest, tune
+
+    cfg = Case().config()
+    done = tiles.heuristic_tiles(cfg, 1).to_json() | {"us": 1.0}
+    out = tmp_path / "t.json"
+    out.write_text(json.dumps({"key": {}, "buckets": {"1": done}}))
+    body = tune(TuneRequest(cfg, (1,), out), CPU)
+    assert body["buckets"] == {"1": done}
+
+
+def test_tune_refuses_to_run_without_a_gpu() -> None:
+    from service.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert main(["tune", "--shape", "8,64,96,2"]) == 2

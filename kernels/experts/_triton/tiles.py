@@ -89,7 +89,7 @@ def read_table(path: Path) -> dict[int, LayerTiles]:
     }
 
 
-def _stages(block_m: int, block_n: int, block_k: int, b_tiles: int, elem_bytes: int) -> int:
+def stages_for(block_m: int, block_n: int, block_k: int, b_tiles: int, elem_bytes: int) -> int:
     """As many pipeline stages (2 to 4) as fit the shared-memory budget."""
     per_stage = (block_m * block_k + b_tiles * block_k * block_n) * elem_bytes
     return max(2, min(4, _SMEM_BUDGET_BYTES // per_stage))
@@ -109,8 +109,8 @@ def heuristic_tiles(cfg: MoEConfig, num_tokens: int) -> LayerTiles:
     if cfg.quant.scheme == QuantScheme.FP8_BLOCK:
         block_k = min(block_k, FP8_BLOCK)
     elem = 1 if cfg.quant.scheme.act_quant else cfg.dtype.itemsize
-    gemm1 = GemmTile(block_n, block_k, warps, _stages(block_m, block_n, block_k, 2, elem))
-    gemm2 = GemmTile(block_n, block_k, warps, _stages(block_m, block_n, block_k, 1, elem))
+    gemm1 = GemmTile(block_n, block_k, warps, stages_for(block_m, block_n, block_k, 2, elem))
+    gemm2 = GemmTile(block_n, block_k, warps, stages_for(block_m, block_n, block_k, 1, elem))
     return LayerTiles(block_m, gemm1, gemm2)
 
 

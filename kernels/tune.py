@@ -1,0 +1,157 @@
+"""`moe-serve tune`: search tile sizes of the `triton` experts for one layer on this GPU and write
+them as a tuned file, which kernels/experts/_triton/tiles.py then prefers over its heuristic.
+
+For each token-count bucket M it times the experts (align, both GEMMs, top-k sum; L2 flushed,
+median of CUDA-event timings) with a small set of candidates around the heuristic and keeps the
+fastest. Resumable: buckets already in --out are kept, and the file is rewritten after each one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from kernels.config import MoEConfig, RoutingConfig
+from kernels.quant_scheme import FP8_BLOCK, QuantConfig, QuantScheme
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TOKENS = (1, 16, 64, 256, 1024, 4096)
+# (block_n, block_k, num_warps) tried for each GEMM; stages follow from shared memory
+_GEMM_CHOICES = ((64, 128, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8), (64, 64, 4))
+
+
+@dataclass(frozen=True)
+class TuneRequest:
+    cfg: MoEConfig
+    tokens: tuple[int, ...]
+    out: Path
+
+
+def parse_shape(text: str) -> MoEConfig:
+    """A reference shape by name (bench/shapes.py) or `E,H,I,top_k` (silu, bf16)."""
+    from bench.shapes import SHAPES
+
+    if text in SHAPES:
+        return SHAPES[text]
+    try:
+        e, h, i, k = (int(v) for v in text.split(","))
+    except ValueError as err:
+        names = ", ".join(SHAPES)
+        raise argparse.ArgumentTypeError(
+            f"--shape must be one of {names} or E,H,I,top_k (four integers), got {text!r}"
+        ) from err
+    return MoEConfig(e, h, i, RoutingConfig(top_k=k))
+
+
+def candidates(cfg: MoEConfig, num_tokens: int) -> list:
+    """The heuristic's tiles, and each GEMM choice at its block_m and the next ones."""
+    from kernels.experts._triton.grouped_gemm import GemmTile
+    from kernels.experts._triton.tiles import heuristic_tiles, stages_for
+
+    base = heuristic_tiles(cfg, num_tokens)
+    block_ms = sorted({base.block_m, max(16, base.block_m // 2), min(128, base.block_m * 2)})
+    elem = 1 if cfg.quant.scheme.act_quant else cfg.dtype.itemsize
+    found = [base]
+    for block_m in block_ms:
+        for block_n, block_k, warps in _GEMM_CHOICES:
+            if cfg.quant.scheme == QuantScheme.FP8_BLOCK and FP8_BLOCK % block_k:
+                continue
+            one = GemmTile(block_n, block_k, warps, stages_for(block_m, block_n, block_k, 2, elem))
+            two = GemmTile(block_n, block_k, warps, stages_for(block_m, block_n, block_k, 1, elem))
+            tile = replace(base, block_m=block_m, gemm1=one, gemm2=two)
+            if tile not in found:
+                found.append(tile)
+    return found
+
+
+def _write_atomically(path: Path, body: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(body, indent=1) + "\n")
+    os.replace(tmp, path)
+
+
+def tune(request: TuneRequest, device: torch.device) -> dict:
+    """Search every bucket not yet in request.out; returns the file's content."""
+    from tqdm import tqdm
+
+    from bench.random_layer import random_layer
+    from bench.timing import Timer, TimingPlan
+    from kernels.experts._triton.tiles import TileKey, device_name
+    from kernels.experts.triton import TritonExperts
+    from kernels.prepare_finalize.no_ep import NoEP
+    from kernels.routing import route
+    from kernels.stages import DispatchSpec
+    from kernels.workspace import Workspace
+
+    cfg = request.cfg
+    key = TileKey.of(cfg, device_name(device))
+    body = {"key": asdict(key), "buckets": {}}
+    if request.out.exists():
+        body = json.loads(request.out.read_text())
+    todo = [m for m in request.tokens if str(m) not in body["buckets"]]
+    weights = random_layer(cfg, device).experts
+    timer = Timer(device, TimingPlan(warmup=2, min_iters=5, max_iters=30, budget_s=0.05))
+    ws = Workspace(device)
+    spec = DispatchSpec(cfg.quant.scheme.act_quant, cfg.num_experts)
+    work = [(m, tile) for m in todo for tile in candidates(cfg, m)]
+    body["search"] = (
+        f"{len(_GEMM_CHOICES)} (block_n, block_k, warps) x up to 3 block_m around the heuristic "
+        "per bucket; median of CUDA-event timings, L2 flushed; uniform random routing"
+    )
+    with tqdm(total=len(work), desc=f"tune {key.filename()}", unit="cfg") as bar:
+        for m in todo:
+            hidden = torch.randn(m, cfg.hidden_size, device=device).to(cfg.dtype)
+            routing = route(torch.randn(m, cfg.num_experts, device=device), cfg.routing)
+            x = NoEP().prepare(hidden, routing, spec, ws)
+            best = None
+            for tile in candidates(cfg, m):
+                experts = TritonExperts(cfg, weights, fixed_tiles=tile)
+                us = timer.measure(lambda e=experts, x=x: e.apply(x, ws)).median_us
+                if best is None or us < best[1]:
+                    best = (tile, us)
+                bar.update()
+            body["buckets"][str(m)] = best[0].to_json() | {"us": round(best[1], 2)}
+            _write_atomically(request.out, body)
+            log.info("M=%d: %s (%.1f us)", m, best[0], best[1])
+    return body
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from kernels.experts._triton.tiles import TUNED_DIR, TileKey, device_name
+
+    if not torch.cuda.is_available():
+        log.error("moe-serve tune times kernels on a CUDA GPU; none is visible here")
+        return 2
+    device = torch.device("cuda")
+    cfg = replace(args.shape, quant=QuantConfig(args.scheme)) if args.scheme else args.shape
+    out = args.out or TUNED_DIR / TileKey.of(cfg, device_name(device)).filename()
+    tune(TuneRequest(cfg, tuple(args.tokens), out), device)
+    log.info("wrote %s", out)
+    return 0
+
+
+def _tokens(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"--tokens must be integers, got {text!r}") from err
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--tokens must be >= 1, got {text!r}")
+    return values
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("tune", help="search Triton tile sizes for a layer on this GPU")
+    shapes = "mixtral, mixtral-fp8, qwen3, deepseek-v3, gpt-oss, or E,H,I,top_k"
+    p.add_argument("--shape", type=parse_shape, required=True, help=shapes)
+    p.add_argument("--scheme", type=QuantScheme, choices=list(QuantScheme), help="default: shape's")
+    p.add_argument("--tokens", type=_tokens, default=list(DEFAULT_TOKENS), help="M buckets")
+    p.add_argument("--out", type=Path, help="tuned file (default: kernels/tuned/<key>.json)")
+    p.set_defaults(run=run_tune)
