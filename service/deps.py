@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -9,11 +10,13 @@ from fastapi import Depends, Request
 
 from service.batcher import DynamicBatcher
 from service.engine import Engine
-from service.errors import NotReady, PayloadTooLarge
+from service.errors import BadInput, NotReady, PayloadTooLarge, UnsupportedMediaType
 from service.metrics import Metrics
 from service.settings import Settings
 
 RETRY_WHILE_LOADING_S = "5"
+# Content-Encoding -> zlib window bits (None: not compressed)
+_ZLIB_WBITS = {"identity": None, "gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
 @dataclass
@@ -49,7 +52,7 @@ def get_batcher(runtime: RuntimeDep) -> DynamicBatcher:
 
 
 async def get_body(request: Request, runtime: RuntimeDep) -> bytes:
-    """The request body, refused with 413 as soon as it passes max_body_bytes."""
+    """The request body (gzip/deflate undone), refused with 413 once it passes max_body_bytes."""
     limit = runtime.settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -60,7 +63,25 @@ async def get_body(request: Request, runtime: RuntimeDep) -> bytes:
         if size > limit:
             raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
         chunks.append(chunk)
-    return b"".join(chunks)
+    return _decode(b"".join(chunks), request.headers.get("content-encoding", "identity"), limit)
+
+
+def _decode(body: bytes, encoding: str, limit: int) -> bytes:
+    """Undo Content-Encoding (tritonclient can gzip or deflate), never inflating past `limit`."""
+    encoding = encoding.strip().lower()
+    if encoding not in _ZLIB_WBITS:
+        accepted = ", ".join(_ZLIB_WBITS)
+        raise UnsupportedMediaType(f"content encoding {encoding!r} is not accepted: {accepted}")
+    if encoding == "identity":
+        return body
+    inflate = zlib.decompressobj(_ZLIB_WBITS[encoding])
+    try:
+        plain = inflate.decompress(body, limit + 1)
+    except zlib.error as err:
+        raise BadInput(f"body is not valid {encoding} data: {err}") from None
+    if len(plain) > limit:
+        raise PayloadTooLarge(f"request body inflates past the {limit}-byte limit")
+    return plain
 
 
 EngineDep = Annotated[Engine, Depends(get_engine)]

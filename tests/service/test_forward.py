@@ -3,6 +3,8 @@ and every kind of bad input answered with a 4xx that names the problem."""
 
 from __future__ import annotations
 
+import gzip
+
 import pytest
 import safetensors.torch
 import torch
@@ -232,3 +234,31 @@ def test_failing_forward_returns_500_and_the_next_request_succeeds(
     assert r.status_code == 500
     assert "forward of layer 'tiny' failed: RuntimeError: CUDA error" in r.json()["error"]
     assert post_blob(client, hidden_states=hidden(2)).status_code == 200
+
+
+def test_gzipped_body_is_inflated(client: TestClient) -> None:
+    x = hidden(3)
+    body = gzip.compress(safetensors.torch.save({"hidden_states": x}))
+    r = client.post(URL, content=body, headers={**BINARY, "Content-Encoding": "gzip"})
+    assert r.status_code == 200, r.text
+    torch.testing.assert_close(
+        safetensors.torch.load(r.content)["output"], reference_forward(TINY, x)
+    )
+
+
+def test_body_that_inflates_past_the_limit_returns_413(make_client) -> None:
+    client = make_client(max_body_bytes=4096)
+    bomb = gzip.compress(bytes(1 << 20))  # 1 MiB of zeros in about 1 kB
+    r = client.post(URL, content=bomb, headers={**BINARY, "Content-Encoding": "gzip"})
+    assert r.status_code == 413
+    assert "inflates past the 4096-byte limit" in r.json()["error"]
+
+
+@pytest.mark.parametrize(
+    ("encoding", "status", "message"),
+    [("br", 415, "content encoding 'br' is not accepted"), ("gzip", 400, "not valid gzip data")],
+)
+def test_bad_content_encoding_is_refused(client, encoding: str, status: int, message: str) -> None:
+    r = client.post(URL, content=b"plain", headers={**BINARY, "Content-Encoding": encoding})
+    assert r.status_code == status
+    assert message in r.json()["error"]

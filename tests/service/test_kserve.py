@@ -106,3 +106,13 @@ def test_infer_with_an_unknown_output_returns_400(server_url: str) -> None:
     r = httpx.post(f"{server_url}/v2/models/{TINY}/infer", json=body)
     assert r.status_code == 400
     assert r.json() == {"error": "unknown output 'logits'; model 'tiny' has 'output'"}
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_tritonclient_compressed_requests_are_inflated(triton_client, algorithm: str) -> None:
+    x = np.random.default_rng(2).standard_normal((4, H)).astype(np.float32)
+    result = triton_client.infer(
+        TINY, [_input("hidden_states", x, True)], request_compression_algorithm=algorithm
+    )
+    expected = reference_forward(TINY, torch.from_numpy(x))
+    torch.testing.assert_close(torch.tensor(result.as_numpy("output")), expected)
