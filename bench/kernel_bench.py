@@ -324,18 +324,23 @@ class KernelBench:
 
     def _run(self) -> BenchRun:
         ceilings = measure_ceilings(self.config, self.timer)
-        shapes, points = [], []
+        result = BenchRun(
+            environment=self.env,
+            settings=self.config.settings(),
+            ceilings=ceilings,
+            shapes=[],
+            points=[],
+        )
         for name in self.config.shapes:
-            shape, shape_points = self.bench_shape(name, ceilings)
-            shapes.append(shape)
-            points.extend(shape_points)
-            result = BenchRun(
-                environment=self.env,
-                settings=self.config.settings(),
-                ceilings=ceilings,
-                shapes=shapes,
-                points=points,
-            )
+            if self._out_of_time():
+                log.warning("time limit reached: shape %s not run", name)
+                not_run = result.shapes_not_run | {name: "the run's time limit was reached"}
+                result = result.model_copy(update={"shapes_not_run": not_run})
+            else:
+                shape, points = self.bench_shape(name, ceilings)
+                result = result.model_copy(
+                    update={"shapes": [*result.shapes, shape], "points": [*result.points, *points]}
+                )
             write_run(result, self.out)  # after each shape: a cut-off run keeps what it measured
         return result
 

@@ -106,3 +106,4 @@ class BenchRun(_Model):
     ceilings: CeilingsResult
     shapes: list[ShapeResult]
     points: list[Point]
+    shapes_not_run: dict[str, str] = Field(default_factory=dict)  # shape -> why (time limit)

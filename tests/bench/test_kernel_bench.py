@@ -133,3 +133,12 @@ def test_kernels_command_rejects_an_unknown_shape_naming_the_known_ones(
     with pytest.raises(SystemExit):
         main(["bench", "kernels", "--shapes", "llama"])
     assert "unknown shape(s) ['llama']" in capsys.readouterr().err
+
+
+def test_shapes_past_the_time_limit_are_listed_as_not_run(tmp_path: Path) -> None:
+    config = KernelBenchConfig(
+        shapes=("tiny",), tokens=(1,), device=CPU, plan=QUICK, deadline_s=0.0
+    )
+    run = KernelBench(config, tmp_path / "run.json").run()
+    assert run.shapes == [] and run.points == []
+    assert run.shapes_not_run == {"tiny": "the run's time limit was reached"}

@@ -1,0 +1,40 @@
+"""The kernel benchmark's CUDA paths (events, L2 flush, ceilings, GPU-drawn weights) on a small
+bf16 layer: every available backend is checked against the reference and timed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import shapes
+from bench.kernel_bench import KernelBench, KernelBenchConfig
+from bench.timing import TimingPlan
+from kernels.config import MoEConfig, RoutingConfig
+from kernels.quant_scheme import QuantConfig, QuantScheme
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme.NONE, QuantScheme.FP8_BLOCK], ids=str)
+def test_every_available_backend_is_correct_and_timed_on_a_small_bf16_layer(
+    scheme: QuantScheme, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    small = MoEConfig(16, 512, 256, RoutingConfig(top_k=4), quant=QuantConfig(scheme))
+    monkeypatch.setitem(shapes.SHAPES, "small", small)
+    config = KernelBenchConfig(
+        shapes=("small",),
+        tokens=(1, 33, 300),
+        device=torch.device("cuda"),
+        plan=TimingPlan(warmup=2, min_iters=5, max_iters=10, budget_s=0.01),
+    )
+    run = KernelBench(config, tmp_path / "gpu.json").run()
+    assert run.ceilings.copy_bytes_per_s > 1e11  # any data-centre GPU moves > 100 GB/s
+    assert all(peak > 1e13 for peak in run.ceilings.gemm_flops_per_s.values())
+    for point in run.points:
+        for r in point.results:
+            assert r.error is None, f"{r.backend} at {point.tokens}: {r.error}"
+            assert r.correct, f"{r.backend} at {point.tokens}: error {r.rel_error}"
+            assert 0 < r.routing_excluded.median_us <= r.routing_excluded.p90_us
+            assert 0 < r.achieved_fraction <= 1.05  # nothing beats a measured ceiling by much
