@@ -11,8 +11,10 @@
 #   wheels on PyPI do not work with this torch (sgl-deep-gemm: ABI mismatch; deep-gemm 1.0.0:
 #   an old snapshot without headers).
 # - triton_kernels (OpenAI's matmul_ogs, routing, swiglu): not on PyPI (the `triton-kernels`
-#   there is an unrelated project); installed from the triton repository at the release tag of
-#   the triton above, subdirectory python/triton_kernels.
+#   there is an unrelated project); installed from the triton repository, subdirectory
+#   python/triton_kernels, at release tag v3.5.1: the copy vLLM vendors, which our H100 runs used
+#   on triton 3.6.0. Later tags drop `triton_kernels.routing`, which kernels/experts/oai_triton.py
+#   imports.
 
 ARG CUDA_IMAGE_VERSION=13.0.2
 ARG UBUNTU=ubuntu24.04
@@ -22,6 +24,7 @@ FROM nvidia/cuda:${CUDA_IMAGE_VERSION}-devel-${UBUNTU} AS build
 ARG TORCH_VERSION=2.11.0
 ARG TRITON_VERSION=3.6.0
 ARG DEEPGEMM_COMMIT=54e22612409371d6364144b69086735beb54e98b
+ARG TRITON_KERNELS_TAG=v3.5.1
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -48,7 +51,7 @@ RUN pip install setuptools==80.9.0 wheel==0.45.1 packaging==25.0 \
     && rm -rf /tmp/DeepGEMM
 
 RUN pip install \
-    "triton_kernels @ git+https://github.com/triton-lang/triton.git@v${TRITON_VERSION}#subdirectory=python/triton_kernels"
+    "triton_kernels @ git+https://github.com/triton-lang/triton.git@${TRITON_KERNELS_TAG}#subdirectory=python/triton_kernels"
 
 # The package last: code changes rebuild only this layer.
 COPY pyproject.toml README.md /src/

@@ -5,6 +5,7 @@ engine and a CUDA host, so it does not run here)."""
 from __future__ import annotations
 
 import fnmatch
+import re
 import shutil
 import subprocess
 import sys
@@ -93,7 +94,8 @@ def test_deep_gemm_and_triton_kernels_come_from_pinned_sources(build: Stage) -> 
     runs = " ".join(c.value for c in build.all("RUN"))
     assert len(pins["DEEPGEMM_COMMIT"]) == 40  # a full hash: a branch or short hash can move
     assert 'checkout "${DEEPGEMM_COMMIT}"' in runs
-    assert "triton.git@v${TRITON_VERSION}#subdirectory=python/triton_kernels" in runs
+    assert re.fullmatch(r"v\d+\.\d+\.\d+", pins["TRITON_KERNELS_TAG"])  # a release tag
+    assert "triton.git@${TRITON_KERNELS_TAG}#subdirectory=python/triton_kernels" in runs
 
 
 def test_every_packaged_directory_is_copied_into_the_build(build: Stage) -> None:
