@@ -42,7 +42,6 @@ from bench.schema import (
     Point,
     Settings,
     ShapeResult,
-    Timing,
 )
 from bench.shapes import SHAPES, precision
 from bench.timing import Timer, TimingPlan
@@ -148,21 +147,25 @@ def make_inputs(cfg: MoEConfig, weights: LayerWeights, config: KernelBenchConfig
 def check_and_time(
     layer: MoELayer, inputs: ShapeInputs, load: Load, m: int, timer: Timer
 ) -> BackendResult:
-    """Check the backend's first rows against the reference, then time it if it is right."""
+    """Check the backend against the reference, then time it (a wrong one too, marked wrong).
+
+    The checked output starts as NaN, so a row the backend never writes fails the check even
+    where the allocator hands back memory that still holds an earlier, correct output.
+    """
     hidden, logits, routing = inputs.at(load, m)
     name = layer.kernel.experts.name
     expected = inputs.expected[load][:m]
-    out = layer.kernel.forward(hidden, routing)
+    out = layer.kernel.forward(hidden, routing, out=torch.full_like(hidden, float("nan")))
     err = relative_error(out[: expected.shape[0]], expected)
+    if not torch.isfinite(out).all():
+        err = float("inf")
     ok = err <= tolerance(layer.cfg)
     if not ok:
         log.warning("%s is wrong at %d tokens (%s): relative error %.3g", name, m, load, err)
-    excluded = timer.measure(lambda: layer.kernel.forward(hidden, routing))
-    included = timer.measure(lambda: layer.forward(ForwardInputs(hidden, logits)))
     return BackendResult(
         backend=name,
-        routing_excluded=Timing(**vars(excluded)),
-        routing_included=Timing(**vars(included)),
+        routing_excluded=timer.measure(lambda: layer.kernel.forward(hidden, routing)),
+        routing_included=timer.measure(lambda: layer.forward(ForwardInputs(hidden, logits))),
         rel_error=err,
         correct=ok,
     )

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.schema import Timing
+
 _DEFAULT_L2_BYTES = 50 * 2**20  # H100; used when the device does not report its L2 size
 
 
@@ -26,19 +28,14 @@ class TimingPlan:
     budget_s: float = 0.2  # aim for about this much timed work per point
 
 
-@dataclass(frozen=True)
-class Timing:
-    median_us: float
-    p90_us: float
-    iters: int
-
-
 def summarize(samples_s: list[float]) -> Timing:
     """Seconds per iteration -> median and 90th percentile in microseconds."""
     if len(samples_s) < 2:
         raise ValueError(f"need at least 2 samples, got {len(samples_s)}")
     p90 = statistics.quantiles(samples_s, n=10, method="inclusive")[8]
-    return Timing(statistics.median(samples_s) * 1e6, p90 * 1e6, len(samples_s))
+    return Timing(
+        median_us=statistics.median(samples_s) * 1e6, p90_us=p90 * 1e6, iters=len(samples_s)
+    )
 
 
 class Timer:

@@ -33,6 +33,15 @@ class _WrongExperts(ReferenceExperts):
         return super().apply(x, ws) * 2
 
 
+class _NanLastRowExperts(ReferenceExperts):
+    name: ClassVar[str] = "test-nan-last-row"
+
+    def apply(self, x, ws):
+        y = super().apply(x, ws)
+        y[-1] = float("nan")
+        return y
+
+
 class _FailingExperts(ReferenceExperts):
     name: ClassVar[str] = "test-failing"
 
@@ -142,3 +151,23 @@ def test_shapes_past_the_time_limit_are_listed_as_not_run(tmp_path: Path) -> Non
     run = KernelBench(config, tmp_path / "run.json").run()
     assert run.shapes == [] and run.points == []
     assert run.shapes_not_run == {"tiny": "the run's time limit was reached"}
+
+
+def test_a_non_finite_row_beyond_the_checked_rows_marks_the_backend_wrong(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(registry._EXPERTS, "test-nan-last-row", _NanLastRowExperts)
+    config = KernelBenchConfig(
+        shapes=("tiny",),
+        tokens=(5,),
+        device=CPU,
+        backends=("reference", "test-nan-last-row"),
+        loads=(Load.UNIFORM,),
+        check_rows=2,
+        plan=QUICK,
+    )
+    (point,) = KernelBench(config, tmp_path / "run.json").run().points
+    by_name = {r.backend: r for r in point.results}
+    assert by_name["test-nan-last-row"].rel_error == float("inf")
+    assert not by_name["test-nan-last-row"].correct
+    assert point.best == "reference"
