@@ -41,6 +41,11 @@ def test_schema_check_rejects_a_misspelt_key(compose: dict[str, Any]) -> None:
     assert any("shm_sise" in e for e in schema_errors(broken))
 
 
+def test_images_are_built_from_this_checkout_never_pulled(compose: dict[str, Any]) -> None:
+    services = compose["services"].values()
+    assert all(s["build"] == "." and s["pull_policy"] == "build" for s in services)
+
+
 def test_serving_service_reserves_one_nvidia_gpu(serving: dict[str, Any]) -> None:
     assert gpu_devices(serving) == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     assert serving["environment"]["MOE_SERVE_DEVICE"] == "cuda"
