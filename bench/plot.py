@@ -13,7 +13,7 @@ from pathlib import Path
 
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from matplotlib.ticker import ScalarFormatter
+from matplotlib.ticker import NullLocator
 
 from bench.schema import BenchRun, Point
 
@@ -56,7 +56,9 @@ def _figure(run: BenchRun, draw: Callable[[Axes, list[Point]], None]) -> Figure:
         draw(ax, points)
         ax.set_title(f"{shape}, {load} load", fontsize=10)
         ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(ScalarFormatter())
+        tokens = [p.tokens for p in points]
+        ax.set_xticks(tokens, [str(t) for t in tokens])
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlabel("tokens")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
