@@ -25,8 +25,8 @@ ARG TORCH_VERSION=2.11.0
 ARG TRITON_VERSION=3.6.0
 ARG DEEPGEMM_COMMIT=54e22612409371d6364144b69086735beb54e98b
 ARG TRITON_KERNELS_TAG=v3.5.1
-ENV DEBIAN_FRONTEND=noninteractive \
-    PIP_NO_CACHE_DIR=1 \
+ARG DEBIAN_FRONTEND=noninteractive
+ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -67,7 +67,7 @@ FROM nvidia/cuda:${CUDA_IMAGE_VERSION}-runtime-${UBUNTU} AS runtime
 # - Triton compiles a small C launcher per kernel signature: gcc and the Python headers.
 # - DeepGEMM compiles each GEMM shape with nvcc on first use (host compiler g++, CUDA headers).
 ARG CUDA_APT_SUFFIX=13-0
-ENV DEBIAN_FRONTEND=noninteractive
+ARG DEBIAN_FRONTEND=noninteractive
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
@@ -95,8 +95,8 @@ ENV PATH=/opt/venv/bin:$PATH \
 USER 10001:10001
 WORKDIR /home/moe
 EXPOSE 8000
-# /ready turns 200 once every layer is loaded and warmed up; loading and the first kernel
-# compiles take minutes on a large layer, hence the long start period.
+# /ready turns 200 once every layer is loaded and warmed up (the first kernel compiles included):
+# the long start period leaves a large layer room to load before failures count.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=15m --retries=3 \
     CMD ["python3", "-c", "import os, urllib.request as r; r.urlopen('http://127.0.0.1:' + os.environ['MOE_SERVE_PORT'] + '/ready', timeout=4)"]
 ENTRYPOINT ["moe-serve", "serve"]
