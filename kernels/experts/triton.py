@@ -13,6 +13,7 @@ weight-and-reduce to finalize. Kernel bodies are in kernels/experts/_triton/.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import ClassVar
 
@@ -29,6 +30,7 @@ from kernels.workspace import Workspace
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:  # without it the backends stay registered and say why they cannot run
     from kernels.experts._triton.align import AlignedPairs, align_pairs
+    from kernels.experts._triton.graphs import MAX_GRAPH_TOKENS, DecodeGraphs
     from kernels.experts._triton.grouped_gemm import (
         Activations,
         BatchedRows,
@@ -113,8 +115,24 @@ class TritonExperts(_TritonBase):
         }
 
     def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
+        if x.hidden.is_cuda and x.num_tokens <= MAX_GRAPH_TOKENS:
+            return self.graphs(x)
+        shapes = self.workspace_shapes(x.num_tokens)
+        return self._forward(x, {name: ws.get(name, *spec) for name, spec in shapes.items()})
+
+    @functools.cached_property
+    def graphs(self) -> DecodeGraphs:
+        def forward(x: Dispatched) -> torch.Tensor:  # buffers of the graph's own pool
+            shapes = self.workspace_shapes(x.num_tokens).items()
+            buf = {name: torch.empty(shape, dtype=dtype, device=x.hidden.device)
+                   for name, (shape, dtype) in shapes}  # fmt: skip
+            return self._forward(x, buf)
+
+        return DecodeGraphs(forward)
+
+    def _forward(self, x: Dispatched, buf: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The eager forward into the `workspace_shapes` buffers `buf` -> [M, H]."""
         m, k = x.topk_ids.shape
-        buf = {name: ws.get(name, *spec) for name, spec in self.workspace_shapes(m).items()}
         tiles = self.tiles(m, x.hidden.device)
         aligned = align_pairs(x.topk_ids, self.weights.num_experts, tiles.block_m)
         a = Activations(x.hidden, x.scale, x.act_quant, pairs_per_row=k)

@@ -92,3 +92,29 @@ def test_auto_selects_triton_on_the_gpu_and_matches_reference_through_the_layer(
     inputs = ForwardInputs(torch.randn(77, 320, device=CUDA), torch.randn(77, 8, device=CUDA))
     out = fast.forward(inputs).output
     assert relative_error(out, ref.forward(inputs).output) < tolerance(cfg)
+
+
+@pytest.mark.parametrize("m", [1, 7, 64])
+@pytest.mark.parametrize("scheme", [QuantScheme.NONE, QuantScheme.FP8_TOKEN, QuantScheme.MXFP4])
+def test_decode_graph_replays_match_the_eager_forward_for_fresh_inputs(
+    scheme: QuantScheme, m: int
+) -> None:
+    from kernels.experts.triton import TritonExperts
+    from kernels.prepare_finalize.no_ep import NoEP
+    from kernels.stages import DispatchSpec
+    from kernels.workspace import Workspace
+
+    cfg = _gpu_case(scheme).config()
+    experts = TritonExperts(cfg, random_expert_weights(cfg).to(CUDA))
+    ws = Workspace(CUDA)
+    spec = DispatchSpec(cfg.quant.scheme.act_quant, cfg.num_experts)
+    for seed in range(3):  # the first call captures, the next ones replay with new inputs
+        r = random_routing(m, cfg.num_experts, cfg.top_k, seed=seed)
+        routing = type(r)(r.topk_ids.to(CUDA), r.topk_weights.to(CUDA))
+        hidden = torch.randn(m, cfg.hidden_size, device=CUDA).to(cfg.dtype)
+        x = NoEP().prepare(hidden, routing, spec, ws)
+        replayed = experts.apply(x, ws).clone()
+        shapes = experts.workspace_shapes(m)
+        eager = experts._forward(x, {n: ws.get(n, *s) for n, s in shapes.items()})
+        assert torch.equal(replayed, eager)
+    assert set(experts.graphs.graphs) == {m}

@@ -109,7 +109,9 @@ def heuristic_tiles(cfg: MoEConfig, num_tokens: int) -> LayerTiles:
     if cfg.quant.scheme == QuantScheme.FP8_BLOCK:
         block_k = min(block_k, FP8_BLOCK)
     elem = 1 if cfg.quant.scheme.act_quant else cfg.dtype.itemsize
-    gemm1 = GemmTile(block_n, block_k, warps, stages_for(block_m, block_n, block_k, 2, elem))
+    # GEMM1 keeps gate and up accumulators: halve its N tile at BLOCK_M 128 to stay in registers
+    n1 = block_n // 2 if block_m == 128 else block_n
+    gemm1 = GemmTile(n1, block_k, warps, stages_for(block_m, n1, block_k, 2, elem))
     gemm2 = GemmTile(block_n, block_k, warps, stages_for(block_m, block_n, block_k, 1, elem))
     return LayerTiles(block_m, gemm1, gemm2)
 
