@@ -35,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument("--backend", help="experts backend for every layer, or auto (default)")
     p.add_argument("--max-batch-tokens", type=int, help="tokens per forward (default 1024)")
-    p.add_argument("--max-batch-delay-ms", type=float, help="batch wait (default 2)")
+    p.add_argument("--max-batch-delay-ms", type=float, help="batch wait (default 0)")
     p.add_argument(
         "--max-queue", type=int, help="requests waiting per layer before 429 (default 256)"
     )

@@ -27,7 +27,9 @@ class Settings(BaseSettings):
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     backend: str = "auto"  # experts backend for every layer, or auto per layer
     max_batch_tokens: int = Field(1024, ge=1)  # tokens per forward; larger requests are chunked
-    max_batch_delay_ms: float = Field(2.0, ge=0.0)  # how long a batch waits for company
+    # How long a batch waits for company once the device is free. 0: go at once; requests that
+    # arrive while the device is busy still share its next forward.
+    max_batch_delay_ms: float = Field(0.0, ge=0.0)
     max_queue: int = Field(256, ge=1)  # requests waiting per layer before 429
     max_body_bytes: int = Field(64 << 20, ge=1024)  # request bodies above this get 413
     log_level: Literal["debug", "info", "warning", "error"] = "info"
