@@ -36,10 +36,10 @@ _BACKEND_MODULES = (
 # one; otherwise it tries these in order and the first that supports the layer wins. Fast GPU
 # paths first, the exact torch reference last (it runs everywhere).
 AUTO_ORDER: tuple[str, ...] = (
-    "triton-or-deep-gemm",
-    "oai-triton",
-    "triton",
     "deep-gemm",
+    "oai-triton",
+    "triton-or-deep-gemm",
+    "triton",
     "oai-triton-unfused",
     "reference",
 )

@@ -86,15 +86,17 @@ class ContiguousLayout:
 def contiguous_layout(topk_ids: torch.Tensor, num_experts: int, alignment: int) -> ContiguousLayout:
     """topk_ids [M, k] local ids (-1 = not here) -> the contiguous layout; one host sync (m_pad)."""
     flat = topk_ids.flatten().long()  # [M * k]
-    pairs = torch.nonzero(flat >= 0).squeeze(1)
-    experts, order = torch.sort(flat[pairs], stable=True)
-    pairs = pairs[order]  # grouped by expert, token order inside each expert
-    counts = torch.bincount(experts, minlength=num_experts)  # [E]
+    key = torch.where(flat >= 0, flat, num_experts)  # pairs for other ranks sort last
+    experts, pairs = torch.sort(key, stable=True)  # grouped by expert, token order inside each
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
+    counts = counts.index_add_(0, key, torch.ones_like(key))[:num_experts]  # [E]
     padded = (counts + alignment - 1) // alignment * alignment
+    m_pad, num_pairs = torch.stack((padded.sum(), counts.sum())).tolist()
+    experts, pairs = experts[:num_pairs], pairs[:num_pairs]
     seg_start = padded.cumsum(0) - padded  # [E]
-    rank = torch.arange(pairs.numel(), device=flat.device) - (counts.cumsum(0) - counts)[experts]
+    rank = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[experts]
     rows = seg_start[experts] + rank
-    m_indices = torch.full((int(padded.sum()),), -1, dtype=torch.int32, device=flat.device)
+    m_indices = torch.full((m_pad,), -1, dtype=torch.int32, device=flat.device)
     m_indices[rows] = experts.to(torch.int32)
     return ContiguousLayout(m_indices, rows, pairs)
 

@@ -74,7 +74,10 @@ def ogs_indices(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts:
         sorted_pairs.to(torch.int32),
         row_of_pair.to(torch.int32),
         topk_weights.flatten()[sorted_pairs].float(),
-        torch.bincount(flat.long(), minlength=num_experts).to(torch.int32),
+        # index_add, not bincount: bincount sizes its output on the host (a sync per call)
+        torch.zeros(num_experts, dtype=torch.int32, device=flat.device).index_add_(
+            0, flat.long(), torch.ones_like(flat, dtype=torch.int32)
+        ),
     )
 
 

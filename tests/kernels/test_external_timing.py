@@ -44,7 +44,9 @@ TIMED_LAYERS = ("deepseek-small", "deepseek-full", "gpt-oss-small", "gpt-oss-ful
 # not timed on their own: the monolithic variant's modular path is oai-triton's, and
 # triton-or-deep-gemm runs one of the two it composes (its row is derived from theirs)
 COMPOSED = {"oai-triton-monolithic", "triton-or-deep-gemm"}
+EXTERNAL = {"deep-gemm", "deep-gemm-batched", "oai-triton", "oai-triton-unfused"}
 RESULTS: dict[str, dict[str, dict[str, float]]] = {}  # layer -> tokens -> backend -> us
+FAILED: dict[str, dict[str, str]] = {}  # layer -> backend -> why it was not timed
 
 
 def _time_us(fn, *args: object) -> float:
@@ -68,15 +70,22 @@ def test_time_backends(name: str) -> None:
     weights = layer_weights(name)
     kernels = {n: modular(cls(cfg, weights)) for n, cls in _candidates(name).items()}
     times: dict[str, dict[str, float]] = {}
+    failed: dict[str, str] = {}  # backend -> why it was dropped (never timed again)
     for m in TIMED_TOKENS[selection.shape_class(cfg)]:
         hidden, logits, routing = layer_inputs(name, m)
         expected = reference_output(name, m)
         row = times.setdefault(str(m), {})
         for backend, kernel in kernels.items():
-            if backend.startswith("reference") and m > REFERENCE_MAX_TOKENS:
+            if backend in failed or (backend.startswith("reference") and m > REFERENCE_MAX_TOKENS):
                 continue
-            err = relative_error(kernel.forward(hidden, routing), expected)
-            assert err < TOLERANCE[cfg.quant.scheme], f"{backend} at M={m}: {err:.3g}"
+            try:
+                err = relative_error(kernel.forward(hidden, routing), expected)
+            except Exception as exc:  # another team's backend may not build yet: note it, go on
+                failed[backend] = f"M={m}: {type(exc).__name__}: {str(exc)[-300:]}"
+                continue
+            if err >= TOLERANCE[cfg.quant.scheme]:
+                failed[backend] = f"M={m}: relative error {err:.3g}"
+                continue
             row[backend] = _time_us(kernel.forward, hidden, routing)
         if "oai-triton" in kernels:  # routing included on both sides
             mono = MonolithicOaiTritonExperts(cfg, weights)
@@ -86,13 +95,14 @@ def test_time_backends(name: str) -> None:
             )
             row["oai-triton (with routing)"] = _time_us(_routed_forward, oai, cfg, hidden, logits)
         logger.info("%s M=%d: %s", name, m, row)
-    RESULTS[name] = times
+    RESULTS[name], FAILED[name] = times, failed
+    assert not failed.keys() & EXTERNAL, failed
 
 
-def _rule(times: dict[str, dict[str, float]]) -> dict:
+def _rule(times: dict[str, dict[str, float]], failed: dict[str, str]) -> dict:
     """Rank the backends; for fp8-block add where deep-gemm overtakes triton for good, and the
     composed triton-or-deep-gemm with, at each count, the time of the backend it runs there."""
-    body: dict = {"times_us": times}
+    body: dict = {"times_us": times, "failed": failed}
     if all("deep-gemm" in row and "triton" in row for row in times.values()):
         threshold = selection.crossover_tokens(times, "deep-gemm", "triton")
         body["deep_gemm_min_tokens"] = threshold
@@ -108,7 +118,7 @@ def _rule(times: dict[str, dict[str, float]]) -> dict:
 
 def test_write_rule_table() -> None:
     assert set(RESULTS) == set(TIMED_LAYERS), "run with the timing tests above"
-    rules = {selection.rule_key(LAYERS[n]): _rule(RESULTS[n]) for n in TIMED_LAYERS}
+    rules = {selection.rule_key(LAYERS[n]): _rule(RESULTS[n], FAILED[n]) for n in TIMED_LAYERS}
     table = {
         "device": torch.cuda.get_device_name(CUDA),
         "commit": os.environ.get("MOE_SERVE_COMMIT", "unknown"),
@@ -141,4 +151,5 @@ def _summary(table: dict) -> str:
         for m, row in rule["times_us"].items():
             cells = [f"{row[b]:.1f}" if b in row else "-" for b in backends]
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines += [f"- {b} not timed: {why}" for b, why in rule["failed"].items()]
     return "\n".join(lines) + "\n"
