@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
+import os
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -143,8 +143,9 @@ def run_http(args: argparse.Namespace) -> int:
             max_requests=args.max_requests,
             binary=args.binary,
             timeout_s=args.timeout,
+            processes=args.processes,
         )
-        report = asyncio.run(run_http_bench(config))
+        report = run_http_bench(config)
     except ValueError as err:
         log.error("%s", err)
         return 2
@@ -188,6 +189,13 @@ def _add_http(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--duration", type=float, default=20.0, help="seconds per concurrency level")
     p.add_argument("--max-requests", type=int, default=100_000, help="per concurrency level")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=max(1, min(8, (os.cpu_count() or 2) // 2)),
+        help="client processes the clients are spread over (one Python process tops out at a "
+        "few thousand requests per second)",
+    )
     body = p.add_mutually_exclusive_group()
     body.add_argument("--binary", dest="binary", action="store_true", default=True)
     body.add_argument("--json", dest="binary", action="store_false")

@@ -68,7 +68,7 @@ for mode in batching no-batching; do
     >>"$out/serve.log" 2>&1 &
   server=$!
   if wait_ready; then
-    "${cli[@]}" bench http --url "$url" --layer demo --tokens 64 --concurrency 1,16,64,256 \
+    "${cli[@]}" bench http --url "$url" --layer demo --tokens 64 --concurrency 1,16,64,256 --processes 8 \
       --duration "${BENCH_HTTP_SECONDS:-4}" --out "$out/http-$mode.json" 2>&1 \
       | tee -a "$out/http.log"
   else

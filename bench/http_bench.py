@@ -1,26 +1,28 @@
 """`moe-serve bench http`: an async load generator for one layer's forward route.
 
-At each concurrency level, that many clients post the same request back to back until the
-level's duration or request count runs out; each in-flight request is bounded by its timeout, so
-a level ends within duration + timeout. Latency percentiles are over successful requests. The
-server's own mean forward time and batch size over the level come from the difference of two
-/metrics scrapes, which shows how much of the latency is HTTP, queueing and batching.
+At each concurrency level, that many clients (asyncio tasks, spread over `processes` client
+processes) post the same request back to back until the level's duration or request count runs
+out; each in-flight request is bounded by its timeout, so a level ends within duration +
+timeout. Latency percentiles are over successful requests. The server's own mean forward time
+and batch size over the level come from the difference of two /metrics scrapes, which shows how
+much of the latency is HTTP, queueing and batching.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import statistics
 import time
 from collections import Counter
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing import get_context
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
-import safetensors.torch
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
@@ -39,12 +41,13 @@ class HttpBenchConfig:
     max_requests: int = 100_000  # per level
     binary: bool = True  # safetensors body; False: JSON
     timeout_s: float = 30.0  # per request
+    processes: int = 1  # client processes the clients are spread over
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ValueError(f"--url must be http(s)://host[:port], got {self.url!r}")
-        for name in ("tokens", "max_requests"):
+        for name in ("tokens", "max_requests", "processes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.concurrency or min(self.concurrency) < 1:
@@ -74,6 +77,7 @@ class HttpReport(BaseModel):
     backend: str
     tokens: int
     body: str  # "binary" or "json"
+    processes: int  # client processes
     levels: list[LevelResult]
 
     def table(self) -> str:
@@ -105,6 +109,10 @@ class Request:
 
 def make_request(config: HttpBenchConfig, hidden_size: int, dtype: str) -> Request:
     """One random [tokens, H] request, encoded once: the clients resend the same bytes."""
+    # imported here: spawned client processes import this module and need neither
+    import safetensors.torch
+    import torch
+
     hidden = torch.randn(config.tokens, hidden_size)
     path = f"/v1/layers/{config.layer}/forward"
     if config.binary:
@@ -144,22 +152,33 @@ def mean_delta(before: dict[str, float], after: dict[str, float], metric: str) -
     return (after[f"{metric}_sum"] - before[f"{metric}_sum"]) / count
 
 
+@dataclass(frozen=True)
+class ClientShare:
+    """What one client process runs: `clients` loops posting `request` for `duration_s`."""
+
+    url: str
+    request: Request
+    clients: int
+    duration_s: float
+    max_requests: int
+    timeout_s: float
+
+
 @dataclass
-class _Tally:
-    """What the clients of one level share (one event loop: no locking needed)."""
+class Tally:
+    """What the clients of one process saw; wall-clock stamps so processes can be merged."""
 
     budget: int
     latencies_s: list[float] = field(default_factory=list)
     errors: Counter = field(default_factory=Counter)
+    first_start: float = float("inf")
     last_done: float = 0.0
 
 
-async def _client(
-    http: httpx.AsyncClient, request: Request, deadline: float, tally: _Tally
-) -> None:
+async def _client(http: httpx.AsyncClient, request: Request, deadline: float, tally: Tally) -> None:
     headers = {"content-type": request.content_type}
     while time.monotonic() < deadline and tally.budget > 0:
-        tally.budget -= 1
+        tally.budget -= 1  # one event loop per process: no lock needed
         start = time.perf_counter()
         try:
             response = await http.post(request.path, content=request.body, headers=headers)
@@ -170,42 +189,77 @@ async def _client(
             tally.latencies_s.append(time.perf_counter() - start)
         else:
             tally.errors[kind] += 1
-        tally.last_done = time.monotonic()
+        tally.last_done = time.time()
 
 
-async def _scrape(http: httpx.AsyncClient, layer: str) -> dict[str, float] | None:
+async def _drive(share: ClientShare) -> Tally:
+    limits = httpx.Limits(max_connections=share.clients, max_keepalive_connections=None)
+    tally = Tally(budget=share.max_requests, first_start=time.time())
+    deadline = time.monotonic() + share.duration_s
+    async with (
+        httpx.AsyncClient(base_url=share.url, timeout=share.timeout_s, limits=limits) as http,
+        asyncio.timeout(share.duration_s + share.timeout_s + _GRACE_S),
+    ):
+        await asyncio.gather(
+            *(_client(http, share.request, deadline, tally) for _ in range(share.clients))
+        )
+    return tally
+
+
+def drive(share: ClientShare) -> Tally:
+    """Run one process's clients to the end (the entry point of each client process)."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return asyncio.run(_drive(share))
+
+
+def split(total: int, parts: int) -> list[int]:
+    """`total` as `parts` near-equal positive shares (fewer parts when total is smaller)."""
+    parts = max(1, min(parts, total))
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
+def _scrape(http: httpx.Client, layer: str) -> dict[str, float] | None:
     try:
-        response = await http.get("/metrics")
+        response = http.get("/metrics")
     except httpx.HTTPError:
         return None
     return metric_totals(response.text, layer) if response.status_code == 200 else None
 
 
-async def run_level(
-    http: httpx.AsyncClient, request: Request, config: HttpBenchConfig, concurrency: int
+def run_level(
+    http: httpx.Client,
+    request: Request,
+    config: HttpBenchConfig,
+    concurrency: int,
+    pool: Executor | None,
 ) -> LevelResult:
-    before = await _scrape(http, config.layer)
-    tally = _Tally(budget=config.max_requests)
-    start = time.monotonic()
-    deadline = start + config.duration_s
-    async with asyncio.timeout(config.duration_s + config.timeout_s + _GRACE_S):
-        await asyncio.gather(*(_client(http, request, deadline, tally) for _ in range(concurrency)))
-    elapsed = max(tally.last_done - start, 1e-9)
-    after = await _scrape(http, config.layer)
-    ok = len(tally.latencies_s)
-    p50, p90, p99 = percentiles_ms(tally.latencies_s)
+    """One concurrency level, its clients spread over the pool's processes (or run here)."""
+    clients = split(concurrency, config.processes)
+    budgets = split(config.max_requests, len(clients))
+    shares = [
+        ClientShare(config.url, request, c, config.duration_s, budget, config.timeout_s)
+        for c, budget in zip(clients, budgets, strict=True)
+    ]
+    before = _scrape(http, config.layer)
+    tallies = [drive(shares[0])] if pool is None else list(pool.map(drive, shares))
+    after = _scrape(http, config.layer)
+    latencies = [t for tally in tallies for t in tally.latencies_s]
+    errors = sum((tally.errors for tally in tallies), Counter())
+    start = min(t.first_start for t in tallies)
+    elapsed = max(max(t.last_done for t in tallies) - start, 1e-9)
+    p50, p90, p99 = percentiles_ms(latencies)
     forward_s = batch = None
     if before is not None and after is not None:
         forward_s = mean_delta(before, after, FORWARD_SECONDS)
         batch = mean_delta(before, after, BATCH_TOKENS)
     return LevelResult(
         concurrency=concurrency,
-        requests=ok,
-        errors=sum(tally.errors.values()),
-        error_kinds=dict(tally.errors),
+        requests=len(latencies),
+        errors=sum(errors.values()),
+        error_kinds=dict(errors),
         elapsed_s=elapsed,
-        requests_per_s=ok / elapsed,
-        tokens_per_s=ok * config.tokens / elapsed,
+        requests_per_s=len(latencies) / elapsed,
+        tokens_per_s=len(latencies) * config.tokens / elapsed,
         p50_ms=p50,
         p90_ms=p90,
         p99_ms=p99,
@@ -214,16 +268,11 @@ async def run_level(
     )
 
 
-async def run_http_bench(
-    config: HttpBenchConfig, transport: httpx.AsyncBaseTransport | None = None
-) -> HttpReport:
-    """Every concurrency level in turn against one server; `transport` is for tests."""
-    limits = httpx.Limits(max_connections=max(config.concurrency), max_keepalive_connections=None)
-    async with httpx.AsyncClient(
-        base_url=config.url, timeout=config.timeout_s, limits=limits, transport=transport
-    ) as http:
+def run_http_bench(config: HttpBenchConfig) -> HttpReport:
+    """Every concurrency level in turn against one server."""
+    with httpx.Client(base_url=config.url, timeout=config.timeout_s) as http:
         try:
-            info = await http.get(f"/v1/layers/{config.layer}")
+            info = http.get(f"/v1/layers/{config.layer}")
         except httpx.HTTPError as err:
             raise ValueError(f"cannot reach {config.url}: {type(err).__name__}: {err}") from err
         if info.status_code != 200:
@@ -232,13 +281,22 @@ async def run_http_bench(
             )
         layer = info.json()
         request = make_request(config, layer["hidden_size"], layer["dtype"])
-        levels = [await run_level(http, request, config, c) for c in config.concurrency]
+        # client processes, so that a single Python process's HTTP stack is not what is measured
+        pool = None
+        if config.processes > 1:
+            pool = ProcessPoolExecutor(config.processes, mp_context=get_context("spawn"))
+        try:
+            levels = [run_level(http, request, config, c, pool) for c in config.concurrency]
+        finally:
+            if pool is not None:
+                pool.shutdown()
     return HttpReport(
         url=config.url,
         layer=config.layer,
         backend=layer.get("backend", "unknown"),
         tokens=config.tokens,
         body="binary" if config.binary else "json",
+        processes=config.processes,
         levels=levels,
     )
 

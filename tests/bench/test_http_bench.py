@@ -3,7 +3,6 @@ on a free 127.0.0.1 port with the tiny layers."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ from bench.http_bench import (
     metric_totals,
     percentiles_ms,
     run_http_bench,
+    split,
 )
 from service.app import create_app
 from service.cli import main
@@ -52,6 +52,12 @@ def test_server_forward_time_is_the_mean_of_the_observations_between_two_scrapes
     assert mean_delta(after, after, FORWARD_SECONDS) is None
 
 
+def test_split_spreads_clients_and_budgets_evenly_over_processes() -> None:
+    assert split(10, 4) == [3, 3, 2, 2]
+    assert split(1, 4) == [1]  # no idle process for a single client
+    assert split(256, 8) == [32] * 8
+
+
 def test_config_refuses_a_url_without_scheme() -> None:
     with pytest.raises(ValueError, match="--url must be http"):
         HttpBenchConfig(url="127.0.0.1:8000", layer=TINY)
@@ -72,7 +78,7 @@ def test_bounded_run_against_the_service_reports_throughput_latency_and_forward_
     config = HttpBenchConfig(
         url=server_url, layer=TINY, tokens=4, concurrency=(1, 4), duration_s=0.4, binary=binary
     )
-    report = asyncio.run(run_http_bench(config))
+    report = run_http_bench(config)
     assert [lv.concurrency for lv in report.levels] == [1, 4]
     for level in report.levels:
         assert level.errors == 0 and level.requests > 0
@@ -89,20 +95,32 @@ def test_request_count_bound_stops_a_level_early(server_url: str) -> None:
     config = HttpBenchConfig(
         url=server_url, layer=TINY, tokens=2, concurrency=(3,), duration_s=30, max_requests=5
     )
-    (level,) = asyncio.run(run_http_bench(config)).levels
+    (level,) = run_http_bench(config).levels
     assert level.requests + level.errors == 5
     assert level.elapsed_s < 10
+
+
+def test_clients_spread_over_two_processes_are_merged_into_one_level(server_url: str) -> None:
+    config = HttpBenchConfig(
+        url=server_url, layer=TINY, tokens=2, concurrency=(4,), duration_s=0.5, processes=2
+    )
+    report = run_http_bench(config)
+    (level,) = report.levels
+    assert report.processes == 2
+    assert level.errors == 0 and level.requests > 2
+    assert level.elapsed_s < 5
 
 
 def test_unknown_layer_is_an_error_naming_it(server_url: str) -> None:
     config = HttpBenchConfig(url=server_url, layer="nope", concurrency=(1,), duration_s=0.1)
     with pytest.raises(ValueError, match="/v1/layers/nope answered 404"):
-        asyncio.run(run_http_bench(config))
+        run_http_bench(config)
 
 
 def test_http_command_writes_its_report(server_url: str, tmp_path: Path) -> None:
     out = tmp_path / "http.json"
     args = ["bench", "http", "--url", server_url, "--layer", TINY, "--tokens", "2"]
-    assert main([*args, "--concurrency", "2", "--duration", "0.2", "--out", str(out)]) == 0
+    level = ["--concurrency", "2", "--duration", "0.2", "--processes", "1"]
+    assert main([*args, *level, "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["body"] == "binary" and report["levels"][0]["requests"] > 0
