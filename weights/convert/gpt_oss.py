@@ -60,7 +60,9 @@ def convert(ckpt: Checkpoint, layer: int) -> ConvertedLayer:
         ckpt,
         (e, h, i),
         routing=RoutingConfig(
-            top_k=ckpt.config_int("num_experts_per_tok"), softmax_after_topk=True
+            # the released configs carry both names; transformers reads num_experts_per_tok
+            top_k=ckpt.config_int("num_experts_per_tok", ckpt.config.get("experts_per_token")),
+            softmax_after_topk=True,
         ),
         activation=activation,
         quant=QuantConfig(QuantScheme.MXFP4 if mxfp4 else QuantScheme.NONE),
