@@ -6,15 +6,10 @@
 #   Pinned by tag; pin by digest (`@sha256:...`) where builds must be bit-for-bit repeatable.
 # - torch 2.11.0 from PyPI: its Linux wheel is the CUDA 13.0 build (it requires
 #   cuda-toolkit 13.0.2 and triton==3.6.0). This is the stack our H100 figures were measured on.
-# - DeepGEMM 2.6.1: source of deepseek-ai/DeepGEMM at a full commit hash, with the CUTLASS and
-#   fmt submodules at the commits that commit records; its extension is compiled here. The
-#   wheels on PyPI do not work with this torch (sgl-deep-gemm: ABI mismatch; deep-gemm 1.0.0:
-#   an old snapshot without headers).
-# - triton_kernels (OpenAI's matmul_ogs, routing, swiglu): not on PyPI (the `triton-kernels`
-#   there is an unrelated project); installed from the triton repository, subdirectory
-#   python/triton_kernels, at release tag v3.5.1: the copy vLLM vendors, which our H100 runs used
-#   on triton 3.6.0. Later tags drop `triton_kernels.routing`, which kernels/experts/oai_triton.py
-#   imports.
+# - DeepGEMM 2.6.1 (deepseek-ai/DeepGEMM at a full commit hash) and OpenAI's triton_kernels
+#   (the triton repository's python/triton_kernels at release tag v3.5.1, the copy vLLM vendors;
+#   later tags drop `triton_kernels.routing`): from source, as pyproject's `deepgemm` and `oai`
+#   extras say, since neither has a working wheel on PyPI (README, "Backends").
 
 ARG CUDA_IMAGE_VERSION=13.0.2
 ARG UBUNTU=ubuntu24.04
@@ -41,15 +36,14 @@ RUN apt-get update \
 
 RUN pip install "torch==${TORCH_VERSION}" "triton==${TRITON_VERSION}"
 
-# DeepGEMM's setup.py imports torch, so it builds against the torch above (no isolation).
-# DG_FORCE_BUILD: compile here rather than download a prebuilt wheel from its release page.
+# The external backends: the `deepgemm` and `oai` extras of pyproject.toml, spelled out here so
+# they install before the code is copied (a code change does not rebuild DeepGEMM); tests/deploy
+# checks these requirements against pyproject. pip fetches DeepGEMM's submodules (CUTLASS, fmt)
+# at the commits it records. Its setup.py imports torch, so it builds against the torch above,
+# without isolation; DG_FORCE_BUILD: compile here, never download a wheel from its release page.
 RUN pip install setuptools==80.9.0 wheel==0.45.1 packaging==25.0 \
-    && git clone https://github.com/deepseek-ai/DeepGEMM.git /tmp/DeepGEMM \
-    && git -C /tmp/DeepGEMM checkout "${DEEPGEMM_COMMIT}" \
-    && git -C /tmp/DeepGEMM submodule update --init --recursive \
-    && DG_FORCE_BUILD=1 pip install --no-build-isolation /tmp/DeepGEMM \
-    && rm -rf /tmp/DeepGEMM
-
+    && DG_FORCE_BUILD=1 pip install --no-build-isolation \
+        "deep_gemm @ git+https://github.com/deepseek-ai/DeepGEMM.git@${DEEPGEMM_COMMIT}"
 RUN pip install \
     "triton_kernels @ git+https://github.com/triton-lang/triton.git@${TRITON_KERNELS_TAG}#subdirectory=python/triton_kernels"
 
