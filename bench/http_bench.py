@@ -29,6 +29,7 @@ from pydantic import BaseModel
 FORWARD_SECONDS = "moe_serve_forward_seconds"  # service.metrics: device time of one batch
 BATCH_TOKENS = "moe_serve_batch_tokens"  # service.metrics: tokens per forward batch
 _GRACE_S = 5.0  # slack on top of duration + timeout before a level is cut off
+_START_SLACK_S = 0.3  # time for the client processes to receive their share before the start
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,7 @@ class ClientShare:
     url: str
     request: Request
     clients: int
+    start_at: float  # wall-clock time.time() at which every process starts sending
     duration_s: float
     max_requests: int
     timeout_s: float
@@ -194,6 +196,7 @@ async def _client(http: httpx.AsyncClient, request: Request, deadline: float, ta
 
 async def _drive(share: ClientShare) -> Tally:
     limits = httpx.Limits(max_connections=share.clients, max_keepalive_connections=None)
+    await asyncio.sleep(max(0.0, share.start_at - time.time()))
     tally = Tally(budget=share.max_requests, first_start=time.time())
     deadline = time.monotonic() + share.duration_s
     async with (
@@ -210,6 +213,11 @@ def drive(share: ClientShare) -> Tally:
     """Run one process's clients to the end (the entry point of each client process)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
     return asyncio.run(_drive(share))
+
+
+def _started(_: int) -> None:
+    """A task that keeps a pool worker busy a moment, so that every worker gets spawned."""
+    time.sleep(0.2)
 
 
 def split(total: int, parts: int) -> list[int]:
@@ -236,8 +244,9 @@ def run_level(
     """One concurrency level, its clients spread over the pool's processes (or run here)."""
     clients = split(concurrency, config.processes)
     budgets = split(config.max_requests, len(clients))
+    start_at = time.time() + (_START_SLACK_S if pool is not None else 0.0)
     shares = [
-        ClientShare(config.url, request, c, config.duration_s, budget, config.timeout_s)
+        ClientShare(config.url, request, c, start_at, config.duration_s, budget, config.timeout_s)
         for c, budget in zip(clients, budgets, strict=True)
     ]
     before = _scrape(http, config.layer)
@@ -285,6 +294,7 @@ def run_http_bench(config: HttpBenchConfig) -> HttpReport:
         pool = None
         if config.processes > 1:
             pool = ProcessPoolExecutor(config.processes, mp_context=get_context("spawn"))
+            list(pool.map(_started, range(config.processes)))  # spawned and imported up front
         try:
             levels = [run_level(http, request, config, c, pool) for c in config.concurrency]
         finally:
