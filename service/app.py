@@ -4,26 +4,23 @@ warms each one, then starts the batcher; /ready turns 200 only after that."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import re
-import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 
 import torch
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
 
-from service import __version__, logs
+from service import __version__
 from service.batcher import BatchPolicy, DynamicBatcher
 from service.deps import Runtime
 from service.engine import Engine, LayerSource
 from service.ep import EPEngine
-from service.errors import error_response, install_handlers
+from service.errors import install_handlers
 from service.metrics import Metrics
+from service.middleware import RequestMiddleware
 from service.routes import forward, health, introspect, kserve, metrics
 from service.settings import Settings
 
@@ -31,11 +28,6 @@ log = logging.getLogger(__name__)
 
 # A loader turns settings into layers whose weights are on `device`.
 LayerLoader = Callable[[Settings, torch.device], Sequence[LayerSource]]
-
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's id is echoed and logged
-
-# Probes and scrapes answer without the bearer token: orchestrators and Prometheus hold none.
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready"})
 
 
 def layer_paths(settings: Settings) -> list[Path]:
@@ -88,55 +80,6 @@ async def _start(runtime: Runtime, loader: LayerLoader) -> None:
     log.info("ready: %s on %s", ", ".join(engine.layers), engine.device)
 
 
-def _authorized(request: Request, token: bytes) -> bool:
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token)
-
-
-def _observe(runtime: Runtime) -> Callable[[Request, Callable], Awaitable[Response]]:
-    """Middleware: request id, bearer auth, one log line and the request metrics."""
-    secret = runtime.settings.api_token
-    token = secret.get_secret_value().encode() if secret is not None else None
-    m = runtime.metrics
-
-    async def observe(request: Request, call_next: Callable) -> Response:
-        given = request.headers.get("x-request-id", "")
-        rid = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex  # no log injection
-        reset = logs.request_id.set(rid)
-        started = time.perf_counter()
-        try:
-            if (
-                token is not None
-                and request.url.path not in OPEN_PATHS
-                and not _authorized(request, token)
-            ):
-                response = error_response(
-                    401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}
-                )
-            else:
-                response = await call_next(request)
-        except Exception:
-            log.exception("unhandled error on %s %s", request.method, request.url.path)
-            response = error_response(500, f"internal error; request id {rid}")
-        seconds = time.perf_counter() - started
-        route = request.scope.get("route")
-        label = getattr(route, "path", "unmatched")
-        m.requests.labels(label, str(response.status_code)).inc()
-        m.request_seconds.labels(label).observe(seconds)
-        response.headers["X-Request-ID"] = rid
-        log.info(
-            "%s %s -> %d in %.1f ms",
-            request.method,
-            request.url.path,
-            response.status_code,
-            seconds * 1e3,
-        )
-        logs.request_id.reset(reset)
-        return response
-
-    return observe
-
-
 def create_app(settings: Settings, loader: LayerLoader = load_from_disk) -> FastAPI:
     runtime = Runtime(settings, Metrics())
 
@@ -159,7 +102,9 @@ def create_app(settings: Settings, loader: LayerLoader = load_from_disk) -> Fast
     )
     app.state.runtime = runtime
     install_handlers(app)
-    app.middleware("http")(_observe(runtime))
+    secret = settings.api_token
+    token = None if secret is None else secret.get_secret_value().encode()
+    app.add_middleware(RequestMiddleware, metrics=runtime.metrics, token=token)
     for module in (health, metrics, introspect, forward, kserve):
         app.include_router(module.router)
     return app

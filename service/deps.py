@@ -30,7 +30,9 @@ class Runtime:
     not_ready: str | None = "loading layers"  # None once ready
 
 
-def get_runtime(request: Request) -> Runtime:
+# Dependencies are `async def` although they never wait: FastAPI runs a plain `def` one on a
+# worker thread, a thread hop per dependency per request.
+async def get_runtime(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
@@ -43,11 +45,11 @@ def _ready(runtime: Runtime) -> Runtime:
     return runtime
 
 
-def get_engine(runtime: RuntimeDep) -> Engine:
+async def get_engine(runtime: RuntimeDep) -> Engine:
     return _ready(runtime).engine
 
 
-def get_batcher(runtime: RuntimeDep) -> DynamicBatcher:
+async def get_batcher(runtime: RuntimeDep) -> DynamicBatcher:
     return _ready(runtime).batcher
 
 
