@@ -9,6 +9,7 @@ from pathlib import Path
 import uvicorn
 from pydantic import ValidationError
 
+from kernels.registry import experts_backends, select
 from service import logs
 from service.app import create_app
 from service.errors import describe_validation_error
@@ -55,9 +56,7 @@ def run(args: argparse.Namespace) -> int:
     }
     try:
         settings = Settings(**given)
-        settings.torch_device()
-        for path in settings.weights:  # fail here, naming the file, rather than never get ready
-            inspect_layer(path)
+        _check_layers(settings)
     except ValidationError as err:
         return _refuse(f"invalid settings: {describe_validation_error(err)}")
     except ValueError as err:  # LayerFileError is a ValueError
@@ -71,6 +70,20 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=settings.drain_timeout_s,
     )
     return 0
+
+
+def _check_layers(settings: Settings) -> None:
+    """Refuse here, naming the file or backend, what would otherwise never get ready."""
+    device = settings.torch_device()
+    backends = experts_backends()
+    if settings.backend != "auto" and settings.backend not in backends:
+        raise ValueError(f"unknown backend {settings.backend!r}; registered: {', '.join(backends)}")
+    for path in settings.weights:
+        cfg = inspect_layer(path).to_config()
+        try:
+            select(cfg, device, settings.backend)
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from None
 
 
 def _refuse(message: str) -> int:

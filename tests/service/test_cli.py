@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from service.cli import main
 from service.settings import Settings
+from weights.demo import ensure_demo_layers
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 90.0
@@ -69,6 +70,18 @@ def test_serve_refuses_a_missing_weights_dir_naming_it(tmp_path: Path, caplog) -
     missing = tmp_path / "no-such-layer"
     assert main(["serve", "--weights", str(missing), "--device", "cpu"]) == 2
     assert str(missing) in caplog.text
+
+
+def test_serve_refuses_an_unknown_backend_listing_the_registered_ones(caplog) -> None:
+    assert main(["serve", "--backend", "fastest", "--device", "cpu"]) == 2
+    assert "unknown backend 'fastest'; registered: " in caplog.text
+    assert "reference" in caplog.text
+
+
+def test_serve_refuses_a_backend_that_cannot_run_a_layer_naming_both(tmp_path, caplog) -> None:
+    layer = ensure_demo_layers(tmp_path)[0]
+    assert main(["serve", "--weights", str(layer), "--backend", "triton", "--device", "cpu"]) == 2
+    assert f"{layer}: backend 'triton' cannot run this layer: runs on cuda, not cpu" in caplog.text
 
 
 def test_serve_refuses_a_bad_option_value_naming_it(caplog) -> None:
