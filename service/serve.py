@@ -18,6 +18,8 @@ from weights.load import inspect_layer
 
 log = logging.getLogger(__name__)
 
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -62,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:  # LayerFileError is a ValueError
         return _refuse(str(err))
     logs.configure(settings.log_level, settings.log_format)
+    if settings.api_token is None and settings.host not in LOOPBACK:
+        log.warning("listening on %s with no MOE_SERVE_API_TOKEN: open to all", settings.host)
     uvicorn.run(
         create_app(settings),
         host=settings.host,

@@ -84,6 +84,23 @@ def test_serve_refuses_a_backend_that_cannot_run_a_layer_naming_both(tmp_path, c
     assert f"{layer}: backend 'triton' cannot run this layer: runs on cuda, not cpu" in caplog.text
 
 
+@pytest.mark.parametrize(
+    ("host", "token", "warned"),
+    [("0.0.0.0", None, True), ("0.0.0.0", "x" * 32, False), ("127.0.0.1", None, False)],
+)
+def test_serve_warns_when_listening_beyond_loopback_without_a_token(
+    monkeypatch, caplog, host: str, token: str | None, warned: bool
+) -> None:
+    started = []
+    monkeypatch.setattr("service.serve.uvicorn.run", lambda app, **kw: started.append(kw["host"]))
+    monkeypatch.setattr("service.serve.logs.configure", lambda *args: None)  # keep caplog's
+    if token:
+        monkeypatch.setenv("MOE_SERVE_API_TOKEN", token)
+    assert main(["serve", "--host", host, "--device", "cpu"]) == 0
+    assert started == [host]
+    assert ("with no MOE_SERVE_API_TOKEN: open to all" in caplog.text) is warned
+
+
 def test_serve_refuses_a_bad_option_value_naming_it(caplog) -> None:
     assert main(["serve", "--port", "70000"]) == 2
     assert "port: Input should be less than or equal to 65535" in caplog.text
