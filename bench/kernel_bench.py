@@ -96,21 +96,23 @@ class KernelBenchConfig:
         )
 
 
-def measure_ceilings(config: KernelBenchConfig, timer: Timer) -> CeilingsResult:
-    """Copy bandwidth and the GEMM peak of every precision the chosen shapes need."""
-    peaks = {}
+def measure_ceilings(
+    config: KernelBenchConfig, timer: Timer
+) -> tuple[CeilingsResult, dict[str, str]]:
+    """Copy bandwidth and the GEMM peak of every precision the chosen shapes need, and why a
+    peak could not be measured (fp8 before Ada, say): the shapes needing it are not run."""
+    peaks, problems = {}, {}
     for name in sorted({precision(SHAPES[s]) for s in config.shapes}):
         try:
             peaks[name] = measured.gemm_peak(timer, config.device, name)
-        except RuntimeError as err:
-            raise RuntimeError(
-                f"cannot measure the {name} GEMM peak on {config.device} ({err}); "
-                f"leave out the shapes that need it"
-            ) from err
+        except (RuntimeError, TypeError) as err:  # unsupported dtype or op on this device
+            problems[name] = f"cannot measure the {name} GEMM peak here: {err}"
+            log.error("%s", problems[name])
+            continue
         log.info("%s GEMM peak: %.1f TFLOP/s", name, peaks[name] / 1e12)
     copy = measured.copy_bandwidth(timer, config.device)
     log.info("copy bandwidth: %.0f GB/s", copy / 1e9)
-    return CeilingsResult(copy_bytes_per_s=copy, gemm_flops_per_s=peaks)
+    return CeilingsResult(copy_bytes_per_s=copy, gemm_flops_per_s=peaks), problems
 
 
 @dataclass(frozen=True)
@@ -326,7 +328,7 @@ class KernelBench:
             return self._run()
 
     def _run(self) -> BenchRun:
-        ceilings = measure_ceilings(self.config, self.timer)
+        ceilings, problems = measure_ceilings(self.config, self.timer)
         result = BenchRun(
             environment=self.env,
             settings=self.config.settings(),
@@ -335,9 +337,12 @@ class KernelBench:
             points=[],
         )
         for name in self.config.shapes:
-            if self._out_of_time():
-                log.warning("time limit reached: shape %s not run", name)
-                not_run = result.shapes_not_run | {name: "the run's time limit was reached"}
+            why = problems.get(precision(SHAPES[name]))
+            if why is None and self._out_of_time():
+                why = "the run's time limit was reached"
+            if why is not None:
+                log.warning("shape %s not run: %s", name, why)
+                not_run = result.shapes_not_run | {name: why}
                 result = result.model_copy(update={"shapes_not_run": not_run})
             else:
                 shape, points = self.bench_shape(name, ceilings)

@@ -171,3 +171,18 @@ def test_a_non_finite_row_beyond_the_checked_rows_marks_the_backend_wrong(
     assert by_name["test-nan-last-row"].rel_error == float("inf")
     assert not by_name["test-nan-last-row"].correct
     assert point.best == "reference"
+
+
+def test_a_shape_whose_gemm_peak_cannot_be_measured_is_listed_as_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench import ceilings
+
+    def no_peak(timer, device, precision):
+        raise RuntimeError("no fp32 GEMM today")
+
+    monkeypatch.setattr(ceilings, "gemm_peak", no_peak)
+    config = KernelBenchConfig(shapes=("tiny",), tokens=(1,), device=CPU, plan=QUICK)
+    run = KernelBench(config, tmp_path / "run.json").run()
+    assert run.points == []
+    assert "no fp32 GEMM today" in run.shapes_not_run["tiny"]
