@@ -139,7 +139,8 @@ def test_runtime_runs_moe_serve_as_non_root_on_every_interface(runtime: Stage) -
 def test_dockerfile_package_install_works_in_a_fresh_venv(build: Stage, tmp_path: Path) -> None:
     """The build stage's COPY lines and `pip install "/src[...]"`, run with CPU torch in place
     of the CUDA one: a file the install needs but the Dockerfile does not copy, or an extra it
-    names that pyproject lacks, fails here."""
+    names that pyproject lacks, fails here. Needs the package index (CI has it); about 45 s on
+    an idle 2-core machine."""
     image = tmp_path / "image"  # stands for the build stage's filesystem root
     for sources, dest in copies(build):
         target = image / dest.lstrip("/")
