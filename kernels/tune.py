@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from kernels.config import MoEConfig, RoutingConfig
-from kernels.quant_scheme import FP8_BLOCK, QuantConfig, QuantScheme
+from kernels.quant_scheme import QuantConfig, QuantScheme
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def parse_shape(text: str) -> MoEConfig:
 def candidates(cfg: MoEConfig, num_tokens: int) -> list:
     """The heuristic's tiles, and each GEMM choice at its block_m and the next ones."""
     from kernels.experts._triton.grouped_gemm import GemmTile
-    from kernels.experts._triton.tiles import heuristic_tiles, stages_for
+    from kernels.experts._triton.tiles import heuristic_tiles, nested_block_k, stages_for
 
     base = heuristic_tiles(cfg, num_tokens)
     block_ms = sorted({base.block_m, max(16, base.block_m // 2), min(128, base.block_m * 2)})
@@ -61,7 +61,7 @@ def candidates(cfg: MoEConfig, num_tokens: int) -> list:
     found = [base]
     for block_m in block_ms:
         for block_n, block_k, warps in _GEMM_CHOICES:
-            if cfg.quant.scheme == QuantScheme.FP8_BLOCK and FP8_BLOCK % block_k:
+            if nested_block_k(cfg, block_k) != block_k:
                 continue
             one = GemmTile(block_n, block_k, warps, stages_for(block_m, block_n, block_k, 2, elem))
             two = GemmTile(block_n, block_k, warps, stages_for(block_m, block_n, block_k, 1, elem))

@@ -38,7 +38,7 @@ if HAS_TRITON:  # without it the backends stay registered and say why they canno
         ExpertMatrix,
         grouped_gemm,
     )
-    from kernels.experts._triton.tiles import LayerTiles, tiles_for
+    from kernels.experts._triton.tiles import LayerTiles, nested_block_k, tiles_for
     from kernels.experts._triton.topk_sum import topk_sum
 
 _FP8_CAPABILITY = (8, 9)  # fp8 tensor-core dots: Ada and Hopper onwards
@@ -61,6 +61,13 @@ class _TritonBase(Experts):
             return Support(False, "triton is not installed (pip install 'moe-serve[gpu]')")
         if cuda_capability(device) is None:
             return Support(False, f"needs a CUDA GPU, {device} has none")
+        return YES
+
+    @classmethod
+    def check_config(cls, cfg: MoEConfig) -> Support:
+        if not nested_block_k(cfg, 128):
+            return Support(False, f"int4 group_size {cfg.quant.group_size} does not nest with "
+                           "power-of-two K tiles (use a multiple or divisor of 16)")  # fmt: skip
         return YES
 
     @classmethod

@@ -130,6 +130,24 @@ def test_single_token_matches_reference(
     assert triton_vs_reference(cfg, random_routing(1, 4, 2, seed=4), device, fmt) < tolerance(cfg)
 
 
+@pytest.mark.parametrize("block_k", [32, 128])
+@pytest.mark.parametrize("scheme", [QuantScheme.INT4_W4A16, QuantScheme.MXFP4])
+def test_packed_weights_match_reference_with_k_tiles_inside_and_across_scale_groups(
+    scheme: QuantScheme, block_k: int, device: torch.device
+) -> None:
+    cfg = Case(scheme, intermediate=128, group_size=64).config()  # mxfp4 groups are 32 anyway
+    tile = GemmTile(32, block_k, 4, 2)
+    fixed = tiles.LayerTiles(16, tile, tile)
+    err = triton_vs_reference(cfg, random_routing(6, 4, 2, seed=7), device, tiles=fixed)
+    assert err < tolerance(cfg)
+
+
+def test_int4_groups_that_do_not_nest_with_k_tiles_are_refused_with_the_reason() -> None:
+    cfg = Case(QuantScheme.INT4_W4A16, group_size=24, hidden=48, intermediate=96).config()
+    support = TritonExperts.check_config(cfg)
+    assert not support and "group_size 24" in support.reason
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_all_tokens_on_one_expert_and_empty_experts_match_reference(
     fmt: Format, device: torch.device

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.config import Activation, ActivationSpec, GateUp, MoEConfig, RoutingConfig
+from kernels.experts._triton.tiles import LayerTiles
 from kernels.experts.reference import ReferenceExperts
 from kernels.experts.triton import TritonBatchedExperts, TritonExperts
 from kernels.modular import ModularKernel
@@ -80,6 +81,7 @@ def triton_vs_reference(
     fmt: Format = Format.STANDARD,
     expert_map: torch.Tensor | None = None,
     seed: int = 0,
+    tiles: LayerTiles | None = None,
 ) -> float:
     """Relative error of the Triton experts in `fmt` against the reference, same inputs."""
     weights = random_expert_weights(cfg, seed).to(device)
@@ -92,7 +94,7 @@ def triton_vs_reference(
         (TritonExperts, NoEP()) if fmt == Format.STANDARD else (TritonBatchedExperts, Batched())
     )
     emap = None if expert_map is None else expert_map.to(device)
-    fast = ModularKernel(stage, fast_cls(cfg, local.to(device)), Workspace(device), emap)
+    fast = ModularKernel(stage, fast_cls(cfg, local.to(device), tiles), Workspace(device), emap)
     ref = ModularKernel(NoEP(), ReferenceExperts(cfg, local.to(device)), Workspace(device), emap)
     out = fast.forward(hidden, routing)
     assert out.dtype == cfg.dtype and out.shape == hidden.shape

@@ -22,6 +22,7 @@ import triton.language as tl
 from kernels.config import Activation, ActivationSpec, GateUp
 from kernels.experts._triton.align import AlignedPairs
 from kernels.quant_scheme import FP8_BLOCK, MXFP4_GROUP, ActQuant, QuantConfig, QuantScheme
+from kernels.quantize import FP8
 
 
 class WeightKind(IntEnum):
@@ -100,56 +101,80 @@ class GemmTile:
 
 
 @triton.jit
-def _load_tile(ptrs, mask):
-    """tl.load with zeros where masked; fp8 travels as its bytes (the interpreter cannot fill
-    fp8 lanes, and the bitcast costs nothing compiled)."""
-    if ptrs.dtype.element_ty == tl.float8e4nv:
-        raw = tl.load(ptrs.to(tl.pointer_type(tl.uint8)), mask=mask, other=0)
-        return raw.to(tl.float8e4nv, bitcast=True)
-    return tl.load(ptrs, mask=mask, other=0)
+def _load_tile(ptrs, mask, AS_FP8: tl.constexpr):
+    """tl.load with zeros where masked. fp8 tensors arrive as their bytes (uint8) and are
+    reinterpreted here: neither the interpreter nor every compiler can fill fp8 lanes."""
+    tile = tl.load(ptrs, mask=mask, other=0)
+    if AS_FP8:
+        tile = tile.to(tl.float8e4nv, bitcast=True)
+    return tile
+
+
+@triton.jit
+def _e2m1_to_float(nibble):
+    """e2m1 codes (sign bit 3, exponent bits 1-2, mantissa bit 0) -> float32, built as bits."""
+    bits = nibble.to(tl.uint32)
+    exp = (bits >> 1) & 3
+    man = bits & 1
+    magnitude = tl.where(exp == 0, man * 0x3F000000, ((exp + 126) << 23) | (man << 22))
+    return (magnitude | ((bits >> 3) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _group_scale(raw, KIND: tl.constexpr):
+    if KIND == 5:  # e8m0: 2**(raw - 127) as float32 bits (raw 0 flushes to 0)
+        return (raw.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+    return raw
+
+
+@triton.jit
+def _packed_tile(
+    w_ptr, s_ptr, n_rows, n_mask, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
+    KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """int4 / mxfp4: [BLOCK_K, BLOCK_N] float32 from [BLOCK_K / 2, BLOCK_N] bytes and the group
+    scales; a tile lies within one group or covers whole groups (checked by the launcher)."""
+    BLOCK_N: tl.constexpr = n_rows.shape[0]
+    offs_h = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    mask = (offs_h < k // 2)[:, None] & n_mask[None, :]
+    byte = tl.load(w_ptr + n_rows[None, :] * stride_wn + offs_h[:, None] * stride_wk, mask=mask,
+                   other=0)  # fmt: skip
+    pairs = tl.join(byte & 0xF, byte >> 4)  # [BLOCK_K / 2, BLOCK_N, 2]: element 2j low
+    nibble = tl.reshape(tl.permute(pairs, (0, 2, 1)), (BLOCK_K, BLOCK_N))
+    if KIND == 4:  # noqa: SIM108 (compile-time branch: only one side is built)
+        w = (nibble.to(tl.int32) - 8).to(tl.float32)
+    else:
+        w = _e2m1_to_float(nibble)
+    if GROUP >= BLOCK_K:
+        raw = tl.load(s_ptr + n_rows * stride_sn + (k0 // GROUP) * stride_sk, mask=n_mask, other=0)
+        w = w * _group_scale(raw, KIND)[None, :]
+    else:
+        offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        g_mask = (offs_g < k // GROUP)[:, None] & n_mask[None, :]
+        raw = tl.load(s_ptr + n_rows[None, :] * stride_sn + offs_g[:, None] * stride_sk,
+                      mask=g_mask, other=0)  # fmt: skip
+        scale = _group_scale(raw, KIND)  # [BLOCK_K / GROUP, BLOCK_N]
+        w = tl.reshape(w, (BLOCK_K // GROUP, GROUP, BLOCK_N)) * scale[:, None, :]
+        w = tl.reshape(w, (BLOCK_K, BLOCK_N))
+    return w
 
 
 @triton.jit
 def _weight_tile(
-    w_ptr,  # this expert's [N, K'] block
-    s_ptr,  # this expert's scales
-    n_rows,  # [BLOCK_N] weight rows
-    n_mask,
-    offs_k,  # [BLOCK_K]
-    k_mask,
-    stride_wn,
-    stride_wk,
-    stride_sn,
-    stride_sk,
-    KIND: tl.constexpr,
-    GROUP: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-):
-    """[BLOCK_K, BLOCK_N] dot operand: as stored (dense, fp8, int8 as float) or dequantised."""
-    mask = k_mask[:, None] & n_mask[None, :]
-    if KIND == 4 or KIND == 5:  # two nibbles per byte, element 2j low
-        byte = tl.load(
-            w_ptr + n_rows[None, :] * stride_wn + (offs_k[:, None] // 2) * stride_wk,
-            mask=mask,
-            other=0,
-        )
-        nibble = (byte >> ((offs_k[:, None] % 2) * 4).to(tl.uint8)) & 0xF
-        scale = tl.load(
-            s_ptr + n_rows[None, :] * stride_sn + (offs_k[:, None] // GROUP) * stride_sk,
-            mask=mask,
-            other=0,
-        )
-        if KIND == 4:
-            w = (nibble.to(tl.int32) - 8).to(tl.float32) * scale
-        else:  # e2m1: exponent bits 1-2, mantissa bit 0, sign bit 3
-            exp = ((nibble >> 1) & 3).to(tl.float32)
-            man = (nibble & 1).to(tl.float32)
-            mag = tl.where(exp == 0, man * 0.5, (1.0 + man * 0.5) * tl.exp2(exp - 1.0))
-            mag = mag * tl.exp2(scale.to(tl.float32) - 127.0)
-            w = tl.where((nibble & 8) != 0, -mag, mag)
+    w_ptr, s_ptr, n_rows, n_mask, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
+    KIND: tl.constexpr, GROUP: tl.constexpr, W_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_K, BLOCK_N] dot operand of this expert's rows `n_rows`: as stored (16-bit, fp8),
+    converted (int8) or dequantised (int4, mxfp4)."""
+    if KIND == 4 or KIND == 5:
+        w = _packed_tile(w_ptr, s_ptr, n_rows, n_mask, k0, k, stride_wn, stride_wk, stride_sn,
+                         stride_sk, KIND, GROUP, BLOCK_K)  # fmt: skip
         return w.to(DOT_DTYPE)
-    w = _load_tile(w_ptr + n_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask)
-    if w.dtype != DOT_DTYPE:  # int8 (w8a16); fp8 and 16-bit weights go to the dot as stored
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = (offs_k < k)[:, None] & n_mask[None, :]
+    w = _load_tile(w_ptr + n_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask, W_FP8)
+    if not W_FP8:  # int8 (w8a16) converts; 16/32-bit already match the activations
         w = w.to(DOT_DTYPE)
     return w
 
@@ -215,6 +240,8 @@ def _grouped_gemm_kernel(
     GATE_STEP: tl.constexpr,  # weight row of gate n: n * GATE_STEP; of up n: that + up_offset
     HAS_BIAS: tl.constexpr,
     HAS_ROW_WEIGHTS: tl.constexpr,
+    A_FP8: tl.constexpr,  # fp8 tensors come as uint8 views (see _load_tile)
+    W_FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -258,10 +285,11 @@ def _grouped_gemm_kernel(
         a = _load_tile(
             a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
             row_mask[:, None] & k_mask[None, :],
+            A_FP8,
         )
         b = _weight_tile(
-            w_ptr, s_ptr, gate_rows, n_mask, offs_k, k_mask,
-            stride_wn, stride_wk, stride_sn, stride_sk, KIND, GROUP, DOT_DTYPE,
+            w_ptr, s_ptr, gate_rows, n_mask, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
+            KIND, GROUP, W_FP8, DOT_DTYPE, BLOCK_K,
         )  # fmt: skip
         part = tl.dot(a, b, input_precision=DOT_PRECISION)
         if KIND == 3:
@@ -272,8 +300,8 @@ def _grouped_gemm_kernel(
         acc += part
         if ACTIVATION != 0:
             b = _weight_tile(
-                w_ptr, s_ptr, up_rows, n_mask, offs_k, k_mask,
-                stride_wn, stride_wk, stride_sn, stride_sk, KIND, GROUP, DOT_DTYPE,
+                w_ptr, s_ptr, up_rows, n_mask, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
+                KIND, GROUP, W_FP8, DOT_DTYPE, BLOCK_K,
             )  # fmt: skip
             part = tl.dot(a, b, input_precision=DOT_PRECISION)
             if KIND == 3:
@@ -313,7 +341,11 @@ _DOT_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat
 
 
 def _dot_dtype(a: torch.Tensor) -> tl.dtype:
-    return tl.float8e4nv if a.dtype == torch.float8_e4m3fn else _DOT_DTYPE[a.dtype]
+    return tl.float8e4nv if a.dtype == FP8 else _DOT_DTYPE[a.dtype]
+
+
+def _bytes_if_fp8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8 else t
 
 
 def _scale_strides(w: ExpertMatrix) -> tuple[int, int, int]:
@@ -347,8 +379,15 @@ def grouped_gemm(
     n_out = w.n // 2 if gated else w.n
     interleaved = gated and spec.gate_up == GateUp.INTERLEAVED
     kind = _WEIGHT_KIND[w.quant.scheme]
+    group = _weight_group(w)
     if kind == WeightKind.FP8_BLOCK and FP8_BLOCK % tile.block_k:
         raise ValueError(f"fp8-block needs block_k to divide {FP8_BLOCK}, got {tile.block_k}")
+    if (
+        kind in (WeightKind.INT4_GROUP, WeightKind.MXFP4)
+        and group % tile.block_k
+        and tile.block_k % group
+    ):
+        raise ValueError(f"block_k {tile.block_k} and the {group}-wide scale groups must nest")
     if isinstance(rows, AlignedPairs):
         block_m, grid_m, max_tokens, num_pairs = rows.block_m, rows.num_blocks, 0, rows.num_pairs
         row_ids, block_expert, tokens_per_expert = rows.row_ids, rows.block_expert, None
@@ -362,7 +401,7 @@ def grouped_gemm(
     s_e, s_n, s_k = _scale_strides(w)
     grid = (grid_m, triton.cdiv(n_out, tile.block_n))
     _grouped_gemm_kernel[grid](
-        a.data, a.scale, w.data, w.scale, w.bias, out,
+        _bytes_if_fp8(a.data), a.scale, _bytes_if_fp8(w.data), w.scale, w.bias, out,
         row_ids, block_expert, tokens_per_expert, epilogue.row_weights,
         num_pairs, max_tokens, a.pairs_per_row, n_out, w.k,
         1 if interleaved else n_out,
@@ -373,11 +412,13 @@ def grouped_gemm(
         BATCHED=isinstance(rows, BatchedRows),
         KIND=int(kind),
         ACT_SCALE=_ACT_SCALE[a.act_quant],
-        GROUP=_weight_group(w),
+        GROUP=group,
         ACTIVATION=_ACTIVATION[spec.kind] if gated else 0,
         GATE_STEP=2 if interleaved else 1,
         HAS_BIAS=w.bias is not None,
         HAS_ROW_WEIGHTS=epilogue.row_weights is not None,
+        A_FP8=a.data.dtype == FP8,
+        W_FP8=w.data.dtype == FP8,
         DOT_DTYPE=_dot_dtype(a.data),
         DOT_PRECISION="ieee" if a.data.dtype == torch.float32 else "tf32",
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
