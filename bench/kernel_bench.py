@@ -340,15 +340,19 @@ class KernelBench:
             why = problems.get(precision(SHAPES[name]))
             if why is None and self._out_of_time():
                 why = "the run's time limit was reached"
-            if why is not None:
-                log.warning("shape %s not run: %s", name, why)
-                not_run = result.shapes_not_run | {name: why}
-                result = result.model_copy(update={"shapes_not_run": not_run})
+            if why is None:
+                try:
+                    shape, points = self.bench_shape(name, ceilings)
+                except Exception as err:  # e.g. out of memory drawing the weights: next shape
+                    log.exception("shape %s failed", name)
+                    why = f"failed: {type(err).__name__}: {err}"
+                    _free_device_memory()
+            if why is None:
+                update = {"shapes": [*result.shapes, shape], "points": [*result.points, *points]}
             else:
-                shape, points = self.bench_shape(name, ceilings)
-                result = result.model_copy(
-                    update={"shapes": [*result.shapes, shape], "points": [*result.points, *points]}
-                )
+                log.warning("shape %s not run: %s", name, why)
+                update = {"shapes_not_run": result.shapes_not_run | {name: why}}
+            result = result.model_copy(update=update)
             write_run(result, self.out)  # after each shape: a cut-off run keeps what it measured
         return result
 

@@ -186,3 +186,27 @@ def test_a_shape_whose_gemm_peak_cannot_be_measured_is_listed_as_not_run(
     run = KernelBench(config, tmp_path / "run.json").run()
     assert run.points == []
     assert "no fp32 GEMM today" in run.shapes_not_run["tiny"]
+
+
+def test_a_shape_that_fails_to_set_up_is_recorded_and_the_next_one_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench import kernel_bench, shapes
+
+    monkeypatch.setitem(shapes.SHAPES, "tiny2", shapes.SHAPES["tiny"])
+    real = kernel_bench.random_layer
+
+    def flaky(cfg, device, seed=0):
+        if flaky.calls == 0:
+            flaky.calls += 1
+            raise MemoryError("out of memory drawing weights")
+        return real(cfg, device, seed)
+
+    flaky.calls = 0
+    monkeypatch.setattr(kernel_bench, "random_layer", flaky)
+    config = KernelBenchConfig(
+        shapes=("tiny", "tiny2"), tokens=(1,), device=CPU, loads=(Load.UNIFORM,), plan=QUICK
+    )
+    run = KernelBench(config, tmp_path / "run.json").run()
+    assert "MemoryError: out of memory" in run.shapes_not_run["tiny"]
+    assert [s.name for s in run.shapes] == ["tiny2"]
