@@ -239,6 +239,7 @@ class KernelBench:
         self.out = out
         self.timer = Timer(config.device, config.plan)
         self.env = env or capture(config.device)
+        self.backends = self._backends()  # unknown names fail here, before any measuring
         self.started = time.monotonic()
 
     def _backends(self) -> list[str]:
@@ -280,7 +281,7 @@ class KernelBench:
         results: dict[PointKey, list[BackendResult]] = {key: [] for key in keys}
         not_run = {}
         backends = experts_backends()
-        for backend in tqdm(self._backends(), desc=name, disable=None):
+        for backend in tqdm(self.backends, desc=name, disable=None):
             support = backends[backend].supports(cfg, device)
             if not support:
                 not_run[backend] = support.reason
