@@ -5,7 +5,7 @@
 # 2. the service benchmark on the demo layer, 64-token binary requests, with dynamic batching
 #    on (default --max-batch-tokens) and off (--max-batch-tokens 64, one request per forward)
 #    -> OUT_DIR/http-batching.json, OUT_DIR/http-no-batching.json.
-# Knobs (environment): BENCH_DEVICE (cuda), BENCH_SHAPES, BENCH_TOKENS, BENCH_KERNEL_MINUTES,
+# Knobs (environment): BENCH_DEVICE (cuda), BENCH_SHAPES, BENCH_TOKENS, BENCH_KERNEL_SECONDS,
 # BENCH_HTTP_SECONDS.
 set -uo pipefail
 out=${1:?usage: bench/device_run.sh OUT_DIR [COMMIT]}
@@ -17,7 +17,7 @@ port=8765
 url=http://127.0.0.1:$port
 
 shapes=${BENCH_SHAPES:-deepseek-v3,gpt-oss,qwen3,mixtral,mixtral-fp8}
-budget_s=$(( ${BENCH_KERNEL_MINUTES:-4} * 60 ))
+budget_s=${BENCH_KERNEL_SECONDS:-270}
 kernels() {  # kernels SHAPES OUT_JSON SECONDS
   "${cli[@]}" bench kernels --device "${BENCH_DEVICE:-cuda}" --shapes "$1" \
     --tokens "${BENCH_TOKENS:-1,8,64,512,4096}" --budget-ms 50 --max-iters 30 \
