@@ -71,8 +71,8 @@ async def _start(runtime: Runtime, loader: LayerLoader) -> None:
     policy = BatchPolicy(
         settings.max_batch_tokens, settings.max_batch_delay_ms / 1000, settings.max_queue
     )
-    if isinstance(engine, EPEngine):  # a lost rank turns /ready and every request into 503
-        engine.on_failure = partial(setattr, runtime, "not_ready")
+    # a device fault (or a lost expert-parallel rank) turns /ready and every request into 503
+    engine.on_failure = partial(setattr, runtime, "not_ready")
     runtime.batcher = DynamicBatcher(engine, policy, runtime.metrics)
     runtime.batcher.start()
     runtime.engine = engine

@@ -7,7 +7,7 @@ layers can share one Workspace (their forwards never overlap) and one device str
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,7 +18,7 @@ from kernels.layer import LayerOutput, LayerWeights, MoELayer, build_layer
 from kernels.registry import Selection
 from kernels.tensors import ForwardInputs, Routing
 from kernels.workspace import Workspace
-from service.errors import UnknownLayer
+from service.errors import NotReady, UnknownLayer
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ class Engine:
         self.backend = backend
         self.workspace = Workspace(device)  # shared by every layer
         self.layers: dict[str, ServedLayer] = {}
+        self.failure: str | None = None  # why this engine can serve no more; None while it can
+        self.on_failure: Callable[[str], None] = lambda _reason: None  # the app turns unready
 
     def add(self, source: LayerSource) -> ServedLayer:
         """Build `source`'s modular kernel on the device (backend chosen per layer)."""
@@ -89,14 +91,23 @@ class Engine:
 
         The one path from a batch to the device and back: expert parallelism replaces this.
         """
+        if self.failure is not None:
+            raise NotReady(self.failure)
         served = self.get(name)
         logits = inputs.router_logits
         on_device = ForwardInputs(
             inputs.hidden_states.to(self.device),
             None if logits is None else logits.to(self.device),
         )
-        with torch.inference_mode():
-            result = served.layer.forward(on_device)
+        try:
+            with torch.inference_mode():
+                result = served.layer.forward(on_device)
+        except torch.AcceleratorError as err:
+            # A device fault (illegal address, ECC) leaves the CUDA context unusable: every later
+            # forward would fail too, so stop serving and let the orchestrator replace us.
+            self.failure = f"the device failed: {err}"
+            self.on_failure(self.failure)
+            raise NotReady(self.failure) from err
         routing = result.routing
         return LayerOutput(
             result.output.cpu(), Routing(routing.topk_ids.cpu(), routing.topk_weights.cpu())

@@ -262,3 +262,31 @@ def test_bad_content_encoding_is_refused(client, encoding: str, status: int, mes
     r = client.post(URL, content=b"plain", headers={**BINARY, "Content-Encoding": encoding})
     assert r.status_code == status
     assert message in r.json()["error"]
+
+
+def test_device_fault_turns_ready_and_every_request_into_503(
+    client: TestClient, monkeypatch
+) -> None:
+    layer = client.app.state.runtime.engine.get(TINY).layer
+
+    def fault(inputs):
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(layer, "forward", fault)
+    r = post_blob(client, hidden_states=hidden(2))
+    assert r.status_code == 503
+    assert (
+        r.json()["error"]
+        == "the device failed: CUDA error: an illegal memory access was encountered"
+    )
+    assert client.get("/ready").json()["reason"].startswith("the device failed: CUDA error")
+    assert (
+        post_blob(
+            client,
+            f"/v1/layers/{NO_ROUTER}/forward",
+            hidden_states=hidden(1),
+            router_logits=torch.zeros(1, E),
+        ).status_code
+        == 503
+    )
+    assert client.get("/health").status_code == 200
