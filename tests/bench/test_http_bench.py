@@ -4,6 +4,7 @@ on a free 127.0.0.1 port with the tiny layers."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,7 +66,10 @@ def test_config_refuses_a_url_without_scheme() -> None:
 
 @pytest.fixture(scope="module")
 def server_url() -> Iterator[str]:
-    app = create_app(Settings(device="cpu"), tiny_loader)
+    with pytest.MonkeyPatch.context() as mp:
+        for name in [n for n in os.environ if n.startswith("MOE_SERVE_")]:
+            mp.delenv(name)  # a developer's token or limits must not change the server
+        app = create_app(Settings(device="cpu", log_level="warning"), tiny_loader)
     with running_server(app) as url:
         wait_ready(lambda path: httpx.get(url + path))
         yield url
