@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from bench.schema import BenchRun, Point
-from bench.targets import check_targets
+from bench.targets import EXTERNAL_PREFIXES, OUR_TRITON, check_targets
 
 
 def _cell(point: Point, backend: str) -> str:
@@ -35,6 +37,42 @@ def times_table(run: BenchRun, load: str) -> str:
     return "\n".join(lines)
 
 
+def _fastest(point: Point, wanted: Callable[[str], bool]) -> str:
+    """ "name us" of the fastest correct backend whose name is `wanted`, "-" if none ran."""
+    timed = [
+        r
+        for r in point.results
+        if wanted(r.backend) and r.correct and r.routing_excluded is not None
+    ]
+    if not timed:
+        return "-"
+    r = min(timed, key=lambda r: r.routing_excluded.median_us)
+    return f"{r.backend} {r.routing_excluded.median_us:,.0f}"
+
+
+def headline_table(run: BenchRun, load: str) -> str:
+    """One line per point: the best backend against the roofline, ours against the libraries."""
+    head = ["shape", "M", "best (us)", "roofline us", "best / roofline", "our Triton (us)"]
+    head += ["best external (us)", "auto / best"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for p in run.points:
+        if p.load != load:
+            continue
+        best = next((r for r in p.results if r.backend == p.best), None)
+        cells = [
+            p.shape,
+            str(p.tokens),
+            _fastest(p, lambda b, best=p.best: b == best),
+            f"{p.roofline_us:,.1f}",
+            f"{best.achieved_fraction:.0%}" if best else "-",
+            _fastest(p, lambda b: b in OUR_TRITON),
+            _fastest(p, lambda b: b.startswith(EXTERNAL_PREFIXES)),
+            "-" if p.auto_ratio is None else f"{p.auto_ratio:.2f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def targets_table(run: BenchRun) -> str:
     lines = ["| target | met | worst point |", "| --- | --- | --- |"]
     for check in check_targets(run):
@@ -52,9 +90,10 @@ def render(run: BenchRun) -> str:
         f"Measured ceilings: copy {ceilings.copy_bytes_per_s / 1e9:,.4g} GB/s; GEMM {peaks}.",
     ]
     for load in run.settings.loads:
-        parts += [
-            f"Median forward time in us, routing excluded, {load} load:",
-            times_table(run, load),
-        ]
+        parts += [f"Headline, {load} load (median us, routing excluded):"]
+        parts += [headline_table(run, load)]
+    for load in run.settings.loads:
+        parts += [f"Every backend, {load} load (median us, routing excluded; best in bold):"]
+        parts += [times_table(run, load)]
     parts += ["Targets:", targets_table(run)]
     return "\n\n".join(parts) + "\n"

@@ -36,6 +36,7 @@ def test_plot_of_a_file_that_is_not_a_result_fails_naming_the_file(
 def test_summary_prints_a_times_table_and_the_targets(capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "summary", str(SAMPLE)]) == 0
     text = capsys.readouterr().out
+    assert "| shape | M | best (us) | roofline us | best / roofline | our Triton (us) |" in text
     assert "| shape | M | reference | reference-batched | roofline us |" in text
     assert "| tiny | 16 |" in text
     assert "prefill (M >= 4096)" in text and "not measured" in text
