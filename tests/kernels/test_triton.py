@@ -14,7 +14,7 @@ import torch
 
 from kernels.config import Activation, GateUp
 from kernels.experts._triton import tiles
-from kernels.experts._triton.align import align_pairs, aligned_capacity
+from kernels.experts._triton.align import align_pairs, align_pairs_torch, aligned_capacity
 from kernels.experts._triton.grouped_gemm import GemmTile
 from kernels.experts.triton import TritonBatchedExperts, TritonExperts
 from kernels.modular import ModularKernel
@@ -48,12 +48,15 @@ def _runs(topk_ids: torch.Tensor, num_experts: int) -> dict[int, list[int]]:
     return runs
 
 
+@pytest.mark.parametrize("align", [align_pairs, align_pairs_torch])
 @pytest.mark.parametrize(("m", "block_m"), [(1, 16), (7, 16), (50, 32), (333, 64)])
-def test_align_groups_every_local_pair_into_padded_runs_of_its_expert(m: int, block_m: int) -> None:
+def test_align_groups_every_local_pair_into_padded_runs_of_its_expert(
+    m: int, block_m: int, align: object
+) -> None:
     num_experts, k = 6, 3
     ids = random_routing(m, num_experts, k, seed=m).topk_ids
     ids[ids == 2] = -1  # an expert on another rank
-    aligned = align_pairs(ids, num_experts, block_m)
+    aligned = align(ids, num_experts, block_m)
     rows = aligned.row_ids.view(-1, block_m)
     assert rows.shape[0] == aligned.num_blocks
     assert aligned.row_ids.numel() == aligned_capacity(m * k, num_experts, block_m)
@@ -66,6 +69,21 @@ def test_align_groups_every_local_pair_into_padded_runs_of_its_expert(m: int, bl
         found.setdefault(e, []).extend(pairs)
         assert all(ids.flatten()[p] == e for p in pairs)
     assert found == _runs(ids, num_experts)
+
+
+@pytest.mark.parametrize(
+    ("m", "num_experts", "k"), [(1, 128, 8), (7, 8, 2), (12, 64, 4), (64, 8, 2)]
+)
+def test_fused_align_kernel_equals_the_torch_align(
+    m: int, num_experts: int, k: int, device: torch.device
+) -> None:
+    ids = random_routing(m, num_experts, k, seed=m).topk_ids
+    ids[ids == 3] = -1
+    ids = ids.to(device)
+    fused = align_pairs(ids, num_experts, 16)  # these sizes take the one-launch kernel
+    plain = align_pairs_torch(ids, num_experts, 16)
+    assert torch.equal(fused.row_ids, plain.row_ids)
+    assert torch.equal(fused.block_expert, plain.block_expert)
 
 
 def test_align_gives_no_block_to_an_expert_without_pairs() -> None:
