@@ -116,9 +116,9 @@ def _free_port() -> int:
 def test_sigterm_drains_in_flight_requests_before_exiting(tmp_path: Path) -> None:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    # A long batch delay keeps the request in flight when SIGTERM arrives.
+    # A long batch delay keeps the request queued when SIGTERM arrives.
     proc = _serve(
-        "--port", str(port), "--device", "cpu", "--max-batch-delay-ms", "1500",
+        "--port", str(port), "--device", "cpu", "--max-batch-delay-ms", "3000",
         "--log-format", "json",
         env={"MOE_SERVE_CACHE_DIR": str(tmp_path)},
     )  # fmt: skip
@@ -146,7 +146,11 @@ def test_sigterm_drains_in_flight_requests_before_exiting(tmp_path: Path) -> Non
             )
         )
         request.start()
-        time.sleep(0.5)
+        queued = 'moe_serve_queue_depth{layer="demo"} 1.0'
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while queued not in httpx.get(f"{url}/metrics").text:  # the request waits in its batch
+            assert time.monotonic() < deadline, "the request never reached the queue"
+            time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         request.join(EXIT_TIMEOUT_S)
         # uvicorn re-raises the signal once it has shut down, as a process killed by it would
