@@ -37,7 +37,9 @@ class Rule:
     key: str  # "<scheme>/<shape class>"
     order: tuple[str, ...]  # backends, fastest first
     times_us: dict[str, dict[str, float]]  # tokens -> backend -> median microseconds
-    deep_gemm_min_tokens: int | None = None  # from here on deep-gemm beats triton
+    # from here on deep-gemm beats triton; None: measured, never; 0: not measured (no triton
+    # timings), so deep-gemm runs every size, as vLLM's TritonOrDeepGemm does where it applies
+    deep_gemm_min_tokens: int | None = 0
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,9 @@ class RuleTable:
     def from_json(cls, path: Path) -> RuleTable:
         raw = json.loads(path.read_text())
         rules = {
-            key: Rule(key, tuple(body["order"]), body["times_us"], body.get("deep_gemm_min_tokens"))
+            key: Rule(
+                key, tuple(body["order"]), body["times_us"], body.get("deep_gemm_min_tokens", 0)
+            )
             for key, body in raw["rules"].items()
         }
         return cls(raw["device"], raw["commit"], path.name, rules)
@@ -104,11 +108,16 @@ def auto_choice(
 
 
 def deep_gemm_min_tokens(cfg: MoEConfig, device: torch.device) -> tuple[int | None, str]:
-    """From how many tokens DeepGEMM beats our Triton experts on this layer, and the source.
-    None: never measured faster (or no measurement for this GPU and shape)."""
+    """From how many tokens DeepGEMM beats our Triton experts on this layer, and why.
+    None: measured, and never faster. 0 (every size) where triton vs deep-gemm was not measured."""
     rule, table = rule_for(cfg, device)
     if rule is None:
-        return None, f"no measurement for {rule_key(cfg)} on this GPU"
+        return 0, f"no measurement for {rule_key(cfg)} on this GPU: deep-gemm at every size"
+    if rule.deep_gemm_min_tokens == 0:
+        return (
+            0,
+            f"rule {rule.key} of {table.source} has no triton timings: deep-gemm at every size",
+        )
     return rule.deep_gemm_min_tokens, f"rule {rule.key} of {table.source}"
 
 

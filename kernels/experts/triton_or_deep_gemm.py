@@ -2,9 +2,10 @@
 experts below that (decode), per call.
 
 The threshold comes from this GPU's rule table (kernels/selection.py, written by the timing
-test): the smallest measured token count from which deep-gemm beat triton at every larger one.
-Without a measurement, or where deep-gemm never won, every call runs Triton. Until the Triton
-backend is registered (or when it cannot run the layer) the exact reference stands in for it.
+test): the smallest measured token count from which deep-gemm beat triton at every larger one;
+where deep-gemm never won, every call runs Triton. Without a triton-vs-deep-gemm measurement
+every call runs DeepGEMM (vLLM's TritonOrDeepGemm rule: DeepGEMM wherever its shapes apply).
+When the Triton backend is not registered or cannot run the layer, the exact reference stands in.
 `last_ran` says which ran the latest call.
 """
 

@@ -112,15 +112,18 @@ def test_deep_gemm_refuses_partial_blocks(kw: dict, reason: str) -> None:
         assert cls.check_config(_fp8_block_config(**kw)).reason == reason
 
 
-def test_oai_refuses_non_bf16_activations_and_monolithic_refuses_other_routing() -> None:
+def test_oai_refuses_non_bf16_activations_and_monolithic_refuses_input_weighting() -> None:
     oai = oai_triton.OaiTritonExperts
     assert oai.check_config(_gpt_oss_config(dtype=torch.float32)).reason.startswith(
         "runs bf16 activations"
     )
     assert oai.check_config(_gpt_oss_config())
-    deepseek_routing = _gpt_oss_config(routing=RoutingConfig(top_k=2))
-    reason = oai_triton.MonolithicOaiTritonExperts.check_config(deepseek_routing).reason
-    assert reason.startswith("routes like gpt-oss only")
+    on_input = _gpt_oss_config(
+        routing=RoutingConfig(top_k=1, softmax_after_topk=True), apply_router_weight_on_input=True
+    )
+    reason = oai_triton.MonolithicOaiTritonExperts.check_config(on_input).reason
+    assert reason == "forward_logits weighs the experts' outputs, not the input"
+    assert oai.check_config(on_input)  # the modular path weighs the input in prepare
 
 
 # ---- DeepGEMM contiguous layout ----------------------------------------------------------------
@@ -359,9 +362,20 @@ def test_triton_or_deep_gemm_switches_at_the_measured_token_count(
     assert relative_error(actual, expected) < 2e-2
 
 
-def test_triton_or_deep_gemm_without_a_measurement_never_runs_deep_gemm(
+def test_triton_or_deep_gemm_without_a_measurement_runs_deep_gemm_at_every_size(
     fake_deep_gemm: types.ModuleType,
 ) -> None:
     cfg = _fp8_block_config()
     experts = triton_or_deep_gemm.TritonOrDeepGemmExperts(cfg, random_expert_weights(cfg))
-    assert experts.min_tokens is None and not experts.uses_deep_gemm(1 << 20)
+    assert experts.min_tokens == 0 and experts.uses_deep_gemm(1)
+
+
+def test_triton_or_deep_gemm_where_deep_gemm_never_won_runs_triton(
+    fake_deep_gemm: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        triton_or_deep_gemm, "deep_gemm_min_tokens", lambda cfg, device: (None, "test rule")
+    )
+    cfg = _fp8_block_config()
+    experts = triton_or_deep_gemm.TritonOrDeepGemmExperts(cfg, random_expert_weights(cfg))
+    assert not experts.uses_deep_gemm(1 << 20)

@@ -94,7 +94,18 @@ def test_deep_gemm_threshold_comes_from_the_rule(measured: None) -> None:
         4096,
         "rule fp8-block/large of auto_h100.json",
     )
-    assert selection.deep_gemm_min_tokens(SMALL, GPU)[0] is None
+    threshold, why = selection.deep_gemm_min_tokens(SMALL, GPU)
+    assert threshold == 0 and why.endswith("deep-gemm at every size")
+
+
+def test_a_rule_without_triton_timings_loads_as_unmeasured(tmp_path) -> None:
+    body = {"order": ["deep-gemm"], "times_us": {"1": {"deep-gemm": 5.0}}}
+    path = tmp_path / "auto_x.json"
+    path.write_text(json.dumps({"device": "X", "commit": "c", "rules": {"fp8-block/large": body}}))
+    assert selection.RuleTable.from_json(path).rules["fp8-block/large"].deep_gemm_min_tokens == 0
+    body["deep_gemm_min_tokens"] = None  # measured: deep-gemm never won
+    path.write_text(json.dumps({"device": "X", "commit": "c", "rules": {"fp8-block/large": body}}))
+    assert selection.RuleTable.from_json(path).rules["fp8-block/large"].deep_gemm_min_tokens is None
 
 
 @pytest.mark.parametrize("path", sorted(selection.TUNED_DIR.glob("auto_*.json")), ids=str)
