@@ -3,7 +3,9 @@
 Schemes that quantise activations to fp8 round twice (the input and the intermediate). Where a
 value sits so close to a rounding midpoint that float32 and float64 arithmetic may round it
 differently, its token is marked *ambiguous*: tests check those tokens against a loose bound
-(one fp8 step) and every other token strictly.
+(one fp8 step) and every other token strictly. Small intermediates computed by cancellation
+carry float32 errors far above their own precision and can still flip undetected: use
+`FP8_ACT_TOL` rather than 1e-5 for schemes that quantise activations.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from kernels.quantize import dequantize_activation, dequantize_weight, quantize_
 from kernels.tensors import ExpertWeights, Routing
 
 _NUDGE = 1e-5  # relative wiggle under which float32 and float64 paths may round differently
+FP8_ACT_TOL = 5e-5  # worst seen over 900 random fp8 cases: 1.9e-5
 
 
 @dataclass
