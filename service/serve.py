@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from kernels.registry import experts_backends, select
 from service import logs
 from service.app import create_app
+from service.ep import rank_device
 from service.errors import describe_validation_error
 from service.settings import Settings
 from weights.load import inspect_layer
@@ -79,13 +80,14 @@ def run(args: argparse.Namespace) -> int:
 def _check_layers(settings: Settings) -> None:
     """Refuse here, naming the file or backend, what would otherwise never get ready."""
     device = settings.torch_device()
+    rank_device(device, settings.ep - 1)  # --ep N: a GPU for every rank
     backends = experts_backends()
     if settings.backend != "auto" and settings.backend not in backends:
         raise ValueError(f"unknown backend {settings.backend!r}; registered: {', '.join(backends)}")
     for path in settings.weights:
         cfg = inspect_layer(path).to_config()
         try:
-            select(cfg, device, settings.backend)
+            select(cfg, device, settings.backend, expert_parallel=settings.ep > 1)
         except ValueError as err:
             raise ValueError(f"{path}: {err}") from None
 

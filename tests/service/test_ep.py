@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 from kernels.layer import build_layer
 from kernels.tensors import ForwardInputs
 from service.app import create_app
+from service.cli import main
 from service.settings import Settings
 from tests.service.conftest import wait_ready
 from weights.demo import ensure_demo_layers
@@ -127,3 +128,14 @@ def test_a_dead_rank_turns_ready_and_requests_into_503_without_hanging(
     r = client.post("/v1/layers/demo/forward", json={"hidden_states": [[0.5] * 256]})
     assert r.status_code == 503 and "rank 1 exited" in r.json()["error"]
     assert time.monotonic() - started < FAIL_FAST_S
+
+
+def test_serve_ep_refuses_a_backend_that_cannot_hold_a_slice_of_the_experts(
+    demo_cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("MOE_SERVE_EP", "2")
+    layer = demo_cache / "demo"
+    args = ["serve", "--weights", str(layer), "--backend", "reference-batched", "--device", "cpu"]
+    assert main(args) == 2
+    assert f"{layer}: backend 'reference-batched' cannot run this layer" in caplog.text
+    assert "naive-ep) dispatches in the standard format" in caplog.text
