@@ -24,7 +24,6 @@ import torch.multiprocessing as mp
 
 from bench.random_layer import random_layer
 from bench.shapes import SHAPES
-from bench.timing import Timer, TimingPlan
 from kernels import registry
 from kernels.config import MoEConfig, RoutingConfig
 from kernels.experts.reference import ReferenceExperts
@@ -294,8 +293,8 @@ def test_expert_parallel_selection_pairs_naive_ep_and_names_unfit_backends(
 
 GPU_TOKENS = (64, 4096)
 GPU_TOL = 1e-2  # EP against one GPU, same backend: only the summation order differs
-GPU_PLAN = TimingPlan(warmup=3, min_iters=20, max_iters=20, budget_s=0.0)
-REFERENCE_PLAN = TimingPlan(warmup=1, min_iters=2, max_iters=2, budget_s=0.0)  # the oracle, slow
+GPU_ITERS = (3, 20)  # (warm-up, timed) calls
+REFERENCE_ITERS = (1, 2)  # the float32 oracle is slow; its numbers are not figures
 
 
 @dataclass(frozen=True)
@@ -303,6 +302,30 @@ class GpuRun:
     shape: str = "deepseek-v3"
     tokens: tuple[int, ...] = GPU_TOKENS
     backend: str = "nccl"
+
+
+def _median_us(fn: Callable[[], object], device: torch.device, iters: tuple[int, int]) -> float:
+    """Median time of `fn` over a fixed number of calls: each call is a collective, so every
+    rank must make exactly as many (no adaptive sizing). CUDA events on the GPU."""
+    warmup, timed = iters
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        samples = []
+        for _ in range(timed):
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e6)
+        return statistics.median(samples)
+    events = []
+    for _ in range(timed):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        events.append((begin, end))
+    torch.cuda.synchronize(device)
+    return statistics.median(b.elapsed_time(e) * 1e3 for b, e in events)
 
 
 class TimedNaiveEP(NaiveEP):
@@ -347,6 +370,7 @@ class TimedNaiveEP(NaiveEP):
 
 
 def _gpu_rank(rank: int, port: int, files: Path, run: GpuRun) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"rank {rank}: %(message)s")
     device = torch.device("cuda", rank) if run.backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -399,14 +423,14 @@ def _gpu_backend_rows(
     layer, local, expert_map = weights
     device, m = hidden.device, hidden.shape[0]
     cls = registry.experts_backends()[name]
-    timer = Timer(device, REFERENCE_PLAN if name == "reference" else GPU_PLAN)
-    iters = timer.plan.max_iters
+    iters = REFERENCE_ITERS if name == "reference" else GPU_ITERS
     rows, single = [], None
     if rank == 0:
         kernel = ModularKernel(NoEP(), cls(cfg, layer.experts), Workspace(device))
         single = kernel.forward(hidden, routing)
-        t = timer.measure(lambda: kernel.forward(hidden, routing))
-        rows.append({"backend": name, "M": m, "mode": "1 GPU", "us": t.median_us})
+        us = _median_us(lambda: kernel.forward(hidden, routing), device, iters)
+        rows.append({"backend": name, "M": m, "mode": "1 GPU", "us": us})
+        log.info("%s", rows[-1])
     dist.barrier()
     half = slice(rank * m // WORLD, (rank + 1) * m // WORLD)
     for mode, sp, part in (
@@ -421,19 +445,20 @@ def _gpu_backend_rows(
             full = out.new_empty((m, out.shape[1]))
             dist.all_gather_into_tensor(full, out.contiguous())
             out = full
-        t = timer.measure(lambda k=kernel, h=hidden[part], r=mine: k.forward(h, r))
-        comm = pf.comm_us(iters)
+        us = _median_us(lambda k=kernel, h=hidden[part], r=mine: k.forward(h, r), device, iters)
+        comm = pf.comm_us(iters[1])
         if rank == 0:
             rows.append(
                 {
                     "backend": name,
                     "M": m,
                     "mode": mode,
-                    "us": t.median_us,
+                    "us": us,
                     "comm_us": comm,
                     "rel_err": relative_error(out, single),
                 }
             )
+            log.info("%s", rows[-1])
     return rows
 
 
