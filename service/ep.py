@@ -203,6 +203,8 @@ class EPEngine(Engine):
             worker.join(COLLECTIVE_TIMEOUT_S if self.failure is None else 0)
             if worker.is_alive():
                 worker.kill()
+        for q in (*self._commands, self._status):
+            q.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
