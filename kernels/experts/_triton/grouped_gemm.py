@@ -122,9 +122,11 @@ def _e2m1_to_float(nibble):
 
 @triton.jit
 def _group_scale(raw, KIND: tl.constexpr):
-    if KIND == 5:  # e8m0: 2**(raw - 127) as float32 bits (raw 0 flushes to 0)
-        return (raw.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
-    return raw
+    """Loaded group scales -> float32 multipliers."""
+    scale = raw.to(tl.float32)  # int4: already float32
+    if KIND == 5:  # e8m0: 2**(raw - 127), built as float32 bits (raw 0 flushes to 0)
+        scale = (raw.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+    return scale
 
 
 @triton.jit
