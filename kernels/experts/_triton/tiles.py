@@ -61,8 +61,8 @@ class TileKey:
     def filename(self) -> str:
         device = "".join(c if c.isalnum() else "_" for c in self.device_name)
         return (
-            f"E={self.num_experts},H={self.hidden_size},I={self.intermediate_size},"
-            f"scheme={self.scheme},dtype={self.dtype},device={device}.json"
+            f"E{self.num_experts}_H{self.hidden_size}_I{self.intermediate_size}_{self.scheme}_"
+            f"{self.dtype}_{device}.json"
         )
 
 
