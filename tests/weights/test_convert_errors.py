@@ -16,7 +16,7 @@ from kernels.testing import relative_error
 from service.cli import main
 from tests.weights import tiny_hub
 from tests.weights.test_convert import forward, mixtral_case
-from weights.convert.pipeline import convert_checkpoint
+from weights.convert.pipeline import convert_checkpoint, default_name
 from weights.errors import LayerFileError
 from weights.load import load_layer
 
@@ -237,3 +237,16 @@ def test_requantising_fp8_dequantises_exactly_first(tmp_path: Path):
     w2 = load_layer(tmp_path / "out", torch.device("cpu")).weights.experts.w2
     assert w2.dtype == torch.bfloat16
     assert torch.equal(w2[3], hub.t("mlp.experts.3.down_proj.weight").to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    ("model_dir", "expected"),
+    [
+        ("Mixtral-8x7B-v0.1", "Mixtral-8x7B-v0.1-layer3"),
+        ("my model (copy)", "my-model-copy-layer3"),
+    ],
+)
+def test_default_name_is_the_model_dir_and_layer_in_url_safe_characters(
+    model_dir: str, expected: str, tmp_path: Path
+):
+    assert default_name(tmp_path / model_dir, 3) == expected

@@ -76,7 +76,8 @@ def _at(scale: torch.Tensor | None, rows: slice) -> torch.Tensor | None:
 
 def default_name(src: Path, layer: int) -> str:
     """`<model dir>-layer<N>`, reduced to the characters a layer name may hold."""
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{Path(src).resolve().name}-layer{layer}")
+    # runs of anything else, dashes included, become one dash
+    name = re.sub(r"[^A-Za-z0-9._]+", "-", f"{Path(src).resolve().name}-layer{layer}")
     return name.lstrip("._-")[-64:] or f"layer{layer}"
 
 
