@@ -43,6 +43,13 @@ def load_from_disk(settings: Settings, device: torch.device) -> list[LayerSource
     return [load_layer(path, device) for path in layer_paths(settings)]
 
 
+def warm_up_tokens(max_batch_tokens: int) -> list[int]:
+    """1, 2, 4, ... up to and with max_batch_tokens: a batch of any size then finds its GPU
+    kernels' tile bucket compiled (and small batches their CUDA graphs captured)."""
+    powers = [1 << i for i in range(max_batch_tokens.bit_length()) if 1 << i < max_batch_tokens]
+    return [*powers, max_batch_tokens]
+
+
 def _build_engine(settings: Settings, loader: LayerLoader, metrics: Metrics) -> Engine:
     device = settings.torch_device()
     if settings.ep > 1:  # this process is rank 0; each rank loads only its experts from disk
@@ -56,7 +63,7 @@ def _build_engine(settings: Settings, loader: LayerLoader, metrics: Metrics) -> 
         metrics.add_layer(served.name, served.config.num_experts)
     if not engine.layers:
         raise ValueError("no layers to serve")
-    engine.warm_up(sorted({1, settings.max_batch_tokens}))
+    engine.warm_up(warm_up_tokens(settings.max_batch_tokens))
     return engine
 
 

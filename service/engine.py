@@ -114,8 +114,8 @@ class Engine:
         )
 
     def warm_up(self, token_counts: Sequence[int]) -> None:
-        """Run every layer at each of `token_counts` (the smallest and the largest batch), so
-        no request pays for a kernel's first compile or a workspace allocation."""
+        """Run every layer at each of `token_counts`, so no request pays for a kernel's first
+        compile or a workspace allocation (a JIT compile mid-load stalls its batch for seconds)."""
         generator = torch.Generator().manual_seed(0)
         for name, served in self.layers.items():
             cfg = served.config

@@ -10,7 +10,7 @@ import safetensors.torch
 import torch
 from fastapi.testclient import TestClient
 
-from service.app import create_app
+from service.app import create_app, warm_up_tokens
 from service.engine import Engine
 from service.settings import Settings
 from tests.service.conftest import wait_ready
@@ -244,9 +244,14 @@ def test_full_queue_returns_429_with_retry_after_and_drops_nothing(
     assert first[0].status_code == 200
 
 
-def test_warm_up_runs_each_layer_at_the_smallest_and_largest_batch(
-    make_client, monkeypatch
-) -> None:
+@pytest.mark.parametrize(
+    ("limit", "expected"), [(1, [1]), (16, [1, 2, 4, 8, 16]), (24, [1, 2, 4, 8, 16, 24])]
+)
+def test_warm_up_token_counts_double_up_to_the_batch_limit(limit: int, expected: list[int]) -> None:
+    assert warm_up_tokens(limit) == expected
+
+
+def test_warm_up_runs_each_layer_at_every_count_before_ready(make_client, monkeypatch) -> None:
     seen = []
     real = Engine.forward
 
@@ -255,5 +260,6 @@ def test_warm_up_runs_each_layer_at_the_smallest_and_largest_batch(
         return real(self, name, inputs)
 
     monkeypatch.setattr(Engine, "forward", recording)
-    make_client(max_batch_tokens=16)  # ready: warm-up done, no request sent yet
-    assert sorted(seen) == sorted([(TINY, 1), (TINY, 16), (NO_ROUTER, 1), (NO_ROUTER, 16)])
+    make_client(max_batch_tokens=4)  # ready: warm-up done, no request sent yet
+    counts = [1, 2, 4]
+    assert sorted(seen) == sorted([(n, m) for n in (TINY, NO_ROUTER) for m in counts])
