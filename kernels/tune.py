@@ -114,10 +114,17 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
             best = None
             for tile in candidates(cfg, m):
                 experts = TritonExperts(cfg, weights, fixed_tiles=tile)
-                us = timer.measure(lambda e=experts, x=x: e.apply(x, ws)).median_us
+                bar.update()
+                try:
+                    us = timer.measure(lambda e=experts, x=x: e.apply(x, ws)).median_us
+                except Exception as err:  # a candidate the compiler rejects is skipped
+                    log.warning("M=%d: %s failed: %s", m, tile, str(err).splitlines()[-1])
+                    continue
                 if best is None or us < best[1]:
                     best = (tile, us)
-                bar.update()
+            if best is None:
+                log.error("M=%d: no candidate ran; the bucket is left to the heuristic", m)
+                continue
             body["buckets"][str(m)] = best[0].to_json() | {"us": round(best[1], 2)}
             _write_atomically(request.out, body)
             log.info("M=%d: %s (%.1f us)", m, best[0], best[1])

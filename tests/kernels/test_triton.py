@@ -222,7 +222,9 @@ def test_heuristic_block_k_divides_the_fp8_weight_block() -> None:
         assert 128 % tiles.heuristic_tiles(cfg, m).gemm1.block_k == 0
 
 
-def test_tuned_file_wins_over_the_heuristic_at_the_nearest_bucket(tmp_path, monkeypatch) -> None:
+def test_tuned_file_wins_over_the_heuristic_within_twice_the_nearest_bucket(
+    tmp_path, monkeypatch
+) -> None:
     cfg = Case().config()
     small = tiles.LayerTiles(16, GemmTile(32, 64, 2, 2), GemmTile(32, 32, 2, 3))
     large = tiles.LayerTiles(64, GemmTile(64, 32, 4, 3), GemmTile(128, 64, 8, 4))
@@ -232,8 +234,9 @@ def test_tuned_file_wins_over_the_heuristic_at_the_nearest_bucket(tmp_path, monk
     monkeypatch.setattr(tiles, "TUNED_DIR", tmp_path)
     tiles._tuned_table.cache_clear()
     try:
-        assert tiles.tiles_for(cfg, 3, CPU) == small
+        assert tiles.tiles_for(cfg, 2, CPU) == small
         assert tiles.tiles_for(cfg, 900, CPU) == large
+        assert tiles.tiles_for(cfg, 64, CPU) == tiles.heuristic_tiles(cfg, 64)  # no bucket near
     finally:
         tiles._tuned_table.cache_clear()
 

@@ -22,6 +22,7 @@ from kernels.quant_scheme import FP8_BLOCK, MXFP4_GROUP, QuantScheme
 log = logging.getLogger(__name__)
 
 TUNED_DIR = Path(__file__).resolve().parents[2] / "tuned"
+_BUCKET_REACH = 2.0  # a tuned bucket answers for token counts within this factor of it
 _SMEM_BUDGET_BYTES = 160 * 1024  # of Hopper's 227 KiB per block, leaving room for the epilogue
 
 
@@ -134,9 +135,11 @@ def heuristic_tiles(cfg: MoEConfig, num_tokens: int) -> LayerTiles:
 
 
 def tiles_for(cfg: MoEConfig, num_tokens: int, device: torch.device) -> LayerTiles:
-    """The tuned entry of the nearest M bucket for this layer on this GPU, else the heuristic."""
+    """The tuned entry of the nearest M bucket (in ratio, at most 2x away) for this layer on this
+    GPU, else the heuristic."""
     table = _tuned_table(TileKey.of(cfg, device_name(device)).filename())
-    if not table:
+    m = max(num_tokens, 1)
+    nearest = min(table, key=lambda b: (max(b / m, m / b), b), default=None)
+    if nearest is None or max(nearest / m, m / nearest) > _BUCKET_REACH:
         return heuristic_tiles(cfg, num_tokens)
-    nearest = min(table, key=lambda m: (abs(m - num_tokens), m))
     return table[nearest]
