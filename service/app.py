@@ -43,9 +43,12 @@ def load_from_disk(settings: Settings, device: torch.device) -> list[LayerSource
     return [load_layer(path, device) for path in layer_paths(settings)]
 
 
-def warm_up_tokens(max_batch_tokens: int) -> list[int]:
-    """1, 2, 4, ... up to and with max_batch_tokens: a batch of any size then finds its GPU
-    kernels' tile bucket compiled (and small batches their CUDA graphs captured)."""
+def warm_up_tokens(max_batch_tokens: int, device: torch.device) -> list[int]:
+    """On a GPU 1, 2, 4, ... up to and with max_batch_tokens: a batch of any size then finds its
+    kernels' tile bucket compiled (and small batches their CUDA graphs captured). On the CPU
+    nothing compiles: one token checks that each layer runs."""
+    if device.type != "cuda":
+        return [1]
     powers = [1 << i for i in range(max_batch_tokens.bit_length()) if 1 << i < max_batch_tokens]
     return [*powers, max_batch_tokens]
 
@@ -63,7 +66,7 @@ def _build_engine(settings: Settings, loader: LayerLoader, metrics: Metrics) -> 
         metrics.add_layer(served.name, served.config.num_experts)
     if not engine.layers:
         raise ValueError("no layers to serve")
-    engine.warm_up(warm_up_tokens(settings.max_batch_tokens))
+    engine.warm_up(warm_up_tokens(settings.max_batch_tokens, device))
     return engine
 
 

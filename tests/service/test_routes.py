@@ -247,11 +247,15 @@ def test_full_queue_returns_429_with_retry_after_and_drops_nothing(
 @pytest.mark.parametrize(
     ("limit", "expected"), [(1, [1]), (16, [1, 2, 4, 8, 16]), (24, [1, 2, 4, 8, 16, 24])]
 )
-def test_warm_up_token_counts_double_up_to_the_batch_limit(limit: int, expected: list[int]) -> None:
-    assert warm_up_tokens(limit) == expected
+def test_gpu_warm_up_doubles_the_token_count_up_to_the_batch_limit(limit, expected) -> None:
+    assert warm_up_tokens(limit, torch.device("cuda")) == expected
 
 
-def test_warm_up_runs_each_layer_at_every_count_before_ready(make_client, monkeypatch) -> None:
+def test_cpu_warm_up_runs_one_token_since_nothing_compiles() -> None:
+    assert warm_up_tokens(1024, torch.device("cpu")) == [1]
+
+
+def test_warm_up_runs_each_layer_before_ready(make_client, monkeypatch) -> None:
     seen = []
     real = Engine.forward
 
@@ -260,6 +264,5 @@ def test_warm_up_runs_each_layer_at_every_count_before_ready(make_client, monkey
         return real(self, name, inputs)
 
     monkeypatch.setattr(Engine, "forward", recording)
-    make_client(max_batch_tokens=4)  # ready: warm-up done, no request sent yet
-    counts = [1, 2, 4]
-    assert sorted(seen) == sorted([(n, m) for n in (TINY, NO_ROUTER) for m in counts])
+    make_client()  # ready: warm-up done, no request sent yet
+    assert sorted(seen) == sorted([(TINY, 1), (NO_ROUTER, 1)])
