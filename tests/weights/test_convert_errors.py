@@ -145,6 +145,12 @@ def test_unsupported_quantization_method(tmp_path: Path):
     _convert_fails(hub, 1, tmp_path / "out", r"quant_method 'gptq' is not supported")
 
 
+def test_quantization_config_that_is_not_an_object(tmp_path: Path):
+    hub = tiny_hub.gpt_oss(tmp_path / "hub", mxfp4=True)
+    _edit_config(hub, quantization_config="mxfp4")
+    _convert_fails(hub, 0, tmp_path / "out", r"config\.json: quantization_config must be an object")
+
+
 def test_wrong_dtype_names_the_tensor(tmp_path: Path):
     hub = tiny_hub.gpt_oss(tmp_path / "hub", mxfp4=True)
     name = "model.layers.0.mlp.experts.down_proj_scales"

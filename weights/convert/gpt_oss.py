@@ -22,7 +22,7 @@ _U8 = (torch.uint8,)
 
 
 def _mxfp4(ckpt: Checkpoint) -> bool:
-    quant = ckpt.config.get("quantization_config")
+    quant = ckpt.quantization()
     if quant is None:
         return False
     if quant.get("quant_method") != "mxfp4":

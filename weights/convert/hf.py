@@ -171,10 +171,17 @@ class Checkpoint:
     def get_float(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return self.get(name, shape, tuple(DTYPES.values()))
 
+    def quantization(self) -> dict[str, Any] | None:
+        """config.json's quantization_config, None for an unquantised checkpoint."""
+        quant = self.config.get("quantization_config")
+        if quant is not None and not isinstance(quant, dict):
+            raise self.config_error(f"quantization_config must be an object, got {quant!r}")
+        return quant
+
     def fp8_block(self) -> bool:
         """Whether quantization_config declares DeepSeek-style fp8: 128 x 128 weight blocks with
         `.weight_scale_inv` dequantisation multipliers. Any other quantisation is refused."""
-        quant = self.config.get("quantization_config")
+        quant = self.quantization()
         if quant is None:
             return False
         method = quant.get("quant_method")
