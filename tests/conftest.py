@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
-from kernels.config import MoEConfig, RoutingConfig
-
 HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    # Triton reads this when a kernel is decorated, so it must be set before any backend module
+    # is imported (by any test): on a CPU machine every Triton kernel runs in the interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from kernels.config import MoEConfig, RoutingConfig  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
