@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 _FUSED_MAX_ELEMENTS = 1 << 15  # [pairs, experts] one-hot tiles one program handles well
+_PAIR_BLOCK = 1024
 
 
 @dataclass(frozen=True)
@@ -96,21 +97,79 @@ def _align_kernel(
         tl.store(block_expert_ptr + blocks, expert, mask=blocks < capacity // BLOCK_M)
 
 
-def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
-    """topk_ids [M, k] local expert ids (-1: not here) -> pairs sorted by expert, padded runs.
+@triton.jit
+def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
+    """Count each expert's pairs; each pair's rank is the count its increment saw."""
+    pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+    here = (ids >= 0) & (ids < num_experts)
+    rank = tl.atomic_add(counts_ptr + tl.where(here, ids, 0), 1, mask=here, sem="relaxed")
+    tl.store(rank_ptr + pairs, rank, mask=here)
 
-    One Triton launch when [pairs, experts] is small (decode), else `align_pairs_torch`."""
+
+@triton.jit
+def _runs_kernel(
+    counts_ptr, start_ptr, row_ids_ptr, block_expert_ptr, num_pairs, num_experts, capacity,
+    BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One program: padded run starts, each block's expert, and padding everywhere."""
+    experts = tl.arange(0, E_BLOCK)
+    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    tl.store(start_ptr + experts, padded_end - padded, mask=experts < num_experts)
+    padded_end = tl.where(experts < num_experts, padded_end, capacity + 1)
+    for c in range(0, capacity, C_BLOCK):
+        rows = c + tl.arange(0, C_BLOCK)
+        tl.store(row_ids_ptr + rows, tl.zeros_like(rows) + num_pairs, mask=rows < capacity)
+    for c in range(0, capacity // BLOCK_M, C_BLOCK):
+        blocks = c + tl.arange(0, C_BLOCK)
+        owner = tl.sum((padded_end[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        used = blocks * BLOCK_M < tl.max(tl.where(experts < num_experts, padded_end, 0), axis=0)
+        expert = tl.where(used, owner, -1)
+        tl.store(block_expert_ptr + blocks, expert, mask=blocks < capacity // BLOCK_M)
+
+
+@triton.jit
+def _place_kernel(ids_ptr, rank_ptr, start_ptr, row_ids_ptr, num_pairs, num_experts,
+                  BLOCK: tl.constexpr):  # fmt: skip
+    pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+    here = (ids >= 0) & (ids < num_experts)
+    start = tl.load(start_ptr + ids, mask=here, other=0)
+    rank = tl.load(rank_ptr + pairs, mask=here, other=0)
+    tl.store(row_ids_ptr + start + rank, pairs, mask=here)
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
+    """topk_ids [M, k] local expert ids (-1: not here) -> pairs grouped by expert, padded runs.
+
+    Small (decode) inputs: one single-program launch, pairs in ascending order within each run,
+    exactly as `align_pairs_torch`. Larger ones: three launches with an atomic count, so pairs
+    sit in arbitrary order within their expert's run (each row's result does not depend on it).
+    """
     num_pairs = topk_ids.numel()
     p_block = triton.next_power_of_2(max(num_pairs, 16))
     e_block = triton.next_power_of_2(num_experts + 1)
-    if p_block * e_block > _FUSED_MAX_ELEMENTS:
-        return align_pairs_torch(topk_ids, num_experts, block_m)
     capacity = aligned_capacity(num_pairs, num_experts, block_m)
     device = topk_ids.device
+    ids = topk_ids.contiguous()
     row_ids = torch.empty(capacity, dtype=torch.int32, device=device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
-    _align_kernel[(1,)](
-        topk_ids.contiguous(), row_ids, block_expert, num_pairs, num_experts, capacity,
-        BLOCK_M=block_m, P_BLOCK=p_block, E_BLOCK=e_block, C_BLOCK=256, num_warps=8,
+    if p_block * e_block <= _FUSED_MAX_ELEMENTS:
+        _align_kernel[(1,)](
+            ids, row_ids, block_expert, num_pairs, num_experts, capacity,
+            BLOCK_M=block_m, P_BLOCK=p_block, E_BLOCK=e_block, C_BLOCK=256, num_warps=8,
+        )  # fmt: skip
+        return AlignedPairs(row_ids, block_expert, num_pairs, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    start = torch.empty(num_experts, dtype=torch.int32, device=device)
+    grid = (triton.cdiv(num_pairs, _PAIR_BLOCK),)
+    _rank_kernel[grid](ids, counts, rank, num_pairs, num_experts, BLOCK=_PAIR_BLOCK)
+    _runs_kernel[(1,)](
+        counts, start, row_ids, block_expert, num_pairs, num_experts, capacity,
+        BLOCK_M=block_m, E_BLOCK=e_block, C_BLOCK=128, num_warps=8,
     )  # fmt: skip
+    _place_kernel[grid](ids, rank, start, row_ids, num_pairs, num_experts, BLOCK=_PAIR_BLOCK)
     return AlignedPairs(row_ids, block_expert, num_pairs, block_m)
