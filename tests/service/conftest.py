@@ -16,11 +16,11 @@ from tests.service.layers import tiny_loader
 READY_TIMEOUT_S = 20.0
 
 
-def wait_ready(get: Callable[[str], httpx.Response]) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
+def wait_ready(get: Callable[[str], httpx.Response], timeout_s: float = READY_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
     while get("/ready").status_code != 200:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"not ready after {READY_TIMEOUT_S} s: {get('/ready').text}")
+            raise TimeoutError(f"not ready after {timeout_s} s: {get('/ready').text}")
         time.sleep(0.01)
 
 

@@ -21,6 +21,7 @@ from weights.load import load_layer
 
 pytestmark = pytest.mark.gpu
 
+GPU_READY_TIMEOUT_S = 300.0  # warm-up compiles every tile bucket up to max_batch_tokens
 TOLERANCE = {"demo": 2e-2, "demo-fp8": 6e-2}  # bf16 out; fp8 rounds inputs and intermediates
 
 
@@ -28,7 +29,7 @@ TOLERANCE = {"demo": 2e-2, "demo-fp8": 6e-2}  # bf16 out; fp8 rounds inputs and 
 def gpu_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, Path]]:
     cache = tmp_path_factory.mktemp("cache")
     with TestClient(create_app(Settings(device="cuda", cache_dir=cache))) as client:
-        wait_ready(client.get)
+        wait_ready(client.get, GPU_READY_TIMEOUT_S)
         yield client, cache
 
 
