@@ -21,7 +21,6 @@ import torch
 
 from kernels.config import MoEConfig
 from kernels.quant_scheme import ActQuant, QuantScheme
-from kernels.quantize import quantize_activation
 from kernels.registry import register_experts
 from kernels.stages import YES, Experts, Support, cuda_capability
 from kernels.tensors import Dispatched, ExpertWeights, Format
@@ -38,6 +37,7 @@ if HAS_TRITON:  # without it the backends stay registered and say why they canno
         ExpertMatrix,
         grouped_gemm,
     )
+    from kernels.experts._triton.quantize import quantize_rows
     from kernels.experts._triton.tiles import LayerTiles, nested_block_k, tiles_for
     from kernels.experts._triton.topk_sum import topk_sum
 
@@ -84,9 +84,14 @@ class _TritonBase(Experts):
         return self.fixed_tiles or tiles_for(self.cfg, num_tokens, device)
 
     @property
+    def fp8_quant(self) -> ActQuant | None:
+        """How this scheme quantises the GEMM inputs to fp8 (None: 16-bit activations)."""
+        return self.cfg.quant.scheme.act_quant
+
+    @property
     def intermediate_dtype(self) -> torch.dtype:
         # fp8 schemes quantise the intermediate from float32, exactly as the reference does
-        return torch.float32 if self.act_quant() else self.cfg.dtype
+        return torch.float32 if self.fp8_quant else self.cfg.dtype
 
     def _gemms(
         self,
@@ -98,11 +103,11 @@ class _TritonBase(Experts):
         row_weights: torch.Tensor | None,  # [R] float32, standard format only
     ) -> None:
         """GEMM1 + activation into h, quantise h if the scheme does, GEMM2 into y."""
-        how = self.act_quant()
+        how = self.fp8_quant
         if how == ActQuant.TENSOR:
             h.zero_()  # rows no pair writes must not raise the one tensor-wide scale
         grouped_gemm(a, self.w13, h, rows, Epilogue(gate_up=self.cfg.activation), tiles.gemm1)
-        second = Activations(h) if how is None else Activations(*quantize_activation(h, how), how)
+        second = Activations(h) if how is None else Activations(*quantize_rows(h, how), how)
         grouped_gemm(second, self.w2, y, rows, Epilogue(row_weights=row_weights), tiles.gemm2)
 
 
@@ -111,6 +116,8 @@ class TritonExperts(_TritonBase):
     name: ClassVar[str] = "triton"
     format: ClassVar[Format] = Format.STANDARD
     reduces_topk: ClassVar[bool] = True
+    # fp8 schemes: the input is quantised here, by one Triton pass that decode graphs capture
+    takes_quantized_input: ClassVar[bool] = False
 
     def workspace_shapes(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         cfg = self.cfg
@@ -122,7 +129,7 @@ class TritonExperts(_TritonBase):
         }
 
     def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
-        if x.hidden.is_cuda and x.num_tokens <= MAX_GRAPH_TOKENS:
+        if x.hidden.is_cuda and 0 < x.num_tokens <= MAX_GRAPH_TOKENS:
             return self.graphs(x)
         shapes = self.workspace_shapes(x.num_tokens)
         return self._forward(x, {name: ws.get(name, *spec) for name, spec in shapes.items()})
@@ -142,7 +149,11 @@ class TritonExperts(_TritonBase):
         m, k = x.topk_ids.shape
         tiles = self.tiles(m, x.hidden.device)
         aligned = align_pairs(x.topk_ids, self.weights.num_experts, tiles.block_m)
-        a = Activations(x.hidden, x.scale, x.act_quant, pairs_per_row=k)
+        hidden, scale, how = x.hidden, x.scale, x.act_quant
+        if how is None and self.fp8_quant is not None:
+            how = self.fp8_quant
+            hidden, scale = quantize_rows(hidden, how)
+        a = Activations(hidden, scale, how, pairs_per_row=k)
         row_weights = x.topk_weights.float().flatten().contiguous()  # [P]
         pair_out = buf["triton_pair_out"]
         self._gemms(a, aligned, buf["triton_intermediate"], pair_out, tiles, row_weights)

@@ -11,7 +11,7 @@ import torch
 
 from kernels.config import Activation, GateUp
 from kernels.layer import LayerWeights, RouterWeights, build_layer
-from kernels.quant_scheme import QuantScheme
+from kernels.quant_scheme import ActQuant, QuantScheme
 from kernels.registry import select
 from kernels.routing import contiguous_expert_map
 from kernels.tensors import Format, ForwardInputs
@@ -118,3 +118,18 @@ def test_decode_graph_replays_match_the_eager_forward_for_fresh_inputs(
         eager = experts._forward(x, {n: ws.get(n, *s) for n, s in shapes.items()})
         assert torch.equal(replayed, eager)
     assert set(experts.graphs.graphs) == {m}
+
+
+@pytest.mark.parametrize("how", list(ActQuant))
+@pytest.mark.parametrize(("rows", "k"), [(1, 300), (7, 2048), (333, 7168)])
+def test_triton_quantiser_is_bit_identical_to_the_torch_one(
+    how: ActQuant, rows: int, k: int
+) -> None:
+    from kernels.experts._triton.quantize import quantize_rows
+    from kernels.quantize import quantize_activation
+
+    x = torch.randn(rows, k, device=CUDA) * torch.rand(rows, 1, device=CUDA) * 10
+    q, scale = quantize_rows(x.to(torch.bfloat16), how)
+    q_ref, scale_ref = quantize_activation(x.to(torch.bfloat16), how)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
