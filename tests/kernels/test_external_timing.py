@@ -54,6 +54,13 @@ def _time_us(fn, *args: object) -> float:
     return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median") * 1e3
 
 
+def _root_cause(exc: BaseException) -> str:
+    """The innermost exception of a chain, on one line (a Triton compile error wraps the cause)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
 def _routed_forward(kernel, cfg, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return kernel.forward(hidden, route(logits, cfg.routing))
 
@@ -81,7 +88,7 @@ def test_time_backends(name: str) -> None:
             try:
                 err = relative_error(kernel.forward(hidden, routing), expected)
             except Exception as exc:  # another team's backend may not build yet: note it, go on
-                failed[backend] = f"M={m}: {type(exc).__name__}: {str(exc)[-300:]}"
+                failed[backend] = f"M={m}: {_root_cause(exc)}"
                 continue
             if err >= TOLERANCE[cfg.quant.scheme]:
                 failed[backend] = f"M={m}: relative error {err:.3g}"
