@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse
 
 from service import __version__
 from service.deps import BatcherDep, BodyDep, EngineDep, RuntimeDep
-from service.engine import ServedLayer
-from service.errors import BadInput
+from service.engine import Engine, ServedLayer
+from service.errors import BadInput, UnknownLayer
 from service.inputs import check_inputs
 from service.kserve_codec import (
     HEADER_LENGTH,
@@ -30,6 +30,7 @@ from service.schemas import ErrorBody
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
 
 OUTPUT = "output"
+VERSION = "1"  # a layer is a model with one version; clients may name it or not
 
 
 @router.get("", summary="Server metadata")
@@ -53,7 +54,7 @@ def _metadata(served: ServedLayer) -> ModelMetadata:
     cfg = served.config
     return ModelMetadata(
         name=served.name,
-        versions=["1"],
+        versions=[VERSION],
         platform="moe-serve",
         inputs=[
             TensorMetadata(name="hidden_states", datatype="FP32", shape=[-1, cfg.hidden_size]),
@@ -75,6 +76,28 @@ async def model_metadata(name: str, engine: EngineDep) -> ModelMetadata:
 @router.get("/models/{name}/ready", summary="200 when the model can serve")
 async def model_ready(name: str, engine: EngineDep) -> dict[str, bool]:
     engine.get(name)
+    return {"ready": True}
+
+
+def _check_version(engine: Engine, name: str, version: str) -> None:
+    engine.get(name)  # an unknown model first
+    if version != VERSION:
+        raise UnknownLayer(f"model {name!r} has version {VERSION} only, not {version!r}")
+
+
+@router.get(
+    "/models/{name}/versions/{version}",
+    summary="Model metadata of a named version",
+    responses={404: {"model": ErrorBody}},
+)
+async def version_metadata(name: str, version: str, engine: EngineDep) -> ModelMetadata:
+    _check_version(engine, name, version)
+    return _metadata(engine.get(name))
+
+
+@router.get("/models/{name}/versions/{version}/ready", summary="200 when the version can serve")
+async def version_ready(name: str, version: str, engine: EngineDep) -> dict[str, bool]:
+    _check_version(engine, name, version)
     return {"ready": True}
 
 
@@ -160,3 +183,21 @@ async def infer(
         media_type=BINARY,
         headers={HEADER_LENGTH: str(encoded.header_length)},
     )
+
+
+@router.post(
+    "/models/{name}/versions/{version}/infer",
+    summary="Inference on a named version (as /v2/models/{name}/infer)",
+    responses={400: {"model": ErrorBody}, 404: {"model": ErrorBody}, 429: {"model": ErrorBody}},
+    openapi_extra=_INFER_OPENAPI,
+)
+async def version_infer(
+    name: str,
+    version: str,
+    request: Request,
+    body: BodyDep,
+    engine: EngineDep,
+    batcher: BatcherDep,
+) -> Response:
+    _check_version(engine, name, version)
+    return await infer(name, request, body, engine, batcher)

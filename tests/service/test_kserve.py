@@ -116,3 +116,21 @@ def test_tritonclient_compressed_requests_are_inflated(triton_client, algorithm:
     )
     expected = reference_forward(TINY, torch.from_numpy(x))
     torch.testing.assert_close(torch.tensor(result.as_numpy("output")), expected)
+
+
+def test_tritonclient_naming_the_version_works(triton_client) -> None:
+    x = np.random.default_rng(3).standard_normal((2, H)).astype(np.float32)
+    result = triton_client.infer(TINY, [_input("hidden_states", x, True)], model_version="1")
+    expected = reference_forward(TINY, torch.from_numpy(x))
+    torch.testing.assert_close(torch.tensor(result.as_numpy("output")), expected)
+    assert triton_client.is_model_ready(TINY, "1")
+    assert triton_client.get_model_metadata(TINY, "1")["versions"] == ["1"]
+
+
+def test_tritonclient_naming_a_missing_version_gets_404(triton_client) -> None:
+    x = np.zeros((1, H), dtype=np.float32)
+    refused = triton.InferenceServerException
+    with pytest.raises(refused, match="model 'tiny' has version 1 only, not '2'") as err:
+        triton_client.infer(TINY, [_input("hidden_states", x, True)], model_version="2")
+    assert err.value.status() == "404"
+    assert not triton_client.is_model_ready(TINY, "2")

@@ -148,6 +148,9 @@ def test_docs_and_openapi_describe_every_route_with_examples(client: TestClient)
         "/v2/models/{name}",
         "/v2/models/{name}/ready",
         "/v2/models/{name}/infer",
+        "/v2/models/{name}/versions/{version}",
+        "/v2/models/{name}/versions/{version}/ready",
+        "/v2/models/{name}/versions/{version}/infer",
     } <= paths
     body = spec["paths"]["/v1/layers/{name}/forward"]["post"]["requestBody"]["content"]
     assert set(body) == {"application/json", "application/octet-stream"}
