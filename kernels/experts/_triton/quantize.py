@@ -53,12 +53,12 @@ def _quantize_kernel(
             amax = tl.max(tl.abs(x), axis=0)
         else:
             amax = tl.load(amax_ptr)
-    # IEEE division as torch does; Triton's `/` on float32 may round differently
-    scale = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    # torch divides by the python scalar 448 as a multiply by its float32 reciprocal on CUDA
+    scale = tl.maximum(amax, 1e-12) * (1.0 / 448.0)
     for c in range(start, stop, BLOCK):
         cols = c + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < k, other=0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0).to(tl.float8e4nv)
+        q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0).to(tl.float8e4nv)  # IEEE, as torch
         tl.store(q_ptr + row * stride_q + cols, q.to(tl.uint8, bitcast=True), mask=cols < k)
     if HOW == 1:
         if row == 0 and group == 0:
