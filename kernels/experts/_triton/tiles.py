@@ -81,15 +81,6 @@ def _tuned_table(filename: str) -> dict[int, LayerTiles]:
     return {int(m): LayerTiles.from_json(entry) for m, entry in buckets.items()}
 
 
-def read_table(path: Path) -> dict[int, LayerTiles]:
-    """A tuned file's buckets (for `moe-serve tune` to resume); empty if it does not exist."""
-    if not path.exists():
-        return {}
-    return {
-        int(m): LayerTiles.from_json(e) for m, e in json.loads(path.read_text())["buckets"].items()
-    }
-
-
 def stages_for(block_m: int, block_n: int, block_k: int, b_tiles: int, elem_bytes: int) -> int:
     """As many pipeline stages (2 to 4) as fit the shared-memory budget."""
     per_stage = (block_m * block_k + b_tiles * block_k * block_n) * elem_bytes
