@@ -3,6 +3,8 @@
     align.py         sort (token, slot) pairs by expert, each expert's run padded to BLOCK_M
     grouped_gemm.py  one grouped GEMM: gather rows -> dequantise weights -> dot -> epilogue
     topk_sum.py      sum each token's k weighted rows
+    quantize.py      dynamic fp8 quantisation of activation rows (tensor / token / 1x128 groups)
+    graphs.py        decode: one CUDA graph per token count
     tiles.py         tile sizes per layer shape and M bucket: tuned JSON files or a heuristic
 
 Without a CUDA device these kernels can only run in Triton's interpreter (the CPU tests). Triton
