@@ -11,6 +11,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
+from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullLocator
@@ -46,14 +47,21 @@ def _series(points: list[Point], field: str) -> dict[str, tuple[list[int], list[
     return series
 
 
-def _figure(run: BenchRun, draw: Callable[[Axes, list[Point]], None]) -> Figure:
+Draw = Callable[[Axes, list[Point], dict[str, tuple]], None]
+
+
+def _figure(run: BenchRun, draw: Draw) -> Figure:
     panels = _panels(run)
+    # one colour per backend in every panel, so a line is recognisable across shapes
+    backends = sorted({r.backend for p in run.points for r in p.results})
+    # tab20 pairs a dark and a light shade of 10 hues: the 10 dark ones first
+    colors = {b: colormaps["tab20"]((2 * i) % 20 + (i // 10) % 2) for i, b in enumerate(backends)}
     cols = len(run.settings.loads)
     rows = max(1, -(-len(panels) // cols))
     fig = Figure(figsize=(_PANEL_INCHES[0] * cols, _PANEL_INCHES[1] * rows), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False).flatten()
     for ax, (shape, load, points) in zip(axes, panels, strict=False):
-        draw(ax, points)
+        draw(ax, points, colors)
         ax.set_title(f"{shape}, {load} load", fontsize=10)
         ax.set_xscale("log", base=2)
         tokens = [p.tokens for p in points]
@@ -69,9 +77,9 @@ def _figure(run: BenchRun, draw: Callable[[Axes, list[Point]], None]) -> Figure:
     return fig
 
 
-def _draw_time(ax: Axes, points: list[Point]) -> None:
+def _draw_time(ax: Axes, points: list[Point], colors: dict[str, tuple]) -> None:
     for backend, (tokens, us) in sorted(_series(points, "median_us").items()):
-        ax.plot(tokens, us, marker="o", markersize=3, label=backend)
+        ax.plot(tokens, us, marker="o", markersize=3, label=backend, color=colors[backend])
     ax.plot(
         [p.tokens for p in points],
         [p.roofline_us for p in points],
@@ -82,9 +90,9 @@ def _draw_time(ax: Axes, points: list[Point]) -> None:
     ax.set_ylabel("median forward (us)")
 
 
-def _draw_fraction(ax: Axes, points: list[Point]) -> None:
+def _draw_fraction(ax: Axes, points: list[Point], colors: dict[str, tuple]) -> None:
     for backend, (tokens, fraction) in sorted(_series(points, "achieved_fraction").items()):
-        ax.plot(tokens, fraction, marker="o", markersize=3, label=backend)
+        ax.plot(tokens, fraction, marker="o", markersize=3, label=backend, color=colors[backend])
     ax.axhline(1.0, color="k", linestyle="--", linewidth=1)
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("fraction of roofline")
