@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-COMMAND_MODULES: tuple[str, ...] = ("weights.cli", "service.serve", "bench.cli", "kernels.tune")
+COMMAND_MODULES: tuple[str, ...] = ("weights.cli", "service.serve", "bench.cli", "bench.tune")
 
 
 def build_parser() -> argparse.ArgumentParser:

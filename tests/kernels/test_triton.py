@@ -261,7 +261,7 @@ def test_shipped_tuned_files_parse() -> None:
 
 
 def test_tune_candidates_include_the_heuristic_and_respect_the_fp8_block() -> None:
-    from kernels.tune import candidates
+    from bench.tune import candidates
 
     cfg = Case(QuantScheme.FP8_BLOCK).config()
     found = candidates(cfg, 64)
@@ -273,7 +273,7 @@ def test_tune_candidates_include_the_heuristic_and_respect_the_fp8_block() -> No
 def test_tune_shape_accepts_names_and_four_integers_and_names_the_format_on_error() -> None:
     import argparse
 
-    from kernels.tune import parse_shape
+    from bench.tune import parse_shape
 
     assert parse_shape("qwen3").num_experts == 128
     cfg = parse_shape("16,256,512,4")
@@ -283,7 +283,7 @@ def test_tune_shape_accepts_names_and_four_integers_and_names_the_format_on_erro
 
 
 def test_tune_resumes_without_retiming_buckets_already_in_the_file(tmp_path) -> None:
-    from kernels.tune import TuneRequest, tune
+    from bench.tune import TuneRequest, tune
 
     cfg = Case().config()
     done = tiles.heuristic_tiles(cfg, 1).to_json() | {"us": 1.0}

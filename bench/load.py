@@ -1,6 +1,6 @@
 """Time `load_layer` onto a GPU for a random DeepSeek-V3-sized fp8-block layer (~11 GB).
 
-    python -m weights.bench_load [--dir /tmp/moe-serve-bench-layer] [--repeats 3]
+    python -m bench.load [--dir /tmp/moe-serve-bench-layer] [--repeats 3]
 
 Writes the layer (generated on the GPU, so it takes seconds), then loads it: once with its pages
 dropped from the OS cache (posix_fadvise DONTNEED: read from disk), then `--repeats` times warm
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from kernels.config import GroupScore, MoEConfig, RoutingConfig, Scoring
+from bench.shapes import SHAPES
+from kernels.config import MoEConfig
 from kernels.layer import LayerWeights, RouterWeights, SharedExpert
-from kernels.quant_scheme import QuantConfig, QuantScheme
 from kernels.quantize import FP8
 from kernels.tensors import ExpertWeights
 from weights.layout import flatten
@@ -36,21 +36,7 @@ from weights.write import write_layer
 log = logging.getLogger(__name__)
 
 # DeepSeek-V3 (and Kimi-K2 / R1) MoE layer: 256 experts, 8 per token, 1 shared expert
-DSV3 = MoEConfig(
-    num_experts=256,
-    hidden_size=7168,
-    intermediate_size=2048,
-    routing=RoutingConfig(
-        top_k=8,
-        scoring=Scoring.SIGMOID,
-        num_groups=8,
-        topk_groups=4,
-        group_score=GroupScore.TOP2_SUM,
-        routed_scaling_factor=2.5,
-    ),
-    quant=QuantConfig(QuantScheme.FP8_BLOCK),
-    dtype=torch.bfloat16,
-)
+DSV3 = SHAPES["deepseek-v3"]
 
 
 def random_fp8_layer(cfg: MoEConfig, device: torch.device) -> LayerWeights:
