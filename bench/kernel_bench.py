@@ -281,16 +281,9 @@ class KernelBench:
         results: dict[PointKey, list[BackendResult]] = {key: [] for key in keys}
         not_run = {}
         backends = experts_backends()
-        try:
-            auto = select(cfg, device).experts.name
-        except ValueError:
-            auto = None
-        timed = list(self.backends)
-        if auto is not None and auto not in backends:  # auto's per-token-count switch
-            timed.append("auto")
-        for backend in tqdm(timed, desc=name, disable=None):
-            support = backends[backend].supports(cfg, device) if backend in backends else None
-            if support is not None and not support:
+        for backend in tqdm(self.backends, desc=name, disable=None):
+            support = backends[backend].supports(cfg, device)
+            if not support:
                 not_run[backend] = support.reason
                 continue
             try:
@@ -303,6 +296,10 @@ class KernelBench:
             log.info("%s: %s done in %.1f s", name, backend, time.monotonic() - started)
             del layer
             _free_device_memory()
+        try:
+            auto = select(cfg, device).experts.name
+        except ValueError:
+            auto = None
         limits = Ceilings(ceilings.copy_bytes_per_s, ceilings.gemm_flops_per_s[precision(cfg)])
         points = []
         for key in keys:
