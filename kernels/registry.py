@@ -11,9 +11,6 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
-from kernels.experts.token_switch import TokenSwitchExperts
-from kernels.tensors import Format
-
 if TYPE_CHECKING:
     from kernels.config import MoEConfig
     from kernels.stages import Experts, PrepareFinalize
@@ -102,6 +99,8 @@ def _prepare_finalize_for(
 
 def _expert_parallel_problem(experts: type[Experts]) -> str:
     """Why `experts` cannot hold one rank's slice of a layer under naive-ep; "" if it can."""
+    from kernels.tensors import Format
+
     if experts.format != Format.STANDARD:
         return "expert parallelism (naive-ep) dispatches in the standard format"
     if not experts.supports_expert_map:
@@ -136,12 +135,9 @@ def select(
     from kernels.selection import auto_choice  # selection reads this module's AUTO_ORDER
 
     available = [name for name in backends if name not in rejected]
-    switchable = frozenset(n for n in available if backends[n].format == Format.STANDARD)
-    choice = auto_choice(cfg, device, available, AUTO_ORDER, switchable)
+    choice = auto_choice(cfg, device, available, AUTO_ORDER)
     if choice is not None:
         cls = backends[choice.name]
-        if choice.plan is not None:
-            cls = TokenSwitchExperts.over(tuple((m, backends[n]) for m, n in choice.plan))
         pf = _prepare_finalize_for(cls, device, expert_parallel)
         return Selection(cls, pf, choice.reason, rejected)
     details = "; ".join(f"{n}: {r}" for n, r in rejected.items())

@@ -83,52 +83,13 @@ def rule_for(cfg: MoEConfig, device: torch.device) -> tuple[Rule | None, RuleTab
 class Choice:
     name: str
     reason: str
-    # set when different backends win at different token counts: (from M, backend), ascending
-    plan: tuple[tuple[int, str], ...] | None = None
-
-
-SWITCH_MARGIN = 1.03  # one backend within 3% of the fastest at every measured M needs no switch
-
-
-def token_plan(rule: Rule, candidates: set[str]) -> tuple[tuple[int, str], ...] | None:
-    """The fastest of `candidates` at each measured token count, as (from M, backend) steps,
-    switching at the first measured M where a new backend wins. None when one backend stays
-    within SWITCH_MARGIN of the fastest everywhere, or a count has no candidate timed."""
-    counts = sorted(int(m) for m in rule.times_us)
-    timed = [{n: t for n, t in rule.times_us[str(m)].items() if n in candidates} for m in counts]
-    if not counts or not all(timed):
-        return None
-    for name in rule.order:
-        if all(name in t and t[name] <= SWITCH_MARGIN * min(t.values()) for t in timed):
-            return None
-    plan: list[tuple[int, str]] = []
-    for m, t in zip(counts, timed, strict=True):
-        winner = min(t, key=t.get)
-        if not plan or plan[-1][1] != winner:
-            plan.append((m, winner))
-    return ((0, plan[0][1]), *plan[1:])
 
 
 def auto_choice(
-    cfg: MoEConfig,
-    device: torch.device,
-    available: list[str],
-    fallback: tuple[str, ...],
-    switchable: frozenset[str] = frozenset(),
+    cfg: MoEConfig, device: torch.device, available: list[str], fallback: tuple[str, ...]
 ) -> Choice | None:
-    """The backend `auto` runs, among `available` (those that support the layer here);
-    `switchable` (standard-format, available) may share a per-token-count plan."""
+    """The backend `auto` runs, among `available` (those that support the layer here)."""
     rule, table = rule_for(cfg, device)
-    plan = None if rule is None else token_plan(rule, set(switchable))
-    if plan is not None:
-        steps = ", ".join(f"{name} from M={m}" for m, name in plan)
-        return Choice(
-            plan[0][1],
-            f"auto: rule {rule.key} of {table.source} (measured on {table.device} at commit "
-            f"{table.commit}): no backend is within {SWITCH_MARGIN - 1:.0%} of the fastest at "
-            f"every M, so the fastest per token count runs: {steps}",
-            plan,
-        )
     if rule is not None:
         for name in rule.order:
             if name in available:
