@@ -2,9 +2,30 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 _EXAMPLE_ROWS = [[0.1, -0.2, 0.3, 0.0], [0.5, 0.25, -1.0, 2.0]]
+
+
+def inline_json_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """`model`'s JSON schema with its `$defs` substituted in place, for an OpenAPI request body
+    written by hand (a `#/$defs/...` reference does not resolve inside an OpenAPI document)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def resolve(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return resolve(defs[ref.removeprefix("#/$defs/")])
+            return {key: resolve(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [resolve(item) for item in node]
+        return node
+
+    return resolve(schema)
 
 
 class ErrorBody(BaseModel):

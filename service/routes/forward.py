@@ -14,7 +14,7 @@ from service.deps import BatcherDep, BodyDep, EngineDep
 from service.engine import ServedLayer
 from service.errors import BadInput, UnsupportedMediaType, describe_validation_error
 from service.inputs import check_inputs, rows_to_tensor
-from service.schemas import ErrorBody, ForwardRequest, ForwardResponse
+from service.schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
 
 router = APIRouter(tags=["forward"])
 
@@ -41,7 +41,7 @@ _OPENAPI = {
         "required": True,
         "content": {
             JSON: {
-                "schema": ForwardRequest.model_json_schema(),
+                "schema": inline_json_schema(ForwardRequest),
                 "examples": {
                     "stored router": {"value": {"hidden_states": [[0.1] * 4, [0.2] * 4]}},
                     "client logits": {

@@ -25,7 +25,7 @@ from service.kserve_codec import (
     encode_response,
 )
 from service.routes.forward import BINARY, TENSOR_NAMES
-from service.schemas import ErrorBody
+from service.schemas import ErrorBody, inline_json_schema
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
 
@@ -117,7 +117,7 @@ _INFER_OPENAPI = {
         "bytes of each input that has parameters.binary_data_size",
         "content": {
             "application/json": {
-                "schema": InferRequest.model_json_schema(),
+                "schema": inline_json_schema(InferRequest),
                 "examples": {
                     "JSON tensors": {
                         "value": {

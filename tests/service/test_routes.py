@@ -269,3 +269,22 @@ def test_warm_up_runs_each_layer_before_ready(make_client, monkeypatch) -> None:
     monkeypatch.setattr(Engine, "forward", recording)
     make_client()  # ready: warm-up done, no request sent yet
     assert sorted(seen) == sorted([(TINY, 1), (NO_ROUTER, 1)])
+
+
+def test_every_reference_in_the_openapi_document_resolves(client: TestClient) -> None:
+    spec = client.get("/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+
+    def refs(node: object) -> list[str]:
+        if isinstance(node, dict):
+            own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+            return own + [r for value in node.values() for r in refs(value)]
+        if isinstance(node, list):
+            return [r for item in node for r in refs(item)]
+        return []
+
+    found = refs(spec)
+    assert found  # the document does use references
+    for ref in found:
+        assert ref.startswith("#/components/schemas/"), ref
+        assert ref.removeprefix("#/components/schemas/") in schemas, ref
