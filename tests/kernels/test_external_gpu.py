@@ -14,7 +14,7 @@ from kernels.config import Activation, ActivationSpec
 from kernels.experts.oai_triton import MonolithicOaiTritonExperts
 from kernels.experts.reference import ReferenceExperts
 from kernels.testing import relative_error
-from tests.kernels.test_external_cases import (
+from tests.kernels.external_cases import (
     LAYERS,
     TOLERANCE,
     layer_inputs,

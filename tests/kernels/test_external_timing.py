@@ -26,7 +26,7 @@ from kernels import registry, selection
 from kernels.experts.oai_triton import MonolithicOaiTritonExperts
 from kernels.routing import route
 from kernels.testing import relative_error
-from tests.kernels.test_external_cases import (
+from tests.kernels.external_cases import (
     LAYERS,
     TOLERANCE,
     layer_inputs,
@@ -132,7 +132,7 @@ def test_write_rule_table() -> None:
         "method": (
             "median of triton.testing.do_bench (warmup 25 ms, rep 100 ms) of the modular forward "
             "(prepare, experts, finalize) on fixed routing; layers from "
-            "tests/kernels/test_external_cases.py; written by tests/kernels/test_external_timing.py"
+            "tests/kernels/external_cases.py; written by tests/kernels/test_external_timing.py"
         ),
         "rules": rules,
     }
