@@ -2,8 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# The CPU build of torch 2.13.0 lies on the CI/dev machines' disk; on a GPU host, pass TORCH=torch.
-TORCH ?= torch==2.13.0
+# Where an NVIDIA driver is installed, PyPI's CUDA build of torch (it brings triton); elsewhere
+# the CPU build 2.13.0, which lies on the CI/dev machines' disk. Override with TORCH=...
+TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 
 .PHONY: serve test lint gpu-test
 
