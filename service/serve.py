@@ -15,6 +15,7 @@ from service.app import create_app
 from service.ep import rank_device
 from service.errors import describe_validation_error
 from service.settings import Settings
+from weights.demo import demo_configs
 from weights.load import inspect_layer
 
 log = logging.getLogger(__name__)
@@ -84,12 +85,12 @@ def _check_layers(settings: Settings) -> None:
     backends = experts_backends()
     if settings.backend != "auto" and settings.backend not in backends:
         raise ValueError(f"unknown backend {settings.backend!r}; registered: {', '.join(backends)}")
-    for path in settings.weights:
-        cfg = inspect_layer(path).to_config()
+    configs = {str(path): inspect_layer(path).to_config() for path in settings.weights}
+    for where, cfg in (configs or demo_configs()).items():
         try:
             select(cfg, device, settings.backend, expert_parallel=settings.ep > 1)
         except ValueError as err:
-            raise ValueError(f"{path}: {err}") from None
+            raise ValueError(f"{where}: {err}") from None
 
 
 def _refuse(message: str) -> int:

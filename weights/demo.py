@@ -35,6 +35,17 @@ DEMO_CONFIG = MoEConfig(
 )
 
 
+DEMO_SCHEMES = {"demo": QuantScheme.NONE, "demo-fp8": QuantScheme.FP8_BLOCK}
+
+
+def demo_configs() -> dict[str, MoEConfig]:
+    """The demo layers' configs by name, without making their weights."""
+    return {
+        name: dataclasses.replace(DEMO_CONFIG, quant=QuantConfig(scheme))
+        for name, scheme in DEMO_SCHEMES.items()
+    }
+
+
 def demo_layers() -> list[tuple[Manifest, LayerWeights]]:
     """The demo layers in memory (CPU), deterministic: [("demo", bf16), ("demo-fp8", fp8-block)]."""
     generator = torch.Generator().manual_seed(DEMO_SEED)
@@ -45,8 +56,7 @@ def demo_layers() -> list[tuple[Manifest, LayerWeights]]:
     gate = torch.randn(cfg.num_experts, cfg.hidden_size, generator=generator) / cfg.hidden_size**0.5
     router = RouterWeights(weight=gate.to(cfg.dtype))
     layers = []
-    for name, scheme in (("demo", QuantScheme.NONE), ("demo-fp8", QuantScheme.FP8_BLOCK)):
-        layer_cfg = dataclasses.replace(cfg, quant=QuantConfig(scheme))
+    for name, layer_cfg in demo_configs().items():
         weights = LayerWeights(quantize_expert_weights(layer_cfg, floats), router)
         manifest = Manifest.from_config(layer_cfg, weights, name=name, source=DEMO_SOURCE)
         layers.append((manifest, weights))

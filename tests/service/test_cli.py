@@ -84,6 +84,12 @@ def test_serve_refuses_a_backend_that_cannot_run_a_layer_naming_both(tmp_path, c
     assert f"{layer}: backend 'triton' cannot run this layer: runs on cuda, not cpu" in caplog.text
 
 
+def test_serve_refuses_a_backend_that_cannot_run_the_demo_layers(caplog) -> None:
+    # without --weights the demo layers are served: they are checked before anything starts
+    assert main(["serve", "--backend", "triton", "--device", "cpu"]) == 2
+    assert "demo: backend 'triton' cannot run this layer: runs on cuda, not cpu" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("host", "token", "warned"),
     [("0.0.0.0", None, True), ("0.0.0.0", "x" * 32, False), ("127.0.0.1", None, False)],
