@@ -16,6 +16,8 @@ from __future__ import annotations
 from kernels.config import ActivationSpec, GroupScore, RoutingConfig, Scoring
 from kernels.layer import LayerWeights, RouterWeights
 from weights.convert.hf import (
+    HF_EXPERT_TEMPLATE,
+    HF_PROJECTIONS,
     Checkpoint,
     ConvertedLayer,
     moe_config,
@@ -76,13 +78,7 @@ def convert(ckpt: Checkpoint, layer: int) -> ConvertedLayer:
         ckpt, sizes, routing=_routing(ckpt), activation=ActivationSpec(ckpt.activation())
     )
     prefix = f"model.layers.{layer}.mlp"
-    experts = stack_gated_experts(
-        ckpt,
-        prefix + ".experts.{e}.{proj}.weight",
-        ("gate_proj", "up_proj", "down_proj"),
-        sizes,
-        dtype,
-    )
+    experts = stack_gated_experts(ckpt, prefix + HF_EXPERT_TEMPLATE, HF_PROJECTIONS, sizes, dtype)
     router = RouterWeights(weight=ckpt.get_float(f"{prefix}.gate.weight", (sizes[0], h)).to(dtype))
     if ckpt.model_type == "deepseek_v3":
         bias = ckpt.get_float(f"{prefix}.gate.e_score_correction_bias", (sizes[0],))

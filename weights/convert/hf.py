@@ -213,6 +213,11 @@ class Checkpoint:
         return dequantize_weight(weight[None], scale[None], block)[0].to(dtype)
 
 
+# Qwen-MoE and DeepSeek name their expert MLPs alike: mlp.experts.{e}.{gate,up,down}_proj
+HF_EXPERT_TEMPLATE = ".experts.{e}.{proj}.weight"
+HF_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
 def stack_gated_experts(
     ckpt: Checkpoint,
     template: str,

@@ -8,6 +8,8 @@ from __future__ import annotations
 from kernels.config import ActivationSpec, RoutingConfig
 from kernels.layer import LayerWeights, RouterWeights
 from weights.convert.hf import (
+    HF_EXPERT_TEMPLATE,
+    HF_PROJECTIONS,
     Checkpoint,
     ConvertedLayer,
     moe_config,
@@ -38,13 +40,7 @@ def convert(ckpt: Checkpoint, layer: int) -> ConvertedLayer:
     )
     cfg = moe_config(ckpt, sizes, routing=routing, activation=ActivationSpec(ckpt.activation()))
     prefix = f"model.layers.{layer}.mlp"
-    experts = stack_gated_experts(
-        ckpt,
-        prefix + ".experts.{e}.{proj}.weight",
-        ("gate_proj", "up_proj", "down_proj"),
-        sizes,
-        dtype,
-    )
+    experts = stack_gated_experts(ckpt, prefix + HF_EXPERT_TEMPLATE, HF_PROJECTIONS, sizes, dtype)
     gate = ckpt.get_float(f"{prefix}.gate.weight", sizes[:2]).to(dtype)
     shared = None
     shared_size = ckpt.config_int("shared_expert_intermediate_size", 0)
