@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from bench.timing import Timer
+from kernels.quant_scheme import FP8
 
-FP8 = torch.float8_e4m3fn
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from bench.shapes import SHAPES
 from kernels.config import MoEConfig
 from kernels.layer import LayerWeights, RouterWeights, SharedExpert
-from kernels.quantize import FP8
+from kernels.quant_scheme import FP8
 from kernels.tensors import ExpertWeights
 from weights.layout import flatten
 from weights.load import load_layer

@@ -17,6 +17,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import NullLocator
 
 from bench.schema import BenchRun, Point
+from kernels.arith import ceil_div
 
 _PANEL_INCHES = (5.0, 3.2)
 
@@ -57,7 +58,7 @@ def _figure(run: BenchRun, draw: Draw) -> Figure:
     # tab20 pairs a dark and a light shade of 10 hues: the 10 dark ones first
     colors = {b: colormaps["tab20"]((2 * i) % 20 + (i // 10) % 2) for i, b in enumerate(backends)}
     cols = len(run.settings.loads)
-    rows = max(1, -(-len(panels) // cols))
+    rows = max(1, ceil_div(len(panels), cols))
     fig = Figure(figsize=(_PANEL_INCHES[0] * cols, _PANEL_INCHES[1] * rows), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False).flatten()
     for ax, (shape, load, points) in zip(axes, panels, strict=False):

@@ -132,7 +132,8 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from kernels.experts._triton.tiles import TUNED_DIR, TileKey, device_name
+    from kernels.experts._triton.tiles import TileKey, device_name
+    from kernels.tuned import TUNED_DIR
 
     if not torch.cuda.is_available():
         log.error("moe-serve tune times kernels on a CUDA GPU; none is visible here")

@@ -20,6 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+import torch
+
+FP8 = torch.float8_e4m3fn
 FP8_BLOCK = 128  # DeepSeek-V3 weight tiles are 128 x 128; activations use 1 x 128 groups
 MXFP4_GROUP = 32  # OCP microscaling: one e8m0 scale per 32 values
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.quant_scheme import FP8_BLOCK, MXFP4_GROUP, ActQuant, QuantConfig, QuantScheme
+from kernels.arith import ceil_div
+from kernels.quant_scheme import FP8, FP8_BLOCK, MXFP4_GROUP, ActQuant, QuantConfig, QuantScheme
 
-FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 _TINY = 1e-12  # keeps all-zero rows and blocks from dividing by zero
 
@@ -18,10 +18,6 @@ _TINY = 1e-12  # keeps all-zero rows and blocks from dividing by zero
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_MAX = 6.0
 _E2M1_EMAX = 2  # 6 = 1.5 * 2**2: the block scale is 2**(floor(log2(amax)) - 2)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _fp8_cast(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -68,7 +64,7 @@ def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
 def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., N, K] -> (fp8 [..., N, K], scale [..., ceil(N/128), ceil(K/128)])."""
     n, k = w.shape[-2:]
-    nb, kb = _ceil_div(n, FP8_BLOCK), _ceil_div(k, FP8_BLOCK)
+    nb, kb = ceil_div(n, FP8_BLOCK), ceil_div(k, FP8_BLOCK)
     tiles = _pad_to(w.float(), nb * FP8_BLOCK, kb * FP8_BLOCK)
     tiles = tiles.unflatten(-1, (kb, FP8_BLOCK)).unflatten(
         -3, (nb, FP8_BLOCK)
@@ -202,7 +198,7 @@ def quantize_activation(x: torch.Tensor, how: ActQuant) -> tuple[torch.Tensor, t
             return _fp8_cast(x, scale), scale
         case ActQuant.GROUP:
             m, k = x.shape
-            kb = _ceil_div(k, FP8_BLOCK)
+            kb = ceil_div(k, FP8_BLOCK)
             groups = torch.nn.functional.pad(x, (0, kb * FP8_BLOCK - k)).view(m, kb, FP8_BLOCK)
             scale = groups.abs().amax(dim=-1).clamp_min(_TINY) / FP8_MAX
             full = scale.repeat_interleave(FP8_BLOCK, dim=-1)[:, :k]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.arith import ceil_div
 from kernels.config import GroupScore, RoutingConfig, Scoring
 from kernels.tensors import Routing
 
@@ -58,7 +59,7 @@ def route(
 
 def contiguous_expert_map(num_experts: int, rank: int, world_size: int) -> torch.Tensor:
     """global id -> local id on `rank` (or -1), experts split in contiguous slices. [E] int32."""
-    per_rank = -(-num_experts // world_size)
+    per_rank = ceil_div(num_experts, world_size)
     ids = torch.arange(num_experts)
     local = ids - rank * per_rank
     return torch.where((local >= 0) & (local < per_rank), local, -1).to(torch.int32)

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from kernels.config import MoEConfig
+from kernels.tuned import TUNED_DIR
 
-TUNED_DIR = Path(__file__).parent / "tuned"
 LARGE_LAYER = 1 << 22  # H * I from which a layer counts as full-size (DeepSeek-V3, gpt-oss)
 
 

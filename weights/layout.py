@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.arith import ceil_div
 from kernels.layer import LayerWeights, RouterWeights, SharedExpert
 from kernels.quant_scheme import FP8_BLOCK, MXFP4_GROUP, QuantScheme
 from kernels.tensors import ExpertWeights
@@ -42,10 +43,6 @@ class TensorSpec:
     is_scale: bool = False  # must be finite (e8m0: not the NaN code 255)
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _gemm_weight(m: Manifest, e: int, n: int, k: int) -> tuple[TensorSpec, TensorSpec | None]:
     """The stored weight [E, N, K'] and its scale for one GEMM, by scheme."""
     match m.quant.scheme:
@@ -56,7 +53,7 @@ def _gemm_weight(m: Manifest, e: int, n: int, k: int) -> tuple[TensorSpec, Tenso
         case QuantScheme.FP8_TOKEN | QuantScheme.INT8_W8A16:
             scale = (e, n)
         case QuantScheme.FP8_BLOCK:
-            scale = (e, _ceil_div(n, FP8_BLOCK), _ceil_div(k, FP8_BLOCK))
+            scale = (e, ceil_div(n, FP8_BLOCK), ceil_div(k, FP8_BLOCK))
         case QuantScheme.INT4_W4A16:
             scale = (e, n, k // m.quant.group_size)
         case QuantScheme.MXFP4:

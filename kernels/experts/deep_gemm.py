@@ -24,15 +24,15 @@ from typing import ClassVar
 import torch
 
 from kernels.activations import apply_activation
+from kernels.arith import ceil_div, round_up
 from kernels.config import MoEConfig
-from kernels.quant_scheme import FP8_BLOCK, ActQuant, QuantScheme
+from kernels.quant_scheme import FP8, FP8_BLOCK, ActQuant, QuantScheme
 from kernels.quantize import quantize_activation
 from kernels.registry import register_experts
 from kernels.stages import YES, Experts, Support, cuda_capability
 from kernels.tensors import Dispatched, ExpertWeights, Format
 from kernels.workspace import Workspace
 
-FP8 = torch.float8_e4m3fn
 MASKED_M_ALIGNMENT = 128  # the masked kernel's largest BLOCK_M: no block may cross two experts
 
 
@@ -222,7 +222,7 @@ class DeepGemmBatchedExperts(_DeepGemmBase):
     def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
         num_experts, max_tokens, hidden = x.hidden.shape
         # a BLOCK_M tile must not reach into the next expert's rows (a 2D TMA over E * max_m)
-        max_m = -(-max_tokens // MASKED_M_ALIGNMENT) * MASKED_M_ALIGNMENT
+        max_m = round_up(max_tokens, MASKED_M_ALIGNMENT)
         x_q, x_scale = self.quantized_input(x)
         a = ws.get("dg_masked_a", (num_experts, max_m, hidden), FP8)
         a_scale = ws.get(
@@ -232,7 +232,7 @@ class DeepGemmBatchedExperts(_DeepGemmBase):
         a_scale[:, :max_tokens] = x_scale
         masked = MaskedRows(
             x.tokens_per_expert.to(torch.int32).contiguous(),
-            max(1, -(-x.topk_ids.numel() // num_experts)),
+            max(1, ceil_div(x.topk_ids.numel(), num_experts)),
         )
         inter = self.cfg.intermediate_size
         h13 = ws.get("dg_masked_h13", (num_experts, max_m, 2 * inter), torch.bfloat16)
@@ -241,7 +241,7 @@ class DeepGemmBatchedExperts(_DeepGemmBase):
         experts, slots = torch.nonzero(x.source >= 0, as_tuple=True)  # [P] each
         q = ws.get("dg_masked_q", (num_experts, max_m, inter), FP8)
         q_scale = ws.get(
-            "dg_masked_q_scale", (num_experts, max_m, -(-inter // FP8_BLOCK)), torch.float32
+            "dg_masked_q_scale", (num_experts, max_m, ceil_div(inter, FP8_BLOCK)), torch.float32
         )
         q_rows, q_row_scales = self.activate(h13[experts, slots], experts)
         _put_rows(q, (experts, slots), q_rows)

@@ -18,9 +18,10 @@ from typing import ClassVar
 
 import torch
 
+from kernels.arith import ceil_div, round_up
 from kernels.config import MoEConfig
-from kernels.experts.deep_gemm import FP8, DeepGemmExperts, deep_gemm_environment
-from kernels.quant_scheme import FP8_BLOCK, MXFP4_GROUP, QuantScheme
+from kernels.experts.deep_gemm import DeepGemmExperts, deep_gemm_environment
+from kernels.quant_scheme import FP8, FP8_BLOCK, MXFP4_GROUP, QuantScheme
 from kernels.quantize import FP8_MAX
 from kernels.registry import register_experts
 from kernels.stages import YES, Support
@@ -36,13 +37,13 @@ def pack_ue8m0_mn_major(exponents: torch.Tensor) -> torch.Tensor:
     """uint8 biased exponents [E, MN, G] -> int32 [E, MN, ceil(G/4)], MN-major (stride 1 along MN),
     MN padded to the TMA alignment in memory. Padding groups get exponent 127 (scale 1.0)."""
     num, mn, groups = exponents.shape
-    packed_groups = -(-groups // UE8M0_PER_INT32)
+    packed_groups = ceil_div(groups, UE8M0_PER_INT32)
     padded = torch.full(
         (num, mn, packed_groups * UE8M0_PER_INT32), 127, dtype=torch.uint8, device=exponents.device
     )
     padded[..., :groups] = exponents
     packed = padded.view(torch.int32)  # [E, MN, G/4]: little-endian, group 4j in the low byte
-    mn_aligned = -(-mn // (TMA_ALIGN_BYTES // 4)) * (TMA_ALIGN_BYTES // 4)
+    mn_aligned = round_up(mn, TMA_ALIGN_BYTES // 4)
     storage = torch.zeros(num, packed_groups, mn_aligned, dtype=torch.int32, device=packed.device)
     storage[:, :, :mn] = packed.transpose(1, 2)
     return storage.transpose(1, 2)[:, :mn]
@@ -53,7 +54,7 @@ def quantize_fp8_ue8m0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Each scale is the smallest power of two that keeps its group within the fp8 range."""
     rows, k = x.shape
-    groups = -(-k // FP8_BLOCK)
+    groups = ceil_div(k, FP8_BLOCK)
     padded = torch.nn.functional.pad(x.float(), (0, groups * FP8_BLOCK - k)).view(rows, groups, -1)
     amax = padded.abs().amax(dim=-1).clamp_min(2.0**-126)
     scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))  # [R, G]

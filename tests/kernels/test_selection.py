@@ -10,6 +10,7 @@ import torch
 from kernels import registry, selection
 from kernels.config import MoEConfig, RoutingConfig
 from kernels.quant_scheme import QuantConfig, QuantScheme
+from kernels.tuned import TUNED_DIR
 
 GPU = torch.device("cuda")
 LARGE = MoEConfig(256, 7168, 2048, RoutingConfig(top_k=8), quant=QuantConfig("fp8-block"))
@@ -108,7 +109,7 @@ def test_a_rule_without_triton_timings_loads_as_unmeasured(tmp_path) -> None:
     assert selection.RuleTable.from_json(path).rules["fp8-block/large"].deep_gemm_min_tokens is None
 
 
-@pytest.mark.parametrize("path", sorted(selection.TUNED_DIR.glob("auto_*.json")), ids=str)
+@pytest.mark.parametrize("path", sorted(TUNED_DIR.glob("auto_*.json")), ids=str)
 def test_shipped_rule_tables_name_registered_backends(path) -> None:
     table = selection.RuleTable.from_json(path)
     backends = registry.experts_backends()

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-FP8 = torch.float8_e4m3fn
+from kernels.arith import ceil_div
+from kernels.quant_scheme import FP8
 
 
 @dataclass
@@ -129,7 +130,7 @@ def qwen_moe(root: Path, model_type: str, seed: int = 0) -> Hub:
 def _fp8_linear(gen: torch.Generator, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random fp8 values and positive 128 x 128 block multipliers, as DeepSeek-V3 ships them."""
     w = _randn(gen, n, k, scale=100.0).clamp(-448, 448).to(FP8)
-    scale = (torch.rand(-(-n // 128), -(-k // 128), generator=gen) + 0.5) * 1e-3
+    scale = (torch.rand(ceil_div(n, 128), ceil_div(k, 128), generator=gen) + 0.5) * 1e-3
     return w, scale
 
 

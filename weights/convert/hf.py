@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kernels.arith import ceil_div
 from kernels.config import DTYPES, Activation, MoEConfig
 from kernels.layer import LayerWeights, SharedExpert
-from kernels.quant_scheme import FP8_BLOCK, QuantConfig, QuantScheme
-from kernels.quantize import FP8, dequantize_weight
+from kernels.quant_scheme import FP8, FP8_BLOCK, QuantConfig, QuantScheme
+from kernels.quantize import dequantize_weight
 from kernels.tensors import ExpertWeights
 from weights.errors import LayerFileError
 from weights.manifest import Source
@@ -200,7 +201,7 @@ class Checkpoint:
         scale_name = f"{name}_scale_inv"
         if not self.has(scale_name):
             raise LayerFileError(self.file_of(name), scale_name, "fp8 weight without its scale")
-        blocks = tuple(-(-n // FP8_BLOCK) for n in shape)
+        blocks = tuple(ceil_div(n, FP8_BLOCK) for n in shape)
         scale = self.get(scale_name, blocks, (torch.float32,))
         return weight, scale
 

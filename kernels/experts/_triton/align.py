@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.arith import round_up
+
 _FUSED_MAX_ELEMENTS = 1 << 15  # [pairs, experts] one-hot tiles one program handles well
 _PAIR_BLOCK = 1024
 
@@ -36,7 +38,7 @@ class AlignedPairs:
 def aligned_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Rows of `row_ids` that hold any routing of `num_pairs` pairs: a multiple of block_m."""
     worst = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return -(-worst // block_m) * block_m
+    return round_up(worst, block_m)
 
 
 def align_pairs_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:

@@ -21,8 +21,7 @@ import triton.language as tl
 
 from kernels.config import Activation, ActivationSpec, GateUp
 from kernels.experts._triton.align import AlignedPairs
-from kernels.quant_scheme import FP8_BLOCK, MXFP4_GROUP, ActQuant, QuantConfig, QuantScheme
-from kernels.quantize import FP8
+from kernels.quant_scheme import FP8, FP8_BLOCK, MXFP4_GROUP, ActQuant, QuantConfig, QuantScheme
 
 
 class WeightKind(IntEnum):

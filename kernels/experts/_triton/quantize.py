@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant_scheme import FP8_BLOCK, ActQuant
-from kernels.quantize import FP8, quantize_activation
+from kernels.quant_scheme import FP8, FP8_BLOCK, ActQuant
+from kernels.quantize import quantize_activation
 
 _TINY = 1e-12  # as kernels.quantize: all-zero rows keep a finite scale
 _BLOCK = 128  # columns per program: one activation group

@@ -11,17 +11,16 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 from functools import cache
-from pathlib import Path
 
 import torch
 
 from kernels.config import MoEConfig
 from kernels.experts._triton.grouped_gemm import GemmTile
 from kernels.quant_scheme import FP8_BLOCK, MXFP4_GROUP, QuantScheme
+from kernels.tuned import TUNED_DIR
 
 log = logging.getLogger(__name__)
 
-TUNED_DIR = Path(__file__).resolve().parents[2] / "tuned"
 _BUCKET_REACH = 2.0  # a tuned bucket answers for token counts within this factor of it
 _SMEM_BUDGET_BYTES = 160 * 1024  # of Hopper's 227 KiB per block, leaving room for the epilogue
 
