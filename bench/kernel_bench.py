@@ -45,12 +45,13 @@ from bench.schema import (
 )
 from bench.shapes import SHAPES, precision
 from bench.timing import Timer, TimingPlan
+from kernels.accuracy import relative_error
 from kernels.config import MoEConfig
 from kernels.layer import LayerWeights, MoELayer, build_layer
-from kernels.registry import experts_backends, select
+from kernels.registry import experts_backends
 from kernels.routing import route
+from kernels.selection import select
 from kernels.tensors import ForwardInputs, Routing
-from kernels.testing import relative_error
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ import torch
 from kernels.activations import apply_activation
 from kernels.config import ActivationSpec, MoEConfig
 from kernels.modular import DEFAULT_CHUNK_TOKENS, ModularKernel
-from kernels.registry import Selection, select
 from kernels.routing import route
+from kernels.selection import Selection, select
 from kernels.tensors import ExpertWeights, ForwardInputs, Routing
 from kernels.workspace import Workspace
 

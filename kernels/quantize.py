@@ -6,10 +6,16 @@ Weights are [..., N, K] (any leading expert axis); activations are [M, K].
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kernels.arith import ceil_div
 from kernels.quant_scheme import FP8, FP8_BLOCK, MXFP4_GROUP, ActQuant, QuantConfig, QuantScheme
+from kernels.tensors import ExpertWeights
+
+if TYPE_CHECKING:
+    from kernels.config import MoEConfig
 
 FP8_MAX = torch.finfo(FP8).max  # 448
 _TINY = 1e-12  # keeps all-zero rows and blocks from dividing by zero
@@ -181,6 +187,18 @@ def dequantize_weight(
         case QuantScheme.MXFP4:
             return dequantize_mxfp4(w, scale)
     raise AssertionError(quant.scheme)
+
+
+def quantize_expert_weights(cfg: MoEConfig, tensors: dict[str, torch.Tensor]) -> ExpertWeights:
+    """Float expert tensors (w13, w2, optional biases) -> ExpertWeights in cfg.quant's layout
+    (biases stay float32)."""
+    w13, w13_scale = quantize_weight(tensors["w13"], cfg.quant)
+    w2, w2_scale = quantize_weight(tensors["w2"], cfg.quant)
+    if cfg.quant.scheme == QuantScheme.NONE:
+        w13, w2 = w13.to(cfg.dtype), w2.to(cfg.dtype)
+    return ExpertWeights(
+        w13, w2, w13_scale, w2_scale, tensors.get("w13_bias"), tensors.get("w2_bias")
+    )
 
 
 def quantize_activation(x: torch.Tensor, how: ActQuant) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,11 +1,13 @@
-"""`--backend auto`: which available experts backend runs a layer, by measured rules.
+"""Which experts backend runs a layer: `select` (a forced `--backend NAME`, or `auto`).
+
+`--backend auto` chooses among the available backends by measured rules.
 
 A rule table (`kernels/tuned/auto_<gpu>.json`, written by the timing test in
 tests/kernels/test_external_timing.py) holds, per GPU, for each `<scheme>/<shape class>` key the
 median times of every backend at a few token counts, the order they rank in (geometric mean of
 their times over those counts) and, for fp8-block, the token count from which DeepGEMM beats our
 Triton experts. A layer with a rule takes the first available backend of its order; any other
-layer takes the first available backend of `registry.AUTO_ORDER`. The reason says which.
+layer takes the first available backend of `AUTO_ORDER`. The reason says which.
 """
 
 from __future__ import annotations
@@ -13,15 +15,32 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.config import MoEConfig
+from kernels.registry import experts_backends, prepare_finalize_backends
+from kernels.tensors import Format
 from kernels.tuned import TUNED_DIR
 
+if TYPE_CHECKING:
+    from kernels.stages import Experts, PrepareFinalize
+
 LARGE_LAYER = 1 << 22  # H * I from which a layer counts as full-size (DeepSeek-V3, gpt-oss)
+
+# Without a rule for this GPU and layer, `auto` tries these in order and the first that supports
+# the layer wins: fast GPU paths first, the exact torch reference last (it runs everywhere).
+AUTO_ORDER: tuple[str, ...] = (
+    "deep-gemm",
+    "oai-triton",
+    "triton-or-deep-gemm",
+    "triton",
+    "oai-triton-unfused",
+    "reference",
+)
 
 
 def shape_class(cfg: MoEConfig) -> str:
@@ -105,6 +124,68 @@ def auto_choice(
         if name in available:
             return Choice(name, f"auto: {where}; first available in order {', '.join(order)}")
     return None
+
+
+@dataclass(frozen=True)
+class Selection:
+    experts: type[Experts]
+    prepare_finalize: type[PrepareFinalize]
+    reason: str  # why this pair
+    rejected: dict[str, str] = field(default_factory=dict)  # backend name -> why not
+
+
+def _prepare_finalize_for(
+    experts: type[Experts], device: torch.device, expert_parallel: bool = False
+) -> type[PrepareFinalize]:
+    if expert_parallel:
+        return prepare_finalize_backends()["naive-ep"]
+    for pf in prepare_finalize_backends().values():
+        if pf.format == experts.format and pf.supports(device) and pf.name != "naive-ep":
+            return pf
+    raise LookupError(f"no prepare/finalize stage for the {experts.format} format")
+
+
+def _expert_parallel_problem(experts: type[Experts]) -> str:
+    """Why `experts` cannot hold one rank's slice of a layer under naive-ep; "" if it can."""
+    if experts.format != Format.STANDARD:
+        return "expert parallelism (naive-ep) dispatches in the standard format"
+    if not experts.supports_expert_map:
+        return "takes no expert_map, so it cannot hold a slice of the experts"
+    return ""
+
+
+def select(
+    cfg: MoEConfig, device: torch.device, requested: str = "auto", expert_parallel: bool = False
+) -> Selection:
+    """Choose the experts backend for one layer on `device`.
+
+    `requested` is a backend name (forced: an error if it cannot run the layer) or "auto".
+    `expert_parallel`: this rank holds a slice of the experts; the backend pairs with naive-ep.
+    """
+    backends = experts_backends()
+    rejected = {}
+    for name, cls in backends.items():
+        support = cls.supports(cfg, device)
+        if not support:
+            rejected[name] = support.reason
+        elif expert_parallel and _expert_parallel_problem(cls):
+            rejected[name] = _expert_parallel_problem(cls)
+    if requested != "auto":
+        if requested not in backends:
+            raise ValueError(f"unknown backend {requested!r}; registered: {', '.join(backends)}")
+        if requested in rejected:
+            raise ValueError(f"backend {requested!r} cannot run this layer: {rejected[requested]}")
+        cls = backends[requested]
+        pf = _prepare_finalize_for(cls, device, expert_parallel)
+        return Selection(cls, pf, "forced by --backend", rejected)
+    available = [name for name in backends if name not in rejected]
+    choice = auto_choice(cfg, device, available, AUTO_ORDER)
+    if choice is not None:
+        cls = backends[choice.name]
+        pf = _prepare_finalize_for(cls, device, expert_parallel)
+        return Selection(cls, pf, choice.reason, rejected)
+    details = "; ".join(f"{n}: {r}" for n, r in rejected.items())
+    raise ValueError(f"no backend can run this layer on {device}: {details}")
 
 
 def deep_gemm_min_tokens(cfg: MoEConfig, device: torch.device) -> tuple[int | None, str]:

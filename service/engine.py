@@ -15,7 +15,7 @@ import torch
 
 from kernels.config import MoEConfig
 from kernels.layer import LayerOutput, LayerWeights, MoELayer, build_layer
-from kernels.registry import Selection
+from kernels.selection import Selection
 from kernels.tensors import ForwardInputs, Routing
 from kernels.workspace import Workspace
 from service.errors import NotReady, UnknownLayer

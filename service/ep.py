@@ -34,7 +34,7 @@ from kernels.layer import LayerOutput, MoELayer
 from kernels.modular import ModularKernel
 from kernels.placement import Placement
 from kernels.prepare_finalize.naive_ep import NaiveEP
-from kernels.registry import Selection, select
+from kernels.selection import Selection, select
 from kernels.tensors import ForwardInputs
 from kernels.workspace import Workspace
 from service.engine import Engine, LayerSource

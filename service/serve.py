@@ -9,7 +9,8 @@ from pathlib import Path
 import uvicorn
 from pydantic import ValidationError
 
-from kernels.registry import experts_backends, select
+from kernels.registry import experts_backends
+from kernels.selection import select
 from service import logs
 from service.app import create_app
 from service.ep import rank_device

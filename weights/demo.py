@@ -14,7 +14,8 @@ import torch
 from kernels.config import MoEConfig, RoutingConfig
 from kernels.layer import LayerWeights, RouterWeights
 from kernels.quant_scheme import QuantConfig, QuantScheme
-from kernels.testing import quantize_expert_weights, random_float_weights
+from kernels.quantize import quantize_expert_weights
+from kernels.random_weights import random_float_weights
 from weights.errors import LayerFileError
 from weights.layout import header_sha256
 from weights.load import read_manifest

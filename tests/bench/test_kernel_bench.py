@@ -18,8 +18,8 @@ from kernels import registry
 from kernels.config import MoEConfig, RoutingConfig
 from kernels.experts.reference import ReferenceExperts
 from kernels.quant_scheme import QuantConfig, QuantScheme
+from kernels.random_weights import random_expert_weights
 from kernels.routing import route
-from kernels.testing import random_expert_weights
 from service.cli import main
 
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ import torch
 from bench.roofline import Ceilings, Work, bound, count_work, expert_bytes
 from kernels.config import MoEConfig, RoutingConfig
 from kernels.quant_scheme import QuantConfig, QuantScheme
-from kernels.testing import random_expert_weights
+from kernels.random_weights import random_expert_weights
 
 E, H, I = 4, 256, 128  # noqa: E741 - I is the intermediate size, as in kernels.config
 

@@ -126,7 +126,7 @@ def _oracle_chunk(
 
 def assert_matches(actual: torch.Tensor, oracle: Oracle, tol: float, loose: float = 0.15) -> None:
     """Relative error below `tol` over the unambiguous tokens, below `loose` on the others."""
-    from kernels.testing import relative_error
+    from kernels.accuracy import relative_error
 
     clear = ~oracle.ambiguous
     assert clear.float().mean() >= 0.75, "too many ambiguous tokens for a meaningful check"

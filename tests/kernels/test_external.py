@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from kernels.accuracy import relative_error
 from kernels.activations import apply_activation
 from kernels.config import Activation, ActivationSpec, GateUp, MoEConfig, RoutingConfig
 from kernels.experts import deep_gemm, deep_gemm_fp4, oai_triton, triton_or_deep_gemm
@@ -17,10 +18,10 @@ from kernels.prepare_finalize.batched import Batched
 from kernels.prepare_finalize.no_ep import NoEP
 from kernels.quant_scheme import QuantConfig, QuantScheme
 from kernels.quantize import dequantize_mxfp4, dequantize_weight, quantize_mxfp4
+from kernels.random_weights import random_expert_weights
 from kernels.registry import experts_backends
 from kernels.routing import route
 from kernels.tensors import Routing
-from kernels.testing import random_expert_weights, relative_error
 from kernels.workspace import Workspace
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

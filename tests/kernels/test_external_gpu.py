@@ -9,11 +9,11 @@ import logging
 import pytest
 import torch
 
-from kernels import registry
+from kernels import selection
+from kernels.accuracy import relative_error
 from kernels.config import Activation, ActivationSpec
 from kernels.experts.oai_triton import MonolithicOaiTritonExperts
 from kernels.experts.reference import ReferenceExperts
-from kernels.testing import relative_error
 from tests.kernels.external_cases import (
     LAYERS,
     TOLERANCE,
@@ -34,7 +34,7 @@ GPT_OSS_BACKENDS = ["oai-triton", "oai-triton-unfused", "auto"]
 
 def _check(name: str, backend: str, m: int, crowded: bool = False) -> str:
     cfg = LAYERS[name]
-    choice = registry.select(cfg, CUDA, backend)
+    choice = selection.select(cfg, CUDA, backend)
     experts = choice.experts(cfg, layer_weights(name))
     hidden, _, routing = layer_inputs(name, m, crowded)
     out = modular(experts).forward(hidden, routing)
@@ -92,15 +92,15 @@ def test_unfused_runs_any_activation() -> None:
     weights = layer_weights("gpt-oss-bf16-small")
     hidden, _, routing = layer_inputs("gpt-oss-bf16-small", 64)
     expected = modular(ReferenceExperts(silu, weights)).forward(hidden, routing)
-    actual = modular(registry.select(silu, CUDA, "oai-triton-unfused").experts(silu, weights))
+    actual = modular(selection.select(silu, CUDA, "oai-triton-unfused").experts(silu, weights))
     assert relative_error(actual.forward(hidden, routing), expected) < 2e-2
 
 
 def test_backends_report_on_this_gpu() -> None:
     """What /backends shows on the H100: every external backend available but the SM100 one."""
-    rejected = registry.select(LAYERS["deepseek-full"], CUDA).rejected
+    rejected = selection.select(LAYERS["deepseek-full"], CUDA).rejected
     assert {"deep-gemm", "deep-gemm-batched", "triton-or-deep-gemm"}.isdisjoint(rejected)
     if torch.cuda.get_device_capability() == (9, 0):
         assert rejected["deep-gemm-fp4"] == "requires SM100 (Blackwell); this GPU is sm_90"
-    rejected = registry.select(LAYERS["gpt-oss-full"], CUDA).rejected
+    rejected = selection.select(LAYERS["gpt-oss-full"], CUDA).rejected
     assert {"oai-triton", "oai-triton-unfused", "oai-triton-monolithic"}.isdisjoint(rejected)

@@ -23,9 +23,9 @@ import torch
 import triton
 
 from kernels import registry, selection
+from kernels.accuracy import relative_error
 from kernels.experts.oai_triton import MonolithicOaiTritonExperts
 from kernels.routing import route
-from kernels.testing import relative_error
 from tests.kernels.external_cases import (
     LAYERS,
     TOLERANCE,

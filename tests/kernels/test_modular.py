@@ -7,17 +7,17 @@ from typing import ClassVar
 import pytest
 import torch
 
-from kernels import registry
+from kernels import registry, selection
 from kernels.config import ActivationSpec, MoEConfig, RoutingConfig
 from kernels.experts.reference import BatchedReferenceExperts, ReferenceExperts
 from kernels.modular import ModularKernel
 from kernels.prepare_finalize.batched import Batched
 from kernels.prepare_finalize.no_ep import NoEP
 from kernels.quant_scheme import QuantConfig, QuantScheme
+from kernels.random_weights import random_expert_weights
 from kernels.routing import route
 from kernels.stages import Experts, Support
 from kernels.tensors import Format
-from kernels.testing import random_expert_weights
 from kernels.workspace import Workspace
 
 
@@ -108,11 +108,11 @@ def test_registry_lists_every_builtin_backend() -> None:
 
 def test_select_forced_backend_reports_why_it_cannot_run(tiny_config: MoEConfig) -> None:
     with pytest.raises(ValueError, match="unknown backend 'nope'"):
-        registry.select(tiny_config, torch.device("cpu"), "nope")
+        selection.select(tiny_config, torch.device("cpu"), "nope")
 
 
 def test_auto_on_cpu_picks_the_reference_with_no_ep(tiny_config: MoEConfig) -> None:
-    choice = registry.select(tiny_config, torch.device("cpu"))
+    choice = selection.select(tiny_config, torch.device("cpu"))
     assert choice.experts is ReferenceExperts and choice.prepare_finalize is NoEP
     assert "auto" in choice.reason
 

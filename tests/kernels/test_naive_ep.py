@@ -24,7 +24,8 @@ import torch.multiprocessing as mp
 
 from bench.random_layer import random_layer
 from bench.shapes import SHAPES
-from kernels import registry
+from kernels import registry, selection
+from kernels.accuracy import relative_error
 from kernels.config import MoEConfig, RoutingConfig
 from kernels.experts.reference import ReferenceExperts
 from kernels.modular import ModularKernel
@@ -32,9 +33,9 @@ from kernels.placement import Placement
 from kernels.prepare_finalize.naive_ep import NaiveEP, pack_rows, unpack_rows
 from kernels.prepare_finalize.no_ep import NoEP
 from kernels.quant_scheme import QuantConfig
+from kernels.random_weights import random_expert_weights
 from kernels.routing import contiguous_expert_map, route
 from kernels.tensors import Routing
-from kernels.testing import random_expert_weights, relative_error
 from kernels.workspace import Workspace
 
 log = logging.getLogger(__name__)
@@ -274,12 +275,12 @@ def test_expert_parallel_selection_pairs_naive_ep_and_names_unfit_backends(
     tiny_config: MoEConfig,
 ) -> None:
     cpu = torch.device("cpu")
-    auto = registry.select(tiny_config, cpu, expert_parallel=True)
+    auto = selection.select(tiny_config, cpu, expert_parallel=True)
     assert auto.experts is ReferenceExperts and auto.prepare_finalize is NaiveEP
     assert "standard format" in auto.rejected["reference-batched"]
     with pytest.raises(ValueError, match=r"reference-batched.*standard format"):
-        registry.select(tiny_config, cpu, "reference-batched", expert_parallel=True)
-    assert registry.select(tiny_config, cpu).prepare_finalize is NoEP
+        selection.select(tiny_config, cpu, "reference-batched", expert_parallel=True)
+    assert selection.select(tiny_config, cpu).prepare_finalize is NoEP
 
 
 # ---- GPU: a DeepSeek-V3 layer over two GPUs (NCCL) against one GPU, with timings -------------
@@ -389,7 +390,7 @@ def _gpu_rank(rank: int, port: int, files: Path, run: GpuRun) -> None:
     names = []
     for name in registry.experts_backends():
         try:
-            registry.select(cfg, device, name, expert_parallel=True)
+            selection.select(cfg, device, name, expert_parallel=True)
             names.append(name)
         except ValueError:
             continue

@@ -13,8 +13,8 @@ from kernels.modular import ModularKernel
 from kernels.prepare_finalize.batched import Batched
 from kernels.prepare_finalize.no_ep import NoEP
 from kernels.quant_scheme import QuantConfig, QuantScheme
+from kernels.random_weights import random_expert_weights, stable_seed
 from kernels.routing import contiguous_expert_map, route
-from kernels.testing import random_expert_weights, stable_seed
 from kernels.workspace import Workspace
 from tests.kernels.oracle import FP8_ACT_TOL, assert_matches, moe_oracle
 

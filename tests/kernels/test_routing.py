@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kernels.config import GroupScore, RoutingConfig, Scoring
+from kernels.random_weights import stable_seed
 from kernels.routing import contiguous_expert_map, route, to_local_ids
-from kernels.testing import stable_seed
 
 
 def _top(values: list[float], k: int) -> list[int]:

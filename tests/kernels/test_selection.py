@@ -59,7 +59,7 @@ def test_without_a_rule_the_fallback_order_decides_and_reference_comes_last(
 
 
 def test_the_cpu_has_no_rules_and_auto_selects_the_reference() -> None:
-    choice = registry.select(SMALL, torch.device("cpu"))
+    choice = selection.select(SMALL, torch.device("cpu"))
     assert choice.experts.name == "reference"
     assert choice.reason.startswith("auto: no measured rules for cpu")
     assert choice.rejected["deep-gemm"] == "runs on cuda, not cpu"

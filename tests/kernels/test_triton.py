@@ -20,9 +20,9 @@ from kernels.experts.triton import TritonBatchedExperts, TritonExperts
 from kernels.modular import ModularKernel
 from kernels.prepare_finalize.no_ep import NoEP
 from kernels.quant_scheme import QuantScheme
+from kernels.random_weights import random_expert_weights
 from kernels.routing import contiguous_expert_map
 from kernels.tensors import Format
-from kernels.testing import random_expert_weights
 from kernels.workspace import Workspace
 from tests.kernels.triton_cases import (
     ALL_SCHEMES,

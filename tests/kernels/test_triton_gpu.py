@@ -9,13 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.accuracy import relative_error
 from kernels.config import Activation, GateUp
 from kernels.layer import LayerWeights, RouterWeights, build_layer
 from kernels.quant_scheme import ActQuant, QuantScheme
-from kernels.registry import select
+from kernels.random_weights import random_expert_weights
 from kernels.routing import contiguous_expert_map
+from kernels.selection import select
 from kernels.tensors import Format, ForwardInputs
-from kernels.testing import random_expert_weights, relative_error
 from tests.kernels.triton_cases import Case, random_routing, tolerance, triton_vs_reference
 
 pytestmark = pytest.mark.gpu

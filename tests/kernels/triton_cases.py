@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.accuracy import relative_error
 from kernels.config import Activation, ActivationSpec, GateUp, MoEConfig, RoutingConfig
 from kernels.experts._triton.tiles import LayerTiles
 from kernels.experts.reference import ReferenceExperts
@@ -15,8 +16,8 @@ from kernels.modular import ModularKernel
 from kernels.prepare_finalize.batched import Batched
 from kernels.prepare_finalize.no_ep import NoEP
 from kernels.quant_scheme import QuantConfig, QuantScheme
+from kernels.random_weights import random_expert_weights
 from kernels.tensors import Format, Routing
-from kernels.testing import random_expert_weights, relative_error
 from kernels.workspace import Workspace
 
 # Relative L2 error against the reference backend (same quantised weights, float32 math).

@@ -33,9 +33,9 @@ import torch
 
 from bench.http_bench import HttpBenchConfig, run_http_bench
 from bench.timing import Timer, TimingPlan
+from kernels.accuracy import relative_error
 from kernels.layer import build_layer
 from kernels.tensors import ForwardInputs
-from kernels.testing import relative_error
 from service.client import Client
 from weights.demo import ensure_demo_layers
 from weights.load import load_layer

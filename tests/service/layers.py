@@ -14,8 +14,8 @@ from fastapi import FastAPI
 
 from kernels.config import MoEConfig, RoutingConfig
 from kernels.layer import LayerWeights, RouterWeights, build_layer
+from kernels.random_weights import random_expert_weights
 from kernels.tensors import ForwardInputs
-from kernels.testing import random_expert_weights
 
 E, H, INTER, TOP_K = 4, 64, 128, 2
 TINY = "tiny"  # float32, stored router

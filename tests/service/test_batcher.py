@@ -12,8 +12,8 @@ import torch
 from kernels.config import MoEConfig, RoutingConfig
 from kernels.layer import LayerWeights, RouterWeights
 from kernels.quant_scheme import QuantConfig
+from kernels.random_weights import random_expert_weights
 from kernels.tensors import ForwardInputs
-from kernels.testing import random_expert_weights
 from service.batcher import BatchPolicy, DynamicBatcher
 from service.engine import Engine
 from service.errors import ForwardFailed, NotReady, Overloaded

@@ -11,9 +11,9 @@ import safetensors.torch
 import torch
 from fastapi.testclient import TestClient
 
+from kernels.accuracy import relative_error
 from kernels.layer import build_layer
 from kernels.tensors import ForwardInputs
-from kernels.testing import relative_error
 from service.app import create_app
 from service.settings import Settings
 from tests.service.conftest import wait_ready

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.accuracy import relative_error
 from kernels.layer import build_layer
 from kernels.tensors import ForwardInputs
-from kernels.testing import relative_error
 from tests.weights import tiny_hub
 from tests.weights.tiny_hub import Expert, Hub, moe_loop, run_expert, silu, softmax_topk
 from weights.convert.pipeline import convert_checkpoint

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from kernels.accuracy import relative_error
 from kernels.quant_scheme import QuantConfig, QuantScheme
-from kernels.testing import relative_error
 from service.cli import main
 from tests.weights import tiny_hub
 from tests.weights.test_convert import forward, mixtral_case

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kernels.accuracy import relative_error
 from kernels.layer import build_layer
 from kernels.tensors import ForwardInputs
-from kernels.testing import relative_error
 from service.cli import main
 from weights.demo import demo_layers, ensure_demo_layers
 from weights.errors import LayerFileError

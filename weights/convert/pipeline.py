@@ -12,9 +12,8 @@ import torch
 
 from kernels.layer import LayerWeights
 from kernels.quant_scheme import QuantConfig
-from kernels.quantize import dequantize_weight
+from kernels.quantize import dequantize_weight, quantize_expert_weights
 from kernels.tensors import ExpertWeights
-from kernels.testing import quantize_expert_weights
 from weights.convert import deepseek, gpt_oss, mixtral, qwen_moe
 from weights.convert.hf import Checkpoint, ConvertedLayer
 from weights.manifest import NAME_PATTERN, Manifest

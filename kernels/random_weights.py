@@ -1,4 +1,4 @@
-"""Random layers and error measures shared by the tests, the benchmark and the demo layer."""
+"""Random expert weights of a layer's shape: the tests, the benchmarks and the demo layers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import zlib
 import torch
 
 from kernels.config import MoEConfig
-from kernels.quantize import quantize_weight
+from kernels.quantize import quantize_expert_weights
 from kernels.tensors import ExpertWeights
 
 
@@ -24,28 +24,9 @@ def random_float_weights(cfg: MoEConfig, generator: torch.Generator) -> dict[str
     return tensors
 
 
-def quantize_expert_weights(cfg: MoEConfig, tensors: dict[str, torch.Tensor]) -> ExpertWeights:
-    """Float expert tensors -> ExpertWeights in cfg.quant's layout (biases in float32)."""
-    w13, w13_scale = quantize_weight(tensors["w13"], cfg.quant)
-    w2, w2_scale = quantize_weight(tensors["w2"], cfg.quant)
-    if cfg.quant.scheme == "none":
-        w13, w2 = w13.to(cfg.dtype), w2.to(cfg.dtype)
-    return ExpertWeights(
-        w13, w2, w13_scale, w2_scale, tensors.get("w13_bias"), tensors.get("w2_bias")
-    )
-
-
 def random_expert_weights(cfg: MoEConfig, seed: int = 0) -> ExpertWeights:
     generator = torch.Generator().manual_seed(seed)
     return quantize_expert_weights(cfg, random_float_weights(cfg, generator))
-
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected|| / ||expected|| in float64; inf when either holds NaN."""
-    a, b = actual.double(), expected.double()
-    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-        return float("inf")
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def stable_seed(*parts: object) -> int:
