@@ -61,7 +61,7 @@ TOLERANCE_FP8 = 1e-1
 
 
 def tolerance(cfg: MoEConfig) -> float:
-    return TOLERANCE_16BIT if cfg.quant.scheme.act_quant is None else TOLERANCE_FP8
+    return TOLERANCE_16BIT if cfg.quant.spec.act_quant is None else TOLERANCE_FP8
 
 
 @dataclass(frozen=True)

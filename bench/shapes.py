@@ -69,6 +69,6 @@ def parse_shapes(text: str) -> list[str]:
 
 def precision(cfg: MoEConfig) -> str:
     """The dense-GEMM precision whose peak bounds this layer: fp8 when activations are fp8."""
-    if cfg.quant.scheme.act_quant is not None:
+    if cfg.quant.spec.act_quant is not None:
         return "fp8"
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[cfg.dtype]

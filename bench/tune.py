@@ -57,7 +57,7 @@ def candidates(cfg: MoEConfig, num_tokens: int) -> list:
 
     base = heuristic_tiles(cfg, num_tokens)
     block_ms = sorted({base.block_m, min(128, base.block_m * 2)})
-    elem = 1 if cfg.quant.scheme.act_quant else cfg.dtype.itemsize
+    elem = 1 if cfg.quant.spec.act_quant else cfg.dtype.itemsize
     found = [base]
     for block_m in block_ms:
         for block_n, block_k, warps in _GEMM_CHOICES:
@@ -99,7 +99,7 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
     weights = random_layer(cfg, device).experts
     timer = Timer(device, TimingPlan(warmup=2, min_iters=5, max_iters=30, budget_s=0.05))
     ws = Workspace(device)
-    spec = DispatchSpec(cfg.quant.scheme.act_quant, cfg.num_experts)
+    spec = DispatchSpec(cfg.quant.spec.act_quant, cfg.num_experts)
     work = [(m, tile) for m in todo for tile in candidates(cfg, m)]
     body["search"] = (
         f"per bucket: the heuristic, and {len(_GEMM_CHOICES)} (block_n, block_k, warps) x 2 "

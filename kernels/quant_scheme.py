@@ -1,4 +1,6 @@
-"""The quantisation schemes we serve, as one vocabulary of names users see.
+"""The quantisation schemes we serve: `QuantScheme` is the vocabulary of names users see (in
+manifests, URLs and tuned-file names); each name has one frozen description, `SchemeSpec`, which
+the quantiser, the layer-file layout and the Triton experts read.
 
 Weight layouts (E experts, N output rows, K input columns of one GEMM weight [E, N, K]):
 
@@ -17,14 +19,20 @@ Activation scales are dynamic: computed per call from the tensor being quantised
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
 
+from kernels.arith import ceil_div
+
 FP8 = torch.float8_e4m3fn
+E8M0 = torch.uint8  # a power-of-two scale stored as its biased exponent e: 2**(e - 127)
 FP8_BLOCK = 128  # DeepSeek-V3 weight tiles are 128 x 128; activations use 1 x 128 groups
 MXFP4_GROUP = 32  # OCP microscaling: one e8m0 scale per 32 values
+GROUP_SIZE = 0  # a scale group set per layer, by QuantConfig.group_size (int4-w4a16)
 
 
 class ActQuant(StrEnum):
@@ -33,6 +41,58 @@ class ActQuant(StrEnum):
     TENSOR = "tensor"  # one scale for the whole [M, K]
     TOKEN = "token"  # one scale per row: [M, 1]
     GROUP = "group"  # one scale per row and 128 columns: [M, ceil(K/128)]
+
+
+@dataclass(frozen=True)
+class ValueType:
+    """What one stored weight element holds (as triton_kernels' `FloatType` in tensor.py)."""
+
+    name: str
+    storage: torch.dtype | None  # None: the layer's own dtype, unquantised
+    per_byte: int = 1  # 2: two 4-bit values per uint8, element 2j in the low nibble
+
+
+NATIVE = ValueType("native", None)
+FP8_E4M3 = ValueType("fp8-e4m3", FP8)
+INT8 = ValueType("int8", torch.int8)  # symmetric: round(w / scale) in [-128, 127]
+INT4 = ValueType("int4", torch.uint8, per_byte=2)  # symmetric [-8, 7], stored as code + 8
+E2M1 = ValueType("e2m1", torch.uint8, per_byte=2)  # fp4: sign bit 3, exponent 1-2, mantissa 0
+
+
+@dataclass(frozen=True)
+class ScaleGroups:
+    """One scale per `n` rows and `k` columns of a weight [E, N, K]. None: one scale for the
+    whole axis, which the scale's shape then leaves out (fp8-tensor: [E]; per channel: [E, N])."""
+
+    dtype: torch.dtype  # float32 multipliers, or E8M0 exponents
+    n: int | None
+    k: int | None
+    ragged: bool = False  # a partial last group has a scale of its own; else groups divide K
+
+    def shape(self, experts: int, n: int, k: int) -> tuple[int, ...]:
+        """The scale tensor's shape for a weight [experts, n, k]."""
+        return (
+            experts,
+            *(() if self.n is None else (ceil_div(n, self.n),)),
+            *(() if self.k is None else (ceil_div(k, self.k),)),
+        )
+
+
+@dataclass(frozen=True)
+class SchemeSpec:
+    """How a scheme stores one GEMM weight and what its GEMMs take as input."""
+
+    values: ValueType
+    scales: ScaleGroups | None = None  # None: the weight is used as stored
+    act_quant: ActQuant | None = None  # fp8 quantisation of the GEMM inputs; None: 16-bit
+
+    @property
+    def k_group(self) -> int | None:
+        """K columns sharing one weight scale; None where the scales do not vary along K."""
+        return None if self.scales is None else self.scales.k
+
+
+_F32 = torch.float32
 
 
 class QuantScheme(StrEnum):
@@ -45,17 +105,22 @@ class QuantScheme(StrEnum):
     MXFP4 = "mxfp4"
 
     @property
-    def act_quant(self) -> ActQuant | None:
-        """The fp8 activation quantisation this scheme's GEMMs take, None for 16-bit inputs."""
-        return {
-            QuantScheme.FP8_TENSOR: ActQuant.TENSOR,
-            QuantScheme.FP8_TOKEN: ActQuant.TOKEN,
-            QuantScheme.FP8_BLOCK: ActQuant.GROUP,
-        }.get(self)
+    def spec(self) -> SchemeSpec:
+        """This scheme's layout; int4-w4a16's K group is per layer (`QuantConfig.spec` has it)."""
+        return SCHEMES[self]
 
-    @property
-    def packs_two_per_byte(self) -> bool:
-        return self in (QuantScheme.INT4_W4A16, QuantScheme.MXFP4)
+
+SCHEMES: dict[QuantScheme, SchemeSpec] = {
+    QuantScheme.NONE: SchemeSpec(NATIVE),
+    QuantScheme.FP8_TENSOR: SchemeSpec(FP8_E4M3, ScaleGroups(_F32, None, None), ActQuant.TENSOR),
+    QuantScheme.FP8_TOKEN: SchemeSpec(FP8_E4M3, ScaleGroups(_F32, 1, None), ActQuant.TOKEN),
+    QuantScheme.FP8_BLOCK: SchemeSpec(
+        FP8_E4M3, ScaleGroups(_F32, FP8_BLOCK, FP8_BLOCK, ragged=True), ActQuant.GROUP
+    ),
+    QuantScheme.INT8_W8A16: SchemeSpec(INT8, ScaleGroups(_F32, 1, None)),
+    QuantScheme.INT4_W4A16: SchemeSpec(INT4, ScaleGroups(_F32, 1, GROUP_SIZE)),
+    QuantScheme.MXFP4: SchemeSpec(E2M1, ScaleGroups(E8M0, 1, MXFP4_GROUP)),
+}
 
 
 @dataclass(frozen=True)
@@ -74,12 +139,18 @@ class QuantConfig:
         if self.group_size < 2 or self.group_size % 2:
             raise ValueError(f"group_size must be an even number >= 2, got {self.group_size}")
 
+    @functools.cached_property
+    def spec(self) -> SchemeSpec:
+        """The scheme's layout, with this layer's group size where the scheme takes one."""
+        spec = self.scheme.spec
+        if spec.k_group != GROUP_SIZE:
+            return spec
+        return dataclasses.replace(spec, scales=dataclasses.replace(spec.scales, k=self.group_size))
+
     def check_shape(self, hidden_size: int, intermediate_size: int) -> None:
         """Raise if a GEMM's K (H for GEMM1, I for GEMM2) does not fit the packed layout."""
-        group = {QuantScheme.INT4_W4A16: self.group_size, QuantScheme.MXFP4: MXFP4_GROUP}.get(
-            self.scheme
-        )
-        if group is None:
+        group = self.spec.k_group
+        if group is None or self.spec.scales.ragged:
             return
         for name, k in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
             if k % group:

@@ -10,8 +10,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kernels.arith import ceil_div
-from kernels.quant_scheme import FP8, FP8_BLOCK, MXFP4_GROUP, ActQuant, QuantConfig, QuantScheme
+from kernels.arith import ceil_div, round_up
+from kernels.quant_scheme import (
+    E2M1,
+    E8M0,
+    FP8,
+    FP8_BLOCK,
+    FP8_E4M3,
+    INT4,
+    INT8,
+    ActQuant,
+    QuantConfig,
+    QuantScheme,
+    ScaleGroups,
+)
 from kernels.tensors import ExpertWeights
 
 if TYPE_CHECKING:
@@ -47,146 +59,130 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).flatten(-2)
 
 
-# ---- fp8 e4m3 -------------------------------------------------------------------------------
-
-
-def quantize_fp8_per_tensor(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, N, K] -> (fp8 [E, N, K], scale [E]): one scale per expert."""
-    amax = w.abs().flatten(1).amax(dim=1).float().clamp_min(_TINY)
-    scale = amax / FP8_MAX
-    return _fp8_cast(w.float(), scale[:, None, None]), scale
-
-
-def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., N, K] -> (fp8, scale [..., N]): one scale per output row."""
-    scale = w.abs().amax(dim=-1).float().clamp_min(_TINY) / FP8_MAX
-    return _fp8_cast(w.float(), scale[..., None]), scale
+# ---- scale groups: one scale per (n rows, k columns) of [..., N, K], None = the whole axis ----
 
 
 def _pad_to(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, cols - x.shape[-1], 0, rows - x.shape[-2]))
 
 
-def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., N, K] -> (fp8 [..., N, K], scale [..., ceil(N/128), ceil(K/128)])."""
+def group_amax(w: torch.Tensor, groups: ScaleGroups) -> torch.Tensor:
+    """|w| [..., N, K] -> float32 amax per group, shaped as the scale (`ScaleGroups.shape`)."""
     n, k = w.shape[-2:]
-    nb, kb = ceil_div(n, FP8_BLOCK), ceil_div(k, FP8_BLOCK)
-    tiles = _pad_to(w.float(), nb * FP8_BLOCK, kb * FP8_BLOCK)
-    tiles = tiles.unflatten(-1, (kb, FP8_BLOCK)).unflatten(
-        -3, (nb, FP8_BLOCK)
-    )  # [.., nb, B, kb, B]
-    scale = tiles.abs().amax(dim=(-3, -1)).clamp_min(_TINY) / FP8_MAX  # [..., nb, kb]
-    return _fp8_cast(w.float(), expand_block_scale(scale, n, k)), scale
+    gn, gk = groups.n or n, groups.k or k
+    if not groups.ragged and k % gk:
+        raise ValueError(f"K ({k}) must be a multiple of the group size ({gk})")
+    tiles = _pad_to(w.abs(), round_up(n, gn), round_up(k, gk))
+    tiles = tiles.unflatten(-1, (-1, gk)).unflatten(-3, (-1, gn))  # [..., N/gn, gn, K/gk, gk]
+    amax = tiles.amax(dim=(-3, -1)).float()  # [..., N/gn, K/gk]
+    if groups.k is None:
+        amax = amax.squeeze(-1)
+    if groups.n is None:
+        amax = amax.squeeze(-1)
+    return amax
 
 
-def expand_block_scale(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """[..., ceil(N/128), ceil(K/128)] -> [..., N, K]: each tile's scale on each of its elements."""
-    full = scale.repeat_interleave(FP8_BLOCK, dim=-2).repeat_interleave(FP8_BLOCK, dim=-1)
-    return full[..., :n, :k]
+def expand_scale(scale: torch.Tensor, groups: ScaleGroups, n: int, k: int) -> torch.Tensor:
+    """A scale shaped by `groups` -> one that broadcasts over [..., N, K]: each group's scale on
+    each of its elements (axes a single scale covers stay of size 1)."""
+    if groups.k is None:
+        scale = scale[..., None]
+    if groups.n is None:
+        scale = scale[..., None, :]
+    if groups.n not in (None, 1):
+        scale = scale.repeat_interleave(groups.n, dim=-2)[..., :n, :]
+    if groups.k is not None and groups.k > 1:
+        scale = scale.repeat_interleave(groups.k, dim=-1)[..., :k]
+    return scale
 
 
-# ---- integer weights (activations stay 16-bit) --------------------------------------------
+# ---- one encoder and one decoder per value type; `groups` says which values share a scale ----
 
 
-def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., N, K] -> (int8, scale [..., N]), symmetric."""
-    scale = w.abs().amax(dim=-1).float().clamp_min(_TINY) / 127.0
-    q = torch.round(w.float() / scale[..., None]).clamp(-128, 127).to(torch.int8)
-    return q, scale
+def _encode_fp8(w: torch.Tensor, groups: ScaleGroups) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = group_amax(w, groups).clamp_min(_TINY) / FP8_MAX
+    return _fp8_cast(w.float(), expand_scale(scale, groups, *w.shape[-2:])), scale
 
 
-def quantize_int4_grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., N, K] -> (uint8 [..., N, K/2], scale [..., N, K/group]).
-
-    Symmetric signed values in [-8, 7], stored with a +8 offset as unsigned nibbles.
-    """
-    k = w.shape[-1]
-    if k % group_size:
-        raise ValueError(f"int4 needs K ({k}) to be a multiple of the group size ({group_size})")
-    groups = w.float().unflatten(-1, (k // group_size, group_size))
-    scale = groups.abs().amax(dim=-1).clamp_min(_TINY) / 7.0
-    q = torch.round(groups / scale[..., None]).clamp(-8, 7) + 8
-    return pack_nibbles(q.flatten(-2)), scale
+def _integer_codes(w: torch.Tensor, groups: ScaleGroups, qmax: int) -> tuple[torch.Tensor, ...]:
+    """Symmetric: round(w / scale) in [-qmax - 1, qmax], scale = amax / qmax per group."""
+    scale = group_amax(w, groups).clamp_min(_TINY) / qmax
+    full = expand_scale(scale, groups, *w.shape[-2:])
+    return torch.round(w.float() / full).clamp(-qmax - 1, qmax), scale
 
 
-def dequantize_int4_grouped(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    values = unpack_nibbles(packed).float() - 8.0  # [..., N, K]
-    group_size = values.shape[-1] // scale.shape[-1]
-    return values * scale.repeat_interleave(group_size, dim=-1)
+def _encode_int8(w: torch.Tensor, groups: ScaleGroups) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = _integer_codes(w, groups, 127)
+    return q.to(torch.int8), scale
 
 
-# ---- MXFP4: e2m1 values, one power-of-two (e8m0) scale per 32 along K ----------------------
+def _encode_int4(w: torch.Tensor, groups: ScaleGroups) -> tuple[torch.Tensor, torch.Tensor]:
+    q, scale = _integer_codes(w, groups, 7)
+    return pack_nibbles(q + 8), scale  # stored with a +8 offset as unsigned nibbles
 
 
-def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., N, K] -> (uint8 [..., N, K/2] e2m1 pairs, uint8 [..., N, K/32] biased exponents)."""
-    k = w.shape[-1]
-    if k % MXFP4_GROUP:
-        raise ValueError(f"mxfp4 needs K ({k}) to be a multiple of {MXFP4_GROUP}")
-    groups = w.float().unflatten(-1, (k // MXFP4_GROUP, MXFP4_GROUP))
-    amax = groups.abs().amax(dim=-1).clamp_min(2.0**-126)
+def _encode_e2m1(w: torch.Tensor, groups: ScaleGroups) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 e2m1 pairs, and one power-of-two scale per group: a biased exponent (E8M0)."""
+    amax = group_amax(w, groups).clamp_min(2.0**-126)
     exponent = (torch.floor(torch.log2(amax)) - _E2M1_EMAX).clamp(-127, 127)
-    scaled = (groups / torch.exp2(exponent)[..., None]).clamp(-_E2M1_MAX, _E2M1_MAX)
+    scaled = (w.float() / expand_scale(torch.exp2(exponent), groups, *w.shape[-2:])).clamp(
+        -_E2M1_MAX, _E2M1_MAX
+    )
     # nearest representable magnitude (ties go to the smaller code)
     values = torch.tensor(E2M1_VALUES, device=w.device)
     midpoints = (values[1:] + values[:-1]) / 2
     magnitude_code = torch.bucketize(scaled.abs(), midpoints, right=False)
     sign = (scaled < 0).to(torch.uint8) << 3
-    codes = (magnitude_code.to(torch.uint8) | sign).flatten(-2)
-    return pack_nibbles(codes), (exponent + 127).to(torch.uint8)
+    return pack_nibbles(magnitude_code.to(torch.uint8) | sign), (exponent + 127).to(torch.uint8)
+
+
+def _decode_int4(packed: torch.Tensor) -> torch.Tensor:
+    return unpack_nibbles(packed).float() - 8.0
+
+
+def _decode_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=packed.device)
+    return lut[unpack_nibbles(packed).long()]
+
+
+_ENCODE = {FP8_E4M3: _encode_fp8, INT8: _encode_int8, INT4: _encode_int4, E2M1: _encode_e2m1}
+_DECODE = {INT4: _decode_int4, E2M1: _decode_e2m1}  # the others: as stored, in float32
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] -> (uint8 [..., N, K/2] e2m1 pairs, uint8 [..., N, K/32] biased exponents)."""
+    return _encode_e2m1(w, QuantScheme.MXFP4.spec.scales)
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scale_e8m0: torch.Tensor) -> torch.Tensor:
-    codes = unpack_nibbles(packed).long()  # [..., N, K]
-    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=packed.device)
-    values = lut[codes]
-    scale = torch.exp2(scale_e8m0.float() - 127.0)
-    return values * scale.repeat_interleave(MXFP4_GROUP, dim=-1)
+    return dequantize_weight(packed, scale_e8m0, QuantConfig(QuantScheme.MXFP4))
 
 
-# ---- one entry point per direction, by scheme ---------------------------------------------
+# ---- one entry point per direction, read off the scheme's description ---------------------
 
 
 def quantize_weight(
     w: torch.Tensor, quant: QuantConfig
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Float weights [E, N, K] -> (stored weight, scale or None) in `quant`'s layout."""
-    match quant.scheme:
-        case QuantScheme.NONE:
-            return w, None
-        case QuantScheme.FP8_TENSOR:
-            return quantize_fp8_per_tensor(w)
-        case QuantScheme.FP8_TOKEN:
-            return quantize_fp8_per_channel(w)
-        case QuantScheme.FP8_BLOCK:
-            return quantize_fp8_block(w)
-        case QuantScheme.INT8_W8A16:
-            return quantize_int8_per_channel(w)
-        case QuantScheme.INT4_W4A16:
-            return quantize_int4_grouped(w, quant.group_size)
-        case QuantScheme.MXFP4:
-            return quantize_mxfp4(w)
-    raise AssertionError(quant.scheme)
+    spec = quant.spec
+    if spec.scales is None:
+        return w, None
+    return _ENCODE[spec.values](w, spec.scales)
 
 
 def dequantize_weight(
     w: torch.Tensor, scale: torch.Tensor | None, quant: QuantConfig
 ) -> torch.Tensor:
     """Stored weight [E, N, K'] (+ scale) -> float32 [E, N, K], exactly."""
-    match quant.scheme:
-        case QuantScheme.NONE:
-            return w.float()
-        case QuantScheme.FP8_TENSOR:
-            return w.float() * scale.view(-1, *([1] * (w.dim() - 1)))
-        case QuantScheme.FP8_TOKEN | QuantScheme.INT8_W8A16:
-            return w.float() * scale[..., None]
-        case QuantScheme.FP8_BLOCK:
-            return w.float() * expand_block_scale(scale, *w.shape[-2:])
-        case QuantScheme.INT4_W4A16:
-            return dequantize_int4_grouped(w, scale)
-        case QuantScheme.MXFP4:
-            return dequantize_mxfp4(w, scale)
-    raise AssertionError(quant.scheme)
+    spec = quant.spec
+    decode = _DECODE.get(spec.values)
+    values = w.float() if decode is None else decode(w)
+    if spec.scales is None:
+        return values
+    if spec.scales.dtype == E8M0:
+        scale = torch.exp2(scale.float() - 127.0)
+    return values * expand_scale(scale, spec.scales, *values.shape[-2:])
 
 
 def quantize_expert_weights(cfg: MoEConfig, tensors: dict[str, torch.Tensor]) -> ExpertWeights:
@@ -194,7 +190,7 @@ def quantize_expert_weights(cfg: MoEConfig, tensors: dict[str, torch.Tensor]) ->
     (biases stay float32)."""
     w13, w13_scale = quantize_weight(tensors["w13"], cfg.quant)
     w2, w2_scale = quantize_weight(tensors["w2"], cfg.quant)
-    if cfg.quant.scheme == QuantScheme.NONE:
+    if cfg.quant.spec.values.storage is None:  # unquantised: the layer's dtype
         w13, w2 = w13.to(cfg.dtype), w2.to(cfg.dtype)
     return ExpertWeights(
         w13, w2, w13_scale, w2_scale, tensors.get("w13_bias"), tensors.get("w2_bias")

@@ -93,7 +93,7 @@ class Experts(ABC):
 
     def act_quant(self) -> ActQuant | None:
         """The quantisation prepare applies to the activations for these experts."""
-        return self.cfg.quant.scheme.act_quant if self.takes_quantized_input else None
+        return self.cfg.quant.spec.act_quant if self.takes_quantized_input else None
 
     def workspace_shapes(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:  # noqa: ARG002
         """Named buffers apply() takes from the workspace for a chunk of `num_tokens` tokens."""

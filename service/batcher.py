@@ -88,7 +88,7 @@ class DynamicBatcher:
         self.metrics = metrics
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-device")
         self._queues = {
-            name: _LayerQueue(merge=served.config.quant.scheme.act_quant != ActQuant.TENSOR)
+            name: _LayerQueue(merge=served.config.quant.spec.act_quant != ActQuant.TENSOR)
             for name, served in engine.layers.items()
         }
         self._tasks: list[asyncio.Task[None]] = []

@@ -20,9 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.arith import ceil_div
 from kernels.layer import LayerWeights, RouterWeights, SharedExpert
-from kernels.quant_scheme import FP8_BLOCK, MXFP4_GROUP, QuantScheme
 from kernels.tensors import ExpertWeights
 from weights.errors import LayerFileError
 from weights.manifest import Manifest
@@ -44,28 +42,13 @@ class TensorSpec:
 
 
 def _gemm_weight(m: Manifest, e: int, n: int, k: int) -> tuple[TensorSpec, TensorSpec | None]:
-    """The stored weight [E, N, K'] and its scale for one GEMM, by scheme."""
-    match m.quant.scheme:
-        case QuantScheme.NONE:
-            return TensorSpec((e, n, k), m.torch_dtype, True), None
-        case QuantScheme.FP8_TENSOR:
-            scale = (e,)
-        case QuantScheme.FP8_TOKEN | QuantScheme.INT8_W8A16:
-            scale = (e, n)
-        case QuantScheme.FP8_BLOCK:
-            scale = (e, ceil_div(n, FP8_BLOCK), ceil_div(k, FP8_BLOCK))
-        case QuantScheme.INT4_W4A16:
-            scale = (e, n, k // m.quant.group_size)
-        case QuantScheme.MXFP4:
-            scale = (e, n, k // MXFP4_GROUP)
-    scheme = m.quant.scheme
-    weight_dtype = {QuantScheme.INT8_W8A16: torch.int8}.get(scheme, torch.float8_e4m3fn)
-    if scheme.packs_two_per_byte:
-        weight = TensorSpec((e, n, k // 2), torch.uint8, True)
-    else:
-        weight = TensorSpec((e, n, k), weight_dtype, True)
-    scale_dtype = torch.uint8 if scheme == QuantScheme.MXFP4 else F32
-    return weight, TensorSpec(scale, scale_dtype, True, True)
+    """The stored weight [E, N, K'] and its scale for one GEMM, as the scheme describes them."""
+    spec = m.quant.spec
+    values = spec.values
+    weight = TensorSpec((e, n, k // values.per_byte), values.storage or m.torch_dtype, True)
+    if spec.scales is None:
+        return weight, None
+    return weight, TensorSpec(spec.scales.shape(e, n, k), spec.scales.dtype, True, True)
 
 
 def expected_tensors(m: Manifest) -> dict[str, TensorSpec]:

@@ -45,7 +45,11 @@ _FP8_CAPABILITY = (8, 9)  # fp8 tensor-core dots: Ada and Hopper onwards
 
 
 class _TritonBase(Experts):
-    schemes: ClassVar[frozenset[QuantScheme]] = frozenset(QuantScheme)
+    # each has a path through the grouped GEMM (codes.weight_kind) and a test in test_triton.py
+    schemes: ClassVar[frozenset[QuantScheme]] = frozenset({
+        QuantScheme.NONE, QuantScheme.FP8_TENSOR, QuantScheme.FP8_TOKEN, QuantScheme.FP8_BLOCK,
+        QuantScheme.INT8_W8A16, QuantScheme.INT4_W4A16, QuantScheme.MXFP4,
+    })  # fmt: skip
 
     def __init__(
         self, cfg: MoEConfig, weights: ExpertWeights, fixed_tiles: LayerTiles | None = None
@@ -74,7 +78,7 @@ class _TritonBase(Experts):
     def supports(cls, cfg: MoEConfig | None, device: torch.device) -> Support:
         support = super().supports(cfg, device)
         capability = cuda_capability(device)
-        needs_fp8 = cfg is not None and cfg.quant.scheme.act_quant is not None
+        needs_fp8 = cfg is not None and cfg.quant.spec.act_quant is not None
         if support and needs_fp8 and capability < _FP8_CAPABILITY:
             return Support(False, f"fp8 dots need compute capability 8.9+, got {capability}")
         return support
@@ -86,7 +90,7 @@ class _TritonBase(Experts):
     @property
     def fp8_quant(self) -> ActQuant | None:
         """How this scheme quantises the GEMM inputs to fp8 (None: 16-bit activations)."""
-        return self.cfg.quant.scheme.act_quant
+        return self.cfg.quant.spec.act_quant
 
     @property
     def intermediate_dtype(self) -> torch.dtype:

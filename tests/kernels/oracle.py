@@ -45,7 +45,7 @@ def _activation(v: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
 
 def _fp8_round_trip(x: torch.Tensor, cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of x [R, C] through the scheme's activation quantisation -> (values, ambiguous [R])."""
-    how = cfg.quant.scheme.act_quant
+    how = cfg.quant.spec.act_quant
     if how is None or x.numel() == 0:
         return x, torch.zeros(x.shape[0], dtype=torch.bool)
 

@@ -76,7 +76,7 @@ def test_reference_matches_float64_loop(
     out = kernel.forward(hidden, routing)
     expected = moe_oracle(cfg, full_weights, hidden, routing, expert_map, 16 if chunked else None)
     assert out.dtype == torch.float32 and out.shape == (37, 64)
-    assert_matches(out, expected, tol=FP8_ACT_TOL if scheme.act_quant else 1e-5)
+    assert_matches(out, expected, tol=FP8_ACT_TOL if scheme.spec.act_quant else 1e-5)
 
 
 @pytest.mark.parametrize("batched", [False, True])

@@ -108,7 +108,7 @@ def test_decode_graph_replays_match_the_eager_forward_for_fresh_inputs(
     cfg = _gpu_case(scheme).config()
     experts = TritonExperts(cfg, random_expert_weights(cfg).to(CUDA))
     ws = Workspace(CUDA)
-    spec = DispatchSpec(cfg.quant.scheme.act_quant, cfg.num_experts)
+    spec = DispatchSpec(cfg.quant.spec.act_quant, cfg.num_experts)
     for seed in range(3):  # the first call captures, the next ones replay with new inputs
         r = random_routing(m, cfg.num_experts, cfg.top_k, seed=seed)
         routing = type(r)(r.topk_ids.to(CUDA), r.topk_weights.to(CUDA))

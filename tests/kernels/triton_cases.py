@@ -30,7 +30,7 @@ ALL_SCHEMES = tuple(QuantScheme)
 
 def tolerance(cfg: MoEConfig) -> float:
     base = TOLERANCE[cfg.dtype]
-    return max(base, FP8_TOLERANCE) if cfg.quant.scheme.act_quant else base
+    return max(base, FP8_TOLERANCE) if cfg.quant.spec.act_quant else base
 
 
 @dataclass(frozen=True)

@@ -13,39 +13,31 @@ Weights are dequantised in the K loop; fp8 activations go to the tensor cores as
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import IntEnum
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.config import Activation, ActivationSpec, GateUp
+from kernels.config import ActivationSpec, GateUp
 from kernels.experts._triton.align import AlignedPairs
-from kernels.quant_scheme import FP8, FP8_BLOCK, MXFP4_GROUP, ActQuant, QuantConfig, QuantScheme
-
-
-class WeightKind(IntEnum):
-    """How the kernel turns stored weights into dot operands (constexpr values)."""
-
-    DENSE = 0  # 16/32-bit, as stored
-    FP8_TENSOR = 1  # fp8, one scale per expert, applied after the K loop
-    PER_CHANNEL = 2  # fp8 or int8, one scale per output row, applied after the K loop
-    FP8_BLOCK = 3  # fp8, one scale per 128 x 128 tile, applied per K step
-    INT4_GROUP = 4  # nibbles - 8, one scale per `group` K columns, dequantised before the dot
-    MXFP4 = 5  # e2m1 nibbles, 2**(e8m0 - 127) per 32 K columns, dequantised before the dot
-
-
-_WEIGHT_KIND = {
-    QuantScheme.NONE: WeightKind.DENSE,
-    QuantScheme.FP8_TENSOR: WeightKind.FP8_TENSOR,
-    QuantScheme.FP8_TOKEN: WeightKind.PER_CHANNEL,
-    QuantScheme.FP8_BLOCK: WeightKind.FP8_BLOCK,
-    QuantScheme.INT8_W8A16: WeightKind.PER_CHANNEL,
-    QuantScheme.INT4_W4A16: WeightKind.INT4_GROUP,
-    QuantScheme.MXFP4: WeightKind.MXFP4,
-}
-_ACT_SCALE = {None: 0, ActQuant.TENSOR: 1, ActQuant.TOKEN: 2, ActQuant.GROUP: 3}
-_ACTIVATION = {Activation.SILU: 1, Activation.GELU: 2, Activation.SWIGLUOAI: 3}
+from kernels.experts._triton.codes import (
+    ACT_PER_TENSOR,
+    ACT_PER_TOKEN,
+    ACT_SCALE,
+    ACTIVATION,
+    GELU,
+    NO_ACTIVATION,
+    SILU,
+    W_DENSE,
+    W_FP8_BLOCK,
+    W_FP8_TENSOR,
+    W_INT4_GROUP,
+    W_MXFP4,
+    W_PER_CHANNEL,
+    WeightKind,
+    weight_kind,
+)
+from kernels.quant_scheme import FP8, ActQuant, QuantConfig
 
 
 @dataclass(frozen=True)
@@ -73,7 +65,7 @@ class ExpertMatrix:
 
     @property
     def k(self) -> int:
-        return self.data.shape[2] * (2 if self.quant.scheme.packs_two_per_byte else 1)
+        return self.data.shape[2] * self.quant.spec.values.per_byte
 
 
 @dataclass(frozen=True)
@@ -123,7 +115,7 @@ def _e2m1_to_float(nibble):
 def _group_scale(raw, KIND: tl.constexpr):
     """Loaded group scales -> float32 multipliers."""
     scale = raw.to(tl.float32)  # int4: already float32
-    if KIND == 5:  # e8m0: 2**(raw - 127), built as float32 bits (raw 0 flushes to 0)
+    if KIND == W_MXFP4:  # e8m0: 2**(raw - 127), built as float32 bits (raw 0 flushes to 0)
         scale = (raw.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
     return scale
 
@@ -142,7 +134,7 @@ def _packed_tile(
                    other=0)  # fmt: skip
     pairs = tl.join(byte & 0xF, byte >> 4)  # [BLOCK_K / 2, BLOCK_N, 2]: element 2j low
     nibble = tl.reshape(tl.permute(pairs, (0, 2, 1)), (BLOCK_K, BLOCK_N))
-    if KIND == 4:  # noqa: SIM108 (compile-time branch: only one side is built)
+    if KIND == W_INT4_GROUP:  # noqa: SIM108 (compile-time branch: only one side is built)
         w = (nibble.to(tl.int32) - 8).to(tl.float32)
     else:
         w = _e2m1_to_float(nibble)
@@ -168,7 +160,7 @@ def _weight_tile(
 ):  # fmt: skip
     """[BLOCK_K, BLOCK_N] dot operand of this expert's rows `n_rows`: as stored (16-bit, fp8),
     converted (int8) or dequantised (int4, mxfp4)."""
-    if KIND == 4 or KIND == 5:
+    if KIND == W_INT4_GROUP or KIND == W_MXFP4:  # noqa: SIM109 (Triton has no `in` on tuples)
         w = _packed_tile(w_ptr, s_ptr, n_rows, n_mask, k0, k, stride_wn, stride_wk, stride_sn,
                          stride_sk, KIND, GROUP, BLOCK_K)  # fmt: skip
         return w.to(DOT_DTYPE)
@@ -181,24 +173,26 @@ def _weight_tile(
 
 
 @triton.jit
-def _block_scales(a_s_ptr, a_rows, stride_asm, s_ptr, n_rows, stride_sn, stride_sk, k0):
+def _block_scales(
+    a_s_ptr, a_rows, stride_asm, s_ptr, n_rows, stride_sn, stride_sk, k0, GROUP: tl.constexpr
+):
     """fp8-block: ([BLOCK_M] activation group scales, [BLOCK_N] weight tile scales) at k0."""
-    kb = k0 // 128
+    kb = k0 // GROUP
     a_s = tl.load(a_s_ptr + a_rows * stride_asm + kb)
-    b_s = tl.load(s_ptr + (n_rows // 128) * stride_sn + kb * stride_sk)
+    b_s = tl.load(s_ptr + (n_rows // GROUP) * stride_sn + kb * stride_sk)
     return a_s, b_s
 
 
 @triton.jit
 def _after_k_scales(acc, a_s_ptr, a_rows, stride_asm, s_ptr, n_rows, ACT_SCALE, KIND, stride_sn):
     """Scales constant along K: activation (tensor / row) times weight (expert / row)."""
-    if ACT_SCALE == 1:
+    if ACT_SCALE == ACT_PER_TENSOR:
         acc = acc * tl.load(a_s_ptr)
-    if ACT_SCALE == 2:
+    if ACT_SCALE == ACT_PER_TOKEN:
         acc = acc * tl.load(a_s_ptr + a_rows * stride_asm)[:, None]
-    if KIND == 1:
+    if KIND == W_FP8_TENSOR:
         acc = acc * tl.load(s_ptr)
-    if KIND == 2:
+    if KIND == W_PER_CHANNEL:
         acc = acc * tl.load(s_ptr + n_rows * stride_sn)[None, :]
     return acc
 
@@ -237,7 +231,7 @@ def _grouped_gemm_kernel(
     KIND: tl.constexpr,
     ACT_SCALE: tl.constexpr,
     GROUP: tl.constexpr,
-    ACTIVATION: tl.constexpr,  # 0: none, 1 silu, 2 gelu, 3 swigluoai (gate and up tiles)
+    ACTIVATION: tl.constexpr,  # codes.ACTIVATION: a gated activation over gate and up tiles
     GATE_STEP: tl.constexpr,  # weight row of gate n: n * GATE_STEP; of up n: that + up_offset
     HAS_BIAS: tl.constexpr,
     HAS_ROW_WEIGHTS: tl.constexpr,
@@ -271,7 +265,7 @@ def _grouped_gemm_kernel(
     a_rows = rows // a_div
     expert = expert.to(tl.int64)
     w_ptr += expert * stride_we
-    if KIND != 0:
+    if KIND != W_DENSE:
         s_ptr += expert * stride_se
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -293,21 +287,21 @@ def _grouped_gemm_kernel(
             KIND, GROUP, W_FP8, DOT_DTYPE, BLOCK_K,
         )  # fmt: skip
         part = tl.dot(a, b, input_precision=DOT_PRECISION)
-        if KIND == 3:
+        if KIND == W_FP8_BLOCK:
             a_s, b_s = _block_scales(
-                a_s_ptr, a_rows, stride_asm, s_ptr, gate_rows, stride_sn, stride_sk, k0
+                a_s_ptr, a_rows, stride_asm, s_ptr, gate_rows, stride_sn, stride_sk, k0, GROUP
             )
             part = part * a_s[:, None] * b_s[None, :]
         acc += part
-        if ACTIVATION != 0:
+        if ACTIVATION != NO_ACTIVATION:
             b = _weight_tile(
                 w_ptr, s_ptr, up_rows, n_mask, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
                 KIND, GROUP, W_FP8, DOT_DTYPE, BLOCK_K,
             )  # fmt: skip
             part = tl.dot(a, b, input_precision=DOT_PRECISION)
-            if KIND == 3:
+            if KIND == W_FP8_BLOCK:
                 a_s, b_s = _block_scales(
-                    a_s_ptr, a_rows, stride_asm, s_ptr, up_rows, stride_sn, stride_sk, k0
+                    a_s_ptr, a_rows, stride_asm, s_ptr, up_rows, stride_sn, stride_sk, k0, GROUP
                 )
                 part = part * a_s[:, None] * b_s[None, :]
             acc_up += part
@@ -316,16 +310,16 @@ def _grouped_gemm_kernel(
                           stride_sn)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * stride_be + gate_rows, mask=n_mask, other=0)[None, :]
-    if ACTIVATION != 0:
+    if ACTIVATION != NO_ACTIVATION:
         up = _after_k_scales(acc_up, a_s_ptr, a_rows, stride_asm, s_ptr, up_rows, ACT_SCALE,
                              KIND, stride_sn)  # fmt: skip
         if HAS_BIAS:
             up += tl.load(bias_ptr + expert * stride_be + up_rows, mask=n_mask, other=0)[None, :]
-        if ACTIVATION == 1:
+        if ACTIVATION == SILU:
             acc = acc * tl.sigmoid(acc) * up
-        elif ACTIVATION == 2:
+        elif ACTIVATION == GELU:
             acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476)) * up
-        else:
+        else:  # SWIGLUOAI
             gate = tl.minimum(acc, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
             acc = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
@@ -358,14 +352,6 @@ def _scale_strides(w: ExpertMatrix) -> tuple[int, int, int]:
     return strides[0], strides[1], strides[2]
 
 
-def _weight_group(w: ExpertMatrix) -> int:
-    return {
-        QuantScheme.INT4_W4A16: w.quant.group_size,
-        QuantScheme.MXFP4: MXFP4_GROUP,
-        QuantScheme.FP8_BLOCK: FP8_BLOCK,
-    }.get(w.quant.scheme, 1)
-
-
 def grouped_gemm(
     a: Activations,
     w: ExpertMatrix,
@@ -379,10 +365,10 @@ def grouped_gemm(
     gated = spec is not None
     n_out = w.n // 2 if gated else w.n
     interleaved = gated and spec.gate_up == GateUp.INTERLEAVED
-    kind = _WEIGHT_KIND[w.quant.scheme]
-    group = _weight_group(w)
-    if kind == WeightKind.FP8_BLOCK and FP8_BLOCK % tile.block_k:
-        raise ValueError(f"fp8-block needs block_k to divide {FP8_BLOCK}, got {tile.block_k}")
+    kind = weight_kind(w.quant.spec)
+    group = w.quant.spec.k_group or 1  # K columns per weight scale (GROUP x GROUP fp8 tiles)
+    if kind == WeightKind.FP8_BLOCK and group % tile.block_k:
+        raise ValueError(f"fp8-block needs block_k to divide {group}, got {tile.block_k}")
     if (
         kind in (WeightKind.INT4_GROUP, WeightKind.MXFP4)
         and group % tile.block_k
@@ -412,9 +398,9 @@ def grouped_gemm(
         spec.alpha if gated else 0.0, spec.limit if gated else 0.0,
         BATCHED=isinstance(rows, BatchedRows),
         KIND=int(kind),
-        ACT_SCALE=_ACT_SCALE[a.act_quant],
+        ACT_SCALE=ACT_SCALE[a.act_quant],
         GROUP=group,
-        ACTIVATION=_ACTIVATION[spec.kind] if gated else 0,
+        ACTIVATION=ACTIVATION[spec.kind if gated else None],
         GATE_STEP=2 if interleaved else 1,
         HAS_BIAS=w.bias is not None,
         HAS_ROW_WEIGHTS=epilogue.row_weights is not None,

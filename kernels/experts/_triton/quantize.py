@@ -13,12 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.experts._triton.codes import ACT_PER_GROUP, ACT_PER_TENSOR, ACT_PER_TOKEN, ACT_SCALE
 from kernels.quant_scheme import FP8, FP8_BLOCK, ActQuant
 from kernels.quantize import quantize_activation
 
 _TINY = 1e-12  # as kernels.quantize: all-zero rows keep a finite scale
 _BLOCK = 128  # columns per program: one activation group
-_HOW = {ActQuant.TENSOR: 1, ActQuant.TOKEN: 2, ActQuant.GROUP: 3}
 
 
 @triton.jit
@@ -36,7 +36,7 @@ def _quantize_kernel(
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
-    if HOW == 2:  # one scale per row: this program reads the whole row twice
+    if HOW == ACT_PER_TOKEN:  # one scale per row: this program reads the whole row twice
         amax = tl.max(tl.zeros((BLOCK,), dtype=tl.float32), axis=0)
         for c in range(0, k, BLOCK):
             cols = c + tl.arange(0, BLOCK)
@@ -47,7 +47,7 @@ def _quantize_kernel(
     else:  # one 128-column group
         start = group * BLOCK
         stop = start + BLOCK
-        if HOW == 3:
+        if HOW == ACT_PER_GROUP:
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + row * stride_x + cols, mask=cols < k, other=0).to(tl.float32)
             amax = tl.max(tl.abs(x), axis=0)
@@ -60,7 +60,7 @@ def _quantize_kernel(
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < k, other=0).to(tl.float32)
         q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0).to(tl.float8e4nv)  # IEEE, as torch
         tl.store(q_ptr + row * stride_q + cols, q.to(tl.uint8, bitcast=True), mask=cols < k)
-    if HOW == 1:
+    if HOW == ACT_PER_TENSOR:
         if row == 0 and group == 0:
             tl.store(scale_ptr, scale)
     else:
@@ -84,6 +84,6 @@ def quantize_rows(x: torch.Tensor, how: ActQuant) -> tuple[torch.Tensor, torch.T
         _amax_kernel[(rows, groups)](x, amax, k, x.stride(0), BLOCK=_BLOCK)
     _quantize_kernel[(rows, 1 if how == ActQuant.TOKEN else groups)](
         x, q, scale, amax, k, x.stride(0), q.stride(0), scale.stride(0) if scale.dim() == 2 else 0,
-        HOW=_HOW[how], BLOCK=_BLOCK,
+        HOW=ACT_SCALE[how], BLOCK=_BLOCK,
     )  # fmt: skip
     return q.view(FP8), scale

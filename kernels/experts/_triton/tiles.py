@@ -16,7 +16,6 @@ import torch
 
 from kernels.config import MoEConfig
 from kernels.experts._triton.grouped_gemm import GemmTile
-from kernels.quant_scheme import FP8_BLOCK, MXFP4_GROUP, QuantScheme
 from kernels.tuned import TUNED_DIR
 
 log = logging.getLogger(__name__)
@@ -86,19 +85,10 @@ def stages_for(block_m: int, block_n: int, block_k: int, b_tiles: int, elem_byte
     return max(2, min(4, _SMEM_BUDGET_BYTES // per_stage))
 
 
-def scale_group(cfg: MoEConfig) -> int | None:
-    """K columns sharing one weight scale, for schemes whose scales vary along K."""
-    return {
-        QuantScheme.FP8_BLOCK: FP8_BLOCK,
-        QuantScheme.INT4_W4A16: cfg.quant.group_size,
-        QuantScheme.MXFP4: MXFP4_GROUP,
-    }.get(cfg.quant.scheme)
-
-
 def nested_block_k(cfg: MoEConfig, block_k: int) -> int:
     """The largest block_k <= the given one whose tiles nest with the scale groups (a tile within
     one group, or whole groups per tile); 0 if none of at least 16 does."""
-    group = scale_group(cfg)
+    group = cfg.quant.spec.k_group
     while group and block_k >= 16 and group % block_k and block_k % group:
         block_k //= 2
     return block_k if block_k >= 16 else 0
@@ -116,7 +106,7 @@ def heuristic_tiles(cfg: MoEConfig, num_tokens: int) -> LayerTiles:
     else:
         block_m, block_n, block_k, warps = 128, 128, 64, 8
     block_k = nested_block_k(cfg, block_k)
-    elem = 1 if cfg.quant.scheme.act_quant else cfg.dtype.itemsize
+    elem = 1 if cfg.quant.spec.act_quant else cfg.dtype.itemsize
     # GEMM1 keeps gate and up accumulators: halve its N tile at BLOCK_M 128 to stay in registers
     n1 = block_n // 2 if block_m == 128 else block_n
     gemm1 = GemmTile(n1, block_k, warps, stages_for(block_m, n1, block_k, 2, elem))
