@@ -11,6 +11,7 @@ from kernels.config import ActivationSpec, MoEConfig
 from kernels.modular import DEFAULT_CHUNK_TOKENS, ModularKernel
 from kernels.routing import route
 from kernels.selection import Selection, select
+from kernels.stages import PrepareFinalize
 from kernels.tensors import ExpertWeights, ForwardInputs, Routing
 from kernels.workspace import Workspace
 
@@ -105,15 +106,25 @@ def build_layer(
     device: torch.device,
     backend: str = "auto",
     workspace: Workspace | None = None,
-    max_tokens: int = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    expert_map: torch.Tensor | None = None,
+    prepare_finalize: PrepareFinalize | None = None,
 ) -> tuple[MoELayer, Selection]:
     """Pick a backend for the layer on `device` and compose its modular kernel.
 
     `weights` must already be on `device`. Layers built with the same `workspace` share it.
+    `chunk_tokens`: the most tokens one pass through the experts takes (ModularKernel).
+    Expert parallelism: `weights` holds this rank's experts, `expert_map` [E] maps each global
+    expert id to its local id (-1: another rank's), the backend is chosen among those that take
+    an expert_map, and `prepare_finalize` is the collective stage (default: naive-ep's).
     """
-    choice = select(cfg, device, backend)
+    choice = select(cfg, device, backend, expert_parallel=expert_map is not None)
     experts = choice.experts(cfg, weights.experts)
     kernel = ModularKernel(
-        choice.prepare_finalize(), experts, workspace or Workspace(device), max_tokens=max_tokens
+        prepare_finalize or choice.prepare_finalize(),
+        experts,
+        workspace or Workspace(device),
+        expert_map,
+        chunk_tokens,
     )
     return MoELayer(cfg, kernel, weights), choice

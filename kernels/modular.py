@@ -3,8 +3,9 @@
     routing -> prepare (quantise, dispatch) -> experts (GEMM1 -> act -> GEMM2) -> finalize
 
 Built once per layer. It checks the two stages agree on the activation format, reserves the
-experts' workspaces for `max_tokens` up front, and splits larger inputs into chunks of that size
-when the experts allow it.
+experts' workspaces for `chunk_tokens` up front, and splits larger inputs into chunks of that
+size when the experts allow it. The service passes its --max-batch-tokens, so a batch is never
+split and the workspace holds exactly the largest batch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from kernels.stages import DispatchSpec, Experts, PrepareFinalize
 from kernels.tensors import Routing
 from kernels.workspace import Workspace
 
-DEFAULT_CHUNK_TOKENS = 8192
+DEFAULT_CHUNK_TOKENS = 8192  # for callers without a batch size of their own (tests, benchmarks)
 
 
 class ModularKernel:
@@ -25,7 +26,7 @@ class ModularKernel:
         experts: Experts,
         workspace: Workspace,
         expert_map: torch.Tensor | None = None,
-        max_tokens: int = DEFAULT_CHUNK_TOKENS,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     ) -> None:
         if prepare_finalize.format != experts.format:
             raise ValueError(
@@ -37,7 +38,7 @@ class ModularKernel:
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.workspace = workspace
-        self.max_tokens = max_tokens
+        self.chunk_tokens = chunk_tokens  # tokens per prepare -> experts -> finalize pass
         cfg = experts.cfg
         self.spec = DispatchSpec(
             act_quant=experts.act_quant(),
@@ -45,7 +46,7 @@ class ModularKernel:
             expert_map=expert_map,
             apply_router_weight_on_input=cfg.apply_router_weight_on_input,
         )
-        workspace.reserve(experts.workspace_shapes(max_tokens))
+        workspace.reserve(experts.workspace_shapes(chunk_tokens))
 
     def forward(
         self, hidden: torch.Tensor, routing: Routing, out: torch.Tensor | None = None
@@ -53,7 +54,7 @@ class ModularKernel:
         """hidden [M, K] + routing -> [M, K] in hidden's dtype (written into `out` if given)."""
         out = torch.empty_like(hidden) if out is None else out
         m = self.prepare_finalize.planned_tokens(hidden)  # rows past this rank's end are empty
-        step = self.max_tokens if self.experts.supports_chunking else max(m, 1)
+        step = self.chunk_tokens if self.experts.supports_chunking else max(m, 1)
         for start in range(0, m, step):
             rows = slice(start, start + step)
             chunk = Routing(routing.topk_ids[rows], routing.topk_weights[rows])

@@ -59,7 +59,7 @@ def _build_engine(settings: Settings, loader: LayerLoader, metrics: Metrics) -> 
         engine = EPEngine(settings, layer_paths(settings))
         sources = engine.load()
     else:
-        engine = Engine(device, settings.backend)
+        engine = Engine(device, settings.backend, settings.max_batch_tokens)
         sources = loader(settings, device)
     for source in sources:
         served = engine.add(source)
@@ -78,8 +78,9 @@ async def _start(runtime: Runtime, loader: LayerLoader) -> None:
         log.exception("loading the layers failed")
         runtime.not_ready = f"loading the layers failed: {err}"
         return
+    # one chunk size: batches of at most the tokens the layers' workspaces were reserved for
     policy = BatchPolicy(
-        settings.max_batch_tokens, settings.max_batch_delay_ms / 1000, settings.max_queue
+        engine.chunk_tokens, settings.max_batch_delay_ms / 1000, settings.max_queue
     )
     # a device fault (or a lost expert-parallel rank) turns /ready and every request into 503
     engine.on_failure = partial(setattr, runtime, "not_ready")

@@ -15,6 +15,7 @@ import torch
 
 from kernels.config import MoEConfig
 from kernels.layer import LayerOutput, LayerWeights, MoELayer, build_layer
+from kernels.modular import DEFAULT_CHUNK_TOKENS
 from kernels.selection import Selection
 from kernels.tensors import ForwardInputs, Routing
 from kernels.workspace import Workspace
@@ -49,9 +50,12 @@ class ServedLayer:
 
 
 class Engine:
-    def __init__(self, device: torch.device, backend: str = "auto") -> None:
+    def __init__(
+        self, device: torch.device, backend: str = "auto", chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    ) -> None:
         self.device = device
         self.backend = backend
+        self.chunk_tokens = chunk_tokens  # the largest batch (--max-batch-tokens): never split
         self.workspace = Workspace(device)  # shared by every layer
         self.layers: dict[str, ServedLayer] = {}
         self.failure: str | None = None  # why this engine can serve no more; None while it can
@@ -76,7 +80,12 @@ class Engine:
     def build(self, source: LayerSource) -> tuple[MoELayer, Selection]:
         """`source`'s layer on the device (expert parallelism composes its own)."""
         return build_layer(
-            source.config, source.weights, self.device, self.backend, workspace=self.workspace
+            source.config,
+            source.weights,
+            self.device,
+            self.backend,
+            self.workspace,
+            self.chunk_tokens,
         )
 
     def get(self, name: str) -> ServedLayer:

@@ -30,11 +30,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kernels.layer import LayerOutput, MoELayer
-from kernels.modular import ModularKernel
+from kernels.layer import LayerOutput, MoELayer, build_layer
 from kernels.placement import Placement
 from kernels.prepare_finalize.naive_ep import NaiveEP
-from kernels.selection import Selection, select
+from kernels.selection import Selection
 from kernels.tensors import ForwardInputs
 from kernels.workspace import Workspace
 from service.engine import Engine, LayerSource
@@ -61,6 +60,7 @@ class RankSpec:
     paths: tuple[Path, ...]  # layer directories, in serving order
     placement_file: Path | None  # None: contiguous slices
     backend: str
+    chunk_tokens: int  # --max-batch-tokens: rank 0's largest batch, so every rank's largest pass
 
 
 def rank_device(base: torch.device, rank: int) -> torch.device:
@@ -109,17 +109,19 @@ def build_ep_layer(
     source: LayerSource, placement: Placement, spec: RankSpec, workspace: Workspace
 ) -> tuple[MoELayer, Selection]:
     """`source` holds this rank's experts: compose them with naive-ep and the expert_map."""
-    cfg = source.config
-    choice = select(cfg, spec.device, spec.backend, expert_parallel=True)
-    kernel = ModularKernel(
-        NaiveEP(sequence_parallel=True),
-        choice.experts(cfg, source.weights.experts),
+    layer, choice = build_layer(
+        source.config,
+        source.weights,
+        spec.device,
+        spec.backend,
         workspace,
+        spec.chunk_tokens,
         expert_map=placement.expert_map(spec.rank).to(spec.device),
+        prepare_finalize=NaiveEP(sequence_parallel=True),
     )
     counts = [len(ids) for ids in placement.ranks]
     reason = f"{choice.reason}; experts over {placement.world_size} ranks, per rank {counts}"
-    return MoELayer(cfg, kernel, source.weights), dataclasses.replace(choice, reason=reason)
+    return layer, dataclasses.replace(choice, reason=reason)
 
 
 def _free_port() -> int:
@@ -135,13 +137,22 @@ class EPEngine(Engine):
         if dist.is_initialized():
             raise RuntimeError("this process is already in a torch.distributed group")
         self.world_size = settings.ep
-        super().__init__(rank_device(settings.torch_device(), 0), settings.backend)
+        super().__init__(
+            rank_device(settings.torch_device(), 0), settings.backend, settings.max_batch_tokens
+        )
         self.failure: str | None = None  # why the group is broken; None while it works
         self.on_failure: Callable[[str], None] = lambda _reason: None
         self._closing = False
         port = _free_port()
         self._spec = RankSpec(
-            0, self.world_size, port, self.device, tuple(paths), settings.ep_placement, self.backend
+            0,
+            self.world_size,
+            port,
+            self.device,
+            tuple(paths),
+            settings.ep_placement,
+            self.backend,
+            self.chunk_tokens,
         )
         ctx = mp.get_context("spawn")
         self._status = ctx.Queue()  # (rank, "" when loaded, else why it failed)

@@ -99,9 +99,9 @@ def layer_inputs(name: str, m: int, crowded: bool = False, seed: int = 1) -> tup
     return hidden, logits, routing
 
 
-def modular(experts: Experts, max_tokens: int = 8192) -> ModularKernel:
+def modular(experts: Experts, chunk_tokens: int = 8192) -> ModularKernel:
     pf = Batched() if experts.format == "batched" else NoEP()
-    return ModularKernel(pf, experts, Workspace(torch.device("cuda")), max_tokens=max_tokens)
+    return ModularKernel(pf, experts, Workspace(torch.device("cuda")), chunk_tokens=chunk_tokens)
 
 
 @functools.cache

@@ -47,7 +47,10 @@ class _CountingExperts(ReferenceExperts):
 def test_second_call_of_same_or_smaller_size_allocates_nothing(tiny_config: MoEConfig) -> None:
     ws = Workspace("cpu")
     kernel = ModularKernel(
-        NoEP(), _CountingExperts(tiny_config, random_expert_weights(tiny_config)), ws, max_tokens=64
+        NoEP(),
+        _CountingExperts(tiny_config, random_expert_weights(tiny_config)),
+        ws,
+        chunk_tokens=64,
     )
     assert ws.allocations == 1  # reserved at construction for 64 tokens
     for m in (64, 64, 3, 1):
@@ -64,8 +67,8 @@ def test_layers_sharing_a_workspace_share_its_buffers(tiny_config: MoEConfig) ->
     a = _CountingExperts(tiny_config, random_expert_weights(tiny_config, 1))
     b = _CountingExperts(tiny_config, random_expert_weights(tiny_config, 2))
     ka, kb = (
-        ModularKernel(NoEP(), a, ws, max_tokens=32),
-        ModularKernel(NoEP(), b, ws, max_tokens=32),
+        ModularKernel(NoEP(), a, ws, chunk_tokens=32),
+        ModularKernel(NoEP(), b, ws, chunk_tokens=32),
     )
     for kernel in (ka, kb):
         kernel.forward(torch.randn(8, 64), route(torch.randn(8, 4), tiny_config.routing))

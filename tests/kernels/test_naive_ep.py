@@ -28,6 +28,7 @@ from kernels import registry, selection
 from kernels.accuracy import relative_error
 from kernels.config import MoEConfig, RoutingConfig
 from kernels.experts.reference import ReferenceExperts
+from kernels.layer import LayerWeights, RouterWeights, build_layer
 from kernels.modular import ModularKernel
 from kernels.placement import Placement
 from kernels.prepare_finalize.naive_ep import NaiveEP, pack_rows, unpack_rows
@@ -64,7 +65,7 @@ class Case:
     counts: tuple[int, int] = (7, 7)  # tokens rank 0 and rank 1 bring
     sequence_parallel: bool = False
     placement: tuple[tuple[int, ...], ...] | None = None  # written to a file; None: contiguous
-    max_tokens: int = 64  # per-rank chunk of the modular kernel
+    chunk_tokens: int = 64  # per-rank chunk of the modular kernel
     one_expert: int | None = None  # route every token to this expert first
     tol: float = 1e-5
 
@@ -74,7 +75,7 @@ CASES = {
     "one_token_each": Case(counts=(1, 1)),
     "sequence_parallel_uneven": Case(counts=(5, 9), sequence_parallel=True),
     "sequence_parallel_rank1_brings_none": Case(counts=(6, 0), sequence_parallel=True),
-    "sequence_parallel_chunked": Case(counts=(11, 3), sequence_parallel=True, max_tokens=4),
+    "sequence_parallel_chunked": Case(counts=(11, 3), sequence_parallel=True, chunk_tokens=4),
     "fp8_block": Case(_cfg(scheme="fp8-block"), counts=(5, 3), sequence_parallel=True),
     "fp8_token": Case(_cfg(scheme="fp8-token")),
     # the intermediate's per-tensor scale is taken per rank: fp8 noise, not equality
@@ -150,7 +151,7 @@ def _ep_kernel(name: str, rank: int, files: Path) -> ModularKernel:
         experts,
         Workspace("cpu"),
         expert_map=placement.expert_map(rank),
-        max_tokens=case.max_tokens,
+        chunk_tokens=case.chunk_tokens,
     )
 
 
@@ -182,7 +183,7 @@ def ep_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _single_process(case: Case) -> torch.Tensor:
     hidden, routing = _inputs(case)
     experts = ReferenceExperts(case.cfg, random_expert_weights(case.cfg, seed=1))
-    kernel = ModularKernel(NoEP(), experts, Workspace("cpu"), max_tokens=1 << 20)
+    kernel = ModularKernel(NoEP(), experts, Workspace("cpu"), chunk_tokens=1 << 20)
     return kernel.forward(hidden, routing)
 
 
@@ -281,6 +282,33 @@ def test_expert_parallel_selection_pairs_naive_ep_and_names_unfit_backends(
     with pytest.raises(ValueError, match=r"reference-batched.*standard format"):
         selection.select(tiny_config, cpu, "reference-batched", expert_parallel=True)
     assert selection.select(tiny_config, cpu).prepare_finalize is NoEP
+
+
+def test_build_layer_composes_a_slice_of_the_experts_with_the_given_stage(
+    tiny_config: MoEConfig,
+) -> None:
+    cpu = torch.device("cpu")
+    expert_map = contiguous_expert_map(tiny_config.num_experts, rank=1, world_size=WORLD)
+    local = random_expert_weights(tiny_config, seed=2).select(torch.nonzero(expert_map >= 0)[:, 0])
+    layer, choice = build_layer(
+        tiny_config,
+        LayerWeights(local, RouterWeights()),
+        cpu,
+        chunk_tokens=5,
+        expert_map=expert_map,
+        prepare_finalize=NoEP(),  # a stand-in for the collective: this rank's partial sums
+    )
+    assert (
+        choice.experts is ReferenceExperts
+        and "standard format" in choice.rejected["reference-batched"]
+    )
+    by_hand = ModularKernel(
+        NoEP(), ReferenceExperts(tiny_config, local), Workspace(cpu), expert_map, chunk_tokens=5
+    )
+    hidden = torch.randn(13, tiny_config.hidden_size, generator=torch.Generator().manual_seed(3))
+    routing = route(torch.randn(13, tiny_config.num_experts), tiny_config.routing)
+    assert layer.kernel.chunk_tokens == 5
+    assert torch.equal(layer.kernel.forward(hidden, routing), by_hand.forward(hidden, routing))
 
 
 # ---- GPU: a DeepSeek-V3 layer over two GPUs (NCCL) against one GPU, with timings -------------

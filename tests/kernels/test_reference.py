@@ -39,14 +39,14 @@ def _config(scheme: QuantScheme, activation: str, bias: bool) -> MoEConfig:
 
 
 def _build(
-    cfg: MoEConfig, batched: bool, seed: int, expert_map: torch.Tensor | None, max_tokens: int
+    cfg: MoEConfig, batched: bool, seed: int, expert_map: torch.Tensor | None, chunk_tokens: int
 ):
     weights = random_expert_weights(cfg, seed)
     if expert_map is not None:  # this rank holds the experts the map sends somewhere
         weights = weights.select(torch.nonzero(expert_map >= 0).squeeze(1))
     experts_cls, pf = (BatchedReferenceExperts, Batched) if batched else (ReferenceExperts, NoEP)
     kernel = ModularKernel(
-        pf(), experts_cls(cfg, weights), Workspace("cpu"), expert_map, max_tokens
+        pf(), experts_cls(cfg, weights), Workspace("cpu"), expert_map, chunk_tokens
     )
     return kernel, random_expert_weights(cfg, seed)
 
@@ -67,7 +67,7 @@ def test_reference_matches_float64_loop(
     seed = stable_seed(scheme, activation, bias, batched, chunked, ep)
     expert_map = contiguous_expert_map(6, rank=1, world_size=2) if ep else None
     kernel, full_weights = _build(
-        cfg, batched, seed, expert_map, max_tokens=16 if chunked else 1024
+        cfg, batched, seed, expert_map, chunk_tokens=16 if chunked else 1024
     )
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(37, 64, generator=gen)
@@ -82,7 +82,7 @@ def test_reference_matches_float64_loop(
 @pytest.mark.parametrize("batched", [False, True])
 def test_all_tokens_to_one_expert_and_empty_experts(batched: bool) -> None:
     cfg = _config(QuantScheme.FP8_BLOCK, "silu", bias=False)
-    kernel, weights = _build(cfg, batched, seed=3, expert_map=None, max_tokens=1024)
+    kernel, weights = _build(cfg, batched, seed=3, expert_map=None, chunk_tokens=1024)
     hidden = torch.randn(9, 64)
     logits = torch.full((9, 6), -10.0)
     logits[:, 4] = 5.0  # every token's first choice is expert 4; 0, 2, 3, 5 get none
@@ -96,7 +96,7 @@ def test_all_tokens_to_one_expert_and_empty_experts(batched: bool) -> None:
 @pytest.mark.parametrize("batched", [False, True])
 def test_single_token_and_no_tokens(batched: bool) -> None:
     cfg = _config(QuantScheme.NONE, "silu", bias=True)
-    kernel, weights = _build(cfg, batched, seed=4, expert_map=None, max_tokens=1024)
+    kernel, weights = _build(cfg, batched, seed=4, expert_map=None, chunk_tokens=1024)
     hidden = torch.randn(1, 64)
     routing = route(torch.randn(1, 6), cfg.routing)
     assert_matches(

@@ -202,7 +202,7 @@ def test_repeated_forwards_reuse_the_workspace(device: torch.device) -> None:
     cfg = Case().config()
     ws = Workspace(device)
     experts = TritonExperts(cfg, random_expert_weights(cfg).to(device))
-    kernel = ModularKernel(NoEP(), experts, ws, max_tokens=16)
+    kernel = ModularKernel(NoEP(), experts, ws, chunk_tokens=16)
     allocated = ws.allocations
     for m in (16, 3, 40):  # 40: three chunks of at most 16
         r = random_routing(m, 4, 2, seed=m)

@@ -288,3 +288,9 @@ def test_every_reference_in_the_openapi_document_resolves(client: TestClient) ->
     for ref in found:
         assert ref.startswith("#/components/schemas/"), ref
         assert ref.removeprefix("#/components/schemas/") in schemas, ref
+
+
+def test_the_batcher_and_every_layer_kernel_share_max_batch_tokens(make_client) -> None:
+    runtime = make_client(max_batch_tokens=48).app.state.runtime
+    assert runtime.batcher.policy.max_batch_tokens == 48
+    assert {served.layer.kernel.chunk_tokens for served in runtime.engine.layers.values()} == {48}
