@@ -4,7 +4,10 @@ describe a layer dir, write the demo layers."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from kernels.quant_scheme import QuantConfig, QuantScheme
@@ -15,15 +18,44 @@ from weights.layout import expected_tensors
 from weights.load import inspect_layer
 
 
-def _fail(command: str, err: Exception) -> int:
+def _fail(command: str, err: Exception | str, status: int = 1) -> int:
     sys.stderr.write(f"moe-serve {command}: error: {err}\n")
-    return 1
+    return status
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """Turn SIGTERM into SystemExit(143) meanwhile, so that it unwinds like Ctrl-C does and the
+    writer removes its temp dir (the default action kills the process where it stands)."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _quant(args: argparse.Namespace) -> QuantConfig | None:
+    """--quant and --group-size as a QuantConfig; ValueError naming the option if they clash."""
+    if args.group_size is not None and args.quant != QuantScheme.INT4_W4A16:
+        raise ValueError(f"--group-size applies to --quant {QuantScheme.INT4_W4A16} only")
+    if args.quant is None:
+        return None
+    sizes = {} if args.group_size is None else {"group_size": args.group_size}
+    return QuantConfig(args.quant, **sizes)
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    quant = None if args.quant is None else QuantConfig(args.quant, args.group_size)
     try:
-        manifest = convert_checkpoint(args.src_dir, args.layer, args.out, quant, args.name)
+        quant = _quant(args)
+    except ValueError as err:
+        return _fail("convert", err, status=2)  # a usage error, as argparse's own
+    try:
+        with _sigterm_raises():
+            manifest = convert_checkpoint(args.src_dir, args.layer, args.out, quant, args.name)
     except (ValueError, OSError) as err:  # LayerFileError is a ValueError
         return _fail("convert", err)
     sys.stdout.write(f"{args.out}: layer {manifest.name!r}, {manifest.quant.scheme}\n")
@@ -69,7 +101,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="quantise the experts to this scheme (default: keep the checkpoint's)",
     )
     convert.add_argument(
-        "--group-size", type=int, default=128, help="int4-w4a16: columns per scale (default 128)"
+        "--group-size",
+        type=int,
+        metavar="N",
+        help="int4-w4a16 only: input columns sharing one scale, even (default 128)",
     )
     convert.add_argument("--name", help="layer name (default: <model dir>-layer<N>)")
     convert.set_defaults(run=run_convert)

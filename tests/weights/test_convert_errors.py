@@ -4,7 +4,11 @@ And the round trip through every --quant scheme, within the scheme's error bound
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -209,6 +213,90 @@ def test_cli_convert_then_inspect(
     assert main(["inspect", str(out)]) == 0
     assert "w13_scale  float32        [4, 192, 2]" in capsys.readouterr().out
     json.loads((out / "manifest.json").read_text())  # plain JSON for other tools
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--quant", "int4-w4a16", "--group-size", "7"], "group_size must be an even number >= 2"),
+        (["--quant", "int4-w4a16", "--group-size", "0"], "group_size must be an even number >= 2"),
+        (["--quant", "fp8-block", "--group-size", "64"], "--group-size applies to --quant int4"),
+        (["--group-size", "64"], "--group-size applies to --quant int4-w4a16 only"),
+    ],
+)
+def test_cli_convert_refuses_a_bad_group_size_with_exit_2_and_a_message(
+    mixtral: tiny_hub.Hub, tmp_path: Path, capsys, options: list[str], message: str
+):
+    argv = ["convert", str(mixtral.root), "--layer", "1", "--out", str(tmp_path / "o")]
+    assert main([*argv, *options]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moe-serve convert: error: ")
+    assert message in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+# Sends itself SIGTERM once the tensors are in the temp dir, as `kill` would mid-write.
+_KILLED_WHILE_WRITING = """
+import os, signal, sys, time
+import weights.write
+from service.cli import main
+save_file = weights.write.save_file
+def save_then_get_killed(*args, **kwargs):
+    save_file(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)
+weights.write.save_file = save_then_get_killed
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_during_convert_removes_the_temp_dir_and_exits_143(
+    mixtral: tiny_hub.Hub, tmp_path: Path
+):
+    out = tmp_path / "out"
+    argv = ["convert", str(mixtral.root), "--layer", "1", "--out", str(out)]
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLED_WHILE_WRITING, *argv],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hub"]  # no .out.tmp-* left
+
+
+def test_convert_removes_temp_dirs_that_a_killed_run_left(mixtral: tiny_hub.Hub, tmp_path: Path):
+    out = tmp_path / "out"
+    for left in (".out.tmp-k1ll3d", ".out.old-k1ll3d", ".other.tmp-busy"):
+        (tmp_path / left).mkdir()
+        (tmp_path / left / "experts.safetensors").write_bytes(b"half")
+    convert_checkpoint(mixtral.root, 1, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-busy", "hub", "out"]
+
+
+def test_a_layer_moved_aside_by_a_killed_run_is_restored_not_deleted(
+    mixtral: tiny_hub.Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Killed between moving the old layer aside and renaming the new one into place; the next
+    run fails while writing: the old layer is back in place."""
+    out = tmp_path / "out"
+    convert_checkpoint(mixtral.root, 1, out)
+    aside = tmp_path / ".out.old-k1ll3d"
+    aside.mkdir()
+    out.rename(aside / "out")
+
+    def disk_full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("weights.write.save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        convert_checkpoint(mixtral.root, 1, out)
+    assert load_layer(out, torch.device("cpu")).name == "hub-layer1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hub", "out"]
 
 
 # Bound per scheme on a float32 layer: fp8 rounds input, weight and intermediate (3 mantissa
