@@ -15,7 +15,7 @@ from weights.convert.pipeline import FAMILIES, convert_checkpoint
 from weights.demo import ensure_demo_layers
 from weights.errors import LayerFileError
 from weights.layout import expected_tensors
-from weights.load import inspect_layer
+from weights.load import verify_layer
 
 
 def _fail(command: str, err: Exception | str, status: int = 1) -> int:
@@ -73,10 +73,12 @@ def run_demo_weights(args: argparse.Namespace) -> int:
 
 def run_inspect(args: argparse.Namespace) -> int:
     try:
-        manifest = inspect_layer(args.dir)
+        manifest = verify_layer(args.dir)
     except (LayerFileError, OSError) as err:
         return _fail("inspect", err)
-    lines = [manifest.model_dump_json(indent=2), "", "tensors (all checked against the manifest):"]
+    checked = "checksums and finite values" if manifest.tensors_xxh3 else "finite values"
+    heading = f"tensors (shapes, dtypes, {checked} checked against the manifest):"
+    lines = [manifest.model_dump_json(indent=2, exclude={"tensors_xxh3"}), "", heading]
     specs = expected_tensors(manifest)
     width = max(map(len, specs))
     for name, spec in specs.items():
@@ -116,7 +118,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo.set_defaults(run=run_demo_weights)
 
     inspect = subparsers.add_parser(
-        "inspect", help="validate a layer directory and print its manifest and tensor shapes"
+        "inspect",
+        help="validate a layer directory (every byte: checksums, finite values) and print its "
+        "manifest and tensor shapes",
     )
     inspect.add_argument("dir", type=Path, metavar="DIR")
     inspect.set_defaults(run=run_inspect)

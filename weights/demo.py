@@ -17,9 +17,8 @@ from kernels.quant_scheme import QuantConfig, QuantScheme
 from kernels.quantize import quantize_expert_weights
 from kernels.random_weights import random_float_weights
 from weights.errors import LayerFileError
-from weights.layout import header_sha256
-from weights.load import read_manifest
-from weights.manifest import TENSORS_FILE, Manifest, Source
+from weights.load import verify_layer
+from weights.manifest import Manifest, Source
 from weights.write import write_layer
 
 log = logging.getLogger(__name__)
@@ -65,15 +64,14 @@ def demo_layers() -> list[tuple[Manifest, LayerWeights]]:
 
 
 def _is_current(path: Path, expected: Manifest) -> bool:
-    """Whether `path` already holds `expected` (same manifest, intact header)."""
+    """Whether `path` already holds `expected`, intact: same manifest, with checksums that the
+    data matches (a copy written before checksums is rewritten to gain them)."""
     try:
-        found = read_manifest(path)
-        digest = header_sha256(path / TENSORS_FILE)
+        found = verify_layer(path)
     except (LayerFileError, OSError, ValueError):
         return False
-    return found.tensors_sha256 == digest and found == expected.model_copy(
-        update={"tensors_sha256": digest}
-    )
+    hashes = {"tensors_sha256": found.tensors_sha256, "tensors_xxh3": found.tensors_xxh3}
+    return bool(found.tensors_xxh3) and found == expected.model_copy(update=hashes)
 
 
 def ensure_demo_layers(cache_dir: Path) -> list[Path]:

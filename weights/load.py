@@ -4,7 +4,8 @@ The header is checked with safetensors (names, shapes, dtypes, the file covering
 before any data is read. The data is then read with plain positioned reads at the header's
 offsets, straight into the tensors' device buffers through pinned chunks of `READ_CHUNK_BYTES`:
 an 11 GB DeepSeek-V3 layer never exists whole in CPU memory, and with `experts` only those
-experts' bytes are read (expert parallelism).
+experts' bytes are read (expert parallelism). A second thread checksums each chunk while the
+next one is read; the values are then checked finite on the device (weights.integrity).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from tqdm import tqdm
 from kernels.config import MoEConfig
 from kernels.layer import LayerWeights
 from weights.errors import LayerFileError
+from weights.integrity import CHECKSUM, RowDigests, first_nonfinite
 from weights.layout import (
     TensorSpec,
     check_names,
@@ -39,7 +42,6 @@ log = logging.getLogger(__name__)
 
 READ_CHUNK_BYTES = 64 << 20  # one pinned staging buffer (two are used in turn)
 PROGRESS_MIN_BYTES = 512 << 20  # show a progress bar for loads at least this large
-_E8M0_NAN = 255
 
 
 @dataclass
@@ -79,11 +81,7 @@ def load_layer(
     path, device = Path(path), torch.device(device)
     manifest = inspect_layer(path)
     ids = _expert_ids(experts, manifest.num_experts)
-    file = path / TENSORS_FILE
-    specs = expected_tensors(manifest)
-    tensors = _read(file, specs, ids, device)
-    for name, t in tensors.items():
-        _check_finite(file, name, specs[name], t)
+    tensors = _read_checked(path, manifest, expected_tensors(manifest), ids, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
@@ -104,7 +102,8 @@ def load_layer(
 
 def inspect_layer(path: Path) -> Manifest:
     """Check layer directory `path` without reading tensor data: the manifest, the header hash,
-    and every tensor's name, shape and dtype. Returns the manifest."""
+    every tensor's name, shape and dtype, and the checksums' names and counts. Returns the
+    manifest (a directory written before checksums is logged as such)."""
     path = Path(path)
     manifest = read_manifest(path)
     file = path / TENSORS_FILE
@@ -118,7 +117,42 @@ def inspect_layer(path: Path) -> Manifest:
                 check_tensor(file, name, spec, tuple(piece.get_shape()), piece.get_dtype())
     except SafetensorError as err:
         raise LayerFileError(file, None, f"unreadable safetensors file: {err}") from err
+    _check_checksum_list(path / MANIFEST_FILE, manifest, specs)
     return manifest
+
+
+def verify_layer(path: Path) -> Manifest:
+    """`inspect_layer`, then read every byte on the CPU, one expert at a time: checksums as the
+    manifest records them, and every value finite. Returns the manifest."""
+    manifest = inspect_layer(path)
+    specs = expected_tensors(manifest)
+    shared = {n: s for n, s in specs.items() if not s.per_expert}
+    per_expert = {n: s for n, s in specs.items() if s.per_expert}
+    cpu = torch.device("cpu")
+    _read_checked(path, manifest, shared, [], cpu)
+    for expert in range(manifest.num_experts):
+        _read_checked(path, manifest, per_expert, [expert], cpu)
+    return manifest
+
+
+def _check_checksum_list(file: Path, manifest: Manifest, specs: dict[str, TensorSpec]) -> None:
+    if not manifest.tensors_xxh3:
+        log.warning(
+            "%s: written before layer directories carried checksums, so its data cannot be "
+            "verified; write it again (moe-serve convert or demo-weights) to add them",
+            file.parent,
+        )
+        return
+    check_names(file, set(specs), set(manifest.tensors_xxh3))
+    for name, spec in specs.items():
+        count = spec.shape[0] if spec.per_expert else 1
+        if len(manifest.tensors_xxh3[name]) != count:
+            raise LayerFileError(
+                file,
+                name,
+                f"tensors_xxh3 lists {len(manifest.tensors_xxh3[name])} checksums, "
+                f"expected {count}",
+            )
 
 
 def _expert_ids(experts: Sequence[int] | None, num_experts: int) -> list[int]:
@@ -160,45 +194,54 @@ def _runs(ids: list[int]) -> Iterator[tuple[int, int, int]]:
 
 
 class _Reader:
-    """Reads byte ranges of an open file into tensors on `device`.
+    """Reads byte ranges of an open file into tensors on `device`, checksumming as it goes.
 
     For CUDA it reads through two pinned buffers in turn, so that reading the next chunk from
-    the file overlaps the asynchronous copy of the last one to the GPU; nothing larger than a
-    chunk is ever staged in CPU memory. For the CPU it reads straight into the tensor.
+    the file overlaps the asynchronous copy of the last one to the GPU and its checksum (on a
+    second thread: xxhash releases the GIL); nothing larger than a chunk is ever staged in CPU
+    memory. For the CPU it reads straight into the tensor.
     """
 
     def __init__(self, fd: int, device: torch.device, file: Path) -> None:
         self.fd, self.file, self.turn = fd, file, 0
         self.cuda = device.type == "cuda"
+        self.hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-checksum")
+        self.hashed: list[Future[None]] = []
         self.buffers, self.copied = [], [None, None]
         if self.cuda:
             self.buffers = [
                 torch.empty(READ_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)
             ]
 
-    def read(self, offset: int, dst: torch.Tensor, tensor: str) -> None:
-        """Fill contiguous `dst` with the file's bytes from `offset` on."""
+    def read(self, offset: int, dst: torch.Tensor, tensor: str, digests: RowDigests) -> None:
+        """Fill contiguous `dst` with the file's bytes from `offset` on, feeding `digests`."""
         flat = dst.view(-1).view(torch.uint8)
         for start in range(0, flat.numel(), READ_CHUNK_BYTES):
             piece = flat[start : start + READ_CHUNK_BYTES]
             if not self.cuda:
                 self._pread(offset + start, piece, tensor)
+                self.hashed.append(self.hasher.submit(digests.update, piece.numpy()))
                 continue
-            buffer, done = self.buffers[self.turn], self.copied[self.turn]
-            if done is not None:
-                done.synchronize()  # the buffer's last copy to the GPU has finished
-            staged = buffer[: piece.numel()]
+            done = self.copied[self.turn]
+            if done is not None:  # the buffer's last copy to the GPU and checksum have finished
+                done[0].synchronize()
+                done[1].result()
+            staged = self.buffers[self.turn][: piece.numel()]
             self._pread(offset + start, staged, tensor)
             piece.copy_(staged, non_blocking=True)
-            self.copied[self.turn] = torch.cuda.Event()
-            self.copied[self.turn].record()
+            copy = torch.cuda.Event()
+            copy.record()
+            self.copied[self.turn] = (copy, self.hasher.submit(digests.update, staged.numpy()))
             self.turn ^= 1
 
-    def wait(self) -> None:
-        """Block until the last copies out of the staging buffers have finished."""
+    def close(self) -> None:
+        """Block until the last copies out of the staging buffers and every checksum are done."""
         for done in self.copied:
             if done is not None:
-                done.synchronize()
+                done[0].synchronize()
+        self.hasher.shutdown(wait=True)
+        for hashed in self.hashed:
+            hashed.result()
 
     def _pread(self, offset: int, into: torch.Tensor, tensor: str) -> None:
         view, got = memoryview(into.numpy()), 0
@@ -211,8 +254,9 @@ class _Reader:
 
 def _read(
     file: Path, specs: dict[str, TensorSpec], ids: list[int], device: torch.device
-) -> dict[str, torch.Tensor]:
-    """Read every tensor into a fresh buffer on `device`, expert tensors only at `ids`."""
+) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """Read every tensor into a fresh buffer on `device`, expert tensors only at `ids`; with the
+    checksum of each expert read (of the whole tensor for tensors without an expert axis)."""
     offsets = tensor_offsets(file)
     tensors = {
         n: torch.empty(
@@ -220,6 +264,7 @@ def _read(
         )
         for n, s in specs.items()
     }
+    digests: dict[str, RowDigests] = {}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     fd = os.open(file, os.O_RDONLY)
     reader = _Reader(fd, device, file)
@@ -235,23 +280,49 @@ def _read(
             for name, spec in specs.items():
                 out = tensors[name]
                 if not spec.per_expert:
-                    reader.read(offsets[name], out, name)
+                    digests[name] = RowDigests(out.numel() * out.element_size())
+                    reader.read(offsets[name], out, name, digests[name])
                     progress.update(out.numel() * out.element_size())
                     continue
                 row_bytes = out[0].numel() * out.element_size()
+                digests[name] = RowDigests(row_bytes)
                 for pos, first, count in _runs(ids):
-                    reader.read(offsets[name] + first * row_bytes, out[pos : pos + count], name)
+                    where = offsets[name] + first * row_bytes
+                    reader.read(where, out[pos : pos + count], name, digests[name])
                     progress.update(count * row_bytes)
     finally:
-        reader.wait()
+        reader.close()
         os.close(fd)
+    return tensors, {name: d.digests for name, d in digests.items()}
+
+
+def _read_checked(
+    path: Path,
+    manifest: Manifest,
+    specs: dict[str, TensorSpec],
+    ids: list[int],
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """`_read`, then refuse a checksum that differs from the manifest's or a non-finite value,
+    naming the tensor and the expert."""
+    file = path / TENSORS_FILE
+    tensors, found = _read(file, specs, ids, device)
+    for name, spec in specs.items():
+        expected = manifest.tensors_xxh3.get(name)
+        rows = ids if spec.per_expert else [0]
+        for row, got in zip(rows, found[name], strict=True):
+            want = None if expected is None else expected[row]
+            if want is not None and got != want:
+                what = f"expert {row}'s bytes" if spec.per_expert else "its bytes"
+                raise LayerFileError(
+                    file,
+                    name,
+                    f"{CHECKSUM} of {what} is {got}, the manifest says {want}: the data "
+                    "changed after it was written (disk or copy corruption)",
+                )
+        bad = first_nonfinite(tensors[name], e8m0=spec.is_scale and spec.dtype == torch.uint8)
+        if bad is not None:
+            if spec.per_expert:
+                bad[0] = ids[bad[0]]  # the global expert id
+            raise LayerFileError(file, name, f"holds NaN or Inf (first at index {bad})")
     return tensors
-
-
-def _check_finite(file: Path, name: str, spec: TensorSpec, t: torch.Tensor) -> None:
-    if not spec.is_scale:
-        return
-    bad = t == _E8M0_NAN if t.dtype == torch.uint8 else ~torch.isfinite(t)
-    if bad.any():
-        where = [int(i) for i in bad.nonzero()[0]]
-        raise LayerFileError(file, name, f"non-finite scale at index {where}")

@@ -56,6 +56,9 @@ class Manifest(BaseModel):
     shared_intermediate_size: int = Field(default=0, ge=0)
     shared_gate: bool = False  # Qwen2-MoE sigmoid gate [1, H] on the shared expert
     tensors_sha256: str = ""  # sha256 of experts.safetensors' header (names, dtypes, offsets)
+    # weights.integrity: tensor name -> xxh3-64 of its bytes, one per expert for the tensors with
+    # an expert axis. Empty in directories written before checksums (they load with a warning).
+    tensors_xxh3: dict[str, list[str]] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
@@ -93,7 +96,7 @@ class Manifest(BaseModel):
     def from_config(
         cls, cfg: MoEConfig, weights: LayerWeights, *, name: str, source: Source
     ) -> Manifest:
-        """The manifest of `weights` (laid out as `cfg` says); the hash is filled in on write."""
+        """The manifest of `weights` (laid out as `cfg` says); the hashes are filled in on write."""
         router, shared = weights.router, weights.shared
         dtype_name = next(n for n, d in DTYPES.items() if d == cfg.dtype)
         return cls(

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from kernels.layer import LayerWeights
 from weights.errors import LayerFileError
+from weights.integrity import checksums
 from weights.layout import check_names, check_tensor, expected_tensors, flatten, header_sha256
 from weights.manifest import MANIFEST_FILE, TENSORS_FILE, Manifest
 
@@ -37,7 +38,7 @@ def _fsync(path: Path) -> None:
 
 
 def write_layer(out_dir: Path, weights: LayerWeights, manifest: Manifest) -> Manifest:
-    """Write `weights` and `manifest` (hash filled in) as the layer directory `out_dir`.
+    """Write `weights` and `manifest` (hashes filled in) as the layer directory `out_dir`.
 
     An existing layer directory there is replaced; any other non-empty directory is refused.
     Returns the manifest as written.
@@ -50,6 +51,8 @@ def write_layer(out_dir: Path, weights: LayerWeights, manifest: Manifest) -> Man
         check_tensor(out_dir / TENSORS_FILE, name, specs[name], tuple(t.shape), t.dtype)
     if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / MANIFEST_FILE).exists():
         raise LayerFileError(out_dir, None, "exists and is not a layer directory; not replacing")
+    sums = {name: checksums(t, specs[name].per_expert) for name, t in tensors.items()}
+    manifest = manifest.model_copy(update={"tensors_xxh3": sums})
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with _writing_beside(out_dir):

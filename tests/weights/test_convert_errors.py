@@ -163,6 +163,37 @@ def test_wrong_dtype_names_the_tensor(tmp_path: Path):
     _convert_fails(hub, 0, tmp_path / "out", re.escape(f"'{name}': dtype torch.float32, expected"))
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_checkpoint_with_a_non_finite_expert_weight_is_refused_naming_it(
+    mixtral: tiny_hub.Hub, tmp_path: Path, value: float
+):
+    name = "model.layers.1.block_sparse_moe.experts.2.w2.weight"
+    mixtral.tensors[name][5, 9] = value
+    mixtral.write()
+    _convert_fails(
+        mixtral,
+        1,
+        tmp_path / "out",
+        re.escape(f"tensor '{name}': holds NaN or Inf (first at index [5, 9])"),
+    )
+
+
+def test_fp8_checkpoint_with_a_nan_weight_code_is_refused(tmp_path: Path):
+    hub = tiny_hub.deepseek_v3_fp8(tmp_path / "hub")
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    hub.tensors[name].view(torch.uint8)[0, 1] = 0x7F  # e4m3fn NaN
+    hub.write()
+    _convert_fails(hub, 1, tmp_path / "out", re.escape(f"'{name}': holds NaN or Inf"))
+
+
+def test_mxfp4_checkpoint_with_a_nan_scale_code_is_refused(tmp_path: Path):
+    hub = tiny_hub.gpt_oss(tmp_path / "hub", mxfp4=True)
+    name = "model.layers.0.mlp.experts.down_proj_scales"
+    hub.tensors[name][1, 2, 0] = 255  # e8m0 NaN
+    hub.write()
+    _convert_fails(hub, 0, tmp_path / "out", re.escape(f"'{name}': holds NaN or Inf"))
+
+
 def test_corrupt_safetensors_file_is_named(tmp_path: Path):
     hub = tiny_hub.qwen_moe(tmp_path / "hub", "qwen3_moe")
     (hub.root / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load_file, save_file
 
 from kernels.accuracy import relative_error
@@ -17,7 +18,8 @@ from kernels.tensors import ForwardInputs
 from service.cli import main
 from weights.demo import demo_layers, ensure_demo_layers
 from weights.errors import LayerFileError
-from weights.layout import flatten, header_sha256
+from weights.integrity import checksums
+from weights.layout import flatten, header_sha256, tensor_offsets
 from weights.load import load_layer
 from weights.manifest import MANIFEST_FILE, TENSORS_FILE
 from weights.write import write_layer
@@ -75,6 +77,17 @@ def test_ensure_demo_layers_rewrites_a_stale_copy(demo_copy: Path):
     )
 
 
+def test_ensure_demo_layers_rewrites_a_damaged_copy_or_one_without_checksums(tmp_path: Path):
+    demo, demo_fp8 = ensure_demo_layers(tmp_path)
+    _flip_data_byte(demo, "w2", expert=1)
+    manifest = json.loads((demo_fp8 / MANIFEST_FILE).read_text())
+    del manifest["tensors_xxh3"]
+    (demo_fp8 / MANIFEST_FILE).write_text(json.dumps(manifest))
+    ensure_demo_layers(tmp_path)
+    for path in (demo, demo_fp8):
+        assert load_layer(path, CPU).manifest.tensors_xxh3
+
+
 def test_load_selected_experts_reads_only_their_slices_in_the_order_asked(demo_dirs: list[Path]):
     full = load_layer(demo_dirs[1], CPU)
     part = load_layer(demo_dirs[1], CPU, experts=[5, 6, 0])
@@ -130,9 +143,10 @@ def test_truncated_header_is_a_clear_error(demo_copy: Path):
 
 
 def _replace_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Write new tensors and a manifest hash that matches them, as a buggy writer would."""
+    """Write new tensors and manifest hashes that match them, as a buggy writer would."""
     save_file(tensors, path / TENSORS_FILE)
-    _rewrite_manifest(path, tensors_sha256=header_sha256(path / TENSORS_FILE))
+    sums = {n: checksums(t, per_expert=n.startswith("w")) for n, t in tensors.items()}
+    _rewrite_manifest(path, tensors_sha256=header_sha256(path / TENSORS_FILE), tensors_xxh3=sums)
 
 
 def test_wrong_shape_names_the_tensor(demo_copy: Path):
@@ -168,8 +182,87 @@ def test_non_finite_scale_is_refused(demo_copy: Path):
     tensors = flatten(load_layer(demo_copy, CPU).weights)
     tensors["w13_scale"][3, 1, 0] = float("nan")
     _replace_tensors(demo_copy, tensors)
-    with pytest.raises(LayerFileError, match=r"'w13_scale': non-finite scale at index \[3, 1, 0\]"):
+    with pytest.raises(LayerFileError, match=r"'w13_scale': holds NaN or Inf .*\[3, 1, 0\]"):
         load_layer(demo_copy, CPU)
+
+
+def _flip_data_byte(path: Path, tensor: str, expert: int) -> None:
+    """Flip one bit in the middle of `expert`'s bytes of `tensor`, header untouched."""
+    file = path / TENSORS_FILE
+    row = load_file(file)[tensor][expert]
+    row_bytes = row.numel() * row.element_size()
+    raw = bytearray(file.read_bytes())
+    raw[tensor_offsets(file)[tensor] + expert * row_bytes + row_bytes // 2] ^= 0x10
+    file.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("tensor", ["w13", "w2_scale"])
+def test_flipped_data_bit_is_refused_by_load_and_inspect_naming_tensor_and_expert(
+    demo_copy: Path, tensor: str, capsys: pytest.CaptureFixture[str]
+):
+    _flip_data_byte(demo_copy, tensor, expert=5)
+    match = rf"experts\.safetensors: tensor '{tensor}': xxh3-64 of expert 5's bytes is \w+, the "
+    with pytest.raises(LayerFileError, match=match + "manifest says"):
+        load_layer(demo_copy, CPU)
+    with pytest.raises(LayerFileError, match=match):
+        load_layer(demo_copy, CPU, experts=[6, 5])  # an expert-parallel rank checks its own
+    load_layer(demo_copy, CPU, experts=[0, 1, 2, 3, 4, 6, 7])  # the others are intact
+    assert main(["inspect", str(demo_copy)]) == 1
+    assert f"tensor '{tensor}': xxh3-64 of expert 5's bytes" in capsys.readouterr().err
+
+
+def test_nan_weight_with_matching_checksums_is_refused_by_load_and_inspect(
+    demo_dirs: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
+    path = tmp_path / "layer"
+    path.mkdir()
+    for f in demo_dirs[0].iterdir():  # bf16 "demo"
+        (path / f.name).write_bytes(f.read_bytes())
+    tensors = flatten(load_layer(path, CPU).weights)
+    tensors["w2"][6, 100, 7] = float("nan")
+    _replace_tensors(path, tensors)
+    with pytest.raises(LayerFileError, match=r"'w2': holds NaN or Inf \(first at index \[6, 100"):
+        load_layer(path, CPU)
+    assert main(["inspect", str(path)]) == 1
+    assert "tensor 'w2': holds NaN or Inf (first at index [6, 100, 7])" in capsys.readouterr().err
+
+
+def test_fp8_nan_code_in_a_weight_is_refused(demo_copy: Path):
+    tensors = flatten(load_layer(demo_copy, CPU).weights)
+    tensors["w13"].view(torch.uint8)[2, 3, 4] = 0xFF  # e4m3fn NaN
+    _replace_tensors(demo_copy, tensors)
+    with pytest.raises(LayerFileError, match=r"'w13': holds NaN or Inf .*\[2, 3, 4\]"):
+        load_layer(demo_copy, CPU)
+
+
+def test_directory_written_before_checksums_loads_with_a_warning(
+    demo_copy: Path, caplog: pytest.LogCaptureFixture
+):
+    manifest = json.loads((demo_copy / MANIFEST_FILE).read_text())
+    del manifest["tensors_xxh3"]
+    (demo_copy / MANIFEST_FILE).write_text(json.dumps(manifest))
+    loaded = load_layer(demo_copy, CPU)
+    assert loaded.manifest.tensors_xxh3 == {}
+    assert "written before layer directories carried checksums" in caplog.text
+
+
+def test_checksum_list_that_does_not_fit_the_tensors_is_refused(demo_copy: Path):
+    manifest = json.loads((demo_copy / MANIFEST_FILE).read_text())
+    manifest["tensors_xxh3"]["w2"] = manifest["tensors_xxh3"]["w2"][:-1]
+    (demo_copy / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(LayerFileError, match="'w2': tensors_xxh3 lists 7 checksums, expected 8"):
+        load_layer(demo_copy, CPU)
+
+
+def test_written_checksums_are_xxh3_of_each_experts_bytes(demo_dirs: list[Path]):
+    manifest = json.loads((demo_dirs[1] / MANIFEST_FILE).read_text())
+    tensors = load_file(demo_dirs[1] / TENSORS_FILE)
+    w2 = tensors["w2"].view(torch.uint8)
+    assert manifest["tensors_xxh3"]["w2"] == [
+        xxhash.xxh3_64_hexdigest(w2[e].numpy().tobytes()) for e in range(8)
+    ]
+    gate = tensors["gate"].view(torch.uint8).numpy().tobytes()
+    assert manifest["tensors_xxh3"]["gate"] == [xxhash.xxh3_64_hexdigest(gate)]
 
 
 def test_write_replaces_a_layer_dir_and_refuses_other_dirs(demo_dirs: list[Path], tmp_path: Path):
@@ -248,3 +341,14 @@ def test_cuda_load_equals_cpu_load_through_small_pinned_chunks(
         for name, t in on_cpu.items():
             assert on_gpu[name].is_cuda
             assert torch.equal(on_gpu[name].cpu().view(torch.uint8), t.view(torch.uint8)), name
+
+
+@pytest.mark.gpu
+def test_cuda_load_checksums_through_pinned_chunks_and_refuses_a_flipped_bit(
+    demo_copy: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr("weights.load.READ_CHUNK_BYTES", 1 << 16)  # rows span several chunks
+    load_layer(demo_copy, torch.device("cuda"), experts=[7, 1, 2])
+    _flip_data_byte(demo_copy, "w13", expert=2)
+    with pytest.raises(LayerFileError, match="'w13': xxh3-64 of expert 2's bytes"):
+        load_layer(demo_copy, torch.device("cuda"), experts=[7, 1, 2])

@@ -37,7 +37,7 @@ def _mxfp4_weight(ckpt: Checkpoint, name: str, n: int, k: int) -> tuple[torch.Te
     """`{name}_blocks` [E, N, K/32, 16] -> packed [E, N, K/2]; `{name}_scales` [E, N, K/32]."""
     e = ckpt.config_int("num_local_experts")
     blocks = ckpt.get(f"{name}_blocks", (e, n, k // MXFP4_GROUP, MXFP4_GROUP // 2), _U8)
-    scales = ckpt.get(f"{name}_scales", (e, n, k // MXFP4_GROUP), _U8)
+    scales = ckpt.get(f"{name}_scales", (e, n, k // MXFP4_GROUP), _U8, e8m0=True)
     # both put element 2j in the low nibble: the blocks are our packing, regrouped
     return blocks.flatten(-2), scales
 

@@ -23,6 +23,7 @@ from kernels.quant_scheme import FP8, FP8_BLOCK, QuantConfig, QuantScheme
 from kernels.quantize import dequantize_weight
 from kernels.tensors import ExpertWeights
 from weights.errors import LayerFileError
+from weights.integrity import first_nonfinite
 from weights.manifest import Source
 
 CONFIG_FILE = "config.json"
@@ -150,8 +151,11 @@ class Checkpoint:
         name: str,
         shape: tuple[int, ...],
         dtypes: tuple[torch.dtype, ...] | None = None,
+        *,
+        e8m0: bool = False,
     ) -> torch.Tensor:
-        """Read one tensor, checking its shape (from config.json) and dtype."""
+        """Read one tensor, checking its shape (from config.json), dtype and that its values are
+        finite (`e8m0`: a uint8 tensor of e8m0 scales, whose code 255 is NaN)."""
         file = self.file_of(name)
         handle = self._open(file, name)
         try:
@@ -167,6 +171,9 @@ class Checkpoint:
         if dtypes is not None and tensor.dtype not in dtypes:
             expected = " or ".join(str(d) for d in dtypes)
             raise LayerFileError(file, name, f"dtype {tensor.dtype}, expected {expected}")
+        bad = first_nonfinite(tensor, e8m0=e8m0)
+        if bad is not None:
+            raise LayerFileError(file, name, f"holds NaN or Inf (first at index {bad})")
         return tensor
 
     def get_float(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
