@@ -75,8 +75,11 @@ async def _start(runtime: Runtime, loader: LayerLoader) -> None:
     try:
         engine = await asyncio.to_thread(_build_engine, settings, loader, runtime.metrics)
     except Exception as err:
-        log.exception("loading the layers failed")
+        # a bad layer file names itself; anything else is a bug, worth its traceback
+        log.error("loading the layers failed: %s", err, exc_info=not isinstance(err, ValueError))
         runtime.not_ready = f"loading the layers failed: {err}"
+        runtime.start_failed = True
+        runtime.on_start_failure()
         return
     # one chunk size: batches of at most the tokens the layers' workspaces were reserved for
     policy = BatchPolicy(
@@ -115,7 +118,12 @@ def create_app(settings: Settings, loader: LayerLoader = load_from_disk) -> Fast
     install_handlers(app)
     secret = settings.api_token
     token = None if secret is None else secret.get_secret_value().encode()
-    app.add_middleware(RequestMiddleware, metrics=runtime.metrics, token=token)
+    app.add_middleware(
+        RequestMiddleware,
+        metrics=runtime.metrics,
+        token=token,
+        max_connections=settings.max_connections,
+    )
     for module in (health, metrics, introspect, forward, kserve):
         app.include_router(module.router)
     return app

@@ -24,7 +24,7 @@ from kernels.layer import LayerOutput
 from kernels.quant_scheme import ActQuant
 from kernels.tensors import ForwardInputs, Routing
 from service.engine import Engine
-from service.errors import ForwardFailed, NotReady, Overloaded
+from service.errors import ForwardFailed, NotReady, Overloaded, ShuttingDown
 from service.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ class DynamicBatcher:
         """inputs [T, H] (float32, CPU) -> the layer's output [T, H] and routing, in order."""
         self.engine.get(name)  # UnknownLayer before anything is queued
         if self._closing:
-            raise NotReady("the server is shutting down", {"Retry-After": RETRY_AFTER_S})
+            raise ShuttingDown()
         q = self._queues[name]
         if q.requests >= self.policy.max_queue:
             raise Overloaded(

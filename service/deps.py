@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -10,7 +12,13 @@ from fastapi import Depends, Request
 
 from service.batcher import DynamicBatcher
 from service.engine import Engine
-from service.errors import BadInput, NotReady, PayloadTooLarge, UnsupportedMediaType
+from service.errors import (
+    BadInput,
+    NotReady,
+    PayloadTooLarge,
+    RequestTimeout,
+    UnsupportedMediaType,
+)
 from service.metrics import Metrics
 from service.settings import Settings
 
@@ -28,6 +36,9 @@ class Runtime:
     engine: Engine | None = None
     batcher: DynamicBatcher | None = None
     not_ready: str | None = "loading layers"  # None once ready
+    start_failed: bool = False  # loading or warming up the layers raised
+    # What a failed start does besides answering 503: `moe-serve serve` stops the server.
+    on_start_failure: Callable[[], None] = lambda: None
 
 
 # Dependencies are `async def` although they never wait: FastAPI runs a plain `def` one on a
@@ -60,11 +71,18 @@ async def get_body(request: Request, runtime: RuntimeDep) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds the {limit}-byte limit")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
-        chunks.append(chunk)
+    timeout_s = runtime.settings.read_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):  # a client that stalls mid-body holds nothing long
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestTimeout(
+            f"the request body did not arrive within {timeout_s:g} s ({size} bytes came)"
+        ) from None
     return _decode(b"".join(chunks), request.headers.get("content-encoding", "identity"), limit)
 
 

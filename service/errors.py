@@ -38,6 +38,15 @@ class UnknownLayer(ServiceError):
     status = 404
 
 
+class RequestTimeout(ServiceError):
+    """The body did not arrive in time; the connection is closed (the rest is not read)."""
+
+    status = 408
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, {"Connection": "close"})
+
+
 class PayloadTooLarge(ServiceError):
     status = 413
 
@@ -52,6 +61,15 @@ class Overloaded(ServiceError):
 
 class NotReady(ServiceError):
     status = 503
+
+
+class ShuttingDown(NotReady):
+    """SIGTERM: refused while draining, or cut off when the drain timeout passed."""
+
+    RETRY_AFTER_S = "1"  # another replica, or this one restarted, can serve it
+
+    def __init__(self, message: str = "the server is shutting down") -> None:
+        super().__init__(message, {"Retry-After": self.RETRY_AFTER_S})
 
 
 class ForwardFailed(ServiceError):

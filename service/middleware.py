@@ -1,8 +1,10 @@
-"""Per-request plumbing as one pure ASGI middleware: request id, bearer auth, the log line and
-the request metrics. (Starlette's BaseHTTPMiddleware would spawn a task per request.)"""
+"""Per-request plumbing as one pure ASGI middleware: request id, bearer auth, the 503 of a
+connection beyond max_connections, the log line and the request metrics. (Starlette's
+BaseHTTPMiddleware would spawn a task per request.)"""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import re
@@ -13,8 +15,9 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import logs
-from service.errors import error_response
+from service.errors import ShuttingDown, error_response
 from service.metrics import Metrics
+from service.server import OVER_CAPACITY
 
 log = logging.getLogger(__name__)
 
@@ -25,10 +28,13 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v2/health/live", "/v2
 
 
 class RequestMiddleware:
-    def __init__(self, app: ASGIApp, metrics: Metrics, token: bytes | None) -> None:
+    def __init__(
+        self, app: ASGIApp, metrics: Metrics, token: bytes | None, max_connections: int
+    ) -> None:
         self.app = app
         self.metrics = metrics
         self.token = token  # None: no auth
+        self.max_connections = max_connections  # named in the 503 a connection beyond it gets
 
     def _authorized(self, scope: Scope, headers: Headers) -> bool:
         if self.token is None or scope["path"] in OPEN_PATHS:
@@ -55,13 +61,30 @@ class RequestMiddleware:
             await send(message)
 
         try:
-            if self._authorized(scope, headers):
+            if scope.get(OVER_CAPACITY) and scope["path"] not in OPEN_PATHS:
+                busy = error_response(
+                    503,
+                    f"the server has {self.max_connections} connections open "
+                    "(MOE_SERVE_MAX_CONNECTIONS); retry",
+                    {"Retry-After": ShuttingDown.RETRY_AFTER_S, "Connection": "close"},
+                )
+                await busy(scope, receive, send_with_id)
+            elif self._authorized(scope, headers):
                 await self.app(scope, receive, send_with_id)
             else:
                 denied = error_response(
                     401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}
                 )
                 await denied(scope, receive, send_with_id)
+        except asyncio.CancelledError:
+            # uvicorn cancels the requests still running when MOE_SERVE_DRAIN_TIMEOUT_S has
+            # passed after SIGTERM (nothing else cancels a request). Answer instead of letting
+            # uvicorn log a traceback and send a plain-text 500; the cancellation has done its
+            # job once this request ends.
+            if status:
+                raise
+            cut = ShuttingDown("the server shut down before this request finished; retry")
+            await error_response(cut.status, cut.message, cut.headers)(scope, receive, send_with_id)
         except Exception:
             log.exception("unhandled error on %s %s", scope["method"], scope["path"])
             if status:  # the response has begun: nothing more can be said to the client

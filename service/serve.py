@@ -9,12 +9,14 @@ from pathlib import Path
 import uvicorn
 from pydantic import ValidationError
 
+from kernels.placement import Placement
 from kernels.registry import experts_backends
 from kernels.selection import select
 from service import logs
 from service.app import create_app
 from service.ep import rank_device
 from service.errors import describe_validation_error
+from service.server import listen, server_config
 from service.settings import Settings
 from weights.demo import demo_configs
 from weights.load import inspect_layer
@@ -62,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = Settings(**given)
         _check_layers(settings)
+        listener = listen(settings.host, settings.port)
     except ValidationError as err:
         return _refuse(f"invalid settings: {describe_validation_error(err)}")
     except ValueError as err:  # LayerFileError is a ValueError
@@ -69,14 +72,12 @@ def run(args: argparse.Namespace) -> int:
     logs.configure(settings.log_level, settings.log_format)
     if settings.api_token is None and settings.host not in LOOPBACK:
         log.warning("listening on %s with no MOE_SERVE_API_TOKEN: open to all", settings.host)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_config=None,  # keep the handlers logs.configure installed
-        timeout_graceful_shutdown=settings.drain_timeout_s,
-    )
-    return 0
+    app = create_app(settings)
+    server = uvicorn.Server(server_config(app, settings))
+    # a start that fails after the checks above (a layer's data, the device) ends the process
+    app.state.runtime.on_start_failure = lambda: setattr(server, "should_exit", True)
+    server.run(sockets=[listener])
+    return 1 if app.state.runtime.start_failed else 0
 
 
 def _check_layers(settings: Settings) -> None:
@@ -86,10 +87,21 @@ def _check_layers(settings: Settings) -> None:
     backends = experts_backends()
     if settings.backend != "auto" and settings.backend not in backends:
         raise ValueError(f"unknown backend {settings.backend!r}; registered: {', '.join(backends)}")
-    configs = {str(path): inspect_layer(path).to_config() for path in settings.weights}
+    manifests = {str(path): inspect_layer(path) for path in settings.weights}
+    named: dict[str, str] = {}
+    for where, manifest in manifests.items():
+        if manifest.name in named:
+            raise ValueError(
+                f"{named[manifest.name]} and {where} are both named {manifest.name!r}; "
+                "layer names must be unique"
+            )
+        named[manifest.name] = where
+    configs = {where: manifest.to_config() for where, manifest in manifests.items()}
     for where, cfg in (configs or demo_configs()).items():
         try:
             select(cfg, device, settings.backend, expert_parallel=settings.ep > 1)
+            if settings.ep_placement is not None:
+                Placement.from_file(settings.ep_placement, cfg.num_experts, settings.ep)
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
 

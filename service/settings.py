@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -39,12 +39,22 @@ class Settings(BaseSettings):
     ep: int = Field(1, ge=1)  # expert-parallel ranks, one GPU each; rank 0 serves HTTP
     ep_placement: Path | None = None  # JSON: experts per rank; None: contiguous slices
     drain_timeout_s: float = Field(30.0, gt=0)  # SIGTERM: how long in-flight requests may finish
+    # A request's head, and then its body, must each arrive within this (else closed, or 408).
+    read_timeout_s: float = Field(30.0, gt=0)
+    max_connections: int = Field(1024, ge=1)  # beyond: a JSON 503 and the connection closed
 
     @field_validator("weights", mode="before")
     @classmethod
     def _split_paths(cls, value: object) -> object:
         if isinstance(value, str):
             return tuple(p for p in value.split(",") if p.strip())
+        return value
+
+    @field_validator("ep_placement")
+    @classmethod
+    def _check_placement(cls, value: Path | None, info: ValidationInfo) -> Path | None:
+        if value is not None and info.data.get("ep") == 1:
+            raise ValueError("places experts over expert-parallel ranks: it needs ep > 1")
         return value
 
     @field_validator("device")

@@ -16,6 +16,7 @@ from kernels.config import MoEConfig, RoutingConfig
 from kernels.layer import LayerWeights, RouterWeights, build_layer
 from kernels.random_weights import random_expert_weights
 from kernels.tensors import ForwardInputs
+from service.server import listen, server_config
 
 E, H, INTER, TOP_K = 4, 64, 128, 2
 TINY = "tiny"  # float32, stored router
@@ -58,16 +59,18 @@ def reference_forward(
 
 @contextlib.contextmanager
 def running_server(app: FastAPI) -> Iterator[str]:
-    """A real uvicorn server for `app` on a free 127.0.0.1 port; yields its base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None))
-    thread = threading.Thread(target=server.run, daemon=True)
+    """A real uvicorn server for `app` on a free 127.0.0.1 port, configured as `moe-serve serve`
+    configures it; yields its base URL."""
+    server = uvicorn.Server(server_config(app, app.state.runtime.settings))
+    listener = listen("127.0.0.1", 0)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + START_TIMEOUT_S
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    port = listener.getsockname()[1]
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -98,11 +98,15 @@ def test_serve_warns_when_listening_beyond_loopback_without_a_token(
     monkeypatch, caplog, host: str, token: str | None, warned: bool
 ) -> None:
     started = []
-    monkeypatch.setattr("service.serve.uvicorn.run", lambda app, **kw: started.append(kw["host"]))
+
+    def run(server: object, sockets: list[socket.socket]) -> None:
+        started.append(sockets[0].getsockname()[0])
+
+    monkeypatch.setattr("service.serve.uvicorn.Server.run", run)
     monkeypatch.setattr("service.serve.logs.configure", lambda *args: None)  # keep caplog's
     if token:
         monkeypatch.setenv("MOE_SERVE_API_TOKEN", token)
-    assert main(["serve", "--host", host, "--device", "cpu"]) == 0
+    assert main(["serve", "--host", host, "--port", "0", "--device", "cpu"]) == 0
     assert started == [host]
     assert ("with no MOE_SERVE_API_TOKEN: open to all" in caplog.text) is warned
 
@@ -112,59 +116,145 @@ def test_serve_refuses_a_bad_option_value_naming_it(caplog) -> None:
     assert "port: Input should be less than or equal to 65535" in caplog.text
 
 
+def test_serve_refuses_two_layers_of_one_name_before_starting(tmp_path: Path, caplog) -> None:
+    layer = ensure_demo_layers(tmp_path)[0]
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in layer.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    argv = ["serve", "--weights", str(layer), "--weights", str(copy), "--device", "cpu"]
+    assert main(argv) == 2
+    assert f"{layer} and {copy} are both named 'demo'; layer names must be unique" in caplog.text
+
+
+def test_serve_refuses_a_placement_file_without_expert_parallelism(tmp_path: Path, caplog) -> None:
+    placement = tmp_path / "placement.json"
+    placement.write_text('{"ranks": [[0, 1, 2, 3, 4, 5, 6, 7]]}')
+    assert main(["serve", "--ep-placement", str(placement), "--device", "cpu"]) == 2
+    expected = (
+        "ep_placement: Value error, places experts over expert-parallel ranks: it needs ep > 1"
+    )
+    assert expected in caplog.text
+
+
+def test_serve_refuses_a_placement_file_that_does_not_fit_the_layers(tmp_path: Path, caplog):
+    placement = tmp_path / "placement.json"
+    placement.write_text('{"ranks": [[0, 1, 2], [3, 4, 5, 6]]}')  # expert 7 is nowhere
+    argv = ["serve", "--ep", "2", "--ep-placement", str(placement), "--device", "cpu"]
+    assert main(argv) == 2
+    assert "demo: placement file " in caplog.text
+    assert "every expert of 0..7 must sit on exactly one rank: missing [7]" in caplog.text
+
+
+def test_serve_refuses_a_port_in_use_before_loading_anything(tmp_path: Path, caplog) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["serve", "--port", str(port), "--device", "cpu", "--cache-dir", str(tmp_path)]
+        assert main(argv) == 2
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in caplog.text
+    assert list(tmp_path.iterdir()) == []  # the demo layers were not even written
+
+
+def test_serve_stops_with_status_1_when_a_layer_fails_to_load(
+    tmp_path: Path, caplog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Damaged data passes the header checks made before starting; the load finds it, and the
+    process ends instead of answering 503 forever."""
+    monkeypatch.setattr("service.serve.logs.configure", lambda *args: None)  # keep caplog's
+    layer = ensure_demo_layers(tmp_path)[0]
+    raw = bytearray((layer / "experts.safetensors").read_bytes())
+    raw[-100] ^= 0xFF
+    (layer / "experts.safetensors").write_bytes(bytes(raw))
+    assert main(["serve", "--weights", str(layer), "--device", "cpu", "--port", "0"]) == 1
+    assert "loading the layers failed: " in caplog.text
+    assert "xxh3-64 of" in caplog.text
+    assert "ready:" not in caplog.text
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-def test_sigterm_drains_in_flight_requests_before_exiting(tmp_path: Path) -> None:
+def _serve_until_ready(tmp_path: Path, *args: str, env: dict[str, str] | None = None):
+    """`moe-serve serve` on the demo layers at a free port, once /ready says 200: (proc, url)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    # A long batch delay keeps the request queued when SIGTERM arrives.
     proc = _serve(
-        "--port", str(port), "--device", "cpu", "--max-batch-delay-ms", "3000",
-        "--log-format", "json",
-        env={"MOE_SERVE_CACHE_DIR": str(tmp_path)},
+        "--port", str(port), "--device", "cpu", *args,
+        env={"MOE_SERVE_CACHE_DIR": str(tmp_path), **(env or {})},
     )  # fmt: skip
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{url}/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server never got ready"
-            time.sleep(0.1)
-        x = torch.randn(3, 256)
-        replies: list[httpx.Response] = []
-        request = threading.Thread(
-            target=lambda: replies.append(
-                httpx.post(
-                    f"{url}/v1/layers/demo/forward",
-                    content=safetensors.torch.save({"hidden_states": x}),
-                    headers={"Content-Type": "application/octet-stream"},
-                    timeout=EXIT_TIMEOUT_S,
-                )
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{url}/ready").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server never got ready"
+        time.sleep(0.1)
+
+
+def _sigterm_with_a_request_queued(proc: subprocess.Popen, url: str) -> httpx.Response:
+    """Post a forward, SIGTERM once it waits in its batch; the reply, after the process ended."""
+    x = torch.randn(3, 256)
+    replies: list[httpx.Response] = []
+    request = threading.Thread(
+        target=lambda: replies.append(
+            httpx.post(
+                f"{url}/v1/layers/demo/forward",
+                content=safetensors.torch.save({"hidden_states": x}),
+                headers={"Content-Type": "application/octet-stream"},
+                timeout=EXIT_TIMEOUT_S,
             )
         )
-        request.start()
-        queued = 'moe_serve_queue_depth{layer="demo"} 1.0'
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while queued not in httpx.get(f"{url}/metrics").text:  # the request waits in its batch
-            assert time.monotonic() < deadline, "the request never reached the queue"
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGTERM)
-        request.join(EXIT_TIMEOUT_S)
-        # uvicorn re-raises the signal once it has shut down, as a process killed by it would
-        assert proc.wait(EXIT_TIMEOUT_S) == -signal.SIGTERM
+    )
+    request.start()
+    queued = 'moe_serve_queue_depth{layer="demo"} 1.0'
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while queued not in httpx.get(f"{url}/metrics").text:  # the request waits in its batch
+        assert time.monotonic() < deadline, "the request never reached the queue"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    request.join(EXIT_TIMEOUT_S)
+    # uvicorn re-raises the signal once it has shut down, as a process killed by it would:
+    # the shell sees 128 + 15 = 143
+    assert proc.wait(EXIT_TIMEOUT_S) == -signal.SIGTERM
+    return replies[0]
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_requests_before_exiting(tmp_path: Path) -> None:
+    # A long batch delay keeps the request queued when SIGTERM arrives.
+    proc, url = _serve_until_ready(tmp_path, "--max-batch-delay-ms", "3000", "--log-format", "json")
+    try:
+        reply = _sigterm_with_a_request_queued(proc, url)
     finally:
         proc.kill()
-    assert replies[0].status_code == 200
-    assert safetensors.torch.load(replies[0].content)["output"].shape == (3, 256)
+    assert reply.status_code == 200
+    assert safetensors.torch.load(reply.content)["output"].shape == (3, 256)
     log = proc.stdout.read()
     assert '"message": "POST /v1/layers/demo/forward -> 200' in log  # JSON lines, with its id
     assert log.index("POST /v1/layers/demo/forward -> 200") < log.index("shutdown complete")
+
+
+@pytest.mark.slow
+def test_request_cut_by_the_drain_timeout_gets_a_json_503_with_retry_after(tmp_path: Path) -> None:
+    # The batch waits 20 s; the drain allows 1 s.
+    proc, url = _serve_until_ready(
+        tmp_path, "--max-batch-delay-ms", "20000", env={"MOE_SERVE_DRAIN_TIMEOUT_S": "1"}
+    )
+    try:
+        reply = _sigterm_with_a_request_queued(proc, url)
+    finally:
+        proc.kill()
+    assert reply.status_code == 503
+    assert reply.headers["Retry-After"] == "1"
+    assert reply.json() == {"error": "the server shut down before this request finished; retry"}
+    log = proc.stdout.read()
+    assert "Traceback" not in log
+    assert "POST /v1/layers/demo/forward -> 503" in log

@@ -1,0 +1,94 @@
+"""The uvicorn server as `moe-serve serve` runs it, with two bounds uvicorn lacks, added to its
+HTTP protocol:
+
+- at most `max_connections` open connections: a request on a connection beyond them gets a
+  JSON 503 (the probes and /metrics still answer) and its connection is closed;
+- a request head must arrive within `read_timeout_s` of the connection opening or of the last
+  response: uvicorn closes idle keep-alive connections, but never one whose client sent part of
+  its headers and stalled. The body's deadline is the app's (`service.deps.get_body`: 408).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import uvicorn
+from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+OVER_CAPACITY = "moe_serve.over_capacity"  # scope key: the connection is beyond max_connections
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, so that a port in use is known before anything loads
+    (uvicorn would find out after the app has started, and log it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as err:
+        listener.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+    return listener
+
+
+def server_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        log_config=None,  # keep the handlers service.logs installed
+        timeout_graceful_shutdown=settings.drain_timeout_s,
+        http=bounded_protocol(settings.max_connections, settings.read_timeout_s),
+    )
+
+
+def bounded_protocol(max_connections: int, read_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (h11, or httptools when installed) with both bounds."""
+
+    class BoundedHTTPProtocol(AutoHTTPProtocol):
+        _head_deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                self.app = _flag_over_capacity(self.app)
+            self._await_head()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._await_head()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+            super().connection_lost(exc)
+
+        def _await_head(self) -> None:
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+            overdue = self._head_overdue
+            self._head_deadline = self.loop.call_later(read_timeout_s, overdue, self.cycle)
+
+        def _head_overdue(self, cycle: object) -> None:
+            """Close the connection unless a request has started since the deadline was set."""
+            idle = cycle is None or cycle.response_complete
+            if self.cycle is cycle and idle and not self.transport.is_closing():
+                log.info("closing a connection: no request head within %g s", read_timeout_s)
+                self.transport.close()
+
+    return BoundedHTTPProtocol
+
+
+def _flag_over_capacity(app: object) -> object:
+    async def flagged(scope: Scope, receive: Receive, send: Send) -> None:
+        scope[OVER_CAPACITY] = True
+        await app(scope, receive, send)
+
+    return flagged

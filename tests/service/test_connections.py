@@ -1,0 +1,103 @@
+"""Hostile clients on a real server: stalled heads and bodies are dropped in bounded time, and
+the open connections are bounded."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from service.app import create_app
+from service.settings import Settings
+from tests.service.conftest import wait_ready
+from tests.service.layers import TINY, running_server, tiny_loader
+
+READ_TIMEOUT_S = 1.0
+MAX_CONNECTIONS = 3
+WAIT_S = 10.0  # far above READ_TIMEOUT_S: what the tests allow before calling it a hang
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, int]]:
+    settings = Settings(
+        device="cpu", read_timeout_s=READ_TIMEOUT_S, max_connections=MAX_CONNECTIONS
+    )
+    with running_server(create_app(settings, tiny_loader)) as url:
+        with httpx.Client(base_url=url) as http:
+            wait_ready(http.get)
+        yield url, int(url.rsplit(":", 1)[1])
+
+
+def _connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.settimeout(WAIT_S)
+    return sock
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (raises on a hang)."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def test_a_body_that_stalls_gets_408_and_the_connection_closed(server) -> None:
+    _, port = server
+    with _connect(port) as sock:
+        started = time.monotonic()
+        sock.sendall(
+            f"POST /v1/layers/{TINY}/forward HTTP/1.1\r\nHost: t\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+            '{"hidden_states": [[0.1, '.encode()
+        )
+        reply = _read_until_closed(sock)
+        seconds = time.monotonic() - started
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ")
+    assert json.loads(body)["error"].startswith("the request body did not arrive within 1 s")
+    assert READ_TIMEOUT_S <= seconds < WAIT_S
+
+
+def test_a_request_head_that_stalls_has_its_connection_closed(server) -> None:
+    _, port = server
+    with _connect(port) as sock:
+        started = time.monotonic()
+        sock.sendall(b"POST /v1/layers/tiny/forward HTTP/1.1\r\nHost: t\r\nContent-Le")
+        assert _read_until_closed(sock) == b""
+        assert READ_TIMEOUT_S <= time.monotonic() - started < WAIT_S
+
+
+def test_a_connection_that_never_sends_is_closed(server) -> None:
+    _, port = server
+    with _connect(port) as sock:
+        assert _read_until_closed(sock) == b""
+
+
+def test_connections_beyond_the_limit_get_a_json_503_but_the_probes_answer(server) -> None:
+    url, port = server
+    idle = [_connect(port) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.2)  # the server has accepted them
+        with httpx.Client(base_url=url, timeout=WAIT_S) as http:
+            busy = http.post(f"/v1/layers/{TINY}/forward", json={"hidden_states": [[0.0] * 64]})
+        with httpx.Client(base_url=url, timeout=WAIT_S) as http:
+            alive = http.get("/health")
+    finally:
+        for sock in idle:
+            sock.close()
+    assert busy.status_code == 503
+    assert busy.headers["Retry-After"] == "1"
+    assert busy.json() == {
+        "error": f"the server has {MAX_CONNECTIONS} connections open (MOE_SERVE_MAX_CONNECTIONS); "
+        "retry"
+    }
+    assert alive.status_code == 200
+    time.sleep(0.2)  # the idle ones are gone: requests are served again
+    with httpx.Client(base_url=url, timeout=WAIT_S) as http:
+        served = http.post(f"/v1/layers/{TINY}/forward", json={"hidden_states": [[0.0] * 64]})
+    assert served.status_code == 200
