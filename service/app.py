@@ -13,14 +13,14 @@ from pathlib import Path
 import torch
 from fastapi import FastAPI
 
-from service import __version__
+from service import __version__, docs
 from service.batcher import BatchPolicy, DynamicBatcher
 from service.deps import Runtime
 from service.engine import Engine, LayerSource
 from service.ep import EPEngine
 from service.errors import install_handlers
 from service.metrics import Metrics
-from service.middleware import RequestMiddleware
+from service.middleware import OPEN_PATHS, RequestMiddleware
 from service.routes import forward, health, introspect, kserve, metrics
 from service.settings import Settings
 
@@ -108,7 +108,7 @@ def create_app(settings: Settings, loader: LayerLoader = load_from_disk) -> Fast
         if isinstance(runtime.engine, EPEngine):
             await asyncio.to_thread(runtime.engine.close)
 
-    app = FastAPI(
+    app = docs.offline_app(
         title="moe-serve",
         version=__version__,
         summary="Mixture-of-Experts layers over HTTP: JSON, safetensors and KServe v2",
@@ -118,6 +118,8 @@ def create_app(settings: Settings, loader: LayerLoader = load_from_disk) -> Fast
     install_handlers(app)
     secret = settings.api_token
     token = None if secret is None else secret.get_secret_value().encode()
+    if token is not None:
+        docs.declare_bearer(app, OPEN_PATHS)
     app.add_middleware(
         RequestMiddleware,
         metrics=runtime.metrics,

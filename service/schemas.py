@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-_EXAMPLE_ROWS = [[0.1, -0.2, 0.3, 0.0], [0.5, 0.25, -1.0, 2.0]]
+from service.docs import DEMO_ROWS
 
 
 def inline_json_schema(model: type[BaseModel]) -> dict[str, Any]:
@@ -37,7 +37,7 @@ class ForwardRequest(BaseModel):
 
     hidden_states: list[list[float]] = Field(
         description="[tokens, hidden_size] activations entering the MoE block",
-        examples=[_EXAMPLE_ROWS],
+        examples=[DEMO_ROWS],
     )
     router_logits: list[list[float]] | None = Field(
         None,

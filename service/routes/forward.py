@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from kernels.layer import LayerOutput
 from kernels.tensors import ForwardInputs
 from service.deps import BatcherDep, BodyDep, EngineDep
+from service.docs import DEMO_LOGITS, DEMO_ROWS
 from service.engine import ServedLayer
 from service.errors import BadInput, UnsupportedMediaType, describe_validation_error
 from service.inputs import check_inputs, rows_to_tensor
@@ -43,11 +44,11 @@ _OPENAPI = {
             JSON: {
                 "schema": inline_json_schema(ForwardRequest),
                 "examples": {
-                    "stored router": {"value": {"hidden_states": [[0.1] * 4, [0.2] * 4]}},
+                    "stored router": {"value": {"hidden_states": DEMO_ROWS}},
                     "client logits": {
                         "value": {
-                            "hidden_states": [[0.1] * 4],
-                            "router_logits": [[1.0, 0.0, -1.0, 0.5]],
+                            "hidden_states": DEMO_ROWS[:1],
+                            "router_logits": DEMO_LOGITS,
                             "return_routing": True,
                         }
                     },

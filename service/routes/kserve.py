@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 
 from service import __version__
 from service.deps import BatcherDep, BodyDep, EngineDep, RuntimeDep
+from service.docs import DEMO_ROWS
 from service.engine import Engine, ServedLayer
 from service.errors import BadInput, UnknownLayer
 from service.inputs import check_inputs
@@ -110,6 +111,12 @@ def _header_length(request: Request) -> int | None:
     return int(value)
 
 
+_DEMO_INPUT = {
+    "name": "hidden_states",
+    "shape": [1, len(DEMO_ROWS[0])],
+    "datatype": "FP32",
+    "data": DEMO_ROWS[0],
+}
 _INFER_OPENAPI = {
     "requestBody": {
         "required": True,
@@ -119,29 +126,10 @@ _INFER_OPENAPI = {
             "application/json": {
                 "schema": inline_json_schema(InferRequest),
                 "examples": {
-                    "JSON tensors": {
-                        "value": {
-                            "id": "42",
-                            "inputs": [
-                                {
-                                    "name": "hidden_states",
-                                    "shape": [1, 4],
-                                    "datatype": "FP32",
-                                    "data": [0.1, -0.2, 0.3, 0.0],
-                                }
-                            ],
-                        }
-                    },
+                    "JSON tensors": {"value": {"id": "42", "inputs": [_DEMO_INPUT]}},
                     "binary output": {
                         "value": {
-                            "inputs": [
-                                {
-                                    "name": "hidden_states",
-                                    "shape": [1, 4],
-                                    "datatype": "FP32",
-                                    "data": [0.1, -0.2, 0.3, 0.0],
-                                }
-                            ],
+                            "inputs": [_DEMO_INPUT],
                             "outputs": [{"name": "output", "parameters": {"binary_data": True}}],
                         }
                     },
