@@ -17,7 +17,7 @@ from bench.http_bench import HttpBenchConfig, run_http_bench, write_report
 from bench.kernel_bench import KernelBench, KernelBenchConfig, read_run
 from bench.loads import Load
 from bench.schema import BenchRun
-from bench.shapes import DEFAULT_SHAPES, parse_shapes
+from bench.shapes import DEFAULT_SHAPES, SHAPES, parse_shapes
 from bench.summary import render
 from bench.timing import TimingPlan
 
@@ -157,11 +157,29 @@ def run_http(args: argparse.Namespace) -> int:
 
 
 def _add_kernels(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("kernels", help="time every available backend against measured ceilings")
-    p.add_argument("--shapes", type=_shapes, default=list(DEFAULT_SHAPES), help="comma list")
-    p.add_argument("--tokens", type=int_list, default=int_list(DEFAULT_TOKENS), help="comma list")
+    what = "time every available backend against measured ceilings"
+    p = sub.add_parser(
+        "kernels",
+        help=what,
+        description=f"{what.capitalize()} (copy bandwidth, GEMM peak) on each layer shape and "
+        "token count; writes a result file for `bench plot` and `bench summary`.",
+    )
+    p.add_argument(
+        "--shapes",
+        type=_shapes,
+        default=list(DEFAULT_SHAPES),
+        help=f"comma list of {', '.join(SHAPES)} (default {','.join(DEFAULT_SHAPES)})",
+    )
+    p.add_argument(
+        "--tokens",
+        type=int_list,
+        default=int_list(DEFAULT_TOKENS),
+        help=f"comma list of token counts (default {DEFAULT_TOKENS})",
+    )
     p.add_argument("--backends", default="all", help="all, or a comma list of experts backends")
-    p.add_argument("--loads", type=_loads, default=list(Load), help="uniform,skewed")
+    p.add_argument(
+        "--loads", type=_loads, default=list(Load), help="router loads (default uniform,skewed)"
+    )
     p.add_argument("--device", type=_device, default=_device("auto"), help="auto, cpu or cuda[:N]")
     p.add_argument("--out", type=Path, help="result JSON (default bench/results/DEVICE-DATE.json)")
     p.add_argument(
@@ -171,9 +189,9 @@ def _add_kernels(sub: argparse._SubParsersAction) -> None:
         help="time the slow reference backends only up to this many tokens",
     )
     p.add_argument("--check-rows", type=int, default=32, help="rows checked against the reference")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--min-iters", type=int, default=5)
-    p.add_argument("--max-iters", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=3, help="untimed runs per point (default 3)")
+    p.add_argument("--min-iters", type=int, default=5, help="timed runs per point, at least")
+    p.add_argument("--max-iters", type=int, default=100, help="timed runs per point, at most")
     p.add_argument("--budget-ms", type=float, default=200.0, help="timed work per point")
     p.add_argument("--max-minutes", type=float, help="stop timing new points after this long")
     p.add_argument("--commit", help="commit to record (default: git rev-parse --short HEAD)")
@@ -181,8 +199,16 @@ def _add_kernels(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_http(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("http", help="load a running server and report throughput and latency")
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    what = "load a running server and report throughput and latency"
+    p = sub.add_parser(
+        "http",
+        help=what,
+        description=f"{what.capitalize()} at each concurrency level, with the server's own "
+        "forward time read from its /metrics.",
+    )
+    p.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="the server (default %(default)s)"
+    )
     p.add_argument("--layer", required=True, help="layer name as listed by /v1/layers")
     p.add_argument("--tokens", type=int, default=64, help="tokens per request")
     p.add_argument("--concurrency", type=int_list, default=[1, 16, 64, 256], help="comma list")
@@ -197,21 +223,32 @@ def _add_http(sub: argparse._SubParsersAction) -> None:
         "few thousand requests per second)",
     )
     body = p.add_mutually_exclusive_group()
-    body.add_argument("--binary", dest="binary", action="store_true", default=True)
-    body.add_argument("--json", dest="binary", action="store_false")
+    body.add_argument(
+        "--binary",
+        dest="binary",
+        action="store_true",
+        default=True,
+        help="send safetensors bodies (the default)",
+    )
+    body.add_argument("--json", dest="binary", action="store_false", help="send JSON bodies")
     p.add_argument("--out", type=Path, help="also write the report as JSON")
     p.set_defaults(run=run_http)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser("bench", help="kernel and service benchmarks")
+    bench = subparsers.add_parser(
+        "bench",
+        help="kernel and service benchmarks",
+        description="Kernel and service benchmarks; README.md, Performance, shows how they "
+        "were run.",
+    )
     sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     _add_kernels(sub)
     for name, fn, text in (
         ("plot", run_plot, "draw PNGs beside a kernel result file"),
         ("summary", run_summary, "print a kernel result file as markdown tables"),
     ):
-        p = sub.add_parser(name, help=text)
-        p.add_argument("file", type=Path)
+        p = sub.add_parser(name, help=text, description=f"{text.capitalize()}.")
+        p.add_argument("file", type=Path, help="a result file of `moe-serve bench kernels`")
         p.set_defaults(run=fn)
     _add_http(sub)

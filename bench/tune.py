@@ -157,10 +157,23 @@ def _tokens(text: str) -> list[int]:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("tune", help="search Triton tile sizes for a layer on this GPU")
+    what = "search Triton tile sizes for a layer on this GPU"
+    p = subparsers.add_parser(
+        "tune",
+        help=what,
+        description=f"{what.capitalize()}, one token-count bucket at a time, and write the best "
+        "to a tuned file that the triton backend reads (resumes: buckets already there are kept).",
+    )
     shapes = "mixtral, mixtral-fp8, qwen3, deepseek-v3, gpt-oss, or E,H,I,top_k"
     p.add_argument("--shape", type=parse_shape, required=True, help=shapes)
-    p.add_argument("--scheme", type=QuantScheme, choices=list(QuantScheme), help="default: shape's")
-    p.add_argument("--tokens", type=_tokens, default=list(DEFAULT_TOKENS), help="M buckets")
+    p.add_argument(
+        "--scheme", type=QuantScheme, choices=list(QuantScheme), help="default: the shape's"
+    )
+    p.add_argument(
+        "--tokens",
+        type=_tokens,
+        default=list(DEFAULT_TOKENS),
+        help=f"token-count buckets, comma list (default {','.join(map(str, DEFAULT_TOKENS))})",
+    )
     p.add_argument("--out", type=Path, help="tuned file (default: kernels/tuned/<key>.json)")
     p.set_defaults(run=run_tune)

@@ -10,11 +10,17 @@ import argparse
 import importlib
 import sys
 
+DESCRIPTION = """\
+Mixture-of-Experts layers as an HTTP service. Start with `moe-serve serve`: it serves the
+demo layers on http://127.0.0.1:8000 (API and examples at /docs); `moe-serve convert` turns one
+layer of a Hugging Face checkpoint into a layer directory that `serve --weights` takes.
+"""
+EPILOG = "`moe-serve COMMAND --help` describes each command; README.md has the rest."
 COMMAND_MODULES: tuple[str, ...] = ("weights.cli", "service.serve", "bench.cli", "bench.tune")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moe-serve", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="moe-serve", description=DESCRIPTION, epilog=EPILOG)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMAND_MODULES:
         importlib.import_module(module).register(subparsers)

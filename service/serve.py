@@ -30,9 +30,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
         help="serve MoE layers over HTTP",
-        description="Serve MoE layers over HTTP. Every option also reads MOE_SERVE_<OPTION> "
-        "(e.g. MOE_SERVE_PORT); an option given here wins. Without --weights the demo layers "
-        "are generated into MOE_SERVE_CACHE_DIR and served.",
+        description="Serve MoE layers over HTTP (JSON, safetensors and KServe v2; the API is at "
+        "/docs). Every option also reads MOE_SERVE_<OPTION> (e.g. MOE_SERVE_PORT); an option "
+        "given here wins. Without --weights the demo layers are generated into "
+        "MOE_SERVE_CACHE_DIR and served. Exit status 2: refused before starting (the message "
+        "says why); 1: the layers failed to load; 143 (killed by SIGTERM): a clean stop.",
     )
     # Defaults are None so that an option left out falls through to the environment/Settings.
     p.add_argument(
@@ -41,17 +43,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="default 8000")
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
-    p.add_argument("--backend", help="experts backend for every layer, or auto (default)")
-    p.add_argument("--max-batch-tokens", type=int, help="tokens per forward (default 1024)")
-    p.add_argument("--max-batch-delay-ms", type=float, help="batch wait (default 0)")
     p.add_argument(
-        "--max-queue", type=int, help="requests waiting per layer before 429 (default 256)"
+        "--backend", help="experts backend for every layer (GET /backends lists them), or auto"
     )
-    p.add_argument("--ep", type=int, help="expert-parallel ranks, one GPU each (default 1)")
-    p.add_argument("--ep-placement", type=Path, metavar="FILE", help="JSON: experts per rank")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--log-format", choices=["text", "json"])
-    p.add_argument("--cache-dir", type=Path, help="where the demo layers are generated")
+    p.add_argument(
+        "--max-batch-tokens", type=int, metavar="N", help="tokens per forward (default 1024)"
+    )
+    p.add_argument(
+        "--max-batch-delay-ms",
+        type=float,
+        metavar="MS",
+        help="how long a batch waits for more requests once the device is free (default 0)",
+    )
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        metavar="N",
+        help="requests waiting per layer before 429 (default 256)",
+    )
+    p.add_argument("--ep", type=int, metavar="N", help="expert-parallel ranks, one GPU each")
+    p.add_argument(
+        "--ep-placement", type=Path, metavar="FILE", help="JSON: the experts each rank holds"
+    )
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="info")
+    p.add_argument("--log-format", choices=["text", "json"], help="json: one object per line")
+    p.add_argument(
+        "--cache-dir", type=Path, metavar="DIR", help="where the demo layers are generated"
+    )
     p.set_defaults(run=run)
 
 

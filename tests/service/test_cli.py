@@ -3,6 +3,7 @@ name the problem, and a SIGTERM that lets in-flight requests finish."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,13 +20,32 @@ import safetensors.torch
 import torch
 from pydantic import ValidationError
 
-from service.cli import main
+from service.cli import build_parser, main
 from service.settings import Settings
 from weights.demo import ensure_demo_layers
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 90.0
 EXIT_TIMEOUT_S = 30.0
+
+
+def _parsers(parser: argparse.ArgumentParser, name: str) -> Iterator[tuple[str, object]]:
+    """(command, parser) for `parser` and every subcommand below it."""
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub_name, sub in action.choices.items():
+                yield from _parsers(sub, f"{name} {sub_name}")
+
+
+def test_every_command_and_option_describes_itself() -> None:
+    commands = dict(_parsers(build_parser(), "moe-serve"))
+    assert {"moe-serve serve", "moe-serve convert", "moe-serve bench http"} <= set(commands)
+    for command, parser in commands.items():
+        assert parser.description, f"{command} --help has no description"
+        for action in parser._actions:
+            if not isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
+                assert action.help, f"{command}: {'/'.join(action.option_strings) or action.dest}"
 
 
 def test_every_setting_reads_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
