@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
+from starlette.requests import ClientDisconnect
 
 from service.batcher import DynamicBatcher
 from service.engine import Engine
 from service.errors import (
     BadInput,
+    ClientDisconnected,
     NotReady,
     PayloadTooLarge,
     RequestTimeout,
@@ -82,6 +84,10 @@ async def get_body(request: Request, runtime: RuntimeDep) -> bytes:
     except TimeoutError:
         raise RequestTimeout(
             f"the request body did not arrive within {timeout_s:g} s ({size} bytes came)"
+        ) from None
+    except ClientDisconnect:
+        raise ClientDisconnected(
+            f"the client closed the connection after {size} bytes of the body"
         ) from None
     return _decode(b"".join(chunks), request.headers.get("content-encoding", "identity"), limit)
 

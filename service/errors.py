@@ -47,6 +47,13 @@ class RequestTimeout(ServiceError):
         super().__init__(message, {"Connection": "close"})
 
 
+class ClientDisconnected(ServiceError):
+    """The client closed the connection before its body arrived: no one reads the answer, but
+    the log line and the metrics say what happened (499, as nginx counts it), not a 500."""
+
+    status = 499
+
+
 class PayloadTooLarge(ServiceError):
     status = 413
 

@@ -1,5 +1,5 @@
 """The uvicorn server as `moe-serve serve` runs it, with two bounds uvicorn lacks, added to its
-HTTP protocol:
+HTTP protocol (which also answers bytes that are not HTTP in the service's JSON error shape):
 
 - at most `max_connections` open connections: a request on a connection beyond them gets a
   JSON 503 (the probes and /metrics still answer) and its connection is closed;
@@ -11,6 +11,7 @@ HTTP protocol:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
 
@@ -64,6 +65,17 @@ def bounded_protocol(max_connections: int, read_timeout_s: float) -> type[asynci
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self._await_head()
+
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps({"error": msg}).encode()
+            head = f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            self.transport.write(
+                b"HTTP/1.1 400 Bad Request\r\n"
+                + head.encode()
+                + b"connection: close\r\n\r\n"
+                + body
+            )
+            self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._head_deadline is not None:

@@ -74,7 +74,11 @@ async def model_metadata(name: str, engine: EngineDep) -> ModelMetadata:
     return _metadata(engine.get(name))
 
 
-@router.get("/models/{name}/ready", summary="200 when the model can serve")
+@router.get(
+    "/models/{name}/ready",
+    summary="200 when the model can serve",
+    responses={404: {"model": ErrorBody}},
+)
 async def model_ready(name: str, engine: EngineDep) -> dict[str, bool]:
     engine.get(name)
     return {"ready": True}
@@ -96,7 +100,11 @@ async def version_metadata(name: str, version: str, engine: EngineDep) -> ModelM
     return _metadata(engine.get(name))
 
 
-@router.get("/models/{name}/versions/{version}/ready", summary="200 when the version can serve")
+@router.get(
+    "/models/{name}/versions/{version}/ready",
+    summary="200 when the version can serve",
+    responses={404: {"model": ErrorBody}},
+)
 async def version_ready(name: str, version: str, engine: EngineDep) -> dict[str, bool]:
     _check_version(engine, name, version)
     return {"ready": True}
@@ -106,7 +114,7 @@ def _header_length(request: Request) -> int | None:
     value = request.headers.get(HEADER_LENGTH)
     if value is None:
         return None
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):  # "²".isdigit(), but int("²") raises
         raise BadInput(f"{HEADER_LENGTH} must be a byte count, got {value!r}")
     return int(value)
 

@@ -101,3 +101,39 @@ def test_connections_beyond_the_limit_get_a_json_503_but_the_probes_answer(serve
     with httpx.Client(base_url=url, timeout=WAIT_S) as http:
         served = http.post(f"/v1/layers/{TINY}/forward", json={"hidden_states": [[0.0] * 64]})
     assert served.status_code == 200
+
+
+def test_a_client_that_leaves_mid_body_is_counted_as_499_not_as_a_server_error(server) -> None:
+    url, port = server
+    with _connect(port) as sock:
+        sock.sendall(
+            f"POST /v1/layers/{TINY}/forward HTTP/1.1\r\nHost: t\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n[[".encode()
+        )
+        time.sleep(0.2)
+    deadline = time.monotonic() + WAIT_S
+    route = 'route="/v1/layers/{name}/forward"'
+    while (
+        f'moe_serve_requests_total{{{route},status="499"}}' not in httpx.get(f"{url}/metrics").text
+    ):
+        assert time.monotonic() < deadline, "the request was not counted as 499"
+        time.sleep(0.05)
+    assert f'{route},status="500"' not in httpx.get(f"{url}/metrics").text
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(64),
+        b"GET /health HTTP/1.1\r\nHost\r\n\r\n",
+    ],
+    ids=["tls-hello", "header-without-colon"],
+)
+def test_bytes_that_are_not_http_get_a_json_400(server, garbage: bytes) -> None:
+    _, port = server
+    with _connect(port) as sock:
+        sock.sendall(garbage)
+        head, _, body = _read_until_closed(sock).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ")
+    assert b"content-type: application/json" in head
+    assert json.loads(body) == {"error": "Invalid HTTP request received."}

@@ -108,6 +108,19 @@ def test_infer_with_an_unknown_output_returns_400(server_url: str) -> None:
     assert r.json() == {"error": "unknown output 'logits'; model 'tiny' has 'output'"}
 
 
+@pytest.mark.parametrize(
+    "length", [b"x", b"-1", b"\xb2"], ids=["letter", "negative", "superscript"]
+)
+def test_a_header_length_that_is_not_a_byte_count_returns_400(server_url: str, length) -> None:
+    r = httpx.post(
+        f"{server_url}/v2/models/{TINY}/infer",
+        content=b"{}",
+        headers={"Content-Type": "application/json", "Inference-Header-Content-Length": length},
+    )
+    assert r.status_code == 400
+    assert r.json()["error"].startswith("Inference-Header-Content-Length must be a byte count")
+
+
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
 def test_tritonclient_compressed_requests_are_inflated(triton_client, algorithm: str) -> None:
     x = np.random.default_rng(2).standard_normal((4, H)).astype(np.float32)
