@@ -191,9 +191,7 @@ def secured(make_client) -> TestClient:
     return make_client(api_token=TOKEN)
 
 
-@pytest.mark.parametrize(
-    "path", ["/v1/layers", "/backends", "/v2/models/tiny", "/docs", "/openapi.json"]
-)
+@pytest.mark.parametrize("path", ["/v1/layers", "/backends", "/v2/models/tiny"])
 def test_token_is_required_on_api_routes(secured: TestClient, path: str) -> None:
     r = secured.get(path)
     assert r.status_code == 401
@@ -203,9 +201,19 @@ def test_token_is_required_on_api_routes(secured: TestClient, path: str) -> None
 
 
 @pytest.mark.parametrize(
-    "path", ["/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready"]
+    "path",
+    # the docs too: a browser loading them sends no token (their Authorize button sends it)
+    [
+        "/health",
+        "/ready",
+        "/metrics",
+        "/v2/health/live",
+        "/v2/health/ready",
+        "/docs",
+        "/openapi.json",
+    ],
 )
-def test_probes_and_metrics_need_no_token(secured: TestClient, path: str) -> None:
+def test_probes_metrics_and_docs_need_no_token(secured: TestClient, path: str) -> None:
     assert secured.get(path).status_code == 200
 
 
