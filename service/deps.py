@@ -107,6 +107,8 @@ def _decode(body: bytes, encoding: str, limit: int) -> bytes:
         raise BadInput(f"body is not valid {encoding} data: {err}") from None
     if len(plain) > limit:
         raise PayloadTooLarge(f"request body inflates past the {limit}-byte limit")
+    if not inflate.eof:  # zlib returns what it could of a cut stream without complaint
+        raise BadInput(f"body is truncated {encoding} data: the compressed stream ends early")
     return plain
 
 

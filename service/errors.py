@@ -85,10 +85,20 @@ class ForwardFailed(ServiceError):
     status = 500
 
 
+MAX_MESSAGE_CHARS = 2000  # a hostile request must not buy a megabyte-long error (or log line)
+
+
+def capped(message: str) -> str:
+    """`message`, cut to MAX_MESSAGE_CHARS with a note of how much was left out."""
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return f"{message[:MAX_MESSAGE_CHARS]}… ({len(message) - MAX_MESSAGE_CHARS} more characters)"
+
+
 def error_response(
     status: int, message: str, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
+    return JSONResponse({"error": capped(message)}, status_code=status, headers=headers)
 
 
 def describe_validation_error(err: ValidationError | RequestValidationError) -> str:

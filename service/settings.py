@@ -47,7 +47,7 @@ class Settings(BaseSettings):
     @classmethod
     def _split_paths(cls, value: object) -> object:
         if isinstance(value, str):
-            return tuple(p for p in value.split(",") if p.strip())
+            return tuple(p.strip() for p in value.split(",") if p.strip())
         return value
 
     @field_validator("ep_placement")

@@ -167,6 +167,8 @@ def _expert_ids(experts: Sequence[int] | None, num_experts: int) -> list[int]:
 
 
 def _check_header(file: Path, manifest: Manifest) -> None:
+    if file.exists() and not file.is_file():
+        raise LayerFileError(file, None, "is not a regular file (a directory?)")
     if not file.is_file():
         raise LayerFileError(file, None, "missing")
     try:

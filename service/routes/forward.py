@@ -76,7 +76,10 @@ def _load_blob(body: bytes) -> dict:
         raise BadInput(f"body is not a valid safetensors blob: {err}") from None
     unknown = sorted(set(tensors) - set(TENSOR_NAMES))
     if unknown:
-        raise BadInput(f"unknown tensors {unknown} in the blob; expected {list(TENSOR_NAMES)}")
+        listed = ", ".join(unknown[:3]) + (
+            f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        )
+        raise BadInput(f"unknown tensors in the blob: {listed}; expected {list(TENSOR_NAMES)}")
     if "hidden_states" not in tensors:
         raise BadInput("the blob has no hidden_states tensor")
     return tensors

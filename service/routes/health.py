@@ -11,13 +11,17 @@ from service.schemas import HealthResponse, ReadyResponse
 router = APIRouter(tags=["health"])
 
 
-@router.get("/health", summary="Liveness: 200 while the process serves")
+# HEAD too: some load balancers and uptime checkers probe with it
+@router.api_route(
+    "/health", methods=["GET", "HEAD"], summary="Liveness: 200 while the process serves"
+)
 async def health() -> HealthResponse:
     return HealthResponse()
 
 
-@router.get(
+@router.api_route(
     "/ready",
+    methods=["GET", "HEAD"],
     summary="Readiness: 200 once every layer is loaded and warmed up, else 503 with the reason",
     responses={503: {"model": ReadyResponse}},
 )

@@ -50,7 +50,7 @@ def test_every_command_and_option_describes_itself() -> None:
 
 def test_every_setting_reads_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MOE_SERVE_PORT", "9001")
-    monkeypatch.setenv("MOE_SERVE_WEIGHTS", "/w/a,/w/b")
+    monkeypatch.setenv("MOE_SERVE_WEIGHTS", "/w/a, /w/b,")  # spaces and a trailing comma
     monkeypatch.setenv("MOE_SERVE_MAX_BATCH_TOKENS", "64")
     monkeypatch.setenv("MOE_SERVE_LOG_FORMAT", "json")
     settings = Settings()

@@ -130,7 +130,7 @@ BAD_BLOBS = {
     "Inf": ({"hidden_states": INF}, "hidden_states holds NaN or Inf (first at row 0, column 5)"),
     "float64": ({"hidden_states": hidden(2).double()}, "hidden_states has dtype torch.float64"),
     "int32": ({"hidden_states": torch.zeros(2, H, dtype=torch.int32)}, "dtype torch.int32"),
-    "unknown tensor": ({"hidden_states": hidden(1), "extra": torch.zeros(1)}, "['extra']"),
+    "unknown tensor": ({"hidden_states": hidden(1), "extra": torch.zeros(1)}, "blob: extra;"),
     "missing hidden states": ({"router_logits": torch.zeros(1, E)}, "no hidden_states"),
 }
 
@@ -252,6 +252,23 @@ def test_body_that_inflates_past_the_limit_returns_413(make_client) -> None:
     r = client.post(URL, content=bomb, headers={**BINARY, "Content-Encoding": "gzip"})
     assert r.status_code == 413
     assert "inflates past the 4096-byte limit" in r.json()["error"]
+
+
+def test_truncated_gzip_body_is_reported_as_truncated(client: TestClient) -> None:
+    body = gzip.compress(safetensors.torch.save({"hidden_states": hidden(3)}))
+    r = client.post(URL, content=body[:-20], headers={**BINARY, "Content-Encoding": "gzip"})
+    assert r.status_code == 400
+    assert r.json()["error"] == "body is truncated gzip data: the compressed stream ends early"
+
+
+def test_a_blob_of_100k_unknown_tensors_gets_a_short_error(client: TestClient) -> None:
+    tensors = {f"t{i:06d}": torch.zeros(1) for i in range(100_000)} | {"hidden_states": hidden(1)}
+    r = client.post(URL, content=safetensors.torch.save(tensors), headers=BINARY)
+    assert r.status_code == 400
+    assert r.json()["error"] == (
+        "unknown tensors in the blob: t000000, t000001, t000002 and 99997 more; "
+        "expected ['hidden_states', 'router_logits']"
+    )
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,21 @@ def test_health_is_200_and_ready_is_503_with_the_reason_while_loading() -> None:
         assert client.get("/ready").json() == {"ready": True, "reason": ""}
 
 
+@pytest.mark.parametrize(("path", "status"), [("/health", 200), ("/ready", 200)])
+def test_probes_answer_head_as_get_without_a_body(client: TestClient, path: str, status) -> None:
+    r = client.head(path)
+    assert r.status_code == status
+    assert r.content == b""
+
+
+def test_error_messages_are_capped(client: TestClient) -> None:
+    r = client.get(f"/v1/layers/{'x' * 5000}")
+    assert r.status_code == 404
+    message = r.json()["error"]
+    assert len(message) < 2100
+    assert message.endswith(" more characters)")
+
+
 def test_ready_reports_why_loading_failed() -> None:
     def broken_loader(settings, device):
         raise ValueError(

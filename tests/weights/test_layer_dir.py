@@ -128,6 +128,13 @@ def test_changed_header_fails_the_hash_check(demo_copy: Path):
         load_layer(demo_copy, CPU)
 
 
+def test_tensor_file_that_is_a_directory_is_named_so(demo_copy: Path):
+    (demo_copy / TENSORS_FILE).unlink()
+    (demo_copy / TENSORS_FILE).mkdir()
+    with pytest.raises(LayerFileError, match=r"experts\.safetensors: is not a regular file"):
+        load_layer(demo_copy, CPU)
+
+
 def test_truncated_tensor_file_is_a_clear_error(demo_copy: Path):
     file = demo_copy / TENSORS_FILE
     file.write_bytes(file.read_bytes()[:-1000])
