@@ -19,6 +19,7 @@ from service.deps import Runtime
 from service.engine import Engine, LayerSource
 from service.ep import EPEngine
 from service.errors import install_handlers
+from service.grpc_server import start_grpc_server
 from service.metrics import Metrics
 from service.middleware import OPEN_PATHS, RequestMiddleware
 from service.routes import forward, health, introspect, kserve, metrics
@@ -99,9 +100,12 @@ def create_app(settings: Settings, loader: LayerLoader = load_from_disk) -> Fast
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        grpc_server = await start_grpc_server(runtime) if settings.grpc_port else None
         starting = asyncio.create_task(_start(runtime, loader))
         yield
         runtime.not_ready = "shutting down"
+        if grpc_server is not None:  # in-flight RPCs finish first
+            await grpc_server.stop(settings.drain_timeout_s)
         await starting  # a load in progress finishes before the process exits
         if runtime.batcher is not None:
             await runtime.batcher.close()
@@ -116,8 +120,7 @@ def create_app(settings: Settings, loader: LayerLoader = load_from_disk) -> Fast
     )
     app.state.runtime = runtime
     install_handlers(app)
-    secret = settings.api_token
-    token = None if secret is None else secret.get_secret_value().encode()
+    token = settings.api_token_bytes()
     if token is not None:
         docs.declare_bearer(app, OPEN_PATHS)
     app.add_middleware(

@@ -52,18 +52,19 @@ async def get_runtime(request: Request) -> Runtime:
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 
 
-def _ready(runtime: Runtime) -> Runtime:
+def ready(runtime: Runtime) -> Runtime:
+    """`runtime` once it can serve (engine and batcher set); NotReady (503) before."""
     if runtime.not_ready is not None:
         raise NotReady(f"not ready: {runtime.not_ready}", {"Retry-After": RETRY_WHILE_LOADING_S})
     return runtime
 
 
 async def get_engine(runtime: RuntimeDep) -> Engine:
-    return _ready(runtime).engine
+    return ready(runtime).engine
 
 
 async def get_batcher(runtime: RuntimeDep) -> DynamicBatcher:
-    return _ready(runtime).batcher
+    return ready(runtime).batcher
 
 
 async def get_body(request: Request, runtime: RuntimeDep) -> bytes:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -122,3 +123,20 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, err: HTTPException) -> JSONResponse:
         return error_response(err.status_code, str(err.detail), err.headers)
+
+
+# The gRPC status of each error (KServe v2 over gRPC); a subclass takes its base's.
+GRPC_STATUS: dict[type[ServiceError], grpc.StatusCode] = {
+    BadInput: grpc.StatusCode.INVALID_ARGUMENT,
+    Unauthorized: grpc.StatusCode.UNAUTHENTICATED,
+    UnknownLayer: grpc.StatusCode.NOT_FOUND,
+    PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    UnsupportedMediaType: grpc.StatusCode.INVALID_ARGUMENT,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    NotReady: grpc.StatusCode.UNAVAILABLE,
+    ServiceError: grpc.StatusCode.INTERNAL,  # ForwardFailed, and any 500
+}
+
+
+def grpc_status(err: ServiceError) -> grpc.StatusCode:
+    return next(GRPC_STATUS[cls] for cls in type(err).__mro__ if cls in GRPC_STATUS)

@@ -9,6 +9,7 @@ per output (`binary_data`) or for all (`binary_data_output`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,10 @@ from pydantic import BaseModel, Field, ValidationError
 from service.errors import BadInput, describe_validation_error
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+# The shared-memory extension's tensor parameters (inputs and requested outputs)
+SHM_REGION = "shared_memory_region"
+SHM_OFFSET = "shared_memory_offset"
+SHM_BYTE_SIZE = "shared_memory_byte_size"
 
 DATATYPES: dict[str, torch.dtype] = {
     "FP32": torch.float32,
@@ -106,7 +111,8 @@ def _shape(t: InferInput) -> list[int]:
     return t.shape
 
 
-def _from_bytes(t: InferInput, raw: bytes) -> torch.Tensor:
+def tensor_from_bytes(t: InferInput, raw: bytes | memoryview) -> torch.Tensor:
+    """Raw little-endian row-major bytes -> t's tensor (a copy: `raw` may be shared memory)."""
     dtype, shape = _dtype(t), _shape(t)
     expected = math.prod(shape) * dtype.itemsize
     if len(raw) != expected:
@@ -132,6 +138,14 @@ def _from_json(t: InferInput) -> torch.Tensor:
     return values.reshape(shape)
 
 
+def check_input_names(request: InferRequest) -> None:
+    seen = set()
+    for t in request.inputs:
+        if t.name in seen:
+            raise BadInput(f"input {t.name} is given twice")
+        seen.add(t.name)
+
+
 def decode_request(
     body: bytes, header_length: int | None
 ) -> tuple[InferRequest, dict[str, torch.Tensor]]:
@@ -144,9 +158,12 @@ def decode_request(
     except ValidationError as err:
         raise BadInput(f"inference request: {describe_validation_error(err)}") from None
     binary, offset, tensors = body[split:], 0, {}
+    check_input_names(request)
     for t in request.inputs:
-        if t.name in tensors:
-            raise BadInput(f"input {t.name} is given twice")
+        if SHM_REGION in t.parameters:  # read from the region later (service/inference.py)
+            if t.data is not None or "binary_data_size" in t.parameters:
+                raise BadInput(f"input {t.name}: data given both inline and in shared memory")
+            continue
         size = t.parameters.get("binary_data_size")
         if size is None:
             tensors[t.name] = _from_json(t)
@@ -156,7 +173,7 @@ def decode_request(
                 f"input {t.name}: binary_data_size {size!r} does not fit the "
                 f"{len(binary) - offset} binary bytes left"
             )
-        tensors[t.name] = _from_bytes(t, binary[offset : offset + size])
+        tensors[t.name] = tensor_from_bytes(t, binary[offset : offset + size])
         offset += size
     if offset != len(binary):
         raise BadInput(f"{len(binary) - offset} binary bytes follow the last declared input")
@@ -171,23 +188,32 @@ def wants_binary(request: InferRequest, output: str) -> bool:
 
 
 def encode_response(
-    model_name: str, request: InferRequest, outputs: dict[str, torch.Tensor]
+    model_name: str,
+    request: InferRequest,
+    outputs: dict[str, torch.Tensor],
+    placed: Sequence[InferOutput] = (),
 ) -> Encoded:
-    """Output tensors -> a response body; binary outputs follow the JSON in output order."""
+    """Output tensors -> a response body; binary outputs follow the JSON in output order.
+    `placed` are outputs already written into shared memory: listed, with no data."""
     entries, blobs = [], []
     for name, tensor in outputs.items():
         entry = InferOutput(
             name=name, shape=list(tensor.shape), datatype=DATATYPE_NAMES[tensor.dtype]
         )
         if wants_binary(request, name):
-            raw = tensor.contiguous().flatten().view(torch.uint8).numpy().tobytes()
+            raw = tensor_bytes(tensor)
             entry.parameters = {"binary_data_size": len(raw)}
             blobs.append(raw)
         else:
             entry.data = tensor.flatten().tolist()
         entries.append(entry)
-    header = InferResponse(model_name=model_name, id=request.id, outputs=entries)
+    header = InferResponse(model_name=model_name, id=request.id, outputs=[*entries, *placed])
     json_bytes = header.model_dump_json(exclude_none=True).encode()
     if not blobs:
         return Encoded(json_bytes, None)
     return Encoded(json_bytes + b"".join(blobs), len(json_bytes))
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A CPU tensor's raw little-endian row-major bytes."""
+    return tensor.contiguous().flatten().view(torch.uint8).numpy().tobytes()

@@ -27,6 +27,17 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's id is echoed a
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready"})
 
 
+def bearer_matches(authorization: str, token: bytes) -> bool:
+    """Whether an `Authorization` value ("Bearer <token>") carries `token` (constant time)."""
+    scheme, _, given = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token)
+
+
+def new_request_id(given: str) -> str:
+    """The client's request id when it is safe to echo and log, else a fresh one."""
+    return given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex  # no log injection
+
+
 class RequestMiddleware:
     def __init__(
         self, app: ASGIApp, metrics: Metrics, token: bytes | None, max_connections: int
@@ -39,16 +50,14 @@ class RequestMiddleware:
     def _authorized(self, scope: Scope, headers: Headers) -> bool:
         if self.token is None or scope["path"] in OPEN_PATHS or docs.is_docs(scope["path"]):
             return True
-        scheme, _, given = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), self.token)
+        return bearer_matches(headers.get("authorization", ""), self.token)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        given = headers.get("x-request-id", "")
-        rid = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex  # no log injection
+        rid = new_request_id(headers.get("x-request-id", ""))
         reset = logs.request_id.set(rid)
         started = time.perf_counter()
         status = 0  # 0 until the response starts

@@ -42,6 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="default 8000")
+    p.add_argument("--grpc-port", type=int, help="KServe v2 over gRPC (default 8001; 0: off)")
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument(
         "--backend", help="experts backend for every layer (GET /backends lists them), or auto"

@@ -24,6 +24,7 @@ class Settings(BaseSettings):
     weights: Annotated[tuple[Path, ...], NoDecode] = ()
     host: str = "127.0.0.1"  # loopback unless asked: the API has no auth by default
     port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int = Field(8001, ge=0, le=65535)  # KServe v2 over gRPC, as Triton; 0: off
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     backend: str = "auto"  # experts backend for every layer, or auto per layer
     max_batch_tokens: int = Field(1024, ge=1)  # tokens per forward; larger requests are chunked
@@ -70,6 +71,9 @@ class Settings(BaseSettings):
         if value is not None and len(value.get_secret_value()) < MIN_TOKEN_CHARS:
             raise ValueError(f"api_token must have at least {MIN_TOKEN_CHARS} characters")
         return value
+
+    def api_token_bytes(self) -> bytes | None:
+        return None if self.api_token is None else self.api_token.get_secret_value().encode()
 
     def torch_device(self) -> torch.device:
         """The device layers run on: `auto` is the first GPU when there is one, else the CPU."""

@@ -1,42 +1,33 @@
-"""KServe v2 / Open Inference Protocol: stock clients (tritonclient) work unchanged.
-
-Each served layer is a model with inputs hidden_states [-1, H] (and optional router_logits
-[-1, E]) and output `output` [-1, H] in the input's datatype.
-"""
+"""KServe v2 / Open Inference Protocol over HTTP: stock clients (tritonclient) work unchanged.
+The models and the inference itself are service/inference.py, shared with gRPC."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from service import __version__
-from service.deps import BatcherDep, BodyDep, EngineDep, RuntimeDep
+from service import inference
+from service.deps import BodyDep, EngineDep, Runtime, RuntimeDep
 from service.docs import DEMO_ROWS
-from service.engine import Engine, ServedLayer
-from service.errors import BadInput, UnknownLayer
-from service.inputs import check_inputs
+from service.errors import BadInput
 from service.kserve_codec import (
     HEADER_LENGTH,
     InferRequest,
     InferResponse,
     ModelMetadata,
     ServerMetadata,
-    TensorMetadata,
     decode_request,
     encode_response,
 )
-from service.routes.forward import BINARY, TENSOR_NAMES
+from service.routes.forward import BINARY
 from service.schemas import ErrorBody, inline_json_schema
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
 
-OUTPUT = "output"
-VERSION = "1"  # a layer is a model with one version; clients may name it or not
-
 
 @router.get("", summary="Server metadata")
 async def server_metadata() -> ServerMetadata:
-    return ServerMetadata(name="moe-serve", version=__version__, extensions=["binary_tensor_data"])
+    return inference.server_metadata()
 
 
 @router.get("/health/live", summary="200 while the process serves")
@@ -51,27 +42,13 @@ async def ready(runtime: RuntimeDep) -> JSONResponse:
     return JSONResponse({"ready": True})
 
 
-def _metadata(served: ServedLayer) -> ModelMetadata:
-    cfg = served.config
-    return ModelMetadata(
-        name=served.name,
-        versions=[VERSION],
-        platform="moe-serve",
-        inputs=[
-            TensorMetadata(name="hidden_states", datatype="FP32", shape=[-1, cfg.hidden_size]),
-            TensorMetadata(name="router_logits", datatype="FP32", shape=[-1, cfg.num_experts]),
-        ],
-        outputs=[TensorMetadata(name=OUTPUT, datatype="FP32", shape=[-1, cfg.hidden_size])],
-    )
-
-
 @router.get(
     "/models/{name}",
     summary="Model metadata: input and output tensors",
     responses={404: {"model": ErrorBody}},
 )
 async def model_metadata(name: str, engine: EngineDep) -> ModelMetadata:
-    return _metadata(engine.get(name))
+    return inference.model_metadata(inference.get_model(engine, name))
 
 
 @router.get(
@@ -80,14 +57,8 @@ async def model_metadata(name: str, engine: EngineDep) -> ModelMetadata:
     responses={404: {"model": ErrorBody}},
 )
 async def model_ready(name: str, engine: EngineDep) -> dict[str, bool]:
-    engine.get(name)
+    inference.get_model(engine, name)
     return {"ready": True}
-
-
-def _check_version(engine: Engine, name: str, version: str) -> None:
-    engine.get(name)  # an unknown model first
-    if version != VERSION:
-        raise UnknownLayer(f"model {name!r} has version {VERSION} only, not {version!r}")
 
 
 @router.get(
@@ -96,8 +67,7 @@ def _check_version(engine: Engine, name: str, version: str) -> None:
     responses={404: {"model": ErrorBody}},
 )
 async def version_metadata(name: str, version: str, engine: EngineDep) -> ModelMetadata:
-    _check_version(engine, name, version)
-    return _metadata(engine.get(name))
+    return inference.model_metadata(inference.get_model(engine, name, version))
 
 
 @router.get(
@@ -106,7 +76,7 @@ async def version_metadata(name: str, version: str, engine: EngineDep) -> ModelM
     responses={404: {"model": ErrorBody}},
 )
 async def version_ready(name: str, version: str, engine: EngineDep) -> dict[str, bool]:
-    _check_version(engine, name, version)
+    inference.get_model(engine, name, version)
     return {"ready": True}
 
 
@@ -148,30 +118,12 @@ _INFER_OPENAPI = {
 }
 
 
-@router.post(
-    "/models/{name}/infer",
-    summary="Inference with JSON tensors or the binary tensor data extension",
-    response_model=InferResponse,
-    responses={400: {"model": ErrorBody}, 404: {"model": ErrorBody}, 429: {"model": ErrorBody}},
-    openapi_extra=_INFER_OPENAPI,
-)
-async def infer(
-    name: str, request: Request, body: BodyDep, engine: EngineDep, batcher: BatcherDep
+async def _infer(
+    name: str, version: str, request: Request, body: bytes, runtime: Runtime
 ) -> Response:
-    served = engine.get(name)
     infer_request, tensors = decode_request(body, _header_length(request))
-    unknown = sorted(set(tensors) - set(TENSOR_NAMES))
-    if unknown:
-        raise BadInput(f"unknown inputs {unknown}; model {name!r} takes {list(TENSOR_NAMES)}")
-    if "hidden_states" not in tensors:
-        raise BadInput("input hidden_states is missing")
-    for requested in infer_request.outputs or ():
-        if requested.name != OUTPUT:
-            raise BadInput(f"unknown output {requested.name!r}; model {name!r} has {OUTPUT!r}")
-    hidden = tensors["hidden_states"]
-    inputs = check_inputs(served, hidden, tensors.get("router_logits"))
-    result = await batcher.submit(name, inputs)
-    encoded = encode_response(name, infer_request, {OUTPUT: result.output.to(hidden.dtype)})
+    result = await inference.infer(runtime, name, version, infer_request, tensors)
+    encoded = encode_response(name, infer_request, result.outputs, result.placed)
     if encoded.header_length is None:
         return Response(encoded.body, media_type="application/json")
     return Response(
@@ -182,18 +134,23 @@ async def infer(
 
 
 @router.post(
+    "/models/{name}/infer",
+    summary="Inference with JSON tensors or the binary tensor data extension",
+    response_model=InferResponse,
+    responses={400: {"model": ErrorBody}, 404: {"model": ErrorBody}, 429: {"model": ErrorBody}},
+    openapi_extra=_INFER_OPENAPI,
+)
+async def infer(name: str, request: Request, body: BodyDep, runtime: RuntimeDep) -> Response:
+    return await _infer(name, "", request, body, runtime)
+
+
+@router.post(
     "/models/{name}/versions/{version}/infer",
     summary="Inference on a named version (as /v2/models/{name}/infer)",
     responses={400: {"model": ErrorBody}, 404: {"model": ErrorBody}, 429: {"model": ErrorBody}},
     openapi_extra=_INFER_OPENAPI,
 )
 async def version_infer(
-    name: str,
-    version: str,
-    request: Request,
-    body: BodyDep,
-    engine: EngineDep,
-    batcher: BatcherDep,
+    name: str, version: str, request: Request, body: BodyDep, runtime: RuntimeDep
 ) -> Response:
-    _check_version(engine, name, version)
-    return await infer(name, request, body, engine, batcher)
+    return await _infer(name, version, request, body, runtime)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -55,6 +56,13 @@ def reference_forward(
     with torch.inference_mode():
         inputs = ForwardInputs(hidden.float(), None if logits is None else logits.float())
         return layer.forward(inputs).output
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for the gRPC listener, which 0 turns off)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

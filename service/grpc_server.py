@@ -1,0 +1,145 @@
+"""KServe v2 over gRPC: the GRPCInferenceService of tritonclient's generated stubs, served by
+grpc.aio on the event loop that runs uvicorn, so both transports share one batcher.
+
+Every RPC but ServerLive and ServerReady needs the bearer token (metadata `authorization`) when
+one is set; errors are service/errors.py's, sent as the gRPC status of GRPC_STATUS with the
+same message as over HTTP.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+from service import inference, logs
+from service.deps import Runtime, ready
+from service.errors import ServiceError, Unauthorized, UnknownLayer, grpc_status
+from service.grpc_codec import decode_infer, encode_infer, from_model
+from service.middleware import bearer_matches, new_request_id
+
+log = logging.getLogger(__name__)
+
+Request = TypeVar("Request")
+Reply = TypeVar("Reply")
+Method = Callable[["InferenceServicer", Request], Awaitable[Reply]]
+Handler = Callable[["InferenceServicer", Request, grpc.aio.ServicerContext], Awaitable[Reply]]
+
+
+def _metadata(context: grpc.aio.ServicerContext, key: str) -> str:
+    return next((v for k, v in context.invocation_metadata() or () if k == key), "")
+
+
+def rpc(*, open_to_all: bool = False) -> Callable[[Method], Handler]:
+    """An RPC from `method(self, request)`: request id, bearer token, our errors as gRPC
+    statuses, the request metrics."""
+
+    def wrap(method: Method) -> Handler:
+        route = f"grpc {method.__name__}"
+
+        @functools.wraps(method)
+        async def handler(
+            self: InferenceServicer, request: Request, context: grpc.aio.ServicerContext
+        ) -> Reply:
+            reset = logs.request_id.set(new_request_id(_metadata(context, "x-request-id")))
+            started = time.perf_counter()
+            code = grpc.StatusCode.OK
+            try:
+                if not open_to_all:
+                    self.authorize(context)
+                return await method(self, request)
+            except ServiceError as err:
+                code = grpc_status(err)
+                await context.abort(code, err.message)
+            except Exception:
+                log.exception("unhandled error in %s", route)
+                code = grpc.StatusCode.INTERNAL
+                await context.abort(code, f"internal error; request id {logs.request_id.get()}")
+            finally:
+                seconds = time.perf_counter() - started
+                self.runtime.metrics.requests.labels(route, code.name).inc()
+                self.runtime.metrics.request_seconds.labels(route).observe(seconds)
+                log.info("%s -> %s in %.1f ms", route, code.name, seconds * 1e3)
+                logs.request_id.reset(reset)
+
+        return handler
+
+    return wrap
+
+
+class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """The RPCs moe-serve answers; the others answer UNIMPLEMENTED (the stubs' default)."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.token = runtime.settings.api_token_bytes()
+
+    def authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if self.token is not None and not bearer_matches(
+            _metadata(context, "authorization"), self.token
+        ):
+            raise Unauthorized("missing or wrong bearer token (metadata 'authorization')")
+
+    @rpc(open_to_all=True)
+    async def ServerLive(self, _request: pb.ServerLiveRequest) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    @rpc(open_to_all=True)
+    async def ServerReady(self, _request: pb.ServerReadyRequest) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.runtime.not_ready is None)
+
+    @rpc()
+    async def ModelReady(self, request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
+        if self.runtime.not_ready is not None:
+            return pb.ModelReadyResponse(ready=False)
+        try:
+            inference.get_model(self.runtime.engine, request.name, request.version)
+        except UnknownLayer:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=True)
+
+    @rpc()
+    async def ServerMetadata(self, _request: pb.ServerMetadataRequest) -> pb.ServerMetadataResponse:
+        return from_model(inference.server_metadata(), pb.ServerMetadataResponse)
+
+    @rpc()
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
+        served = inference.get_model(ready(self.runtime).engine, request.name, request.version)
+        return from_model(inference.model_metadata(served), pb.ModelMetadataResponse)
+
+    @rpc()
+    async def ModelInfer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+        infer_request, tensors = decode_infer(request)
+        name, version = request.model_name, request.model_version
+        result = await inference.infer(self.runtime, name, version, infer_request, tensors)
+        return encode_infer(name, inference.VERSION, infer_request, result.outputs, result.placed)
+
+
+async def start_grpc_server(runtime: Runtime) -> grpc.aio.Server:
+    """Serve GRPCInferenceService on settings.host:grpc_port, on the running event loop."""
+    settings = runtime.settings
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", settings.max_body_bytes),
+            ("grpc.max_send_message_length", -1),
+            ("grpc.so_reuseport", 0),  # a second server on the port fails instead of sharing it
+        ]
+    )
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(runtime), server)
+    host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    address = f"{host}:{settings.grpc_port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as err:  # newer grpcio raises where older ones returned 0
+        raise OSError(f"gRPC cannot listen on {address}: {err}") from None
+    if not bound:
+        raise OSError(f"gRPC cannot listen on {address}")
+    await server.start()
+    log.info("gRPC (KServe v2) on %s", address)
+    return server

@@ -1,0 +1,212 @@
+"""Per-model inference statistics in Triton's schema, and the `nv_inference_*` metrics of them.
+
+One ModelStatistics per served layer holds the counts; `GET /v2/models/{name}/stats` and the
+ModelStatistics RPC show them as Triton's statistics extension does, and StatisticsCollector
+shows the same numbers to Prometheus under Triton's metric names. Requests are the KServe v2
+ones (HTTP and gRPC); executions are every forward of the layer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from prometheus_client.core import GaugeMetricFamily, UnknownMetricFamily
+from prometheus_client.registry import Collector
+
+VERSION = "1"  # every layer is a model with one version
+
+
+@dataclass
+class Duration:
+    """Triton's $duration_stat: how many times, and their total nanoseconds."""
+
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float, times: int = 1) -> None:
+        self.count += times
+        self.ns += round(seconds * 1e9)
+
+    def to_json(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass
+class BatchStatistics:
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+
+
+@dataclass
+class ModelStatistics:
+    last_inference_ms: int = 0  # when the last request arrived, ms since the epoch
+    inference_count: int = 0  # tokens answered (Triton counts each batch row)
+    execution_count: int = 0  # forwards
+    pending: int = 0  # requests received and not yet answered
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    batches: dict[int, BatchStatistics] = field(default_factory=dict)  # by tokens per forward
+
+    def to_json(self, name: str) -> dict:
+        """Triton's $model_stat."""
+        stats = {
+            key: getattr(self, key).to_json()
+            for key in (
+                "success",
+                "fail",
+                "queue",
+                "compute_input",
+                "compute_infer",
+                "compute_output",
+            )
+        }
+        stats["cache_hit"] = Duration().to_json()  # there is no response cache
+        return {
+            "name": name,
+            "version": VERSION,
+            "last_inference": self.last_inference_ms,
+            "inference_count": self.inference_count,
+            "execution_count": self.execution_count,
+            "inference_stats": stats,
+            "batch_stats": [
+                {
+                    "batch_size": size,
+                    "compute_input": b.compute_input.to_json(),
+                    "compute_infer": b.compute_infer.to_json(),
+                    "compute_output": b.compute_output.to_json(),
+                }
+                for size, b in sorted(self.batches.items())
+            ],
+        }
+
+
+@dataclass
+class RequestTimer:
+    """One request's phases as `Statistics.request` measures them."""
+
+    started: float = field(default_factory=time.perf_counter)
+    submitted: float | None = None  # inputs ready, handed to the batcher
+    answered: float | None = None  # the batcher's result is back
+    tokens: int = 0
+
+    def submit(self, tokens: int) -> None:
+        self.submitted, self.tokens = time.perf_counter(), tokens
+
+    def answer(self) -> None:
+        self.answered = time.perf_counter()
+
+
+class Statistics:
+    """Every model's statistics; written from the event loop and the device worker thread."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, ModelStatistics] = {}
+        self.lock = threading.Lock()
+
+    def add_model(self, name: str) -> None:
+        """Start (or restart, on a reload) the model's statistics at zero."""
+        with self.lock:
+            self.models[name] = ModelStatistics()
+
+    def remove_model(self, name: str) -> None:
+        with self.lock:
+            self.models.pop(name, None)
+
+    @contextmanager
+    def request(self, name: str) -> Iterator[RequestTimer]:
+        """Time one inference request of model `name`: an exception out of the block is a
+        failure. compute_input is the time before `submit`, compute_output after `answer`."""
+        timer = RequestTimer()
+        with self.lock:
+            model = self.models.setdefault(name, ModelStatistics())
+            model.pending += 1
+            model.last_inference_ms = int(time.time() * 1e3)
+        try:
+            yield timer
+        except BaseException:
+            with self.lock:
+                model.pending -= 1
+                model.fail.add(time.perf_counter() - timer.started)
+            raise
+        ended = time.perf_counter()
+        with self.lock:
+            model.pending -= 1
+            model.success.add(ended - timer.started)
+            model.inference_count += timer.tokens
+            if timer.submitted is not None and timer.answered is not None:
+                model.compute_input.add(timer.submitted - timer.started)
+                model.compute_output.add(ended - timer.answered)
+
+    def record_execution(
+        self, name: str, tokens: int, seconds: float, queued_s: Sequence[float]
+    ) -> None:
+        """One forward of `tokens` rows that took `seconds`, for requests (pieces) that had
+        waited `queued_s` each."""
+        with self.lock:
+            model = self.models.setdefault(name, ModelStatistics())
+            model.execution_count += 1
+            model.compute_infer.add(seconds * len(queued_s), len(queued_s))
+            for wait in queued_s:
+                model.queue.add(wait)
+            model.batches.setdefault(tokens, BatchStatistics()).compute_infer.add(seconds)
+
+    def to_json(self, names: Sequence[str]) -> dict:
+        """Triton's $stats_model_response for `names`."""
+        with self.lock:
+            return {"model_stats": [self.models[n].to_json(n) for n in names if n in self.models]}
+
+
+# Triton's metric name -> what it reads (a cumulative value, shown untyped without `_total`
+# as Triton names them, or the pending gauge)
+_CUMULATIVE = {
+    "nv_inference_request_success": ("successful inference requests", lambda m: m.success.count),
+    "nv_inference_request_failure": ("failed inference requests", lambda m: m.fail.count),
+    "nv_inference_count": ("inferences performed (tokens)", lambda m: m.inference_count),
+    "nv_inference_exec_count": ("model executions (forwards)", lambda m: m.execution_count),
+    "nv_inference_request_duration_us": (
+        "cumulative inference request duration in microseconds",
+        lambda m: (m.success.ns + m.fail.ns) // 1000,
+    ),
+    "nv_inference_queue_duration_us": (
+        "cumulative time requests waited in the queue, in microseconds",
+        lambda m: m.queue.ns // 1000,
+    ),
+    "nv_inference_compute_infer_duration_us": (
+        "cumulative forward time of requests, in microseconds",
+        lambda m: m.compute_infer.ns // 1000,
+    ),
+}
+
+
+class StatisticsCollector(Collector):
+    """The nv_inference_* metrics, labelled model and version, read from Statistics."""
+
+    def __init__(self, statistics: Statistics) -> None:
+        self.statistics = statistics
+
+    def collect(self) -> Iterator[UnknownMetricFamily | GaugeMetricFamily]:
+        families = [
+            UnknownMetricFamily(metric, help_text, labels=["model", "version"])
+            for metric, (help_text, _) in _CUMULATIVE.items()
+        ]
+        pending = GaugeMetricFamily(
+            "nv_inference_pending_request_count",
+            "inference requests received and not yet answered",
+            labels=["model", "version"],
+        )
+        with self.statistics.lock:
+            for name, model in self.statistics.models.items():
+                for family, (_, read) in zip(families, _CUMULATIVE.values(), strict=True):
+                    family.add_metric([name, VERSION], read(model))
+                pending.add_metric([name, VERSION], model.pending)
+        yield from families
+        yield pending

@@ -1,0 +1,229 @@
+"""KServe v2 over gRPC with the stock tritonclient.grpc against a real server (HTTP beside it,
+one batcher)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from service.app import create_app
+from service.settings import Settings
+from tests.service.conftest import wait_ready
+from tests.service.layers import (
+    NO_ROUTER,
+    TINY,
+    E,
+    H,
+    free_port,
+    reference_forward,
+    running_server,
+    tiny_loader,
+)
+
+# a test dependency; the GPU machine lacks it (its CPU twin runs these in CI)
+grpcclient = pytest.importorskip("tritonclient.grpc")
+TOKEN = "grpc-test-token-0123456789"
+
+
+@pytest.fixture(scope="module")
+def urls() -> Iterator[tuple[str, str]]:
+    """(HTTP base URL, gRPC host:port) of one server."""
+    port = free_port()
+    app = create_app(
+        Settings(device="cpu", grpc_port=port, max_batch_delay_ms=1.0, max_queue=2), tiny_loader
+    )
+    with running_server(app) as url:
+        with httpx.Client(base_url=url) as http:
+            wait_ready(http.get)
+        yield url, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def client(urls: tuple[str, str]) -> Iterator[grpcclient.InferenceServerClient]:
+    with grpcclient.InferenceServerClient(urls[1]) as c:
+        yield c
+
+
+def _input(name: str, array: np.ndarray) -> grpcclient.InferInput:
+    datatype = {np.float32: "FP32", np.float16: "FP16"}[array.dtype.type]
+    tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["fp32", "fp16"])
+def test_grpc_infer_matches_the_reference(client, dtype) -> None:
+    x = np.random.default_rng(0).standard_normal((5, H)).astype(dtype)
+    result = client.infer(
+        TINY,
+        [_input("hidden_states", x)],
+        outputs=[grpcclient.InferRequestedOutput("output")],
+        request_id="req-9",
+    )
+    out = result.as_numpy("output")
+    assert out.dtype == dtype and out.shape == (5, H)
+    expected = reference_forward(TINY, torch.from_numpy(x)).to(torch.from_numpy(x).dtype)
+    torch.testing.assert_close(torch.tensor(out), expected)
+    response = result.get_response()
+    assert (response.id, response.model_name, response.model_version) == ("req-9", TINY, "1")
+
+
+def test_grpc_typed_contents_are_read_like_raw_ones(client) -> None:
+    """tritonclient sends raw bytes; a client may send typed contents (fp32_contents)."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    x = np.random.default_rng(1).standard_normal((2, H)).astype(np.float32)
+    request = pb.ModelInferRequest(model_name=TINY)
+    tensor = request.inputs.add(name="hidden_states", datatype="FP32", shape=[2, H])
+    tensor.contents.fp32_contents.extend(x.flatten().tolist())
+    response = client._client_stub.ModelInfer(request)
+    out = np.frombuffer(response.raw_output_contents[0], dtype=np.float32).reshape(2, H)
+    torch.testing.assert_close(torch.tensor(out), reference_forward(TINY, torch.from_numpy(x)))
+
+
+def test_grpc_sends_router_logits(client) -> None:
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((3, H)).astype(np.float32)
+    logits = rng.standard_normal((3, E)).astype(np.float32)
+    inputs = [_input("hidden_states", x), _input("router_logits", logits)]
+    out = client.infer(NO_ROUTER, inputs).as_numpy("output")
+    expected = reference_forward(NO_ROUTER, torch.from_numpy(x), torch.from_numpy(logits))
+    torch.testing.assert_close(torch.tensor(out), expected)
+
+
+def test_grpc_health_and_metadata(client) -> None:
+    assert client.is_server_live()
+    assert client.is_server_ready()
+    assert client.is_model_ready(TINY)
+    assert client.is_model_ready(TINY, "1")
+    assert not client.is_model_ready(TINY, "2")
+    assert not client.is_model_ready("nope")
+    assert "binary_tensor_data" in client.get_server_metadata(as_json=True)["extensions"]
+    meta = client.get_model_metadata(TINY, as_json=True)
+    assert meta["versions"] == ["1"]
+    assert meta["inputs"][0] == {
+        "name": "hidden_states",
+        "datatype": "FP32",
+        "shape": ["-1", str(H)],
+    }
+    assert meta["outputs"] == [{"name": "output", "datatype": "FP32", "shape": ["-1", str(H)]}]
+
+
+GRPC_ERRORS = {
+    "wrong width": (
+        TINY,
+        [("hidden_states", np.zeros((2, H + 3), np.float32))],
+        "INVALID_ARGUMENT",
+        "hidden_states has 67 columns",
+    ),
+    "unknown model": (
+        "nope",
+        [("hidden_states", np.zeros((1, H), np.float32))],
+        "NOT_FOUND",
+        "no layer named 'nope'",
+    ),
+    "unknown input": (
+        TINY,
+        [("hidden_states", np.zeros((1, H), np.float32)), ("mask", np.zeros((1, H), np.float32))],
+        "INVALID_ARGUMENT",
+        "unknown inputs \\['mask'\\]",
+    ),
+    "no router": (
+        NO_ROUTER,
+        [("hidden_states", np.zeros((1, H), np.float32))],
+        "INVALID_ARGUMENT",
+        "has no stored router",
+    ),
+    "NaN": (
+        TINY,
+        [("hidden_states", np.full((1, H), np.nan, np.float32))],
+        "INVALID_ARGUMENT",
+        "holds NaN or Inf",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("model", "inputs", "code", "message"), GRPC_ERRORS.values(), ids=GRPC_ERRORS
+)
+def test_grpc_errors_are_status_codes_naming_the_problem(
+    client, model, inputs, code, message
+) -> None:
+    with pytest.raises(grpcclient.InferenceServerException, match=message) as err:
+        client.infer(model, [_input(n, a) for n, a in inputs])
+    assert err.value.status() == f"StatusCode.{code}"
+
+
+def test_grpc_raw_contents_of_the_wrong_size_are_refused(client) -> None:
+    tensor = grpcclient.InferInput("hidden_states", [2, H], "FP32")
+    tensor.set_data_from_numpy(np.zeros((2, H), np.float32))
+    tensor.set_shape([3, H])  # the bytes are for two rows
+    with pytest.raises(grpcclient.InferenceServerException, match="for shape \\[3, 64\\]") as err:
+        client.infer(TINY, [tensor])
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+def test_grpc_full_queue_is_resource_exhausted_and_drops_nothing(urls) -> None:
+    """max_queue=2: of 16 concurrent requests some are refused; every answer is right."""
+    import asyncio
+
+    from tritonclient.grpc import aio
+
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((2, H)).astype(np.float32) for _ in range(16)]
+
+    async def main() -> list[np.ndarray | Exception]:
+        async with aio.InferenceServerClient(urls[1]) as c:
+            calls = [c.infer(TINY, [_input("hidden_states", x)]) for x in xs]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+        return [r if isinstance(r, Exception) else r.as_numpy("output") for r in results]
+
+    results = asyncio.run(main())
+    refused = [r for r in results if isinstance(r, Exception)]
+    assert refused and len(refused) < len(xs)
+    for err in refused:
+        assert err.status() == "StatusCode.RESOURCE_EXHAUSTED" and "max_queue=2" in str(err)
+    for x, out in zip(xs, results, strict=True):
+        if not isinstance(out, Exception):
+            torch.testing.assert_close(torch.tensor(out), reference_forward(TINY, torch.tensor(x)))
+
+
+def test_grpc_needs_the_bearer_token_when_one_is_set() -> None:
+    port = free_port()
+    app = create_app(Settings(device="cpu", grpc_port=port, api_token=TOKEN), tiny_loader)
+    x = np.zeros((1, H), np.float32)
+    with running_server(app) as url, grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as c:
+        with httpx.Client(base_url=url) as http:
+            wait_ready(http.get)
+        assert c.is_server_live() and c.is_server_ready()  # the probes are open
+        with pytest.raises(grpcclient.InferenceServerException, match="bearer token") as err:
+            c.infer(TINY, [_input("hidden_states", x)])
+        assert err.value.status() == "StatusCode.UNAUTHENTICATED"
+        with pytest.raises(grpcclient.InferenceServerException) as err:
+            c.get_model_metadata(TINY, headers={"authorization": "Bearer wrong-token-0123456789"})
+        assert err.value.status() == "StatusCode.UNAUTHENTICATED"
+        out = c.infer(
+            TINY, [_input("hidden_states", x)], headers={"authorization": f"Bearer {TOKEN}"}
+        ).as_numpy("output")
+        assert out.shape == (1, H)
+
+
+def test_grpc_port_in_use_stops_the_start_naming_the_address() -> None:
+    import asyncio
+    import socket
+
+    from service.deps import Runtime
+    from service.grpc_server import start_grpc_server
+    from service.metrics import Metrics
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        runtime = Runtime(Settings(device="cpu", grpc_port=port), Metrics())
+        with pytest.raises(OSError, match=f"gRPC cannot listen on 127.0.0.1:{port}"):
+            asyncio.run(start_grpc_server(runtime))
