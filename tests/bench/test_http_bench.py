@@ -69,7 +69,8 @@ def server_url() -> Iterator[str]:
     with pytest.MonkeyPatch.context() as mp:
         for name in [n for n in os.environ if n.startswith("MOE_SERVE_")]:
             mp.delenv(name)  # a developer's token or limits must not change the server
-        app = create_app(Settings(device="cpu", log_level="warning"), tiny_loader)
+        settings = Settings(device="cpu", log_level="warning", grpc_port=0)
+        app = create_app(settings, tiny_loader)
     with running_server(app) as url:
         wait_ready(lambda path: httpx.get(url + path))
         yield url
