@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from fastapi import FastAPI
 
-from service import __version__, docs
+from service import __version__, docs, tracing
 from service.batcher import BatchPolicy, DynamicBatcher
 from service.deps import Runtime
 from service.engine import Engine, LayerSource
@@ -22,8 +22,18 @@ from service.errors import install_handlers
 from service.grpc_server import start_grpc_server
 from service.metrics import Metrics
 from service.middleware import OPEN_PATHS, RequestMiddleware
-from service.routes import forward, health, introspect, kserve, metrics
+from service.repository import Repository
+from service.routes import (
+    forward,
+    health,
+    introspect,
+    kserve,
+    metrics,
+    repository,
+    shared_memory,
+)
 from service.settings import Settings
+from service.shared_memory import SharedMemory
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +45,9 @@ def layer_paths(settings: Settings) -> list[Path]:
     """The layers named by --weights, or the demo layers (generated into the cache once)."""
     from weights.demo import ensure_demo_layers
 
-    return list(settings.weights) or ensure_demo_layers(settings.cache_dir)
+    if settings.weights or settings.model_repository is not None:
+        return list(settings.weights)
+    return ensure_demo_layers(settings.cache_dir)
 
 
 def load_from_disk(settings: Settings, device: torch.device) -> list[LayerSource]:
@@ -65,7 +77,7 @@ def _build_engine(settings: Settings, loader: LayerLoader, metrics: Metrics) -> 
     for source in sources:
         served = engine.add(source)
         metrics.add_layer(served.name, served.config.num_experts)
-    if not engine.layers:
+    if not engine.layers and settings.model_repository is None:
         raise ValueError("no layers to serve")
     engine.warm_up(warm_up_tokens(settings.max_batch_tokens, device))
     return engine
@@ -91,12 +103,21 @@ async def _start(runtime: Runtime, loader: LayerLoader) -> None:
     runtime.batcher = DynamicBatcher(engine, policy, runtime.metrics)
     runtime.batcher.start()
     runtime.engine = engine
+    runtime.warm_up_tokens = warm_up_tokens(settings.max_batch_tokens, engine.device)
+    if runtime.repository is not None:
+        await runtime.repository.load_all(runtime)
     runtime.not_ready = None
     log.info("ready: %s on %s", ", ".join(engine.layers), engine.device)
 
 
 def create_app(settings: Settings, loader: LayerLoader = load_from_disk) -> FastAPI:
-    runtime = Runtime(settings, Metrics())
+    root = settings.model_repository
+    runtime = Runtime(
+        settings,
+        Metrics(),
+        shared_memory=SharedMemory(allowed=settings.allow_shared_memory),
+        repository=None if root is None else Repository(root),
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -109,6 +130,7 @@ def create_app(settings: Settings, loader: LayerLoader = load_from_disk) -> Fast
         await starting  # a load in progress finishes before the process exits
         if runtime.batcher is not None:
             await runtime.batcher.close()
+        runtime.shared_memory.close()
         if isinstance(runtime.engine, EPEngine):
             await asyncio.to_thread(runtime.engine.close)
 
@@ -120,6 +142,7 @@ def create_app(settings: Settings, loader: LayerLoader = load_from_disk) -> Fast
     )
     app.state.runtime = runtime
     install_handlers(app)
+    tracing.instrument_app(app)
     token = settings.api_token_bytes()
     if token is not None:
         docs.declare_bearer(app, OPEN_PATHS)
@@ -129,6 +152,6 @@ def create_app(settings: Settings, loader: LayerLoader = load_from_disk) -> Fast
         token=token,
         max_connections=settings.max_connections,
     )
-    for module in (health, metrics, introspect, forward, kserve):
+    for module in (health, metrics, introspect, forward, kserve, shared_memory, repository):
         app.include_router(module.router)
     return app

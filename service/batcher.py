@@ -15,21 +15,26 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from kernels.layer import LayerOutput
 from kernels.quant_scheme import ActQuant
 from kernels.tensors import ForwardInputs, Routing
-from service.engine import Engine
-from service.errors import ForwardFailed, NotReady, Overloaded, ShuttingDown
+from service import tracing
+from service.engine import Engine, ServedLayer
+from service.errors import ForwardFailed, NotReady, Overloaded, ShuttingDown, UnknownLayer
 from service.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
+DRAIN_POLL_S = 0.005  # how often remove_layer looks whether a layer's requests are done
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class _Chunk:
     inputs: ForwardInputs  # [t, H] float32 on CPU, t <= max_batch_tokens
     future: asyncio.Future[LayerOutput]
     arrived: float  # event-loop time
+    trace: tracing.Piece  # its request's trace context, for the queue and forward spans
 
     @property
     def tokens(self) -> int:
@@ -57,7 +63,12 @@ class _LayerQueue:
     chunks: deque[_Chunk] = field(default_factory=deque)
     tokens: int = 0  # rows waiting in `chunks`
     requests: int = 0  # admitted and not finished
+    draining: bool = False  # being removed: admits nothing more
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _new_queue(served: ServedLayer) -> _LayerQueue:
+    return _LayerQueue(merge=served.config.quant.spec.act_quant != ActQuant.TENSOR)
 
 
 def _split(inputs: ForwardInputs, size: int) -> list[ForwardInputs]:
@@ -87,10 +98,7 @@ class DynamicBatcher:
         self.policy = policy
         self.metrics = metrics
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-device")
-        self._queues = {
-            name: _LayerQueue(merge=served.config.quant.spec.act_quant != ActQuant.TENSOR)
-            for name, served in engine.layers.items()
-        }
+        self._queues = {name: _new_queue(served) for name, served in engine.layers.items()}
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
 
@@ -113,7 +121,9 @@ class DynamicBatcher:
         self.engine.get(name)  # UnknownLayer before anything is queued
         if self._closing:
             raise ShuttingDown()
-        q = self._queues[name]
+        q = self._queues.get(name)
+        if q is None or q.draining:
+            raise UnknownLayer(f"layer {name!r} is being unloaded")
         if q.requests >= self.policy.max_queue:
             raise Overloaded(
                 f"layer {name!r} already has {q.requests} requests queued "
@@ -123,8 +133,14 @@ class DynamicBatcher:
         q.requests += 1
         try:
             loop = asyncio.get_running_loop()
+            context, arrived_ns = tracing.current_context(), tracing.now_ns()
             chunks = [
-                _Chunk(part, loop.create_future(), loop.time())
+                _Chunk(
+                    part,
+                    loop.create_future(),
+                    loop.time(),
+                    tracing.Piece(context, arrived_ns, part.hidden_states.shape[0]),
+                )
                 for part in _split(inputs, self.policy.max_batch_tokens)
             ]
             q.chunks.extend(chunks)
@@ -138,6 +154,29 @@ class DynamicBatcher:
             if isinstance(r, BaseException):
                 raise r
         return _concat(results)
+
+    def add_layer(self, name: str) -> None:
+        """Start batching for layer `name`, newly in the engine (nothing if it has a queue)."""
+        if name not in self._queues:
+            q = self._queues[name] = _new_queue(self.engine.get(name))
+            self._tasks.append(asyncio.create_task(self._schedule(name, q), name=f"batcher-{name}"))
+
+    async def remove_layer(self, name: str) -> None:
+        """Stop batching for layer `name`: admit no new request, let those admitted finish
+        (their forwards included), then stop its scheduler."""
+        q = self._queues[name]
+        q.draining = True
+        while q.requests:
+            await asyncio.sleep(DRAIN_POLL_S)
+        task = next(t for t in self._tasks if t.get_name() == f"batcher-{name}")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        self._tasks.remove(task)
+        del self._queues[name]
+
+    async def on_worker(self, call: Callable[..., T], *args: object) -> T:
+        """Run `call(*args)` on the device worker, between forwards (loading a layer)."""
+        return await asyncio.get_running_loop().run_in_executor(self._worker, call, *args)
 
     async def _schedule(self, name: str, q: _LayerQueue) -> None:
         loop = asyncio.get_running_loop()
@@ -188,9 +227,11 @@ class DynamicBatcher:
             None if logits[0] is None else torch.cat(logits),
         )
         self.metrics.batch_requests.labels(name).observe(len(batch))
+        loop = asyncio.get_running_loop()
+        queued_s = [loop.time() - c.arrived for c in batch]
         try:
-            result = await asyncio.get_running_loop().run_in_executor(
-                self._worker, self._forward, name, inputs
+            result, started_ns, ended_ns = await loop.run_in_executor(
+                self._worker, self._forward, name, inputs, queued_s
             )
         except Exception as err:
             tokens = inputs.hidden_states.shape[0]
@@ -204,6 +245,8 @@ class DynamicBatcher:
                 if not c.future.done():
                     c.future.set_exception(failure)
             return
+        backend = self.engine.get(name).backend
+        tracing.record_forward(name, backend, [c.trace for c in batch], started_ns, ended_ns)
         start = 0
         for c in batch:
             rows = slice(start, start + c.tokens)
@@ -212,11 +255,15 @@ class DynamicBatcher:
                 part = Routing(result.routing.topk_ids[rows], result.routing.topk_weights[rows])
                 c.future.set_result(LayerOutput(result.output[rows], part))
 
-    def _forward(self, name: str, inputs: ForwardInputs) -> LayerOutput:
-        """On the worker thread: the forward and its metrics."""
-        started = time.perf_counter()
+    def _forward(
+        self, name: str, inputs: ForwardInputs, queued_s: list[float]
+    ) -> tuple[LayerOutput, int, int]:
+        """On the worker thread: the forward and its metrics; also its start and end (ns)."""
+        started_ns, started = tracing.now_ns(), time.perf_counter()
         result = self.engine.forward(name, inputs)  # returns on CPU, so the device is done
         seconds = time.perf_counter() - started
         served = self.engine.get(name)
-        self.metrics.record_forward(name, served.backend, result.routing.topk_ids, seconds)
-        return result
+        self.metrics.record_forward(
+            name, served.backend, result.routing.topk_ids, seconds, queued_s
+        )
+        return result, started_ns, tracing.now_ns()

@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Annotated
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 from fastapi import Depends, Request
+from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from service.batcher import DynamicBatcher
@@ -20,11 +21,17 @@ from service.errors import (
     PayloadTooLarge,
     RequestTimeout,
     UnsupportedMediaType,
+    describe_validation_error,
 )
 from service.metrics import Metrics
 from service.settings import Settings
+from service.shared_memory import SharedMemory
+
+if TYPE_CHECKING:
+    from service.repository import Repository
 
 RETRY_WHILE_LOADING_S = "5"
+Body = TypeVar("Body", bound=BaseModel)
 # Content-Encoding -> zlib window bits (None: not compressed)
 _ZLIB_WBITS = {"identity": None, "gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
@@ -41,6 +48,9 @@ class Runtime:
     start_failed: bool = False  # loading or warming up the layers raised
     # What a failed start does besides answering 503: `moe-serve serve` stops the server.
     on_start_failure: Callable[[], None] = lambda: None
+    shared_memory: SharedMemory = field(default_factory=lambda: SharedMemory(allowed=False))
+    repository: Repository | None = None  # --model-repository
+    warm_up_tokens: list[int] = field(default_factory=list)  # token counts a new layer runs
 
 
 # Dependencies are `async def` although they never wait: FastAPI runs a plain `def` one on a
@@ -111,6 +121,14 @@ def _decode(body: bytes, encoding: str, limit: int) -> bytes:
     if not inflate.eof:  # zlib returns what it could of a cut stream without complaint
         raise BadInput(f"body is truncated {encoding} data: the compressed stream ends early")
     return plain
+
+
+def parse_body(model: type[Body], body: bytes) -> Body:
+    """A JSON body as `model` (tritonclient sends no Content-Type), or a 400 naming the field."""
+    try:
+        return model.model_validate_json(body or b"{}")
+    except ValidationError as err:
+        raise BadInput(f"request body: {describe_validation_error(err)}") from None
 
 
 EngineDep = Annotated[Engine, Depends(get_engine)]

@@ -77,6 +77,28 @@ class Engine:
         )
         return served
 
+    def load(self, source: LayerSource, token_counts: Sequence[int]) -> ServedLayer:
+        """Add layer `source`, or replace the one of its name, warmed up at `token_counts`.
+        Atomic: if building or warming fails, the layers are as they were (the old one serves).
+        Call it where forwards run (the batcher's worker), so that none runs meanwhile."""
+        old = self.layers.pop(source.name, None)
+        try:
+            served = self.add(source)
+            self.warm_up(token_counts, [source.name])
+        except BaseException:
+            self.layers.pop(source.name, None)
+            if old is not None:
+                self.layers[source.name] = old
+            raise
+        return served
+
+    def remove(self, name: str) -> ServedLayer:
+        """Stop serving layer `name` (its device memory goes with the last reference)."""
+        served = self.get(name)
+        del self.layers[name]
+        log.info("layer %s removed", name)
+        return served
+
     def build(self, source: LayerSource) -> tuple[MoELayer, Selection]:
         """`source`'s layer on the device (expert parallelism composes its own)."""
         return build_layer(
@@ -122,11 +144,13 @@ class Engine:
             result.output.cpu(), Routing(routing.topk_ids.cpu(), routing.topk_weights.cpu())
         )
 
-    def warm_up(self, token_counts: Sequence[int]) -> None:
-        """Run every layer at each of `token_counts`, so no request pays for a kernel's first
-        compile or a workspace allocation (a JIT compile mid-load stalls its batch for seconds)."""
+    def warm_up(self, token_counts: Sequence[int], names: Sequence[str] | None = None) -> None:
+        """Run every layer (or those named) at each of `token_counts`, so no request pays for a
+        kernel's first compile or a workspace allocation (a JIT compile mid-load stalls its batch
+        for seconds)."""
         generator = torch.Generator().manual_seed(0)
-        for name, served in self.layers.items():
+        for name in list(self.layers) if names is None else names:
+            served = self.layers[name]
             cfg = served.config
             for tokens in token_counts:
                 hidden = torch.randn(tokens, cfg.hidden_size, generator=generator)

@@ -35,6 +35,10 @@ class Unauthorized(ServiceError):
     status = 401
 
 
+class Forbidden(ServiceError):
+    status = 403
+
+
 class UnknownLayer(ServiceError):
     status = 404
 
@@ -53,6 +57,14 @@ class ClientDisconnected(ServiceError):
     the log line and the metrics say what happened (499, as nginx counts it), not a 500."""
 
     status = 499
+
+
+class UnknownRegion(ServiceError):
+    status = 404
+
+
+class Conflict(ServiceError):
+    status = 409
 
 
 class PayloadTooLarge(ServiceError):
@@ -129,7 +141,12 @@ def install_handlers(app: FastAPI) -> None:
 GRPC_STATUS: dict[type[ServiceError], grpc.StatusCode] = {
     BadInput: grpc.StatusCode.INVALID_ARGUMENT,
     Unauthorized: grpc.StatusCode.UNAUTHENTICATED,
+    Forbidden: grpc.StatusCode.PERMISSION_DENIED,
     UnknownLayer: grpc.StatusCode.NOT_FOUND,
+    RequestTimeout: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ClientDisconnected: grpc.StatusCode.CANCELLED,
+    UnknownRegion: grpc.StatusCode.NOT_FOUND,
+    Conflict: grpc.StatusCode.ALREADY_EXISTS,
     PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     UnsupportedMediaType: grpc.StatusCode.INVALID_ARGUMENT,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,

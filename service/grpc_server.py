@@ -12,23 +12,29 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from typing import TypeVar
 
 import grpc
+from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from service import inference, logs
+from service import inference, logs, repository, tracing
 from service.deps import Runtime, ready
 from service.errors import ServiceError, Unauthorized, UnknownLayer, grpc_status
-from service.grpc_codec import decode_infer, encode_infer, from_model
+from service.grpc_codec import decode_infer, encode_infer, from_model, parameters_to_dict
 from service.middleware import bearer_matches, new_request_id
+from service.routes.repository import check_load_parameters
+from service.shared_memory import owner_of
 
 log = logging.getLogger(__name__)
 
 Request = TypeVar("Request")
 Reply = TypeVar("Reply")
 Method = Callable[["InferenceServicer", Request], Awaitable[Reply]]
+# whose shared-memory regions the RPC may use (shared_memory.owner_of; None without auth)
+caller: ContextVar[str | None] = ContextVar("caller", default=None)
 Handler = Callable[["InferenceServicer", Request, grpc.aio.ServicerContext], Awaitable[Reply]]
 
 
@@ -48,11 +54,13 @@ def rpc(*, open_to_all: bool = False) -> Callable[[Method], Handler]:
             self: InferenceServicer, request: Request, context: grpc.aio.ServicerContext
         ) -> Reply:
             reset = logs.request_id.set(new_request_id(_metadata(context, "x-request-id")))
+            authorization = _metadata(context, "authorization")
+            caller.set(None if self.token is None else owner_of(authorization))
             started = time.perf_counter()
             code = grpc.StatusCode.OK
             try:
                 if not open_to_all:
-                    self.authorize(context)
+                    self.authorize(authorization)
                 return await method(self, request)
             except ServiceError as err:
                 code = grpc_status(err)
@@ -80,10 +88,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self.runtime = runtime
         self.token = runtime.settings.api_token_bytes()
 
-    def authorize(self, context: grpc.aio.ServicerContext) -> None:
-        if self.token is not None and not bearer_matches(
-            _metadata(context, "authorization"), self.token
-        ):
+    def authorize(self, authorization: str) -> None:
+        if self.token is not None and not bearer_matches(authorization, self.token):
             raise Unauthorized("missing or wrong bearer token (metadata 'authorization')")
 
     @rpc(open_to_all=True)
@@ -106,7 +112,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @rpc()
     async def ServerMetadata(self, _request: pb.ServerMetadataRequest) -> pb.ServerMetadataResponse:
-        return from_model(inference.server_metadata(), pb.ServerMetadataResponse)
+        return from_model(inference.server_metadata(self.runtime), pb.ServerMetadataResponse)
 
     @rpc()
     async def ModelMetadata(self, request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
@@ -114,22 +120,115 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return from_model(inference.model_metadata(served), pb.ModelMetadataResponse)
 
     @rpc()
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest
+    ) -> pb.ModelStatisticsResponse:
+        stats = inference.statistics(self.runtime, request.name, request.version)
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
+
+    @rpc()
     async def ModelInfer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         infer_request, tensors = decode_infer(request)
         name, version = request.model_name, request.model_version
-        result = await inference.infer(self.runtime, name, version, infer_request, tensors)
-        return encode_infer(name, inference.VERSION, infer_request, result.outputs, result.placed)
+        result = await inference.infer(
+            self.runtime, name, version, infer_request, tensors, caller.get()
+        )
+        with tracing.reply_span():
+            return encode_infer(
+                name, inference.VERSION, infer_request, result.outputs, result.placed
+            )
+
+    # Triton's model repository extension (service/repository.py)
+    @rpc()
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest
+    ) -> pb.RepositoryIndexResponse:
+        entries = repository.require(self.runtime).index(self.runtime, request.ready)
+        return pb.RepositoryIndexResponse(
+            models=[pb.RepositoryIndexResponse.ModelIndex(**e.to_json()) for e in entries]
+        )
+
+    @rpc()
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest
+    ) -> pb.RepositoryModelLoadResponse:
+        check_load_parameters(parameters_to_dict(request.parameters))
+        await repository.require(self.runtime).load(self.runtime, request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    @rpc()
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest
+    ) -> pb.RepositoryModelUnloadResponse:
+        await repository.require(self.runtime).unload(self.runtime, request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
+    # Triton's shared-memory extension (service/shared_memory.py); regions are the HTTP ones
+    @rpc()
+    async def SystemSharedMemoryStatus(
+        self, request: pb.SystemSharedMemoryStatusRequest
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        regions = self.runtime.shared_memory.status("system", request.name, caller.get())
+        return pb.SystemSharedMemoryStatusResponse(
+            regions={
+                r["name"]: pb.SystemSharedMemoryStatusResponse.RegionStatus(**r) for r in regions
+            }
+        )
+
+    @rpc()
+    async def SystemSharedMemoryRegister(
+        self, request: pb.SystemSharedMemoryRegisterRequest
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        self.runtime.shared_memory.register_system(
+            request.name, request.key, request.offset, request.byte_size, caller.get()
+        )
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @rpc()
+    async def SystemSharedMemoryUnregister(
+        self, request: pb.SystemSharedMemoryUnregisterRequest
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        self.runtime.shared_memory.unregister("system", request.name, caller.get())
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @rpc()
+    async def CudaSharedMemoryStatus(
+        self, request: pb.CudaSharedMemoryStatusRequest
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        regions = self.runtime.shared_memory.status("cuda", request.name, caller.get())
+        return pb.CudaSharedMemoryStatusResponse(
+            regions={
+                r["name"]: pb.CudaSharedMemoryStatusResponse.RegionStatus(**r) for r in regions
+            }
+        )
+
+    @rpc()
+    async def CudaSharedMemoryRegister(
+        self, request: pb.CudaSharedMemoryRegisterRequest
+    ) -> pb.CudaSharedMemoryRegisterResponse:
+        self.runtime.shared_memory.register_cuda(
+            request.name, request.raw_handle, request.device_id, request.byte_size, caller.get()
+        )
+        return pb.CudaSharedMemoryRegisterResponse()
+
+    @rpc()
+    async def CudaSharedMemoryUnregister(
+        self, request: pb.CudaSharedMemoryUnregisterRequest
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        self.runtime.shared_memory.unregister("cuda", request.name, caller.get())
+        return pb.CudaSharedMemoryUnregisterResponse()
 
 
 async def start_grpc_server(runtime: Runtime) -> grpc.aio.Server:
     """Serve GRPCInferenceService on settings.host:grpc_port, on the running event loop."""
     settings = runtime.settings
     server = grpc.aio.server(
+        interceptors=tracing.grpc_interceptors(),
         options=[
             ("grpc.max_receive_message_length", settings.max_body_bytes),
             ("grpc.max_send_message_length", -1),
             ("grpc.so_reuseport", 0),  # a second server on the port fails instead of sharing it
-        ]
+        ],
     )
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(runtime), server)
     host = f"[{settings.host}]" if ":" in settings.host else settings.host

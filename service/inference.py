@@ -17,13 +17,21 @@ from service.engine import Engine, ServedLayer
 from service.errors import BadInput, UnknownLayer
 from service.inputs import check_inputs
 from service.kserve_codec import (
+    DATATYPE_NAMES,
+    SHM_BYTE_SIZE,
+    SHM_OFFSET,
+    SHM_REGION,
     InferOutput,
     InferRequest,
     ModelMetadata,
     ServerMetadata,
     TensorMetadata,
+    byte_size,
+    tensor_bytes,
+    tensor_from_bytes,
 )
 from service.routes.forward import TENSOR_NAMES
+from service.shared_memory import TensorPlace
 
 OUTPUT = "output"
 VERSION = "1"  # a layer is a model with one version; clients may name it or not
@@ -36,8 +44,13 @@ class InferenceResult:
     placed: list[InferOutput] = field(default_factory=list)  # written into shared memory
 
 
-def server_metadata() -> ServerMetadata:
-    return ServerMetadata(name="moe-serve", version=__version__, extensions=["binary_tensor_data"])
+def server_metadata(runtime: Runtime) -> ServerMetadata:
+    extensions = ["binary_tensor_data", "statistics"]
+    if runtime.shared_memory.allowed:
+        extensions += ["system_shared_memory", "cuda_shared_memory"]
+    if runtime.repository is not None:
+        extensions.append("model_repository")
+    return ServerMetadata(name="moe-serve", version=__version__, extensions=extensions)
 
 
 def model_metadata(served: ServedLayer) -> ModelMetadata:
@@ -68,19 +81,81 @@ async def infer(
     version: str,
     request: InferRequest,
     tensors: dict[str, torch.Tensor],
+    owner: str | None = None,
 ) -> InferenceResult:
-    """One inference request: `tensors` are its inputs decoded from the body, by name."""
+    """One inference request: `tensors` are its inputs decoded from the body, by name; inputs
+    and outputs that name a shared-memory region are read from and written to it. `owner`:
+    who may use the regions (shared_memory.owner_of)."""
     runtime = ready(runtime)
     served = get_model(runtime.engine, name, version)
-    unknown = sorted(set(tensors) - set(TENSOR_NAMES))
-    if unknown:
-        raise BadInput(f"unknown inputs {unknown}; model {name!r} takes {list(TENSOR_NAMES)}")
-    if "hidden_states" not in tensors:
-        raise BadInput("input hidden_states is missing")
+    with runtime.metrics.statistics.request(name) as timer:
+        tensors = tensors | await _read_shared_memory(runtime, request, owner)
+        unknown = sorted(set(tensors) - set(TENSOR_NAMES))
+        if unknown:
+            raise BadInput(f"unknown inputs {unknown}; model {name!r} takes {list(TENSOR_NAMES)}")
+        if "hidden_states" not in tensors:
+            raise BadInput("input hidden_states is missing")
+        hidden = tensors["hidden_states"]
+        inputs = check_inputs(served, hidden, tensors.get("router_logits"))
+        places = _output_places(runtime, request, name, hidden, owner)
+        timer.submit(hidden.shape[0])
+        result = await runtime.batcher.submit(name, inputs)
+        timer.answer()
+        output = result.output.to(hidden.dtype)
+        if places.get(OUTPUT) is None:
+            return InferenceResult({OUTPUT: output})
+        return InferenceResult({}, [await _write_output(runtime, places[OUTPUT], output, owner)])
+
+
+async def _read_shared_memory(
+    runtime: Runtime, request: InferRequest, owner: str | None
+) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for t in request.inputs:
+        what = f"input {t.name}"
+        place = TensorPlace.of(what, t.parameters)
+        if place is not None:
+            raw = await runtime.shared_memory.read(what, place, byte_size(t), owner)
+            tensors[t.name] = tensor_from_bytes(t, raw)
+    return tensors
+
+
+def _output_places(
+    runtime: Runtime, request: InferRequest, name: str, hidden: torch.Tensor, owner: str | None
+) -> dict[str, TensorPlace | None]:
+    """Each requested output's shared-memory place (None: in the reply), checked before the
+    forward so that an output that cannot fit fails first."""
+    places = {}
     for requested in request.outputs or ():
         if requested.name != OUTPUT:
             raise BadInput(f"unknown output {requested.name!r}; model {name!r} has {OUTPUT!r}")
-    hidden = tensors["hidden_states"]
-    inputs = check_inputs(served, hidden, tensors.get("router_logits"))
-    result = await runtime.batcher.submit(name, inputs)
-    return InferenceResult({OUTPUT: result.output.to(hidden.dtype)})
+        what = f"output {requested.name}"
+        place = TensorPlace.of(what, requested.parameters)
+        if place is not None:
+            size = hidden.numel() * hidden.itemsize
+            runtime.shared_memory.check(what, place, size, owner, exact=False)
+        places[requested.name] = place
+    return places
+
+
+async def _write_output(
+    runtime: Runtime, place: TensorPlace, output: torch.Tensor, owner: str | None
+) -> InferOutput:
+    raw = tensor_bytes(output)
+    await runtime.shared_memory.write(f"output {OUTPUT}", place, raw, owner)
+    parameters = {SHM_REGION: place.region, SHM_BYTE_SIZE: len(raw)}
+    if place.offset:
+        parameters[SHM_OFFSET] = place.offset
+    return InferOutput(
+        name=OUTPUT,
+        shape=list(output.shape),
+        datatype=DATATYPE_NAMES[output.dtype],
+        parameters=parameters,
+    )
+
+
+def statistics(runtime: Runtime, name: str = "", version: str = "") -> dict:
+    """Triton's $stats_model_response: every model, or model `name` (of `version`)."""
+    engine = ready(runtime).engine
+    names = [get_model(engine, name, version).name] if name else sorted(engine.layers)
+    return runtime.metrics.statistics.to_json(names)

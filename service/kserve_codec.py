@@ -111,10 +111,14 @@ def _shape(t: InferInput) -> list[int]:
     return t.shape
 
 
+def byte_size(t: InferInput) -> int:
+    """The bytes of input `t` by its shape and datatype."""
+    return math.prod(_shape(t)) * _dtype(t).itemsize
+
+
 def tensor_from_bytes(t: InferInput, raw: bytes | memoryview) -> torch.Tensor:
     """Raw little-endian row-major bytes -> t's tensor (a copy: `raw` may be shared memory)."""
-    dtype, shape = _dtype(t), _shape(t)
-    expected = math.prod(shape) * dtype.itemsize
+    dtype, shape, expected = _dtype(t), _shape(t), byte_size(t)
     if len(raw) != expected:
         raise BadInput(
             f"input {t.name}: {len(raw)} binary bytes for shape {shape} {t.datatype} "

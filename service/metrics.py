@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from service.statistics import Statistics, StatisticsCollector
 
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -13,6 +17,9 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # Triton's per-model statistics; also shown as its nv_inference_* metrics
+        self.statistics = Statistics()
+        r.register(StatisticsCollector(self.statistics))
         self.requests = Counter(
             "moe_serve_requests",
             "HTTP requests by route and status",
@@ -66,14 +73,22 @@ class Metrics:
         for expert in range(num_experts):
             self.expert_tokens.labels(layer, str(expert))
         self.queue_depth.labels(layer).set(0)
+        self.statistics.add_model(layer)
         for per_layer in (self.tokens, self.batch_tokens, self.batch_requests):
             per_layer.labels(layer)
 
     def record_forward(
-        self, layer: str, backend: str, topk_ids: torch.Tensor, seconds: float
+        self,
+        layer: str,
+        backend: str,
+        topk_ids: torch.Tensor,
+        seconds: float,
+        queued_s: Sequence[float] = (),
     ) -> None:
-        """One forward batch: its time, its size and where its tokens went. topk_ids [M, k]."""
+        """One forward batch: its time, its size and where its tokens went. topk_ids [M, k];
+        queued_s: how long each request piece in the batch waited for it."""
         tokens = topk_ids.shape[0]
+        self.statistics.record_execution(layer, tokens, seconds, queued_s)
         self.forward_seconds.labels(layer, backend).observe(seconds)
         self.batch_tokens.labels(layer).observe(tokens)
         self.tokens.labels(layer).inc(tokens)

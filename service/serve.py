@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from kernels.placement import Placement
 from kernels.registry import experts_backends
 from kernels.selection import select
-from service import logs
+from service import logs, tracing
 from service.app import create_app
 from service.ep import rank_device
 from service.errors import describe_validation_error
@@ -71,6 +71,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--cache-dir", type=Path, metavar="DIR", help="where the demo layers are generated"
     )
+    p.add_argument(
+        "--allow-shared-memory",
+        action="store_true",
+        default=None,
+        help="let clients register system and CUDA shared-memory regions (default off)",
+    )
+    p.add_argument(
+        "--model-repository",
+        type=Path,
+        metavar="DIR",
+        help="serve every layer directory in DIR; load/unload them at run time",
+    )
     p.set_defaults(run=run)
 
 
@@ -89,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:  # LayerFileError is a ValueError
         return _refuse(str(err))
     logs.configure(settings.log_level, settings.log_format)
+    try:
+        tracing.configure_from_environment()
+    except (ValueError, ImportError) as err:
+        return _refuse(f"tracing: {err}")
     if settings.api_token is None and settings.host not in LOOPBACK:
         log.warning("listening on %s with no MOE_SERVE_API_TOKEN: open to all", settings.host)
     app = create_app(settings)

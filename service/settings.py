@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import torch
-from pydantic import Field, SecretStr, ValidationInfo, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -35,8 +35,13 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(64 << 20, ge=1024)  # request bodies above this get 413
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
+    # Triton's shared-memory extension (system and CUDA regions); off, as newer Triton servers
+    allow_shared_memory: bool = False
     api_token: SecretStr | None = None  # bearer token required on every non-probe route
     cache_dir: Path = Path.home() / ".cache" / "moe-serve"  # where the demo layers are written
+    # Triton-style model repository: each subdirectory a layer directory, loaded at start and
+    # loaded/unloaded at run time (POST /v2/repository/...)
+    model_repository: Path | None = None
     ep: int = Field(1, ge=1)  # expert-parallel ranks, one GPU each; rank 0 serves HTTP
     ep_placement: Path | None = None  # JSON: experts per rank; None: contiguous slices
     drain_timeout_s: float = Field(30.0, gt=0)  # SIGTERM: how long in-flight requests may finish
@@ -57,6 +62,12 @@ class Settings(BaseSettings):
         if value is not None and info.data.get("ep") == 1:
             raise ValueError("places experts over expert-parallel ranks: it needs ep > 1")
         return value
+
+    @model_validator(mode="after")
+    def _check_repository(self) -> Settings:
+        if self.model_repository is not None and self.ep > 1:
+            raise ValueError("model_repository cannot be used with expert parallelism (ep > 1)")
+        return self
 
     @field_validator("device")
     @classmethod

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from service import inference
+from service import inference, tracing
 from service.deps import BodyDep, EngineDep, Runtime, RuntimeDep
 from service.docs import DEMO_ROWS
 from service.errors import BadInput
@@ -20,14 +20,15 @@ from service.kserve_codec import (
     encode_response,
 )
 from service.routes.forward import BINARY
+from service.routes.shared_memory import caller
 from service.schemas import ErrorBody, inline_json_schema
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
 
 
 @router.get("", summary="Server metadata")
-async def server_metadata() -> ServerMetadata:
-    return inference.server_metadata()
+async def server_metadata(runtime: RuntimeDep) -> ServerMetadata:
+    return inference.server_metadata(runtime)
 
 
 @router.get("/health/live", summary="200 while the process serves")
@@ -40,6 +41,29 @@ async def ready(runtime: RuntimeDep) -> JSONResponse:
     if runtime.not_ready is not None:
         return JSONResponse({"error": f"not ready: {runtime.not_ready}"}, status_code=503)
     return JSONResponse({"ready": True})
+
+
+@router.get("/models/stats", summary="Statistics of every model, in Triton's schema")
+async def all_statistics(runtime: RuntimeDep) -> dict:
+    return inference.statistics(runtime)
+
+
+@router.get(
+    "/models/{name}/stats",
+    summary="Statistics of one model: requests, queue and compute time, batch sizes",
+    responses={404: {"model": ErrorBody}},
+)
+async def model_statistics(name: str, runtime: RuntimeDep) -> dict:
+    return inference.statistics(runtime, name)
+
+
+@router.get(
+    "/models/{name}/versions/{version}/stats",
+    summary="Statistics of one model version",
+    responses={404: {"model": ErrorBody}},
+)
+async def version_statistics(name: str, version: str, runtime: RuntimeDep) -> dict:
+    return inference.statistics(runtime, name, version)
 
 
 @router.get(
@@ -122,8 +146,10 @@ async def _infer(
     name: str, version: str, request: Request, body: bytes, runtime: Runtime
 ) -> Response:
     infer_request, tensors = decode_request(body, _header_length(request))
-    result = await inference.infer(runtime, name, version, infer_request, tensors)
-    encoded = encode_response(name, infer_request, result.outputs, result.placed)
+    owner = caller(request, runtime)
+    result = await inference.infer(runtime, name, version, infer_request, tensors, owner)
+    with tracing.reply_span():
+        encoded = encode_response(name, infer_request, result.outputs, result.placed)
     if encoded.header_length is None:
         return Response(encoded.body, media_type="application/json")
     return Response(

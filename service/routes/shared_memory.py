@@ -1,0 +1,133 @@
+"""Triton's shared-memory extension over HTTP: /v2/systemsharedmemory/... and
+/v2/cudasharedmemory/... register, unregister and list regions (service/shared_memory.py).
+Every route answers 403 unless the server runs with --allow-shared-memory."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, Field
+
+from service.deps import BodyDep, Runtime, RuntimeDep, parse_body
+from service.errors import BadInput
+from service.schemas import ErrorBody
+from service.shared_memory import owner_of
+
+router = APIRouter(prefix="/v2", tags=["kserve-v2 shared memory"])
+
+_ERRORS = {
+    status: {"model": ErrorBody, "description": what}
+    for status, what in {
+        400: "bad key, handle, offset or size",
+        403: "shared memory is off (--allow-shared-memory)",
+        404: "no region of that name",
+        409: "a region of that name is already registered",
+    }.items()
+}
+
+
+class SystemRegister(BaseModel):
+    key: str  # the shared-memory object's name, as given to shm_open ("/name")
+    offset: int = Field(0, ge=0)  # where the region starts in the object
+    byte_size: int = Field(ge=0)
+
+
+class RawHandle(BaseModel):
+    b64: str
+
+
+class CudaRegister(BaseModel):
+    raw_handle: RawHandle  # the cudaIpcMemHandle_t bytes, base64
+    device_id: int = Field(ge=0)
+    byte_size: int = Field(ge=0)
+
+
+def caller(request: Request, runtime: Runtime) -> str | None:
+    """Whose regions this request may use: its bearer token's (auth on), else everyone's."""
+    if runtime.settings.api_token is None:
+        return None
+    return owner_of(request.headers.get("authorization", ""))
+
+
+@router.get("/systemsharedmemory/status", summary="Every registered system region")
+async def system_status(request: Request, runtime: RuntimeDep) -> list[dict]:
+    return runtime.shared_memory.status("system", "", caller(request, runtime))
+
+
+@router.get(
+    "/systemsharedmemory/region/{name}/status", summary="One system region", responses=_ERRORS
+)
+async def system_region_status(name: str, request: Request, runtime: RuntimeDep) -> list[dict]:
+    return runtime.shared_memory.status("system", name, caller(request, runtime))
+
+
+@router.post(
+    "/systemsharedmemory/region/{name}/register",
+    summary="Register a POSIX shared-memory object (or part of it) as region `name`",
+    responses=_ERRORS,
+)
+async def system_register(name: str, body: BodyDep, request: Request, runtime: RuntimeDep) -> dict:
+    body = parse_body(SystemRegister, body)
+    owner = caller(request, runtime)
+    runtime.shared_memory.register_system(name, body.key, body.offset, body.byte_size, owner)
+    return {}
+
+
+@router.post("/systemsharedmemory/unregister", summary="Unregister every system region")
+async def system_unregister_all(request: Request, runtime: RuntimeDep) -> dict:
+    runtime.shared_memory.unregister("system", "", caller(request, runtime))
+    return {}
+
+
+@router.post(
+    "/systemsharedmemory/region/{name}/unregister",
+    summary="Unregister one system region",
+    responses=_ERRORS,
+)
+async def system_unregister(name: str, request: Request, runtime: RuntimeDep) -> dict:
+    runtime.shared_memory.unregister("system", name, caller(request, runtime))
+    return {}
+
+
+@router.get("/cudasharedmemory/status", summary="Every registered CUDA region")
+async def cuda_status(request: Request, runtime: RuntimeDep) -> list[dict]:
+    return runtime.shared_memory.status("cuda", "", caller(request, runtime))
+
+
+@router.get("/cudasharedmemory/region/{name}/status", summary="One CUDA region", responses=_ERRORS)
+async def cuda_region_status(name: str, request: Request, runtime: RuntimeDep) -> list[dict]:
+    return runtime.shared_memory.status("cuda", name, caller(request, runtime))
+
+
+@router.post(
+    "/cudasharedmemory/region/{name}/register",
+    summary="Register a client's CUDA buffer (its CUDA IPC handle) as region `name`",
+    responses=_ERRORS,
+)
+async def cuda_register(name: str, body: BodyDep, request: Request, runtime: RuntimeDep) -> dict:
+    body = parse_body(CudaRegister, body)
+    try:
+        raw = base64.b64decode(body.raw_handle.b64, validate=True)
+    except binascii.Error:
+        raise BadInput("raw_handle.b64 is not base64") from None
+    owner = caller(request, runtime)
+    runtime.shared_memory.register_cuda(name, raw, body.device_id, body.byte_size, owner)
+    return {}
+
+
+@router.post("/cudasharedmemory/unregister", summary="Unregister every CUDA region")
+async def cuda_unregister_all(request: Request, runtime: RuntimeDep) -> dict:
+    runtime.shared_memory.unregister("cuda", "", caller(request, runtime))
+    return {}
+
+
+@router.post(
+    "/cudasharedmemory/region/{name}/unregister",
+    summary="Unregister one CUDA region",
+    responses=_ERRORS,
+)
+async def cuda_unregister(name: str, request: Request, runtime: RuntimeDep) -> dict:
+    runtime.shared_memory.unregister("cuda", name, caller(request, runtime))
+    return {}

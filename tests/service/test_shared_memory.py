@@ -1,0 +1,222 @@
+"""System shared memory (Triton's extension) with the stock tritonclient http and grpc clients
+and tritonclient.utils.shared_memory: inputs read from regions, outputs written into them, and
+every bad region, offset and size refused naming the problem."""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from service.app import create_app
+from service.settings import Settings
+from service.shared_memory import SharedMemory, owner_of
+from tests.service.conftest import wait_ready
+from tests.service.layers import TINY, H, free_port, reference_forward, running_server, tiny_loader
+
+httpclient = pytest.importorskip("tritonclient.http")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+shm = pytest.importorskip("tritonclient.utils.shared_memory")
+
+ROWS = 3
+TENSOR_BYTES = ROWS * H * 4  # float32
+
+
+@pytest.fixture(scope="module")
+def urls() -> Iterator[tuple[str, str]]:
+    port = free_port()
+    settings = Settings(device="cpu", grpc_port=port, allow_shared_memory=True)
+    with running_server(create_app(settings, tiny_loader)) as url:
+        with httpx.Client(base_url=url) as http:
+            wait_ready(http.get)
+        yield url, f"127.0.0.1:{port}"
+
+
+@pytest.fixture(params=["http", "grpc"])
+def client(request, urls):
+    if request.param == "http":
+        c = httpclient.InferenceServerClient(urls[0].removeprefix("http://"))
+        yield c, httpclient
+    else:
+        c = grpcclient.InferenceServerClient(urls[1])
+        yield c, grpcclient
+    c.unregister_system_shared_memory()
+    c.close()
+
+
+@pytest.fixture
+def region() -> Iterator[tuple[str, object]]:
+    """A 2-tensor shared-memory object: input at 0, output at TENSOR_BYTES."""
+    key = f"/moe-serve-test-{uuid.uuid4().hex[:12]}"
+    handle = shm.create_shared_memory_region("data", key, 2 * TENSOR_BYTES)
+    yield key, handle
+    shm.destroy_shared_memory_region(handle)
+
+
+def _inputs(module, x: np.ndarray, region: str = "data", size: int = TENSOR_BYTES, offset=0):
+    tensor = module.InferInput("hidden_states", list(x.shape), "FP32")
+    tensor.set_shared_memory(region, size, offset)
+    return [tensor]
+
+
+def _output(module, region: str = "data", size: int = TENSOR_BYTES, offset=TENSOR_BYTES):
+    out = module.InferRequestedOutput("output")
+    out.set_shared_memory(region, size, offset)
+    return [out]
+
+
+def test_infer_reads_and_writes_system_shared_memory(client, region) -> None:
+    c, module = client
+    key, handle = region
+    x = np.random.default_rng(0).standard_normal((ROWS, H)).astype(np.float32)
+    shm.set_shared_memory_region(handle, [x])
+    c.register_system_shared_memory("data", key, 2 * TENSOR_BYTES)
+    result = c.infer(TINY, _inputs(module, x), outputs=_output(module))
+    listed = result.get_output("output")  # listed, its bytes in the region, not the reply
+    if module is httpclient:
+        assert "data" not in listed and listed["parameters"]["shared_memory_region"] == "data"
+    else:
+        assert listed.parameters["shared_memory_region"].string_param == "data"
+        assert not result.get_response().raw_output_contents
+    out = shm.get_contents_as_numpy(handle, np.float32, [ROWS, H], offset=TENSOR_BYTES)
+    torch.testing.assert_close(torch.tensor(out), reference_forward(TINY, torch.from_numpy(x)))
+
+
+def test_region_at_an_offset_of_the_object_and_output_in_the_reply(client, region) -> None:
+    """Register only the object's second half; the input lies at the region's start."""
+    c, module = client
+    key, handle = region
+    x = np.random.default_rng(1).standard_normal((ROWS, H)).astype(np.float32)
+    shm.set_shared_memory_region(handle, [x], offset=TENSOR_BYTES)
+    c.register_system_shared_memory("half", key, TENSOR_BYTES, offset=TENSOR_BYTES)
+    out = c.infer(TINY, _inputs(module, x, "half")).as_numpy("output")
+    torch.testing.assert_close(torch.tensor(out), reference_forward(TINY, torch.from_numpy(x)))
+
+
+def _status(c) -> dict[str, dict]:
+    """Registered regions by name, in the HTTP schema, from either client."""
+    if isinstance(c, httpclient.InferenceServerClient):
+        return {r["name"]: r for r in c.get_system_shared_memory_status()}
+    regions = c.get_system_shared_memory_status(as_json=True).get("regions", {})
+    return {
+        name: {**r, "offset": int(r.get("offset", 0)), "byte_size": int(r["byte_size"])}
+        for name, r in regions.items()
+    }
+
+
+def test_status_lists_registered_regions_and_unregister_removes_them(client, region) -> None:
+    c, _ = client
+    key, _ = region
+    c.register_system_shared_memory("a", key, 64, offset=8)
+    c.register_system_shared_memory("b", key, 16)
+    status = _status(c)
+    assert status["a"] == {"name": "a", "key": key, "offset": 8, "byte_size": 64}
+    assert sorted(status) == ["a", "b"]
+    c.unregister_system_shared_memory("a")
+    assert sorted(_status(c)) == ["b"]
+    c.unregister_system_shared_memory()
+    assert _status(c) == {}
+
+
+REGISTER_ERRORS = {
+    "no such object": ("/moe-serve-no-such-object", 0, 64, "cannot open shared-memory object"),
+    "past the object": (None, 8, 2 * TENSOR_BYTES, "exceed shared-memory object"),
+    "a path as key": ("/../etc/passwd", 0, 8, "is not a shared-memory object name"),
+}
+
+
+@pytest.mark.parametrize(
+    ("key", "offset", "size", "message"), REGISTER_ERRORS.values(), ids=REGISTER_ERRORS
+)
+def test_bad_registrations_are_refused_naming_the_problem(
+    client, region, key, offset, size, message
+) -> None:
+    c, module = client
+    with pytest.raises(module.InferenceServerException, match=message) as err:
+        c.register_system_shared_memory("bad", key or region[0], size, offset=offset)
+    assert err.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+
+
+def test_a_name_registered_twice_is_a_conflict(client, region) -> None:
+    c, module = client
+    c.register_system_shared_memory("data", region[0], 64)
+    with pytest.raises(module.InferenceServerException, match="already registered") as err:
+        c.register_system_shared_memory("data", region[0], 64)
+    assert err.value.status() in ("409", "StatusCode.ALREADY_EXISTS")
+
+
+INFER_ERRORS = {
+    "unknown region": (
+        dict(region="nope"),
+        {},
+        "input hidden_states: no shared-memory region named 'nope'",
+    ),
+    "offset past the region": (
+        dict(offset=TENSOR_BYTES + 4),
+        {},
+        "exceed region 'data' of 1536 bytes",
+    ),
+    "wrong byte size": (dict(size=TENSOR_BYTES - 4), {}, "takes 768 bytes"),
+    "output does not fit": ({}, dict(size=TENSOR_BYTES - 4), "takes at least 768 bytes"),
+    "output past the region": ({}, dict(offset=TENSOR_BYTES + 4), "exceed region 'data'"),
+}
+
+
+@pytest.mark.parametrize(("given", "out", "message"), INFER_ERRORS.values(), ids=INFER_ERRORS)
+def test_bad_places_in_a_request_are_400_naming_the_tensor(
+    client, region, given, out, message
+) -> None:
+    c, module = client
+    c.register_system_shared_memory("data", region[0], 2 * TENSOR_BYTES)
+    x = np.zeros((ROWS, H), np.float32)
+    with pytest.raises(module.InferenceServerException, match=message) as err:
+        c.infer(TINY, _inputs(module, x, **given), outputs=_output(module, **out))
+    assert err.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+
+
+def test_unregister_of_an_unknown_region_is_404(client) -> None:
+    c, module = client
+    with pytest.raises(
+        module.InferenceServerException, match="no system shared-memory region"
+    ) as err:
+        c.unregister_system_shared_memory("never")
+    assert err.value.status() in ("404", "StatusCode.NOT_FOUND")
+
+
+def test_shared_memory_is_refused_unless_allowed(region) -> None:
+    with running_server(create_app(Settings(device="cpu"), tiny_loader)) as url:
+        with httpx.Client(base_url=url) as http:
+            wait_ready(http.get)
+        c = httpclient.InferenceServerClient(url.removeprefix("http://"))
+        with pytest.raises(
+            httpclient.InferenceServerException, match="--allow-shared-memory"
+        ) as err:
+            c.register_system_shared_memory("data", region[0], 64)
+        assert err.value.status() == "403"
+        with pytest.raises(httpclient.InferenceServerException, match="--allow-shared-memory"):
+            c.infer(TINY, _inputs(httpclient, np.zeros((ROWS, H), np.float32)))
+        assert "system_shared_memory" not in c.get_server_metadata()["extensions"]
+
+
+def test_a_region_is_visible_only_to_the_token_that_registered_it(region) -> None:
+    regions = SharedMemory(allowed=True)
+    alice, bob = owner_of("Bearer alice-token"), owner_of("Bearer bob-token")
+    regions.register_system("data", region[0], 0, 64, alice)
+    assert [r["name"] for r in regions.status("system", "", alice)] == ["data"]
+    assert regions.status("system", "", bob) == []
+    with pytest.raises(Exception, match="no system shared-memory region named 'data'"):
+        regions.unregister("system", "data", bob)
+    regions.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU suite registers real CUDA regions")
+def test_a_cuda_region_on_a_server_without_a_gpu_is_400(client) -> None:
+    c, module = client
+    with pytest.raises(module.InferenceServerException, match="needs a CUDA GPU") as err:
+        c.register_cuda_shared_memory("gpu", base64.b64encode(bytes(64)), 0, 64)
+    assert err.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
