@@ -51,16 +51,37 @@ def caller(request: Request, runtime: Runtime) -> str | None:
     return owner_of(request.headers.get("authorization", ""))
 
 
-@router.get("/systemsharedmemory/status", summary="Every registered system region")
-async def system_status(request: Request, runtime: RuntimeDep) -> list[dict]:
-    return runtime.shared_memory.status("system", "", caller(request, runtime))
+def _status_and_unregister(kind: str, prefix: str) -> None:
+    """GET {prefix}[/region/{name}]/status and POST {prefix}[/region/{name}]/unregister."""
+
+    async def status_all(request: Request, runtime: RuntimeDep) -> list[dict]:
+        return runtime.shared_memory.status(kind, "", caller(request, runtime))
+
+    async def status(name: str, request: Request, runtime: RuntimeDep) -> list[dict]:
+        return runtime.shared_memory.status(kind, name, caller(request, runtime))
+
+    async def unregister_all(request: Request, runtime: RuntimeDep) -> dict:
+        runtime.shared_memory.unregister(kind, "", caller(request, runtime))
+        return {}
+
+    async def unregister(name: str, request: Request, runtime: RuntimeDep) -> dict:
+        runtime.shared_memory.unregister(kind, name, caller(request, runtime))
+        return {}
+
+    router.get(f"{prefix}/status", summary=f"Every registered {kind} region")(status_all)
+    router.get(f"{prefix}/region/{{name}}/status", summary=f"One {kind} region", responses=_ERRORS)(
+        status
+    )
+    router.post(f"{prefix}/unregister", summary=f"Unregister every {kind} region")(unregister_all)
+    router.post(
+        f"{prefix}/region/{{name}}/unregister",
+        summary=f"Unregister one {kind} region",
+        responses=_ERRORS,
+    )(unregister)
 
 
-@router.get(
-    "/systemsharedmemory/region/{name}/status", summary="One system region", responses=_ERRORS
-)
-async def system_region_status(name: str, request: Request, runtime: RuntimeDep) -> list[dict]:
-    return runtime.shared_memory.status("system", name, caller(request, runtime))
+_status_and_unregister("system", "/systemsharedmemory")
+_status_and_unregister("cuda", "/cudasharedmemory")
 
 
 @router.post(
@@ -69,36 +90,12 @@ async def system_region_status(name: str, request: Request, runtime: RuntimeDep)
     responses=_ERRORS,
 )
 async def system_register(name: str, body: BodyDep, request: Request, runtime: RuntimeDep) -> dict:
-    body = parse_body(SystemRegister, body)
+    register = parse_body(SystemRegister, body)
     owner = caller(request, runtime)
-    runtime.shared_memory.register_system(name, body.key, body.offset, body.byte_size, owner)
+    runtime.shared_memory.register_system(
+        name, register.key, register.offset, register.byte_size, owner
+    )
     return {}
-
-
-@router.post("/systemsharedmemory/unregister", summary="Unregister every system region")
-async def system_unregister_all(request: Request, runtime: RuntimeDep) -> dict:
-    runtime.shared_memory.unregister("system", "", caller(request, runtime))
-    return {}
-
-
-@router.post(
-    "/systemsharedmemory/region/{name}/unregister",
-    summary="Unregister one system region",
-    responses=_ERRORS,
-)
-async def system_unregister(name: str, request: Request, runtime: RuntimeDep) -> dict:
-    runtime.shared_memory.unregister("system", name, caller(request, runtime))
-    return {}
-
-
-@router.get("/cudasharedmemory/status", summary="Every registered CUDA region")
-async def cuda_status(request: Request, runtime: RuntimeDep) -> list[dict]:
-    return runtime.shared_memory.status("cuda", "", caller(request, runtime))
-
-
-@router.get("/cudasharedmemory/region/{name}/status", summary="One CUDA region", responses=_ERRORS)
-async def cuda_region_status(name: str, request: Request, runtime: RuntimeDep) -> list[dict]:
-    return runtime.shared_memory.status("cuda", name, caller(request, runtime))
 
 
 @router.post(
@@ -107,27 +104,11 @@ async def cuda_region_status(name: str, request: Request, runtime: RuntimeDep) -
     responses=_ERRORS,
 )
 async def cuda_register(name: str, body: BodyDep, request: Request, runtime: RuntimeDep) -> dict:
-    body = parse_body(CudaRegister, body)
+    register = parse_body(CudaRegister, body)
     try:
-        raw = base64.b64decode(body.raw_handle.b64, validate=True)
+        raw = base64.b64decode(register.raw_handle.b64, validate=True)
     except binascii.Error:
         raise BadInput("raw_handle.b64 is not base64") from None
     owner = caller(request, runtime)
-    runtime.shared_memory.register_cuda(name, raw, body.device_id, body.byte_size, owner)
-    return {}
-
-
-@router.post("/cudasharedmemory/unregister", summary="Unregister every CUDA region")
-async def cuda_unregister_all(request: Request, runtime: RuntimeDep) -> dict:
-    runtime.shared_memory.unregister("cuda", "", caller(request, runtime))
-    return {}
-
-
-@router.post(
-    "/cudasharedmemory/region/{name}/unregister",
-    summary="Unregister one CUDA region",
-    responses=_ERRORS,
-)
-async def cuda_unregister(name: str, request: Request, runtime: RuntimeDep) -> dict:
-    runtime.shared_memory.unregister("cuda", name, caller(request, runtime))
+    runtime.shared_memory.register_cuda(name, raw, register.device_id, register.byte_size, owner)
     return {}
