@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from kernels.accuracy import relative_error
 from kernels.layer import build_layer
 from kernels.tensors import ForwardInputs
-from kernels.accuracy import relative_error
 from service.app import create_app
 from service.settings import Settings
 from tests.service.conftest import wait_ready
