@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from stat import S_ISREG
 from typing import Any
 
 import torch
@@ -118,11 +119,14 @@ class SystemRegion(Region):
         self.key, self.offset = key, offset
         path = SHM_DIR / match[1]
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # a symlink could lead anywhere
         except OSError as err:
             raise BadInput(f"cannot open shared-memory object {key!r}: {err.strerror}") from None
         try:
-            object_size = os.fstat(fd).st_size
+            stat = os.fstat(fd)
+            if not S_ISREG(stat.st_mode):
+                raise BadInput(f"shared-memory object {key!r} is not a regular object")
+            object_size = stat.st_size
             if offset + byte_size > object_size:
                 raise BadInput(
                     f"offset {offset} + byte_size {byte_size} exceed shared-memory object "

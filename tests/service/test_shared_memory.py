@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -220,3 +221,17 @@ def test_a_cuda_region_on_a_server_without_a_gpu_is_400(client) -> None:
     with pytest.raises(module.InferenceServerException, match="needs a CUDA GPU") as err:
         c.register_cuda_shared_memory("gpu", base64.b64encode(bytes(64)), 0, 64)
     assert err.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+
+
+def test_a_symlink_in_dev_shm_is_not_followed(client, tmp_path) -> None:
+    c, module = client
+    target = tmp_path / "secret"
+    target.write_bytes(b"x" * 64)
+    link = Path("/dev/shm") / f"moe-serve-link-{uuid.uuid4().hex[:12]}"
+    link.symlink_to(target)
+    try:
+        with pytest.raises(module.InferenceServerException, match="cannot open") as err:
+            c.register_system_shared_memory("link", f"/{link.name}", 64)
+        assert err.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+    finally:
+        link.unlink()
