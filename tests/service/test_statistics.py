@@ -105,10 +105,14 @@ def test_nv_inference_metrics_beside_moe_serve_ones(urls) -> None:
     assert _samples(url, "nv_inference_count")[TINY] == 6
     assert _samples(url, "nv_inference_exec_count")[TINY] == 2
     assert _samples(url, "nv_inference_pending_request_count") == {TINY: 0, NO_ROUTER: 0}
-    for metric in (
-        "nv_inference_request_duration_us",
-        "nv_inference_queue_duration_us",
-        "nv_inference_compute_infer_duration_us",
-    ):
-        assert _samples(url, metric)[TINY] > 0, metric
+    stats = httpx.get(f"{url}/v2/models/{TINY}/stats").json()["model_stats"][0]
+    inference = stats["inference_stats"]
+    durations = {  # the same numbers as /stats, in microseconds
+        "nv_inference_request_duration_us": inference["success"]["ns"] + inference["fail"]["ns"],
+        "nv_inference_queue_duration_us": inference["queue"]["ns"],
+        "nv_inference_compute_infer_duration_us": inference["compute_infer"]["ns"],
+    }
+    for metric, ns in durations.items():
+        assert _samples(url, metric)[TINY] == ns // 1000, metric
+    assert _samples(url, "nv_inference_compute_infer_duration_us")[TINY] > 0  # two forwards
     assert "moe_serve_forward_seconds" in httpx.get(f"{url}/metrics").text
