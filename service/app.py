@@ -121,7 +121,11 @@ def create_app(settings: Settings, loader: LayerLoader = load_from_disk) -> Fast
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        grpc_server = await start_grpc_server(runtime) if settings.grpc_port else None
+        try:
+            grpc_server = await start_grpc_server(runtime) if settings.grpc_port else None
+        except OSError:
+            runtime.start_failed = True  # uvicorn stops; `moe-serve serve` exits 1
+            raise
         starting = asyncio.create_task(_start(runtime, loader))
         yield
         runtime.not_ready = "shutting down"

@@ -22,7 +22,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 from service import inference, logs, repository, tracing
 from service.deps import Runtime, ready
-from service.errors import ServiceError, Unauthorized, UnknownLayer, grpc_status
+from service.errors import ServiceError, Unauthorized, UnknownLayer, capped, grpc_status
 from service.grpc_codec import decode_infer, encode_infer, from_model, parameters_to_dict
 from service.middleware import bearer_matches, new_request_id
 from service.routes.repository import check_load_parameters
@@ -64,7 +64,7 @@ def rpc(*, open_to_all: bool = False) -> Callable[[Method], Handler]:
                 return await method(self, request)
             except ServiceError as err:
                 code = grpc_status(err)
-                await context.abort(code, err.message)
+                await context.abort(code, capped(err.message))
             except Exception:
                 log.exception("unhandled error in %s", route)
                 code = grpc.StatusCode.INTERNAL

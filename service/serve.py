@@ -96,6 +96,8 @@ def run(args: argparse.Namespace) -> int:
         settings = Settings(**given)
         _check_layers(settings)
         listener = listen(settings.host, settings.port)
+        if settings.grpc_port:  # gRPC binds in the app: refuse a port in use here, first
+            listen(settings.host, settings.grpc_port).close()
     except ValidationError as err:
         return _refuse(f"invalid settings: {describe_validation_error(err)}")
     except ValueError as err:  # LayerFileError is a ValueError

@@ -279,3 +279,14 @@ def test_request_cut_by_the_drain_timeout_gets_a_json_503_with_retry_after(tmp_p
     log = proc.stdout.read()
     assert "Traceback" not in log
     assert "POST /v1/layers/demo/forward -> 503" in log
+
+
+def test_serve_refuses_a_grpc_port_in_use_before_loading_anything(tmp_path: Path, caplog) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        grpc_port = taken.getsockname()[1]
+        argv = ["serve", "--port", str(_free_port()), "--grpc-port", str(grpc_port)]
+        assert main([*argv, "--device", "cpu", "--cache-dir", str(tmp_path)]) == 2
+    assert f"cannot listen on 127.0.0.1:{grpc_port}: Address already in use" in caplog.text
+    assert list(tmp_path.iterdir()) == []
