@@ -63,6 +63,9 @@ class Experts(ABC):
     supports_chunking: ClassVar[bool] = True
     reduces_topk: ClassVar[bool] = False  # True: apply() returns [M, K], weighted and summed
     takes_quantized_input: ClassVar[bool] = True  # False: prepare leaves activations 16-bit
+    # True: apply() makes no host sync and no data-dependent host decision, so a whole-layer
+    # forward can be captured in a CUDA graph and replayed (kernels/layer_graphs.py)
+    graph_capturable: ClassVar[bool] = False
 
     def __init__(self, cfg: MoEConfig, weights: ExpertWeights) -> None:
         self.cfg = cfg
@@ -108,6 +111,7 @@ class Experts(ABC):
 class PrepareFinalize(ABC):
     name: ClassVar[str]
     format: ClassVar[Format]
+    graph_capturable: ClassVar[bool] = False  # as Experts.graph_capturable, for both ends
 
     @classmethod
     def supports(cls, device: torch.device) -> Support:  # noqa: ARG003

@@ -157,6 +157,7 @@ class _OaiBase(Experts):
     supports_expert_map: ClassVar[bool] = False  # matmul_ogs' scatter has no "skip this pair"
     reduces_topk: ClassVar[bool] = True
     takes_quantized_input: ClassVar[bool] = False
+    graph_capturable: ClassVar[bool] = True  # routing by index_add, matmul_ogs: no host sync
     fuses_activation: ClassVar[bool]
 
     def __init__(self, cfg: MoEConfig, weights: ExpertWeights) -> None:

@@ -122,6 +122,7 @@ class TritonExperts(_TritonBase):
     reduces_topk: ClassVar[bool] = True
     # fp8 schemes: the input is quantised here, by one Triton pass that decode graphs capture
     takes_quantized_input: ClassVar[bool] = False
+    graph_capturable: ClassVar[bool] = True  # align, GEMMs and top-k sum never sync the host
 
     def workspace_shapes(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         cfg = self.cfg
@@ -133,7 +134,9 @@ class TritonExperts(_TritonBase):
         }
 
     def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
-        if x.hidden.is_cuda and 0 < x.num_tokens <= MAX_GRAPH_TOKENS:
+        # not inside a whole-layer capture (kernels/layer_graphs.py): graphs do not nest
+        capturing = x.hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+        if x.hidden.is_cuda and 0 < x.num_tokens <= MAX_GRAPH_TOKENS and not capturing:
             return self.graphs(x)
         shapes = self.workspace_shapes(x.num_tokens)
         return self._forward(x, {name: ws.get(name, *spec) for name, spec in shapes.items()})

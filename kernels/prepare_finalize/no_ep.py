@@ -31,6 +31,7 @@ def dispatch_locally(hidden: torch.Tensor, routing: Routing, spec: DispatchSpec)
 class NoEP(PrepareFinalize):
     name: ClassVar[str] = "no-ep"
     format: ClassVar[Format] = Format.STANDARD
+    graph_capturable: ClassVar[bool] = True
 
     def prepare(
         self,
