@@ -1,19 +1,27 @@
-"""DynamicBatcher: per-layer queues merged into few large forwards on one device worker.
+"""DynamicBatcher: per-layer queues merged into few large forwards, two batches in flight.
 
-    submit(layer, inputs) -> chunks of <= max_batch_tokens -> the layer's queue
-    scheduler (one asyncio task per layer): wait until the batch is full or its oldest chunk
-      has waited max_batch_delay -> concatenate -> Engine.forward on the worker thread -> split
+    submit(layer, inputs, options) -> a request in the layer's queue, at its priority level
+    scheduler (one asyncio task per layer): once a forward may start (fewer than
+      engine.max_in_flight running) and the batch is full or its oldest request has waited
+      max_batch_delay -> rows taken from the queued requests -> Engine.start on the launcher
+      thread -> the result on the completer thread -> each request's rows
 
-One worker thread runs every forward, so the device has one owner and the event loop never
-blocks. A full queue raises Overloaded (429) instead of growing; a forward that raises fails
-only the requests in its batch.
+Requests are taken by priority level (lowest number first), then in arrival order. A request
+larger than max_batch_tokens goes in pieces, one per forward, and moves to the back of its level
+after each, so the pieces of different requests interleave: a 1-token request never waits
+behind all of a 100k-token one. A request whose queue time passes its timeout gets
+DeadlineExceeded and nothing of it runs; one whose client goes away (its `submit` cancelled)
+leaves the queue. A full queue raises Overloaded (429) instead of growing; a forward that raises
+fails only the requests in its batch.
+
+One launcher thread starts every batch, so the device has one owner and the event loop never
+blocks; a completer thread waits for each batch's device work to finish.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,61 +32,121 @@ from kernels.layer import LayerOutput
 from kernels.quant_scheme import ActQuant
 from kernels.tensors import ForwardInputs, Routing
 from service.engine import Engine
-from service.errors import ForwardFailed, NotReady, Overloaded, ShuttingDown
+from service.errors import DeadlineExceeded, ForwardFailed, NotReady, Overloaded, ShuttingDown
 from service.metrics import Metrics
+from service.pipeline import BatchResult, Pending
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
+DEFAULT_PRIORITY = 0  # as KServe/Triton: 0 (or none) is the default level, after every other
 
 
 @dataclass(frozen=True)
 class BatchPolicy:
-    max_batch_tokens: int  # rows per forward; a larger request is split into chunks of this
-    max_delay_s: float  # how long the oldest chunk waits for others to join its batch
+    max_batch_tokens: int  # rows per forward; a larger request is split into pieces of this
+    max_delay_s: float  # how long the oldest request waits for others to join its batch
     max_queue: int  # requests admitted per layer (waiting or running) before Overloaded
 
 
-@dataclass
-class _Chunk:
-    inputs: ForwardInputs  # [t, H] float32 on CPU, t <= max_batch_tokens
-    future: asyncio.Future[LayerOutput]
+@dataclass(frozen=True)
+class RequestOptions:
+    """Triton's schedule policy for one request."""
+
+    priority: int = DEFAULT_PRIORITY  # 1 goes first, then 2, ...; 0 is the default, after all
+    timeout_s: float | None = None  # longest wait in the queue before any of it runs
+
+    def __post_init__(self) -> None:
+        if self.priority < 0:
+            raise ValueError(f"priority must be >= 0, got {self.priority}")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout_s}")
+
+    @property
+    def level(self) -> float:
+        """Sort key of the request's priority level: lower goes first."""
+        return float("inf") if self.priority == DEFAULT_PRIORITY else self.priority
+
+
+@dataclass(eq=False)
+class _Request:
+    inputs: ForwardInputs  # [T, H] on the CPU, in its wire dtype
+    options: RequestOptions
     arrived: float  # event-loop time
+    future: asyncio.Future[LayerOutput]
+    taken: int = 0  # rows handed to forwards so far
+    pieces: list[tuple[int, LayerOutput]] = field(default_factory=list)  # (first row, rows)
+    done_rows: int = 0
 
     @property
     def tokens(self) -> int:
         return self.inputs.hidden_states.shape[0]
+
+    @property
+    def waiting(self) -> int:
+        """Rows not yet handed to a forward."""
+        return self.tokens - self.taken
+
+    @property
+    def has_logits(self) -> bool:
+        return self.inputs.router_logits is not None
+
+    def finish_piece(self, start: int, out: LayerOutput) -> None:
+        """One forward's rows of this request; the request completes with its last piece."""
+        self.pieces.append((start, out))
+        self.done_rows += out.output.shape[0]
+        if self.done_rows < self.tokens or self.future.done():
+            return
+        if len(self.pieces) == 1:
+            self.future.set_result(out)
+            return
+        parts = [p for _, p in sorted(self.pieces, key=lambda piece: piece[0])]
+        self.future.set_result(
+            LayerOutput(
+                torch.cat([p.output for p in parts]),
+                Routing(
+                    torch.cat([p.routing.topk_ids for p in parts]),
+                    torch.cat([p.routing.topk_weights for p in parts]),
+                ),
+            )
+        )
+
+
+@dataclass(frozen=True)
+class _Piece:
+    request: _Request
+    start: int  # first row of the request in this forward
+    rows: int
+
+    def inputs(self) -> ForwardInputs:
+        x = self.request.inputs
+        rows = slice(self.start, self.start + self.rows)
+        logits = x.router_logits
+        return ForwardInputs(x.hidden_states[rows], None if logits is None else logits[rows])
 
 
 @dataclass
 class _LayerQueue:
     # False where merging would change results: one fp8 scale over the whole batch
     merge: bool
-    chunks: deque[_Chunk] = field(default_factory=deque)
-    tokens: int = 0  # rows waiting in `chunks`
+    levels: dict[float, deque[_Request]] = field(default_factory=dict)
+    tokens: int = 0  # rows waiting
     requests: int = 0  # admitted and not finished
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
+    def waiting(self) -> int:
+        return sum(len(level) for level in self.levels.values())
 
-def _split(inputs: ForwardInputs, size: int) -> list[ForwardInputs]:
-    logits = inputs.router_logits
-    return [
-        ForwardInputs(
-            inputs.hidden_states[start : start + size],
-            None if logits is None else logits[start : start + size],
-        )
-        for start in range(0, inputs.hidden_states.shape[0], size)
-    ]
+    def oldest(self) -> float:
+        return min(level[0].arrived for level in self.levels.values() if level)
 
-
-def _concat(parts: list[LayerOutput]) -> LayerOutput:
-    return LayerOutput(
-        torch.cat([p.output for p in parts]),
-        Routing(
-            torch.cat([p.routing.topk_ids for p in parts]),
-            torch.cat([p.routing.topk_weights for p in parts]),
-        ),
-    )
+    def remove(self, request: _Request) -> None:
+        """Take a request that has rows waiting out of the queue."""
+        level = self.levels[request.options.level]
+        level.remove(request)
+        self.tokens -= request.waiting
+        if not level:
+            del self.levels[request.options.level]
 
 
 class DynamicBatcher:
@@ -86,12 +154,15 @@ class DynamicBatcher:
         self.engine = engine
         self.policy = policy
         self.metrics = metrics
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-device")
+        self._launcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-device")
+        self._completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-complete")
         self._queues = {
             name: _LayerQueue(merge=served.config.quant.spec.act_quant != ActQuant.TENSOR)
             for name, served in engine.layers.items()
         }
         self._tasks: list[asyncio.Task[None]] = []
+        self._running: set[asyncio.Task[None]] = set()  # batches in flight
+        self._in_flight = asyncio.Semaphore(engine.max_in_flight)
         self._closing = False
 
     def start(self) -> None:
@@ -101,15 +172,23 @@ class DynamicBatcher:
         ]
 
     async def close(self) -> None:
-        """Refuse new requests, run every queued chunk, then stop the worker."""
+        """Refuse new requests, run every queued request, then stop the threads."""
         self._closing = True
         for q in self._queues.values():
             q.arrived.set()
         await asyncio.gather(*self._tasks)
-        await asyncio.to_thread(self._worker.shutdown, wait=True)
+        await asyncio.gather(*self._running)
+        for pool in (self._launcher, self._completer):
+            await asyncio.to_thread(pool.shutdown, wait=True)
 
-    async def submit(self, name: str, inputs: ForwardInputs) -> LayerOutput:
-        """inputs [T, H] (float32, CPU) -> the layer's output [T, H] and routing, in order."""
+    async def submit(
+        self, name: str, inputs: ForwardInputs, options: RequestOptions | None = None
+    ) -> LayerOutput:
+        """inputs [T, H] (+ logits [T, E]) on the CPU, in a wire dtype -> the layer's output
+        [T, H] in its dtype and the routing, in order. The one entry of every transport.
+
+        Cancelling the call (its client went away) takes the request's waiting rows out of the
+        queue."""
         self.engine.get(name)  # UnknownLayer before anything is queued
         if self._closing:
             raise ShuttingDown()
@@ -120,103 +199,151 @@ class DynamicBatcher:
                 f"(max_queue={self.policy.max_queue}); retry later",
                 {"Retry-After": RETRY_AFTER_S},
             )
+        options = options or RequestOptions()
+        loop = asyncio.get_running_loop()
+        request = _Request(inputs, options, loop.time(), loop.create_future())
         q.requests += 1
+        q.levels.setdefault(options.level, deque()).append(request)
+        q.tokens += request.tokens
+        self.metrics.queue_depth.labels(name).set(q.waiting())
+        expiry = None
+        if options.timeout_s is not None:
+            expiry = loop.call_at(request.arrived + options.timeout_s, self._expire, q, request)
+        q.arrived.set()
         try:
-            loop = asyncio.get_running_loop()
-            chunks = [
-                _Chunk(part, loop.create_future(), loop.time())
-                for part in _split(inputs, self.policy.max_batch_tokens)
-            ]
-            q.chunks.extend(chunks)
-            q.tokens += inputs.hidden_states.shape[0]
-            self.metrics.queue_depth.labels(name).set(len(q.chunks))
-            q.arrived.set()
-            results = await asyncio.gather(*(c.future for c in chunks), return_exceptions=True)
+            return await request.future
         finally:
             q.requests -= 1
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return _concat(results)
+            if expiry is not None:
+                expiry.cancel()
+            if request.waiting:  # cancelled, expired or failed: its other rows need not run
+                self._drop(name, q, request)
+
+    def _drop(self, name: str, q: _LayerQueue, request: _Request) -> None:
+        """Rows still waiting leave the queue (rows running finish, unheard)."""
+        if request in q.levels.get(request.options.level, ()):
+            q.remove(request)
+            self.metrics.queue_depth.labels(name).set(q.waiting())
+
+    def _expire(self, q: _LayerQueue, request: _Request) -> None:
+        if request.taken or request.future.done():
+            return  # it started in time: a running request is not cut short
+        q.remove(request)
+        waited_us = (asyncio.get_running_loop().time() - request.arrived) * 1e6
+        request.future.set_exception(
+            DeadlineExceeded(
+                f"request timeout expired: it waited {waited_us:.0f} us in the queue "
+                f"(timeout {request.options.timeout_s * 1e6:.0f} us); nothing of it ran"
+            )
+        )
 
     async def _schedule(self, name: str, q: _LayerQueue) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            while not q.chunks:
+            while not q.tokens:
                 if self._closing:
                     return
                 q.arrived.clear()
                 await q.arrived.wait()
-            deadline = q.chunks[0].arrived + self.policy.max_delay_s
-            while q.merge and not self._closing and q.tokens < self.policy.max_batch_tokens:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
-                q.arrived.clear()
-                try:
-                    await asyncio.wait_for(q.arrived.wait(), remaining)
-                except TimeoutError:
-                    break
-            batch = self._take(q)
-            self.metrics.queue_depth.labels(name).set(len(q.chunks))
-            if batch:
-                await self._run(name, batch)
+            await self._in_flight.acquire()
+            launched = False
+            try:
+                while q.merge and not self._closing and 0 < q.tokens < self.policy.max_batch_tokens:
+                    remaining = q.oldest() + self.policy.max_delay_s - loop.time()
+                    if remaining <= 0:
+                        break
+                    q.arrived.clear()
+                    try:
+                        await asyncio.wait_for(q.arrived.wait(), remaining)
+                    except TimeoutError:
+                        break
+                batch = self._take(q)
+                self.metrics.queue_depth.labels(name).set(q.waiting())
+                if batch:
+                    launched = await self._launch(name, batch)
+            finally:
+                if not launched:
+                    self._in_flight.release()
 
-    def _take(self, q: _LayerQueue) -> list[_Chunk]:
-        """The oldest chunks that fit the token budget and agree on sending router logits."""
-        batch: list[_Chunk] = []
+    def _take(self, q: _LayerQueue) -> list[_Piece]:
+        """Rows for one forward: whole requests by level and age while they fit; a request
+        larger than a forward gives a piece and goes to the back of its level."""
+        budget = self.policy.max_batch_tokens
+        batch: list[_Piece] = []
         tokens = 0
-        while q.chunks:
-            chunk = q.chunks[0]
-            if batch and (
-                not q.merge
-                or tokens + chunk.tokens > self.policy.max_batch_tokens
-                or (chunk.inputs.router_logits is None) != (batch[0].inputs.router_logits is None)
-            ):
-                break
-            q.chunks.popleft()
-            q.tokens -= chunk.tokens
-            if not chunk.future.done():  # done: its client went away
-                batch.append(chunk)
-                tokens += chunk.tokens
+        with_logits: bool | None = None
+        for level in sorted(q.levels):
+            for request in list(q.levels[level]):
+                if (batch and not q.merge) or tokens == budget:
+                    return batch
+                if with_logits is not None and request.has_logits != with_logits:
+                    continue  # requests with and without router logits go in separate batches
+                rows = request.waiting
+                if rows > budget - tokens:
+                    if rows <= budget and batch:
+                        continue  # it fits a forward of its own: not split, its turn is next
+                    rows = budget - tokens
+                batch.append(_Piece(request, request.taken, rows))
+                with_logits = request.has_logits
+                tokens += rows
+                line = q.levels[level]
+                line.remove(request)
+                request.taken += rows
+                q.tokens -= rows
+                if request.waiting:
+                    line.append(request)  # its next piece waits behind the others
+                elif not line:
+                    del q.levels[level]
         return batch
 
-    async def _run(self, name: str, batch: list[_Chunk]) -> None:
-        logits = [c.inputs.router_logits for c in batch]
-        inputs = ForwardInputs(
-            torch.cat([c.inputs.hidden_states for c in batch]),
-            None if logits[0] is None else torch.cat(logits),
-        )
+    async def _launch(self, name: str, batch: list[_Piece]) -> bool:
+        """Start `batch` on the launcher thread; False (and its requests failed) if it raised."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for piece in batch:
+            if piece.start == 0:
+                self.metrics.observe_stage(name, "queue", now - piece.request.arrived)
         self.metrics.batch_requests.labels(name).observe(len(batch))
+        parts = [piece.inputs() for piece in batch]
         try:
-            result = await asyncio.get_running_loop().run_in_executor(
-                self._worker, self._forward, name, inputs
+            pending = await loop.run_in_executor(self._launcher, self.engine.start, name, parts)
+        except Exception as err:
+            self._fail(name, batch, err)
+            return False
+        task = asyncio.create_task(self._finish(name, batch, pending))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        return True
+
+    async def _finish(self, name: str, batch: list[_Piece], pending: Pending) -> None:
+        try:
+            result: BatchResult = await asyncio.get_running_loop().run_in_executor(
+                self._completer, pending.result
             )
         except Exception as err:
-            tokens = inputs.hidden_states.shape[0]
-            log.exception("forward of layer %s failed on a batch of %d tokens", name, tokens)
-            failure = (
-                err  # the engine cannot serve at all (a lost expert-parallel rank): 503
-                if isinstance(err, NotReady)
-                else ForwardFailed(f"forward of layer {name!r} failed: {type(err).__name__}: {err}")
-            )
-            for c in batch:
-                if not c.future.done():
-                    c.future.set_exception(failure)
+            self._fail(name, batch, err)
             return
-        start = 0
-        for c in batch:
-            rows = slice(start, start + c.tokens)
-            start += c.tokens
-            if not c.future.done():
-                part = Routing(result.routing.topk_ids[rows], result.routing.topk_weights[rows])
-                c.future.set_result(LayerOutput(result.output[rows], part))
+        finally:
+            self._in_flight.release()
+        tokens = sum(piece.rows for piece in batch)
+        backend = self.engine.get(name).backend
+        self.metrics.record_batch(name, backend, tokens, result.expert_tokens, result.times)
+        for piece, out in zip(batch, result.outputs, strict=True):
+            piece.request.finish_piece(piece.start, out)
 
-    def _forward(self, name: str, inputs: ForwardInputs) -> LayerOutput:
-        """On the worker thread: the forward and its metrics."""
-        started = time.perf_counter()
-        result = self.engine.forward(name, inputs)  # returns on CPU, so the device is done
-        seconds = time.perf_counter() - started
-        served = self.engine.get(name)
-        self.metrics.record_forward(name, served.backend, result.routing.topk_ids, seconds)
-        return result
+    def _fail(self, name: str, batch: list[_Piece], err: Exception) -> None:
+        tokens = sum(piece.rows for piece in batch)
+        log.error(
+            "forward of layer %s failed on a batch of %d tokens",
+            name,
+            tokens,
+            exc_info=(type(err), err, err.__traceback__),
+        )
+        failure = (
+            err  # the engine cannot serve at all (a lost expert-parallel rank): 503
+            if isinstance(err, NotReady)
+            else ForwardFailed(f"forward of layer {name!r} failed: {type(err).__name__}: {err}")
+        )
+        for piece in batch:
+            if not piece.request.future.done():
+                piece.request.future.set_exception(failure)

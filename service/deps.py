@@ -11,7 +11,9 @@ from typing import Annotated
 from fastapi import Depends, Request
 from starlette.requests import ClientDisconnect
 
-from service.batcher import DynamicBatcher
+from kernels.layer import LayerOutput
+from kernels.tensors import ForwardInputs
+from service.batcher import DynamicBatcher, RequestOptions
 from service.engine import Engine
 from service.errors import (
     BadInput,
@@ -66,6 +68,10 @@ async def get_batcher(runtime: RuntimeDep) -> DynamicBatcher:
     return _ready(runtime).batcher
 
 
+async def get_metrics(runtime: RuntimeDep) -> Metrics:
+    return runtime.metrics
+
+
 async def get_body(request: Request, runtime: RuntimeDep) -> bytes:
     """The request body (gzip/deflate undone), refused with 413 once it passes max_body_bytes."""
     limit = runtime.settings.max_body_bytes
@@ -112,6 +118,37 @@ def _decode(body: bytes, encoding: str, limit: int) -> bytes:
     return plain
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body must have been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def submit_while_connected(
+    request: Request,
+    batcher: DynamicBatcher,
+    name: str,
+    inputs: ForwardInputs,
+    options: RequestOptions,
+) -> LayerOutput:
+    """batcher.submit, withdrawn (its waiting rows leave the queue) if the client goes away."""
+    work = asyncio.ensure_future(batcher.submit(name, inputs, options))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        withdrawn = not work.done()  # the client went away (or this handler is cancelled)
+        if withdrawn:
+            work.cancel()
+    if withdrawn:
+        raise ClientDisconnected(
+            f"the client went away; its request to layer {name!r} was withdrawn"
+        )
+    return work.result()
+
+
 EngineDep = Annotated[Engine, Depends(get_engine)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 BatcherDep = Annotated[DynamicBatcher, Depends(get_batcher)]
 BodyDep = Annotated[bytes, Depends(get_body)]

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -132,6 +133,8 @@ def _free_port() -> int:
 
 class EPEngine(Engine):
     """The engine of rank 0: starts ranks 1..N-1, and has them join every forward."""
+
+    pipelined: ClassVar[bool] = False  # each forward is a collective: run batches one by one
 
     def __init__(self, settings: Settings, paths: Sequence[Path]) -> None:
         if dist.is_initialized():

@@ -48,8 +48,9 @@ class RequestTimeout(ServiceError):
 
 
 class ClientDisconnected(ServiceError):
-    """The client closed the connection before its body arrived: no one reads the answer, but
-    the log line and the metrics say what happened (499, as nginx counts it), not a 500."""
+    """The client closed the connection before its body arrived, or while its request waited
+    (then withdrawn from the queue): no one reads the answer, but the log line and the metrics
+    say what happened (499, as nginx counts it), not a 500."""
 
     status = 499
 
@@ -77,6 +78,13 @@ class ShuttingDown(NotReady):
 
     def __init__(self, message: str = "the server is shutting down") -> None:
         super().__init__(message, {"Retry-After": self.RETRY_AFTER_S})
+
+
+class DeadlineExceeded(ServiceError):
+    """The request's `timeout` passed while it waited in the queue; none of it ran. 503, as
+    Triton answers a request its schedule policy timed out (UNAVAILABLE)."""
+
+    status = 503
 
 
 class ForwardFailed(ServiceError):

@@ -34,18 +34,33 @@ def _check(name: str, t: torch.Tensor, columns: tuple[str, int], tokens: int | N
         raise BadInput(f"{name} has {t.shape[0]} tokens but hidden_states has {tokens}")
     if t.shape[1] != width:
         raise BadInput(f"{name} has {t.shape[1]} columns; this layer's {what} is {width}")
-    finite = torch.isfinite(t)
-    if not finite.all():
-        row, col = (~finite).nonzero()[0].tolist()
+    if not all_finite(t):
+        row, col = (~torch.isfinite(t)).nonzero()[0].tolist()
         raise BadInput(f"{name} holds NaN or Inf (first at row {row}, column {col})")
+
+
+# A float is NaN or Inf exactly when its exponent bits are all ones.
+_EXPONENT_BITS = {
+    torch.float32: (torch.int32, 0x7F800000),
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+}
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a CPU tensor of a wire dtype holds no NaN or Inf. Through numpy on the bits:
+    torch.isfinite takes milliseconds on a 64 x 7168 bfloat16 request, this a tenth of that."""
+    bits, exponent = _EXPONENT_BITS[t.dtype]
+    return bool((t.contiguous().view(bits).numpy() & exponent).max() != exponent)
 
 
 def check_inputs(
     served: ServedLayer, hidden: torch.Tensor, logits: torch.Tensor | None
 ) -> ForwardInputs:
-    """hidden [T, H] (+ logits [T, E]) in a wire dtype -> float32 CPU ForwardInputs.
+    """hidden [T, H] (+ logits [T, E]) in a wire dtype -> checked CPU ForwardInputs.
 
-    float32 holds bf16 and fp16 exactly, so requests of any wire dtype batch together.
+    The wire dtype stays: the batch is cast once, to the layer's dtype, as it is staged for the
+    device (requests of any wire dtype batch together); logits stay float32 for routing.
     """
     cfg = served.config
     _check("hidden_states", hidden, ("hidden_size", cfg.hidden_size), None)
@@ -54,4 +69,4 @@ def check_inputs(
     if logits is not None:
         _check("router_logits", logits, ("num_experts", cfg.num_experts), hidden.shape[0])
         logits = logits.float()
-    return ForwardInputs(hidden.float(), logits)
+    return ForwardInputs(hidden, logits)

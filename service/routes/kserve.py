@@ -10,7 +10,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from service import __version__
-from service.deps import BatcherDep, BodyDep, EngineDep, RuntimeDep
+from service.batcher import RequestOptions
+from service.deps import BatcherDep, BodyDep, EngineDep, RuntimeDep, submit_while_connected
 from service.docs import DEMO_ROWS
 from service.engine import Engine, ServedLayer
 from service.errors import BadInput, UnknownLayer
@@ -25,7 +26,7 @@ from service.kserve_codec import (
     decode_request,
     encode_response,
 )
-from service.routes.forward import BINARY, TENSOR_NAMES
+from service.routes.forward import BINARY, TENSOR_NAMES, schedule_options
 from service.schemas import ErrorBody, inline_json_schema
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
@@ -36,7 +37,11 @@ VERSION = "1"  # a layer is a model with one version; clients may name it or not
 
 @router.get("", summary="Server metadata")
 async def server_metadata() -> ServerMetadata:
-    return ServerMetadata(name="moe-serve", version=__version__, extensions=["binary_tensor_data"])
+    return ServerMetadata(
+        name="moe-serve",
+        version=__version__,
+        extensions=["binary_tensor_data", "schedule_policy"],
+    )
 
 
 @router.get("/health/live", summary="200 while the process serves")
@@ -148,6 +153,18 @@ _INFER_OPENAPI = {
 }
 
 
+def _schedule_policy(parameters: dict[str, object]) -> RequestOptions:
+    """The request parameters `priority` and `timeout` (microseconds) of Triton's schedule
+    policy extension; absent or 0: the default."""
+    values = {}
+    for key in ("priority", "timeout"):
+        value = parameters.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise BadInput(f"parameters.{key} must be an integer >= 0, got {value!r}")
+        values[key] = value
+    return schedule_options(values["priority"], values["timeout"])
+
+
 @router.post(
     "/models/{name}/infer",
     summary="Inference with JSON tensors or the binary tensor data extension",
@@ -170,7 +187,8 @@ async def infer(
             raise BadInput(f"unknown output {requested.name!r}; model {name!r} has {OUTPUT!r}")
     hidden = tensors["hidden_states"]
     inputs = check_inputs(served, hidden, tensors.get("router_logits"))
-    result = await batcher.submit(name, inputs)
+    options = _schedule_policy(infer_request.parameters)
+    result = await submit_while_connected(request, batcher, name, inputs, options)
     encoded = encode_response(name, infer_request, {OUTPUT: result.output.to(hidden.dtype)})
     if encoded.header_length is None:
         return Response(encoded.body, media_type="application/json")

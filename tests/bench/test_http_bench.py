@@ -26,6 +26,7 @@ from bench.http_bench import (
 from service.app import create_app
 from service.cli import main
 from service.metrics import Metrics
+from service.pipeline import StageTimes
 from service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import TINY, running_server, tiny_loader
@@ -41,12 +42,12 @@ def test_percentiles_of_a_hundred_latencies() -> None:
 
 def test_server_forward_time_is_the_mean_of_the_observations_between_two_scrapes() -> None:
     metrics = Metrics()
-    ids = torch.zeros(4, 2, dtype=torch.int32)
-    metrics.record_forward("a", "ref", ids, 0.010)
-    metrics.record_forward("b", "ref", ids, 5.0)  # another layer: not counted
+    counts = torch.zeros(4, dtype=torch.int64)
+    metrics.record_batch("a", "ref", 4, counts, StageTimes(0.010))
+    metrics.record_batch("b", "ref", 4, counts, StageTimes(5.0))  # another layer: not counted
     before = metric_totals(generate_latest(metrics.registry).decode(), "a")
-    metrics.record_forward("a", "ref", ids[:2], 0.002)
-    metrics.record_forward("a", "ref", ids[:2], 0.004)
+    metrics.record_batch("a", "ref", 2, counts, StageTimes(0.002))
+    metrics.record_batch("a", "ref", 2, counts, StageTimes(0.004))
     after = metric_totals(generate_latest(metrics.registry).decode(), "a")
     assert mean_delta(before, after, FORWARD_SECONDS) == pytest.approx(0.003)
     assert mean_delta(before, after, BATCH_TOKENS) == pytest.approx(2)
