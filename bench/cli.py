@@ -1,4 +1,4 @@
-"""`moe-serve bench kernels | plot | summary | http`."""
+"""`moe-serve bench kernels | plot | summary | http | service`."""
 
 from __future__ import annotations
 
@@ -156,6 +156,56 @@ def run_http(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_service(args: argparse.Namespace) -> int:
+    _setup_logging()
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from bench.service_bench import ServiceBenchConfig, run_service_bench
+
+    try:
+        config = ServiceBenchConfig(
+            out_dir=args.out,
+            layers=tuple(v.strip() for v in args.layers.split(",") if v.strip()),
+            clients=tuple(args.clients),
+            tokens=args.tokens,
+            duration_s=args.duration,
+            device=args.device,
+            backend=args.backend,
+            shared_intermediate=args.shared_intermediate,
+            max_batch_tokens=args.max_batch_tokens,
+            budget_s=args.budget_s,
+            generator=args.generator,
+            stack_variant=args.stack_variant,
+        )
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
+    result = run_service_bench(config, args.commit)
+    return 1 if result.failures else 0
+
+
+def _add_service(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "service",
+        help="serve the demo and a DeepSeek-V3-sized layer, load them, report against the bare "
+        "forward (issue 16's table)",
+    )
+    p.add_argument("--out", type=Path, required=True, help="directory for service.json/.md, logs")
+    p.add_argument("--layers", default="deepseek-v3,demo", help="demo and/or bench shapes")
+    p.add_argument("--clients", type=int_list, default=[1, 16, 64, 256], help="comma list")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per request")
+    p.add_argument("--duration", type=float, default=4.0, help="seconds per level")
+    p.add_argument("--device", default="auto", help="the servers' --device")
+    p.add_argument("--backend", default="triton", help="the servers' --backend")
+    p.add_argument("--shared-intermediate", type=int, default=2048, help="random layers' shared")
+    p.add_argument("--max-batch-tokens", type=int, default=1024)
+    p.add_argument("--budget-s", type=float, default=480.0, help="no part starts after this")
+    p.add_argument("--generator", default="auto", help="auto (hey if on PATH), hey or python")
+    p.add_argument("--no-stack-variant", dest="stack_variant", action="store_false",
+                   help="skip the demo layer on uvicorn's h11 parser and asyncio loop")  # fmt: skip
+    p.add_argument("--commit", help="commit to record (default: git rev-parse --short HEAD)")
+    p.set_defaults(run=run_service)
+
+
 def _add_kernels(sub: argparse._SubParsersAction) -> None:
     what = "time every available backend against measured ceilings"
     p = sub.add_parser(
@@ -252,3 +302,4 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument("file", type=Path, help="a result file of `moe-serve bench kernels`")
         p.set_defaults(run=fn)
     _add_http(sub)
+    _add_service(sub)

@@ -15,7 +15,8 @@ leaves the queue. A full queue raises Overloaded (429) instead of growing; a for
 fails only the requests in its batch.
 
 One launcher thread starts every batch, so the device has one owner and the event loop never
-blocks; a completer thread waits for each batch's device work to finish.
+blocks (on a GPU a small batch is staged and enqueued on the loop itself, which costs less than
+the hop); a completer thread waits for each batch's device work to finish.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from service.engine import Engine
 from service.errors import DeadlineExceeded, ForwardFailed, NotReady, Overloaded, ShuttingDown
 from service.metrics import Metrics
 from service.pipeline import BatchResult, Pending
+from service.wire import OFF_LOOP_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +165,7 @@ class DynamicBatcher:
         self._tasks: list[asyncio.Task[None]] = []
         self._running: set[asyncio.Task[None]] = set()  # batches in flight
         self._in_flight = asyncio.Semaphore(engine.max_in_flight)
+        self._launching = asyncio.Lock()
         self._closing = False
 
     def start(self) -> None:
@@ -305,8 +308,16 @@ class DynamicBatcher:
                 self.metrics.observe_stage(name, "queue", now - piece.request.arrived)
         self.metrics.batch_requests.labels(name).observe(len(batch))
         parts = [piece.inputs() for piece in batch]
+        nbytes = sum(p.hidden_states.numel() * p.hidden_states.element_size() for p in parts)
         try:
-            pending = await loop.run_in_executor(self._launcher, self.engine.start, name, parts)
+            async with self._launching:  # one launch at a time: the streams take them in order
+                if self.engine.enqueues and nbytes <= OFF_LOOP_BYTES:
+                    # staging a small batch and enqueueing it takes less than a thread hop
+                    pending = self.engine.start(name, parts)
+                else:
+                    pending = await loop.run_in_executor(
+                        self._launcher, self.engine.start, name, parts
+                    )
         except Exception as err:
             self._fail(name, batch, err)
             return False

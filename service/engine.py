@@ -87,9 +87,14 @@ class Engine:
         )
 
     @property
+    def enqueues(self) -> bool:
+        """True: `start` only stages and enqueues device work, returning before it is done."""
+        return self.pipeline is not None
+
+    @property
     def max_in_flight(self) -> int:
         """Batches `start` may have running at once."""
-        return DEPTH if self.pipeline is not None else 1
+        return DEPTH if self.enqueues else 1
 
     def add(self, source: LayerSource) -> ServedLayer:
         """Build `source`'s modular kernel on the device (backend chosen per layer)."""
@@ -172,7 +177,7 @@ class Engine:
         if self.failure is not None:
             raise NotReady(self.failure)
         served = self.get(name)
-        if self.pipeline is None:
+        if not self.enqueues:
             return self._run_now(served, parts)
         try:
             with torch.inference_mode():

@@ -74,6 +74,17 @@ def split_rows(whole: LayerOutput, sizes: Sequence[int]) -> list[LayerOutput]:
     return parts
 
 
+def _gather(rows: Sequence[torch.Tensor], into: torch.Tensor) -> None:
+    """Concatenate `rows` into `into` (the one host copy of a batch), casting to its dtype."""
+    if all(r.dtype == into.dtype for r in rows):
+        torch.cat(rows, out=into)
+        return
+    start = 0
+    for r in rows:
+        into[start : start + r.shape[0]].copy_(r)
+        start += r.shape[0]
+
+
 _EVENTS = ("h2d_start", "h2d_end", "forward_start", "forward_end", "d2h_start", "d2h_end")
 
 
@@ -139,12 +150,9 @@ class DevicePipeline:
         slot = self._slot(served, m)
         try:
             started = time.perf_counter()
-            row = 0
-            for part, size in zip(parts, sizes, strict=True):
-                slot.hidden[0][row : row + size].copy_(part.hidden_states)  # casts to the layer's
-                if with_logits:
-                    slot.logits[0][row : row + size].copy_(part.router_logits)
-                row += size
+            _gather([p.hidden_states for p in parts], slot.hidden[0][:m])
+            if with_logits:
+                _gather([p.router_logits for p in parts], slot.logits[0][:m])
             stage_s = time.perf_counter() - started
             self._enqueue(served, slot, m, with_logits)
         except BaseException:
