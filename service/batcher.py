@@ -6,13 +6,13 @@
       max_batch_delay -> rows taken from the queued requests -> Engine.start on the launcher
       thread -> the result on the completer thread -> each request's rows
 
-Requests are taken by priority level (lowest number first), then in arrival order. A request
-larger than max_batch_tokens goes in pieces, one per forward, and moves to the back of its level
-after each, so the pieces of different requests interleave: a 1-token request never waits
-behind all of a 100k-token one. A request whose queue time passes its timeout gets
-DeadlineExceeded and nothing of it runs; one whose client goes away (its `submit` cancelled)
-leaves the queue. A full queue raises Overloaded (429) instead of growing; a forward that raises
-fails only the requests in its batch.
+Requests are taken by priority level (lowest number first), then by turns and age. A request
+larger than max_batch_tokens goes in pieces, one per forward, and each piece waits for the
+requests that have had fewer: the pieces of different requests interleave, and a 1-token
+request waits for at most one piece of a 100k-token one. A request whose queue time passes its
+timeout gets DeadlineExceeded and nothing of it runs; one whose client goes away (its `submit`
+cancelled) leaves the queue. A full queue raises Overloaded (429) instead of growing; a forward
+that raises fails only the requests in its batch.
 
 One launcher thread starts every batch, so the device has one owner and the event loop never
 blocks (on a GPU a small batch is staged and enqueued on the loop itself, which costs less than
@@ -77,6 +77,7 @@ class _Request:
     arrived: float  # event-loop time
     future: asyncio.Future[LayerOutput]
     taken: int = 0  # rows handed to forwards so far
+    pieces_taken: int = 0  # forwards it has rows in
     pieces: list[tuple[int, LayerOutput]] = field(default_factory=list)  # (first row, rows)
     done_rows: int = 0
 
@@ -269,14 +270,23 @@ class DynamicBatcher:
                     self._in_flight.release()
 
     def _take(self, q: _LayerQueue) -> list[_Piece]:
-        """Rows for one forward: whole requests by level and age while they fit; a request
-        larger than a forward gives a piece and goes to the back of its level."""
+        """Rows for one forward: by level; within a level, requests that had fewer pieces
+        first, then by age (so pieces of large requests take turns, and a new request goes
+        before the next piece of a running one); whole requests while they fit, and a piece of
+        one larger than a forward."""
+        batch = self._pick(q)
+        for level in [level for level, line in q.levels.items() if not line]:
+            del q.levels[level]
+        return batch
+
+    def _pick(self, q: _LayerQueue) -> list[_Piece]:
         budget = self.policy.max_batch_tokens
         batch: list[_Piece] = []
         tokens = 0
         with_logits: bool | None = None
         for level in sorted(q.levels):
-            for request in list(q.levels[level]):
+            line = q.levels[level]
+            for request in sorted(line, key=lambda r: (r.pieces_taken, r.arrived)):
                 if (batch and not q.merge) or tokens == budget:
                     return batch
                 if with_logits is not None and request.has_logits != with_logits:
@@ -289,14 +299,11 @@ class DynamicBatcher:
                 batch.append(_Piece(request, request.taken, rows))
                 with_logits = request.has_logits
                 tokens += rows
-                line = q.levels[level]
-                line.remove(request)
                 request.taken += rows
+                request.pieces_taken += 1
                 q.tokens -= rows
-                if request.waiting:
-                    line.append(request)  # its next piece waits behind the others
-                elif not line:
-                    del q.levels[level]
+                if not request.waiting:
+                    line.remove(request)
         return batch
 
     async def _launch(self, name: str, batch: list[_Piece]) -> bool:

@@ -90,6 +90,10 @@ class LayerBackend(BaseModel):
     reason: str = Field(description="why this pair: forced by --backend, or the auto rule")
     rejected: dict[str, str] = Field(description="other experts backends and why not")
     workspace_bytes: int = Field(description="scratch memory, shared by all layers")
+    graph_buckets: list[int] = Field(
+        description="token counts the layer replays from whole-layer CUDA graphs (a batch is "
+        "padded to the next); empty: it runs uncaptured (CPU, or a backend that syncs)"
+    )
 
 
 class DeviceInfo(BaseModel):

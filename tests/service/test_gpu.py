@@ -61,3 +61,56 @@ def test_demo_layers_on_gpu_match_the_reference(gpu_client, tokens: int) -> None
         out = safetensors.torch.load(r.content)["output"]
         error = relative_error(out, reference.forward(ForwardInputs(hidden)).output)
         assert error < TOLERANCE[name], f"{name} on {layer['experts']}: {error:.2e}"
+
+
+def test_demo_layers_on_gpu_run_from_cuda_graphs_of_every_bucket(gpu_client) -> None:
+    client, _ = gpu_client
+    for layer in client.get("/backends").json()["layers"]:
+        assert layer["graph_buckets"] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_requests_of_another_wire_dtype_are_cast_once_and_answered_in_theirs(
+    gpu_client, dtype: torch.dtype
+) -> None:
+    client, cache = gpu_client
+    loaded = load_layer(cache / "demo", torch.device("cpu"))
+    reference, _ = build_layer(loaded.config, loaded.weights, torch.device("cpu"), "reference")
+    hidden = torch.randn(17, loaded.config.hidden_size).bfloat16().to(dtype)  # bf16-exact
+    r = client.post(
+        "/v1/layers/demo/forward?return_routing=true",
+        content=safetensors.torch.save({"hidden_states": hidden}),
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    assert r.status_code == 200, r.text
+    reply = safetensors.torch.load(r.content)
+    assert reply["output"].dtype == dtype
+    expected = reference.forward(ForwardInputs(hidden.bfloat16()))
+    assert relative_error(reply["output"], expected.output) < TOLERANCE["demo"]
+    assert reply["topk_ids"].shape == (17, 2)
+
+
+def test_concurrent_requests_on_gpu_each_get_their_own_rows(gpu_client) -> None:
+    """Batched, pipelined (two batches in flight) and padded to graph buckets: every request
+    still gets exactly its rows."""
+    import concurrent.futures
+
+    client, cache = gpu_client
+    loaded = load_layer(cache / "demo", torch.device("cpu"))
+    reference, _ = build_layer(loaded.config, loaded.weights, torch.device("cpu"), "reference")
+    inputs = [torch.randn(t, loaded.config.hidden_size).bfloat16() for t in (1, 5, 64, 3, 200, 2)]
+
+    def post(hidden: torch.Tensor) -> torch.Tensor:
+        r = client.post(
+            "/v1/layers/demo/forward",
+            content=safetensors.torch.save({"hidden_states": hidden}),
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        assert r.status_code == 200, r.text
+        return safetensors.torch.load(r.content)["output"]
+
+    with concurrent.futures.ThreadPoolExecutor(len(inputs)) as pool:
+        outputs = list(pool.map(post, inputs * 3))
+    for hidden, out in zip(inputs * 3, outputs, strict=True):
+        expected = reference.forward(ForwardInputs(hidden)).output
+        assert relative_error(out, expected) < TOLERANCE["demo"]
