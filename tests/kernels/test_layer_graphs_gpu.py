@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from bench.random_layer import random_layer
+from kernels.accuracy import relative_error
 from kernels.config import ActivationSpec, GroupScore, MoEConfig, RoutingConfig, Scoring
 from kernels.layer import build_layer, expert_tokens
 from kernels.layer_graphs import LayerGraphs, can_capture, token_buckets
 from kernels.quant_scheme import QuantConfig, QuantScheme
 from kernels.registry import experts_backends
 from kernels.tensors import ForwardInputs
-from kernels.testing import relative_error
 
 pytestmark = pytest.mark.gpu
 

@@ -20,8 +20,8 @@ from kernels.layer import (
     matmul_f32,
 )
 from kernels.layer_graphs import can_capture, token_buckets
+from kernels.random_weights import random_expert_weights
 from kernels.tensors import ForwardInputs
-from kernels.testing import random_expert_weights
 from service.engine import Engine
 from service.inputs import all_finite
 from service.wire import encode_safetensors
