@@ -345,6 +345,10 @@ class ServiceBench:
         c = self.config
         for layer in c.layers:
             self._attempt(f"{layer}: serve", lambda layer=layer: self._serve(layer, "default"))
+            if not any(r.layer == layer and r.levels for r in self.result.runs):
+                # measure what can be measured: the same without CUDA graphs
+                self._attempt(f"{layer}: serve without CUDA graphs",
+                              lambda layer=layer: self._serve(layer, "no graphs"))  # fmt: skip
         self._attempt("load generator capacity", self._echo)
         if DEMO in c.layers and max(c.clients) > 1:
             self._attempt(f"{DEMO}: batching off", lambda: self._serve(DEMO, "batching off"))
@@ -364,6 +368,8 @@ class ServiceBench:
         command += ["--max-batch-tokens", str(batch)]
         if variant == "h11+asyncio":
             command += ["--http", "h11", "--loop", "asyncio"]
+        if variant == "no graphs":
+            command += ["--no-cuda-graphs"]
         return command
 
     def _serve(self, layer: str, variant: str) -> None:
@@ -381,7 +387,7 @@ class ServiceBench:
             run.layer_info = httpx.get(f"{url}/v1/layers/{layer}", timeout=10).json()
             bodies = self._bodies(run.layer_info["hidden_size"])
             path = f"/v1/layers/{layer}/forward"
-            if variant == "default":
+            if variant in ("default", "no graphs"):
                 levels = [("binary", c.tokens, n) for n in c.clients]
                 levels += [("binary", 1, 1), ("json", c.tokens, 1)]
             elif variant == "batching off":
@@ -398,7 +404,7 @@ class ServiceBench:
                 run.levels.append(level)
                 log.info("%s", _row(level))
                 self.save()
-            if variant == "default":
+            if variant in ("default", "no graphs"):
                 sizes = {1, c.tokens} | {round(lv.tokens_per_forward) for lv in run.levels
                                          if lv.tokens_per_forward}  # fmt: skip
                 timed = httpx.post(

@@ -118,6 +118,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         backend=args.backend,
         max_batch_tokens=args.max_batch_tokens,
         max_queue=args.max_queue,
+        cuda_graphs=args.cuda_graphs,
         log_level=args.log_level,
         cache_dir=args.cache_dir,
         max_body_bytes=256 << 20,
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shared-intermediate", type=int)
     parser.add_argument("--max-batch-tokens", type=int, default=1024)
     parser.add_argument("--max-queue", type=int, default=4096)
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--cache-dir", type=Path, default=Settings().cache_dir)
     parser.add_argument("--http", default="auto", help="uvicorn's parser: auto, h11, httptools")

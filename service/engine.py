@@ -71,11 +71,16 @@ class Engine:
     pipelined: ClassVar[bool] = True
 
     def __init__(
-        self, device: torch.device, backend: str = "auto", chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+        self,
+        device: torch.device,
+        backend: str = "auto",
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        cuda_graphs: bool = True,
     ) -> None:
         self.device = device
         self.backend = backend
         self.chunk_tokens = chunk_tokens  # the largest batch (--max-batch-tokens): never split
+        self.cuda_graphs = cuda_graphs  # False: never capture (--no-cuda-graphs)
         self.workspace = Workspace(device)  # shared by every layer
         self.layers: dict[str, ServedLayer] = {}
         self.failure: str | None = None  # why this engine can serve no more; None while it can
@@ -102,7 +107,7 @@ class Engine:
             raise ValueError(f"two layers are named {source.name!r}; layer names must be unique")
         layer, selection = self.build(source)
         graphs = None
-        if self.pipeline is not None:
+        if self.pipeline is not None and self.cuda_graphs:
             support = can_capture(layer, self.device)
             if support:  # captured at warm-up; routed layers take no client logits in graphs
                 with_logits = layer.router.weight is None

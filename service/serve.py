@@ -70,6 +70,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--cache-dir", type=Path, metavar="DIR", help="where the demo layers are generated"
     )
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        help="replay forwards from CUDA graphs where the backend allows (default on)",
+    )
     p.set_defaults(run=run)
 
 

@@ -31,6 +31,9 @@ class Settings(BaseSettings):
     # arrive while the device is busy still share its next forward.
     max_batch_delay_ms: float = Field(0.0, ge=0.0)
     max_queue: int = Field(256, ge=1)  # requests waiting per layer before 429
+    # Replay each layer's forward from CUDA graphs, one per token bucket, where its backend can
+    # be captured; False: every forward runs eagerly (slower; for debugging and comparison).
+    cuda_graphs: bool = True
     max_body_bytes: int = Field(64 << 20, ge=1024)  # request bodies above this get 413
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
