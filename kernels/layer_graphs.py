@@ -96,9 +96,10 @@ class LayerGraphs:
 
     def capture(self) -> None:
         """Capture every bucket, largest first (the smaller ones then reuse its memory)."""
-        for bucket in reversed(self.buckets):
-            if bucket not in self.graphs:
-                self.graphs[bucket] = self._capture(bucket)
+        with torch.cuda.device(self.device):  # the capture stream is the current device's
+            for bucket in reversed(self.buckets):
+                if bucket not in self.graphs:
+                    self.graphs[bucket] = self._capture(bucket)
 
     def _run(self, bucket: int) -> tuple[LayerOutput, torch.Tensor]:
         logits = None if self.logits is None else self.logits[:bucket]
@@ -133,7 +134,8 @@ class LayerGraphs:
         bucket = self.bucket(m)
         captured = self.graphs.get(bucket)
         if captured is None:
-            captured = self.graphs[bucket] = self._capture(bucket)
+            with torch.cuda.device(self.device):
+                captured = self.graphs[bucket] = self._capture(bucket)
         self.hidden[:m].copy_(hidden)
         self.hidden[m:bucket].zero_()
         if logits is not None:
