@@ -12,9 +12,8 @@ from kernels.tensors import ForwardInputs
 from service.batcher import BatchPolicy, DynamicBatcher, RequestOptions
 from service.deps import submit_while_connected
 from service.errors import ClientGone, DeadlineExceeded
-from service.metrics import Metrics
 from tests.service.layers import TINY, reference_forward, tiny_layers
-from tests.service.test_batcher import WAIT_S, RecordingEngine, rows
+from tests.service.test_batcher import RecordingEngine, rows, run
 
 SETTLE_S = 0.05  # lets the scheduler take what is queued
 
@@ -36,19 +35,6 @@ class OrderEngine(RecordingEngine):
             next(i for i, x in enumerate(requests) if (x == first).all(dim=1).any())
             for first in self.first_rows
         ]
-
-
-def run(engine: RecordingEngine, policy: BatchPolicy, body) -> object:
-    async def main():
-        batcher = DynamicBatcher(engine, policy, Metrics())
-        batcher.start()
-        try:
-            return await asyncio.wait_for(body(batcher), WAIT_S)
-        finally:
-            engine.gate.set()
-            await batcher.close()
-
-    return asyncio.run(main())
 
 
 async def _busy(batcher: DynamicBatcher, engine: RecordingEngine, x: torch.Tensor) -> asyncio.Task:
