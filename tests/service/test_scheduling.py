@@ -11,7 +11,7 @@ import torch
 from kernels.tensors import ForwardInputs
 from service.batcher import BatchPolicy, DynamicBatcher, RequestOptions
 from service.deps import submit_while_connected
-from service.errors import ClientGone, DeadlineExceeded
+from service.errors import ClientDisconnected, DeadlineExceeded
 from tests.service.layers import TINY, reference_forward, tiny_layers
 from tests.service.test_batcher import RecordingEngine, rows, run
 
@@ -183,7 +183,7 @@ def test_a_client_that_disconnects_has_its_queued_rows_dropped() -> None:
 
     async def body(batcher):
         first = await _busy(batcher, engine, busy)
-        with pytest.raises(ClientGone, match="withdrawn"):
+        with pytest.raises(ClientDisconnected, match="withdrawn"):
             await submit_while_connected(
                 _LeavingClient(SETTLE_S), batcher, TINY, ForwardInputs(gone), RequestOptions()
             )
