@@ -184,10 +184,14 @@ def run_service(args: argparse.Namespace) -> int:
 
 
 def _add_service(sub: argparse._SubParsersAction) -> None:
+    what = "serve the demo and a DeepSeek-V3-sized layer, load them, compare with the bare forward"
     p = sub.add_parser(
         "service",
-        help="serve the demo and a DeepSeek-V3-sized layer, load them, report against the bare "
-        "forward (issue 16's table)",
+        help=what,
+        description=f"{what.capitalize()}: every concurrency level with hey (or Python clients), "
+        "one client with 1-token and JSON bodies, batching off and uvicorn's pure-Python stack "
+        "on the demo layer, the load generator's own capacity; writes service.json and "
+        "service.md with issue 16's targets.",
     )
     p.add_argument("--out", type=Path, required=True, help="directory for service.json/.md, logs")
     p.add_argument("--layers", default="deepseek-v3,demo", help="demo and/or bench shapes")
@@ -197,7 +201,7 @@ def _add_service(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="the servers' --device")
     p.add_argument("--backend", default="triton", help="the servers' --backend")
     p.add_argument("--shared-intermediate", type=int, default=2048, help="random layers' shared")
-    p.add_argument("--max-batch-tokens", type=int, default=1024)
+    p.add_argument("--max-batch-tokens", type=int, default=1024, help="the servers' batch size")
     p.add_argument("--budget-s", type=float, default=480.0, help="no part starts after this")
     p.add_argument("--generator", default="auto", help="auto (hey if on PATH), hey or python")
     p.add_argument("--no-stack-variant", dest="stack_variant", action="store_false",
