@@ -20,14 +20,14 @@ python3 -m service.cli bench service --out "$out/service" \
 echo "bench service exited with $?" >>"$out/service-bench.log"
 left=$(( ${SERVICE_RUN_SECONDS:-510} - SECONDS ))
 if [ "$left" -gt 30 ]; then
-  timeout "$left" python3 -m pytest -q -m gpu -p no:cacheprovider \
+  timeout "$left" python3 -m pytest -v -m gpu -p no:cacheprovider \
     tests/kernels/test_layer_graphs_gpu.py tests/service/test_gpu.py >"$out/gpu-tests.log" 2>&1
   echo "gpu tests exited with $? after $SECONDS s" >>"$out/gpu-tests.log"
 else
   echo "gpu tests skipped: no time left after the benchmark ($SECONDS s)" >"$out/gpu-tests.log"
 fi
 echo "== gpu tests"
-grep -E "^(FAILED|ERROR)|passed|failed|exited|skipped:" "$out/gpu-tests.log" | tail -n 25
+grep -E "FAILED|ERROR|passed|exited|skipped:" "$out/gpu-tests.log" | grep -v PASSED | tail -n 25; grep -c PASSED "$out/gpu-tests.log"
 echo "== bench service ($SECONDS s in all)"
 grep -E "Traceback|Error|exited" "$out/service-bench.log" | tail -n 5
 cat "$out/service/service.md" 2>/dev/null || tail -n 40 "$out/service-bench.log"
