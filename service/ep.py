@@ -21,7 +21,7 @@ import multiprocessing.connection
 import queue
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -143,8 +143,6 @@ class EPEngine(Engine):
         super().__init__(
             rank_device(settings.torch_device(), 0), settings.backend, settings.max_batch_tokens
         )
-        self.failure: str | None = None  # why the group is broken; None while it works
-        self.on_failure: Callable[[str], None] = lambda _reason: None
         self._closing = False
         port = _free_port()
         self._spec = RankSpec(

@@ -30,10 +30,6 @@ class BadInput(ServiceError):
     status = 400
 
 
-class Unauthorized(ServiceError):
-    status = 401
-
-
 class UnknownLayer(ServiceError):
     status = 404
 

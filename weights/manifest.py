@@ -72,10 +72,6 @@ class Manifest(BaseModel):
         return self
 
     @property
-    def top_k(self) -> int:
-        return self.routing.top_k
-
-    @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
