@@ -41,6 +41,7 @@ from service.engine import Engine, LayerSource
 from service.errors import NotReady
 from service.settings import Settings
 from weights.load import LoadedLayer, load_layer, read_manifest
+from weights.placement_file import read_placement
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def init_group(spec: RankSpec) -> None:
 def placement_for(spec: RankSpec, num_experts: int) -> Placement:
     if spec.placement_file is None:
         return Placement.contiguous(num_experts, spec.world_size)
-    return Placement.from_file(spec.placement_file, num_experts, spec.world_size)
+    return read_placement(spec.placement_file, num_experts, spec.world_size)
 
 
 def load_local_layers(spec: RankSpec) -> list[tuple[LoadedLayer, Placement]]:

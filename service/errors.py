@@ -11,8 +11,9 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+
+from weights.errors import describe_validation_error
 
 log = logging.getLogger(__name__)
 
@@ -105,15 +106,6 @@ def error_response(
     return JSONResponse({"error": capped(message)}, status_code=status, headers=headers)
 
 
-def describe_validation_error(err: ValidationError | RequestValidationError) -> str:
-    """Pydantic's errors as one line naming each field: 'hidden_states.0.1: Input should be...'."""
-    parts = []
-    for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"] if p != "body") or "body"
-        parts.append(f"{where}: {e['msg']}")
-    return "; ".join(parts)
-
-
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(_: Request, err: ServiceError) -> JSONResponse:
@@ -121,7 +113,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
-        return error_response(422, describe_validation_error(err))
+        return error_response(422, describe_validation_error(err, "body"))
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, err: HTTPException) -> JSONResponse:

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field, ValidationError
 
-from service.errors import BadInput, describe_validation_error
+from service.errors import BadInput
+from weights.errors import describe_validation_error
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
@@ -142,7 +143,7 @@ def decode_request(
     try:
         request = InferRequest.model_validate_json(body[:split])
     except ValidationError as err:
-        raise BadInput(f"inference request: {describe_validation_error(err)}") from None
+        raise BadInput(f"inference request: {describe_validation_error(err, 'body')}") from None
     binary, offset, tensors = body[split:], 0, {}
     for t in request.inputs:
         if t.name in tensors:

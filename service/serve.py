@@ -9,17 +9,17 @@ from pathlib import Path
 import uvicorn
 from pydantic import ValidationError
 
-from kernels.placement import Placement
 from kernels.registry import experts_backends
 from kernels.selection import select
 from service import logs
 from service.app import create_app
 from service.ep import rank_device
-from service.errors import describe_validation_error
 from service.server import listen, server_config
 from service.settings import Settings
 from weights.demo import demo_configs
+from weights.errors import describe_validation_error
 from weights.load import inspect_layer
+from weights.placement_file import read_placement
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         _check_layers(settings)
         listener = listen(settings.host, settings.port)
     except ValidationError as err:
-        return _refuse(f"invalid settings: {describe_validation_error(err)}")
+        return _refuse(f"invalid settings: {describe_validation_error(err, 'settings')}")
     except ValueError as err:  # LayerFileError is a ValueError
         return _refuse(str(err))
     logs.configure(settings.log_level, settings.log_format)
@@ -124,7 +124,7 @@ def _check_layers(settings: Settings) -> None:
         try:
             select(cfg, device, settings.backend, expert_parallel=settings.ep > 1)
             if settings.ep_placement is not None:
-                Placement.from_file(settings.ep_placement, cfg.num_experts, settings.ep)
+                read_placement(settings.ep_placement, cfg.num_experts, settings.ep)
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
 

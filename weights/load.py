@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from kernels.config import MoEConfig
 from kernels.layer import LayerWeights
-from weights.errors import LayerFileError
+from weights.errors import LayerFileError, describe_validation_error
 from weights.integrity import CHECKSUM, RowDigests, first_nonfinite
 from weights.layout import (
     TensorSpec,
@@ -63,9 +63,7 @@ def read_manifest(path: Path) -> Manifest:
     try:
         return Manifest.model_validate_json(file.read_bytes())
     except ValidationError as err:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'manifest'}: {e['msg']}" for e in err.errors()
-        )
+        problems = describe_validation_error(err, "manifest")
         raise LayerFileError(file, None, f"invalid manifest: {problems}") from err
 
 

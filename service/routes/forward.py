@@ -17,10 +17,11 @@ from service.batcher import RequestOptions
 from service.deps import BatcherDep, BodyDep, EngineDep, MetricsDep, submit_while_connected
 from service.docs import DEMO_LOGITS, DEMO_ROWS
 from service.engine import ServedLayer
-from service.errors import BadInput, UnsupportedMediaType, describe_validation_error
+from service.errors import BadInput, UnsupportedMediaType
 from service.inputs import check_inputs, rows_to_tensor
 from service.schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
 from service.wire import encode_safetensors, run_sized
+from weights.errors import describe_validation_error
 
 router = APIRouter(tags=["forward"])
 
@@ -178,7 +179,7 @@ def _decode_json(served: ServedLayer, body: bytes) -> tuple[ForwardInputs, bool]
     try:
         req = ForwardRequest.model_validate_json(body)
     except ValidationError as err:
-        raise BadInput(describe_validation_error(err)) from None
+        raise BadInput(describe_validation_error(err, "body")) from None
     hidden = rows_to_tensor("hidden_states", req.hidden_states)
     logits = req.router_logits
     logits = None if logits is None else rows_to_tensor("router_logits", logits)
