@@ -20,6 +20,7 @@ from bench.schema import BenchRun
 from bench.shapes import DEFAULT_SHAPES, SHAPES, parse_shapes
 from bench.summary import render
 from bench.timing import TimingPlan
+from kernels.stages import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +57,10 @@ def _loads(text: str) -> list[Load]:
 
 
 def _device(text: str) -> torch.device:
-    if text == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(text)
-    except RuntimeError as err:
-        raise argparse.ArgumentTypeError(f"not a device: {text!r}") from err
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError("--device cuda asked for, but no CUDA GPU is visible")
-    return device
+        return resolve_device(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
 
 
 def _setup_logging() -> None:

@@ -35,6 +35,20 @@ class Support:
 YES = Support(True)
 
 
+def resolve_device(name: str) -> torch.device:
+    """The device `name` (auto, cpu, cuda, cuda:N) means: `auto` is the first GPU when there is
+    one, else the CPU. A GPU asked for where none is visible is a ValueError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise ValueError(f"not a device: {name!r}") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but no CUDA GPU is visible")
+    return device
+
+
 def cuda_capability(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda" or not torch.cuda.is_available():
         return None

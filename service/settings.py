@@ -10,6 +10,8 @@ import torch
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from kernels.stages import resolve_device
+
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 MIN_TOKEN_CHARS = 16  # a shorter bearer token is a placeholder, not a secret
 
@@ -76,9 +78,4 @@ class Settings(BaseSettings):
 
     def torch_device(self) -> torch.device:
         """The device layers run on: `auto` is the first GPU when there is one, else the CPU."""
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        device = torch.device(self.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} was asked for but no CUDA GPU is visible")
-        return device
+        return resolve_device(self.device)
