@@ -8,6 +8,7 @@ import torch
 
 from kernels.activations import apply_activation
 from kernels.config import ActivationSpec, MoEConfig
+from kernels.input_checks import check_shapes
 from kernels.modular import DEFAULT_CHUNK_TOKENS, ModularKernel
 from kernels.routing import route
 from kernels.selection import Selection, select
@@ -123,22 +124,11 @@ class MoELayer:
         set to -1 on the device, so they cost nothing in the experts. `workspace` replaces the
         kernel's shared one (a graph's buffers must not move when another layer grows it).
         """
-        hidden, logits = inputs.hidden_states, inputs.router_logits
         cfg = self.cfg
-        if hidden.shape[1] != cfg.hidden_size:
-            raise ValueError(
-                f"hidden_states has {hidden.shape[1]} columns, the layer's hidden size is "
-                f"{cfg.hidden_size}"
-            )
+        check_shapes(cfg, inputs, has_router=self.router.weight is not None)
+        hidden, logits = inputs.hidden_states, inputs.router_logits
         if logits is None:
-            if self.router.weight is None:
-                raise ValueError("this layer has no stored router: send router_logits")
             logits = self.router.logits(hidden)
-        elif logits.shape[1] != cfg.num_experts:
-            raise ValueError(
-                f"router_logits has {logits.shape[1]} columns, the layer has "
-                f"{cfg.num_experts} experts"
-            )
         routing = route(logits, cfg.routing, self.router.correction_bias)
         if valid_rows is not None and self.kernel.experts.supports_expert_map:
             routing = Routing(mask_rows(routing.topk_ids, valid_rows), routing.topk_weights)

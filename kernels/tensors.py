@@ -36,16 +36,7 @@ class ForwardInputs:
 
     hidden_states: torch.Tensor  # [M, H]
     router_logits: torch.Tensor | None = None  # [M, E]
-
-    def __post_init__(self) -> None:
-        h = self.hidden_states
-        if h.dim() != 2:
-            raise ValueError(f"hidden_states must be [tokens, hidden], got {tuple(h.shape)}")
-        logits = self.router_logits
-        if logits is not None and (logits.dim() != 2 or logits.shape[0] != h.shape[0]):
-            raise ValueError(
-                f"router_logits must be [tokens={h.shape[0]}, experts], got {tuple(logits.shape)}"
-            )
+    # checked against a layer by kernels.input_checks, which knows its H and E
 
 
 @dataclass

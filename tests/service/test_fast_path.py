@@ -11,6 +11,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from kernels.config import MoEConfig, RoutingConfig
+from kernels.input_checks import all_finite
 from kernels.layer import (
     LayerWeights,
     RouterWeights,
@@ -23,7 +24,6 @@ from kernels.layer_graphs import can_capture, token_buckets
 from kernels.random_weights import random_expert_weights
 from kernels.tensors import ForwardInputs
 from service.engine import Engine
-from service.inputs import all_finite
 from service.wire import encode_safetensors
 from tests.service.layers import TINY, E, H, reference_forward, tiny_layers
 
