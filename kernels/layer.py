@@ -81,6 +81,15 @@ def expert_tokens(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return counts.scatter_add_(0, ids, torch.ones_like(ids))[:num_experts]
 
 
+# The names a layer's tensors go by, in layer files too: the experts' are their field names.
+ROUTER_TENSORS = {
+    "weight": "gate",
+    "bias": "gate_bias",
+    "correction_bias": "e_score_correction_bias",
+}
+SHARED_TENSORS = {"w13": "shared_w13", "w2": "shared_w2", "gate": "shared_gate"}
+
+
 @dataclass
 class LayerWeights:
     experts: ExpertWeights
@@ -88,11 +97,22 @@ class LayerWeights:
     shared: SharedExpert | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor present, by its name (ExpertWeights' fields, ROUTER_/SHARED_TENSORS)."""
         named = dict(self.experts.tensors())
-        for prefix, part in (("router", self.router), ("shared", self.shared)):
+        for part, names in ((self.router, ROUTER_TENSORS), (self.shared, SHARED_TENSORS)):
             if part is not None:
-                named |= {f"{prefix}.{n}": t for n, t in vars(part).items() if t is not None}
+                named |= {names[f]: t for f, t in vars(part).items() if t is not None}
         return named
+
+    @classmethod
+    def from_tensors(cls, named: dict[str, torch.Tensor]) -> LayerWeights:
+        """The inverse of `tensors`."""
+        experts = ExpertWeights(**{n: named[n] for n in ExpertWeights.names() if n in named})
+        router = RouterWeights(**{f: named.get(n) for f, n in ROUTER_TENSORS.items()})
+        shared = None
+        if SHARED_TENSORS["w13"] in named:
+            shared = SharedExpert(**{f: named.get(n) for f, n in SHARED_TENSORS.items()})
+        return cls(experts, router, shared)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())

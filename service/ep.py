@@ -101,7 +101,7 @@ def load_local_layers(spec: RankSpec) -> list[tuple[LoadedLayer, Placement]]:
     """Each layer with only this rank's experts on its device, and the placement it used."""
     loaded = []
     for path in spec.paths:
-        placement = placement_for(spec, read_manifest(path).num_experts)
+        placement = placement_for(spec, read_manifest(path).config.num_experts)
         layer = load_layer(path, spec.device, experts=placement.local_experts(spec.rank))
         loaded.append((layer, placement))
     return loaded

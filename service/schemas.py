@@ -56,6 +56,10 @@ class ForwardResponse(BaseModel):
 
 
 class LayerInfo(BaseModel):
+    """The layer's MoEConfig (`MoEConfig.as_json`, as in manifest.json), top_k and serving facts."""
+
+    model_config = ConfigDict(extra="forbid")  # a new MoEConfig field must be shown here too
+
     name: str
     num_experts: int
     top_k: int
@@ -65,6 +69,8 @@ class LayerInfo(BaseModel):
     routing: dict[str, str | int | float | bool]
     quant: dict[str, str | int]
     dtype: str
+    has_bias: bool = Field(description="per-expert biases on both GEMMs")
+    apply_router_weight_on_input: bool
     device_bytes: int
     shared_experts: bool
     backend: str

@@ -119,7 +119,7 @@ def _check_layers(settings: Settings) -> None:
                 "layer names must be unique"
             )
         named[manifest.name] = where
-    configs = {where: manifest.to_config() for where, manifest in manifests.items()}
+    configs = {where: manifest.config for where, manifest in manifests.items()}
     for where, cfg in (configs or demo_configs()).items():
         try:
             select(cfg, device, settings.backend, expert_parallel=settings.ep > 1)
