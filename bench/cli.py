@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
+from bench.auto_table import default_path, rule_table, write_table
 from bench.environment import capture, device_slug
 from bench.http_bench import HttpBenchConfig, run_http_bench, write_report
 from bench.kernel_bench import KernelBench, KernelBenchConfig, read_run
@@ -123,6 +124,24 @@ def run_summary(args: argparse.Namespace) -> int:
     if run is None:
         return 2
     sys.stdout.write(render(run))
+    return 0
+
+
+def run_auto_table(args: argparse.Namespace) -> int:
+    _setup_logging()
+    run = _read(args.file)
+    if run is None:
+        return 2
+    try:
+        table = rule_table(run)
+    except ValueError as err:
+        log.error("%s: %s", args.file, err)
+        return 2
+    out = args.out or default_path(run)
+    write_table(table, out)
+    for key, rule in table["rules"].items():
+        log.info("%s (%s): %s", key, rule["shape"], ", ".join(rule["order"]))
+    log.info("wrote %s and %s", out, out.with_suffix(".md"))
     return 0
 
 
@@ -301,5 +320,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p = sub.add_parser(name, help=text, description=f"{text.capitalize()}.")
         p.add_argument("file", type=Path, help="a result file of `moe-serve bench kernels`")
         p.set_defaults(run=fn)
+    p = sub.add_parser(
+        "auto-table",
+        help="write the rule table --backend auto follows, from a kernel result file",
+        description="Write the rule table --backend auto follows (per layer shape: every "
+        "backend's median time at each token count of the uniform load, and their order) from "
+        "a `moe-serve bench kernels` result, and its markdown summary beside it.",
+    )
+    p.add_argument("file", type=Path, help="a `bench kernels` result with the uniform load")
+    p.add_argument("--out", type=Path, help="default kernels/tuned/auto_<gpu>.json (+ .md)")
+    p.set_defaults(run=run_auto_table)
     _add_http(sub)
     _add_service(sub)

@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 from fastapi.testclient import TestClient
 
-from kernels.accuracy import relative_error
+from kernels.accuracy import BY_DTYPE, SERVED_FP8_LAYER, relative_error
 from kernels.layer import build_layer
 from kernels.tensors import ForwardInputs
 from service.app import create_app
@@ -22,7 +22,7 @@ from weights.load import load_layer
 pytestmark = pytest.mark.gpu
 
 GPU_READY_TIMEOUT_S = 300.0  # warm-up compiles every tile bucket up to max_batch_tokens
-TOLERANCE = {"demo": 2e-2, "demo-fp8": 6e-2}  # bf16 out; fp8 rounds inputs and intermediates
+TOLERANCE = {"demo": BY_DTYPE[torch.bfloat16], "demo-fp8": SERVED_FP8_LAYER}
 
 
 @pytest.fixture(scope="module")
