@@ -16,7 +16,7 @@ from bench.auto_table import default_path, rule_table, write_table
 from bench.environment import capture, device_slug
 from bench.http_bench import HttpBenchConfig, run_http_bench, write_report
 from bench.kernel_bench import KernelBench, KernelBenchConfig, read_run
-from bench.loads import Load
+from bench.router_loads import Load
 from bench.schema import BenchRun
 from bench.shapes import DEFAULT_SHAPES, SHAPES, parse_shapes
 from bench.summary import render

@@ -1,8 +1,8 @@
 """`moe-serve bench kernels`: every available backend on every shape, load and token count.
 
 Per shape: weights are drawn on the device (bench.random_layer), router logits for each load
-(bench.loads), hidden states for the largest token count; a point with M tokens takes the first
-M rows, so the first `check_rows` rows are the same at every M and the reference backend's
+(bench.router_loads), hidden states for the largest token count; a point with M tokens takes the
+first M rows, so the first `check_rows` rows are the same at every M and the reference backend's
 output for them is computed once. Each backend is built once per shape; at every point its
 output is checked against that reference *before* it is timed, then it is timed with routing
 excluded and included, and freed before the next backend is built.
@@ -30,9 +30,9 @@ from tqdm import tqdm
 
 from bench import ceilings as measured
 from bench.environment import capture
-from bench.loads import Load, router_logits
 from bench.random_layer import random_layer
 from bench.roofline import Ceilings, Work, bound, count_work
+from bench.router_loads import Load, router_logits
 from bench.schema import (
     BackendResult,
     BenchRun,

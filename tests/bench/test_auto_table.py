@@ -11,7 +11,7 @@ import torch
 
 from bench.auto_table import crossover_tokens, rank_backends, rule_table
 from bench.kernel_bench import KernelBench, KernelBenchConfig, write_run
-from bench.loads import Load
+from bench.router_loads import Load
 from bench.schema import Point
 from bench.timing import TimingPlan
 from kernels import registry, selection

@@ -11,8 +11,8 @@ import torch
 
 from bench import random_layer as random_layer_module
 from bench.kernel_bench import KernelBench, KernelBenchConfig
-from bench.loads import Load, router_logits
 from bench.random_layer import random_layer
+from bench.router_loads import Load, router_logits
 from bench.timing import TimingPlan
 from kernels import registry
 from kernels.config import MoEConfig, RoutingConfig

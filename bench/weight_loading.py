@@ -1,6 +1,6 @@
 """Time `load_layer` onto a GPU for a random DeepSeek-V3-sized fp8-block layer (~11 GB).
 
-    python -m bench.load [--dir /tmp/moe-serve-bench-layer] [--repeats 3]
+    python -m bench.weight_loading [--dir /tmp/moe-serve-bench-layer] [--repeats 3]
 
 Writes the layer (generated on the GPU, so it takes seconds), then loads it: once with its pages
 dropped from the OS cache (posix_fadvise DONTNEED: read from disk), then `--repeats` times warm
