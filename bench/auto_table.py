@@ -31,14 +31,15 @@ LOAD = "uniform"  # the load the rules are measured under (random router logits)
 
 
 def rank_backends(times_us: dict[str, dict[str, float]]) -> tuple[str, ...]:
-    """Backends measured at every token count, by geometric mean of their times, fastest first."""
+    """Backends measured at every token count, by geometric mean of their times, fastest first
+    (a tie, such as triton-or-deep-gemm running triton everywhere, goes by name)."""
     counts = list(times_us)
     common = set.intersection(*(set(times_us[m]) for m in counts)) if counts else set()
 
     def geomean(name: str) -> float:
         return math.exp(sum(math.log(times_us[m][name]) for m in counts) / len(counts))
 
-    return tuple(sorted(common, key=geomean))
+    return tuple(sorted(common, key=lambda name: (geomean(name), name)))
 
 
 def crossover_tokens(times_us: dict[str, dict[str, float]], fast: str, base: str) -> int | None:

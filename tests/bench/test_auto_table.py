@@ -39,6 +39,11 @@ def test_ranking_is_by_geometric_mean_over_token_counts() -> None:
     assert rank_backends(TIMES) == ("triton", "deep-gemm")
     partial = TIMES | {"1": {"triton": 40.0}}  # deep-gemm missing at one count: not ranked
     assert rank_backends(partial) == ("triton",)
+    tie = {
+        "1": {"triton-or-deep-gemm": 40.0, "triton": 40.0},
+        "4": {"triton-or-deep-gemm": 80.0, "triton": 80.0},
+    }
+    assert rank_backends(tie) == ("triton", "triton-or-deep-gemm")  # by name, run after run
 
 
 @pytest.mark.parametrize(
