@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from service.pipeline import StageTimes
 
@@ -25,6 +25,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, CPU seconds
         self.requests = Counter(
             "moe_serve_requests",
             "HTTP requests by route and status",
