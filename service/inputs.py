@@ -10,17 +10,6 @@ from service.engine import ServedLayer
 from service.errors import BadInput
 
 
-def rows_to_tensor(name: str, rows: list[list[float]]) -> torch.Tensor:
-    """A JSON array of rows -> float32 [T, C]; refuses empty and ragged arrays."""
-    if not rows or not rows[0]:
-        raise BadInput(f"{name} is empty; expected a [tokens, columns] array of numbers")
-    width = len(rows[0])
-    for i, row in enumerate(rows):
-        if len(row) != width:
-            raise BadInput(f"{name} is ragged: row 0 has {width} values, row {i} has {len(row)}")
-    return torch.tensor(rows, dtype=torch.float32)
-
-
 def check_inputs(
     served: ServedLayer, hidden: torch.Tensor, logits: torch.Tensor | None
 ) -> ForwardInputs:

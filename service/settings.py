@@ -37,6 +37,9 @@ class Settings(BaseSettings):
     # be captured; False: every forward runs eagerly (slower; for debugging and comparison).
     cuda_graphs: bool = True
     max_body_bytes: int = Field(64 << 20, ge=1024)  # request bodies above this get 413
+    # JSON bodies above this get 413 pointing to the binary formats: decoding JSON holds the GIL
+    # (the event loop, /health included, waits) and costs a few times the body in memory
+    max_json_bytes: int = Field(2 << 20, ge=1024)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
     api_token: SecretStr | None = None  # bearer token required on every non-probe route

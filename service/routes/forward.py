@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Annotated
 
 import safetensors.torch
 import torch
 from fastapi import APIRouter, Query, Request, Response
-from pydantic import ValidationError
 
 from kernels.layer import LayerOutput
 from kernels.tensors import ForwardInputs
+from service import json_codec
 from service.batcher import RequestOptions
 from service.deps import BatcherDep, BodyDep, EngineDep, MetricsDep, submit_while_connected
 from service.docs import DEMO_LOGITS, DEMO_ROWS
 from service.engine import ServedLayer
 from service.errors import BadInput, UnsupportedMediaType
-from service.inputs import check_inputs, rows_to_tensor
+from service.inputs import check_inputs
 from service.schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
 from service.wire import encode_safetensors, run_sized
-from weights.errors import describe_validation_error
 
 router = APIRouter(tags=["forward"])
 
@@ -130,11 +128,11 @@ async def forward(
     if media == JSON:
         # Parsing and printing thousands of floats takes tens of ms: off the event loop.
         started = time.perf_counter()
-        inputs, want_routing = await asyncio.to_thread(_decode_json, served, body)
+        inputs, want_routing = await json_codec.off_loop(_decode_json, served, body)
         metrics.observe_stage(name, "decode", time.perf_counter() - started)
         result = await submit_while_connected(request, batcher, name, inputs, options)
         started = time.perf_counter()
-        reply = await asyncio.to_thread(_encode_json, served, result, want_routing)
+        reply = await json_codec.off_loop(_encode_json, served, result, want_routing)
         metrics.observe_stage(name, "encode", time.perf_counter() - started)
         return Response(reply, media_type=JSON)
     if media == BINARY:
@@ -176,23 +174,19 @@ def _encode_blob(
 
 
 def _decode_json(served: ServedLayer, body: bytes) -> tuple[ForwardInputs, bool]:
-    try:
-        req = ForwardRequest.model_validate_json(body)
-    except ValidationError as err:
-        raise BadInput(describe_validation_error(err, "body")) from None
-    hidden = rows_to_tensor("hidden_states", req.hidden_states)
-    logits = req.router_logits
-    logits = None if logits is None else rows_to_tensor("router_logits", logits)
-    return check_inputs(served, hidden, logits), req.return_routing
+    decoded = json_codec.decode_forward(body)
+    inputs = check_inputs(served, decoded.hidden_states, decoded.router_logits)
+    return inputs, decoded.return_routing
 
 
 def _encode_json(served: ServedLayer, result: LayerOutput, routing: bool) -> bytes:
-    reply = ForwardResponse(
-        output=result.output.float().tolist(),
-        layer=served.name,
-        tokens=result.output.shape[0],
-        backend=served.backend,
-        topk_ids=result.routing.topk_ids.tolist() if routing else None,
-        topk_weights=result.routing.topk_weights.tolist() if routing else None,
-    )
-    return reply.model_dump_json(exclude_none=True).encode()
+    """The reply as ForwardResponse describes it, written from the tensors' buffers."""
+    reply = {
+        "output": result.output,
+        "layer": served.name,
+        "tokens": result.output.shape[0],
+        "backend": served.backend,
+    }
+    if routing:
+        reply |= {"topk_ids": result.routing.topk_ids, "topk_weights": result.routing.topk_weights}
+    return json_codec.dumps(reply)

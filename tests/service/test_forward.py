@@ -4,6 +4,7 @@ and every kind of bad input answered with a 4xx that names the problem."""
 from __future__ import annotations
 
 import gzip
+import json
 
 import pytest
 import safetensors.torch
@@ -15,6 +16,7 @@ from kernels.routing import route
 from tests.service.layers import NO_ROUTER, TINY, TOP_K, E, H, reference_forward
 
 BINARY = {"Content-Type": "application/octet-stream"}
+JSON_TYPE = "application/json"
 URL = f"/v1/layers/{TINY}/forward"
 
 
@@ -148,8 +150,24 @@ BAD_JSON = {
     "empty": ({"hidden_states": []}, 400, "hidden_states is empty"),
     "empty row": ({"hidden_states": [[]]}, 400, "hidden_states is empty"),
     "wrong hidden size": ({"hidden_states": [[0.0] * 3]}, 400, "hidden_size is 64"),
-    "not numbers": ({"hidden_states": [["a"] * H]}, 400, "hidden_states.0.0"),
-    "missing field": ({"router_logits": [[0.0] * E]}, 400, "hidden_states: Field required"),
+    "not numbers": ({"hidden_states": [["a"] * H]}, 400, 'hidden_states[0][0] is "a"; expected'),
+    "true for 1.0": (
+        {"hidden_states": [[0.5] * 7 + [True] + [0.5] * (H - 8)]},
+        400,
+        "hidden_states[0][7] is true; expected a number",
+    ),
+    "a string number": (
+        {"hidden_states": [[0.0] * H, ["0.5"] * H]},
+        400,
+        'hidden_states[1][0] is "0.5"',
+    ),
+    "yes for true": (
+        {"hidden_states": [[0.0] * H], "return_routing": "yes"},
+        400,
+        'return_routing must be true or false, got "yes"',
+    ),
+    "not an object": ([[0.0] * H], 400, "body must be a JSON object with hidden_states"),
+    "missing field": ({"router_logits": [[0.0] * E]}, 400, "hidden_states is missing"),
     "unknown field": ({"hidden_states": [[0.0] * H], "hiden": 1}, 400, "hiden"),
     "ragged logits": (
         {"hidden_states": [[0.0] * H] * 2, "router_logits": [[0.0] * E, [0.0]]},
@@ -167,13 +185,18 @@ def test_bad_json_returns_4xx_naming_the_problem(client: TestClient, case: str) 
     assert message in r.json()["error"]
 
 
-def test_nan_in_json_returns_400(client: TestClient) -> None:
-    row = ", ".join(["0.0"] * (H - 1) + ["NaN"])
+@pytest.mark.parametrize(
+    ("number", "message"),
+    [("NaN", "unexpected character"), ("Infinity", "unexpected character"), ("1e400", "infinity")],
+)
+def test_a_non_finite_json_number_returns_400(client: TestClient, number, message) -> None:
+    row = ", ".join(["0.0"] * (H - 1) + [number])
     r = client.post(
         URL, content=f'{{"hidden_states": [[{row}]]}}', headers={"Content-Type": "application/json"}
     )
     assert r.status_code == 400
-    assert "NaN" in r.json()["error"]
+    assert r.json()["error"].startswith("body is not valid JSON: ")
+    assert message in r.json()["error"]
 
 
 def test_malformed_json_returns_400(client: TestClient) -> None:
@@ -244,6 +267,35 @@ def test_gzipped_body_is_inflated(client: TestClient) -> None:
     torch.testing.assert_close(
         safetensors.torch.load(r.content)["output"], reference_forward(TINY, x)
     )
+
+
+JSON_LIMIT_HINT = "(MOE_SERVE_MAX_JSON_BYTES); send larger requests in binary"
+
+
+def test_json_body_over_the_json_limit_returns_413_pointing_to_binary(make_client) -> None:
+    client = make_client(max_json_bytes=4096)
+    body = {"hidden_states": [[0.125] * H] * 20}  # about 14 kB
+    r = client.post(URL, json=body)
+    assert r.status_code == 413
+    assert r.json()["error"].startswith("request body of ")
+    assert JSON_LIMIT_HINT in r.json()["error"]
+    streamed = client.post(  # no Content-Length: the limit is found while reading
+        URL, content=iter([json.dumps(body).encode()]), headers={"Content-Type": JSON_TYPE}
+    )
+    assert streamed.status_code == 413
+    assert JSON_LIMIT_HINT in streamed.json()["error"]
+    same_rows = post_blob(client, hidden_states=torch.tensor(body["hidden_states"]))
+    assert same_rows.status_code == 200  # binary bodies have the general limit only
+
+
+def test_gzipped_json_inflating_past_the_json_limit_returns_413(make_client) -> None:
+    client = make_client(max_json_bytes=4096)
+    body = gzip.compress(json.dumps({"hidden_states": [[0.125] * H] * 20}).encode())
+    r = client.post(
+        URL, content=body, headers={"Content-Type": JSON_TYPE, "Content-Encoding": "gzip"}
+    )
+    assert r.status_code == 413
+    assert r.json()["error"].startswith("request body inflates past the 4096-byte limit of a JSON")
 
 
 def test_body_that_inflates_past_the_limit_returns_413(make_client) -> None:
