@@ -3,8 +3,8 @@
 The service runs both checks on each request before it is batched (a bad request gets a 400
 naming the tensor and never reaches a batch); `MoELayer.forward` runs the shape check on every
 forward. The value check reads every element (a device sync on a GPU), so only the service,
-which holds the request on the CPU, runs it. Inputs are checked in their own dtype: nothing here
-converts them.
+which holds the request on the CPU, runs it. Inputs are checked in their own dtype (only the
+range check converts the hidden states, to the layer's dtype, to see what it makes of them).
 """
 
 from __future__ import annotations
@@ -77,11 +77,24 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool((t.contiguous().view(bits).numpy() & exponent).max() != exponent)
 
 
-def check_values(inputs: ForwardInputs) -> None:
-    """Every value of the inputs (CPU tensors that passed `check_shapes`) is finite. Reads every
-    element, so the service runs it on the request, not the layer on the device."""
+def check_values(inputs: ForwardInputs, layer_dtype: torch.dtype) -> None:
+    """Every value of the inputs (CPU tensors that passed `check_shapes`) is finite, and the
+    hidden states fit `layer_dtype`, which the layer casts them to (1e5 is a float32 but no
+    float16). Reads every element, so the service runs it on the request, not the layer on the
+    device."""
     tensors = {"hidden_states": inputs.hidden_states, "router_logits": inputs.router_logits}
     for name, t in tensors.items():
         if t is not None and not all_finite(t):
             row, col = (~torch.isfinite(t)).nonzero()[0].tolist()
             raise InputError(f"{name} holds NaN or Inf (first at row {row}, column {col})")
+    hidden = inputs.hidden_states
+    if torch.finfo(layer_dtype).max >= torch.finfo(hidden.dtype).max:
+        return
+    cast = hidden.to(layer_dtype)
+    if not all_finite(cast):
+        row, col = (~torch.isfinite(cast)).nonzero()[0].tolist()
+        dtype = str(layer_dtype).removeprefix("torch.")
+        raise InputError(
+            f"hidden_states holds {hidden[row, col].item():g} at row {row}, column {col}: beyond "
+            f"the largest {dtype} value of this layer ({torch.finfo(layer_dtype).max:g})"
+        )

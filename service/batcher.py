@@ -33,7 +33,14 @@ from kernels.layer import LayerOutput
 from kernels.quant_scheme import ActQuant
 from kernels.tensors import ForwardInputs, Routing
 from service.engine import Engine
-from service.errors import DeadlineExceeded, ForwardFailed, NotReady, Overloaded, ShuttingDown
+from service.errors import (
+    DeadlineExceeded,
+    ForwardFailed,
+    NonFiniteOutput,
+    NotReady,
+    Overloaded,
+    ShuttingDown,
+)
 from service.metrics import Metrics
 from service.pipeline import BatchResult, Pending
 from service.wire import OFF_LOOP_BYTES
@@ -346,7 +353,11 @@ class DynamicBatcher:
         tokens = sum(piece.rows for piece in batch)
         backend = self.engine.get(name).backend
         self.metrics.record_batch(name, backend, tokens, result.expert_tokens, result.times)
+        if not result.finite:
+            self.metrics.nonfinite_forwards.labels(name).inc()
         for piece, out in zip(batch, result.outputs, strict=True):
+            if not result.finite and _fail_nonfinite(name, piece, out):
+                continue
             piece.request.finish_piece(piece.start, out)
 
     def _fail(self, name: str, batch: list[_Piece], err: Exception) -> None:
@@ -365,3 +376,21 @@ class DynamicBatcher:
         for piece in batch:
             if not piece.request.future.done():
                 piece.request.future.set_exception(failure)
+
+
+def _fail_nonfinite(name: str, piece: _Piece, out: LayerOutput) -> bool:
+    """Fail the piece's request if its rows of the output hold NaN or Inf (a host look at the
+    rows, only for a batch whose device check failed); whether it did."""
+    bad = ~torch.isfinite(out.output).all(dim=1)
+    if not bad.any():
+        return False
+    row = piece.start + int(bad.nonzero()[0])
+    log.warning("layer %s: NaN or Inf in the output at row %d of a request", name, row)
+    if not piece.request.future.done():
+        piece.request.future.set_exception(
+            NonFiniteOutput(
+                f"the output of layer {name!r} holds NaN or Inf at row {row} of this request: "
+                "inputs this large overflow the layer's arithmetic"
+            )
+        )
+    return True

@@ -65,6 +65,15 @@ class ServedLayer:
         return self.layer.router.weight is not None
 
 
+class NonFiniteRows(Exception):
+    """A forward ran, but its output holds NaN or Inf; `result` is the whole output, on the CPU
+    (service.batcher fails only the requests that own such rows)."""
+
+    def __init__(self, layer: str, result: LayerOutput) -> None:
+        self.result = result
+        super().__init__(f"the output of layer {layer!r} holds NaN or Inf")
+
+
 class Engine:
     # False: `start` runs each batch synchronously through `forward` (expert parallelism's
     # forward is a collective that every rank joins)
@@ -161,12 +170,17 @@ class Engine:
         try:
             with torch.inference_mode():
                 result = served.layer.forward(on_device)
+                # one reduction on the device, read once the output has come back below
+                finite = torch.isfinite(result.output).all()
         except torch.AcceleratorError as err:
             raise self._device_failed(err) from err
         routing = result.routing
-        return LayerOutput(
+        output = LayerOutput(
             result.output.cpu(), Routing(routing.topk_ids.cpu(), routing.topk_weights.cpu())
         )
+        if not finite.item():
+            raise NonFiniteRows(name, output)
+        return output
 
     def _device_failed(self, err: torch.AcceleratorError) -> NotReady:
         # A device fault (illegal address, ECC) leaves the CUDA context unusable: every later
@@ -198,11 +212,15 @@ class Engine:
             None if logits[0] is None else torch.cat(logits).float(),
         )
         started = time.perf_counter()
-        whole = self.forward(served.name, inputs)
+        try:
+            whole, finite = self.forward(served.name, inputs), True
+        except NonFiniteRows as err:
+            whole, finite = err.result, False
         seconds = time.perf_counter() - started
         counts = expert_tokens(whole.routing.topk_ids, cfg.num_experts)
         sizes = [p.hidden_states.shape[0] for p in parts]
-        return Finished(BatchResult(split_rows(whole, sizes), counts, StageTimes(seconds)))
+        outputs = split_rows(whole, sizes)
+        return Finished(BatchResult(outputs, counts, StageTimes(seconds), finite))
 
     def warm_up(self, token_counts: Sequence[int]) -> None:
         """Capture every layer's CUDA graphs, then run every layer at each of `token_counts`
@@ -232,8 +250,7 @@ class Engine:
             for tokens in token_counts:
                 hidden = torch.randn(tokens, cfg.hidden_size, generator=generator)
                 logits = None if served.has_router else torch.zeros(tokens, cfg.num_experts)
-                out = self.start(name, [ForwardInputs(hidden, logits)]).result().outputs[0]
-                if not torch.isfinite(out.output.float()).all():
+                if not self.start(name, [ForwardInputs(hidden, logits)]).result().finite:
                     raise RuntimeError(f"warm-up forward of layer {name!r} produced NaN or Inf")
 
 

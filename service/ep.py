@@ -37,7 +37,7 @@ from kernels.prepare_finalize.naive_ep import NaiveEP
 from kernels.selection import Selection
 from kernels.tensors import ForwardInputs
 from kernels.workspace import Workspace
-from service.engine import Engine, LayerSource
+from service.engine import Engine, LayerSource, NonFiniteRows
 from service.errors import NotReady
 from service.settings import Settings
 from weights.load import LoadedLayer, load_layer, read_manifest
@@ -202,6 +202,8 @@ class EPEngine(Engine):
             commands.put(name)
         try:
             return super().forward(name, inputs)
+        except NonFiniteRows:
+            raise  # every rank finished the forward: the group is fine
         except Exception as err:
             # the other ranks may be left inside the collective: the group cannot be trusted
             self._fail(f"forward of layer {name!r} failed: {type(err).__name__}: {err}")

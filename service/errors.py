@@ -84,6 +84,14 @@ class DeadlineExceeded(ServiceError):
     status = 503
 
 
+class NonFiniteOutput(ServiceError):
+    """The layer's output for this request holds NaN or Inf. Weights are checked finite at load
+    and inputs before batching, so the inputs overflowed the layer's arithmetic (or a kernel is
+    wrong); either way it is never sent as a result. Other requests of its batch are served."""
+
+    status = 422
+
+
 class ForwardFailed(ServiceError):
     """The kernel raised on a batch: every request in that batch gets this, the server stays up."""
 

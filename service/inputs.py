@@ -27,7 +27,7 @@ def check_inputs(
             layer=served.name,
             allow_empty=False,
         )
-        check_values(inputs)
+        check_values(inputs, served.config.dtype)
     except InputError as err:
         raise BadInput(str(err)) from None
     return ForwardInputs(hidden, None if logits is None else logits.float())

@@ -67,6 +67,12 @@ class Metrics:
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )
+        self.nonfinite_forwards = Counter(
+            "moe_serve_nonfinite_forwards",
+            "forwards whose output held NaN or Inf (the requests with such rows got 422)",
+            ["layer"],
+            registry=r,
+        )
         self.expert_tokens = Counter(
             "moe_serve_expert_tokens",
             "tokens routed to each expert",
@@ -87,7 +93,12 @@ class Metrics:
         for expert in range(num_experts):
             self.expert_tokens.labels(layer, str(expert))
         self.queue_depth.labels(layer).set(0)
-        for per_layer in (self.tokens, self.batch_tokens, self.batch_requests):
+        for per_layer in (
+            self.tokens,
+            self.batch_tokens,
+            self.batch_requests,
+            self.nonfinite_forwards,
+        ):
             per_layer.labels(layer)
         for stage in STAGES:
             self.stage_seconds.labels(layer, stage)

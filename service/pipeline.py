@@ -46,6 +46,9 @@ class BatchResult:
     outputs: list[LayerOutput]  # one per part, on the CPU, output in the layer's dtype
     expert_tokens: torch.Tensor  # [E] int64 pairs per expert over the batch, on the CPU
     times: StageTimes
+    # every output value is finite: one reduction where the forward ran, copied out with the
+    # output; only when False are the parts' rows looked at (service.batcher)
+    finite: bool
 
 
 class Pending(Protocol):
@@ -106,6 +109,7 @@ class _Slot:
         self.topk_ids = pair((capacity, k), torch.int32)
         self.topk_weights = pair((capacity, k), torch.float32)
         self.expert_tokens = pair((e,), torch.int64)
+        self.finite = pair((), torch.bool)
         self.events = {name: torch.cuda.Event(enable_timing=True) for name in _EVENTS}
 
     def results(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
@@ -184,6 +188,7 @@ class DevicePipeline:
             for (_, dev), value in zip(slot.results(), results, strict=True):
                 dev[:m].copy_(value)
             slot.expert_tokens[1].copy_(counts)
+            torch.all(torch.isfinite(slot.output[1][:m]), out=slot.finite[1])
             ev["forward_end"].record()
         with torch.cuda.stream(self.copy_out):
             self.copy_out.wait_event(ev["forward_end"])
@@ -191,6 +196,7 @@ class DevicePipeline:
             for host, dev in slot.results():
                 host[:m].copy_(dev[:m], non_blocking=True)
             slot.expert_tokens[0].copy_(slot.expert_tokens[1], non_blocking=True)
+            slot.finite[0].copy_(slot.finite[1], non_blocking=True)
             ev["d2h_end"].record()
 
 
@@ -231,6 +237,7 @@ class _InFlight:
                 h2d_s=slot.seconds("h2d_start", "h2d_end"),
                 d2h_s=slot.seconds("d2h_start", "d2h_end"),
             )
-            return BatchResult(outputs, slot.expert_tokens[0].clone(), times)
+            finite = bool(slot.finite[0])
+            return BatchResult(outputs, slot.expert_tokens[0].clone(), times, finite)
         finally:
             self.pipeline._release(self.name, slot)

@@ -54,4 +54,27 @@ def test_value_check_names_the_first_non_finite_element() -> None:
     logits = torch.zeros(3, 4)
     logits[2, 1] = float("-inf")
     with pytest.raises(InputError, match=r"router_logits holds NaN or Inf \(first at row 2, col"):
-        check_values(ForwardInputs(torch.zeros(3, 64), logits))
+        check_values(ForwardInputs(torch.zeros(3, 64), logits), torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("layer_dtype", "value", "refused"),
+    [
+        (torch.float16, 65504.0, False),  # float16's largest
+        (torch.float16, 1e5, True),
+        (torch.bfloat16, 1e30, False),  # bfloat16 has float32's range
+        (torch.bfloat16, 3.4e38, True),  # but not all of it
+        (torch.float32, 3.4e38, False),
+    ],
+)
+def test_value_check_refuses_hidden_states_the_layer_dtype_cannot_hold(
+    layer_dtype: torch.dtype, value: float, refused: bool
+) -> None:
+    hidden = torch.zeros(3, 64)
+    hidden[1, 7] = value
+    if not refused:
+        check_values(ForwardInputs(hidden), layer_dtype)
+        return
+    dtype = str(layer_dtype).removeprefix("torch.")
+    with pytest.raises(InputError, match=rf"at row 1, column 7: beyond the largest {dtype} value"):
+        check_values(ForwardInputs(hidden), layer_dtype)

@@ -11,9 +11,14 @@ import safetensors.torch
 import torch
 from fastapi.testclient import TestClient
 
-from kernels.config import RoutingConfig
+from kernels.config import MoEConfig, RoutingConfig
+from kernels.layer import LayerWeights, RouterWeights
+from kernels.random_weights import random_expert_weights
 from kernels.routing import route
-from tests.service.layers import NO_ROUTER, TINY, TOP_K, E, H, reference_forward
+from service.app import create_app
+from service.settings import Settings
+from tests.service.conftest import wait_ready
+from tests.service.layers import NO_ROUTER, TINY, TOP_K, E, H, TinyLayer, reference_forward
 
 BINARY = {"Content-Type": "application/octet-stream"}
 JSON_TYPE = "application/json"
@@ -359,3 +364,33 @@ def test_device_fault_turns_ready_and_every_request_into_503(
         == 503
     )
     assert client.get("/health").status_code == 200
+
+
+def test_a_forward_whose_output_overflows_answers_422_naming_the_layer_and_is_counted(
+    client: TestClient,
+) -> None:
+    x = hidden(2)
+    x[1, 3] = 1e30  # float32 holds it; the experts' products do not
+    r = post_blob(client, hidden_states=x)
+    assert r.status_code == 422
+    assert r.json()["error"].startswith(f"the output of layer '{TINY}' holds NaN or Inf at row 1")
+    metrics = client.get("/metrics").text
+    assert f'moe_serve_nonfinite_forwards_total{{layer="{TINY}"}} 1.0' in metrics
+    assert post_blob(client, hidden_states=hidden(2)).status_code == 200  # the layer still serves
+
+
+def test_a_value_beyond_the_layers_dtype_is_refused_naming_row_and_column() -> None:
+    cfg = MoEConfig(E, H, 2 * H, RoutingConfig(top_k=TOP_K), dtype=torch.float16)
+    layer = TinyLayer("half", cfg, LayerWeights(random_expert_weights(cfg), RouterWeights()))
+    app = create_app(Settings(device="cpu"), lambda settings, device: [layer])
+    with TestClient(app) as half:
+        wait_ready(half.get)
+        x = hidden(3)
+        x[2, 9] = 1e5  # float16 ends at 65504
+        logits = torch.zeros(3, E)
+        r = post_blob(half, "/v1/layers/half/forward", hidden_states=x, router_logits=logits)
+    assert r.status_code == 400
+    assert r.json()["error"] == (
+        "hidden_states holds 100000 at row 2, column 9: beyond the largest float16 value of this "
+        "layer (65504)"
+    )

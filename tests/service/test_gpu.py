@@ -114,3 +114,22 @@ def test_concurrent_requests_on_gpu_each_get_their_own_rows(gpu_client) -> None:
     for hidden, out in zip(inputs * 3, outputs, strict=True):
         expected = reference.forward(ForwardInputs(hidden)).output
         assert relative_error(out, expected) < TOLERANCE["demo"]
+
+
+def test_an_output_that_overflows_on_the_gpu_answers_422_and_the_layer_still_serves(
+    gpu_client,
+) -> None:
+    """1e30 fits bfloat16, but the experts' products do not: the device-side check catches it."""
+    client, _ = gpu_client
+    hidden = torch.randn(4, 256).bfloat16()
+    hidden[3, 0] = 1e30
+    r = client.post(
+        "/v1/layers/demo/forward",
+        content=safetensors.torch.save({"hidden_states": hidden}),
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    assert r.status_code == 422, r.text
+    assert "holds NaN or Inf at row 3 of this request" in r.json()["error"]
+    assert 'moe_serve_nonfinite_forwards_total{layer="demo"}' in client.get("/metrics").text
+    ok = client.post("/v1/layers/demo/forward", json={"hidden_states": [[0.01] * 256]})
+    assert ok.status_code == 200
