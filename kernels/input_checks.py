@@ -62,18 +62,21 @@ def check_shapes(
     _check_matrix("router_logits", logits, columns, hidden.shape[0], allow_empty)
 
 
-# A float is NaN or Inf exactly when its exponent bits are all ones.
-_EXPONENT_BITS = {
+# dtype -> (same-width integer dtype, mask): a value is NaN or Inf exactly when all the mask's
+# bits are set (its exponent bits; e4m3fn has no Inf and its NaN sets the mantissa bits too)
+NONFINITE_BITS = {
+    torch.float64: (torch.int64, 0x7FF0000000000000),
     torch.float32: (torch.int32, 0x7F800000),
     torch.bfloat16: (torch.int16, 0x7F80),
     torch.float16: (torch.int16, 0x7C00),
+    torch.float8_e4m3fn: (torch.uint8, 0x7F),
 }
 
 
 def all_finite(t: torch.Tensor) -> bool:
     """Whether a CPU tensor of a layer dtype holds no NaN or Inf. Through numpy on the bits:
     torch.isfinite takes milliseconds on a 64 x 7168 bfloat16 request, this a tenth of that."""
-    bits, exponent = _EXPONENT_BITS[t.dtype]
+    bits, exponent = NONFINITE_BITS[t.dtype]
     return bool((t.contiguous().view(bits).numpy() & exponent).max() != exponent)
 
 
