@@ -6,8 +6,6 @@ and MXFP4 weights, the gpt-oss path.
 - `oai-triton`: GEMM1 gathers the token rows by expert and fuses swigluoai into its epilogue;
   GEMM2 weighs each row by its router weight and scatter-sums the k rows of each token.
 - `oai-triton-unfused`: the same GEMMs with the activation as a separate torch step (any kind).
-- `oai-triton-monolithic`: also routes, from the router logits (`forward_logits`): routing and
-  both GEMMs in one call.
 
 matmul_ogs takes W as [E, K, N] and, for MXFP4, its own swizzled layouts; both are made once at
 build from our [E, N, K] tensors (a transposed view for bf16). Its fused swiglu reads gate and up
@@ -31,7 +29,6 @@ from kernels.activations import apply_activation
 from kernels.config import Activation, GateUp, MoEConfig
 from kernels.quant_scheme import QuantScheme
 from kernels.registry import register_experts
-from kernels.routing import route
 from kernels.stages import YES, Experts, Support, cuda_capability
 from kernels.tensors import Dispatched, ExpertWeights, Format
 from kernels.workspace import Workspace
@@ -238,29 +235,3 @@ class OaiTritonExperts(_OaiBase):
 class UnfusedOaiTritonExperts(_OaiBase):
     name: ClassVar[str] = "oai-triton-unfused"
     fuses_activation: ClassVar[bool] = False
-
-
-@register_experts
-class MonolithicOaiTritonExperts(OaiTritonExperts):
-    """oai-triton that also routes: `forward_logits` is routing + both GEMMs in one call.
-
-    It routes with kernels.routing (any RoutingConfig), not triton_kernels' own top-k: in our
-    H100 run that one gave non-finite outputs once (gpt-oss scaled down, 64 tokens) and not on
-    a second run with the same inputs, and an intermittent error has no place in serving."""
-
-    name: ClassVar[str] = "oai-triton-monolithic"
-
-    @classmethod
-    def check_config(cls, cfg: MoEConfig) -> Support:
-        if cfg.apply_router_weight_on_input:
-            return Support(False, "forward_logits weighs the experts' outputs, not the input")
-        return super().check_config(cfg)
-
-    def forward_logits(self, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """hidden [M, H] bf16, router logits [M, E] -> [M, H] bf16."""
-        if hidden.shape[0] == 0:
-            return torch.zeros_like(hidden)
-        routing = route(logits, self.cfg.routing)
-        return self._experts(
-            hidden, ogs_routing(routing.topk_ids, routing.topk_weights, self.weights.num_experts)
-        )

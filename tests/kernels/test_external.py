@@ -32,7 +32,6 @@ EXTERNAL = (
     "triton-or-deep-gemm",
     "oai-triton",
     "oai-triton-unfused",
-    "oai-triton-monolithic",
 )
 ALIGN = 8  # a small contiguous-layout alignment keeps the CPU cases tiny
 
@@ -85,7 +84,7 @@ def test_deep_gemm_backends_name_the_missing_package(name: str) -> None:
 @pytest.mark.skipif(
     not isinstance(oai_triton.import_triton_kernels(), str), reason="triton_kernels is installed"
 )
-@pytest.mark.parametrize("name", ["oai-triton", "oai-triton-unfused", "oai-triton-monolithic"])
+@pytest.mark.parametrize("name", ["oai-triton", "oai-triton-unfused"])
 def test_oai_backends_name_the_missing_package(name: str) -> None:
     reason = experts_backends()[name].environment(CUDA).reason
     assert reason.startswith("triton_kernels not importable: ")
@@ -113,7 +112,7 @@ def test_deep_gemm_refuses_partial_blocks(kw: dict, reason: str) -> None:
         assert cls.check_config(_fp8_block_config(**kw)).reason == reason
 
 
-def test_oai_refuses_non_bf16_activations_and_monolithic_refuses_input_weighting() -> None:
+def test_oai_refuses_non_bf16_activations_and_takes_input_weighting() -> None:
     oai = oai_triton.OaiTritonExperts
     assert oai.check_config(_gpt_oss_config(dtype=torch.float32)).reason.startswith(
         "runs bf16 activations"
@@ -122,8 +121,6 @@ def test_oai_refuses_non_bf16_activations_and_monolithic_refuses_input_weighting
     on_input = _gpt_oss_config(
         routing=RoutingConfig(top_k=1, softmax_after_topk=True), apply_router_weight_on_input=True
     )
-    reason = oai_triton.MonolithicOaiTritonExperts.check_config(on_input).reason
-    assert reason == "forward_logits weighs the experts' outputs, not the input"
     assert oai.check_config(on_input)  # the modular path weighs the input in prepare
 
 

@@ -13,7 +13,6 @@ from bench.shapes import SHAPES
 from kernels import selection
 from kernels.accuracy import relative_error, tolerance
 from kernels.config import Activation, ActivationSpec
-from kernels.experts.oai_triton import MonolithicOaiTritonExperts
 from kernels.experts.reference import ReferenceExperts
 from tests.kernels.external_cases import layer_inputs, layer_weights, modular, reference_output
 
@@ -69,17 +68,6 @@ def test_all_tokens_on_the_same_experts_and_the_rest_empty(backend: str) -> None
     _check(name, backend, 333, crowded=True)
 
 
-@pytest.mark.parametrize("m", TOKENS)
-@pytest.mark.parametrize("name", GPT_OSS)
-def test_monolithic_routes_from_logits_like_our_router(name: str, m: int) -> None:
-    cfg = SHAPES[name]
-    experts = MonolithicOaiTritonExperts(cfg, layer_weights(name))
-    hidden, logits, _ = layer_inputs(name, m)
-    out = experts.forward_logits(hidden, logits)
-    err = relative_error(out, reference_output(name, m))
-    assert err < tolerance(cfg), f"{err:.3g}"
-
-
 def test_unfused_runs_any_activation() -> None:
     cfg = SHAPES["gpt-oss-bf16-small"]
     silu = dataclasses.replace(cfg, activation=ActivationSpec(Activation.SILU))
@@ -97,4 +85,4 @@ def test_backends_report_on_this_gpu() -> None:
     if torch.cuda.get_device_capability() == (9, 0):
         assert rejected["deep-gemm-fp4"] == "requires SM100 (Blackwell); this GPU is sm_90"
     rejected = selection.select(SHAPES["gpt-oss"], CUDA).rejected
-    assert {"oai-triton", "oai-triton-unfused", "oai-triton-monolithic"}.isdisjoint(rejected)
+    assert {"oai-triton", "oai-triton-unfused"}.isdisjoint(rejected)
