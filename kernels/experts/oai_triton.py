@@ -28,7 +28,6 @@ import torch
 from kernels.activations import apply_activation
 from kernels.config import Activation, GateUp, MoEConfig
 from kernels.quant_scheme import QuantScheme
-from kernels.registry import register_experts
 from kernels.stages import YES, Experts, Support, cuda_capability
 from kernels.tensors import Dispatched, ExpertWeights, Format
 from kernels.workspace import Workspace
@@ -224,14 +223,12 @@ class _OaiBase(Experts):
         return self._experts(x.hidden, routing)
 
 
-@register_experts
 class OaiTritonExperts(_OaiBase):
     name: ClassVar[str] = "oai-triton"
     activations: ClassVar[frozenset[Activation]] = frozenset({Activation.SWIGLUOAI})
     fuses_activation: ClassVar[bool] = True
 
 
-@register_experts
 class UnfusedOaiTritonExperts(_OaiBase):
     name: ClassVar[str] = "oai-triton-unfused"
     fuses_activation: ClassVar[bool] = False

@@ -21,7 +21,6 @@ import torch
 
 from kernels.config import MoEConfig
 from kernels.quant_scheme import ActQuant, QuantScheme
-from kernels.registry import register_experts
 from kernels.stages import YES, Experts, Support, cuda_capability
 from kernels.tensors import Dispatched, ExpertWeights, Format
 from kernels.workspace import Workspace
@@ -115,7 +114,6 @@ class _TritonBase(Experts):
         grouped_gemm(second, self.w2, y, rows, Epilogue(row_weights=row_weights), tiles.gemm2)
 
 
-@register_experts
 class TritonExperts(_TritonBase):
     name: ClassVar[str] = "triton"
     format: ClassVar[Format] = Format.STANDARD
@@ -167,7 +165,6 @@ class TritonExperts(_TritonBase):
         return topk_sum(pair_out, x.topk_ids, buf["triton_out"])
 
 
-@register_experts
 class TritonBatchedExperts(_TritonBase):
     name: ClassVar[str] = "triton-batched"
     format: ClassVar[Format] = Format.BATCHED

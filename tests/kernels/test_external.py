@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from kernels import selection
 from kernels.accuracy import relative_error
 from kernels.activations import apply_activation
 from kernels.config import Activation, ActivationSpec, GateUp, MoEConfig, RoutingConfig
@@ -344,9 +345,7 @@ def test_ogs_indices_reproduce_the_moe_through_gather_and_scatter() -> None:
 def test_triton_or_deep_gemm_switches_at_the_measured_token_count(
     fake_deep_gemm: types.ModuleType, monkeypatch: pytest.MonkeyPatch, m: int, ran: str
 ) -> None:
-    monkeypatch.setattr(
-        triton_or_deep_gemm, "deep_gemm_min_tokens", lambda cfg, device: (32, "test rule")
-    )
+    monkeypatch.setattr(selection, "deep_gemm_min_tokens", lambda cfg, device: (32, "test rule"))
     cfg = _fp8_block_config()
     weights = random_expert_weights(cfg, seed=9)
     experts = triton_or_deep_gemm.TritonOrDeepGemmExperts(cfg, weights)
@@ -371,9 +370,7 @@ def test_triton_or_deep_gemm_without_a_measurement_runs_deep_gemm_at_every_size(
 def test_triton_or_deep_gemm_where_deep_gemm_never_won_runs_triton(
     fake_deep_gemm: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(
-        triton_or_deep_gemm, "deep_gemm_min_tokens", lambda cfg, device: (None, "test rule")
-    )
+    monkeypatch.setattr(selection, "deep_gemm_min_tokens", lambda cfg, device: (None, "test rule"))
     cfg = _fp8_block_config()
     experts = triton_or_deep_gemm.TritonOrDeepGemmExperts(cfg, random_expert_weights(cfg))
     assert not experts.uses_deep_gemm(1 << 20)
