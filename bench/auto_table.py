@@ -8,9 +8,9 @@ backend against the reference; the backends that failed or were wrong, never ran
 (backends timed at every count, by geometric mean of their times); and, where both ran, the
 token count from which DeepGEMM beats our Triton experts for good.
 
-Composed backends are not ranked on their own measurement: `oai-triton-monolithic` runs
-`oai-triton`'s modular path, and `triton-or-deep-gemm` switches at the count this table sets,
-so its row is derived, at each count, from the backend it would run there.
+The composed backend is not ranked on its own measurement: `triton-or-deep-gemm` switches at
+the count this table sets, so its row is derived, at each count, from the backend it would run
+there.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from bench.shapes import SHAPES
 from kernels.selection import rule_key
 from kernels.tuned import TUNED_DIR
 
-COMPOSED = frozenset({"oai-triton-monolithic", "triton-or-deep-gemm"})
+COMPOSED = frozenset({"triton-or-deep-gemm"})
 LOAD = "uniform"  # the load the rules are measured under (random router logits)
 
 

@@ -67,7 +67,7 @@ def test_crossover_is_where_deep_gemm_wins_for_good(times: dict, expected: int |
 @pytest.fixture
 def tiny_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A kernel benchmark run on the tiny shape (CPU): the references and a wrong backend."""
-    monkeypatch.setitem(registry._EXPERTS, "test-wrong", _WrongExperts)
+    monkeypatch.setitem(registry.EXPERTS, "test-wrong", _WrongExperts)
     config = KernelBenchConfig(
         shapes=("tiny",),
         tokens=(1, 3),
