@@ -130,7 +130,27 @@ def _ogs_weight(
         wrap_torch_tensor(w.transpose(1, 2), dtype=FP4), value_layout, **value_opts
     )
     scales = convert_layout(wrap_torch_tensor(scale.transpose(1, 2)), scale_layout, **scale_opts)
+    scales.storage.data = _zero_tailed(scales.storage.data)
     return OgsWeight(values, bias, PrecisionConfig(weight_scale=scales))
+
+
+def _zero_tailed(data: torch.Tensor) -> torch.Tensor:
+    """`data` (a view of one buffer) moved into a new buffer with zeroed bytes after it.
+
+    On Hopper, matmul_ogs loads the swizzled MXFP4 scales of a K tail unmasked (triton-lang/triton
+    #10772; fixed upstream after our version): the values it multiplies there are masked to zero,
+    but the last expert's last rows read past the scale buffer. Whatever the allocator left there
+    came in as scales, and an 0xff byte is E8M0 NaN: 0 * NaN made whole output rows NaN, now and
+    then (gpt-oss scaled down, K = 320; the rows routed to the last expert). Zeros (2^-127) read
+    there give 0.
+    """
+    sizes_strides = zip(data.shape, data.stride(), strict=True)
+    extent = 1 + sum((size - 1) * stride for size, stride in sizes_strides)
+    tail = max(1 << 16, extent // data.shape[0])  # far more than one K block of one row
+    buffer = torch.zeros(extent + tail, dtype=data.dtype, device=data.device)
+    moved = buffer.as_strided(data.shape, data.stride())
+    moved.copy_(data)
+    return moved
 
 
 def oai_environment(device: torch.device) -> Support:
