@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # the CPU build 2.13.0, which lies on the CI/dev machines' disk. Override with TORCH=...
 TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 
-.PHONY: serve test lint gpu-test
+.PHONY: serve test lint
 
 $(BIN)/moe-serve: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,8 +18,8 @@ $(BIN)/moe-serve: pyproject.toml
 serve: $(BIN)/moe-serve  ## run the service on the embedded demo layer (CPU when no GPU is present)
 	$(BIN)/moe-serve serve $(ARGS)
 
-test: $(BIN)/moe-serve  ## the whole test suite (GPU-marked tests skip on a machine without CUDA)
+test: lint  ## lint, then the whole test suite (GPU-marked tests skip on a machine without CUDA)
 	$(BIN)/python -m pytest -q $(ARGS)
 
-lint: $(BIN)/moe-serve
+lint: $(BIN)/moe-serve  ## ruff check and ruff format --check: style never drifts
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

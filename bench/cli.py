@@ -1,4 +1,4 @@
-"""`moe-serve bench kernels | plot | summary | http`."""
+"""`moe-serve bench kernels | plot | summary | http | service`."""
 
 from __future__ import annotations
 
@@ -12,14 +12,16 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
+from bench.auto_table import default_path, rule_table, write_table
 from bench.environment import capture, device_slug
 from bench.http_bench import HttpBenchConfig, run_http_bench, write_report
 from bench.kernel_bench import KernelBench, KernelBenchConfig, read_run
-from bench.loads import Load
+from bench.router_loads import Load
 from bench.schema import BenchRun
 from bench.shapes import DEFAULT_SHAPES, SHAPES, parse_shapes
 from bench.summary import render
 from bench.timing import TimingPlan
+from kernels.stages import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +58,10 @@ def _loads(text: str) -> list[Load]:
 
 
 def _device(text: str) -> torch.device:
-    if text == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(text)
-    except RuntimeError as err:
-        raise argparse.ArgumentTypeError(f"not a device: {text!r}") from err
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError("--device cuda asked for, but no CUDA GPU is visible")
-    return device
+        return resolve_device(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
 
 
 def _setup_logging() -> None:
@@ -130,6 +127,24 @@ def run_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_auto_table(args: argparse.Namespace) -> int:
+    _setup_logging()
+    run = _read(args.file)
+    if run is None:
+        return 2
+    try:
+        table = rule_table(run)
+    except ValueError as err:
+        log.error("%s: %s", args.file, err)
+        return 2
+    out = args.out or default_path(run)
+    write_table(table, out)
+    for key, rule in table["rules"].items():
+        log.info("%s (%s): %s", key, rule["shape"], ", ".join(rule["order"]))
+    log.info("wrote %s and %s", out, out.with_suffix(".md"))
+    return 0
+
+
 def run_http(args: argparse.Namespace) -> int:
     _setup_logging()
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request under load
@@ -154,6 +169,60 @@ def run_http(args: argparse.Namespace) -> int:
         write_report(report, args.out)
         log.info("wrote %s", args.out)
     return 0
+
+
+def run_service(args: argparse.Namespace) -> int:
+    _setup_logging()
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    from bench.service_bench import ServiceBenchConfig, run_service_bench
+
+    try:
+        config = ServiceBenchConfig(
+            out_dir=args.out,
+            layers=tuple(v.strip() for v in args.layers.split(",") if v.strip()),
+            clients=tuple(args.clients),
+            tokens=args.tokens,
+            duration_s=args.duration,
+            device=args.device,
+            backend=args.backend,
+            shared_intermediate=args.shared_intermediate,
+            max_batch_tokens=args.max_batch_tokens,
+            budget_s=args.budget_s,
+            generator=args.generator,
+            stack_variant=args.stack_variant,
+        )
+    except ValueError as err:
+        log.error("%s", err)
+        return 2
+    result = run_service_bench(config, args.commit)
+    return 1 if result.failures else 0
+
+
+def _add_service(sub: argparse._SubParsersAction) -> None:
+    what = "serve the demo and a DeepSeek-V3-sized layer, load them, compare with the bare forward"
+    p = sub.add_parser(
+        "service",
+        help=what,
+        description=f"{what.capitalize()}: every concurrency level with hey (or Python clients), "
+        "one client with 1-token and JSON bodies, batching off and uvicorn's pure-Python stack "
+        "on the demo layer, the load generator's own capacity; writes service.json and "
+        "service.md with issue 16's targets.",
+    )
+    p.add_argument("--out", type=Path, required=True, help="directory for service.json/.md, logs")
+    p.add_argument("--layers", default="deepseek-v3,demo", help="demo and/or bench shapes")
+    p.add_argument("--clients", type=int_list, default=[1, 16, 64, 256], help="comma list")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per request")
+    p.add_argument("--duration", type=float, default=4.0, help="seconds per level")
+    p.add_argument("--device", default="auto", help="the servers' --device")
+    p.add_argument("--backend", default="triton", help="the servers' --backend")
+    p.add_argument("--shared-intermediate", type=int, default=2048, help="random layers' shared")
+    p.add_argument("--max-batch-tokens", type=int, default=1024, help="the servers' batch size")
+    p.add_argument("--budget-s", type=float, default=480.0, help="no part starts after this")
+    p.add_argument("--generator", default="auto", help="auto (hey if on PATH), hey or python")
+    p.add_argument("--no-stack-variant", dest="stack_variant", action="store_false",
+                   help="skip the demo layer on uvicorn's h11 parser and asyncio loop")  # fmt: skip
+    p.add_argument("--commit", help="commit to record (default: git rev-parse --short HEAD)")
+    p.set_defaults(run=run_service)
 
 
 def _add_kernels(sub: argparse._SubParsersAction) -> None:
@@ -251,4 +320,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p = sub.add_parser(name, help=text, description=f"{text.capitalize()}.")
         p.add_argument("file", type=Path, help="a result file of `moe-serve bench kernels`")
         p.set_defaults(run=fn)
+    p = sub.add_parser(
+        "auto-table",
+        help="write the rule table --backend auto follows, from a kernel result file",
+        description="Write the rule table --backend auto follows (per layer shape: every "
+        "backend's median time at each token count of the uniform load, and their order) from "
+        "a `moe-serve bench kernels` result, and its markdown summary beside it.",
+    )
+    p.add_argument("file", type=Path, help="a `bench kernels` result with the uniform load")
+    p.add_argument("--out", type=Path, help="default kernels/tuned/auto_<gpu>.json (+ .md)")
+    p.set_defaults(run=run_auto_table)
     _add_http(sub)
+    _add_service(sub)

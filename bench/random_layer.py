@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kernels.config import MoEConfig
-from kernels.layer import LayerWeights, RouterWeights
+from kernels.layer import LayerWeights, RouterWeights, SharedExpert
 from kernels.quant_scheme import QuantScheme
 from kernels.quantize import quantize_weight
 from kernels.tensors import ExpertWeights
@@ -39,10 +39,25 @@ def _random_quantized(
     return weight, scale
 
 
-def random_layer(cfg: MoEConfig, device: torch.device, seed: int = 0) -> LayerWeights:
-    """Random LayerWeights of cfg's shape and scheme on `device`; the router comes as logits."""
+def random_layer(
+    cfg: MoEConfig,
+    device: torch.device,
+    seed: int = 0,
+    router: bool = False,
+    shared_intermediate: int | None = None,
+) -> LayerWeights:
+    """Random LayerWeights of cfg's shape and scheme on `device`.
+
+    router: a stored router [E, H] in cfg.dtype (else clients send logits); shared_intermediate:
+    a shared expert of that intermediate size in cfg.dtype, as DeepSeek-V3's (2048)."""
     generator = torch.Generator(device).manual_seed(seed)
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
+
+    def dense(*shape: int) -> torch.Tensor:  # ~N(0, 1/fan_in), like the experts
+        return (torch.randn(shape, generator=generator, device=device) / shape[-1] ** 0.5).to(
+            cfg.dtype
+        )
+
     w13, w13_scale = _random_quantized(cfg, (e, 2 * i, h), generator)
     w2, w2_scale = _random_quantized(cfg, (e, h, i), generator)
     biases = {}
@@ -55,4 +70,8 @@ def random_layer(cfg: MoEConfig, device: torch.device, seed: int = 0) -> LayerWe
     if cfg.routing.num_groups > 1:  # DeepSeek-V3's score-correction bias steers the choice
         correction = torch.randn(e, generator=generator, device=device) / 100
     experts = ExpertWeights(w13, w2, w13_scale, w2_scale, **biases)
-    return LayerWeights(experts, RouterWeights(correction_bias=correction))
+    weights = RouterWeights(weight=dense(e, h) if router else None, correction_bias=correction)
+    shared = None
+    if shared_intermediate is not None:
+        shared = SharedExpert(dense(2 * shared_intermediate, h), dense(h, shared_intermediate))
+    return LayerWeights(experts, weights, shared)

@@ -85,7 +85,7 @@ class BackendResult(_Model):
 
 class Point(_Model):
     shape: str
-    load: str  # "uniform" or "skewed", see bench.loads
+    load: str  # "uniform" or "skewed", see bench.router_loads
     tokens: int
     experts_hit: int
     bytes: int  # that must move, see bench.roofline

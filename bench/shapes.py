@@ -1,7 +1,9 @@
-"""The layer shapes the kernel benchmark runs, by name.
+"""The layer shapes the kernel benchmark and the GPU tests run, by name: one table.
 
 The four reference shapes of the Triton issue at full size (Mixtral twice: bf16 and fp8
-per-tensor), and `tiny` for CPU runs and tests.
+per-tensor), DeepSeek-V3 and gpt-oss scaled down (`-small`: the rule table `--backend auto`
+follows has a row for small layers too; the GPU tests of the external backends), and `tiny` for
+CPU runs and tests.
 """
 
 from __future__ import annotations
@@ -14,6 +16,21 @@ from kernels.quant_scheme import QuantConfig, QuantScheme
 _MIXTRAL_ROUTING = RoutingConfig(top_k=2)
 _MIXTRAL = {"num_experts": 8, "hidden_size": 4096, "intermediate_size": 14336}
 
+_DEEPSEEK_V3_ROUTING = RoutingConfig(
+    top_k=8,
+    scoring=Scoring.SIGMOID,
+    num_groups=8,
+    topk_groups=4,
+    group_score=GroupScore.TOP2_SUM,
+    routed_scaling_factor=2.5,
+)
+_FP8_BLOCK = QuantConfig(QuantScheme.FP8_BLOCK)
+_GPT_OSS = {
+    "routing": RoutingConfig(top_k=4, softmax_after_topk=True),
+    "activation": ActivationSpec(kind="swigluoai", gate_up="interleaved"),
+    "has_bias": True,
+}
+
 SHAPES: dict[str, MoEConfig] = {
     "mixtral": MoEConfig(**_MIXTRAL, routing=_MIXTRAL_ROUTING),
     "mixtral-fp8": MoEConfig(
@@ -22,29 +39,11 @@ SHAPES: dict[str, MoEConfig] = {
     "qwen3": MoEConfig(
         num_experts=128, hidden_size=2048, intermediate_size=768, routing=RoutingConfig(top_k=8)
     ),
-    "deepseek-v3": MoEConfig(
-        num_experts=256,
-        hidden_size=7168,
-        intermediate_size=2048,
-        routing=RoutingConfig(
-            top_k=8,
-            scoring=Scoring.SIGMOID,
-            num_groups=8,
-            topk_groups=4,
-            group_score=GroupScore.TOP2_SUM,
-            routed_scaling_factor=2.5,
-        ),
-        quant=QuantConfig(QuantScheme.FP8_BLOCK),
-    ),
-    "gpt-oss": MoEConfig(
-        num_experts=128,
-        hidden_size=2880,
-        intermediate_size=2880,
-        routing=RoutingConfig(top_k=4, softmax_after_topk=True),
-        activation=ActivationSpec(kind="swigluoai", gate_up="interleaved"),
-        quant=QuantConfig(QuantScheme.MXFP4),
-        has_bias=True,
-    ),
+    "deepseek-v3": MoEConfig(256, 7168, 2048, _DEEPSEEK_V3_ROUTING, quant=_FP8_BLOCK),
+    "deepseek-v3-small": MoEConfig(16, 512, 256, _DEEPSEEK_V3_ROUTING, quant=_FP8_BLOCK),
+    "gpt-oss": MoEConfig(128, 2880, 2880, quant=QuantConfig(QuantScheme.MXFP4), **_GPT_OSS),
+    "gpt-oss-small": MoEConfig(8, 256, 320, quant=QuantConfig(QuantScheme.MXFP4), **_GPT_OSS),
+    "gpt-oss-bf16-small": MoEConfig(8, 256, 320, **_GPT_OSS),
     # CPU runs and tests: float32, because CPU kernels have no bf16 fast path worth timing.
     "tiny": MoEConfig(
         num_experts=8,

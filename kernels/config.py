@@ -6,8 +6,10 @@ I = intermediate size (GEMM1 produces 2I = gate and up, GEMM2 maps I back to H).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 import torch
 
@@ -122,3 +124,9 @@ class MoEConfig:
     @property
     def top_k(self) -> int:
         return self.routing.top_k
+
+    def as_json(self) -> dict[str, Any]:
+        """Every field as a JSON value (enums as strings, dtype by name), as manifest.json and
+        /v1/layers show the layer."""
+        dtype = next(name for name, d in DTYPES.items() if d == self.dtype)
+        return dataclasses.asdict(self) | {"dtype": dtype}

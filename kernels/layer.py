@@ -8,12 +8,31 @@ import torch
 
 from kernels.activations import apply_activation
 from kernels.config import ActivationSpec, MoEConfig
+from kernels.input_checks import check_shapes
 from kernels.modular import DEFAULT_CHUNK_TOKENS, ModularKernel
 from kernels.routing import route
 from kernels.selection import Selection, select
 from kernels.stages import PrepareFinalize
 from kernels.tensors import ExpertWeights, ForwardInputs, Routing
 from kernels.workspace import Workspace
+
+
+def on_tensor_cores(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `matmul_f32(a, b)` multiplies in a and b's own 16-bit dtype."""
+    return a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16)
+
+
+def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [M, K] @ b [K, N] -> float32 [M, N], accumulated in float32.
+
+    On CUDA, 16-bit a and b of one dtype go to a tensor-core GEMM with float32 output as they
+    are: no float32 copy of the weights per call (about 175 MB of traffic per forward for
+    DeepSeek-V3's shared expert and router). Elsewhere both are widened to float32: the CPU has
+    no such GEMM, and there the reference backend's results are compared with a float64 oracle.
+    """
+    if on_tensor_cores(a, b):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
 
 
 @dataclass
@@ -24,7 +43,7 @@ class RouterWeights:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, H] -> float32 logits [M, E]."""
-        logits = hidden.float() @ self.weight.float().T
+        logits = matmul_f32(hidden, self.weight.T)
         return logits if self.bias is None else logits + self.bias.float()
 
 
@@ -38,12 +57,37 @@ class SharedExpert:
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, H] -> float32 [M, H]."""
-        x = hidden.float()
-        h = apply_activation(x @ self.w13.float().T, ActivationSpec())
-        out = h @ self.w2.float().T
+        h = apply_activation(matmul_f32(hidden, self.w13.T), ActivationSpec())  # [M, I_s]
+        if on_tensor_cores(hidden, self.w2):
+            h = h.to(hidden.dtype)  # GEMM2 takes the layer's dtype, as vLLM and SGLang run it
+        out = matmul_f32(h, self.w2.T)
         if self.gate is not None:
-            out = out * torch.sigmoid(x @ self.gate.float().T)
+            out = out * torch.sigmoid(matmul_f32(hidden, self.gate.T))
         return out
+
+
+def mask_rows(topk_ids: torch.Tensor, valid_rows: torch.Tensor) -> torch.Tensor:
+    """topk_ids [M, k] with rows from `valid_rows` (a 0-d tensor) on set to -1: routed nowhere."""
+    rows = torch.arange(topk_ids.shape[0], device=topk_ids.device)
+    return topk_ids.masked_fill((rows >= valid_rows)[:, None], -1)
+
+
+def expert_tokens(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """topk_ids [M, k] (-1: nowhere) -> how many pairs each expert got, [E] int64.
+
+    On the device and without a host sync (bincount sizes its output on the host)."""
+    ids = torch.where(topk_ids >= 0, topk_ids, num_experts).flatten().long()
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    return counts.scatter_add_(0, ids, torch.ones_like(ids))[:num_experts]
+
+
+# The names a layer's tensors go by, in layer files too: the experts' are their field names.
+ROUTER_TENSORS = {
+    "weight": "gate",
+    "bias": "gate_bias",
+    "correction_bias": "e_score_correction_bias",
+}
+SHARED_TENSORS = {"w13": "shared_w13", "w2": "shared_w2", "gate": "shared_gate"}
 
 
 @dataclass
@@ -53,11 +97,22 @@ class LayerWeights:
     shared: SharedExpert | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor present, by its name (ExpertWeights' fields, ROUTER_/SHARED_TENSORS)."""
         named = dict(self.experts.tensors())
-        for prefix, part in (("router", self.router), ("shared", self.shared)):
+        for part, names in ((self.router, ROUTER_TENSORS), (self.shared, SHARED_TENSORS)):
             if part is not None:
-                named |= {f"{prefix}.{n}": t for n, t in vars(part).items() if t is not None}
+                named |= {names[f]: t for f, t in vars(part).items() if t is not None}
         return named
+
+    @classmethod
+    def from_tensors(cls, named: dict[str, torch.Tensor]) -> LayerWeights:
+        """The inverse of `tensors`."""
+        experts = ExpertWeights(**{n: named[n] for n in ExpertWeights.names() if n in named})
+        router = RouterWeights(**{f: named.get(n) for f, n in ROUTER_TENSORS.items()})
+        shared = None
+        if SHARED_TENSORS["w13"] in named:
+            shared = SharedExpert(**{f: named.get(n) for f, n in SHARED_TENSORS.items()})
+        return cls(experts, router, shared)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
@@ -76,25 +131,28 @@ class MoELayer:
         self.router = weights.router
         self.shared = weights.shared
 
-    def forward(self, inputs: ForwardInputs) -> LayerOutput:
-        hidden, logits = inputs.hidden_states, inputs.router_logits
+    def forward(
+        self,
+        inputs: ForwardInputs,
+        valid_rows: torch.Tensor | None = None,
+        workspace: Workspace | None = None,
+    ) -> LayerOutput:
+        """inputs [M, H] (+ logits [M, E]) -> output [M, H] in the layer's dtype and routing.
+
+        `valid_rows` (a 0-d int64 tensor on the device, for CUDA graphs): rows from it on are
+        padding; where the experts can skip a pair (`supports_expert_map`) their topk_ids are
+        set to -1 on the device, so they cost nothing in the experts. `workspace` replaces the
+        kernel's shared one (a graph's buffers must not move when another layer grows it).
+        """
         cfg = self.cfg
-        if hidden.shape[1] != cfg.hidden_size:
-            raise ValueError(
-                f"hidden_states has {hidden.shape[1]} columns, the layer's hidden size is "
-                f"{cfg.hidden_size}"
-            )
+        check_shapes(cfg, inputs, has_router=self.router.weight is not None)
+        hidden, logits = inputs.hidden_states, inputs.router_logits
         if logits is None:
-            if self.router.weight is None:
-                raise ValueError("this layer has no stored router: send router_logits")
             logits = self.router.logits(hidden)
-        elif logits.shape[1] != cfg.num_experts:
-            raise ValueError(
-                f"router_logits has {logits.shape[1]} columns, the layer has "
-                f"{cfg.num_experts} experts"
-            )
         routing = route(logits, cfg.routing, self.router.correction_bias)
-        out = self.kernel.forward(hidden.to(cfg.dtype), routing)
+        if valid_rows is not None and self.kernel.experts.supports_expert_map:
+            routing = Routing(mask_rows(routing.topk_ids, valid_rows), routing.topk_weights)
+        out = self.kernel.forward(hidden.to(cfg.dtype), routing, workspace=workspace)
         if self.shared is not None:
             out = (out.float() + self.shared.forward(hidden)).to(cfg.dtype)
         return LayerOutput(out, routing)

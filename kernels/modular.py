@@ -49,16 +49,23 @@ class ModularKernel:
         workspace.reserve(experts.workspace_shapes(chunk_tokens))
 
     def forward(
-        self, hidden: torch.Tensor, routing: Routing, out: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        routing: Routing,
+        out: torch.Tensor | None = None,
+        workspace: Workspace | None = None,
     ) -> torch.Tensor:
-        """hidden [M, K] + routing -> [M, K] in hidden's dtype (written into `out` if given)."""
+        """hidden [M, K] + routing -> [M, K] in hidden's dtype (written into `out` if given).
+
+        `workspace` replaces the kernel's own for this call (CUDA graphs own their buffers)."""
         out = torch.empty_like(hidden) if out is None else out
+        ws = self.workspace if workspace is None else workspace
         m = self.prepare_finalize.planned_tokens(hidden)  # rows past this rank's end are empty
         step = self.chunk_tokens if self.experts.supports_chunking else max(m, 1)
         for start in range(0, m, step):
             rows = slice(start, start + step)
             chunk = Routing(routing.topk_ids[rows], routing.topk_weights[rows])
-            x = self.prepare_finalize.prepare(hidden[rows], chunk, self.spec, self.workspace)
-            y = self.experts.apply(x, self.workspace)
+            x = self.prepare_finalize.prepare(hidden[rows], chunk, self.spec, ws)
+            y = self.experts.apply(x, ws)
             self.prepare_finalize.finalize(y, x, out[rows], reduce=not self.experts.reduces_topk)
         return out

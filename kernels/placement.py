@@ -1,8 +1,5 @@
-"""Which rank holds which experts: contiguous slices by default, or an explicit placement file.
-
-A placement file is JSON listing, per rank, the global expert ids it holds in local id order:
-
-    {"ranks": [[0, 1, 2, 7], [3, 4, 5, 6]]}
+"""Which rank holds which experts: contiguous slices by default, or explicit lists (read from a
+placement file by weights.placement_file).
 
 Every expert sits on exactly one rank (naive EP sums the ranks' partial outputs, so a copy on
 two ranks would count twice) and every rank holds at least one expert.
@@ -11,18 +8,10 @@ two ranks would count twice) and every rank holds at least one expert.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationError
 
 from kernels.routing import contiguous_expert_map
-
-
-class _PlacementFile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    ranks: list[list[NonNegativeInt]]
 
 
 @dataclass(frozen=True)
@@ -55,27 +44,6 @@ class Placement:
         return cls(
             tuple(tuple(torch.nonzero(m >= 0).flatten().tolist()) for m in maps), num_experts
         )
-
-    @classmethod
-    def from_file(cls, path: Path, num_experts: int, world_size: int) -> Placement:
-        """Read and check a placement file for a layer of `num_experts` over `world_size` ranks."""
-        try:
-            ranks = _PlacementFile.model_validate_json(Path(path).read_bytes()).ranks
-        except OSError as err:
-            raise ValueError(f"placement file {path}: cannot read it: {err}") from err
-        except ValidationError as err:
-            problems = "; ".join(
-                f"{'.'.join(map(str, e['loc'])) or 'file'}: {e['msg']}" for e in err.errors()
-            )
-            raise ValueError(f"placement file {path}: {problems}") from err
-        if len(ranks) != world_size:
-            raise ValueError(
-                f"placement file {path}: lists {len(ranks)} ranks, the group has {world_size}"
-            )
-        try:
-            return cls(tuple(tuple(ids) for ids in ranks), num_experts)
-        except ValueError as err:
-            raise ValueError(f"placement file {path}: {err}") from err
 
     def local_experts(self, rank: int) -> list[int]:
         """The global ids `rank` loads, in local id order."""

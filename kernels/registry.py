@@ -1,62 +1,61 @@
-"""Every backend registers here by name (kernels/selection.py chooses among them).
+"""The one table of backends: every experts and prepare/finalize class, by name.
 
-`/backends` lists them as they are: each backend, whether it can run here, and if not, why.
+kernels/selection.py chooses among them, and `/backends` lists them as they are: each backend,
+whether it can run here, and if not, why. Every backend module imports without its optional
+packages (triton, deep_gemm, triton_kernels) and says what is missing through `environment()`,
+so the table always holds every backend. A new backend is a class here (DEVELOPERS.md).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
-if TYPE_CHECKING:
-    from kernels.stages import Experts, PrepareFinalize
+from kernels.experts.deep_gemm import DeepGemmBatchedExperts, DeepGemmExperts
+from kernels.experts.deep_gemm_fp4 import DeepGemmFp4Experts
+from kernels.experts.oai_triton import OaiTritonExperts, UnfusedOaiTritonExperts
+from kernels.experts.reference import BatchedReferenceExperts, ReferenceExperts
+from kernels.experts.triton import TritonBatchedExperts, TritonExperts
+from kernels.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
+from kernels.prepare_finalize.batched import Batched
+from kernels.prepare_finalize.naive_ep import NaiveEP
+from kernels.prepare_finalize.no_ep import NoEP
+from kernels.stages import Experts, PrepareFinalize
 
-_EXPERTS: dict[str, type[Experts]] = {}
-_PREPARE_FINALIZE: dict[str, type[PrepareFinalize]] = {}
+T = TypeVar("T", type[Experts], type[PrepareFinalize])
 
-# Modules whose import registers backends. Each imports without its optional packages and
-# reports what is missing through `environment()`.
-_BACKEND_MODULES = (
-    "kernels.prepare_finalize.no_ep",
-    "kernels.prepare_finalize.batched",
-    "kernels.prepare_finalize.naive_ep",
-    "kernels.experts.reference",
-    "kernels.experts.triton",
-    "kernels.experts.deep_gemm",
-    "kernels.experts.deep_gemm_fp4",
-    "kernels.experts.triton_or_deep_gemm",
-    "kernels.experts.oai_triton",
+
+def by_name(*classes: T) -> dict[str, T]:
+    """{cls.name: cls} in the order given; a name used twice is an error."""
+    table: dict[str, T] = {}
+    for cls in classes:
+        if cls.name in table:
+            raise ValueError(
+                f"backend {cls.name!r} is registered twice ({table[cls.name]} and {cls})"
+            )
+        table[cls.name] = cls
+    return table
+
+
+EXPERTS: dict[str, type[Experts]] = by_name(
+    ReferenceExperts,
+    BatchedReferenceExperts,
+    TritonExperts,
+    TritonBatchedExperts,
+    DeepGemmExperts,
+    DeepGemmBatchedExperts,
+    DeepGemmFp4Experts,
+    TritonOrDeepGemmExperts,
+    OaiTritonExperts,
+    UnfusedOaiTritonExperts,
 )
 
-T = TypeVar("T")
-
-
-def _register(table: dict[str, T], cls: T) -> T:
-    name = cls.name  # type: ignore[attr-defined]
-    if name in table:
-        raise ValueError(f"backend {name!r} is registered twice ({table[name]} and {cls})")
-    table[name] = cls
-    return cls
-
-
-def register_experts(cls: type[Experts]) -> type[Experts]:
-    return _register(_EXPERTS, cls)
-
-
-def register_prepare_finalize(cls: type[PrepareFinalize]) -> type[PrepareFinalize]:
-    return _register(_PREPARE_FINALIZE, cls)
-
-
-def _load_backends() -> None:
-    for module in _BACKEND_MODULES:
-        importlib.import_module(module)
+# the first whose format matches an experts backend's is its stage (naive-ep only when asked for)
+PREPARE_FINALIZE: dict[str, type[PrepareFinalize]] = by_name(NoEP, Batched, NaiveEP)
 
 
 def experts_backends() -> dict[str, type[Experts]]:
-    _load_backends()
-    return dict(_EXPERTS)
+    return dict(EXPERTS)
 
 
 def prepare_finalize_backends() -> dict[str, type[PrepareFinalize]]:
-    _load_backends()
-    return dict(_PREPARE_FINALIZE)
+    return dict(PREPARE_FINALIZE)

@@ -2,19 +2,19 @@
 
 `--backend auto` chooses among the available backends by measured rules.
 
-A rule table (`kernels/tuned/auto_<gpu>.json`, written by the timing test in
-tests/kernels/test_external_timing.py) holds, per GPU, for each `<scheme>/<shape class>` key the
-median times of every backend at a few token counts, the order they rank in (geometric mean of
-their times over those counts) and, for fp8-block, the token count from which DeepGEMM beats our
-Triton experts. A layer with a rule takes the first available backend of its order; any other
-layer takes the first available backend of `AUTO_ORDER`. The reason says which.
+A rule table (`kernels/tuned/auto_<gpu>.json`, written by `moe-serve bench auto-table` from a
+`moe-serve bench kernels` run: bench/auto_table.py) holds, per GPU, for each
+`<scheme>/<shape class>` key the median times of every backend at a few token counts, the order
+they rank in (geometric mean of their times over those counts) and, for fp8-block, the token
+count from which DeepGEMM beats our Triton experts. A layer with a rule takes the first
+available backend of its order; any other layer takes the first available backend of
+`AUTO_ORDER`. The reason says which.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -200,25 +200,3 @@ def deep_gemm_min_tokens(cfg: MoEConfig, device: torch.device) -> tuple[int | No
             f"rule {rule.key} of {table.source} has no triton timings: deep-gemm at every size",
         )
     return rule.deep_gemm_min_tokens, f"rule {rule.key} of {table.source}"
-
-
-def rank_backends(times_us: dict[str, dict[str, float]]) -> tuple[str, ...]:
-    """Backends measured at every token count, by geometric mean of their times, fastest first."""
-    counts = list(times_us)
-    common = set.intersection(*(set(times_us[m]) for m in counts)) if counts else set()
-
-    def geomean(name: str) -> float:
-        return math.exp(sum(math.log(times_us[m][name]) for m in counts) / len(counts))
-
-    return tuple(sorted(common, key=geomean))
-
-
-def crossover_tokens(times_us: dict[str, dict[str, float]], fast: str, base: str) -> int | None:
-    """The smallest measured token count from which `fast` beats `base` at every larger count."""
-    counts = sorted((int(m) for m in times_us if {fast, base} <= set(times_us[m])), reverse=True)
-    best = None
-    for m in counts:
-        if times_us[str(m)][fast] >= times_us[str(m)][base]:
-            break
-        best = m
-    return best

@@ -35,6 +35,20 @@ class Support:
 YES = Support(True)
 
 
+def resolve_device(name: str) -> torch.device:
+    """The device `name` (auto, cpu, cuda, cuda:N) means: `auto` is the first GPU when there is
+    one, else the CPU. A GPU asked for where none is visible is a ValueError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise ValueError(f"not a device: {name!r}") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} was asked for but no CUDA GPU is visible")
+    return device
+
+
 def cuda_capability(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
@@ -63,6 +77,9 @@ class Experts(ABC):
     supports_chunking: ClassVar[bool] = True
     reduces_topk: ClassVar[bool] = False  # True: apply() returns [M, K], weighted and summed
     takes_quantized_input: ClassVar[bool] = True  # False: prepare leaves activations 16-bit
+    # True: apply() makes no host sync and no data-dependent host decision, so a whole-layer
+    # forward can be captured in a CUDA graph and replayed (kernels/layer_graphs.py)
+    graph_capturable: ClassVar[bool] = False
 
     def __init__(self, cfg: MoEConfig, weights: ExpertWeights) -> None:
         self.cfg = cfg
@@ -108,6 +125,7 @@ class Experts(ABC):
 class PrepareFinalize(ABC):
     name: ClassVar[str]
     format: ClassVar[Format]
+    graph_capturable: ClassVar[bool] = False  # as Experts.graph_capturable, for both ends
 
     @classmethod
     def supports(cls, device: torch.device) -> Support:  # noqa: ARG003

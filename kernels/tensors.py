@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -36,16 +37,7 @@ class ForwardInputs:
 
     hidden_states: torch.Tensor  # [M, H]
     router_logits: torch.Tensor | None = None  # [M, E]
-
-    def __post_init__(self) -> None:
-        h = self.hidden_states
-        if h.dim() != 2:
-            raise ValueError(f"hidden_states must be [tokens, hidden], got {tuple(h.shape)}")
-        logits = self.router_logits
-        if logits is not None and (logits.dim() != 2 or logits.shape[0] != h.shape[0]):
-            raise ValueError(
-                f"router_logits must be [tokens={h.shape[0]}, experts], got {tuple(logits.shape)}"
-            )
+    # checked against a layer by kernels.input_checks, which knows its H and E
 
 
 @dataclass
@@ -63,10 +55,14 @@ class ExpertWeights:
     def num_experts(self) -> int:
         return self.w13.shape[0]
 
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """Every tensor's name: its field's."""
+        return tuple(f.name for f in dataclasses.fields(cls))
+
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The tensors that are present, by field name."""
-        names = ("w13", "w2", "w13_scale", "w2_scale", "w13_bias", "w2_bias")
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+        """The tensors that are present, by name."""
+        return {n: getattr(self, n) for n in self.names() if getattr(self, n) is not None}
 
     def to(self, device: torch.device | str) -> ExpertWeights:
         return ExpertWeights(**{n: t.to(device) for n, t in self.tensors().items()})

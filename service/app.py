@@ -72,7 +72,9 @@ def _build_engine(settings: Settings, loader: LayerLoader, metrics: Metrics) -> 
         engine = EPEngine(settings, layer_paths(settings))
         sources = engine.load()
     else:
-        engine = Engine(device, settings.backend, settings.max_batch_tokens)
+        engine = Engine(
+            device, settings.backend, settings.max_batch_tokens, cuda_graphs=settings.cuda_graphs
+        )
         sources = loader(settings, device)
     for source in sources:
         served = engine.add(source)

@@ -1,19 +1,29 @@
-"""DynamicBatcher: per-layer queues merged into few large forwards on one device worker.
+"""DynamicBatcher: per-layer queues merged into few large forwards, two batches in flight.
 
-    submit(layer, inputs) -> chunks of <= max_batch_tokens -> the layer's queue
-    scheduler (one asyncio task per layer): wait until the batch is full or its oldest chunk
-      has waited max_batch_delay -> concatenate -> Engine.forward on the worker thread -> split
+    submit(layer, inputs, options) -> a request in the layer's queue, at its priority level
+    scheduler (one asyncio task per layer): once a forward may start (fewer than
+      engine.max_in_flight running) and the batch is full or its oldest request has waited
+      max_batch_delay -> rows taken from the queued requests -> Engine.start on the launcher
+      thread -> the result on the completer thread -> each request's rows
 
-One worker thread runs every forward, so the device has one owner and the event loop never
-blocks. A full queue raises Overloaded (429) instead of growing; a forward that raises fails
-only the requests in its batch.
+Requests are taken by priority level (lowest number first), then by turns and age. A request
+larger than max_batch_tokens goes in pieces, one per forward, and each piece waits for the
+requests that have had fewer: the pieces of different requests interleave, and a 1-token
+request waits for at most one piece of a 100k-token one. A request whose queue time passes its
+timeout gets DeadlineExceeded and nothing of it runs; one whose client goes away (its `submit`
+cancelled) leaves the queue. A full queue raises Overloaded (429) instead of growing; a forward
+that raises fails only the requests in its batch.
+
+One launcher thread starts every batch, so the device has one owner and the event loop never
+blocks (on a GPU a small batch is staged and enqueued on the loop itself, which costs less than
+the hop); a completer thread waits for each batch's device work to finish.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,69 +37,147 @@ from kernels.quant_scheme import ActQuant
 from kernels.tensors import ForwardInputs, Routing
 from service import tracing
 from service.engine import Engine, ServedLayer
-from service.errors import ForwardFailed, NotReady, Overloaded, ShuttingDown, UnknownLayer
+from service.errors import (
+    DeadlineExceeded,
+    ForwardFailed,
+    NonFiniteOutput,
+    NotReady,
+    Overloaded,
+    ShuttingDown,
+    UnknownLayer,
+)
 from service.metrics import Metrics
+from service.pipeline import BatchResult, Pending
+from service.wire import OFF_LOOP_BYTES
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
 DRAIN_POLL_S = 0.005  # how often remove_layer looks whether a layer's requests are done
 T = TypeVar("T")
+DEFAULT_PRIORITY = 0  # as KServe/Triton: 0 (or none) is the default level, after every other
 
 
 @dataclass(frozen=True)
 class BatchPolicy:
-    max_batch_tokens: int  # rows per forward; a larger request is split into chunks of this
-    max_delay_s: float  # how long the oldest chunk waits for others to join its batch
+    max_batch_tokens: int  # rows per forward; a larger request is split into pieces of this
+    max_delay_s: float  # how long the oldest request waits for others to join its batch
     max_queue: int  # requests admitted per layer (waiting or running) before Overloaded
 
 
-@dataclass
-class _Chunk:
-    inputs: ForwardInputs  # [t, H] float32 on CPU, t <= max_batch_tokens
-    future: asyncio.Future[LayerOutput]
+@dataclass(frozen=True)
+class RequestOptions:
+    """Triton's schedule policy for one request."""
+
+    priority: int = DEFAULT_PRIORITY  # 1 goes first, then 2, ...; 0 is the default, after all
+    timeout_s: float | None = None  # longest wait in the queue before any of it runs
+
+    def __post_init__(self) -> None:
+        if self.priority < 0:
+            raise ValueError(f"priority must be >= 0, got {self.priority}")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise ValueError(f"timeout must be positive, got {self.timeout_s}")
+
+    @property
+    def level(self) -> float:
+        """Sort key of the request's priority level: lower goes first."""
+        return float("inf") if self.priority == DEFAULT_PRIORITY else self.priority
+
+
+@dataclass(eq=False)
+class _Request:
+    inputs: ForwardInputs  # [T, H] on the CPU, in its wire dtype
+    options: RequestOptions
     arrived: float  # event-loop time
-    trace: tracing.Piece  # its request's trace context, for the queue and forward spans
+    future: asyncio.Future[LayerOutput]
+    trace: tracing.Piece  # its trace context, for the queue and forward spans
+    taken: int = 0  # rows handed to forwards so far
+    pieces_taken: int = 0  # forwards it has rows in
+    pieces: list[tuple[int, LayerOutput]] = field(default_factory=list)  # (first row, rows)
+    done_rows: int = 0
 
     @property
     def tokens(self) -> int:
         return self.inputs.hidden_states.shape[0]
+
+    @property
+    def waiting(self) -> int:
+        """Rows not yet handed to a forward."""
+        return self.tokens - self.taken
+
+    @property
+    def has_logits(self) -> bool:
+        return self.inputs.router_logits is not None
+
+    def finish_piece(self, start: int, out: LayerOutput) -> None:
+        """One forward's rows of this request; the request completes with its last piece."""
+        self.pieces.append((start, out))
+        self.done_rows += out.output.shape[0]
+        if self.done_rows < self.tokens or self.future.done():
+            return
+        if len(self.pieces) == 1:
+            self.future.set_result(out)
+            return
+        parts = [p for _, p in sorted(self.pieces, key=lambda piece: piece[0])]
+        self.future.set_result(
+            LayerOutput(
+                torch.cat([p.output for p in parts]),
+                Routing(
+                    torch.cat([p.routing.topk_ids for p in parts]),
+                    torch.cat([p.routing.topk_weights for p in parts]),
+                ),
+            )
+        )
+
+
+@dataclass(frozen=True)
+class _Piece:
+    request: _Request
+    start: int  # first row of the request in this forward
+    rows: int
+
+    def inputs(self) -> ForwardInputs:
+        x = self.request.inputs
+        rows = slice(self.start, self.start + self.rows)
+        logits = x.router_logits
+        return ForwardInputs(x.hidden_states[rows], None if logits is None else logits[rows])
 
 
 @dataclass
 class _LayerQueue:
     # False where merging would change results: one fp8 scale over the whole batch
     merge: bool
-    chunks: deque[_Chunk] = field(default_factory=deque)
-    tokens: int = 0  # rows waiting in `chunks`
+    levels: dict[float, deque[_Request]] = field(default_factory=dict)
+    tokens: int = 0  # rows waiting
     requests: int = 0  # admitted and not finished
     draining: bool = False  # being removed: admits nothing more
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def waiting(self) -> int:
+        return sum(len(level) for level in self.levels.values())
+
+    def oldest(self) -> float:
+        return min(level[0].arrived for level in self.levels.values() if level)
+
+    def remove(self, request: _Request) -> None:
+        """Take a request that has rows waiting out of the queue."""
+        level = self.levels[request.options.level]
+        level.remove(request)
+        self.tokens -= request.waiting
+        if not level:
+            del self.levels[request.options.level]
 
 
 def _new_queue(served: ServedLayer) -> _LayerQueue:
     return _LayerQueue(merge=served.config.quant.spec.act_quant != ActQuant.TENSOR)
 
 
-def _split(inputs: ForwardInputs, size: int) -> list[ForwardInputs]:
-    logits = inputs.router_logits
-    return [
-        ForwardInputs(
-            inputs.hidden_states[start : start + size],
-            None if logits is None else logits[start : start + size],
-        )
-        for start in range(0, inputs.hidden_states.shape[0], size)
-    ]
+@dataclass(frozen=True)
+class _Started:
+    """When a batch was launched (for its trace spans) and how long each piece had waited."""
 
-
-def _concat(parts: list[LayerOutput]) -> LayerOutput:
-    return LayerOutput(
-        torch.cat([p.output for p in parts]),
-        Routing(
-            torch.cat([p.routing.topk_ids for p in parts]),
-            torch.cat([p.routing.topk_weights for p in parts]),
-        ),
-    )
+    ns: int
+    queued_s: list[float]
 
 
 class DynamicBatcher:
@@ -97,9 +185,13 @@ class DynamicBatcher:
         self.engine = engine
         self.policy = policy
         self.metrics = metrics
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-device")
+        self._launcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-device")
+        self._completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-complete")
         self._queues = {name: _new_queue(served) for name, served in engine.layers.items()}
         self._tasks: list[asyncio.Task[None]] = []
+        self._running: set[asyncio.Task[None]] = set()  # batches in flight
+        self._in_flight = asyncio.Semaphore(engine.max_in_flight)
+        self._launching = asyncio.Lock()
         self._closing = False
 
     def start(self) -> None:
@@ -109,15 +201,23 @@ class DynamicBatcher:
         ]
 
     async def close(self) -> None:
-        """Refuse new requests, run every queued chunk, then stop the worker."""
+        """Refuse new requests, run every queued request, then stop the threads."""
         self._closing = True
         for q in self._queues.values():
             q.arrived.set()
         await asyncio.gather(*self._tasks)
-        await asyncio.to_thread(self._worker.shutdown, wait=True)
+        await asyncio.gather(*self._running)
+        for pool in (self._launcher, self._completer):
+            await asyncio.to_thread(pool.shutdown, wait=True)
 
-    async def submit(self, name: str, inputs: ForwardInputs) -> LayerOutput:
-        """inputs [T, H] (float32, CPU) -> the layer's output [T, H] and routing, in order."""
+    async def submit(
+        self, name: str, inputs: ForwardInputs, options: RequestOptions | None = None
+    ) -> LayerOutput:
+        """inputs [T, H] (+ logits [T, E]) on the CPU, in a wire dtype -> the layer's output
+        [T, H] in its dtype and the routing, in order. The one entry of every transport.
+
+        Cancelling the call (its client went away) takes the request's waiting rows out of the
+        queue."""
         self.engine.get(name)  # UnknownLayer before anything is queued
         if self._closing:
             raise ShuttingDown()
@@ -130,30 +230,46 @@ class DynamicBatcher:
                 f"(max_queue={self.policy.max_queue}); retry later",
                 {"Retry-After": RETRY_AFTER_S},
             )
+        options = options or RequestOptions()
+        loop = asyncio.get_running_loop()
+        trace = tracing.Piece(
+            tracing.current_context(), tracing.now_ns(), inputs.hidden_states.shape[0]
+        )
+        request = _Request(inputs, options, loop.time(), loop.create_future(), trace)
         q.requests += 1
+        q.levels.setdefault(options.level, deque()).append(request)
+        q.tokens += request.tokens
+        self.metrics.queue_depth.labels(name).set(q.waiting())
+        expiry = None
+        if options.timeout_s is not None:
+            expiry = loop.call_at(request.arrived + options.timeout_s, self._expire, q, request)
+        q.arrived.set()
         try:
-            loop = asyncio.get_running_loop()
-            context, arrived_ns = tracing.current_context(), tracing.now_ns()
-            chunks = [
-                _Chunk(
-                    part,
-                    loop.create_future(),
-                    loop.time(),
-                    tracing.Piece(context, arrived_ns, part.hidden_states.shape[0]),
-                )
-                for part in _split(inputs, self.policy.max_batch_tokens)
-            ]
-            q.chunks.extend(chunks)
-            q.tokens += inputs.hidden_states.shape[0]
-            self.metrics.queue_depth.labels(name).set(len(q.chunks))
-            q.arrived.set()
-            results = await asyncio.gather(*(c.future for c in chunks), return_exceptions=True)
+            return await request.future
         finally:
             q.requests -= 1
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return _concat(results)
+            if expiry is not None:
+                expiry.cancel()
+            if request.waiting:  # cancelled, expired or failed: its other rows need not run
+                self._drop(name, q, request)
+
+    def _drop(self, name: str, q: _LayerQueue, request: _Request) -> None:
+        """Rows still waiting leave the queue (rows running finish, unheard)."""
+        if request in q.levels.get(request.options.level, ()):
+            q.remove(request)
+            self.metrics.queue_depth.labels(name).set(q.waiting())
+
+    def _expire(self, q: _LayerQueue, request: _Request) -> None:
+        if request.taken or request.future.done():
+            return  # it started in time: a running request is not cut short
+        q.remove(request)
+        waited_us = (asyncio.get_running_loop().time() - request.arrived) * 1e6
+        request.future.set_exception(
+            DeadlineExceeded(
+                f"request timeout expired: it waited {waited_us:.0f} us in the queue "
+                f"(timeout {request.options.timeout_s * 1e6:.0f} us); nothing of it ran"
+            )
+        )
 
     def add_layer(self, name: str) -> None:
         """Start batching for layer `name`, newly in the engine (nothing if it has a queue)."""
@@ -175,95 +291,161 @@ class DynamicBatcher:
         del self._queues[name]
 
     async def on_worker(self, call: Callable[..., T], *args: object) -> T:
-        """Run `call(*args)` on the device worker, between forwards (loading a layer)."""
-        return await asyncio.get_running_loop().run_in_executor(self._worker, call, *args)
+        """Run `call(*args)` on the launcher thread, between launches (loading a layer)."""
+        async with self._launching:
+            return await asyncio.get_running_loop().run_in_executor(self._launcher, call, *args)
 
     async def _schedule(self, name: str, q: _LayerQueue) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            while not q.chunks:
+            while not q.tokens:
                 if self._closing:
                     return
                 q.arrived.clear()
                 await q.arrived.wait()
-            deadline = q.chunks[0].arrived + self.policy.max_delay_s
-            while q.merge and not self._closing and q.tokens < self.policy.max_batch_tokens:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    break
-                q.arrived.clear()
-                try:
-                    await asyncio.wait_for(q.arrived.wait(), remaining)
-                except TimeoutError:
-                    break
-            batch = self._take(q)
-            self.metrics.queue_depth.labels(name).set(len(q.chunks))
-            if batch:
-                await self._run(name, batch)
+            await self._in_flight.acquire()
+            launched = False
+            try:
+                while q.merge and not self._closing and 0 < q.tokens < self.policy.max_batch_tokens:
+                    remaining = q.oldest() + self.policy.max_delay_s - loop.time()
+                    if remaining <= 0:
+                        break
+                    q.arrived.clear()
+                    try:
+                        await asyncio.wait_for(q.arrived.wait(), remaining)
+                    except TimeoutError:
+                        break
+                batch = self._take(q)
+                self.metrics.queue_depth.labels(name).set(q.waiting())
+                if batch:
+                    launched = await self._launch(name, batch)
+            finally:
+                if not launched:
+                    self._in_flight.release()
 
-    def _take(self, q: _LayerQueue) -> list[_Chunk]:
-        """The oldest chunks that fit the token budget and agree on sending router logits."""
-        batch: list[_Chunk] = []
-        tokens = 0
-        while q.chunks:
-            chunk = q.chunks[0]
-            if batch and (
-                not q.merge
-                or tokens + chunk.tokens > self.policy.max_batch_tokens
-                or (chunk.inputs.router_logits is None) != (batch[0].inputs.router_logits is None)
-            ):
-                break
-            q.chunks.popleft()
-            q.tokens -= chunk.tokens
-            if not chunk.future.done():  # done: its client went away
-                batch.append(chunk)
-                tokens += chunk.tokens
+    def _take(self, q: _LayerQueue) -> list[_Piece]:
+        """Rows for one forward: by level; within a level, requests that had fewer pieces
+        first, then by age (so pieces of large requests take turns, and a new request goes
+        before the next piece of a running one); whole requests while they fit, and a piece of
+        one larger than a forward."""
+        batch = self._pick(q)
+        for level in [level for level, line in q.levels.items() if not line]:
+            del q.levels[level]
         return batch
 
-    async def _run(self, name: str, batch: list[_Chunk]) -> None:
-        logits = [c.inputs.router_logits for c in batch]
-        inputs = ForwardInputs(
-            torch.cat([c.inputs.hidden_states for c in batch]),
-            None if logits[0] is None else torch.cat(logits),
-        )
-        self.metrics.batch_requests.labels(name).observe(len(batch))
+    def _pick(self, q: _LayerQueue) -> list[_Piece]:
+        budget = self.policy.max_batch_tokens
+        batch: list[_Piece] = []
+        tokens = 0
+        with_logits: bool | None = None
+        for level in sorted(q.levels):
+            line = q.levels[level]
+            for request in sorted(line, key=lambda r: (r.pieces_taken, r.arrived)):
+                if (batch and not q.merge) or tokens == budget:
+                    return batch
+                if with_logits is not None and request.has_logits != with_logits:
+                    continue  # requests with and without router logits go in separate batches
+                rows = request.waiting
+                if rows > budget - tokens:
+                    if rows <= budget and batch:
+                        continue  # it fits a forward of its own: not split, its turn is next
+                    rows = budget - tokens
+                batch.append(_Piece(request, request.taken, rows))
+                with_logits = request.has_logits
+                tokens += rows
+                request.taken += rows
+                request.pieces_taken += 1
+                q.tokens -= rows
+                if not request.waiting:
+                    line.remove(request)
+        return batch
+
+    async def _launch(self, name: str, batch: list[_Piece]) -> bool:
+        """Start `batch` on the launcher thread; False (and its requests failed) if it raised."""
         loop = asyncio.get_running_loop()
-        queued_s = [loop.time() - c.arrived for c in batch]
+        now = loop.time()
+        queued_s = [now - piece.request.arrived for piece in batch]
+        for piece, waited in zip(batch, queued_s, strict=True):
+            if piece.start == 0:
+                self.metrics.observe_stage(name, "queue", waited)
+        self.metrics.batch_requests.labels(name).observe(len(batch))
+        parts = [piece.inputs() for piece in batch]
+        nbytes = sum(p.hidden_states.numel() * p.hidden_states.element_size() for p in parts)
         try:
-            result, started_ns, ended_ns = await loop.run_in_executor(
-                self._worker, self._forward, name, inputs, queued_s
+            async with self._launching:  # one launch at a time: the streams take them in order
+                if self.engine.enqueues and nbytes <= OFF_LOOP_BYTES:
+                    # staging a small batch and enqueueing it takes less than a thread hop
+                    pending = self.engine.start(name, parts)
+                else:
+                    pending = await loop.run_in_executor(
+                        self._launcher, self.engine.start, name, parts
+                    )
+        except Exception as err:
+            self._fail(name, batch, err)
+            return False
+        started = _Started(tracing.now_ns(), queued_s)
+        task = asyncio.create_task(self._finish(name, batch, pending, started))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+        return True
+
+    async def _finish(
+        self, name: str, batch: list[_Piece], pending: Pending, started: _Started
+    ) -> None:
+        try:
+            result: BatchResult = await asyncio.get_running_loop().run_in_executor(
+                self._completer, pending.result
             )
         except Exception as err:
-            tokens = inputs.hidden_states.shape[0]
-            log.exception("forward of layer %s failed on a batch of %d tokens", name, tokens)
-            failure = (
-                err  # the engine cannot serve at all (a lost expert-parallel rank): 503
-                if isinstance(err, NotReady)
-                else ForwardFailed(f"forward of layer {name!r} failed: {type(err).__name__}: {err}")
-            )
-            for c in batch:
-                if not c.future.done():
-                    c.future.set_exception(failure)
+            self._fail(name, batch, err)
             return
+        finally:
+            self._in_flight.release()
+        tokens = sum(piece.rows for piece in batch)
         backend = self.engine.get(name).backend
-        tracing.record_forward(name, backend, [c.trace for c in batch], started_ns, ended_ns)
-        start = 0
-        for c in batch:
-            rows = slice(start, start + c.tokens)
-            start += c.tokens
-            if not c.future.done():
-                part = Routing(result.routing.topk_ids[rows], result.routing.topk_weights[rows])
-                c.future.set_result(LayerOutput(result.output[rows], part))
-
-    def _forward(
-        self, name: str, inputs: ForwardInputs, queued_s: list[float]
-    ) -> tuple[LayerOutput, int, int]:
-        """On the worker thread: the forward and its metrics; also its start and end (ns)."""
-        started_ns, started = tracing.now_ns(), time.perf_counter()
-        result = self.engine.forward(name, inputs)  # returns on CPU, so the device is done
-        seconds = time.perf_counter() - started
-        served = self.engine.get(name)
-        self.metrics.record_forward(
-            name, served.backend, result.routing.topk_ids, seconds, queued_s
+        self.metrics.record_batch(
+            name, backend, tokens, result.expert_tokens, result.times, started.queued_s
         )
-        return result, started_ns, tracing.now_ns()
+        pieces = [dataclasses.replace(piece.request.trace, tokens=piece.rows) for piece in batch]
+        tracing.record_forward(name, backend, pieces, started.ns, tracing.now_ns())
+        if not result.finite:
+            self.metrics.nonfinite_forwards.labels(name).inc()
+        for piece, out in zip(batch, result.outputs, strict=True):
+            if not result.finite and _fail_nonfinite(name, piece, out):
+                continue
+            piece.request.finish_piece(piece.start, out)
+
+    def _fail(self, name: str, batch: list[_Piece], err: Exception) -> None:
+        tokens = sum(piece.rows for piece in batch)
+        log.error(
+            "forward of layer %s failed on a batch of %d tokens",
+            name,
+            tokens,
+            exc_info=(type(err), err, err.__traceback__),
+        )
+        failure = (
+            err  # the engine cannot serve at all (a lost expert-parallel rank): 503
+            if isinstance(err, NotReady)
+            else ForwardFailed(f"forward of layer {name!r} failed: {type(err).__name__}: {err}")
+        )
+        for piece in batch:
+            if not piece.request.future.done():
+                piece.request.future.set_exception(failure)
+
+
+def _fail_nonfinite(name: str, piece: _Piece, out: LayerOutput) -> bool:
+    """Fail the piece's request if its rows of the output hold NaN or Inf (a host look at the
+    rows, only for a batch whose device check failed); whether it did."""
+    bad = ~torch.isfinite(out.output).all(dim=1)
+    if not bad.any():
+        return False
+    row = piece.start + int(bad.nonzero()[0])
+    log.warning("layer %s: NaN or Inf in the output at row %d of a request", name, row)
+    if not piece.request.future.done():
+        piece.request.future.set_exception(
+            NonFiniteOutput(
+                f"the output of layer {name!r} holds NaN or Inf at row {row} of this request: "
+                "inputs this large overflow the layer's arithmetic"
+            )
+        )
+    return True

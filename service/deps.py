@@ -12,7 +12,9 @@ from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from service.batcher import DynamicBatcher
+from kernels.layer import LayerOutput
+from kernels.tensors import ForwardInputs
+from service.batcher import DynamicBatcher, RequestOptions
 from service.engine import Engine
 from service.errors import (
     BadInput,
@@ -23,6 +25,7 @@ from service.errors import (
     UnsupportedMediaType,
     describe_validation_error,
 )
+from service.kserve_codec import HEADER_LENGTH
 from service.metrics import Metrics
 from service.settings import Settings
 from service.shared_memory import SharedMemory
@@ -77,12 +80,41 @@ async def get_batcher(runtime: RuntimeDep) -> DynamicBatcher:
     return ready(runtime).batcher
 
 
+async def get_metrics(runtime: RuntimeDep) -> Metrics:
+    return runtime.metrics
+
+
+def _body_limit(request: Request, settings: Settings) -> tuple[int, str]:
+    """The byte limit of the request's body, and how to name it in a 413.
+
+    JSON has its own, lower limit: decoding it holds the GIL (the event loop waits) and costs a
+    few times its size in memory; binary bodies cost neither.
+    """
+    json_limit = settings.max_json_bytes
+    binary_hint = (
+        "send larger requests in binary: a safetensors blob (Content-Type: "
+        "application/octet-stream) on /v1, binary tensors on /v2"
+    )
+    header = request.headers.get(HEADER_LENGTH)  # KServe: the JSON part's length
+    if header is not None and header.isascii() and header.isdigit() and int(header) > json_limit:
+        raise PayloadTooLarge(
+            f"the JSON part of {header} bytes exceeds the {json_limit}-byte limit of JSON "
+            f"(MOE_SERVE_MAX_JSON_BYTES); {binary_hint}"
+        )
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media == "application/json" and header is None and json_limit < settings.max_body_bytes:
+        return json_limit, (
+            f"the {json_limit}-byte limit of a JSON body (MOE_SERVE_MAX_JSON_BYTES); {binary_hint}"
+        )
+    return settings.max_body_bytes, f"the {settings.max_body_bytes}-byte limit"
+
+
 async def get_body(request: Request, runtime: RuntimeDep) -> bytes:
-    """The request body (gzip/deflate undone), refused with 413 once it passes max_body_bytes."""
-    limit = runtime.settings.max_body_bytes
+    """The request body (gzip/deflate undone), refused with 413 once it passes its limit."""
+    limit, what = _body_limit(request, runtime.settings)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the {limit}-byte limit")
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds {what}")
     chunks, size = [], 0
     timeout_s = runtime.settings.read_timeout_s
     try:
@@ -90,7 +122,7 @@ async def get_body(request: Request, runtime: RuntimeDep) -> bytes:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise PayloadTooLarge(f"request body exceeds the {limit}-byte limit")
+                    raise PayloadTooLarge(f"request body exceeds {what}")
                 chunks.append(chunk)
     except TimeoutError:
         raise RequestTimeout(
@@ -100,10 +132,11 @@ async def get_body(request: Request, runtime: RuntimeDep) -> bytes:
         raise ClientDisconnected(
             f"the client closed the connection after {size} bytes of the body"
         ) from None
-    return _decode(b"".join(chunks), request.headers.get("content-encoding", "identity"), limit)
+    encoding = request.headers.get("content-encoding", "identity")
+    return _decode(b"".join(chunks), encoding, limit, what)
 
 
-def _decode(body: bytes, encoding: str, limit: int) -> bytes:
+def _decode(body: bytes, encoding: str, limit: int, what: str) -> bytes:
     """Undo Content-Encoding (tritonclient can gzip or deflate), never inflating past `limit`."""
     encoding = encoding.strip().lower()
     if encoding not in _ZLIB_WBITS:
@@ -117,7 +150,7 @@ def _decode(body: bytes, encoding: str, limit: int) -> bytes:
     except zlib.error as err:
         raise BadInput(f"body is not valid {encoding} data: {err}") from None
     if len(plain) > limit:
-        raise PayloadTooLarge(f"request body inflates past the {limit}-byte limit")
+        raise PayloadTooLarge(f"request body inflates past {what}")
     if not inflate.eof:  # zlib returns what it could of a cut stream without complaint
         raise BadInput(f"body is truncated {encoding} data: the compressed stream ends early")
     return plain
@@ -131,6 +164,37 @@ def parse_body(model: type[Body], body: bytes) -> Body:
         raise BadInput(f"request body: {describe_validation_error(err)}") from None
 
 
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone (the body must have been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def submit_while_connected(
+    request: Request,
+    batcher: DynamicBatcher,
+    name: str,
+    inputs: ForwardInputs,
+    options: RequestOptions,
+) -> LayerOutput:
+    """batcher.submit, withdrawn (its waiting rows leave the queue) if the client goes away."""
+    work = asyncio.ensure_future(batcher.submit(name, inputs, options))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        withdrawn = not work.done()  # the client went away (or this handler is cancelled)
+        if withdrawn:
+            work.cancel()
+    if withdrawn:
+        raise ClientDisconnected(
+            f"the client went away; its request to layer {name!r} was withdrawn"
+        )
+    return work.result()
+
+
 EngineDep = Annotated[Engine, Depends(get_engine)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 BatcherDep = Annotated[DynamicBatcher, Depends(get_batcher)]
 BodyDep = Annotated[bytes, Depends(get_body)]

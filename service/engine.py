@@ -1,25 +1,40 @@
-"""Engine: layer name -> MoE layer built on the device; `forward` runs one batch of one layer.
+"""Engine: layer name -> MoE layer built on the device; `start` runs one batch of one layer.
 
-Every forward goes through `Engine.forward` on the batcher's single worker thread, so the
-layers can share one Workspace (their forwards never overlap) and one device stream.
+The batcher's launcher thread calls `start` for every batch, so the layers can share one
+Workspace (their forwards never overlap: one compute stream runs them in order). On a GPU,
+`start` stages the batch and enqueues it (service/pipeline.py) and returns at once; elsewhere it
+runs the forward before returning. Layers whose backend allows it run from whole-layer CUDA
+graphs, captured at warm-up (kernels/layer_graphs.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
 from kernels.config import MoEConfig
-from kernels.layer import LayerOutput, LayerWeights, MoELayer, build_layer
+from kernels.layer import LayerOutput, LayerWeights, MoELayer, build_layer, expert_tokens
+from kernels.layer_graphs import LayerGraphs, can_capture
 from kernels.modular import DEFAULT_CHUNK_TOKENS
 from kernels.selection import Selection
 from kernels.tensors import ForwardInputs, Routing
 from kernels.workspace import Workspace
 from service.errors import NotReady, UnknownLayer
+from service.pipeline import (
+    DEPTH,
+    BatchResult,
+    DevicePipeline,
+    Finished,
+    Pending,
+    StageTimes,
+    split_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +54,7 @@ class ServedLayer:
     layer: MoELayer
     selection: Selection
     device_bytes: int  # the layer's weights on the device
+    graphs: LayerGraphs | None = None  # whole-layer CUDA graphs, where the backend captures
 
     @property
     def backend(self) -> str:
@@ -49,24 +65,67 @@ class ServedLayer:
         return self.layer.router.weight is not None
 
 
+class NonFiniteRows(Exception):
+    """A forward ran, but its output holds NaN or Inf; `result` is the whole output, on the CPU
+    (service.batcher fails only the requests that own such rows)."""
+
+    def __init__(self, layer: str, result: LayerOutput) -> None:
+        self.result = result
+        super().__init__(f"the output of layer {layer!r} holds NaN or Inf")
+
+
 class Engine:
+    # False: `start` runs each batch synchronously through `forward` (expert parallelism's
+    # forward is a collective that every rank joins)
+    pipelined: ClassVar[bool] = True
+
     def __init__(
-        self, device: torch.device, backend: str = "auto", chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+        self,
+        device: torch.device,
+        backend: str = "auto",
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        cuda_graphs: bool = True,
     ) -> None:
         self.device = device
         self.backend = backend
         self.chunk_tokens = chunk_tokens  # the largest batch (--max-batch-tokens): never split
+        self.cuda_graphs = cuda_graphs  # False: never capture (--no-cuda-graphs)
         self.workspace = Workspace(device)  # shared by every layer
         self.layers: dict[str, ServedLayer] = {}
         self.failure: str | None = None  # why this engine can serve no more; None while it can
         self.on_failure: Callable[[str], None] = lambda _reason: None  # the app turns unready
+        self.pipeline = (
+            DevicePipeline(device, chunk_tokens)
+            if self.pipelined and device.type == "cuda"
+            else None
+        )
+
+    @property
+    def enqueues(self) -> bool:
+        """True: `start` only stages and enqueues device work, returning before it is done."""
+        return self.pipeline is not None
+
+    @property
+    def max_in_flight(self) -> int:
+        """Batches `start` may have running at once."""
+        return DEPTH if self.enqueues else 1
 
     def add(self, source: LayerSource) -> ServedLayer:
         """Build `source`'s modular kernel on the device (backend chosen per layer)."""
         if source.name in self.layers:
             raise ValueError(f"two layers are named {source.name!r}; layer names must be unique")
         layer, selection = self.build(source)
-        served = ServedLayer(source.name, source.config, layer, selection, source.weights.nbytes())
+        graphs = None
+        if self.pipeline is not None and self.cuda_graphs:
+            support = can_capture(layer, self.device)
+            if support:  # captured at warm-up; routed layers take no client logits in graphs
+                with_logits = layer.router.weight is None
+                graphs = LayerGraphs(layer, self.device, self.chunk_tokens, with_logits)
+            else:
+                log.info("layer %s runs without CUDA graphs: %s", source.name, support.reason)
+        served = ServedLayer(
+            source.name, source.config, layer, selection, source.weights.nbytes(), graphs
+        )
         self.layers[source.name] = served
         log.info(
             "layer %s: %s + %s (%s)",
@@ -133,28 +192,102 @@ class Engine:
         try:
             with torch.inference_mode():
                 result = served.layer.forward(on_device)
+                # one reduction on the device, read once the output has come back below
+                finite = torch.isfinite(result.output).all()
         except torch.AcceleratorError as err:
-            # A device fault (illegal address, ECC) leaves the CUDA context unusable: every later
-            # forward would fail too, so stop serving and let the orchestrator replace us.
-            self.failure = f"the device failed: {err}"
-            self.on_failure(self.failure)
-            raise NotReady(self.failure) from err
+            raise self._device_failed(err) from err
         routing = result.routing
-        return LayerOutput(
+        output = LayerOutput(
             result.output.cpu(), Routing(routing.topk_ids.cpu(), routing.topk_weights.cpu())
         )
+        if not finite.item():
+            raise NonFiniteRows(name, output)
+        return output
+
+    def _device_failed(self, err: torch.AcceleratorError) -> NotReady:
+        # A device fault (illegal address, ECC) leaves the CUDA context unusable: every later
+        # forward would fail too, so stop serving and let the orchestrator replace us.
+        self.failure = f"the device failed: {err}"
+        self.on_failure(self.failure)
+        return NotReady(self.failure)
+
+    def start(self, name: str, parts: Sequence[ForwardInputs]) -> Pending:
+        """Begin one batch of layer `name`: `parts` [t_i, H] on the CPU, in any wire dtype (cast
+        once, to the layer's), all with router logits or none. Its result holds one output per
+        part, in the layer's dtype. On a GPU this returns once the batch is enqueued."""
+        if self.failure is not None:
+            raise NotReady(self.failure)
+        served = self.get(name)
+        if not self.enqueues:
+            return self._run_now(served, parts)
+        try:
+            with torch.inference_mode():
+                return _Guarded(self, self.pipeline.launch(served, parts))
+        except torch.AcceleratorError as err:
+            raise self._device_failed(err) from err
+
+    def _run_now(self, served: ServedLayer, parts: Sequence[ForwardInputs]) -> Finished:
+        cfg = served.config
+        logits = [p.router_logits for p in parts]
+        inputs = ForwardInputs(
+            torch.cat([p.hidden_states for p in parts]).to(cfg.dtype),
+            None if logits[0] is None else torch.cat(logits).float(),
+        )
+        started = time.perf_counter()
+        try:
+            whole, finite = self.forward(served.name, inputs), True
+        except NonFiniteRows as err:
+            whole, finite = err.result, False
+        seconds = time.perf_counter() - started
+        counts = expert_tokens(whole.routing.topk_ids, cfg.num_experts)
+        sizes = [p.hidden_states.shape[0] for p in parts]
+        outputs = split_rows(whole, sizes)
+        return Finished(BatchResult(outputs, counts, StageTimes(seconds), finite))
 
     def warm_up(self, token_counts: Sequence[int], names: Sequence[str] | None = None) -> None:
-        """Run every layer (or those named) at each of `token_counts`, so no request pays for a
-        kernel's first compile or a workspace allocation (a JIT compile mid-load stalls its batch
-        for seconds)."""
+        """Capture every layer's (or those named) CUDA graphs, then run each at every one of
+        `token_counts` through `start`, so no request pays for a kernel's first compile, a
+        capture or a workspace allocation (a JIT compile mid-load stalls its batch for seconds)."""
+        names = list(self.layers) if names is None else list(names)
+        for name in names:
+            served = self.layers[name]
+            if served.graphs is None:
+                continue
+            started = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    served.graphs.capture()
+            except Exception:  # a backend that claims it captures but does not: run it eagerly
+                log.exception("layer %s: CUDA graph capture failed; it runs uncaptured", name)
+                self.layers[name] = dataclasses.replace(served, graphs=None)
+                continue
+            log.info(
+                "layer %s: %d CUDA graphs captured (buckets %s) in %.1f s",
+                name,
+                len(served.graphs.graphs),
+                ",".join(map(str, served.graphs.buckets)),
+                time.perf_counter() - started,
+            )
         generator = torch.Generator().manual_seed(0)
-        for name in list(self.layers) if names is None else names:
+        for name in names:
             served = self.layers[name]
             cfg = served.config
             for tokens in token_counts:
                 hidden = torch.randn(tokens, cfg.hidden_size, generator=generator)
                 logits = None if served.has_router else torch.zeros(tokens, cfg.num_experts)
-                out = self.forward(name, ForwardInputs(hidden, logits)).output
-                if not torch.isfinite(out.float()).all():
+                if not self.start(name, [ForwardInputs(hidden, logits)]).result().finite:
                     raise RuntimeError(f"warm-up forward of layer {name!r} produced NaN or Inf")
+
+
+@dataclass(frozen=True)
+class _Guarded:
+    """A pipelined batch whose device fault, surfacing when it is waited for, stops the engine."""
+
+    engine: Engine
+    pending: Pending
+
+    def result(self) -> BatchResult:
+        try:
+            return self.pending.result()
+        except torch.AcceleratorError as err:
+            raise self.engine._device_failed(err) from err

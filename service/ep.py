@@ -21,10 +21,11 @@ import multiprocessing.connection
 import queue
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -36,10 +37,11 @@ from kernels.prepare_finalize.naive_ep import NaiveEP
 from kernels.selection import Selection
 from kernels.tensors import ForwardInputs
 from kernels.workspace import Workspace
-from service.engine import Engine, LayerSource
+from service.engine import Engine, LayerSource, NonFiniteRows
 from service.errors import NotReady
 from service.settings import Settings
 from weights.load import LoadedLayer, load_layer, read_manifest
+from weights.placement_file import read_placement
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +94,14 @@ def init_group(spec: RankSpec) -> None:
 def placement_for(spec: RankSpec, num_experts: int) -> Placement:
     if spec.placement_file is None:
         return Placement.contiguous(num_experts, spec.world_size)
-    return Placement.from_file(spec.placement_file, num_experts, spec.world_size)
+    return read_placement(spec.placement_file, num_experts, spec.world_size)
 
 
 def load_local_layers(spec: RankSpec) -> list[tuple[LoadedLayer, Placement]]:
     """Each layer with only this rank's experts on its device, and the placement it used."""
     loaded = []
     for path in spec.paths:
-        placement = placement_for(spec, read_manifest(path).num_experts)
+        placement = placement_for(spec, read_manifest(path).config.num_experts)
         layer = load_layer(path, spec.device, experts=placement.local_experts(spec.rank))
         loaded.append((layer, placement))
     return loaded
@@ -133,6 +135,8 @@ def _free_port() -> int:
 class EPEngine(Engine):
     """The engine of rank 0: starts ranks 1..N-1, and has them join every forward."""
 
+    pipelined: ClassVar[bool] = False  # each forward is a collective: run batches one by one
+
     def __init__(self, settings: Settings, paths: Sequence[Path]) -> None:
         if dist.is_initialized():
             raise RuntimeError("this process is already in a torch.distributed group")
@@ -140,8 +144,6 @@ class EPEngine(Engine):
         super().__init__(
             rank_device(settings.torch_device(), 0), settings.backend, settings.max_batch_tokens
         )
-        self.failure: str | None = None  # why the group is broken; None while it works
-        self.on_failure: Callable[[str], None] = lambda _reason: None
         self._closing = False
         port = _free_port()
         self._spec = RankSpec(
@@ -200,6 +202,8 @@ class EPEngine(Engine):
             commands.put(name)
         try:
             return super().forward(name, inputs)
+        except NonFiniteRows:
+            raise  # every rank finished the forward: the group is fine
         except Exception as err:
             # the other ranks may be left inside the collective: the group cannot be trusted
             self._fail(f"forward of layer {name!r} failed: {type(err).__name__}: {err}")

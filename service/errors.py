@@ -12,8 +12,9 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+
+from weights.errors import describe_validation_error
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,9 @@ class RequestTimeout(ServiceError):
 
 
 class ClientDisconnected(ServiceError):
-    """The client closed the connection before its body arrived: no one reads the answer, but
-    the log line and the metrics say what happened (499, as nginx counts it), not a 500."""
+    """The client closed the connection before its body arrived, or while its request waited
+    (then withdrawn from the queue): no one reads the answer, but the log line and the metrics
+    say what happened (499, as nginx counts it), not a 500."""
 
     status = 499
 
@@ -92,6 +94,21 @@ class ShuttingDown(NotReady):
         super().__init__(message, {"Retry-After": self.RETRY_AFTER_S})
 
 
+class DeadlineExceeded(ServiceError):
+    """The request's `timeout` passed while it waited in the queue; none of it ran. 503, as
+    Triton answers a request its schedule policy timed out (UNAVAILABLE)."""
+
+    status = 503
+
+
+class NonFiniteOutput(ServiceError):
+    """The layer's output for this request holds NaN or Inf. Weights are checked finite at load
+    and inputs before batching, so the inputs overflowed the layer's arithmetic (or a kernel is
+    wrong); either way it is never sent as a result. Other requests of its batch are served."""
+
+    status = 422
+
+
 class ForwardFailed(ServiceError):
     """The kernel raised on a batch: every request in that batch gets this, the server stays up."""
 
@@ -114,15 +131,6 @@ def error_response(
     return JSONResponse({"error": capped(message)}, status_code=status, headers=headers)
 
 
-def describe_validation_error(err: ValidationError | RequestValidationError) -> str:
-    """Pydantic's errors as one line naming each field: 'hidden_states.0.1: Input should be...'."""
-    parts = []
-    for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"] if p != "body") or "body"
-        parts.append(f"{where}: {e['msg']}")
-    return "; ".join(parts)
-
-
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(_: Request, err: ServiceError) -> JSONResponse:
@@ -130,7 +138,7 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
-        return error_response(422, describe_validation_error(err))
+        return error_response(422, describe_validation_error(err, "body"))
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, err: HTTPException) -> JSONResponse:

@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from fastapi import Request
 
 from service import __version__
-from service.deps import Runtime, ready
+from service.batcher import RequestOptions
+from service.deps import Runtime, ready, submit_while_connected
 from service.engine import Engine, ServedLayer
 from service.errors import BadInput, UnknownLayer
 from service.inputs import check_inputs
@@ -30,7 +32,7 @@ from service.kserve_codec import (
     tensor_bytes,
     tensor_from_bytes,
 )
-from service.routes.forward import TENSOR_NAMES
+from service.routes.forward import TENSOR_NAMES, schedule_options
 from service.shared_memory import TensorPlace
 
 OUTPUT = "output"
@@ -45,7 +47,7 @@ class InferenceResult:
 
 
 def server_metadata(runtime: Runtime) -> ServerMetadata:
-    extensions = ["binary_tensor_data", "statistics"]
+    extensions = ["binary_tensor_data", "schedule_policy", "statistics"]
     if runtime.shared_memory.allowed:
         extensions += ["system_shared_memory", "cuda_shared_memory"]
     if runtime.repository is not None:
@@ -82,10 +84,12 @@ async def infer(
     request: InferRequest,
     tensors: dict[str, torch.Tensor],
     owner: str | None = None,
+    http_request: Request | None = None,
 ) -> InferenceResult:
     """One inference request: `tensors` are its inputs decoded from the body, by name; inputs
     and outputs that name a shared-memory region are read from and written to it. `owner`:
-    who may use the regions (shared_memory.owner_of)."""
+    who may use the regions (shared_memory.owner_of). `http_request`: withdrawn if its client
+    goes away (a gRPC call is cancelled instead, which withdraws it too)."""
     runtime = ready(runtime)
     served = get_model(runtime.engine, name, version)
     with runtime.metrics.statistics.request(name) as timer:
@@ -98,13 +102,31 @@ async def infer(
         hidden = tensors["hidden_states"]
         inputs = check_inputs(served, hidden, tensors.get("router_logits"))
         places = _output_places(runtime, request, name, hidden, owner)
+        options = schedule_policy(request.parameters)
         timer.submit(hidden.shape[0])
-        result = await runtime.batcher.submit(name, inputs)
+        if http_request is None:
+            result = await runtime.batcher.submit(name, inputs, options)
+        else:
+            result = await submit_while_connected(
+                http_request, runtime.batcher, name, inputs, options
+            )
         timer.answer()
         output = result.output.to(hidden.dtype)
         if places.get(OUTPUT) is None:
             return InferenceResult({OUTPUT: output})
         return InferenceResult({}, [await _write_output(runtime, places[OUTPUT], output, owner)])
+
+
+def schedule_policy(parameters: dict[str, object]) -> RequestOptions:
+    """The request parameters `priority` and `timeout` (microseconds) of Triton's schedule
+    policy extension; absent or 0: the default."""
+    values = {}
+    for key in ("priority", "timeout"):
+        value = parameters.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise BadInput(f"parameters.{key} must be an integer >= 0, got {value!r}")
+        values[key] = value
+    return schedule_options(values["priority"], values["timeout"])
 
 
 async def _read_shared_memory(

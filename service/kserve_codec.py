@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field, ValidationError
 
-from service.errors import BadInput, describe_validation_error
+from service.errors import BadInput
+from service.json_codec import array_to_tensor
+from weights.errors import describe_validation_error
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # The shared-memory extension's tensor parameters (inputs and requested outputs)
@@ -24,13 +26,12 @@ SHM_REGION = "shared_memory_region"
 SHM_OFFSET = "shared_memory_offset"
 SHM_BYTE_SIZE = "shared_memory_byte_size"
 
+# The datatypes a layer takes (hidden states and router logits are floating point, in the
+# layer's wire dtypes); an error listing accepted datatypes lists exactly these.
 DATATYPES: dict[str, torch.dtype] = {
     "FP32": torch.float32,
     "FP16": torch.float16,
     "BF16": torch.bfloat16,
-    "FP64": torch.float64,
-    "INT32": torch.int32,
-    "INT64": torch.int64,
 }
 DATATYPE_NAMES = {dtype: name for name, dtype in DATATYPES.items()}
 
@@ -133,13 +134,7 @@ def _from_json(t: InferInput) -> torch.Tensor:
     dtype, shape = _dtype(t), _shape(t)
     if t.data is None:
         raise BadInput(f"input {t.name}: neither data nor parameters.binary_data_size is given")
-    try:
-        values = torch.tensor(t.data, dtype=dtype).flatten()
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise BadInput(f"input {t.name}: data is not a regular array of numbers ({err})") from None
-    if values.numel() != math.prod(shape):
-        raise BadInput(f"input {t.name}: {values.numel()} values do not fill shape {shape}")
-    return values.reshape(shape)
+    return array_to_tensor(f"input {t.name} data", t.data, shape, dtype)
 
 
 def check_input_names(request: InferRequest) -> None:
@@ -160,7 +155,7 @@ def decode_request(
     try:
         request = InferRequest.model_validate_json(body[:split])
     except ValidationError as err:
-        raise BadInput(f"inference request: {describe_validation_error(err)}") from None
+        raise BadInput(f"inference request: {describe_validation_error(err, 'body')}") from None
     binary, offset, tensors = body[split:], 0, {}
     check_input_names(request)
     for t in request.inputs:
@@ -172,7 +167,7 @@ def decode_request(
         if size is None:
             tensors[t.name] = _from_json(t)
             continue
-        if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+        if type(size) is not int or size < 0 or offset + size > len(binary):  # True is no size
             raise BadInput(
                 f"input {t.name}: binary_data_size {size!r} does not fit the "
                 f"{len(binary) - offset} binary bytes left"
@@ -184,11 +179,18 @@ def decode_request(
     return request, tensors
 
 
+def _flag(parameters: dict[str, Any], name: str, where: str) -> bool:
+    value = parameters.get(name, False)
+    if not isinstance(value, bool):  # "no" would be truthy
+        raise BadInput(f"{where}parameters.{name} must be true or false, got {value!r}")
+    return value
+
+
 def wants_binary(request: InferRequest, output: str) -> bool:
     for requested in request.outputs or ():
         if requested.name == output:
-            return bool(requested.parameters.get("binary_data", False))
-    return bool(request.parameters.get("binary_data_output", False))
+            return _flag(requested.parameters, "binary_data", f"output {output}: ")
+    return _flag(request.parameters, "binary_data_output", "")
 
 
 def encode_response(

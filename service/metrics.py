@@ -5,11 +5,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
+from service.pipeline import StageTimes
 from service.statistics import Statistics, StatisticsCollector
 
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# stages take from microseconds (a decode, a copy) to seconds (a queue under load)
+_STAGE_BUCKETS_S = (
+    0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+    0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
+)  # fmt: skip
+# Where a request's time goes, in order. Per request: queue (arrival to its first rows' launch),
+# decode (body -> checked tensors), encode (output -> reply body). Per batch: stage (host copy
+# into pinned memory), h2d, forward, d2h (device time from CUDA events; forward is host time
+# off the GPU, and the copies are absent there).
+STAGES = ("queue", "decode", "stage", "h2d", "forward", "d2h", "encode")
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
@@ -17,6 +28,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, CPU seconds
         # Triton's per-model statistics; also shown as its nv_inference_* metrics
         self.statistics = Statistics()
         r.register(StatisticsCollector(self.statistics))
@@ -61,10 +73,24 @@ class Metrics:
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )
+        self.nonfinite_forwards = Counter(
+            "moe_serve_nonfinite_forwards",
+            "forwards whose output held NaN or Inf (the requests with such rows got 422)",
+            ["layer"],
+            registry=r,
+        )
         self.expert_tokens = Counter(
             "moe_serve_expert_tokens",
             "tokens routed to each expert",
             ["layer", "expert"],
+            registry=r,
+        )
+        self.stage_seconds = Histogram(
+            "moe_serve_stage_seconds",
+            f"time per stage ({', '.join(STAGES)}); queue, decode and encode per request, "
+            "the others per batch, h2d/forward/d2h device time on a GPU",
+            ["layer", "stage"],
+            buckets=_STAGE_BUCKETS_S,
             registry=r,
         )
 
@@ -74,26 +100,38 @@ class Metrics:
             self.expert_tokens.labels(layer, str(expert))
         self.queue_depth.labels(layer).set(0)
         self.statistics.add_model(layer)
-        for per_layer in (self.tokens, self.batch_tokens, self.batch_requests):
+        for per_layer in (
+            self.tokens,
+            self.batch_tokens,
+            self.batch_requests,
+            self.nonfinite_forwards,
+        ):
             per_layer.labels(layer)
+        for stage in STAGES:
+            self.stage_seconds.labels(layer, stage)
 
-    def record_forward(
+    def record_batch(
         self,
         layer: str,
         backend: str,
-        topk_ids: torch.Tensor,
-        seconds: float,
+        tokens: int,
+        expert_tokens: torch.Tensor,  # [E] pairs per expert
+        times: StageTimes,
         queued_s: Sequence[float] = (),
     ) -> None:
-        """One forward batch: its time, its size and where its tokens went. topk_ids [M, k];
+        """One forward batch: its time per stage, its size and where its tokens went;
         queued_s: how long each request piece in the batch waited for it."""
-        tokens = topk_ids.shape[0]
-        self.statistics.record_execution(layer, tokens, seconds, queued_s)
-        self.forward_seconds.labels(layer, backend).observe(seconds)
+        self.statistics.record_execution(layer, tokens, times.forward_s, queued_s)
+        self.forward_seconds.labels(layer, backend).observe(times.forward_s)
         self.batch_tokens.labels(layer).observe(tokens)
         self.tokens.labels(layer).inc(tokens)
-        ids = topk_ids.flatten().long()
-        counts = torch.bincount(ids[ids >= 0]).tolist()  # -1: an expert on another rank
-        for expert, count in enumerate(counts):
+        for stage in ("stage", "h2d", "forward", "d2h"):
+            seconds = getattr(times, f"{stage}_s")
+            if seconds is not None:
+                self.stage_seconds.labels(layer, stage).observe(seconds)
+        for expert, count in enumerate(expert_tokens.tolist()):
             if count:
                 self.expert_tokens.labels(layer, str(expert)).inc(count)
+
+    def observe_stage(self, layer: str, stage: str, seconds: float) -> None:
+        self.stage_seconds.labels(layer, stage).observe(seconds)

@@ -56,6 +56,10 @@ class ForwardResponse(BaseModel):
 
 
 class LayerInfo(BaseModel):
+    """The layer's MoEConfig (`MoEConfig.as_json`, as in manifest.json), top_k and serving facts."""
+
+    model_config = ConfigDict(extra="forbid")  # a new MoEConfig field must be shown here too
+
     name: str
     num_experts: int
     top_k: int
@@ -65,6 +69,8 @@ class LayerInfo(BaseModel):
     routing: dict[str, str | int | float | bool]
     quant: dict[str, str | int]
     dtype: str
+    has_bias: bool = Field(description="per-expert biases on both GEMMs")
+    apply_router_weight_on_input: bool
     device_bytes: int
     shared_experts: bool
     backend: str
@@ -90,6 +96,10 @@ class LayerBackend(BaseModel):
     reason: str = Field(description="why this pair: forced by --backend, or the auto rule")
     rejected: dict[str, str] = Field(description="other experts backends and why not")
     workspace_bytes: int = Field(description="scratch memory, shared by all layers")
+    graph_buckets: list[int] = Field(
+        description="token counts the layer replays from whole-layer CUDA graphs (a batch is "
+        "padded to the next); empty: it runs uncaptured (CPU, or a backend that syncs)"
+    )
 
 
 class DeviceInfo(BaseModel):

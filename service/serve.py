@@ -9,17 +9,17 @@ from pathlib import Path
 import uvicorn
 from pydantic import ValidationError
 
-from kernels.placement import Placement
 from kernels.registry import experts_backends
 from kernels.selection import select
 from service import logs, tracing
 from service.app import create_app
 from service.ep import rank_device
-from service.errors import describe_validation_error
 from service.server import listen, server_config
 from service.settings import Settings
 from weights.demo import demo_configs
+from weights.errors import describe_validation_error
 from weights.load import inspect_layer
+from weights.placement_file import read_placement
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="serve every layer directory in DIR; load/unload them at run time",
     )
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        help="replay forwards from CUDA graphs where the backend allows (default on)",
+    )
     p.set_defaults(run=run)
 
 
@@ -99,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         if settings.grpc_port:  # gRPC binds in the app: refuse a port in use here, first
             listen(settings.host, settings.grpc_port).close()
     except ValidationError as err:
-        return _refuse(f"invalid settings: {describe_validation_error(err)}")
+        return _refuse(f"invalid settings: {describe_validation_error(err, 'settings')}")
     except ValueError as err:  # LayerFileError is a ValueError
         return _refuse(str(err))
     logs.configure(settings.log_level, settings.log_format)
@@ -133,12 +138,12 @@ def _check_layers(settings: Settings) -> None:
                 "layer names must be unique"
             )
         named[manifest.name] = where
-    configs = {where: manifest.to_config() for where, manifest in manifests.items()}
+    configs = {where: manifest.config for where, manifest in manifests.items()}
     for where, cfg in (configs or demo_configs()).items():
         try:
             select(cfg, device, settings.backend, expert_parallel=settings.ep > 1)
             if settings.ep_placement is not None:
-                Placement.from_file(settings.ep_placement, cfg.num_experts, settings.ep)
+                read_placement(settings.ep_placement, cfg.num_experts, settings.ep)
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
 

@@ -10,6 +10,8 @@ import torch
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from kernels.stages import resolve_device
+
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 MIN_TOKEN_CHARS = 16  # a shorter bearer token is a placeholder, not a secret
 
@@ -32,7 +34,13 @@ class Settings(BaseSettings):
     # arrive while the device is busy still share its next forward.
     max_batch_delay_ms: float = Field(0.0, ge=0.0)
     max_queue: int = Field(256, ge=1)  # requests waiting per layer before 429
+    # Replay each layer's forward from CUDA graphs, one per token bucket, where its backend can
+    # be captured; False: every forward runs eagerly (slower; for debugging and comparison).
+    cuda_graphs: bool = True
     max_body_bytes: int = Field(64 << 20, ge=1024)  # request bodies above this get 413
+    # JSON bodies above this get 413 pointing to the binary formats: decoding JSON holds the GIL
+    # (the event loop, /health included, waits) and costs a few times the body in memory
+    max_json_bytes: int = Field(2 << 20, ge=1024)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
     # Triton's shared-memory extension (system and CUDA regions); off, as newer Triton servers
@@ -88,9 +96,4 @@ class Settings(BaseSettings):
 
     def torch_device(self) -> torch.device:
         """The device layers run on: `auto` is the first GPU when there is one, else the CPU."""
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        device = torch.device(self.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} was asked for but no CUDA GPU is visible")
-        return device
+        return resolve_device(self.device)

@@ -58,7 +58,7 @@ def run_convert(args: argparse.Namespace) -> int:
             manifest = convert_checkpoint(args.src_dir, args.layer, args.out, quant, args.name)
     except (ValueError, OSError) as err:  # LayerFileError is a ValueError
         return _fail("convert", err)
-    sys.stdout.write(f"{args.out}: layer {manifest.name!r}, {manifest.quant.scheme}\n")
+    sys.stdout.write(f"{args.out}: layer {manifest.name!r}, {manifest.config.quant.scheme}\n")
     return 0
 
 

@@ -11,16 +11,9 @@ from __future__ import annotations
 import torch
 import xxhash
 
+from kernels.input_checks import NONFINITE_BITS
+
 CHECKSUM = "xxh3-64"
-# dtype -> (same-width integer dtype, mask): a value is NaN or Inf iff all the mask's bits are
-# set (an exponent of all ones; e4m3fn has no Inf, its NaN is exponent and mantissa all ones)
-_NONFINITE_BITS = {
-    torch.float64: (torch.int64, 0x7FF0000000000000),
-    torch.float32: (torch.int32, 0x7F800000),
-    torch.bfloat16: (torch.int16, 0x7F80),
-    torch.float16: (torch.int16, 0x7C00),
-    torch.float8_e4m3fn: (torch.uint8, 0x7F),
-}
 _E8M0_BITS = (torch.uint8, 0xFF)  # an e8m0 scale's one non-finite code is 255
 # Elements masked at once, into one reused buffer: bounds the temporary memory, and on the CPU
 # keeps it in cache (a fresh allocation per piece costs more in page faults than the test).
@@ -64,7 +57,7 @@ def first_nonfinite(t: torch.Tensor, *, e8m0: bool = False) -> list[int] | None:
     finite. Floating dtypes (fp8 included) are tested, integer ones hold no such value unless
     `e8m0` says that a uint8 tensor holds e8m0 scales. One device-to-host sync when all are
     finite."""
-    bits = _E8M0_BITS if e8m0 else _NONFINITE_BITS.get(t.dtype)
+    bits = _E8M0_BITS if e8m0 else NONFINITE_BITS.get(t.dtype)
     if bits is None:
         return None
     int_dtype, mask = bits

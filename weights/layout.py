@@ -20,15 +20,10 @@ from pathlib import Path
 
 import torch
 
-from kernels.layer import LayerWeights, RouterWeights, SharedExpert
-from kernels.tensors import ExpertWeights
+from kernels.config import MoEConfig
+from kernels.layer import ROUTER_TENSORS, SHARED_TENSORS
 from weights.errors import LayerFileError
 from weights.manifest import Manifest
-
-# file name <- field of RouterWeights / SharedExpert
-ROUTER_NAMES = {"weight": "gate", "bias": "gate_bias", "correction_bias": "e_score_correction_bias"}
-SHARED_NAMES = {"w13": "shared_w13", "w2": "shared_w2", "gate": "shared_gate"}
-EXPERT_NAMES = ("w13", "w2", "w13_scale", "w2_scale", "w13_bias", "w2_bias")
 
 F32 = torch.float32
 
@@ -41,11 +36,11 @@ class TensorSpec:
     is_scale: bool = False  # must be finite (e8m0: not the NaN code 255)
 
 
-def _gemm_weight(m: Manifest, e: int, n: int, k: int) -> tuple[TensorSpec, TensorSpec | None]:
+def _gemm_weight(cfg: MoEConfig, e: int, n: int, k: int) -> tuple[TensorSpec, TensorSpec | None]:
     """The stored weight [E, N, K'] and its scale for one GEMM, as the scheme describes them."""
-    spec = m.quant.spec
+    spec = cfg.quant.spec
     values = spec.values
-    weight = TensorSpec((e, n, k // values.per_byte), values.storage or m.torch_dtype, True)
+    weight = TensorSpec((e, n, k // values.per_byte), values.storage or cfg.dtype, True)
     if spec.scales is None:
         return weight, None
     return weight, TensorSpec(spec.scales.shape(e, n, k), spec.scales.dtype, True, True)
@@ -53,48 +48,31 @@ def _gemm_weight(m: Manifest, e: int, n: int, k: int) -> tuple[TensorSpec, Tenso
 
 def expected_tensors(m: Manifest) -> dict[str, TensorSpec]:
     """Every tensor the layer file must hold (and nothing else), by name."""
-    e, h, i = m.num_experts, m.hidden_size, m.intermediate_size
+    cfg = m.config
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
     specs: dict[str, TensorSpec] = {}
     for name, (n, k) in (("w13", (2 * i, h)), ("w2", (h, i))):
-        weight, scale = _gemm_weight(m, e, n, k)
+        weight, scale = _gemm_weight(cfg, e, n, k)
         specs[name] = weight
         if scale is not None:
             specs[f"{name}_scale"] = scale
-    if m.has_bias:
+    if cfg.has_bias:
         specs["w13_bias"] = TensorSpec((e, 2 * i), F32, True)
         specs["w2_bias"] = TensorSpec((e, h), F32, True)
-    if m.router:
-        specs["gate"] = TensorSpec((e, h), m.torch_dtype)
-    if m.router_bias:
-        specs["gate_bias"] = TensorSpec((e,), F32)
-    if m.correction_bias:
-        specs["e_score_correction_bias"] = TensorSpec((e,), F32)
-    if m.shared_experts:
-        si = m.shared_intermediate_size
-        specs["shared_w13"] = TensorSpec((2 * si, h), m.torch_dtype)
-        specs["shared_w2"] = TensorSpec((h, si), m.torch_dtype)
-    if m.shared_gate:
-        specs["shared_gate"] = TensorSpec((1, h), m.torch_dtype)
+    router = {
+        "weight": (m.router, TensorSpec((e, h), cfg.dtype)),
+        "bias": (m.router_bias, TensorSpec((e,), F32)),
+        "correction_bias": (m.correction_bias, TensorSpec((e,), F32)),
+    }
+    si = m.shared_intermediate_size
+    shared = {
+        "w13": (m.shared_experts, TensorSpec((2 * si, h), cfg.dtype)),
+        "w2": (m.shared_experts, TensorSpec((h, si), cfg.dtype)),
+        "gate": (m.shared_gate, TensorSpec((1, h), cfg.dtype)),
+    }
+    for part, names in ((router, ROUTER_TENSORS), (shared, SHARED_TENSORS)):
+        specs |= {names[field]: spec for field, (present, spec) in part.items() if present}
     return specs
-
-
-def flatten(weights: LayerWeights) -> dict[str, torch.Tensor]:
-    """LayerWeights -> the file's tensors by name (contiguous, as safetensors wants them)."""
-    named = dict(weights.experts.tensors())
-    for part, names in ((weights.router, ROUTER_NAMES), (weights.shared, SHARED_NAMES)):
-        if part is not None:
-            named |= {names[f]: t for f, t in vars(part).items() if t is not None}
-    return {n: t.contiguous() for n, t in named.items()}
-
-
-def unflatten(tensors: dict[str, torch.Tensor]) -> LayerWeights:
-    """The inverse of `flatten`."""
-    experts = ExpertWeights(**{n: tensors[n] for n in EXPERT_NAMES if n in tensors})
-    router = RouterWeights(**{f: tensors.get(n) for f, n in ROUTER_NAMES.items()})
-    shared = None
-    if "shared_w13" in tensors:
-        shared = SharedExpert(**{f: tensors.get(n) for f, n in SHARED_NAMES.items()})
-    return LayerWeights(experts, router, shared)
 
 
 def _raw_header(path: Path) -> bytes:

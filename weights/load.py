@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from kernels.config import MoEConfig
 from kernels.layer import LayerWeights
-from weights.errors import LayerFileError
+from weights.errors import LayerFileError, describe_validation_error
 from weights.integrity import CHECKSUM, RowDigests, first_nonfinite
 from weights.layout import (
     TensorSpec,
@@ -34,7 +34,6 @@ from weights.layout import (
     expected_tensors,
     header_sha256,
     tensor_offsets,
-    unflatten,
 )
 from weights.manifest import MANIFEST_FILE, TENSORS_FILE, Manifest
 
@@ -63,9 +62,7 @@ def read_manifest(path: Path) -> Manifest:
     try:
         return Manifest.model_validate_json(file.read_bytes())
     except ValidationError as err:
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'manifest'}: {e['msg']}" for e in err.errors()
-        )
+        problems = describe_validation_error(err, "manifest")
         raise LayerFileError(file, None, f"invalid manifest: {problems}") from err
 
 
@@ -80,12 +77,12 @@ def load_layer(
     start = time.perf_counter()
     path, device = Path(path), torch.device(device)
     manifest = inspect_layer(path)
-    ids = _expert_ids(experts, manifest.num_experts)
+    ids = _expert_ids(experts, manifest.config.num_experts)
     tensors = _read_checked(path, manifest, expected_tensors(manifest), ids, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
-    weights = unflatten(tensors)
+    weights = LayerWeights.from_tensors(tensors)
     nbytes = weights.nbytes()
     log.info(
         "loaded layer %r (%.2f GB) onto %s in %.2f s: %.2f GB/s",
@@ -95,9 +92,7 @@ def load_layer(
         seconds,
         nbytes / 1e9 / max(seconds, 1e-9),
     )
-    return LoadedLayer(
-        manifest.name, manifest.to_config(), weights, manifest, path, seconds, nbytes
-    )
+    return LoadedLayer(manifest.name, manifest.config, weights, manifest, path, seconds, nbytes)
 
 
 def inspect_layer(path: Path) -> Manifest:
@@ -130,7 +125,7 @@ def verify_layer(path: Path) -> Manifest:
     per_expert = {n: s for n, s in specs.items() if s.per_expert}
     cpu = torch.device("cpu")
     _read_checked(path, manifest, shared, [], cpu)
-    for expert in range(manifest.num_experts):
+    for expert in range(manifest.config.num_experts):
         _read_checked(path, manifest, per_expert, [expert], cpu)
     return manifest
 

@@ -2,21 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Literal
 
-import torch
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    TypeAdapter,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_serializer,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails
 
-from kernels.config import DTYPES, ActivationSpec, MoEConfig, RoutingConfig
+from kernels.config import DTYPES, MoEConfig
 from kernels.layer import LayerWeights
-from kernels.quant_scheme import QuantConfig
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 TENSORS_FILE = "experts.safetensors"
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # layer names appear in URLs
-DtypeName = Literal["float32", "bfloat16", "float16"]
+_DTYPE_NAME = TypeAdapter(Literal[tuple(DTYPES)])
 
 
 class Source(BaseModel):
@@ -29,26 +41,34 @@ class Source(BaseModel):
     layer: int = Field(ge=0)
 
 
-class Manifest(BaseModel):
-    """One MoE layer directory: sizes, numerics, which optional parts exist, the tensors' hash.
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(MoEConfig))
 
-    The tensors' shapes and dtypes follow from these fields (`weights.layout.expected_tensors`).
+
+def _relocated(err: ValidationError, where: Callable[[tuple], tuple]) -> ValidationError:
+    """`err` with each error's location passed through `where`."""
+    details = [
+        InitErrorDetails(
+            type=e["type"], loc=where(e["loc"]), input=e["input"], ctx=e.get("ctx", {})
+        )
+        for e in err.errors()
+    ]
+    return ValidationError.from_exception_data(err.title, details)
+
+
+class Manifest(BaseModel):
+    """One MoE layer directory: the layer's MoEConfig, which optional parts exist, the tensors'
+    hash. The tensors' shapes and dtypes follow from these (`weights.layout.expected_tensors`).
+
+    On disk (format 1) the config's fields sit at the top level beside the others, the dtype by
+    name, and errors name them so: `quant.scheme`, not `config.quant.scheme`.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     format_version: Literal[1] = FORMAT_VERSION
     name: str = Field(pattern=NAME_PATTERN)
     source: Source
-    num_experts: PositiveInt
-    hidden_size: PositiveInt
-    intermediate_size: PositiveInt
-    routing: RoutingConfig  # top_k lives here
-    activation: ActivationSpec
-    quant: QuantConfig
-    dtype: DtypeName  # activations, unquantised weights, router gate and shared experts
-    has_bias: bool = False  # w13_bias [E, 2I], w2_bias [E, H]
-    apply_router_weight_on_input: bool = False
+    config: MoEConfig  # sizes, routing (top_k too), activation, quant, dtype, biases
     router: bool = False  # gate [E, H]: clients may omit router logits
     router_bias: bool = False  # gate_bias [E] (gpt-oss)
     correction_bias: bool = False  # e_score_correction_bias [E] (DeepSeek-V3)
@@ -60,9 +80,36 @@ class Manifest(BaseModel):
     # an expert axis. Empty in directories written before checksums (they load with a warning).
     tensors_xxh3: dict[str, list[str]] = Field(default_factory=dict)
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _from_flat(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Manifest:
+        """Gather the config's top-level fields (as manifest.json holds them) into `config`."""
+        if isinstance(data, dict) and "config" not in data:
+            config = {k: data[k] for k in _CONFIG_FIELDS if k in data}
+            if "dtype" in config:
+                try:
+                    config["dtype"] = DTYPES[_DTYPE_NAME.validate_python(config["dtype"])]
+                except ValidationError as err:
+                    raise _relocated(err, lambda loc: ("dtype", *loc)) from None
+            data = {k: v for k, v in data.items() if k not in config} | {"config": config}
+        try:
+            return handler(data)
+        except ValidationError as err:  # name the config's fields as the file does
+            raise _relocated(err, lambda loc: loc[1:] if loc[:1] == ("config",) else loc) from None
+
+    @field_serializer("config")
+    def _config_fields(self, cfg: MoEConfig) -> dict[str, Any]:
+        return cfg.as_json()
+
+    @model_serializer(mode="wrap")
+    def _to_flat(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        flat: dict[str, Any] = {}
+        for key, value in handler(self).items():
+            flat |= value if key == "config" else {key: value}
+        return flat
+
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
-        self.to_config()  # MoEConfig checks sizes against routing and quant
         if self.shared_experts != (self.shared_intermediate_size > 0):
             raise ValueError("shared_intermediate_size must be > 0 exactly when shared_experts")
         if self.shared_gate and not self.shared_experts:
@@ -71,46 +118,16 @@ class Manifest(BaseModel):
             raise ValueError("router_bias needs router")
         return self
 
-    @property
-    def top_k(self) -> int:
-        return self.routing.top_k
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    def to_config(self) -> MoEConfig:
-        return MoEConfig(
-            num_experts=self.num_experts,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            routing=self.routing,
-            activation=self.activation,
-            quant=self.quant,
-            dtype=DTYPES[self.dtype],
-            has_bias=self.has_bias,
-            apply_router_weight_on_input=self.apply_router_weight_on_input,
-        )
-
     @classmethod
     def from_config(
         cls, cfg: MoEConfig, weights: LayerWeights, *, name: str, source: Source
     ) -> Manifest:
         """The manifest of `weights` (laid out as `cfg` says); the hashes are filled in on write."""
         router, shared = weights.router, weights.shared
-        dtype_name = next(n for n, d in DTYPES.items() if d == cfg.dtype)
         return cls(
             name=name,
             source=source,
-            num_experts=cfg.num_experts,
-            hidden_size=cfg.hidden_size,
-            intermediate_size=cfg.intermediate_size,
-            routing=cfg.routing,
-            activation=cfg.activation,
-            quant=cfg.quant,
-            dtype=dtype_name,
-            has_bias=cfg.has_bias,
-            apply_router_weight_on_input=cfg.apply_router_weight_on_input,
+            config=cfg,
             router=router.weight is not None,
             router_bias=router.bias is not None,
             correction_bias=router.correction_bias is not None,

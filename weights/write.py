@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from kernels.layer import LayerWeights
 from weights.errors import LayerFileError
 from weights.integrity import checksums
-from weights.layout import check_names, check_tensor, expected_tensors, flatten, header_sha256
+from weights.layout import check_names, check_tensor, expected_tensors, header_sha256
 from weights.manifest import MANIFEST_FILE, TENSORS_FILE, Manifest
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def write_layer(out_dir: Path, weights: LayerWeights, manifest: Manifest) -> Man
     Returns the manifest as written.
     """
     out_dir = Path(out_dir)
-    tensors = {n: t.detach().cpu() for n, t in flatten(weights).items()}
+    tensors = {n: t.detach().cpu().contiguous() for n, t in weights.tensors().items()}
     specs = expected_tensors(manifest)
     check_names(out_dir / TENSORS_FILE, set(specs), set(tensors))
     for name, t in tensors.items():

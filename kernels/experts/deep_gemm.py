@@ -28,7 +28,6 @@ from kernels.arith import ceil_div, round_up
 from kernels.config import MoEConfig
 from kernels.quant_scheme import FP8, FP8_BLOCK, ActQuant, QuantScheme
 from kernels.quantize import quantize_activation
-from kernels.registry import register_experts
 from kernels.stages import YES, Experts, Support, cuda_capability
 from kernels.tensors import Dispatched, ExpertWeights, Format
 from kernels.workspace import Workspace
@@ -176,7 +175,6 @@ class _DeepGemmBase(Experts):
         return self.weights.w2, self.weights.w2_scale
 
 
-@register_experts
 class DeepGemmExperts(_DeepGemmBase):
     """Standard format through the contiguous m-grouped GEMM (prefill-sized batches)."""
 
@@ -212,7 +210,6 @@ class DeepGemmExperts(_DeepGemmBase):
         return out
 
 
-@register_experts
 class DeepGemmBatchedExperts(_DeepGemmBase):
     """Batched format through the masked m-grouped GEMM (decode, CUDA-graph friendly)."""
 

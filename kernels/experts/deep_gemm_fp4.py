@@ -23,7 +23,6 @@ from kernels.config import MoEConfig
 from kernels.experts.deep_gemm import DeepGemmExperts, deep_gemm_environment
 from kernels.quant_scheme import FP8, FP8_BLOCK, MXFP4_GROUP, QuantScheme
 from kernels.quantize import FP8_MAX
-from kernels.registry import register_experts
 from kernels.stages import YES, Support
 from kernels.tensors import Dispatched, ExpertWeights
 
@@ -62,7 +61,6 @@ def quantize_fp8_ue8m0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(rows, -1)[:, :k], scale
 
 
-@register_experts
 class DeepGemmFp4Experts(DeepGemmExperts):
     name: ClassVar[str] = "deep-gemm-fp4"
     schemes: ClassVar[frozenset[QuantScheme]] = frozenset({QuantScheme.MXFP4})

@@ -6,8 +6,6 @@ and MXFP4 weights, the gpt-oss path.
 - `oai-triton`: GEMM1 gathers the token rows by expert and fuses swigluoai into its epilogue;
   GEMM2 weighs each row by its router weight and scatter-sums the k rows of each token.
 - `oai-triton-unfused`: the same GEMMs with the activation as a separate torch step (any kind).
-- `oai-triton-monolithic`: also routes, from the router logits (`forward_logits`): routing and
-  both GEMMs in one call.
 
 matmul_ogs takes W as [E, K, N] and, for MXFP4, its own swizzled layouts; both are made once at
 build from our [E, N, K] tensors (a transposed view for bf16). Its fused swiglu reads gate and up
@@ -30,8 +28,6 @@ import torch
 from kernels.activations import apply_activation
 from kernels.config import Activation, GateUp, MoEConfig
 from kernels.quant_scheme import QuantScheme
-from kernels.registry import register_experts
-from kernels.routing import route
 from kernels.stages import YES, Experts, Support, cuda_capability
 from kernels.tensors import Dispatched, ExpertWeights, Format
 from kernels.workspace import Workspace
@@ -134,7 +130,27 @@ def _ogs_weight(
         wrap_torch_tensor(w.transpose(1, 2), dtype=FP4), value_layout, **value_opts
     )
     scales = convert_layout(wrap_torch_tensor(scale.transpose(1, 2)), scale_layout, **scale_opts)
+    scales.storage.data = _zero_tailed(scales.storage.data)
     return OgsWeight(values, bias, PrecisionConfig(weight_scale=scales))
+
+
+def _zero_tailed(data: torch.Tensor) -> torch.Tensor:
+    """`data` (a view of one buffer) moved into a new buffer with zeroed bytes after it.
+
+    On Hopper, matmul_ogs loads the swizzled MXFP4 scales of a K tail unmasked (triton-lang/triton
+    #10772; fixed upstream after our version): the values it multiplies there are masked to zero,
+    but the last expert's last rows read past the scale buffer. Whatever the allocator left there
+    came in as scales, and an 0xff byte is E8M0 NaN: 0 * NaN made whole output rows NaN, now and
+    then (gpt-oss scaled down, K = 320; the rows routed to the last expert). Zeros (2^-127) read
+    there give 0.
+    """
+    sizes_strides = zip(data.shape, data.stride(), strict=True)
+    extent = 1 + sum((size - 1) * stride for size, stride in sizes_strides)
+    tail = max(1 << 16, extent // data.shape[0])  # far more than one K block of one row
+    buffer = torch.zeros(extent + tail, dtype=data.dtype, device=data.device)
+    moved = buffer.as_strided(data.shape, data.stride())
+    moved.copy_(data)
+    return moved
 
 
 def oai_environment(device: torch.device) -> Support:
@@ -157,6 +173,7 @@ class _OaiBase(Experts):
     supports_expert_map: ClassVar[bool] = False  # matmul_ogs' scatter has no "skip this pair"
     reduces_topk: ClassVar[bool] = True
     takes_quantized_input: ClassVar[bool] = False
+    graph_capturable: ClassVar[bool] = True  # routing by index_add, matmul_ogs: no host sync
     fuses_activation: ClassVar[bool]
 
     def __init__(self, cfg: MoEConfig, weights: ExpertWeights) -> None:
@@ -226,40 +243,12 @@ class _OaiBase(Experts):
         return self._experts(x.hidden, routing)
 
 
-@register_experts
 class OaiTritonExperts(_OaiBase):
     name: ClassVar[str] = "oai-triton"
     activations: ClassVar[frozenset[Activation]] = frozenset({Activation.SWIGLUOAI})
     fuses_activation: ClassVar[bool] = True
 
 
-@register_experts
 class UnfusedOaiTritonExperts(_OaiBase):
     name: ClassVar[str] = "oai-triton-unfused"
     fuses_activation: ClassVar[bool] = False
-
-
-@register_experts
-class MonolithicOaiTritonExperts(OaiTritonExperts):
-    """oai-triton that also routes: `forward_logits` is routing + both GEMMs in one call.
-
-    It routes with kernels.routing (any RoutingConfig), not triton_kernels' own top-k: in our
-    H100 run that one gave non-finite outputs once (gpt-oss scaled down, 64 tokens) and not on
-    a second run with the same inputs, and an intermittent error has no place in serving."""
-
-    name: ClassVar[str] = "oai-triton-monolithic"
-
-    @classmethod
-    def check_config(cls, cfg: MoEConfig) -> Support:
-        if cfg.apply_router_weight_on_input:
-            return Support(False, "forward_logits weighs the experts' outputs, not the input")
-        return super().check_config(cfg)
-
-    def forward_logits(self, hidden: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """hidden [M, H] bf16, router logits [M, E] -> [M, H] bf16."""
-        if hidden.shape[0] == 0:
-            return torch.zeros_like(hidden)
-        routing = route(logits, self.cfg.routing)
-        return self._experts(
-            hidden, ogs_routing(routing.topk_ids, routing.topk_weights, self.weights.num_experts)
-        )

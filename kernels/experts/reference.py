@@ -18,7 +18,6 @@ import torch
 from kernels.activations import apply_activation
 from kernels.quant_scheme import ActQuant, QuantConfig, QuantScheme
 from kernels.quantize import dequantize_activation, dequantize_weight, quantize_activation
-from kernels.registry import register_experts
 from kernels.stages import Experts
 from kernels.tensors import Dispatched, Format
 from kernels.workspace import Workspace
@@ -73,7 +72,6 @@ def dequantize_input(x: Dispatched, rows: torch.Tensor | None = None) -> torch.T
     return dequantize_activation(hidden, scale, x.act_quant)
 
 
-@register_experts
 class ReferenceExperts(Experts):
     name: ClassVar[str] = "reference"
     format: ClassVar[Format] = Format.STANDARD
@@ -87,7 +85,6 @@ class ReferenceExperts(Experts):
         return y.view(m, k, -1)
 
 
-@register_experts
 class BatchedReferenceExperts(Experts):
     name: ClassVar[str] = "reference-batched"
     format: ClassVar[Format] = Format.BATCHED

@@ -21,7 +21,6 @@ import torch
 
 from kernels.config import MoEConfig
 from kernels.quant_scheme import ActQuant, QuantScheme
-from kernels.registry import register_experts
 from kernels.stages import YES, Experts, Support, cuda_capability
 from kernels.tensors import Dispatched, ExpertWeights, Format
 from kernels.workspace import Workspace
@@ -115,13 +114,13 @@ class _TritonBase(Experts):
         grouped_gemm(second, self.w2, y, rows, Epilogue(row_weights=row_weights), tiles.gemm2)
 
 
-@register_experts
 class TritonExperts(_TritonBase):
     name: ClassVar[str] = "triton"
     format: ClassVar[Format] = Format.STANDARD
     reduces_topk: ClassVar[bool] = True
     # fp8 schemes: the input is quantised here, by one Triton pass that decode graphs capture
     takes_quantized_input: ClassVar[bool] = False
+    graph_capturable: ClassVar[bool] = True  # align, GEMMs and top-k sum never sync the host
 
     def workspace_shapes(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         cfg = self.cfg
@@ -133,7 +132,9 @@ class TritonExperts(_TritonBase):
         }
 
     def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
-        if x.hidden.is_cuda and 0 < x.num_tokens <= MAX_GRAPH_TOKENS:
+        # not inside a whole-layer capture (kernels/layer_graphs.py): graphs do not nest
+        capturing = x.hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+        if x.hidden.is_cuda and 0 < x.num_tokens <= MAX_GRAPH_TOKENS and not capturing:
             return self.graphs(x)
         shapes = self.workspace_shapes(x.num_tokens)
         return self._forward(x, {name: ws.get(name, *spec) for name, spec in shapes.items()})
@@ -164,7 +165,6 @@ class TritonExperts(_TritonBase):
         return topk_sum(pair_out, x.topk_ids, buf["triton_out"])
 
 
-@register_experts
 class TritonBatchedExperts(_TritonBase):
     name: ClassVar[str] = "triton-batched"
     format: ClassVar[Format] = Format.BATCHED

@@ -5,7 +5,7 @@ The threshold comes from this GPU's rule table (kernels/selection.py, written by
 test): the smallest measured token count from which deep-gemm beat triton at every larger one;
 where deep-gemm never won, every call runs Triton. Without a triton-vs-deep-gemm measurement
 every call runs DeepGEMM (vLLM's TritonOrDeepGemm rule: DeepGEMM wherever its shapes apply).
-When the Triton backend is not registered or cannot run the layer, the exact reference stands in.
+When the Triton experts cannot run the layer (no triton here), the exact reference stands in.
 `last_ran` says which ran the latest call.
 """
 
@@ -19,20 +19,18 @@ import torch
 
 from kernels.config import MoEConfig
 from kernels.experts.deep_gemm import DeepGemmExperts, check_block_shape, deep_gemm_environment
-from kernels.experts.reference import dequantize_input
+from kernels.experts.reference import ReferenceExperts, dequantize_input
+from kernels.experts.triton import TritonExperts
 from kernels.quant_scheme import QuantScheme
-from kernels.registry import experts_backends, register_experts
-from kernels.selection import deep_gemm_min_tokens
 from kernels.stages import Experts, Support, weighted_topk_sum
 from kernels.tensors import Dispatched, ExpertWeights, Format
 from kernels.workspace import Workspace
 
 logger = logging.getLogger(__name__)
 
-SMALL_BATCH_BACKENDS = ("triton", "reference")  # the first that supports the layer stands in
+SMALL_BATCH_BACKENDS = (TritonExperts, ReferenceExperts)  # the first that supports the layer
 
 
-@register_experts
 class TritonOrDeepGemmExperts(Experts):
     name: ClassVar[str] = "triton-or-deep-gemm"
     format: ClassVar[Format] = Format.STANDARD
@@ -43,16 +41,18 @@ class TritonOrDeepGemmExperts(Experts):
         super().__init__(cfg, weights)
         device = weights.w13.device
         self.deep_gemm = DeepGemmExperts(cfg, weights)
-        backends = experts_backends()
-        small = next(n for n in SMALL_BATCH_BACKENDS if backends[n].supports(cfg, device))
-        self.small = backends[small](cfg, weights)
+        # here, not at the top: kernels.selection imports the registry, which lists this class
+        from kernels.selection import deep_gemm_min_tokens
+
+        small = next(cls for cls in SMALL_BATCH_BACKENDS if cls.supports(cfg, device))
+        self.small = small(cfg, weights)
         self.min_tokens, source = deep_gemm_min_tokens(cfg, device)
         self.last_ran = ""
         logger.info(
             "triton-or-deep-gemm: deep-gemm from %s tokens (%s), else %s",
             self.min_tokens,
             source,
-            small,
+            small.name,
         )
 
     @classmethod

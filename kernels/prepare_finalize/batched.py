@@ -12,7 +12,6 @@ import torch
 
 from kernels.prepare_finalize.no_ep import dispatch_locally
 from kernels.quant_scheme import ActQuant
-from kernels.registry import register_prepare_finalize
 from kernels.stages import DispatchSpec, PrepareFinalize
 from kernels.tensors import Dispatched, Format, Routing
 from kernels.workspace import Workspace
@@ -27,7 +26,6 @@ def _scatter_rows(
     dst[experts, slots] = rows
 
 
-@register_prepare_finalize
 class Batched(PrepareFinalize):
     name: ClassVar[str] = "batched"
     format: ClassVar[Format] = Format.BATCHED

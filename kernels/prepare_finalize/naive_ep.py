@@ -35,7 +35,6 @@ import torch.distributed as dist
 from kernels.prepare_finalize.no_ep import dispatch_locally
 from kernels.quant_scheme import ActQuant
 from kernels.quantize import quantize_activation
-from kernels.registry import register_prepare_finalize
 from kernels.routing import to_local_ids
 from kernels.stages import YES, DispatchSpec, PrepareFinalize, Support, weighted_topk_sum
 from kernels.tensors import Dispatched, Format, Routing
@@ -62,7 +61,6 @@ def unpack_rows(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Te
     ]
 
 
-@register_prepare_finalize
 class NaiveEP(PrepareFinalize):
     name: ClassVar[str] = "naive-ep"
     format: ClassVar[Format] = Format.STANDARD

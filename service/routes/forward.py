@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
+import time
+from typing import Annotated
 
 import safetensors.torch
-from fastapi import APIRouter, Request, Response
-from pydantic import ValidationError
+import torch
+from fastapi import APIRouter, Query, Request, Response
 
 from kernels.layer import LayerOutput
 from kernels.tensors import ForwardInputs
-from service.deps import BatcherDep, BodyDep, EngineDep
+from service import json_codec
+from service.batcher import RequestOptions
+from service.deps import BatcherDep, BodyDep, EngineDep, MetricsDep, submit_while_connected
 from service.docs import DEMO_LOGITS, DEMO_ROWS
 from service.engine import ServedLayer
-from service.errors import BadInput, UnsupportedMediaType, describe_validation_error
-from service.inputs import check_inputs, rows_to_tensor
+from service.errors import BadInput, UnsupportedMediaType
+from service.inputs import check_inputs
 from service.schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
+from service.wire import encode_safetensors, run_sized
 
 router = APIRouter(tags=["forward"])
 
@@ -33,7 +37,7 @@ _ERRORS = {
         415: "content type is neither application/json nor application/octet-stream",
         422: "JSON body does not match the schema",
         429: "the layer's queue is full; retry after Retry-After seconds",
-        503: "not ready (loading) or shutting down",
+        503: "not ready (loading), shutting down, or the request's timeout passed in the queue",
     }.items()
 }
 
@@ -101,57 +105,88 @@ async def forward(
     body: BodyDep,
     engine: EngineDep,
     batcher: BatcherDep,
+    metrics: MetricsDep,
     return_routing: bool = False,
+    priority: Annotated[
+        int, Query(ge=0, description="1 goes first, then 2, ...; 0: the default, after all")
+    ] = 0,
+    timeout: Annotated[
+        int,
+        Query(ge=0, description="microseconds the request may wait in the queue; 0: no limit"),
+    ] = 0,
 ) -> Response:
     """The routed experts, weighted and summed, plus shared experts where the layer has them.
 
     Without router_logits the layer's stored router (and bias) computes them. A binary reply
-    also carries topk_ids and topk_weights when `?return_routing=true`.
+    also carries topk_ids and topk_weights when `?return_routing=true`. `priority` and `timeout`
+    follow KServe/Triton's schedule policy: a request still queued after `timeout`
+    microseconds gets 503 and none of it runs.
     """
     served = engine.get(name)
     media = _media_type(request)
+    options = schedule_options(priority, timeout)
     if media == JSON:
         # Parsing and printing thousands of floats takes tens of ms: off the event loop.
-        inputs, want_routing = await asyncio.to_thread(_decode_json, served, body)
-        result = await batcher.submit(name, inputs)
-        reply = await asyncio.to_thread(_encode_json, served, result, want_routing)
+        started = time.perf_counter()
+        inputs, want_routing = await json_codec.off_loop(_decode_json, served, body)
+        metrics.observe_stage(name, "decode", time.perf_counter() - started)
+        result = await submit_while_connected(request, batcher, name, inputs, options)
+        started = time.perf_counter()
+        reply = await json_codec.off_loop(_encode_json, served, result, want_routing)
+        metrics.observe_stage(name, "encode", time.perf_counter() - started)
         return Response(reply, media_type=JSON)
     if media == BINARY:
-        tensors = _load_blob(body)
-        hidden = tensors["hidden_states"]
-        inputs = check_inputs(served, hidden, tensors.get("router_logits"))
-        result = await batcher.submit(name, inputs)
-        out = {"output": result.output.to(hidden.dtype)}
-        if return_routing:
-            out |= {
-                "topk_ids": result.routing.topk_ids,
-                "topk_weights": result.routing.topk_weights,
-            }
-        meta = {"layer": served.name, "backend": served.backend, "tokens": str(hidden.shape[0])}
-        return Response(safetensors.torch.save(out, metadata=meta), media_type=BINARY)
+        started = time.perf_counter()
+        inputs = await run_sized(len(body), lambda: _decode_blob(served, body))
+        metrics.observe_stage(name, "decode", time.perf_counter() - started)
+        result = await submit_while_connected(request, batcher, name, inputs, options)
+        started = time.perf_counter()
+        wire = inputs.hidden_states.dtype
+        reply = await run_sized(
+            result.output.numel() * wire.itemsize,
+            lambda: _encode_blob(served, result, wire, return_routing),
+        )
+        metrics.observe_stage(name, "encode", time.perf_counter() - started)
+        return Response(reply, media_type=BINARY)
     raise UnsupportedMediaType(
         f"content type {media or '(none)'!r} is not accepted; send {JSON} or {BINARY}"
     )
 
 
+def schedule_options(priority: int, timeout_us: int) -> RequestOptions:
+    """KServe/Triton schedule-policy values -> the batcher's options (0: the default)."""
+    return RequestOptions(priority, timeout_us / 1e6 if timeout_us else None)
+
+
+def _decode_blob(served: ServedLayer, body: bytes) -> ForwardInputs:
+    tensors = _load_blob(body)
+    return check_inputs(served, tensors["hidden_states"], tensors.get("router_logits"))
+
+
+def _encode_blob(
+    served: ServedLayer, result: LayerOutput, wire: torch.dtype, routing: bool
+) -> bytes:
+    out = {"output": result.output.to(wire)}  # the request's dtype (no copy when it is the layer's)
+    if routing:
+        out |= {"topk_ids": result.routing.topk_ids, "topk_weights": result.routing.topk_weights}
+    meta = {"layer": served.name, "backend": served.backend, "tokens": str(len(result.output))}
+    return encode_safetensors(out, meta)
+
+
 def _decode_json(served: ServedLayer, body: bytes) -> tuple[ForwardInputs, bool]:
-    try:
-        req = ForwardRequest.model_validate_json(body)
-    except ValidationError as err:
-        raise BadInput(describe_validation_error(err)) from None
-    hidden = rows_to_tensor("hidden_states", req.hidden_states)
-    logits = req.router_logits
-    logits = None if logits is None else rows_to_tensor("router_logits", logits)
-    return check_inputs(served, hidden, logits), req.return_routing
+    decoded = json_codec.decode_forward(body)
+    inputs = check_inputs(served, decoded.hidden_states, decoded.router_logits)
+    return inputs, decoded.return_routing
 
 
 def _encode_json(served: ServedLayer, result: LayerOutput, routing: bool) -> bytes:
-    reply = ForwardResponse(
-        output=result.output.float().tolist(),
-        layer=served.name,
-        tokens=result.output.shape[0],
-        backend=served.backend,
-        topk_ids=result.routing.topk_ids.tolist() if routing else None,
-        topk_weights=result.routing.topk_weights.tolist() if routing else None,
-    )
-    return reply.model_dump_json(exclude_none=True).encode()
+    """The reply as ForwardResponse describes it, written from the tensors' buffers."""
+    reply = {
+        "output": result.output,
+        "layer": served.name,
+        "tokens": result.output.shape[0],
+        "backend": served.backend,
+    }
+    if routing:
+        reply |= {"topk_ids": result.routing.topk_ids, "topk_weights": result.routing.topk_weights}
+    return json_codec.dumps(reply)

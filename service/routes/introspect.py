@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import platform
 
 import torch
@@ -40,14 +39,8 @@ def layer_info(served: ServedLayer) -> LayerInfo:
     cfg = served.config
     return LayerInfo(
         name=served.name,
-        num_experts=cfg.num_experts,
         top_k=cfg.top_k,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        activation=dataclasses.asdict(cfg.activation),
-        routing=dataclasses.asdict(cfg.routing),
-        quant=dataclasses.asdict(cfg.quant),
-        dtype=str(cfg.dtype).removeprefix("torch."),
+        **cfg.as_json(),
         device_bytes=served.device_bytes,
         shared_experts=served.layer.shared is not None,
         backend=served.backend,
@@ -84,6 +77,7 @@ async def backends(engine: EngineDep) -> BackendsResponse:
             reason=served.selection.reason,
             rejected=served.selection.rejected,
             workspace_bytes=served.layer.kernel.workspace.nbytes,
+            graph_buckets=sorted(served.graphs.graphs) if served.graphs is not None else [],
         )
         for served in engine.layers.values()
     ]

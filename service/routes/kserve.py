@@ -147,7 +147,9 @@ async def _infer(
 ) -> Response:
     infer_request, tensors = decode_request(body, _header_length(request))
     owner = caller(request, runtime)
-    result = await inference.infer(runtime, name, version, infer_request, tensors, owner)
+    result = await inference.infer(
+        runtime, name, version, infer_request, tensors, owner, http_request=request
+    )
     with tracing.reply_span():
         encoded = encode_response(name, infer_request, result.outputs, result.placed)
     if encoded.header_length is None:

@@ -11,8 +11,8 @@ import torch
 
 from bench import random_layer as random_layer_module
 from bench.kernel_bench import KernelBench, KernelBenchConfig
-from bench.loads import Load, router_logits
 from bench.random_layer import random_layer
+from bench.router_loads import Load, router_logits
 from bench.timing import TimingPlan
 from kernels import registry
 from kernels.config import MoEConfig, RoutingConfig
@@ -77,8 +77,8 @@ def test_skewed_load_sends_more_tokens_to_the_hottest_expert_than_uniform() -> N
 def test_kernel_bench_times_checks_and_scores_every_backend_on_the_tiny_shape(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(registry._EXPERTS, "test-wrong", _WrongExperts)
-    monkeypatch.setitem(registry._EXPERTS, "test-failing", _FailingExperts)
+    monkeypatch.setitem(registry.EXPERTS, "test-wrong", _WrongExperts)
+    monkeypatch.setitem(registry.EXPERTS, "test-failing", _FailingExperts)
     out = tmp_path / "run.json"
     config = KernelBenchConfig(
         shapes=("tiny",),
@@ -116,7 +116,7 @@ def test_kernel_bench_records_unsupported_backends_with_their_reason(
         name: ClassVar[str] = "test-bf16-only"
         schemes: ClassVar[frozenset[QuantScheme]] = frozenset({QuantScheme.FP8_BLOCK})
 
-    monkeypatch.setitem(registry._EXPERTS, "test-bf16-only", _Bf16Only)
+    monkeypatch.setitem(registry.EXPERTS, "test-bf16-only", _Bf16Only)
     config = KernelBenchConfig(
         shapes=("tiny",), tokens=(2,), device=CPU, loads=(Load.SKEWED,), plan=QUICK
     )
@@ -156,7 +156,7 @@ def test_shapes_past_the_time_limit_are_listed_as_not_run(tmp_path: Path) -> Non
 def test_a_non_finite_row_beyond_the_checked_rows_marks_the_backend_wrong(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(registry._EXPERTS, "test-nan-last-row", _NanLastRowExperts)
+    monkeypatch.setitem(registry.EXPERTS, "test-nan-last-row", _NanLastRowExperts)
     config = KernelBenchConfig(
         shapes=("tiny",),
         tokens=(5,),

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from bench.kernel_bench import PointKey, score_point
-from bench.loads import Load
 from bench.roofline import Ceilings, Work
+from bench.router_loads import Load
 from bench.schema import BackendResult, Timing
 from bench.targets import check_targets
 from tests.bench.sample import sample_run

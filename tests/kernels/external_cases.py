@@ -1,4 +1,4 @@
-"""Layers and inputs shared by the external backends' GPU tests and their timing run.
+"""Weights and inputs of the external backends' GPU tests, for layers of bench/shapes.py.
 
 DeepSeek-V3 (fp8 block, E=256, H=7168, I=2048, top 8 of 8 groups) and gpt-oss-120b (MXFP4,
 swigluoai with biases, E=128, H=I=2880, top 4), each at full size and scaled down. Weights are
@@ -12,49 +12,19 @@ import functools
 
 import torch
 
-from kernels.config import Activation, ActivationSpec, GateUp, GroupScore, MoEConfig, RoutingConfig
+from bench.shapes import SHAPES
+from kernels.config import MoEConfig
 from kernels.experts.reference import ReferenceExperts
 from kernels.modular import ModularKernel
 from kernels.prepare_finalize.batched import Batched
 from kernels.prepare_finalize.no_ep import NoEP
-from kernels.quant_scheme import QuantConfig, QuantScheme
 from kernels.quantize import quantize_weight
 from kernels.routing import route
 from kernels.stages import Experts
 from kernels.tensors import ExpertWeights, Routing
 from kernels.workspace import Workspace
 
-DEEPSEEK_ROUTING = RoutingConfig(
-    top_k=8,
-    scoring="sigmoid",
-    num_groups=8,
-    topk_groups=4,
-    group_score=GroupScore.TOP2_SUM,
-    routed_scaling_factor=2.5,
-)
-GPT_OSS_ROUTING = RoutingConfig(top_k=4, softmax_after_topk=True)
-SWIGLUOAI = ActivationSpec(Activation.SWIGLUOAI, GateUp.INTERLEAVED)
-
-LAYERS = {
-    "deepseek-small": MoEConfig(
-        16, 512, 256, DEEPSEEK_ROUTING, quant=QuantConfig(QuantScheme.FP8_BLOCK)
-    ),
-    "deepseek-full": MoEConfig(
-        256, 7168, 2048, DEEPSEEK_ROUTING, quant=QuantConfig(QuantScheme.FP8_BLOCK)
-    ),
-    "gpt-oss-small": MoEConfig(
-        8, 256, 320, GPT_OSS_ROUTING, SWIGLUOAI, QuantConfig(QuantScheme.MXFP4), has_bias=True
-    ),
-    "gpt-oss-full": MoEConfig(
-        128, 2880, 2880, GPT_OSS_ROUTING, SWIGLUOAI, QuantConfig(QuantScheme.MXFP4), has_bias=True
-    ),
-    "gpt-oss-bf16-small": MoEConfig(8, 256, 320, GPT_OSS_ROUTING, SWIGLUOAI, has_bias=True),
-}
 EXPERTS_PER_DRAW = 16
-
-# relative error against the float32 reference backend: bf16 GEMM outputs, and for fp8-block
-# the fp8 rounding of the intermediate taken from them instead of from float32
-TOLERANCE = {QuantScheme.FP8_BLOCK: 3e-2, QuantScheme.MXFP4: 2e-2, QuantScheme.NONE: 2e-2}
 
 
 def _quantized(cfg: MoEConfig, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -64,7 +34,7 @@ def _quantized(cfg: MoEConfig, w: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 @functools.cache
 def layer_weights(name: str, seed: int = 0) -> ExpertWeights:
-    cfg, dev = LAYERS[name], torch.device("cuda")
+    cfg, dev = SHAPES[name], torch.device("cuda")
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
     g = torch.Generator(device=dev).manual_seed(seed)
     parts: dict[str, list[torch.Tensor]] = {"w13": [], "s13": [], "w2": [], "s2": []}
@@ -88,7 +58,7 @@ def layer_weights(name: str, seed: int = 0) -> ExpertWeights:
 def layer_inputs(name: str, m: int, crowded: bool = False, seed: int = 1) -> tuple:
     """hidden [M, H], logits [M, E], routing. `crowded`: every token to experts 0..k-1, so one
     expert gets all tokens at slot 0 and the others none."""
-    cfg, dev = LAYERS[name], torch.device("cuda")
+    cfg, dev = SHAPES[name], torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(seed)
     hidden = torch.randn(m, cfg.hidden_size, device=dev, generator=g).to(cfg.dtype)
     logits = torch.randn(m, cfg.num_experts, device=dev, generator=g)
@@ -106,6 +76,6 @@ def modular(experts: Experts, chunk_tokens: int = 8192) -> ModularKernel:
 
 @functools.cache
 def reference_output(name: str, m: int, crowded: bool = False) -> torch.Tensor:
-    cfg = LAYERS[name]
+    cfg = SHAPES[name]
     hidden, _, routing = layer_inputs(name, m, crowded)
     return modular(ReferenceExperts(cfg, layer_weights(name))).forward(hidden, routing).float()

@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from kernels import selection
 from kernels.accuracy import relative_error
 from kernels.activations import apply_activation
 from kernels.config import Activation, ActivationSpec, GateUp, MoEConfig, RoutingConfig
@@ -32,7 +33,6 @@ EXTERNAL = (
     "triton-or-deep-gemm",
     "oai-triton",
     "oai-triton-unfused",
-    "oai-triton-monolithic",
 )
 ALIGN = 8  # a small contiguous-layout alignment keeps the CPU cases tiny
 
@@ -85,7 +85,7 @@ def test_deep_gemm_backends_name_the_missing_package(name: str) -> None:
 @pytest.mark.skipif(
     not isinstance(oai_triton.import_triton_kernels(), str), reason="triton_kernels is installed"
 )
-@pytest.mark.parametrize("name", ["oai-triton", "oai-triton-unfused", "oai-triton-monolithic"])
+@pytest.mark.parametrize("name", ["oai-triton", "oai-triton-unfused"])
 def test_oai_backends_name_the_missing_package(name: str) -> None:
     reason = experts_backends()[name].environment(CUDA).reason
     assert reason.startswith("triton_kernels not importable: ")
@@ -113,7 +113,7 @@ def test_deep_gemm_refuses_partial_blocks(kw: dict, reason: str) -> None:
         assert cls.check_config(_fp8_block_config(**kw)).reason == reason
 
 
-def test_oai_refuses_non_bf16_activations_and_monolithic_refuses_input_weighting() -> None:
+def test_oai_refuses_non_bf16_activations_and_takes_input_weighting() -> None:
     oai = oai_triton.OaiTritonExperts
     assert oai.check_config(_gpt_oss_config(dtype=torch.float32)).reason.startswith(
         "runs bf16 activations"
@@ -122,8 +122,6 @@ def test_oai_refuses_non_bf16_activations_and_monolithic_refuses_input_weighting
     on_input = _gpt_oss_config(
         routing=RoutingConfig(top_k=1, softmax_after_topk=True), apply_router_weight_on_input=True
     )
-    reason = oai_triton.MonolithicOaiTritonExperts.check_config(on_input).reason
-    assert reason == "forward_logits weighs the experts' outputs, not the input"
     assert oai.check_config(on_input)  # the modular path weighs the input in prepare
 
 
@@ -347,9 +345,7 @@ def test_ogs_indices_reproduce_the_moe_through_gather_and_scatter() -> None:
 def test_triton_or_deep_gemm_switches_at_the_measured_token_count(
     fake_deep_gemm: types.ModuleType, monkeypatch: pytest.MonkeyPatch, m: int, ran: str
 ) -> None:
-    monkeypatch.setattr(
-        triton_or_deep_gemm, "deep_gemm_min_tokens", lambda cfg, device: (32, "test rule")
-    )
+    monkeypatch.setattr(selection, "deep_gemm_min_tokens", lambda cfg, device: (32, "test rule"))
     cfg = _fp8_block_config()
     weights = random_expert_weights(cfg, seed=9)
     experts = triton_or_deep_gemm.TritonOrDeepGemmExperts(cfg, weights)
@@ -374,9 +370,7 @@ def test_triton_or_deep_gemm_without_a_measurement_runs_deep_gemm_at_every_size(
 def test_triton_or_deep_gemm_where_deep_gemm_never_won_runs_triton(
     fake_deep_gemm: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(
-        triton_or_deep_gemm, "deep_gemm_min_tokens", lambda cfg, device: (None, "test rule")
-    )
+    monkeypatch.setattr(selection, "deep_gemm_min_tokens", lambda cfg, device: (None, "test rule"))
     cfg = _fp8_block_config()
     experts = triton_or_deep_gemm.TritonOrDeepGemmExperts(cfg, random_expert_weights(cfg))
     assert not experts.uses_deep_gemm(1 << 20)

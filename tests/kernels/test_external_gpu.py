@@ -9,31 +9,25 @@ import logging
 import pytest
 import torch
 
+from bench.shapes import SHAPES
 from kernels import selection
-from kernels.accuracy import relative_error
+from kernels.accuracy import relative_error, tolerance
 from kernels.config import Activation, ActivationSpec
-from kernels.experts.oai_triton import MonolithicOaiTritonExperts
 from kernels.experts.reference import ReferenceExperts
-from tests.kernels.external_cases import (
-    LAYERS,
-    TOLERANCE,
-    layer_inputs,
-    layer_weights,
-    modular,
-    reference_output,
-)
+from tests.kernels.external_cases import layer_inputs, layer_weights, modular, reference_output
 
 pytestmark = pytest.mark.gpu
 logger = logging.getLogger(__name__)
 CUDA = torch.device("cuda")
 TOKENS = [1, 64, 333, 4096]
-SIZES = ["small", "full"]
+DEEPSEEK_V3 = ["deepseek-v3-small", "deepseek-v3"]
+GPT_OSS = ["gpt-oss-small", "gpt-oss"]
 DEEPSEEK_BACKENDS = ["deep-gemm", "deep-gemm-batched", "triton-or-deep-gemm", "auto"]
 GPT_OSS_BACKENDS = ["oai-triton", "oai-triton-unfused", "auto"]
 
 
 def _check(name: str, backend: str, m: int, crowded: bool = False) -> str:
-    cfg = LAYERS[name]
+    cfg = SHAPES[name]
     choice = selection.select(cfg, CUDA, backend)
     experts = choice.experts(cfg, layer_weights(name))
     hidden, _, routing = layer_inputs(name, m, crowded)
@@ -41,23 +35,23 @@ def _check(name: str, backend: str, m: int, crowded: bool = False) -> str:
     assert out.shape == hidden.shape and out.dtype == cfg.dtype
     err = relative_error(out, reference_output(name, m, crowded))
     logger.info("%s %s M=%d: %s, relative error %.2e", name, backend, m, choice.experts.name, err)
-    assert err < TOLERANCE[cfg.quant.scheme], f"{choice.experts.name}: {err:.3g}"
+    assert err < tolerance(cfg), f"{choice.experts.name}: {err:.3g}"
     return getattr(experts, "last_ran", choice.experts.name)
 
 
 @pytest.mark.parametrize("m", TOKENS)
-@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("name", DEEPSEEK_V3)
 @pytest.mark.parametrize("backend", DEEPSEEK_BACKENDS)
-def test_deepseek_v3_matches_reference(backend: str, size: str, m: int) -> None:
-    ran = _check(f"deepseek-{size}", backend, m)
+def test_deepseek_v3_matches_reference(backend: str, name: str, m: int) -> None:
+    ran = _check(name, backend, m)
     assert ran != "reference"  # on the H100 every fp8-block path has a fast backend
 
 
 @pytest.mark.parametrize("m", TOKENS)
-@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("name", GPT_OSS)
 @pytest.mark.parametrize("backend", GPT_OSS_BACKENDS)
-def test_gpt_oss_mxfp4_matches_reference(backend: str, size: str, m: int) -> None:
-    assert _check(f"gpt-oss-{size}", backend, m) != "reference"
+def test_gpt_oss_mxfp4_matches_reference(backend: str, name: str, m: int) -> None:
+    assert _check(name, backend, m) != "reference"
 
 
 @pytest.mark.parametrize("m", [1, 64, 333])
@@ -70,37 +64,38 @@ def test_gpt_oss_bf16_matches_reference(backend: str, m: int) -> None:
     "backend", ["deep-gemm", "deep-gemm-batched", "triton-or-deep-gemm", "oai-triton"]
 )
 def test_all_tokens_on_the_same_experts_and_the_rest_empty(backend: str) -> None:
-    name = "gpt-oss-small" if backend.startswith("oai") else "deepseek-small"
+    name = "gpt-oss-small" if backend.startswith("oai") else "deepseek-v3-small"
     _check(name, backend, 333, crowded=True)
 
 
-@pytest.mark.parametrize("m", TOKENS)
-@pytest.mark.parametrize("size", SIZES)
-def test_monolithic_routes_from_logits_like_our_router(size: str, m: int) -> None:
-    name = f"gpt-oss-{size}"
-    cfg = LAYERS[name]
-    experts = MonolithicOaiTritonExperts(cfg, layer_weights(name))
-    hidden, logits, _ = layer_inputs(name, m)
-    out = experts.forward_logits(hidden, logits)
-    err = relative_error(out, reference_output(name, m))
-    assert err < TOLERANCE[cfg.quant.scheme], f"{err:.3g}"
-
-
 def test_unfused_runs_any_activation() -> None:
-    cfg = LAYERS["gpt-oss-bf16-small"]
+    cfg = SHAPES["gpt-oss-bf16-small"]
     silu = dataclasses.replace(cfg, activation=ActivationSpec(Activation.SILU))
     weights = layer_weights("gpt-oss-bf16-small")
     hidden, _, routing = layer_inputs("gpt-oss-bf16-small", 64)
     expected = modular(ReferenceExperts(silu, weights)).forward(hidden, routing)
     actual = modular(selection.select(silu, CUDA, "oai-triton-unfused").experts(silu, weights))
-    assert relative_error(actual.forward(hidden, routing), expected) < 2e-2
+    assert relative_error(actual.forward(hidden, routing), expected) < tolerance(silu)
 
 
 def test_backends_report_on_this_gpu() -> None:
     """What /backends shows on the H100: every external backend available but the SM100 one."""
-    rejected = selection.select(LAYERS["deepseek-full"], CUDA).rejected
+    rejected = selection.select(SHAPES["deepseek-v3"], CUDA).rejected
     assert {"deep-gemm", "deep-gemm-batched", "triton-or-deep-gemm"}.isdisjoint(rejected)
     if torch.cuda.get_device_capability() == (9, 0):
         assert rejected["deep-gemm-fp4"] == "requires SM100 (Blackwell); this GPU is sm_90"
-    rejected = selection.select(LAYERS["gpt-oss-full"], CUDA).rejected
-    assert {"oai-triton", "oai-triton-unfused", "oai-triton-monolithic"}.isdisjoint(rejected)
+    rejected = selection.select(SHAPES["gpt-oss"], CUDA).rejected
+    assert {"oai-triton", "oai-triton-unfused"}.isdisjoint(rejected)
+
+
+@pytest.mark.parametrize("backend", ["oai-triton", "oai-triton-unfused"])
+def test_mxfp4_rows_of_the_last_expert_stay_finite_over_freed_nan_bytes(backend: str) -> None:
+    """matmul_ogs reads past the last expert's swizzled scales (K = 320 is not a whole K block):
+    with 0xff (E8M0 NaN) bytes left in the allocator, those rows came back NaN now and then."""
+    cfg = SHAPES["gpt-oss-small"]
+    torch.full((256 << 20,), 0xFF, dtype=torch.uint8, device=CUDA)  # freed at once: NaN bytes
+    experts = selection.select(cfg, CUDA, backend).experts(cfg, layer_weights("gpt-oss-small"))
+    for m in (1, 2, 32, 48, 64):  # rows to the last expert failed at 2, 32, 48 or 64
+        hidden, _, routing = layer_inputs("gpt-oss-small", m, False)
+        out = modular(experts).forward(hidden, routing)
+        assert torch.isfinite(out).all(), f"M={m}: rows {(~torch.isfinite(out)).any(1).nonzero()}"

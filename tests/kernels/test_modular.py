@@ -101,7 +101,9 @@ def test_formats_must_agree(tiny_config: MoEConfig) -> None:
 
 def test_duplicate_backend_names_are_refused() -> None:
     with pytest.raises(ValueError, match="registered twice"):
-        registry.register_experts(type("Again", (ReferenceExperts,), {"name": "reference"}))
+        registry.by_name(
+            ReferenceExperts, type("Again", (ReferenceExperts,), {"name": "reference"})
+        )
 
 
 def test_registry_lists_every_builtin_backend() -> None:

@@ -38,6 +38,7 @@ from kernels.random_weights import random_expert_weights
 from kernels.routing import contiguous_expert_map, route
 from kernels.tensors import Routing
 from kernels.workspace import Workspace
+from weights.placement_file import read_placement
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ def _placement(name: str, files: Path) -> Placement:
     case = CASES[name]
     if case.placement is None:
         return Placement.contiguous(case.cfg.num_experts, WORLD)
-    return Placement.from_file(files / f"{name}.json", case.cfg.num_experts, WORLD)
+    return read_placement(files / f"{name}.json", case.cfg.num_experts, WORLD)
 
 
 def _run_rank(rank: int, port: int, files: Path) -> None:
@@ -238,7 +239,7 @@ def test_contiguous_placement_agrees_with_the_contiguous_expert_map(
 def test_placement_file_maps_global_ids_to_local_order(tmp_path: Path) -> None:
     file = tmp_path / "p.json"
     file.write_text('{"ranks": [[3, 0], [1, 2]]}')
-    placement = Placement.from_file(file, num_experts=4, world_size=2)
+    placement = read_placement(file, num_experts=4, world_size=2)
     assert placement.local_experts(0) == [3, 0]
     assert placement.expert_map(0).tolist() == [1, -1, -1, 0]
     assert placement.expert_map(1).tolist() == [-1, 0, 1, -1]
@@ -263,13 +264,13 @@ def test_bad_placement_file_is_refused_naming_the_file_and_problem(
     file = tmp_path / "placement.json"
     file.write_text(text)
     with pytest.raises(ValueError, match=message) as err:
-        Placement.from_file(file, num_experts=4, world_size=2)
+        read_placement(file, num_experts=4, world_size=2)
     assert str(file) in str(err.value)
 
 
 def test_missing_placement_file_names_the_path(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cannot read it"):
-        Placement.from_file(tmp_path / "nope.json", num_experts=4, world_size=2)
+        read_placement(tmp_path / "nope.json", num_experts=4, world_size=2)
 
 
 def test_expert_parallel_selection_pairs_naive_ep_and_names_unfit_backends(

@@ -65,31 +65,6 @@ def test_the_cpu_has_no_rules_and_auto_selects_the_reference() -> None:
     assert choice.rejected["deep-gemm"] == "runs on cuda, not cpu"
 
 
-def test_ranking_is_by_geometric_mean_over_token_counts() -> None:
-    # triton: 40 * 80 * 900 = 2.88e6; deep-gemm: 90 * 85 * 500 = 3.8e6
-    assert selection.rank_backends(TIMES) == ("triton", "deep-gemm")
-    partial = TIMES | {"1": {"triton": 40.0}}  # deep-gemm missing at one count: not ranked
-    assert selection.rank_backends(partial) == ("triton",)
-
-
-@pytest.mark.parametrize(
-    ("times", "expected"),
-    [
-        (TIMES, 4096),
-        (TIMES | {"64": {"triton": 90.0, "deep-gemm": 85.0}}, 64),
-        (TIMES | {"4096": {"triton": 400.0, "deep-gemm": 500.0}}, None),
-        # a win at 64 that is lost again at 4096 does not count
-        (
-            TIMES
-            | {"64": {"triton": 90.0, "deep-gemm": 85.0}, "4096": {"triton": 1, "deep-gemm": 2}},
-            None,
-        ),
-    ],
-)
-def test_crossover_is_where_deep_gemm_wins_for_good(times: dict, expected: int | None) -> None:
-    assert selection.crossover_tokens(times, "deep-gemm", "triton") == expected
-
-
 def test_deep_gemm_threshold_comes_from_the_rule(measured: None) -> None:
     assert selection.deep_gemm_min_tokens(LARGE, GPU) == (
         4096,

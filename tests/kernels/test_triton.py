@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from kernels.accuracy import tolerance
 from kernels.config import Activation, GateUp
 from kernels.experts._triton import tiles
 from kernels.experts._triton.align import align_pairs, align_pairs_torch, aligned_capacity
@@ -24,13 +25,7 @@ from kernels.random_weights import random_expert_weights
 from kernels.routing import contiguous_expert_map
 from kernels.tensors import Format
 from kernels.workspace import Workspace
-from tests.kernels.triton_cases import (
-    ALL_SCHEMES,
-    Case,
-    random_routing,
-    tolerance,
-    triton_vs_reference,
-)
+from tests.kernels.triton_cases import ALL_SCHEMES, Case, random_routing, triton_vs_reference
 
 CPU = torch.device("cpu")  # selection and align; the kernels run on the `device` fixture
 FORMATS = (Format.STANDARD, Format.BATCHED)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.accuracy import relative_error
+from kernels.accuracy import relative_error, tolerance
 from kernels.config import Activation, GateUp
 from kernels.layer import LayerWeights, RouterWeights, build_layer
 from kernels.quant_scheme import ActQuant, QuantScheme
@@ -17,7 +17,7 @@ from kernels.random_weights import random_expert_weights
 from kernels.routing import contiguous_expert_map
 from kernels.selection import select
 from kernels.tensors import Format, ForwardInputs
-from tests.kernels.triton_cases import Case, random_routing, tolerance, triton_vs_reference
+from tests.kernels.triton_cases import Case, random_routing, triton_vs_reference
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,7 @@ from kernels.random_weights import random_expert_weights
 from kernels.tensors import ForwardInputs
 from service.batcher import BatchPolicy, DynamicBatcher
 from service.engine import Engine
-from service.errors import ForwardFailed, NotReady, Overloaded
+from service.errors import ForwardFailed, NonFiniteOutput, NotReady, Overloaded
 from service.metrics import Metrics
 from tests.service.layers import TINY, E, H, TinyLayer, reference_forward, tiny_layers
 
@@ -181,3 +181,49 @@ def test_close_drains_queued_requests_then_refuses_new_ones() -> None:
 
     result = asyncio.run(main())
     torch.testing.assert_close(result.output, reference_forward(TINY, x))
+
+
+def test_rows_whose_output_overflows_fail_only_their_request_and_are_counted() -> None:
+    engine = RecordingEngine(tiny_layers())
+    metrics = Metrics()
+    overflowing = rows(3, 0)
+    overflowing[2, 5] = 1e30  # finite, but the experts' products overflow float32
+    fine = rows(2, 1)
+
+    async def main():
+        batcher = DynamicBatcher(engine, BatchPolicy(64, 0.05, 16), metrics)
+        batcher.start()
+        try:
+            return await asyncio.wait_for(
+                asyncio.gather(
+                    batcher.submit(TINY, ForwardInputs(overflowing)),
+                    batcher.submit(TINY, ForwardInputs(fine)),
+                    return_exceptions=True,
+                ),
+                WAIT_S,
+            )
+        finally:
+            await batcher.close()
+
+    bad, good = asyncio.run(main())
+    assert engine.batch_sizes == [5]  # one forward for both
+    assert isinstance(bad, NonFiniteOutput)
+    assert bad.status == 422
+    assert bad.message == (
+        "the output of layer 'tiny' holds NaN or Inf at row 2 of this request: inputs this large "
+        "overflow the layer's arithmetic"
+    )
+    torch.testing.assert_close(good.output, reference_forward(TINY, fine))
+    assert metrics.nonfinite_forwards.labels(TINY)._value.get() == 1
+
+
+def test_a_chunked_request_names_its_own_row() -> None:
+    engine = RecordingEngine(tiny_layers())
+    x = rows(10, 2)
+    x[7, 0] = -1e30
+
+    async def body(batcher):
+        return await batcher.submit(TINY, ForwardInputs(x))
+
+    with pytest.raises(NonFiniteOutput, match="at row 7 of this request"):
+        run(engine, BatchPolicy(4, 0.0, 16), body)  # chunks of 4: row 3 of the second one

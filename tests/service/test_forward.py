@@ -4,17 +4,24 @@ and every kind of bad input answered with a 4xx that names the problem."""
 from __future__ import annotations
 
 import gzip
+import json
 
 import pytest
 import safetensors.torch
 import torch
 from fastapi.testclient import TestClient
 
-from kernels.config import RoutingConfig
+from kernels.config import MoEConfig, RoutingConfig
+from kernels.layer import LayerWeights, RouterWeights
+from kernels.random_weights import random_expert_weights
 from kernels.routing import route
-from tests.service.layers import NO_ROUTER, TINY, TOP_K, E, H, reference_forward
+from service.app import create_app
+from service.settings import Settings
+from tests.service.conftest import wait_ready
+from tests.service.layers import NO_ROUTER, TINY, TOP_K, E, H, TinyLayer, reference_forward
 
 BINARY = {"Content-Type": "application/octet-stream"}
+JSON_TYPE = "application/json"
 URL = f"/v1/layers/{TINY}/forward"
 
 
@@ -148,8 +155,24 @@ BAD_JSON = {
     "empty": ({"hidden_states": []}, 400, "hidden_states is empty"),
     "empty row": ({"hidden_states": [[]]}, 400, "hidden_states is empty"),
     "wrong hidden size": ({"hidden_states": [[0.0] * 3]}, 400, "hidden_size is 64"),
-    "not numbers": ({"hidden_states": [["a"] * H]}, 400, "hidden_states.0.0"),
-    "missing field": ({"router_logits": [[0.0] * E]}, 400, "hidden_states: Field required"),
+    "not numbers": ({"hidden_states": [["a"] * H]}, 400, 'hidden_states[0][0] is "a"; expected'),
+    "true for 1.0": (
+        {"hidden_states": [[0.5] * 7 + [True] + [0.5] * (H - 8)]},
+        400,
+        "hidden_states[0][7] is true; expected a number",
+    ),
+    "a string number": (
+        {"hidden_states": [[0.0] * H, ["0.5"] * H]},
+        400,
+        'hidden_states[1][0] is "0.5"',
+    ),
+    "yes for true": (
+        {"hidden_states": [[0.0] * H], "return_routing": "yes"},
+        400,
+        'return_routing must be true or false, got "yes"',
+    ),
+    "not an object": ([[0.0] * H], 400, "body must be a JSON object with hidden_states"),
+    "missing field": ({"router_logits": [[0.0] * E]}, 400, "hidden_states is missing"),
     "unknown field": ({"hidden_states": [[0.0] * H], "hiden": 1}, 400, "hiden"),
     "ragged logits": (
         {"hidden_states": [[0.0] * H] * 2, "router_logits": [[0.0] * E, [0.0]]},
@@ -167,13 +190,18 @@ def test_bad_json_returns_4xx_naming_the_problem(client: TestClient, case: str) 
     assert message in r.json()["error"]
 
 
-def test_nan_in_json_returns_400(client: TestClient) -> None:
-    row = ", ".join(["0.0"] * (H - 1) + ["NaN"])
+@pytest.mark.parametrize(
+    ("number", "message"),
+    [("NaN", "unexpected character"), ("Infinity", "unexpected character"), ("1e400", "infinity")],
+)
+def test_a_non_finite_json_number_returns_400(client: TestClient, number, message) -> None:
+    row = ", ".join(["0.0"] * (H - 1) + [number])
     r = client.post(
         URL, content=f'{{"hidden_states": [[{row}]]}}', headers={"Content-Type": "application/json"}
     )
     assert r.status_code == 400
-    assert "NaN" in r.json()["error"]
+    assert r.json()["error"].startswith("body is not valid JSON: ")
+    assert message in r.json()["error"]
 
 
 def test_malformed_json_returns_400(client: TestClient) -> None:
@@ -246,6 +274,35 @@ def test_gzipped_body_is_inflated(client: TestClient) -> None:
     )
 
 
+JSON_LIMIT_HINT = "(MOE_SERVE_MAX_JSON_BYTES); send larger requests in binary"
+
+
+def test_json_body_over_the_json_limit_returns_413_pointing_to_binary(make_client) -> None:
+    client = make_client(max_json_bytes=4096)
+    body = {"hidden_states": [[0.125] * H] * 20}  # about 14 kB
+    r = client.post(URL, json=body)
+    assert r.status_code == 413
+    assert r.json()["error"].startswith("request body of ")
+    assert JSON_LIMIT_HINT in r.json()["error"]
+    streamed = client.post(  # no Content-Length: the limit is found while reading
+        URL, content=iter([json.dumps(body).encode()]), headers={"Content-Type": JSON_TYPE}
+    )
+    assert streamed.status_code == 413
+    assert JSON_LIMIT_HINT in streamed.json()["error"]
+    same_rows = post_blob(client, hidden_states=torch.tensor(body["hidden_states"]))
+    assert same_rows.status_code == 200  # binary bodies have the general limit only
+
+
+def test_gzipped_json_inflating_past_the_json_limit_returns_413(make_client) -> None:
+    client = make_client(max_json_bytes=4096)
+    body = gzip.compress(json.dumps({"hidden_states": [[0.125] * H] * 20}).encode())
+    r = client.post(
+        URL, content=body, headers={"Content-Type": JSON_TYPE, "Content-Encoding": "gzip"}
+    )
+    assert r.status_code == 413
+    assert r.json()["error"].startswith("request body inflates past the 4096-byte limit of a JSON")
+
+
 def test_body_that_inflates_past_the_limit_returns_413(make_client) -> None:
     client = make_client(max_body_bytes=4096)
     bomb = gzip.compress(bytes(1 << 20))  # 1 MiB of zeros in about 1 kB
@@ -307,3 +364,33 @@ def test_device_fault_turns_ready_and_every_request_into_503(
         == 503
     )
     assert client.get("/health").status_code == 200
+
+
+def test_a_forward_whose_output_overflows_answers_422_naming_the_layer_and_is_counted(
+    client: TestClient,
+) -> None:
+    x = hidden(2)
+    x[1, 3] = 1e30  # float32 holds it; the experts' products do not
+    r = post_blob(client, hidden_states=x)
+    assert r.status_code == 422
+    assert r.json()["error"].startswith(f"the output of layer '{TINY}' holds NaN or Inf at row 1")
+    metrics = client.get("/metrics").text
+    assert f'moe_serve_nonfinite_forwards_total{{layer="{TINY}"}} 1.0' in metrics
+    assert post_blob(client, hidden_states=hidden(2)).status_code == 200  # the layer still serves
+
+
+def test_a_value_beyond_the_layers_dtype_is_refused_naming_row_and_column() -> None:
+    cfg = MoEConfig(E, H, 2 * H, RoutingConfig(top_k=TOP_K), dtype=torch.float16)
+    layer = TinyLayer("half", cfg, LayerWeights(random_expert_weights(cfg), RouterWeights()))
+    app = create_app(Settings(device="cpu"), lambda settings, device: [layer])
+    with TestClient(app) as half:
+        wait_ready(half.get)
+        x = hidden(3)
+        x[2, 9] = 1e5  # float16 ends at 65504
+        logits = torch.zeros(3, E)
+        r = post_blob(half, "/v1/layers/half/forward", hidden_states=x, router_logits=logits)
+    assert r.status_code == 400
+    assert r.json()["error"] == (
+        "hidden_states holds 100000 at row 2, column 9: beyond the largest float16 value of this "
+        "layer (65504)"
+    )

@@ -121,6 +121,16 @@ def test_a_header_length_that_is_not_a_byte_count_returns_400(server_url: str, l
     assert r.json()["error"].startswith("Inference-Header-Content-Length must be a byte count")
 
 
+def test_a_json_part_over_the_json_limit_returns_413(server_url: str) -> None:
+    r = httpx.post(
+        f"{server_url}/v2/models/{TINY}/infer",
+        content=b"{}",
+        headers={"Content-Type": "application/json", "Inference-Header-Content-Length": "9" * 9},
+    )
+    assert r.status_code == 413
+    assert r.json()["error"].startswith("the JSON part of 999999999 bytes exceeds the 2097152-byte")
+
+
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
 def test_tritonclient_compressed_requests_are_inflated(triton_client, algorithm: str) -> None:
     x = np.random.default_rng(2).standard_normal((4, H)).astype(np.float32)

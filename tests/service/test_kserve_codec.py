@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from service.errors import BadInput
-from service.kserve_codec import decode_request, encode_response
+from service.kserve_codec import InferRequest, decode_request, encode_response, wants_binary
 
 
 def _binary_request(tensor: torch.Tensor, size: int | None = None) -> tuple[bytes, int]:
@@ -53,6 +53,19 @@ def test_codec_json_tensors_accept_flat_and_nested_data() -> None:
         assert tensors["a"].tolist() == [[1.0, 2.0], [3.0, 4.0]]
 
 
+_BOOL_SIZE = json.dumps(
+    {
+        "inputs": [
+            {
+                "name": "a",
+                "shape": [1],
+                "datatype": "FP32",
+                "parameters": {"binary_data_size": True},
+            }
+        ]
+    }
+).encode()
+
 CODEC_ERRORS = {
     "size mismatch": (
         lambda: _binary_request(torch.zeros(2, 4), size=16),
@@ -92,7 +105,51 @@ CODEC_ERRORS = {
         "neither data nor parameters.binary_data_size",
     ),
     "not a request": (lambda: (b'{"inputs": 3}', None), "inputs"),
+    "a datatype that is listed nowhere it is refused": (
+        lambda: (_json_input("FP64", [0.5]), None),
+        "datatype 'FP64' is not supported; expected one of FP32, FP16, BF16",
+    ),
+    "true for 1.0": (
+        lambda: (_json_input("FP32", [0.5, True]), None),
+        "input a data[1] is true; expected a number",
+    ),
+    "a size that is a boolean": (
+        lambda: (_BOOL_SIZE + b"x", len(_BOOL_SIZE)),
+        "binary_data_size True does not fit",
+    ),
 }
+
+
+def _json_input(datatype: str, data: list) -> bytes:
+    shape = [len(data)]
+    return json.dumps(
+        {"inputs": [{"name": "a", "shape": shape, "datatype": datatype, "data": data}]}
+    ).encode()
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        (
+            {"binary_data_output": "no"},
+            "parameters.binary_data_output must be true or false, got 'no'",
+        ),
+        ({}, None),
+        ({"binary_data_output": True}, None),
+    ],
+)
+def test_binary_output_flags_are_strict_booleans(parameters: dict, message) -> None:
+    request = InferRequest.model_validate(
+        {
+            "inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "data": [1]}],
+            "parameters": parameters,
+        }
+    )
+    if message is None:
+        assert wants_binary(request, "output") is parameters.get("binary_data_output", False)
+        return
+    with pytest.raises(BadInput, match=re.escape(message)):
+        wants_binary(request, "output")
 
 
 @pytest.mark.parametrize("case", CODEC_ERRORS, ids=str)

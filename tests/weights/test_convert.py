@@ -165,7 +165,7 @@ def test_converted_layer_matches_a_loop_over_the_original_tensors(
 def test_deepseek_fp8_experts_are_kept_bit_for_bit(tmp_path: Path):
     hub = tiny_hub.deepseek_v3_fp8(tmp_path / "hub")
     manifest = convert_checkpoint(hub.root, 1, tmp_path / "out")
-    assert manifest.quant.scheme == "fp8-block"
+    assert manifest.config.quant.scheme == "fp8-block"
     experts = load_layer(tmp_path / "out", CPU).weights.experts
     p = "model.layers.1.mlp.experts.5"
     gate_up = torch.cat([hub.tensors[f"{p}.gate_proj.weight"], hub.tensors[f"{p}.up_proj.weight"]])
@@ -200,7 +200,7 @@ def test_manifest_records_family_layer_and_routing(tmp_path: Path):
         "hub",
         1,
     )
-    r = m.routing
+    r = m.config.routing
     assert (r.scoring, r.num_groups, r.topk_groups, r.group_score) == ("sigmoid", 4, 2, "top2_sum")
     assert (r.routed_scaling_factor, m.correction_bias, m.shared_intermediate_size) == (
         2.5,

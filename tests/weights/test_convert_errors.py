@@ -349,7 +349,7 @@ def test_round_trip_through_each_quant_scheme_stays_within_its_bound(
 ):
     case = mixtral_case(tmp_path / "hub")
     manifest = convert_checkpoint(case.hub.root, 1, tmp_path / "out", QuantConfig(scheme, 32))
-    assert manifest.quant.scheme == scheme
+    assert manifest.config.quant.scheme == scheme
     x = torch.randn(33, 64, generator=torch.Generator().manual_seed(0))
     err = relative_error(forward(tmp_path / "out", x), case.expected(x))
     assert err < ROUND_TRIP_BOUNDS[scheme], f"{scheme}: relative error {err:.3g}"

@@ -19,7 +19,7 @@ from service.cli import main
 from weights.demo import demo_layers, ensure_demo_layers
 from weights.errors import LayerFileError
 from weights.integrity import checksums
-from weights.layout import flatten, header_sha256, tensor_offsets
+from weights.layout import header_sha256, tensor_offsets
 from weights.load import load_layer
 from weights.manifest import MANIFEST_FILE, TENSORS_FILE
 from weights.write import write_layer
@@ -53,8 +53,8 @@ def test_demo_layers_are_deterministic_and_fp8_copy_is_close_to_bf16(demo_dirs: 
     for path, (manifest, weights) in zip(demo_dirs, again, strict=True):
         loaded = load_layer(path, CPU)
         assert loaded.manifest.name == manifest.name == path.name
-        for name, t in flatten(weights).items():
-            assert torch.equal(flatten(loaded.weights)[name], t), name
+        for name, t in weights.tensors().items():
+            assert torch.equal(loaded.weights.tensors()[name], t), name
     bf16, fp8 = (load_layer(p, CPU) for p in demo_dirs)
     x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     outs = [
@@ -157,7 +157,7 @@ def _replace_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def test_wrong_shape_names_the_tensor(demo_copy: Path):
-    tensors = flatten(load_layer(demo_copy, CPU).weights)
+    tensors = load_layer(demo_copy, CPU).weights.tensors()
     tensors["w2_scale"] = tensors["w2_scale"][:, :1].contiguous()
     _replace_tensors(demo_copy, tensors)
     with pytest.raises(LayerFileError, match=r"tensor 'w2_scale': expected shape \[8, 2, 4\]"):
@@ -165,7 +165,7 @@ def test_wrong_shape_names_the_tensor(demo_copy: Path):
 
 
 def test_wrong_dtype_names_the_tensor(demo_copy: Path):
-    tensors = flatten(load_layer(demo_copy, CPU).weights)
+    tensors = load_layer(demo_copy, CPU).weights.tensors()
     tensors["gate"] = tensors["gate"].float()
     _replace_tensors(demo_copy, tensors)
     with pytest.raises(LayerFileError, match=r"'gate': expected dtype torch.bfloat16, got torch.f"):
@@ -173,7 +173,7 @@ def test_wrong_dtype_names_the_tensor(demo_copy: Path):
 
 
 def test_missing_and_unexpected_tensors_are_named(demo_copy: Path):
-    tensors = flatten(load_layer(demo_copy, CPU).weights)
+    tensors = load_layer(demo_copy, CPU).weights.tensors()
     del tensors["w13_scale"]
     _replace_tensors(demo_copy, tensors)
     with pytest.raises(LayerFileError, match="'w13_scale': missing"):
@@ -186,7 +186,7 @@ def test_missing_and_unexpected_tensors_are_named(demo_copy: Path):
 
 
 def test_non_finite_scale_is_refused(demo_copy: Path):
-    tensors = flatten(load_layer(demo_copy, CPU).weights)
+    tensors = load_layer(demo_copy, CPU).weights.tensors()
     tensors["w13_scale"][3, 1, 0] = float("nan")
     _replace_tensors(demo_copy, tensors)
     with pytest.raises(LayerFileError, match=r"'w13_scale': holds NaN or Inf .*\[3, 1, 0\]"):
@@ -225,7 +225,7 @@ def test_nan_weight_with_matching_checksums_is_refused_by_load_and_inspect(
     path.mkdir()
     for f in demo_dirs[0].iterdir():  # bf16 "demo"
         (path / f.name).write_bytes(f.read_bytes())
-    tensors = flatten(load_layer(path, CPU).weights)
+    tensors = load_layer(path, CPU).weights.tensors()
     tensors["w2"][6, 100, 7] = float("nan")
     _replace_tensors(path, tensors)
     with pytest.raises(LayerFileError, match=r"'w2': holds NaN or Inf \(first at index \[6, 100"):
@@ -235,7 +235,7 @@ def test_nan_weight_with_matching_checksums_is_refused_by_load_and_inspect(
 
 
 def test_fp8_nan_code_in_a_weight_is_refused(demo_copy: Path):
-    tensors = flatten(load_layer(demo_copy, CPU).weights)
+    tensors = load_layer(demo_copy, CPU).weights.tensors()
     tensors["w13"].view(torch.uint8)[2, 3, 4] = 0xFF  # e4m3fn NaN
     _replace_tensors(demo_copy, tensors)
     with pytest.raises(LayerFileError, match=r"'w13': holds NaN or Inf .*\[2, 3, 4\]"):
@@ -330,7 +330,7 @@ def test_loaded_bytes_equal_safetensors_own_reader(
     monkeypatch.setattr("weights.load.READ_CHUNK_BYTES", chunk_bytes)
     for path in demo_dirs:
         expected = load_file(path / TENSORS_FILE)
-        loaded = flatten(load_layer(path, CPU, experts=[7, 2, 3, 4]).weights)
+        loaded = load_layer(path, CPU, experts=[7, 2, 3, 4]).weights.tensors()
         for name, t in expected.items():
             want = t[[7, 2, 3, 4]] if name.startswith("w") else t
             assert torch.equal(loaded[name].view(torch.uint8), want.view(torch.uint8)), name
@@ -343,8 +343,8 @@ def test_cuda_load_equals_cpu_load_through_small_pinned_chunks(
 ):
     monkeypatch.setattr("weights.load.READ_CHUNK_BYTES", 1 << 20)  # many turns of both buffers
     for path in demo_dirs:
-        on_gpu = flatten(load_layer(path, torch.device("cuda"), experts).weights)
-        on_cpu = flatten(load_layer(path, CPU, experts).weights)
+        on_gpu = load_layer(path, torch.device("cuda"), experts).weights.tensors()
+        on_cpu = load_layer(path, CPU, experts).weights.tensors()
         for name, t in on_cpu.items():
             assert on_gpu[name].is_cuda
             assert torch.equal(on_gpu[name].cpu().view(torch.uint8), t.view(torch.uint8)), name

@@ -100,5 +100,5 @@ def convert_checkpoint(
         converted.config, converted.weights, name=name, source=converted.source
     )
     manifest = write_layer(out, converted.weights, manifest)
-    log.info("converted %s layer %d to %s (%s)", src, layer, out, manifest.quant.scheme)
+    log.info("converted %s layer %d to %s (%s)", src, layer, out, manifest.config.quant.scheme)
     return manifest

@@ -1,6 +1,6 @@
 """Time `load_layer` onto a GPU for a random DeepSeek-V3-sized fp8-block layer (~11 GB).
 
-    python -m bench.load [--dir /tmp/moe-serve-bench-layer] [--repeats 3]
+    python -m bench.weight_loading [--dir /tmp/moe-serve-bench-layer] [--repeats 3]
 
 Writes the layer (generated on the GPU, so it takes seconds), then loads it: once with its pages
 dropped from the OS cache (posix_fadvise DONTNEED: read from disk), then `--repeats` times warm
@@ -28,7 +28,6 @@ from kernels.config import MoEConfig
 from kernels.layer import LayerWeights, RouterWeights, SharedExpert
 from kernels.quant_scheme import FP8
 from kernels.tensors import ExpertWeights
-from weights.layout import flatten
 from weights.load import load_layer
 from weights.manifest import TENSORS_FILE, Manifest, Source
 from weights.write import write_layer
@@ -125,14 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     source = Source(family="deepseek_v3", model="random", layer=3)
     manifest = Manifest.from_config(DSV3, weights, name="dsv3-random", source=source)
     write_layer(args.dir, weights, manifest)
-    reference = flatten(weights)
+    reference = weights.tensors()
     del weights
     log.info("generated and wrote the layer in %.1f s", time.perf_counter() - start)
     file = args.dir / TENSORS_FILE
     nbytes = file.stat().st_size
 
     def ours() -> dict[str, torch.Tensor]:
-        return flatten(load_layer(args.dir, device).weights)
+        return load_layer(args.dir, device).weights.tensors()
 
     def stock() -> dict[str, torch.Tensor]:
         return load_file(file, device=str(device))

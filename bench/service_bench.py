@@ -1,0 +1,613 @@
+"""`moe-serve bench service`: the service's fast-path figures (issue 16) in one run.
+
+For each layer (the demo layer; a DeepSeek-V3-sized fp8-block layer with a router and a shared
+expert, drawn on the device) a server (bench/service_server.py) runs in its own process and is
+loaded at each concurrency level with 64-token bf16 binary bodies that differ, so routing
+differs (hey, several processes; a Python client where hey is absent), then one client with
+1-token and with JSON bodies. Per level the server's /metrics give the forwards it ran, their
+device time (CUDA events) and the tokens each carried; afterwards the server times its own bare
+forward at the batch sizes it formed (`/bench/bare`). Then: the demo layer with batching off
+(`--max-batch-tokens` = one request) at the most clients; the demo layer on uvicorn's
+pure-Python stack (h11, asyncio loop) beside the default (httptools and uvloop where
+installed); and the load generator's own capacity against a trivial server (bench/echo_server.py)
+with the same bodies. Every part is guarded: one that fails is recorded and the others run.
+
+Writes OUT/service.json (everything), OUT/service.md (the tables) and the servers' logs, and
+prints the tables, the targets last.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import safetensors.torch
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel
+
+from bench.environment import capture
+from bench.load_gen import Load, hey_binary, run_hey, run_one_client, run_python
+from bench.schema import Environment
+from bench.shapes import SHAPES
+
+log = logging.getLogger(__name__)
+
+BINARY = "application/octet-stream"
+JSON = "application/json"
+DEMO = "demo"
+STAGES = ("queue", "decode", "stage", "h2d", "forward", "d2h", "encode")
+_READY_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class ServiceBenchConfig:
+    out_dir: Path
+    layers: tuple[str, ...] = ("deepseek-v3", DEMO)  # demo, or a shape of bench/shapes.py
+    clients: tuple[int, ...] = (1, 16, 64, 256)
+    tokens: int = 64  # per request
+    duration_s: float = 4.0  # per level
+    device: str = "auto"
+    backend: str = "triton"
+    shared_intermediate: int = 2048  # the shared expert of random layers (DeepSeek-V3's size)
+    bodies: int = 8  # different request bodies, one hey process each
+    max_batch_tokens: int = 1024
+    budget_s: float = 480.0  # no part starts after this many seconds
+    generator: str = "auto"  # auto (hey if on PATH), hey or python
+    ready_timeout_s: float = 300.0  # a server's load, warm-up and captures
+    stack_variant: bool = True  # also the demo layer on h11 + asyncio
+
+    def __post_init__(self) -> None:
+        for layer in self.layers:
+            if layer != DEMO and layer not in SHAPES:
+                raise ValueError(f"unknown layer {layer!r}: {DEMO} or one of {', '.join(SHAPES)}")
+        if self.generator not in ("auto", "hey", "python"):
+            raise ValueError(f"generator must be auto, hey or python, got {self.generator!r}")
+        if not self.clients or min(self.clients) < 1 or self.tokens < 1 or self.bodies < 1:
+            raise ValueError("clients, tokens and bodies must be positive")
+
+
+class LevelResult(BaseModel):
+    layer: str
+    variant: str  # "default", "batching off", "h11+asyncio", "echo"
+    body: str  # binary or json
+    tokens: int  # per request
+    clients: int
+    generator: str
+    ok: int
+    errors: dict[str, int]
+    elapsed_s: float
+    requests_per_s: float
+    tokens_per_s: float
+    p50_ms: float | None
+    p90_ms: float | None
+    p99_ms: float | None
+    forwards: int | None = None  # forwards the server ran during the level
+    server_forward_ms: float | None = None  # mean device time of one forward
+    tokens_per_forward: float | None = None
+    gpu_busy: float | None = None  # forward device time / wall time
+    stage_ms: dict[str, float] = {}  # mean per stage (see service.metrics.STAGES)
+    bare_forward_ms: float | None = None  # the bare forward at round(tokens_per_forward)
+    tokens_per_s_vs_bare: float | None = None  # service tokens/s over bare tokens/s there
+
+
+class ServerRun(BaseModel):
+    layer: str
+    variant: str
+    options: list[str]
+    seconds_to_ready: float | None = None
+    layer_info: dict = {}
+    bare: dict[int, dict] = {}  # tokens -> BareTiming as the server returned it
+    levels: list[LevelResult] = []
+
+
+class Check(BaseModel):
+    target: str
+    figure: str
+    met: bool | None  # None: not measured
+
+
+class ServiceBenchResult(BaseModel):
+    environment: Environment
+    config: dict
+    http_stack: dict[str, bool]  # which fast parts uvicorn finds here
+    runs: list[ServerRun] = []
+    echo: list[LevelResult] = []
+    failures: dict[str, str] = {}
+    checks: list[Check] = []
+
+
+@dataclass
+class Bodies:
+    """One layer's request bodies, in memory and as files (hey reads files)."""
+
+    binary: list[bytes]
+    files: list[Path]
+    one_token: bytes
+    one_token_file: Path
+    json: bytes
+
+
+def make_bodies(hidden_size: int, tokens: int, count: int, where: Path, seed: int = 0) -> Bodies:
+    """`count` different [tokens, H] bf16 safetensors bodies, a 1-token one and a JSON one."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def blob(rows: int) -> bytes:
+        hidden = torch.randn(rows, hidden_size, generator=generator).bfloat16()
+        return safetensors.torch.save({"hidden_states": hidden})
+
+    binary = [blob(tokens) for _ in range(count)]
+    files = []
+    for i, data in enumerate(binary):
+        files.append(where / f"body-{hidden_size}-{tokens}-{i}.safetensors")
+        files[-1].write_bytes(data)
+    one = blob(1)
+    one_file = where / f"body-{hidden_size}-1.safetensors"
+    one_file.write_bytes(one)
+    rows = torch.randn(tokens, hidden_size, generator=generator).bfloat16().float().tolist()
+    return Bodies(binary, files, one, one_file, json.dumps({"hidden_states": rows}).encode())
+
+
+def scrape(url: str, layer: str) -> dict[str, float]:
+    """Sums and counts of the forward, batch-size and stage histograms of `layer`."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    totals: dict[str, float] = defaultdict(float)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("layer") != layer or not sample.name.endswith(("_sum", "_count")):
+                continue
+            stage = sample.labels.get("stage")
+            totals[sample.name if stage is None else f"{sample.name}:{stage}"] += sample.value
+    return totals
+
+
+def _delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def level_result(
+    layer: str,
+    variant: str,
+    body: str,
+    tokens: int,
+    load: Load,
+    before: dict[str, float] | None,
+    after: dict[str, float] | None,
+) -> LevelResult:
+    p50, p90, p99 = load.percentiles_ms()
+    result = LevelResult(
+        layer=layer,
+        variant=variant,
+        body=body,
+        tokens=tokens,
+        clients=load.clients,
+        generator=load.generator,
+        ok=load.ok,
+        errors=load.errors,
+        elapsed_s=load.elapsed_s,
+        requests_per_s=load.rate,
+        tokens_per_s=load.rate * tokens,
+        p50_ms=p50,
+        p90_ms=p90,
+        p99_ms=p99,
+    )
+    if before is None or after is None:
+        return result
+    forwards = _delta(before, after, "moe_serve_forward_seconds_count")
+    if forwards <= 0:
+        return result
+    forward_s = _delta(before, after, "moe_serve_forward_seconds_sum")
+    stage_ms = {}
+    for stage in STAGES:
+        count = _delta(before, after, f"moe_serve_stage_seconds_count:{stage}")
+        if count > 0:
+            stage_ms[stage] = _delta(before, after, f"moe_serve_stage_seconds_sum:{stage}") / count
+            stage_ms[stage] *= 1e3
+    return result.model_copy(
+        update={
+            "forwards": int(forwards),
+            "server_forward_ms": forward_s / forwards * 1e3,
+            "tokens_per_forward": _delta(before, after, "moe_serve_batch_tokens_sum") / forwards,
+            "gpu_busy": forward_s / load.elapsed_s if load.elapsed_s > 0 else None,
+            "stage_ms": stage_ms,
+        }
+    )
+
+
+def with_bare(level: LevelResult, bare: dict[int, dict]) -> LevelResult:
+    """The level's figures against the bare forward at the batch size it formed."""
+    if level.tokens_per_forward is None:
+        return level
+    timing = bare.get(round(level.tokens_per_forward))
+    if timing is None:
+        return level
+    bare_s = timing["median_us"] / 1e6
+    bare_tokens_per_s = level.tokens_per_forward / bare_s
+    return level.model_copy(
+        update={
+            "bare_forward_ms": bare_s * 1e3,
+            "tokens_per_s_vs_bare": level.tokens_per_s / bare_tokens_per_s,
+        }
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def process(command: list[str], log_path: Path, ready: Callable[[], bool], timeout_s: float):
+    """Run `command` in its own process group until the block ends; yields seconds to ready."""
+    started = time.monotonic()
+    with log_path.open("ab") as log_file:
+        proc = subprocess.Popen(
+            command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        while not ready():
+            if proc.poll() is not None:
+                raise RuntimeError(f"exited with {proc.returncode} before ready; see {log_path}")
+            if time.monotonic() - started > timeout_s:
+                raise TimeoutError(f"not ready after {timeout_s:.0f} s; see {log_path}")
+            time.sleep(_READY_POLL_S)
+        yield time.monotonic() - started
+    finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _http_ready(url: str) -> Callable[[], bool]:
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return ready
+
+
+def _tcp_ready(port: int) -> Callable[[], bool]:
+    def ready() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            return False
+        return True
+
+    return ready
+
+
+class ServiceBench:
+    def __init__(self, config: ServiceBenchConfig, commit: str | None = None) -> None:
+        self.config = config
+        self.out = config.out_dir
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.started = time.monotonic()
+        self.generator = config.generator
+        if self.generator == "auto":
+            self.generator = "hey" if hey_binary() else "python"
+        device = torch.device("cuda" if config.device in ("auto", "cuda") and
+                              torch.cuda.is_available() else "cpu")  # fmt: skip
+        stack = {name: importlib.util.find_spec(name) is not None
+                 for name in ("httptools", "uvloop")}  # fmt: skip
+        self.result = ServiceBenchResult(
+            environment=capture(device, commit),
+            config={k: str(v) for k, v in asdict(config).items()},
+            http_stack=stack,
+        )
+        self.bodies: dict[int, Bodies] = {}  # hidden size -> bodies
+        self._scratch = Path(tempfile.mkdtemp(prefix="moe-serve-bodies-"))
+
+    def _left_s(self) -> float:
+        return self.config.budget_s - (time.monotonic() - self.started)
+
+    def _attempt(self, name: str, fn: Callable[[], None]) -> None:
+        """One part; a failure is recorded and logged, the run goes on."""
+        if self._left_s() <= 0:
+            self.result.failures[name] = "skipped: the time budget is spent"
+            log.warning("%s skipped: the time budget is spent", name)
+            return
+        log.info("%s (%.0f s of the budget left)", name, self._left_s())
+        try:
+            fn()
+        except Exception as err:
+            log.exception("%s failed", name)
+            self.result.failures[name] = f"{type(err).__name__}: {err}"
+        self.save()
+
+    def run(self) -> ServiceBenchResult:
+        c = self.config
+        for layer in c.layers:
+            self._attempt(f"{layer}: serve", lambda layer=layer: self._serve(layer, "default"))
+            if not any(r.layer == layer and r.levels for r in self.result.runs):
+                # measure what can be measured: the same without CUDA graphs
+                self._attempt(f"{layer}: serve without CUDA graphs",
+                              lambda layer=layer: self._serve(layer, "no graphs"))  # fmt: skip
+        self._attempt("load generator capacity", self._echo)
+        if DEMO in c.layers and max(c.clients) > 1:
+            self._attempt(f"{DEMO}: batching off", lambda: self._serve(DEMO, "batching off"))
+            if c.stack_variant:
+                self._attempt(f"{DEMO}: h11+asyncio", lambda: self._serve(DEMO, "h11+asyncio"))
+        self.result.checks = checks(self.result, c)
+        self.save()
+        return self.result
+
+    def _server_command(self, layer: str, variant: str, port: int) -> list[str]:
+        c = self.config
+        command = [sys.executable, "-m", "bench.service_server", "--layer", layer, "--port",
+                   str(port), "--device", c.device, "--backend", c.backend]  # fmt: skip
+        if layer != DEMO:
+            command += ["--shared-intermediate", str(c.shared_intermediate)]
+        batch = c.tokens if variant == "batching off" else c.max_batch_tokens
+        command += ["--max-batch-tokens", str(batch)]
+        if variant == "h11+asyncio":
+            command += ["--http", "h11", "--loop", "asyncio"]
+        if variant == "no graphs":
+            command += ["--no-cuda-graphs"]
+        return command
+
+    def _serve(self, layer: str, variant: str) -> None:
+        c = self.config
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        command = self._server_command(layer, variant, port)
+        run = ServerRun(layer=layer, variant=variant, options=command[3:])
+        self.result.runs.append(run)
+        slug = variant.replace(" ", "-").replace("+", "-")
+        log_path = self.out / f"server-{layer}-{slug}.log"
+        timeout = min(c.ready_timeout_s, max(self._left_s(), 60.0))
+        with process(command, log_path, _http_ready(url), timeout) as seconds:
+            run.seconds_to_ready = seconds
+            run.layer_info = httpx.get(f"{url}/v1/layers/{layer}", timeout=10).json()
+            bodies = self._bodies(run.layer_info["hidden_size"])
+            path = f"/v1/layers/{layer}/forward"
+            if variant in ("default", "no graphs"):
+                levels = [("binary", c.tokens, n) for n in c.clients]
+                levels += [("binary", 1, 1), ("json", c.tokens, 1)]
+            elif variant == "batching off":
+                levels = [("binary", c.tokens, max(c.clients))]
+            else:
+                levels = [("binary", c.tokens, n) for n in sorted({1, max(c.clients)})]
+            for body, tokens, clients in levels:
+                if self._left_s() <= 0:
+                    self.result.failures[f"{layer} {variant}: {body} {tokens} tok x {clients}"] = (
+                        "skipped: the time budget is spent"
+                    )
+                    continue
+                level = self._level(url, layer, variant, path, bodies, body, tokens, clients)
+                run.levels.append(level)
+                log.info("%s", _row(level))
+                self.save()
+            if variant in ("default", "no graphs"):
+                sizes = {1, c.tokens} | {round(lv.tokens_per_forward) for lv in run.levels
+                                         if lv.tokens_per_forward}  # fmt: skip
+                timed = httpx.post(
+                    f"{url}/bench/bare", json={"tokens": sorted(sizes)}, timeout=600
+                ).json()
+                run.bare = {t["tokens"]: t for t in timed}
+                run.levels = [with_bare(lv, run.bare) for lv in run.levels]
+
+    def _bodies(self, hidden_size: int) -> Bodies:
+        if hidden_size not in self.bodies:
+            self.bodies[hidden_size] = make_bodies(
+                hidden_size, self.config.tokens, self.config.bodies, self._scratch
+            )
+        return self.bodies[hidden_size]
+
+    def _load(self, url: str, bodies: Bodies, body: str, tokens: int, clients: int) -> Load:
+        duration = self.config.duration_s
+        if body == "json":
+            data, files, media = [bodies.json], None, JSON
+        elif tokens == 1:
+            data, files, media = [bodies.one_token], [bodies.one_token_file], BINARY
+        else:
+            data, files, media = bodies.binary, bodies.files, BINARY
+        if clients == 1:
+            return run_one_client(url, data[0], media, duration)
+        if self.generator == "hey" and files is not None:
+            return run_hey(url, files, media, clients, duration)
+        return run_python(url, data[0], media, clients, duration)
+
+    def _level(
+        self,
+        url: str,
+        layer: str,
+        variant: str,
+        path: str,
+        bodies: Bodies,
+        body: str,
+        tokens: int,
+        clients: int,
+    ) -> LevelResult:
+        before = scrape(url, layer)
+        load = self._load(url + path, bodies, body, tokens, clients)
+        after = scrape(url, layer)
+        return level_result(layer, variant, body, tokens, load, before, after)
+
+    def _echo(self) -> None:
+        """The load generator against a trivial server, with each layer's bodies."""
+        port = _free_port()
+        command = [sys.executable, "-m", "bench.echo_server", "--port", str(port)]
+        clients = max(self.config.clients)
+        with process(command, self.out / "echo-server.log", _tcp_ready(port), 30):
+            for hidden_size, bodies in self.bodies.items():
+                for tokens in (self.config.tokens, 1):
+                    load = self._load(f"http://127.0.0.1:{port}/echo", bodies, "binary", tokens,
+                                      clients)  # fmt: skip
+                    level = level_result(f"H={hidden_size}", "echo", "binary", tokens, load,
+                                         None, None)  # fmt: skip
+                    self.result.echo.append(level)
+                    log.info("%s", _row(level))
+
+    def save(self) -> None:
+        (self.out / "service.json").write_text(self.result.model_dump_json(indent=1))
+        (self.out / "service.md").write_text(render(self.result))
+
+
+def _ms(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.0f}%"
+
+
+def _row(lv: LevelResult) -> str:
+    errors = sum(lv.errors.values())
+    return (
+        f"| {lv.layer} | {lv.variant} | {lv.body} | {lv.tokens} | {lv.clients} "
+        f"| {lv.requests_per_s:,.0f} | {lv.tokens_per_s:,.0f} | {_ms(lv.p50_ms)} "
+        f"| {_ms(lv.p99_ms)} | {_ms(lv.server_forward_ms, 3)} | {_ms(lv.bare_forward_ms, 3)} "
+        f"| {_ms(lv.tokens_per_forward, 0)} | {_pct(lv.gpu_busy)} "
+        f"| {_pct(lv.tokens_per_s_vs_bare)} | {errors} |"
+    )
+
+
+_HEAD = (
+    "| layer | variant | body | tok/req | clients | req/s | tok/s | p50 ms | p99 ms "
+    "| server fwd ms | bare fwd ms | tok/fwd | GPU busy | tok/s vs bare | errors |\n"
+    + "|" + " --- |" * 15
+)  # fmt: skip
+
+
+def render(result: ServiceBenchResult) -> str:
+    env = result.environment
+    lines = [
+        f"# Service benchmark: {env.device}, commit {env.commit}, {env.created}",
+        "",
+        f"uvicorn fast parts installed: {result.http_stack}",
+        "",
+        _HEAD,
+    ]
+    lines += [_row(lv) for run in result.runs for lv in run.levels]
+    lines += [_row(lv) for lv in result.echo]
+    lines += ["", "Mean time per stage (ms; queue/decode/encode per request, others per batch):",
+              "", "| layer | variant | clients | tok/req | " + " | ".join(STAGES) + " |",
+              "|" + " --- |" * (4 + len(STAGES))]  # fmt: skip
+    for run in result.runs:
+        for lv in run.levels:
+            stages = " | ".join(_ms(lv.stage_ms.get(s), 3) for s in STAGES)
+            lines.append(f"| {lv.layer} | {lv.variant} | {lv.clients} | {lv.tokens} | {stages} |")
+    lines += ["", "| target | measured | met |", "| --- | --- | --- |"]
+    met = {True: "yes", False: "NO", None: "-"}
+    lines += [f"| {c.target} | {c.figure} | {met[c.met]} |" for c in result.checks]
+    lines += [f"| FAILED {name} | {why} | |" for name, why in result.failures.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _find(
+    result: ServiceBenchResult, layer: str, variant: str, body: str, tokens: int, clients: int
+) -> LevelResult | None:
+    for run in result.runs:
+        for lv in run.levels:
+            key = (lv.layer, lv.variant, lv.body, lv.tokens, lv.clients)
+            if key == (layer, variant, body, tokens, clients):
+                return lv
+    return None
+
+
+def _bare_ms(result: ServiceBenchResult, layer: str, tokens: int) -> float | None:
+    for run in result.runs:
+        if run.layer == layer and run.variant == "default" and tokens in run.bare:
+            return run.bare[tokens]["median_us"] / 1e3
+    return None
+
+
+def checks(result: ServiceBenchResult, c: ServiceBenchConfig) -> list[Check]:
+    """The issue's targets against what this run measured."""
+    out: list[Check] = []
+    for layer in c.layers:
+        slack = 0.5 if layer == DEMO else 1.0
+        for tokens in (c.tokens, 1):
+            lv, bare = _find(result, layer, "default", "binary", tokens, 1), None
+            bare = _bare_ms(result, layer, tokens)
+            if lv is None or lv.p50_ms is None or bare is None:
+                out.append(Check(target=f"{layer}: 1 client, {tokens} tok: p50 <= bare + "
+                                 f"{slack} ms", figure="not measured", met=None))  # fmt: skip
+                continue
+            out.append(Check(
+                target=f"{layer}: 1 client, {tokens} tok: p50 <= bare + {slack} ms",
+                figure=f"p50 {lv.p50_ms:.3f} ms, bare {bare:.3f} ms (+{lv.p50_ms - bare:.3f})",
+                met=lv.p50_ms <= bare + slack,
+            ))  # fmt: skip
+        for clients in c.clients:
+            lv = _find(result, layer, "default", "binary", c.tokens, clients)
+            if lv is None or lv.server_forward_ms is None or lv.bare_forward_ms is None:
+                continue
+            extra = lv.server_forward_ms - lv.bare_forward_ms
+            out.append(Check(
+                target=f"{layer}: {clients} clients: server forward <= bare + 0.2 ms",
+                figure=f"{lv.server_forward_ms:.3f} vs {lv.bare_forward_ms:.3f} ms "
+                f"at {lv.tokens_per_forward:.0f} tok (+{extra:.3f})",
+                met=extra <= 0.2,
+            ))  # fmt: skip
+            if layer != DEMO and clients >= 16:
+                out.append(Check(
+                    target=f"{layer}: {clients} clients: GPU busy >= 85%, tok/s >= 85% of bare",
+                    figure=f"busy {_pct(lv.gpu_busy)}, tok/s {_pct(lv.tokens_per_s_vs_bare)}",
+                    met=(lv.gpu_busy or 0) >= 0.85 and (lv.tokens_per_s_vs_bare or 0) >= 0.85,
+                ))  # fmt: skip
+        binary = _find(result, layer, "default", "binary", c.tokens, 1)
+        as_json = _find(result, layer, "default", "json", c.tokens, 1)
+        if binary and as_json and binary.p50_ms is not None and as_json.p50_ms is not None:
+            extra = as_json.p50_ms - binary.p50_ms
+            out.append(Check(
+                target=f"{layer}: {c.tokens}-tok JSON p50 <= binary + 3 ms",
+                figure=f"{as_json.p50_ms:.2f} vs {binary.p50_ms:.2f} ms (+{extra:.2f})",
+                met=extra <= 3.0,
+            ))  # fmt: skip
+    most = max(c.clients)
+    on = _find(result, DEMO, "default", "binary", c.tokens, most)
+    off = _find(result, DEMO, "batching off", "binary", c.tokens, most)
+    if on and off and off.requests_per_s > 0:
+        ratio = on.requests_per_s / off.requests_per_s
+        out.append(Check(
+            target=f"{DEMO}: {most} clients: batching on >= 5x batching off",
+            figure=f"{on.requests_per_s:,.0f} vs {off.requests_per_s:,.0f} req/s ({ratio:.1f}x)",
+            met=ratio >= 5,
+        ))  # fmt: skip
+    for echo in result.echo:
+        hidden = int(echo.layer.removeprefix("H="))
+        served = [lv.requests_per_s for run in result.runs for lv in run.levels
+                  if lv.tokens == echo.tokens and lv.body == "binary"
+                  and run.layer_info.get("hidden_size") == hidden]  # fmt: skip
+        if served:
+            out.append(Check(
+                target=f"load generator, H={hidden}, {echo.tokens} tok: >= 3x the rates reported",
+                figure=f"{echo.requests_per_s:,.0f} vs {max(served):,.0f} req/s",
+                met=echo.requests_per_s >= 3 * max(served),
+            ))  # fmt: skip
+    return out
+
+
+def run_service_bench(config: ServiceBenchConfig, commit: str | None = None) -> ServiceBenchResult:
+    bench = ServiceBench(config, commit)
+    result = bench.run()
+    sys.stdout.write(render(result))
+    return result

@@ -1,0 +1,163 @@
+"""The service as the service benchmark runs it: `create_app` on one layer made where it runs,
+plus a `/bench/bare` route that times the same layer's bare forward in the same process.
+
+    python -m bench.service_server --layer demo|deepseek-v3|... --port 8901 [--backend triton]
+        [--shared-intermediate 2048] [--max-batch-tokens 1024] [--http h11] [--loop asyncio]
+
+`--layer demo` serves the seeded demo layer (bf16) from the cache directory; any shape of
+bench/shapes.py is drawn at random on the device with a stored router (and a shared expert
+when `--shared-intermediate` is given), so an 11 GB DeepSeek-V3 layer is never written to disk.
+
+POST /bench/bare {"tokens": [1, 64, ...]} times, for each token count, the forward as the server
+runs it (graph replay where the layer has graphs, else the eager layer) on random inputs already
+on the device, with bench/timing.py (CUDA events, L2 not flushed: back-to-back forwards, as
+served). Call it only while no load runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from pydantic import BaseModel
+
+from bench.random_layer import random_layer
+from bench.shapes import SHAPES
+from bench.timing import Timer, TimingPlan
+from kernels.config import MoEConfig
+from kernels.layer import LayerWeights
+from kernels.tensors import ForwardInputs
+from service import logs
+from service.app import LayerLoader, create_app
+from service.engine import LayerSource, ServedLayer
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+DEMO = "demo"
+_BARE_PLAN = TimingPlan(warmup=3, min_iters=20, max_iters=500, budget_s=0.25)
+
+
+@dataclass
+class RandomLayer:
+    name: str
+    config: MoEConfig
+    weights: LayerWeights
+
+
+def layer_loader(layer: str, shared_intermediate: int | None) -> LayerLoader:
+    """A loader for create_app: the demo layer from disk, or a random layer of a bench shape."""
+
+    def load(settings: Settings, device: torch.device) -> list[LayerSource]:
+        if layer == DEMO:
+            from weights.demo import ensure_demo_layers
+            from weights.load import load_layer
+
+            path = next(p for p in ensure_demo_layers(settings.cache_dir) if p.name == DEMO)
+            return [load_layer(path, device)]
+        cfg = SHAPES[layer]
+        weights = random_layer(cfg, device, router=True, shared_intermediate=shared_intermediate)
+        return [RandomLayer(layer, cfg, weights)]
+
+    return load
+
+
+class BareRequest(BaseModel):
+    tokens: list[int]
+
+
+class BareTiming(BaseModel):
+    tokens: int
+    median_us: float
+    p90_us: float
+    graphs: bool  # timed as a graph replay
+
+
+def time_bare(served: ServedLayer, device: torch.device, tokens: list[int]) -> list[BareTiming]:
+    """The served layer's forward alone, at each token count, on random device inputs."""
+    cfg = served.config
+    timer = Timer(device, _BARE_PLAN, flush_l2=False)
+    generator = torch.Generator(device).manual_seed(1)
+    timings = []
+    with torch.inference_mode():
+        for t in tokens:
+            hidden = torch.randn(t, cfg.hidden_size, generator=generator, device=device)
+            logits = None
+            if not served.has_router:
+                logits = torch.randn(t, cfg.num_experts, generator=generator, device=device)
+            inputs = ForwardInputs(hidden.to(cfg.dtype), logits)
+            graphs = served.graphs
+            replay = graphs is not None and t <= graphs.max_tokens
+            run = graphs.forward if replay else served.layer.forward
+            timing = timer.measure(lambda run=run, inputs=inputs: run(inputs))
+            timings.append(BareTiming(tokens=t, median_us=timing.median_us, p90_us=timing.p90_us,
+                                      graphs=replay))  # fmt: skip
+    return timings
+
+
+bare_router = APIRouter(prefix="/bench", tags=["bench"])
+
+
+@bare_router.post("/bare")
+async def bare(body: BareRequest, request: Request) -> list[BareTiming]:
+    engine = request.app.state.runtime.engine
+    served = next(iter(engine.layers.values()))
+    return await asyncio.to_thread(time_bare, served, engine.device, body.tokens)
+
+
+def build_app(args: argparse.Namespace) -> FastAPI:
+    settings = Settings(
+        device=args.device,
+        backend=args.backend,
+        max_batch_tokens=args.max_batch_tokens,
+        max_queue=args.max_queue,
+        cuda_graphs=args.cuda_graphs,
+        log_level=args.log_level,
+        cache_dir=args.cache_dir,
+        max_body_bytes=256 << 20,
+    )
+    logs.configure(settings.log_level, settings.log_format)
+    app = create_app(settings, layer_loader(args.layer, args.shared_intermediate))
+    app.include_router(bare_router)
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layer", required=True, help=f"{DEMO} or one of {', '.join(SHAPES)}")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--shared-intermediate", type=int)
+    parser.add_argument("--max-batch-tokens", type=int, default=1024)
+    parser.add_argument("--max-queue", type=int, default=4096)
+    parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--cache-dir", type=Path, default=Settings().cache_dir)
+    parser.add_argument("--http", default="auto", help="uvicorn's parser: auto, h11, httptools")
+    parser.add_argument("--loop", default="auto", help="uvicorn's loop: auto, asyncio, uvloop")
+    args = parser.parse_args(argv)
+    if args.layer != DEMO and args.layer not in SHAPES:
+        parser.error(f"unknown layer {args.layer!r}")
+    app = build_app(args)
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=args.port,
+        http=args.http,
+        loop=args.loop,
+        log_config=None,
+        access_log=False,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""`moe-serve bench auto-table`: the rule table `--backend auto` follows, from a kernel run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import torch
+
+from bench.auto_table import crossover_tokens, rank_backends, rule_table
+from bench.kernel_bench import KernelBench, KernelBenchConfig, write_run
+from bench.router_loads import Load
+from bench.schema import Point
+from bench.timing import TimingPlan
+from kernels import registry, selection
+from kernels.experts.reference import ReferenceExperts
+from service.cli import main
+from tests.bench.sample import sample_run
+
+TIMES = {
+    "1": {"triton": 40.0, "deep-gemm": 90.0},
+    "64": {"triton": 80.0, "deep-gemm": 85.0},
+    "4096": {"triton": 900.0, "deep-gemm": 500.0},
+}
+QUICK = TimingPlan(warmup=1, min_iters=2, max_iters=3, budget_s=0.001)
+
+
+class _WrongExperts(ReferenceExperts):
+    name: ClassVar[str] = "test-wrong"
+
+    def apply(self, x, ws):
+        return super().apply(x, ws) * 2
+
+
+def test_ranking_is_by_geometric_mean_over_token_counts() -> None:
+    # triton: 40 * 80 * 900 = 2.88e6; deep-gemm: 90 * 85 * 500 = 3.8e6
+    assert rank_backends(TIMES) == ("triton", "deep-gemm")
+    partial = TIMES | {"1": {"triton": 40.0}}  # deep-gemm missing at one count: not ranked
+    assert rank_backends(partial) == ("triton",)
+    tie = {
+        "1": {"triton-or-deep-gemm": 40.0, "triton": 40.0},
+        "4": {"triton-or-deep-gemm": 80.0, "triton": 80.0},
+    }
+    assert rank_backends(tie) == ("triton", "triton-or-deep-gemm")  # by name, run after run
+
+
+@pytest.mark.parametrize(
+    ("times", "expected"),
+    [
+        (TIMES, 4096),
+        (TIMES | {"64": {"triton": 90.0, "deep-gemm": 85.0}}, 64),
+        (TIMES | {"4096": {"triton": 400.0, "deep-gemm": 500.0}}, None),
+        # a win at 64 that is lost again at 4096 does not count
+        (
+            TIMES
+            | {"64": {"triton": 90.0, "deep-gemm": 85.0}, "4096": {"triton": 1, "deep-gemm": 2}},
+            None,
+        ),
+    ],
+)
+def test_crossover_is_where_deep_gemm_wins_for_good(times: dict, expected: int | None) -> None:
+    assert crossover_tokens(times, "deep-gemm", "triton") == expected
+
+
+@pytest.fixture
+def tiny_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A kernel benchmark run on the tiny shape (CPU): the references and a wrong backend."""
+    monkeypatch.setitem(registry.EXPERTS, "test-wrong", _WrongExperts)
+    config = KernelBenchConfig(
+        shapes=("tiny",),
+        tokens=(1, 3),
+        device=torch.device("cpu"),
+        backends=("reference", "reference-batched", "test-wrong"),
+        loads=(Load.UNIFORM, Load.SKEWED),
+        plan=QUICK,
+    )
+    out = tmp_path / "run.json"
+    KernelBench(config, out).run()
+    return out
+
+
+def test_auto_table_command_writes_the_rules_auto_reads_from_a_benchmark_run(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "tuned" / "auto_cpu.json"
+    assert main(["bench", "auto-table", str(tiny_run), "--out", str(out)]) == 0
+
+    table = selection.RuleTable.from_json(out)
+    rule = table.rules["none/small"]  # the tiny shape: unquantised, small
+    assert table.device == "cpu"
+    assert list(rule.times_us) == ["1", "3"]
+    assert set(rule.order) == {"reference", "reference-batched"}  # the wrong one is not ranked
+    for row in rule.times_us.values():
+        assert set(row) == {"reference", "reference-batched"} and min(row.values()) > 0
+    body = json.loads(out.read_text())["rules"]["none/small"]
+    assert body["shape"] == "tiny"
+    assert body["failed"]["test-wrong"].startswith("M=1: relative error 1")
+    assert "deep_gemm_min_tokens" not in body  # neither deep-gemm nor triton ran
+    summary = out.with_suffix(".md").read_text()
+    assert "## none/small: tiny (order: " in summary and "- test-wrong not ranked" in summary
+
+
+def _timed(point: Point, medians_us: dict[str, float]) -> Point:
+    """`point` with one correct result per backend, at the given median times."""
+    template = point.results[0]
+    results = [
+        template.model_copy(
+            update={
+                "backend": backend,
+                "routing_excluded": template.routing_excluded.model_copy(update={"median_us": us}),
+            }
+        )
+        for backend, us in medians_us.items()
+    ]
+    return point.model_copy(update={"results": results})
+
+
+def test_triton_or_deep_gemm_row_is_derived_from_the_backend_it_runs_at_each_count() -> None:
+    measured = {  # tokens -> medians; triton-or-deep-gemm's own time is not used
+        1: {"triton": 40.0, "deep-gemm": 90.0, "triton-or-deep-gemm": 1.0},
+        4: {"triton": 80.0, "deep-gemm": 85.0, "triton-or-deep-gemm": 1.0},
+        16: {"triton": 900.0, "deep-gemm": 500.0, "triton-or-deep-gemm": 1.0},
+    }
+    uniform = [p for p in sample_run().points if p.load == "uniform"]
+    rule = rule_table(sample_run([_timed(p, measured[p.tokens]) for p in uniform]))["rules"]
+    derived = rule["none/small"]
+    assert derived["deep_gemm_min_tokens"] == 16
+    rows = derived["times_us"]
+    assert [rows[m]["triton-or-deep-gemm"] for m in ("1", "4", "16")] == [40.0, 80.0, 500.0]
+    assert derived["order"] == ["triton-or-deep-gemm", "triton", "deep-gemm"]
+
+
+def test_a_run_without_the_uniform_load_is_refused_naming_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = sample_run()
+    skewed_only = run.model_copy(update={"points": [p for p in run.points if p.load != "uniform"]})
+    write_run(skewed_only, tmp_path / "skewed.json")
+    assert main(["bench", "auto-table", str(tmp_path / "skewed.json")]) == 2
+    assert "shape tiny has no uniform-load points" in caplog.text

@@ -1,0 +1,176 @@
+"""The service benchmark: its pure parts, the trivial server and the load generators, and one
+short run of the whole harness on the tiny layer on the CPU (Python load generator)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.load_gen import Load, hey_binary, parse_hey_csv, run_hey, run_one_client
+from bench.service_bench import (
+    DEMO,
+    Check,
+    LevelResult,
+    ServiceBench,
+    ServiceBenchConfig,
+    level_result,
+    make_bodies,
+    with_bare,
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def echo_url() -> Iterator[str]:
+    port = _free_port()
+    command = [sys.executable, "-m", "bench.echo_server", "--port", str(port), "--processes", "1"]
+    proc = subprocess.Popen(command)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline and proc.poll() is None, "echo server did not start"
+            time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/echo"
+    proc.terminate()
+    proc.wait(10)
+
+
+def test_echo_server_answers_each_of_two_pipelined_requests(echo_url: str) -> None:
+    port = int(echo_url.split(":")[2].split("/")[0])
+    request = b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello"
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(request + request)
+        received = b""
+        while received.count(b"200 OK") < 2:
+            received += sock.recv(4096)
+    assert received.count(b"HTTP/1.1 200 OK") == 2
+
+
+def test_one_client_times_requests_on_one_connection(echo_url: str) -> None:
+    load = run_one_client(echo_url, b"x" * 70_000, "application/octet-stream", 0.3)
+    assert load.ok > 10 and not load.errors
+    assert all(0 < t < 0.3 for t in load.latencies_s)
+
+
+@pytest.mark.skipif(hey_binary() is None, reason="hey is not installed here")
+def test_hey_processes_with_different_bodies_add_up(echo_url: str, tmp_path: Path) -> None:
+    bodies = []
+    for i in range(3):
+        bodies.append(tmp_path / f"b{i}")
+        bodies[-1].write_bytes(bytes([i]) * 1000)
+    load = run_hey(echo_url, bodies, "application/octet-stream", 6, 0.5)
+    assert load.ok > 10 and not load.errors
+    assert 0.3 < load.elapsed_s < 2
+
+
+def test_hey_csv_keeps_200_latencies_and_counts_other_statuses() -> None:
+    text = (
+        "response-time,DNS+dialup,DNS,Request-write,Response-delay,Response-read,status-code,"
+        "offset\n0.0021,0,0,0,0,0,200,0.0100\n0.0030,0,0,0,0,0,429,0.5000\n"
+        "0.0010,0,0,0,0,0,200,0.9000\n"
+    )
+    latencies, errors, end = parse_hey_csv(text)
+    assert latencies == [0.0021, 0.0010]
+    assert errors == {"429": 1}
+    assert end == pytest.approx(0.901)
+
+
+def _level(**figures: float) -> LevelResult:
+    load = Load(clients=16, elapsed_s=2.0, latencies_s=[0.01] * 100, errors={}, generator="hey")
+    before = {"moe_serve_forward_seconds_count": 10.0, "moe_serve_forward_seconds_sum": 1.0,
+              "moe_serve_batch_tokens_sum": 640.0, "moe_serve_stage_seconds_count:queue": 5.0,
+              "moe_serve_stage_seconds_sum:queue": 0.5}  # fmt: skip
+    after = {key: value + figures.get(key, 0.0) for key, value in before.items()}
+    return level_result("deepseek-v3", "default", "binary", 64, load, before, after)
+
+
+def test_level_figures_come_from_the_metrics_difference_over_the_wall_time() -> None:
+    level = _level(
+        **{
+            "moe_serve_forward_seconds_count": 4,
+            "moe_serve_forward_seconds_sum": 1.8,  # 0.45 s each over 2 s: 90% busy
+            "moe_serve_batch_tokens_sum": 1024,
+            "moe_serve_stage_seconds_count:queue": 2,
+            "moe_serve_stage_seconds_sum:queue": 0.002,
+        }
+    )
+    assert level.requests_per_s == 50 and level.tokens_per_s == 3200
+    assert level.forwards == 4 and level.tokens_per_forward == 256
+    assert level.server_forward_ms == pytest.approx(450)
+    assert level.gpu_busy == pytest.approx(0.9)
+    assert level.stage_ms == {"queue": pytest.approx(1.0)}
+    bare = with_bare(level, {256: {"median_us": 400_000.0}})  # bare: 640 tok/s at 256 tokens
+    assert bare.bare_forward_ms == pytest.approx(400)
+    assert bare.tokens_per_s_vs_bare == pytest.approx(3200 / 640)
+
+
+def test_a_level_without_forwards_has_no_server_figures() -> None:
+    level = _level()
+    assert level.forwards is None and level.gpu_busy is None
+
+
+def test_bodies_differ_and_hey_gets_them_as_files(tmp_path: Path) -> None:
+    import safetensors.torch
+
+    bodies = make_bodies(16, 4, 3, tmp_path)
+    tensors = [safetensors.torch.load(b)["hidden_states"] for b in bodies.binary]
+    assert all(t.shape == (4, 16) and str(t.dtype) == "torch.bfloat16" for t in tensors)
+    assert not tensors[0].equal(tensors[1])
+    assert [f.read_bytes() for f in bodies.files] == bodies.binary
+    assert safetensors.torch.load(bodies.one_token)["hidden_states"].shape == (1, 16)
+
+
+def test_config_refuses_an_unknown_layer(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown layer 'nope'"):
+        ServiceBenchConfig(out_dir=tmp_path, layers=("nope",))
+
+
+@pytest.mark.slow
+def test_a_short_run_on_the_cpu_fills_every_figure_and_writes_the_tables(tmp_path: Path) -> None:
+    config = ServiceBenchConfig(
+        out_dir=tmp_path,
+        layers=("tiny",),
+        clients=(1, 3),
+        tokens=8,
+        duration_s=0.5,
+        device="cpu",
+        backend="reference",
+        shared_intermediate=32,
+        bodies=2,
+        generator="python",
+        stack_variant=False,
+        budget_s=120,
+    )
+    result = ServiceBench(config).run()
+    assert result.failures == {}
+    (run,) = result.runs
+    assert run.seconds_to_ready > 0 and run.layer_info["shared_experts"]
+    assert set(run.bare) >= {1, 8}
+    levels = {(lv.body, lv.tokens, lv.clients): lv for lv in run.levels}
+    assert set(levels) == {("binary", 8, 1), ("binary", 8, 3), ("binary", 1, 1), ("json", 8, 1)}
+    for lv in levels.values():
+        assert lv.ok > 0 and lv.errors == {}, lv
+        assert lv.forwards > 0 and lv.gpu_busy > 0 and lv.bare_forward_ms > 0
+        assert {"queue", "decode", "forward", "encode"} <= set(lv.stage_ms)
+    assert [echo.tokens for echo in result.echo] == [8, 1]
+    assert all(isinstance(c, Check) for c in result.checks)
+    capacity = [c for c in result.checks if c.target.startswith("load generator")]
+    assert len(capacity) == 2 and all(c.met is not None for c in capacity)
+    table = (tmp_path / "service.md").read_text()
+    assert "| tiny | default | json | 8 | 1 |" in table and "| target | measured | met |" in table
+    assert (tmp_path / "service.json").stat().st_size > 0
+    assert DEMO not in table

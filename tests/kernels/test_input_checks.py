@@ -1,0 +1,80 @@
+"""The layer refuses inputs with the same messages the service answers with (one place)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.config import MoEConfig
+from kernels.input_checks import InputError, check_values
+from kernels.layer import LayerWeights, MoELayer, RouterWeights, build_layer
+from kernels.random_weights import random_expert_weights
+from kernels.tensors import ForwardInputs
+
+CPU = torch.device("cpu")
+
+
+def _layer(cfg: MoEConfig, router: bool = True) -> MoELayer:
+    gate = torch.randn(cfg.num_experts, cfg.hidden_size) if router else None
+    weights = LayerWeights(random_expert_weights(cfg), RouterWeights(gate))
+    return build_layer(cfg, weights, CPU, "reference")[0]
+
+
+@pytest.mark.parametrize(
+    ("hidden", "logits", "message"),
+    [
+        ((2, 65), None, "hidden_states has 65 columns; this layer's hidden_size is 64"),
+        ((2, 64), (2, 5), "router_logits has 5 columns; this layer's num_experts is 4"),
+        ((2, 64), (3, 4), "router_logits has 3 tokens but hidden_states has 2"),
+        ((64,), None, "hidden_states must be 2-D [tokens, hidden_size], got shape [64]"),
+    ],
+    ids=["hidden size", "expert count", "token count", "1-D"],
+)
+def test_layer_refuses_inputs_of_another_shape_naming_the_tensor(
+    tiny_config: MoEConfig, hidden: tuple, logits: tuple | None, message: str
+) -> None:
+    inputs = ForwardInputs(torch.randn(hidden), None if logits is None else torch.randn(logits))
+    with pytest.raises(InputError) as err:
+        _layer(tiny_config).forward(inputs)
+    assert str(err.value) == message
+
+
+def test_layer_without_router_asks_for_logits(tiny_config: MoEConfig) -> None:
+    with pytest.raises(InputError, match="this layer has no stored router: send router_logits"):
+        _layer(tiny_config, router=False).forward(ForwardInputs(torch.randn(2, 64)))
+
+
+def test_layer_takes_a_forward_without_tokens(tiny_config: MoEConfig) -> None:
+    """An expert-parallel rank with no tokens of its own still joins every forward."""
+    out = _layer(tiny_config).forward(ForwardInputs(torch.empty(0, 64), torch.empty(0, 4)))
+    assert out.output.shape == (0, 64)
+
+
+def test_value_check_names_the_first_non_finite_element() -> None:
+    logits = torch.zeros(3, 4)
+    logits[2, 1] = float("-inf")
+    with pytest.raises(InputError, match=r"router_logits holds NaN or Inf \(first at row 2, col"):
+        check_values(ForwardInputs(torch.zeros(3, 64), logits), torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("layer_dtype", "value", "refused"),
+    [
+        (torch.float16, 65504.0, False),  # float16's largest
+        (torch.float16, 1e5, True),
+        (torch.bfloat16, 1e30, False),  # bfloat16 has float32's range
+        (torch.bfloat16, 3.4e38, True),  # but not all of it
+        (torch.float32, 3.4e38, False),
+    ],
+)
+def test_value_check_refuses_hidden_states_the_layer_dtype_cannot_hold(
+    layer_dtype: torch.dtype, value: float, refused: bool
+) -> None:
+    hidden = torch.zeros(3, 64)
+    hidden[1, 7] = value
+    if not refused:
+        check_values(ForwardInputs(hidden), layer_dtype)
+        return
+    dtype = str(layer_dtype).removeprefix("torch.")
+    with pytest.raises(InputError, match=rf"at row 1, column 7: beyond the largest {dtype} value"):
+        check_values(ForwardInputs(hidden), layer_dtype)

@@ -1,0 +1,126 @@
+"""Whole-layer CUDA graphs on the GPU: for every backend that says it can be captured and every
+token bucket, the replay of a padded batch equals the uncaptured forward of the same rows
+(router, routing, experts, shared expert), on awkward sizes: 1, one past each bucket, the
+largest. Layers: demo-like (bf16, top-2), DeepSeek-like (fp8-block, sigmoid groups, correction
+bias, shared expert), gpt-oss-like (swigluoai, biases: the oai-triton backends)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.random_layer import random_layer
+from kernels.accuracy import relative_error
+from kernels.config import ActivationSpec, GroupScore, MoEConfig, RoutingConfig, Scoring
+from kernels.layer import build_layer, expert_tokens
+from kernels.layer_graphs import LayerGraphs, can_capture, token_buckets
+from kernels.quant_scheme import QuantConfig, QuantScheme
+from kernels.registry import experts_backends
+from kernels.tensors import ForwardInputs
+
+pytestmark = pytest.mark.gpu
+
+CUDA = torch.device("cuda")
+MAX_TOKENS = 96  # buckets 1, 2, 4, ..., 64, 96
+SHARED = 128  # shared expert intermediate size
+
+LAYERS = {
+    "demo-like": MoEConfig(8, 256, 512, RoutingConfig(top_k=2)),
+    "deepseek-like": MoEConfig(
+        16,
+        256,
+        256,
+        RoutingConfig(
+            top_k=4,
+            scoring=Scoring.SIGMOID,
+            num_groups=4,
+            topk_groups=2,
+            group_score=GroupScore.TOP2_SUM,
+            routed_scaling_factor=2.5,
+        ),
+        quant=QuantConfig(QuantScheme.FP8_BLOCK),
+    ),
+    "gpt-oss-like": MoEConfig(
+        8,
+        256,
+        256,
+        RoutingConfig(top_k=4, softmax_after_topk=True),
+        activation=ActivationSpec(kind="swigluoai", gate_up="interleaved"),
+        has_bias=True,
+    ),
+}
+TOLERANCE = {"demo-like": 1e-2, "deepseek-like": 3e-2, "gpt-oss-like": 1e-2}
+
+
+def _sizes() -> list[int]:
+    """1, one past every bucket below the largest, and the largest."""
+    buckets = token_buckets(MAX_TOKENS)
+    return sorted({1, MAX_TOKENS} | {b + 1 for b in buckets if b + 1 <= MAX_TOKENS})
+
+
+CAPTURABLE = sorted(name for name, cls in experts_backends().items() if cls.graph_capturable)
+
+
+@pytest.mark.parametrize("backend", CAPTURABLE)
+@pytest.mark.parametrize("layer_name", list(LAYERS))
+def test_graph_replay_equals_the_uncaptured_forward_at_every_bucket(
+    layer_name: str, backend: str
+) -> None:
+    cfg = LAYERS[layer_name]
+    support = experts_backends()[backend].supports(cfg, CUDA)
+    if not support:
+        pytest.skip(f"{backend} does not run {layer_name}: {support.reason}")
+    shared = SHARED if layer_name == "deepseek-like" else None
+    weights = random_layer(cfg, CUDA, seed=3, router=True, shared_intermediate=shared)
+    layer, _ = build_layer(cfg, weights, CUDA, backend)
+    assert can_capture(layer, CUDA)
+    graphs = LayerGraphs(layer, CUDA, MAX_TOKENS, with_logits=False)
+    with torch.inference_mode():
+        graphs.capture()
+        assert sorted(graphs.graphs) == list(token_buckets(MAX_TOKENS))
+        generator = torch.Generator(CUDA).manual_seed(0)
+        for m in _sizes():
+            x = torch.randn(m, cfg.hidden_size, generator=generator, device=CUDA).to(cfg.dtype)
+            eager = layer.forward(ForwardInputs(x))
+            replay = graphs.forward(ForwardInputs(x))
+            where = f"{backend} {layer_name} m={m} (bucket {graphs.bucket(m)})"
+            assert replay.output.output.shape == (m, cfg.hidden_size), where
+            assert torch.equal(replay.output.routing.topk_ids, eager.routing.topk_ids), where
+            torch.testing.assert_close(
+                replay.output.routing.topk_weights, eager.routing.topk_weights, msg=where
+            )
+            error = relative_error(replay.output.output, eager.output)
+            assert error < TOLERANCE[layer_name], f"{where}: {error:.2e}"
+            expected = expert_tokens(eager.routing.topk_ids, cfg.num_experts)
+            assert torch.equal(replay.expert_tokens, expected), where
+
+
+def test_a_graph_replay_after_a_larger_one_leaves_no_trace_of_it() -> None:
+    """Padded rows are zeroed: a small batch after a large one answers as it would alone."""
+    cfg = LAYERS["demo-like"]
+    weights = random_layer(cfg, CUDA, seed=4, router=True)
+    layer, _ = build_layer(cfg, weights, CUDA, "triton")
+    graphs = LayerGraphs(layer, CUDA, MAX_TOKENS, with_logits=False)
+    with torch.inference_mode():
+        graphs.capture()
+        big = torch.randn(MAX_TOKENS, cfg.hidden_size, device=CUDA).to(cfg.dtype) * 100
+        small = torch.randn(3, cfg.hidden_size, device=CUDA).to(cfg.dtype)
+        alone = graphs.forward(ForwardInputs(small)).output.output.clone()
+        graphs.forward(ForwardInputs(big))
+        again = graphs.forward(ForwardInputs(small)).output.output
+        assert torch.equal(alone, again)
+
+
+def test_graphs_with_client_logits_route_by_them() -> None:
+    cfg = LAYERS["demo-like"]
+    weights = random_layer(cfg, CUDA, seed=5)  # no stored router
+    layer, _ = build_layer(cfg, weights, CUDA, "triton")
+    graphs = LayerGraphs(layer, CUDA, MAX_TOKENS, with_logits=True)
+    with torch.inference_mode():
+        graphs.capture()
+        x = torch.randn(5, cfg.hidden_size, device=CUDA).to(cfg.dtype)
+        logits = torch.randn(5, cfg.num_experts, device=CUDA)
+        eager = layer.forward(ForwardInputs(x, logits))
+        replay = graphs.forward(ForwardInputs(x, logits)).output
+        assert torch.equal(replay.routing.topk_ids, eager.routing.topk_ids)
+        assert relative_error(replay.output, eager.output) < TOLERANCE["demo-like"]

@@ -1,0 +1,66 @@
+"""The JSON codec on its own: strict numbers named where they fail, shapes, and outputs written
+in their dtype's shortest form."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+import torch
+
+from service.errors import BadInput
+from service.json_codec import array_to_tensor, decode_forward, dumps, rows_to_tensor
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ([[1, True]], "h[0][1] is true; expected a number"),
+        ([[1, 2], [None, 3]], "h[1][0] is null; expected a number"),
+        ([[1, [2]]], "h[0][1] is [2]; expected a number"),
+        ([[1, 2], [3]], "h is ragged: row 0 has 2 values, row 1 has 1"),
+        ([], "h is empty"),
+        ([[]], "h is empty"),
+        ({"a": 1}, "h must be a [tokens, columns] array of numbers"),
+        ([1, 2], "h must be a [tokens, columns] array of numbers"),
+    ],
+)
+def test_rows_that_are_not_a_matrix_of_numbers_are_named(value, message: str) -> None:
+    with pytest.raises(BadInput, match=message.replace("[", r"\[")):
+        rows_to_tensor("h", value)
+
+
+def test_rows_become_one_float32_tensor_ints_included() -> None:
+    t = rows_to_tensor("h", [[1, 2.5], [-3, 1e-8]])
+    assert t.dtype == torch.float32
+    assert torch.equal(t, torch.tensor([[1.0, 2.5], [-3.0, 1e-8]]))
+
+
+@pytest.mark.parametrize("value", [[1, 2, 3, 4], [[1, 2], [3, 4]]], ids=["flat", "nested"])
+def test_kserve_data_flat_or_nested_fills_its_shape(value) -> None:
+    t = array_to_tensor("d", value, [2, 2], torch.float16)
+    assert t.dtype == torch.float16
+    assert torch.equal(t, torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float16))
+
+
+def test_kserve_data_that_does_not_fill_its_shape_is_refused() -> None:
+    with pytest.raises(BadInput, match=r"d: 3 values do not fill shape \[2, 2\]"):
+        array_to_tensor("d", [1, 2, 3], [2, 2], torch.float32)
+
+
+def test_decode_forward_reads_the_body_strictly() -> None:
+    body = orjson.dumps({"hidden_states": [[1.0, 2.0]], "return_routing": True})
+    decoded = decode_forward(body)
+    assert decoded.return_routing is True
+    assert decoded.router_logits is None
+    assert torch.equal(decoded.hidden_states, torch.tensor([[1.0, 2.0]]))
+    with pytest.raises(BadInput, match="return_routing must be true or false, got 1"):
+        decode_forward(orjson.dumps({"hidden_states": [[1.0]], "return_routing": 1}))
+    with pytest.raises(BadInput, match=r"unknown fields \['hiden'\]"):
+        decode_forward(orjson.dumps({"hidden_states": [[1.0]], "hiden": 1}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_outputs_are_written_exactly_in_their_dtype(dtype: torch.dtype) -> None:
+    t = torch.randn(3, 5, generator=torch.Generator().manual_seed(0)).to(dtype)
+    back = torch.tensor(orjson.loads(dumps({"output": t}))["output"], dtype=torch.float64)
+    assert torch.equal(back.to(dtype), t)

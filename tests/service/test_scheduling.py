@@ -1,0 +1,216 @@
+"""The batcher's schedule policy on a real CPU engine: priority levels, queue timeouts, pieces of
+large requests interleaving with small ones, withdrawn requests, and the disconnect watch."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kernels.tensors import ForwardInputs
+from service.batcher import BatchPolicy, DynamicBatcher, RequestOptions
+from service.deps import submit_while_connected
+from service.errors import ClientDisconnected, DeadlineExceeded
+from tests.service.layers import TINY, reference_forward, tiny_layers
+from tests.service.test_batcher import RecordingEngine, rows, run
+
+SETTLE_S = 0.05  # lets the scheduler take what is queued
+
+
+class OrderEngine(RecordingEngine):
+    """Also records each batch's first row, to tell which request went first."""
+
+    def __init__(self) -> None:
+        super().__init__(tiny_layers())
+        self.first_rows: list[torch.Tensor] = []
+
+    def forward(self, name: str, inputs: ForwardInputs):
+        self.first_rows.append(inputs.hidden_states[0].clone())
+        return super().forward(name, inputs)
+
+    def order_of(self, *requests: torch.Tensor) -> list[int]:
+        """For each batch, which of `requests` its first row came from."""
+        return [
+            next(i for i, x in enumerate(requests) if (x == first).all(dim=1).any())
+            for first in self.first_rows
+        ]
+
+
+async def _busy(batcher: DynamicBatcher, engine: RecordingEngine, x: torch.Tensor) -> asyncio.Task:
+    """Hold the device with a request of `x` whose forward waits on the engine's gate."""
+    engine.gate.clear()
+    task = asyncio.create_task(batcher.submit(TINY, ForwardInputs(x)))
+    await asyncio.sleep(SETTLE_S)
+    return task
+
+
+def test_a_higher_priority_request_goes_before_an_earlier_default_one() -> None:
+    engine = OrderEngine()
+    busy, default, urgent, later = rows(8, 0), rows(8, 1), rows(8, 2), rows(8, 3)
+
+    async def body(batcher):
+        first = await _busy(batcher, engine, busy)
+        tasks = [
+            asyncio.create_task(batcher.submit(TINY, ForwardInputs(default))),
+            asyncio.create_task(batcher.submit(TINY, ForwardInputs(later), RequestOptions(2))),
+            asyncio.create_task(batcher.submit(TINY, ForwardInputs(urgent), RequestOptions(1))),
+        ]
+        await asyncio.sleep(SETTLE_S)
+        engine.gate.set()
+        return await asyncio.gather(first, *tasks)
+
+    results = run(engine, BatchPolicy(8, 0.0, 16), body)
+    assert engine.order_of(busy, default, urgent, later) == [0, 2, 3, 1]
+    for x, result in zip((busy, default, later, urgent), results, strict=True):
+        torch.testing.assert_close(result.output, reference_forward(TINY, x))
+
+
+def test_a_request_still_queued_at_its_timeout_fails_and_none_of_it_runs() -> None:
+    engine = OrderEngine()
+    busy, late = rows(8, 0), rows(3, 1)
+
+    async def body(batcher):
+        first = await _busy(batcher, engine, busy)
+        with pytest.raises(DeadlineExceeded, match=r"timeout 20000 us.*nothing of it ran"):
+            await batcher.submit(TINY, ForwardInputs(late), RequestOptions(timeout_s=0.02))
+        engine.gate.set()
+        return await first
+
+    run(engine, BatchPolicy(8, 0.0, 16), body)
+    assert engine.batch_sizes == [8]  # the expired request never reached a forward
+
+
+def test_a_request_that_starts_in_time_is_not_cut_short_by_its_timeout() -> None:
+    engine = OrderEngine()
+    x = rows(20, 0)
+
+    async def body(batcher):
+        engine.gate.clear()
+        task = asyncio.create_task(
+            batcher.submit(TINY, ForwardInputs(x), RequestOptions(timeout_s=0.05))
+        )
+        await asyncio.sleep(0.1)  # its first piece is running, past the timeout
+        engine.gate.set()
+        return await task
+
+    result = run(engine, BatchPolicy(8, 0.0, 16), body)
+    assert engine.batch_sizes == [8, 8, 4]
+    torch.testing.assert_close(result.output, reference_forward(TINY, x))
+
+
+def test_a_small_request_waits_one_piece_of_a_large_one_not_all_of_it() -> None:
+    engine = OrderEngine()
+    large, small = rows(40, 0), rows(1, 1)
+    finished: list[str] = []
+
+    async def submit(label: str, x: torch.Tensor):
+        out = await batcher_ref[0].submit(TINY, ForwardInputs(x))
+        finished.append(label)
+        return out
+
+    batcher_ref: list[DynamicBatcher] = []
+
+    async def body(batcher):
+        batcher_ref.append(batcher)
+        engine.gate.clear()
+        big = asyncio.create_task(submit("large", large))
+        await asyncio.sleep(SETTLE_S)  # its first piece is on the device
+        little = asyncio.create_task(submit("small", small))
+        await asyncio.sleep(SETTLE_S)
+        engine.gate.set()
+        return await asyncio.gather(big, little)
+
+    big, little = run(engine, BatchPolicy(8, 0.0, 16), body)
+    assert engine.batch_sizes == [8, 8, 8, 8, 8, 1]
+    assert engine.order_of(large, small)[:2] == [0, 1]  # the second forward starts with it
+    assert finished == ["small", "large"]
+    torch.testing.assert_close(big.output, reference_forward(TINY, large))
+    torch.testing.assert_close(little.output, reference_forward(TINY, small))
+
+
+def test_pieces_of_two_large_requests_take_turns() -> None:
+    engine = OrderEngine()
+    a, b = rows(24, 0), rows(24, 1)
+
+    async def body(batcher):
+        return await asyncio.gather(
+            batcher.submit(TINY, ForwardInputs(a)), batcher.submit(TINY, ForwardInputs(b))
+        )
+
+    first, second = run(engine, BatchPolicy(16, 0.0, 16), body)
+    assert engine.batch_sizes == [16, 16, 16]
+    assert engine.order_of(a, b) == [0, 1, 0]  # a's 16, then b's 16, then a's 8 + b's 8
+    torch.testing.assert_close(first.output, reference_forward(TINY, a))
+    torch.testing.assert_close(second.output, reference_forward(TINY, b))
+
+
+def test_a_withdrawn_request_leaves_the_queue_and_the_others_are_served() -> None:
+    engine = OrderEngine()
+    busy, gone, kept = rows(8, 0), rows(5, 1), rows(2, 2)
+
+    async def body(batcher):
+        first = await _busy(batcher, engine, busy)
+        withdrawn = asyncio.create_task(batcher.submit(TINY, ForwardInputs(gone)))
+        stays = asyncio.create_task(batcher.submit(TINY, ForwardInputs(kept)))
+        await asyncio.sleep(SETTLE_S)
+        withdrawn.cancel()
+        await asyncio.sleep(SETTLE_S)
+        engine.gate.set()
+        return await asyncio.gather(first, stays)
+
+    _, result = run(engine, BatchPolicy(8, 0.0, 16), body)
+    assert engine.batch_sizes == [8, 2]
+    torch.testing.assert_close(result.output, reference_forward(TINY, kept))
+
+
+class _LeavingClient:
+    """A request whose client disconnects after `after_s` (or never)."""
+
+    def __init__(self, after_s: float | None) -> None:
+        self.after_s = after_s
+
+    async def receive(self) -> dict:
+        if self.after_s is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(self.after_s)
+        return {"type": "http.disconnect"}
+
+
+def test_a_client_that_disconnects_has_its_queued_rows_dropped() -> None:
+    engine = OrderEngine()
+    busy, gone = rows(8, 0), rows(6, 1)
+
+    async def body(batcher):
+        first = await _busy(batcher, engine, busy)
+        with pytest.raises(ClientDisconnected, match="withdrawn"):
+            await submit_while_connected(
+                _LeavingClient(SETTLE_S), batcher, TINY, ForwardInputs(gone), RequestOptions()
+            )
+        engine.gate.set()
+        return await first
+
+    run(engine, BatchPolicy(8, 0.0, 16), body)
+    assert engine.batch_sizes == [8]
+
+
+def test_a_connected_client_gets_its_answer() -> None:
+    engine = OrderEngine()
+    x = rows(3, 0)
+
+    async def body(batcher):
+        return await submit_while_connected(
+            _LeavingClient(None), batcher, TINY, ForwardInputs(x), RequestOptions()
+        )
+
+    result = run(engine, BatchPolicy(8, 0.0, 16), body)
+    torch.testing.assert_close(result.output, reference_forward(TINY, x))
+
+
+@pytest.mark.parametrize(
+    ("priority", "timeout_s", "message"),
+    [(-1, None, "priority must be >= 0"), (0, 0.0, "timeout must be positive")],
+)
+def test_request_options_refuse_negative_values(priority, timeout_s, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        RequestOptions(priority, timeout_s)
