@@ -19,6 +19,7 @@ from service.deps import Runtime
 from service.engine import Engine, LayerSource
 from service.ep import EPEngine
 from service.errors import install_handlers
+from service.fast_path import BinaryForwardFastPath, forward_route
 from service.grpc_server import start_grpc_server
 from service.metrics import Metrics
 from service.middleware import OPEN_PATHS, RequestMiddleware
@@ -148,6 +149,11 @@ def create_app(settings: Settings, loader: LayerLoader = load_from_disk) -> Fast
     )
     app.state.runtime = runtime
     install_handlers(app)
+    for module in (health, metrics, introspect, forward, kserve, shared_memory, repository):
+        app.include_router(module.router)
+    # innermost: the tracing middleware and RequestMiddleware wrap it as they wrap the routes
+    route = forward_route(forward.router.routes)
+    app.add_middleware(BinaryForwardFastPath, runtime=runtime, route=route)
     tracing.instrument_app(app)
     token = settings.api_token_bytes()
     if token is not None:
@@ -158,6 +164,4 @@ def create_app(settings: Settings, loader: LayerLoader = load_from_disk) -> Fast
         token=token,
         max_connections=settings.max_connections,
     )
-    for module in (health, metrics, introspect, forward, kserve, shared_memory, repository):
-        app.include_router(module.router)
     return app

@@ -12,12 +12,13 @@ from fastapi import APIRouter, Query, Request, Response
 from kernels.layer import LayerOutput
 from kernels.tensors import ForwardInputs
 from service import json_codec
-from service.batcher import RequestOptions
+from service.batcher import DynamicBatcher, RequestOptions
 from service.deps import BatcherDep, BodyDep, EngineDep, MetricsDep, submit_while_connected
 from service.docs import DEMO_LOGITS, DEMO_ROWS
 from service.engine import ServedLayer
 from service.errors import BadInput, UnsupportedMediaType
 from service.inputs import check_inputs
+from service.metrics import Metrics
 from service.schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
 from service.wire import encode_safetensors, run_sized
 
@@ -26,6 +27,7 @@ router = APIRouter(tags=["forward"])
 JSON = "application/json"
 BINARY = "application/octet-stream"
 TENSOR_NAMES = ("hidden_states", "router_logits")
+FORWARD_PATH = "/v1/layers/{name}/forward"
 
 _ERRORS = {
     status: {"model": ErrorBody, "description": what}
@@ -90,7 +92,7 @@ def _load_blob(body: bytes) -> dict:
 
 
 @router.post(
-    "/v1/layers/{name}/forward",
+    FORWARD_PATH,
     summary="Run the MoE block on hidden states (JSON or safetensors body)",
     response_model=ForwardResponse,
     responses={
@@ -136,21 +138,37 @@ async def forward(
         metrics.observe_stage(name, "encode", time.perf_counter() - started)
         return Response(reply, media_type=JSON)
     if media == BINARY:
-        started = time.perf_counter()
-        inputs = await run_sized(len(body), lambda: _decode_blob(served, body))
-        metrics.observe_stage(name, "decode", time.perf_counter() - started)
-        result = await submit_while_connected(request, batcher, name, inputs, options)
-        started = time.perf_counter()
-        wire = inputs.hidden_states.dtype
-        reply = await run_sized(
-            result.output.numel() * wire.itemsize,
-            lambda: _encode_blob(served, result, wire, return_routing),
+        return await forward_binary(
+            request, served, batcher, metrics, body, options, return_routing
         )
-        metrics.observe_stage(name, "encode", time.perf_counter() - started)
-        return Response(reply, media_type=BINARY)
     raise UnsupportedMediaType(
         f"content type {media or '(none)'!r} is not accepted; send {JSON} or {BINARY}"
     )
+
+
+async def forward_binary(
+    request: Request,
+    served: ServedLayer,
+    batcher: DynamicBatcher,
+    metrics: Metrics,
+    body: bytes,
+    options: RequestOptions,
+    return_routing: bool,
+) -> Response:
+    """A safetensors body -> the reply blob (also run by service/fast_path.py)."""
+    name = served.name
+    started = time.perf_counter()
+    inputs = await run_sized(len(body), lambda: _decode_blob(served, body))
+    metrics.observe_stage(name, "decode", time.perf_counter() - started)
+    result = await submit_while_connected(request, batcher, name, inputs, options)
+    started = time.perf_counter()
+    wire = inputs.hidden_states.dtype
+    reply = await run_sized(
+        result.output.numel() * wire.itemsize,
+        lambda: _encode_blob(served, result, wire, return_routing),
+    )
+    metrics.observe_stage(name, "encode", time.perf_counter() - started)
+    return Response(reply, media_type=BINARY)
 
 
 def schedule_options(priority: int, timeout_us: int) -> RequestOptions:

@@ -1,0 +1,107 @@
+"""The binary forward without FastAPI's routing (service/fast_path.py) answers as the route does."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import safetensors.torch
+import torch
+from fastapi.testclient import TestClient
+
+from service import fast_path
+from service.app import create_app
+from service.settings import Settings
+from tests.service.layers import TINY, H, tiny_loader
+
+BINARY = {"Content-Type": "application/octet-stream"}
+ROUTE = f"/v1/layers/{TINY}/forward"
+
+
+def _blob(rows: int = 3, seed: int = 0) -> bytes:
+    hidden = torch.randn(rows, H, generator=torch.Generator().manual_seed(seed))
+    return safetensors.torch.save({"hidden_states": hidden})
+
+
+@pytest.fixture
+def taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Paths of the requests the fast path answered."""
+    seen: list[str] = []
+    real = fast_path.forward_binary
+
+    async def spy(request, *args, **kwargs):
+        seen.append(request.url.path)
+        return await real(request, *args, **kwargs)
+
+    monkeypatch.setattr(fast_path, "forward_binary", spy)
+    return seen
+
+
+def test_a_plain_binary_forward_takes_the_fast_path_and_equals_the_route(
+    client: TestClient, taken: list[str]
+) -> None:
+    fast = client.post(ROUTE, content=_blob(), headers=BINARY)
+    routed = client.post(f"{ROUTE}?priority=0", content=_blob(), headers=BINARY)  # via FastAPI
+    assert taken == [ROUTE]
+    assert (fast.status_code, routed.status_code) == (200, 200)
+    assert fast.headers["content-type"] == routed.headers["content-type"]
+    assert fast.content == routed.content
+    assert "X-Request-ID" in fast.headers  # RequestMiddleware wraps it
+    counted = 'moe_serve_requests_total{route="/v1/layers/{name}/forward",status="200"} 2.0'
+    assert counted in client.get("/metrics").text
+
+
+@pytest.mark.parametrize(
+    ("path", "headers", "body", "status", "error"),
+    [
+        (ROUTE, BINARY, b"not a blob", 400, "body is not a valid safetensors blob"),
+        ("/v1/layers/nope/forward", BINARY, _blob(), 404, "nope"),
+        (ROUTE, {"Content-Type": "text/plain"}, _blob(), 415, "text/plain"),
+    ],
+)
+def test_errors_are_the_routes(client: TestClient, path, headers, body, status, error) -> None:
+    r = client.post(path, content=body, headers=headers)
+    assert r.status_code == status
+    assert error in r.json()["error"]
+
+
+def test_a_body_over_the_limit_gets_413(make_client) -> None:
+    client = make_client(max_body_bytes=1024)
+    r = client.post(ROUTE, content=_blob(rows=64), headers=BINARY)
+    assert r.status_code == 413
+    assert "1024-byte limit" in r.json()["error"]
+
+
+def test_the_token_is_required(make_client) -> None:
+    client = make_client(api_token="s3cret-token-of-32-characters-xx")
+    assert client.post(ROUTE, content=_blob(), headers=BINARY).status_code == 401
+
+
+def test_not_ready_is_503_with_retry_after() -> None:
+    release = threading.Event()
+
+    def slow_loader(settings, device):
+        release.wait(10)
+        return tiny_loader(settings, device)
+
+    with TestClient(create_app(Settings(device="cpu"), slow_loader)) as client:
+        r = client.post(ROUTE, content=_blob(), headers=BINARY)
+        release.set()
+    assert r.status_code == 503
+    assert r.headers["Retry-After"] == "5"
+
+
+def test_only_plain_binary_posts_to_the_forward_route_are_taken() -> None:
+    def scope(method="POST", path=ROUTE, query=b"", media=b"application/octet-stream"):
+        headers = [(b"content-type", media)] if media else []
+        return {"type": "http", "method": method, "path": path, "query_string": query,
+                "headers": headers}  # fmt: skip
+
+    assert fast_path._takes(scope())
+    assert fast_path._takes(scope(media=b"Application/Octet-Stream; charset=x"))
+    assert not fast_path._takes(scope(query=b"return_routing=true"))
+    assert not fast_path._takes(scope(media=b"application/json"))
+    assert not fast_path._takes(scope(media=None))
+    assert not fast_path._takes(scope(method="GET"))
+    assert not fast_path._takes(scope(path="/v1/layers/a/b/forward"))
+    assert not fast_path._takes(scope(path=f"{ROUTE}/x"))
