@@ -93,11 +93,13 @@ class Metrics:
             buckets=_STAGE_BUCKETS_S,
             registry=r,
         )
+        # layer -> its expert counters, looked up once: a batch of DeepSeek-V3 (E=256) would
+        # otherwise make hundreds of label lookups on the event loop
+        self._expert_series: dict[str, list[Counter]] = {}
 
     def add_layer(self, layer: str, num_experts: int) -> None:
         """Start the layer's series at 0, so a cold expert shows up as 0 rather than missing."""
-        for expert in range(num_experts):
-            self.expert_tokens.labels(layer, str(expert))
+        self._expert_counters(layer, num_experts)
         self.queue_depth.labels(layer).set(0)
         self.statistics.add_model(layer)
         for per_layer in (
@@ -129,9 +131,15 @@ class Metrics:
             seconds = getattr(times, f"{stage}_s")
             if seconds is not None:
                 self.stage_seconds.labels(layer, stage).observe(seconds)
+        series = self._expert_series.get(layer) or self._expert_counters(layer, len(expert_tokens))
         for expert, count in enumerate(expert_tokens.tolist()):
             if count:
-                self.expert_tokens.labels(layer, str(expert)).inc(count)
+                series[expert].inc(count)
+
+    def _expert_counters(self, layer: str, num_experts: int) -> list[Counter]:
+        series = [self.expert_tokens.labels(layer, str(e)) for e in range(num_experts)]
+        self._expert_series[layer] = series
+        return series
 
     def observe_stage(self, layer: str, stage: str, seconds: float) -> None:
         self.stage_seconds.labels(layer, stage).observe(seconds)
