@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.arith import round_up
 from kernels.layer import LayerOutput, MoELayer, expert_tokens, mask_rows
 from kernels.stages import YES, Support
 from kernels.tensors import ForwardInputs, Routing
@@ -28,11 +29,21 @@ from kernels.workspace import Workspace
 log = logging.getLogger(__name__)
 
 
+FINE_FROM = 64  # buckets double up to here, then grow by a quarter (in steps of this many)
+
+
 def token_buckets(max_tokens: int) -> tuple[int, ...]:
-    """1, 2, 4, ... below `max_tokens`, then `max_tokens`: padding wastes less than half a
-    bucket, and padded rows skip the experts, which are most of a forward."""
-    powers = [1 << i for i in range(max_tokens.bit_length()) if 1 << i < max_tokens]
-    return (*powers, max_tokens)
+    """1, 2, 4, ..., 64, then about 1.25x apart in multiples of 64 (128, 192, 256, 320, 448,
+    576, 768, 960, ...), then `max_tokens`. Padded rows skip the experts but not the router and
+    the shared experts: a batch of 269 tokens ran as 512 with doubling buckets, now as 320."""
+    buckets, size = [], 1
+    while size < max_tokens:
+        buckets.append(size)
+        if size < FINE_FROM:
+            size *= 2
+        else:
+            size = round_up(size * 5 // 4, FINE_FROM)
+    return (*buckets, max_tokens)
 
 
 def can_capture(layer: MoELayer, device: torch.device) -> Support:

@@ -33,11 +33,14 @@ LARGE_LAYER = 1 << 22  # H * I from which a layer counts as full-size (DeepSeek-
 
 # Without a rule for this GPU and layer, `auto` tries these in order and the first that supports
 # the layer wins: fast GPU paths first, the exact torch reference last (it runs everywhere).
+# Ordered as the H100 measured them served (whole-layer CUDA graphs, bench/results): oai-triton
+# beat our triton on gpt-oss at every M, and our triton beat deep-gemm (its torch glue and host
+# syncs; it cannot be captured) at every M on DeepSeek-V3.
 AUTO_ORDER: tuple[str, ...] = (
-    "deep-gemm",
     "oai-triton",
-    "triton-or-deep-gemm",
     "triton",
+    "triton-or-deep-gemm",
+    "deep-gemm",
     "oai-triton-unfused",
     "reference",
 )

@@ -113,9 +113,11 @@ def test_off_the_gpu_router_and_shared_expert_multiply_in_float32() -> None:
     torch.testing.assert_close(weights.shared.forward(x), h @ shared.w2.float().T)
 
 
-def test_token_buckets_are_powers_of_two_up_to_the_largest_batch() -> None:
-    assert token_buckets(1024) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-    assert token_buckets(300) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 300)
+def test_token_buckets_double_to_64_then_grow_by_a_quarter_in_steps_of_64() -> None:
+    assert token_buckets(1024) == (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 320, 448, 576, 768,
+                                   960, 1024)  # fmt: skip
+    assert token_buckets(300) == (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 300)
+    assert token_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
     assert token_buckets(1) == (1,)
 
 
