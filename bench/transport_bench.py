@@ -175,9 +175,9 @@ def _variants(
     cleanup.append(lambda: cudashm.destroy_shared_memory_region(device))
     cudashm.set_shared_memory_region(device, [x])
     http.register_cuda("bench-cuda", cudashm.get_raw_handle(device), 2 * nbytes)
-    read_device = lambda: cudashm.get_contents_as_numpy(  # noqa: E731
-        device, np.float32, list(x.shape), offset=nbytes
-    )
+    # tritonclient reads a CUDA region from its start only: both halves, the output second
+    both = [2 * x.shape[0], *x.shape[1:]]
+    read_device = lambda: cudashm.get_contents_as_numpy(device, np.float32, both)[x.shape[0] :]  # noqa: E731
     variants["http-cuda-shm"] = over_http("bench-cuda", read_device)
     variants["grpc-cuda-shm"] = over_grpc("bench-cuda", read_device)
     return variants

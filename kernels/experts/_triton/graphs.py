@@ -63,6 +63,8 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the service's other threads (the completer waiting on events, another
+        # layer's launches) may make CUDA calls meanwhile, which a global capture refuses
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             output = self.forward(static)
         return _Captured(graph, static, output)
