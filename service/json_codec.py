@@ -32,22 +32,9 @@ _NUMBERS = frozenset({float, int})
 _THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moe-json")
 
 
-# JSON of at most this many bytes is decoded (or written) on the event loop. On a thread the work
-# holds the GIL all the same (orjson, numpy from lists); here it saves the request two thread
-# hops (0.1 to 0.3 ms each) and holds the loop for about a millisecond (64 x 256 numbers).
-ON_LOOP_BYTES = 128 << 10
-
-
 async def off_loop(fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)` on a JSON thread."""
     return await asyncio.get_running_loop().run_in_executor(_THREADS, fn, *args)
-
-
-async def run_sized(nbytes: int, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` for `nbytes` of JSON: here when small, else on a JSON thread."""
-    if nbytes <= ON_LOOP_BYTES:
-        return fn(*args)
-    return await off_loop(fn, *args)
 
 
 def parse(body: bytes, what: str = "body") -> Any:

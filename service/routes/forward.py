@@ -130,13 +130,11 @@ async def forward(
     if media == JSON:
         # Parsing and printing thousands of floats takes tens of ms: off the event loop.
         started = time.perf_counter()
-        inputs, want_routing = await json_codec.run_sized(len(body), _decode_json, served, body)
+        inputs, want_routing = await json_codec.off_loop(_decode_json, served, body)
         metrics.observe_stage(name, "decode", time.perf_counter() - started)
         result = await submit_while_connected(request, batcher, name, inputs, options)
         started = time.perf_counter()
-        # about 10 bytes of JSON per number
-        size = 10 * result.output.numel()
-        reply = await json_codec.run_sized(size, _encode_json, served, result, want_routing)
+        reply = await json_codec.off_loop(_encode_json, served, result, want_routing)
         metrics.observe_stage(name, "encode", time.perf_counter() - started)
         return Response(reply, media_type=JSON)
     if media == BINARY:
