@@ -6,7 +6,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +45,16 @@ def tiny_layers(seed: int = 0) -> list[TinyLayer]:
 
 def tiny_loader(settings: object, device: torch.device) -> list[TinyLayer]:
     return tiny_layers()
+
+
+def gated_loader(release: threading.Event) -> Callable[[object, torch.device], list[TinyLayer]]:
+    """tiny_loader that waits for `release` (up to 10 s): a server that stays loading."""
+
+    def loader(settings: object, device: torch.device) -> list[TinyLayer]:
+        release.wait(10)
+        return tiny_loader(settings, device)
+
+    return loader
 
 
 def reference_forward(

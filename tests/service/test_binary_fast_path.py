@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from service import fast_path
 from service.app import create_app
 from service.settings import Settings
-from tests.service.layers import TINY, H, tiny_loader
+from tests.service.layers import TINY, H, gated_loader
 
 BINARY = {"Content-Type": "application/octet-stream"}
 ROUTE = f"/v1/layers/{TINY}/forward"
@@ -79,12 +79,7 @@ def test_the_token_is_required(make_client) -> None:
 
 def test_not_ready_is_503_with_retry_after() -> None:
     release = threading.Event()
-
-    def slow_loader(settings, device):
-        release.wait(10)
-        return tiny_loader(settings, device)
-
-    with TestClient(create_app(Settings(device="cpu"), slow_loader)) as client:
+    with TestClient(create_app(Settings(device="cpu"), gated_loader(release))) as client:
         r = client.post(ROUTE, content=_blob(), headers=BINARY)
         release.set()
     assert r.status_code == 503

@@ -14,7 +14,7 @@ from service.app import create_app, warm_up_tokens
 from service.engine import Engine
 from service.settings import Settings
 from tests.service.conftest import wait_ready
-from tests.service.layers import NO_ROUTER, TINY, E, H, tiny_loader
+from tests.service.layers import NO_ROUTER, TINY, E, H, gated_loader
 
 TOKEN = "s3cret-token-of-32-characters-xx"
 BINARY = {"Content-Type": "application/octet-stream"}
@@ -22,12 +22,7 @@ BINARY = {"Content-Type": "application/octet-stream"}
 
 def test_health_is_200_and_ready_is_503_with_the_reason_while_loading() -> None:
     release = threading.Event()
-
-    def slow_loader(settings, device):
-        release.wait(10)
-        return tiny_loader(settings, device)
-
-    with TestClient(create_app(Settings(device="cpu"), slow_loader)) as client:
+    with TestClient(create_app(Settings(device="cpu"), gated_loader(release))) as client:
         assert client.get("/health").status_code == 200
         r = client.get("/ready")
         assert (r.status_code, r.json()) == (503, {"ready": False, "reason": "loading layers"})
