@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from typing import Annotated
 
-import safetensors.torch
 import torch
 from fastapi import APIRouter, Query, Request, Response
 
@@ -20,7 +19,7 @@ from service.errors import BadInput, UnsupportedMediaType
 from service.inputs import check_inputs
 from service.metrics import Metrics
 from service.schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
-from service.wire import encode_safetensors, run_sized
+from service.wire import decode_safetensors, encode_safetensors, run_sized
 
 router = APIRouter(tags=["forward"])
 
@@ -77,8 +76,8 @@ def _media_type(request: Request) -> str:
 
 def _load_blob(body: bytes) -> dict:
     try:
-        tensors = safetensors.torch.load(body)
-    except Exception as err:  # the library raises several types for a corrupt blob
+        tensors = decode_safetensors(body)
+    except ValueError as err:
         raise BadInput(f"body is not a valid safetensors blob: {err}") from None
     unknown = sorted(set(tensors) - set(TENSOR_NAMES))
     if unknown:

@@ -176,7 +176,9 @@ def test_unload_under_traffic_answers_every_admitted_request_correctly(urls, rep
     async def main() -> tuple[list[tuple[int, object]], int]:
         async with httpx.AsyncClient(base_url=url, timeout=60) as http:
             requests = [asyncio.create_task(one(http, x)) for x in xs]
-            await asyncio.sleep(0.05)  # some are admitted, some still arriving
+            # unload once one is answered: some are admitted, some still arriving (a fixed
+            # 50 ms saw none admitted yet on a loaded CI machine)
+            await asyncio.wait(requests, return_when=asyncio.FIRST_COMPLETED)
             unload = await http.post("/v2/repository/models/alpha/unload")
             return await asyncio.gather(*requests), unload.status_code
 
