@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
@@ -164,7 +164,7 @@ def parse_body(model: type[Body], body: bytes) -> Body:
         raise BadInput(f"request body: {describe_validation_error(err)}") from None
 
 
-async def _disconnected(request: Request) -> None:
+async def disconnected(request: Request) -> None:
     """Returns once the client has gone (the body must have been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -178,12 +178,23 @@ async def submit_while_connected(
     options: RequestOptions,
 ) -> LayerOutput:
     """batcher.submit, withdrawn (its waiting rows leave the queue) if the client goes away."""
+    return await submit_unless(batcher, name, inputs, options, lambda: disconnected(request))
+
+
+async def submit_unless(
+    batcher: DynamicBatcher,
+    name: str,
+    inputs: ForwardInputs,
+    options: RequestOptions,
+    gone: Callable[[], Awaitable[None]],
+) -> LayerOutput:
+    """batcher.submit, withdrawn if `gone()` returns first (the client went away)."""
     work = asyncio.ensure_future(batcher.submit(name, inputs, options))
-    gone = asyncio.ensure_future(_disconnected(request))
+    watch = asyncio.ensure_future(gone())
     try:
-        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        gone.cancel()
+        watch.cancel()
         withdrawn = not work.done()  # the client went away (or this handler is cancelled)
         if withdrawn:
             work.cancel()

@@ -119,8 +119,11 @@ def decode_safetensors(body: bytes) -> dict[str, torch.Tensor]:
 OFF_LOOP_BYTES = 1 << 20
 
 
-def encode_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    """Tensors (CPU) -> a safetensors blob that `safetensors.torch.load` reads back."""
+def safetensors_parts(
+    tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+) -> list[bytes | memoryview]:
+    """Tensors (CPU) -> a safetensors blob as its pieces: the header, then each tensor's bytes
+    as a view of the tensor (which the view keeps alive). Sent as they are, nothing is copied."""
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for name, t in tensors.items():
@@ -134,7 +137,12 @@ def encode_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
     data = [memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()) for t in tensors.values()]
-    return b"".join([struct.pack("<Q", len(head)), head, *data])
+    return [struct.pack("<Q", len(head)) + head, *data]
+
+
+def encode_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """Tensors (CPU) -> a safetensors blob that `safetensors.torch.load` reads back."""
+    return b"".join(safetensors_parts(tensors, metadata))
 
 
 async def run_sized(nbytes: int, fn: Callable[[], T]) -> T:

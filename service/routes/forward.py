@@ -3,23 +3,34 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Annotated
 
 import torch
 from fastapi import APIRouter, Query, Request, Response
+from starlette.types import Receive, Scope, Send
 
 from kernels.layer import LayerOutput
 from kernels.tensors import ForwardInputs
 from service import json_codec
 from service.batcher import DynamicBatcher, RequestOptions
-from service.deps import BatcherDep, BodyDep, EngineDep, MetricsDep, submit_while_connected
+from service.deps import (
+    BatcherDep,
+    BodyDep,
+    EngineDep,
+    MetricsDep,
+    disconnected,
+    submit_unless,
+    submit_while_connected,
+)
 from service.docs import DEMO_LOGITS, DEMO_ROWS
 from service.engine import ServedLayer
 from service.errors import BadInput, UnsupportedMediaType
 from service.inputs import check_inputs
 from service.metrics import Metrics
 from service.schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
-from service.wire import decode_safetensors, encode_safetensors, run_sized
+from service.wire import decode_safetensors, run_sized, safetensors_parts
 
 router = APIRouter(tags=["forward"])
 
@@ -155,19 +166,53 @@ async def forward_binary(
     return_routing: bool,
 ) -> Response:
     """A safetensors body -> the reply blob (also run by service/fast_path.py)."""
+    gone = partial(disconnected, request)
+    parts = await serve_blob(served, batcher, metrics, body, options, return_routing, gone)
+    return BlobResponse(parts)
+
+
+async def serve_blob(
+    served: ServedLayer,
+    batcher: DynamicBatcher,
+    metrics: Metrics,
+    body: bytes | memoryview,
+    options: RequestOptions,
+    return_routing: bool,
+    gone: Callable[[], Awaitable[None]],
+) -> list[bytes | memoryview]:
+    """A safetensors body -> the reply blob's pieces; withdrawn if `gone()` returns first.
+    Every binary forward runs this: HTTP in this process, and from the front-end processes."""
     name = served.name
     started = time.perf_counter()
     inputs = await run_sized(len(body), lambda: _decode_blob(served, body))
     metrics.observe_stage(name, "decode", time.perf_counter() - started)
-    result = await submit_while_connected(request, batcher, name, inputs, options)
+    result = await submit_unless(batcher, name, inputs, options, gone)
     started = time.perf_counter()
     wire = inputs.hidden_states.dtype
-    reply = await run_sized(
+    parts = await run_sized(
         result.output.numel() * wire.itemsize,
         lambda: _encode_blob(served, result, wire, return_routing),
     )
     metrics.observe_stage(name, "encode", time.perf_counter() - started)
-    return Response(reply, media_type=BINARY)
+    return parts
+
+
+class BlobResponse(Response):
+    """A safetensors reply sent as its pieces, one ASGI message each: the tensors' bytes are
+    never joined into one copy (a 917 KB reply's join was a tenth of the event loop's time)."""
+
+    media_type = BINARY
+
+    def __init__(self, parts: list[bytes | memoryview]) -> None:
+        super().__init__(None, headers={"content-length": str(sum(map(len, parts)))})
+        self.parts = parts
+
+    async def __call__(self, _scope: Scope, _receive: Receive, send: Send) -> None:
+        start = {"type": "http.response.start", "status": self.status_code}
+        await send(start | {"headers": self.raw_headers})
+        last = len(self.parts) - 1
+        for i, part in enumerate(self.parts):
+            await send({"type": "http.response.body", "body": part, "more_body": i < last})
 
 
 def schedule_options(priority: int, timeout_us: int) -> RequestOptions:
@@ -182,12 +227,12 @@ def _decode_blob(served: ServedLayer, body: bytes) -> ForwardInputs:
 
 def _encode_blob(
     served: ServedLayer, result: LayerOutput, wire: torch.dtype, routing: bool
-) -> bytes:
+) -> list[bytes | memoryview]:
     out = {"output": result.output.to(wire)}  # the request's dtype (no copy when it is the layer's)
     if routing:
         out |= {"topk_ids": result.routing.topk_ids, "topk_weights": result.routing.topk_weights}
     meta = {"layer": served.name, "backend": served.backend, "tokens": str(len(result.output))}
-    return encode_safetensors(out, meta)
+    return safetensors_parts(out, meta)
 
 
 def _decode_json(served: ServedLayer, body: bytes) -> tuple[ForwardInputs, bool]:
