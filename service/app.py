@@ -20,6 +20,7 @@ from service.engine import Engine, LayerSource
 from service.ep import EPEngine
 from service.errors import install_handlers
 from service.fast_path import BinaryForwardFastPath, forward_route
+from service.front_ends import FrontEnds
 from service.grpc_server import start_grpc_server
 from service.metrics import Metrics
 from service.middleware import OPEN_PATHS, RequestMiddleware
@@ -113,13 +114,19 @@ async def _start(runtime: Runtime, loader: LayerLoader) -> None:
     log.info("ready: %s on %s", ", ".join(engine.layers), engine.device)
 
 
-def create_app(settings: Settings, loader: LayerLoader = load_from_disk) -> FastAPI:
+def create_app(
+    settings: Settings,
+    loader: LayerLoader = load_from_disk,
+    front_ends: FrontEnds | None = None,
+) -> FastAPI:
+    """The app; with `front_ends` (--http-workers) it serves them, on a Unix socket."""
     root = settings.model_repository
     runtime = Runtime(
         settings,
         Metrics(),
         shared_memory=SharedMemory(allowed=settings.allow_shared_memory),
         repository=None if root is None else Repository(root),
+        front_ends=front_ends,
     )
 
     @asynccontextmanager
@@ -130,8 +137,12 @@ def create_app(settings: Settings, loader: LayerLoader = load_from_disk) -> Fast
             runtime.start_failed = True  # uvicorn stops; `moe-serve serve` exits 1
             raise
         starting = asyncio.create_task(_start(runtime, loader))
+        if runtime.front_ends is not None:
+            await runtime.front_ends.start(runtime)
         yield
         runtime.not_ready = "shutting down"
+        if runtime.front_ends is not None:  # their requests finish first
+            await runtime.front_ends.stop(settings.drain_timeout_s)
         if grpc_server is not None:  # in-flight RPCs finish first
             await grpc_server.stop(settings.drain_timeout_s)
         await starting  # a load in progress finishes before the process exits

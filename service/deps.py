@@ -27,10 +27,12 @@ from service.errors import (
 )
 from service.kserve_codec import HEADER_LENGTH
 from service.metrics import Metrics
+from service.server import client_gone
 from service.settings import Settings
 from service.shared_memory import SharedMemory
 
 if TYPE_CHECKING:
+    from service.front_ends import FrontEnds
     from service.repository import Repository
 
 RETRY_WHILE_LOADING_S = "5"
@@ -54,6 +56,7 @@ class Runtime:
     shared_memory: SharedMemory = field(default_factory=lambda: SharedMemory(allowed=False))
     repository: Repository | None = None  # --model-repository
     warm_up_tokens: list[int] = field(default_factory=list)  # token counts a new layer runs
+    front_ends: FrontEnds | None = None  # --http-workers
 
 
 # Dependencies are `async def` although they never wait: FastAPI runs a plain `def` one on a
@@ -164,12 +167,6 @@ def parse_body(model: type[Body], body: bytes) -> Body:
         raise BadInput(f"request body: {describe_validation_error(err)}") from None
 
 
-async def disconnected(request: Request) -> None:
-    """Returns once the client has gone (the body must have been read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 async def submit_while_connected(
     request: Request,
     batcher: DynamicBatcher,
@@ -178,7 +175,7 @@ async def submit_while_connected(
     options: RequestOptions,
 ) -> LayerOutput:
     """batcher.submit, withdrawn (its waiting rows leave the queue) if the client goes away."""
-    return await submit_unless(batcher, name, inputs, options, lambda: disconnected(request))
+    return await submit_unless(batcher, name, inputs, options, lambda: client_gone(request.receive))
 
 
 async def submit_unless(

@@ -1,29 +1,19 @@
 """Interactive docs that need no internet: /docs and /redoc serve the Swagger UI and ReDoc assets
 bundled in fastapi-offline (FastAPI's own pages load them from a CDN); and, where a token is
 required, /openapi.json declares the bearer scheme, so that Swagger UI's Authorize button sends
-it. Every example in the API description runs against the demo layer (`DEMO_ROWS`).
+it. Every example in the API description runs against the demo layer (`service/examples.py`).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
-from weights.demo import DEMO_CONFIG
-
 ASSETS = "/docs/static"
 # Open without the token: a browser cannot send one when it loads the page.
 PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
-
-# Two tokens of the demo layer's hidden size, for the examples; logits for its experts
-DEMO_ROWS = [
-    [round(0.1 * math.sin(row + 0.37 * col), 4) for col in range(DEMO_CONFIG.hidden_size)]
-    for row in range(2)
-]
-DEMO_LOGITS = [[round(math.cos(e), 3) for e in range(DEMO_CONFIG.num_experts)]]
 
 
 def is_docs(path: str) -> bool:

@@ -1,9 +1,8 @@
 """The binary forward without FastAPI's routing and dependency solving.
 
-`POST /v1/layers/{name}/forward` with a safetensors body (Content-Type
-application/octet-stream) and no query string is the request a client library sends in a loop;
-FastAPI's routing, dependency solving and request wrapping cost about as much host time as its
-decode, checks and encode together (0.4 ms of 0.8 ms on a 2-core CI machine, py-spy). This
+A plain binary forward (`service/binary_forward.py`) is the request a client library sends in a
+loop; FastAPI's routing, dependency solving and request wrapping cost about as much host time as
+its decode, checks and encode together (0.4 ms of 0.8 ms on a 2-core CI machine, py-spy). This
 middleware runs the route's own work (`routes.forward.forward_binary`, the same body reading,
 checks, batcher entry and reply) for exactly those requests; everything else, that route with a
 query string or JSON included, goes on to the app. It sits inside RequestMiddleware, so the
@@ -12,28 +11,15 @@ token, request id, log line and request metrics are the same.
 
 from __future__ import annotations
 
-import re
-
 from starlette.requests import Request
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.batcher import RequestOptions
+from service.binary_forward import FORWARD_PATH, plain_binary_forward
 from service.deps import Runtime, get_body, ready
 from service.errors import ServiceError, error_response
-from service.routes.forward import BINARY, FORWARD_PATH, forward_binary
-
-_PATH = re.compile(r"/v1/layers/([^/]+)/forward")
-_BINARY = BINARY.encode()
-
-
-def _takes(scope: Scope) -> bool:
-    if scope["type"] != "http" or scope["method"] != "POST" or scope["query_string"]:
-        return False
-    if _PATH.fullmatch(scope["path"]) is None:
-        return False
-    media = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
-    return media.split(b";")[0].strip().lower() == _BINARY
+from service.routes.forward import forward_binary
 
 
 class BinaryForwardFastPath:
@@ -43,12 +29,12 @@ class BinaryForwardFastPath:
         self.route = route  # the forward route it stands in for (the request metrics' label)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not _takes(scope):
+        name = plain_binary_forward(scope)
+        if name is None:
             await self.app(scope, receive, send)
             return
         scope["route"] = self.route
         request = Request(scope, receive)
-        name = _PATH.fullmatch(scope["path"]).group(1)
         try:
             body = await get_body(request, self.runtime)  # in the route's dependency order
             runtime = ready(self.runtime)

@@ -45,6 +45,11 @@ class Metrics:
             buckets=_LATENCY_BUCKETS_S,
             registry=r,
         )
+        # --http-workers: front-end processes started again after dying (their requests are
+        # counted above, as the engine process's own)
+        self.front_end_restarts = Counter(
+            "moe_serve_front_end_restarts", "HTTP front-end processes restarted", registry=r
+        )
         self.batch_tokens = Histogram(
             "moe_serve_batch_tokens",
             "tokens per forward batch",

@@ -10,17 +10,22 @@ import logging
 import re
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service import docs, logs
 from service.errors import ShuttingDown, error_response
-from service.metrics import Metrics
 from service.server import OVER_CAPACITY
+
+if TYPE_CHECKING:
+    from service.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+UNAUTHORIZED = "missing or wrong bearer token"
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's id is echoed and logged
 
 # Probes and scrapes answer without the bearer token: orchestrators and Prometheus hold none.
@@ -36,6 +41,15 @@ def bearer_matches(authorization: str, token: bytes) -> bool:
 def new_request_id(given: str) -> str:
     """The client's request id when it is safe to echo and log, else a fresh one."""
     return given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex  # no log injection
+
+
+def over_capacity(max_connections: int) -> Response:
+    """The answer on a connection beyond max_connections (probes and scrapes still answer)."""
+    return error_response(
+        503,
+        f"the server has {max_connections} connections open (MOE_SERVE_MAX_CONNECTIONS); retry",
+        {"Retry-After": ShuttingDown.RETRY_AFTER_S, "Connection": "close"},
+    )
 
 
 class RequestMiddleware:
@@ -71,19 +85,11 @@ class RequestMiddleware:
 
         try:
             if scope.get(OVER_CAPACITY) and scope["path"] not in OPEN_PATHS:
-                busy = error_response(
-                    503,
-                    f"the server has {self.max_connections} connections open "
-                    "(MOE_SERVE_MAX_CONNECTIONS); retry",
-                    {"Retry-After": ShuttingDown.RETRY_AFTER_S, "Connection": "close"},
-                )
-                await busy(scope, receive, send_with_id)
+                await over_capacity(self.max_connections)(scope, receive, send_with_id)
             elif self._authorized(scope, headers):
                 await self.app(scope, receive, send_with_id)
             else:
-                denied = error_response(
-                    401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}
-                )
+                denied = error_response(401, UNAUTHORIZED, {"WWW-Authenticate": "Bearer"})
                 await denied(scope, receive, send_with_id)
         except asyncio.CancelledError:
             # uvicorn cancels the requests still running when MOE_SERVE_DRAIN_TIMEOUT_S has

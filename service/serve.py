@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 from pydantic import ValidationError
@@ -14,6 +15,7 @@ from kernels.selection import select
 from service import logs, tracing
 from service.app import create_app
 from service.ep import rank_device
+from service.front_ends import FrontEnds
 from service.server import listen, server_config
 from service.settings import Settings
 from weights.demo import demo_configs
@@ -43,6 +45,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="default 8000")
     p.add_argument("--grpc-port", type=int, help="KServe v2 over gRPC (default 8001; 0: off)")
+    p.add_argument(
+        "--http-workers",
+        type=int,
+        metavar="N",
+        help="HTTP front-end processes that share the port around the GPU process (default 0: "
+        "this process serves HTTP; see README, Performance)",
+    )
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument(
         "--backend", help="experts backend for every layer (GET /backends lists them), or auto"
@@ -114,12 +123,30 @@ def run(args: argparse.Namespace) -> int:
         return _refuse(f"tracing: {err}")
     if settings.api_token is None and settings.host not in LOOPBACK:
         log.warning("listening on %s with no MOE_SERVE_API_TOKEN: open to all", settings.host)
-    app = create_app(settings)
-    server = uvicorn.Server(server_config(app, settings))
+    if settings.http_workers:
+        front_ends = FrontEnds(settings, listener)
+        app = create_app(settings, front_ends=front_ends)
+        server = _FrontedServer(server_config(app, settings, str(front_ends.http_path)))
+        server.front_ends = front_ends
+        sockets = None  # the front ends listen; this process serves them on a Unix socket
+    else:
+        app = create_app(settings)
+        server = uvicorn.Server(server_config(app, settings))
+        sockets = [listener]
     # a start that fails after the checks above (a layer's data, the device) ends the process
     app.state.runtime.on_start_failure = lambda: setattr(server, "should_exit", True)
-    server.run(sockets=[listener])
+    server.run(sockets=sockets)
     return 1 if app.state.runtime.start_failed else 0
+
+
+class _FrontedServer(uvicorn.Server):
+    """On SIGTERM the front ends start draining at once, alongside this process's server."""
+
+    front_ends: FrontEnds
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.front_ends.terminate()
+        super().handle_exit(sig, frame)
 
 
 def _check_layers(settings: Settings) -> None:

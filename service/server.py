@@ -14,13 +14,16 @@ import asyncio
 import json
 import logging
 import socket
+from typing import TYPE_CHECKING
 
 import uvicorn
-from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from service.settings import Settings
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +44,16 @@ def listen(host: str, port: int) -> socket.socket:
     return listener
 
 
-def server_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
+def server_config(app: FastAPI, settings: Settings, uds: str | None = None) -> uvicorn.Config:
+    """As `moe-serve serve` runs it; on a Unix socket `uds` behind the --http-workers front
+    ends, each of which may relay up to max_connections."""
+    connections = settings.max_connections * (settings.http_workers if uds else 1)
     return uvicorn.Config(
         app,
+        uds=uds,
         log_config=None,  # keep the handlers service.logs installed
         timeout_graceful_shutdown=settings.drain_timeout_s,
-        http=bounded_protocol(settings.max_connections, settings.read_timeout_s),
+        http=bounded_protocol(connections, settings.read_timeout_s),
     )
 
 
@@ -96,6 +103,12 @@ def bounded_protocol(max_connections: int, read_timeout_s: float) -> type[asynci
                 self.transport.close()
 
     return BoundedHTTPProtocol
+
+
+async def client_gone(receive: Receive) -> None:
+    """Returns once the client has gone (its body must have been read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _flag_over_capacity(app: object) -> object:

@@ -27,6 +27,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"  # loopback unless asked: the API has no auth by default
     port: int = Field(8000, ge=0, le=65535)
     grpc_port: int = Field(8001, ge=0, le=65535)  # KServe v2 over gRPC, as Triton; 0: off
+    # HTTP front-end processes sharing the port (binary forwards laid in shared memory, the rest
+    # relayed) around this one, which keeps the GPU; 0: this process serves HTTP itself
+    http_workers: int = Field(0, ge=0, le=64)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     backend: str = "auto"  # experts backend for every layer, or auto per layer
     max_batch_tokens: int = Field(1024, ge=1)  # tokens per forward; larger requests are chunked

@@ -15,29 +15,27 @@ from kernels.layer import LayerOutput
 from kernels.tensors import ForwardInputs
 from service import json_codec
 from service.batcher import DynamicBatcher, RequestOptions
+from service.binary_forward import BINARY, FORWARD_PATH, JSON
 from service.deps import (
     BatcherDep,
     BodyDep,
     EngineDep,
     MetricsDep,
-    disconnected,
     submit_unless,
     submit_while_connected,
 )
-from service.docs import DEMO_LOGITS, DEMO_ROWS
 from service.engine import ServedLayer
 from service.errors import BadInput, UnsupportedMediaType
+from service.examples import DEMO_LOGITS, DEMO_ROWS
 from service.inputs import check_inputs
 from service.metrics import Metrics
 from service.schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
+from service.server import client_gone
 from service.wire import decode_safetensors, run_sized, safetensors_parts
 
 router = APIRouter(tags=["forward"])
 
-JSON = "application/json"
-BINARY = "application/octet-stream"
 TENSOR_NAMES = ("hidden_states", "router_logits")
-FORWARD_PATH = "/v1/layers/{name}/forward"
 
 _ERRORS = {
     status: {"model": ErrorBody, "description": what}
@@ -166,7 +164,7 @@ async def forward_binary(
     return_routing: bool,
 ) -> Response:
     """A safetensors body -> the reply blob (also run by service/fast_path.py)."""
-    gone = partial(disconnected, request)
+    gone = partial(client_gone, request.receive)
     parts = await serve_blob(served, batcher, metrics, body, options, return_routing, gone)
     return BlobResponse(parts)
 

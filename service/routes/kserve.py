@@ -7,9 +7,10 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from service import inference, tracing
+from service.binary_forward import BINARY
 from service.deps import BodyDep, EngineDep, Runtime, RuntimeDep
-from service.docs import DEMO_ROWS
 from service.errors import BadInput
+from service.examples import DEMO_ROWS
 from service.kserve_codec import (
     HEADER_LENGTH,
     InferRequest,
@@ -19,7 +20,6 @@ from service.kserve_codec import (
     decode_request,
     encode_response,
 )
-from service.routes.forward import BINARY
 from service.routes.shared_memory import caller
 from service.schemas import ErrorBody, inline_json_schema
 

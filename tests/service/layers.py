@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import httpx
 import torch
 import uvicorn
 from fastapi import FastAPI
@@ -17,7 +18,10 @@ from kernels.config import MoEConfig, RoutingConfig
 from kernels.layer import LayerWeights, RouterWeights, build_layer
 from kernels.random_weights import random_expert_weights
 from kernels.tensors import ForwardInputs
+from service.app import create_app
+from service.front_ends import FrontEnds
 from service.server import listen, server_config
+from service.settings import Settings
 
 E, H, INTER, TOP_K = 4, 64, 128, 2
 TINY = "tiny"  # float32, stored router
@@ -94,3 +98,35 @@ def running_server(app: FastAPI) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(START_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def running_front_ends(settings: Settings, loader: Callable = tiny_loader) -> Iterator[FrontEnds]:
+    """`moe-serve serve --http-workers N` as serve.run sets it up, this process the engine (its
+    uvicorn on a thread, on the Unix socket), the front ends real processes on a free
+    127.0.0.1 port; yields the FrontEnds (`.listener` has the port) once the service is ready."""
+    listener = listen("127.0.0.1", 0)
+    front_ends = FrontEnds(settings, listener)
+    app = create_app(settings, loader, front_ends=front_ends)
+    server = uvicorn.Server(server_config(app, settings, str(front_ends.http_path)))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not _ready(url):
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the front ends did not start")
+        time.sleep(0.05)
+    try:
+        yield front_ends
+    finally:
+        server.should_exit = True
+        thread.join(START_TIMEOUT_S)
+        listener.close()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready").status_code == 200
+    except httpx.TransportError:
+        return False

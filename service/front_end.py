@@ -1,0 +1,297 @@
+"""One HTTP front-end process of `moe-serve serve --http-workers N` (`python -m service.front_end`,
+started by the engine process, `service/front_ends.py`; not a command for users).
+
+Under load one Python process cannot receive, decode and answer requests as fast as the GPU runs
+them (its event loop held 99.5% of the GIL on the H100 host). N front ends share the public
+socket (the kernel spreads connections over them) and do the per-byte work in parallel:
+
+- a plain binary forward (`service/binary_forward.py`) is checked here (connections, token),
+  its body read straight into this process's arena (`service/body_arena.py`) and handed to the
+  engine as a small frame (`service/channel.py`); the engine decodes it in place, batches it
+  with every other front end's requests and writes the reply blob back into the arena;
+- every other request (JSON, KServe v2, probes, metrics, admin) is relayed unchanged to the
+  engine's own HTTP server on a Unix socket, as is a binary forward the arena cannot hold.
+
+It imports no torch: it starts in a fraction of a second and is restarted if it dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+import uvicorn
+from starlette.datastructures import Headers
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from service import logs
+from service.binary_forward import BINARY, FORWARD_PATH, plain_binary_forward
+from service.body_arena import BodyArena, Region
+from service.channel import EngineClient, Reply
+from service.errors import ShuttingDown, error_response
+from service.middleware import (
+    OPEN_PATHS,
+    UNAUTHORIZED,
+    bearer_matches,
+    new_request_id,
+    over_capacity,
+)
+from service.server import OVER_CAPACITY, bounded_protocol, client_gone
+
+log = logging.getLogger("service.front_end")  # also when run as __main__
+
+CONFIG_ENV = "MOE_SERVE_FRONT_END"  # the config, JSON, from the engine process
+# Per front end; a body over a quarter of it is relayed (4 requests of 1024 DeepSeek-V3 tokens
+# in bf16 fit at once). Reserved on start: a full /dev/shm fails then, not mid-request.
+ARENA_BYTES = 128 << 20
+# Not relayed: they describe one hop's connection, not the request (RFC 9110, 7.6.1).
+_HOP_BY_HOP = frozenset(
+    {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade"}
+)
+
+
+@dataclass(frozen=True)
+class FrontEndConfig:
+    listen_fd: int  # the public socket, shared by every front end
+    engine_http: str  # Unix socket of the engine's HTTP server (everything but the fast path)
+    engine_channel: str  # Unix socket of the engine's channel (service/channel.py)
+    arena_dir: str
+    api_token: str | None
+    max_connections: int
+    read_timeout_s: float
+    drain_timeout_s: float
+    log_level: str
+    log_format: str
+
+    def to_env(self) -> dict[str, str]:
+        return {CONFIG_ENV: json.dumps(asdict(self))}
+
+    @classmethod
+    def from_env(cls) -> FrontEndConfig:
+        return cls(**json.loads(os.environ.pop(CONFIG_ENV)))
+
+
+class FrontEnd:
+    """The front end's ASGI app."""
+
+    def __init__(self, config: FrontEndConfig) -> None:
+        self.config = config
+        self.token = None if config.api_token is None else config.api_token.encode()
+        self.arena = BodyArena.create(Path(config.arena_dir), ARENA_BYTES)
+        self.engine = EngineClient(Path(config.engine_channel), self.arena, self._engine_lost)
+        self.on_engine_lost = lambda: None  # main() stops the server: nothing left to serve
+        transport = httpx.AsyncHTTPTransport(
+            uds=config.engine_http, limits=httpx.Limits(max_connections=config.max_connections)
+        )
+        self.relay = httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=None)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        started = False
+
+        async def send_once_started(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await self._serve(scope, receive, send_once_started)
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs MOE_SERVE_DRAIN_TIMEOUT_S after SIGTERM: answer,
+            # as the engine process's RequestMiddleware does, unless the response has begun
+            if started:
+                raise
+            cut = ShuttingDown("the server shut down before this request finished; retry")
+            await error_response(cut.status, cut.message, cut.headers)(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get(OVER_CAPACITY) and scope["path"] not in OPEN_PATHS:
+            await over_capacity(self.config.max_connections)(scope, receive, send)
+        elif (name := plain_binary_forward(scope)) is not None and (
+            region := self._region_for(scope)
+        ):
+            await self._forward(scope, receive, send, name, region)
+        else:
+            await self._relay(scope, receive, send)
+
+    def _region_for(self, scope: Scope) -> Region | None:
+        """A region of the arena for the body, or None: relayed instead (no Content-Length,
+        compressed, too large, the arena full, or the channel not up)."""
+        headers = Headers(scope=scope)
+        size = headers.get("content-length", "")
+        plain = headers.get("content-encoding", "identity").strip().lower() == "identity"
+        if not (self.engine.connected and plain and size.isdigit()):
+            return None
+        if int(size) > ARENA_BYTES // 4:
+            return None
+        return self.arena.allocate(int(size))
+
+    async def _forward(
+        self, scope: Scope, receive: Receive, send: Send, name: str, region: Region
+    ) -> None:
+        headers = Headers(scope=scope)
+        rid = new_request_id(headers.get("x-request-id", ""))
+        reset = logs.request_id.set(rid)
+        started = time.perf_counter()
+        status, ours = 0, True  # 0: no answer yet; ours: the region is not the engine's
+
+        try:
+            if self.token is not None and not bearer_matches(
+                headers.get("authorization", ""), self.token
+            ):
+                reply = Reply(401, error=UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
+            elif (reply := await self._read_body(receive, self.arena.body(region))) is None:
+                ours = False
+                reply = await self.engine.forward(name, region, lambda: client_gone(receive))
+                ours = True
+            status = reply.status
+            if status == 200:
+                blob = bytes(self.arena.reply(region, reply.nbytes))
+                response = Response(blob, media_type=BINARY, headers={"X-Request-ID": rid})
+            else:
+                response = error_response(status, reply.error, reply.headers)
+                response.headers["X-Request-ID"] = rid
+            await response(scope, receive, send)
+        except asyncio.CancelledError:
+            status = status or ShuttingDown.status  # __call__ answers
+            raise
+        finally:
+            if ours:
+                self.arena.free(region)
+            status = status or 500
+            seconds = time.perf_counter() - started
+            self.engine.done(FORWARD_PATH, status, seconds)
+            log.info("POST %s -> %d in %.1f ms", scope["path"], status, seconds * 1e3)
+            logs.request_id.reset(reset)
+
+    async def _read_body(self, receive: Receive, into: memoryview) -> Reply | None:
+        """The body into `into` (its Content-Length), or the reply when it did not come."""
+        at, timeout_s = 0, self.config.read_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                more = True
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        gone = f"the client closed the connection after {at} bytes of the body"
+                        return Reply(499, error=gone)
+                    chunk = message.get("body", b"")
+                    into[at : at + len(chunk)] = chunk
+                    at += len(chunk)
+                    more = message.get("more_body", False)
+        except TimeoutError:
+            late = f"the request body did not arrive within {timeout_s:g} s ({at} bytes came)"
+            return Reply(408, error=late)
+        return None
+
+    async def _relay(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The request to the engine's HTTP server and its response back, both streamed."""
+        body_done = asyncio.Event()
+
+        async def body() -> AsyncIterator[bytes]:
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                yield message.get("body", b"")
+                more = message.get("more_body", False)
+            body_done.set()
+
+        request = self.relay.build_request(
+            scope["method"],
+            _target(scope),
+            headers=[(k, v) for k, v in scope["headers"] if k not in _HOP_BY_HOP],
+            content=body(),
+        )
+        sending = asyncio.ensure_future(self.relay.send(request, stream=True))
+        gone = asyncio.ensure_future(_after(body_done, lambda: client_gone(receive)))
+        try:
+            await asyncio.wait((sending, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not sending.done():  # the client went away: closing the relay withdraws it
+                sending.cancel()
+        if not sending.done() or sending.cancelled():
+            return
+        try:
+            response = sending.result()
+        except httpx.TransportError:
+            down = ShuttingDown("the engine process is not reachable; retry")
+            await error_response(down.status, down.message, down.headers)(scope, receive, send)
+            return
+        try:
+            headers = [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP_BY_HOP]
+            start = {"type": "http.response.start", "status": response.status_code}
+            await send(start | {"headers": headers})
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await response.aclose()
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        await receive()  # lifespan.startup
+        try:
+            await self.engine.connect()
+        except (OSError, ConnectionError) as err:
+            await send({"type": "lifespan.startup.failed", "message": f"the engine: {err}"})
+            return
+        finally:
+            self.arena.unlink()  # both processes have it mapped (or it failed): nothing left
+        await send({"type": "lifespan.startup.complete"})
+        await receive()  # lifespan.shutdown
+        await self.engine.close()
+        await self.relay.aclose()
+        await send({"type": "lifespan.shutdown.complete"})
+
+    def _engine_lost(self) -> None:
+        log.warning("the engine process closed the channel: this front end stops")
+        self.on_engine_lost()
+
+
+def _target(scope: Scope) -> str:
+    """The request's path and query as the client sent them (still percent-encoded)."""
+    path = scope.get("raw_path") or scope["path"].encode()
+    query = scope["query_string"]
+    return (path + b"?" + query if query else path).decode("latin-1")
+
+
+async def _after(event: asyncio.Event, then: Callable[[], Awaitable[None]]) -> None:
+    await event.wait()
+    await then()
+
+
+def main() -> None:
+    config = FrontEndConfig.from_env()
+    logs.configure(config.log_level, config.log_format)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relay: the engine logs it
+    app = FrontEnd(config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_config=None,
+            lifespan="on",
+            timeout_graceful_shutdown=config.drain_timeout_s,
+            http=bounded_protocol(config.max_connections, config.read_timeout_s),
+        )
+    )
+    app.on_engine_lost = lambda: setattr(server, "should_exit", True)
+    server.run(sockets=[socket.socket(fileno=config.listen_fd)])
+
+
+if __name__ == "__main__":
+    main()

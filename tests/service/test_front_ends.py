@@ -1,0 +1,188 @@
+"""`--http-workers`: front-end processes that lay binary forwards in shared memory for the engine
+process and relay everything else; replies equal the one-process service's, metrics are the
+engine's, a dead front end comes back, and nothing the arena holds is handed out twice."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from service.body_arena import BLOCK_BYTES, REPLY_HEADER_BYTES, BodyArena
+from service.settings import Settings
+from service.wire import decode_safetensors, encode_safetensors
+from tests.service.layers import NO_ROUTER, TINY, H, reference_forward, running_front_ends
+
+BINARY = {"Content-Type": "application/octet-stream"}
+TOKEN = "front-end-test-token-0123456789"
+FORWARD_200 = 'moe_serve_requests_total{route="/v1/layers/{name}/forward",status="200"}'
+
+
+def _url(front_ends) -> str:
+    return f"http://127.0.0.1:{front_ends.listener.getsockname()[1]}"
+
+
+def _blob(x: torch.Tensor, **more: torch.Tensor) -> bytes:
+    return encode_safetensors({"hidden_states": x, **more}, {})
+
+
+def _count(metrics: str, series: str) -> float:
+    line = next((x for x in metrics.splitlines() if x.startswith(series + " ")), None)
+    return 0.0 if line is None else float(line.rsplit(" ", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def front_ends():
+    with running_front_ends(Settings(device="cpu", http_workers=2, grpc_port=0)) as running:
+        yield running
+
+
+def test_binary_forwards_take_the_shared_memory_path_and_match_the_reference(
+    front_ends, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = _url(front_ends)
+    before = _count(httpx.get(f"{url}/metrics").text, FORWARD_200)
+    rows = [torch.randn(t, H, generator=torch.Generator().manual_seed(t)) for t in (1, 3, 17, 64)]
+    with caplog.at_level(logging.INFO, logger="service.middleware"), ThreadPoolExecutor(8) as pool:
+        replies = list(
+            pool.map(
+                lambda x: httpx.post(
+                    f"{url}/v1/layers/{TINY}/forward", content=_blob(x), headers=BINARY
+                ),
+                rows * 4,
+            )
+        )
+    for x, reply in zip(rows * 4, replies, strict=True):
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["content-type"] == "application/octet-stream"
+        out = decode_safetensors(reply.content)["output"]
+        torch.testing.assert_close(out, reference_forward(TINY, x), rtol=1e-5, atol=1e-5)
+    # answered by the front ends (the engine's HTTP server logs every request it serves) ...
+    assert "/forward" not in caplog.text
+    # ... and counted by the engine, which keeps every metric
+    after = _count(httpx.get(f"{url}/metrics").text, FORWARD_200)
+    assert after - before == len(replies)
+
+
+def test_client_router_logits_and_bf16_bodies_go_through(front_ends) -> None:
+    url = _url(front_ends)
+    x = torch.randn(5, H).bfloat16()
+    logits = torch.randn(5, 4).bfloat16()
+    reply = httpx.post(
+        f"{url}/v1/layers/{NO_ROUTER}/forward",
+        content=_blob(x, router_logits=logits),
+        headers=BINARY,
+    )
+    assert reply.status_code == 200, reply.text
+    out = decode_safetensors(reply.content)["output"]
+    assert out.dtype == torch.bfloat16
+    expected = reference_forward(NO_ROUTER, x.float(), logits.float())
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_other_requests_are_relayed_to_the_engine(front_ends) -> None:
+    url = _url(front_ends)
+    x = torch.randn(2, H)
+    routed = httpx.post(
+        f"{url}/v1/layers/{TINY}/forward?return_routing=true", content=_blob(x), headers=BINARY
+    )
+    assert routed.status_code == 200
+    assert set(decode_safetensors(routed.content)) == {"output", "topk_ids", "topk_weights"}
+    as_json = httpx.post(f"{url}/v1/layers/{TINY}/forward", json={"hidden_states": x.tolist()})
+    assert as_json.status_code == 200
+    torch.testing.assert_close(
+        torch.tensor(as_json.json()["output"]), reference_forward(TINY, x), rtol=1e-5, atol=1e-5
+    )
+    listed = httpx.get(f"{url}/v1/layers", headers={"X-Request-ID": "relay-1"})
+    assert [layer["name"] for layer in listed.json()["layers"]] == [TINY, NO_ROUTER]
+    assert listed.headers["X-Request-ID"] == "relay-1"
+    assert httpx.get(f"{url}/v2/health/ready").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("layer", "body", "status", "message"),
+    [
+        ("nope", _blob(torch.randn(1, H)), 404, "no layer named 'nope'"),
+        (TINY, b"not a blob at all", 400, "body is not a valid safetensors blob"),
+        (TINY, _blob(torch.randn(2, H + 1)), 400, "hidden_states"),
+        (TINY, _blob(torch.full((2, H), float("nan"))), 400, "NaN"),
+    ],
+)
+def test_bad_binary_forwards_get_the_engines_error(front_ends, layer, body, status, message):
+    reply = httpx.post(
+        f"{_url(front_ends)}/v1/layers/{layer}/forward", content=body, headers=BINARY
+    )
+    assert reply.status_code == status
+    assert message in reply.json()["error"]
+    assert reply.headers["X-Request-ID"]
+
+
+def test_a_dead_front_end_is_restarted_and_the_service_keeps_answering(front_ends) -> None:
+    url = _url(front_ends)
+    restarts = "moe_serve_front_end_restarts_total"
+    before = _count(httpx.get(f"{url}/metrics").text, restarts)
+    victim = front_ends._processes[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    x = torch.randn(3, H)
+    for _ in range(20):  # the other front end answers meanwhile
+        reply = httpx.post(f"{url}/v1/layers/{TINY}/forward", content=_blob(x), headers=BINARY)
+        assert reply.status_code == 200
+    deadline = time.monotonic() + 20
+    while front_ends._processes[0] is victim or not _answers(url):
+        assert time.monotonic() < deadline, "the front end was not restarted"
+        time.sleep(0.05)
+    assert _count(httpx.get(f"{url}/metrics").text, restarts) == before + 1
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_the_token_is_checked_by_the_front_end_and_by_the_engine() -> None:
+    settings = Settings(device="cpu", http_workers=1, grpc_port=0, api_token=TOKEN)
+    with running_front_ends(settings) as front_ends:
+        url = _url(front_ends)
+        blob = _blob(torch.randn(1, H))
+        for path, kwargs in [
+            (f"/v1/layers/{TINY}/forward", {"content": blob, "headers": BINARY}),  # front end
+            (f"/v1/layers/{TINY}/forward", {"json": {"hidden_states": [[0.0] * H]}}),  # engine
+        ]:
+            denied = httpx.post(url + path, **kwargs)
+            assert denied.status_code == 401
+            assert denied.headers["WWW-Authenticate"] == "Bearer"
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            kwargs["headers"] = kwargs.get("headers", {}) | auth
+            assert httpx.post(url + path, **kwargs).status_code == 200
+
+
+def test_the_arena_never_hands_out_a_region_twice(tmp_path: Path) -> None:
+    arena = BodyArena.create(tmp_path, 64 * BLOCK_BYTES)
+    engine_side = BodyArena.attach(arena.path, arena.size)
+    a = arena.allocate(1)
+    b = arena.allocate(BLOCK_BYTES + 1)  # 2 blocks of body, then the reply's
+    assert a.offset == 0
+    assert b.offset == a.blocks * BLOCK_BYTES
+    assert b.reply_offset == b.offset + 2 * BLOCK_BYTES
+    assert b.reply_capacity >= b.body_bytes + REPLY_HEADER_BYTES
+    arena.body(b)[:] = b"x" * b.body_bytes  # the engine sees what the front end wrote
+    assert bytes(engine_side.body(b)) == b"x" * b.body_bytes
+    engine_side.reply(b, 3)[:] = b"out"
+    assert bytes(arena.reply(b, 3)) == b"out"
+    assert arena.allocate(64 * BLOCK_BYTES) is None  # more than is free
+    arena.free(a)
+    again = arena.allocate(1)
+    assert again.offset == 0  # a's blocks, not b's
+    engine_side.close()
+    arena.close()
+    arena.unlink()
+    assert not arena.path.exists()
