@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from service import fast_path
 from service.app import create_app
+from service.binary_forward import plain_binary_forward
 from service.settings import Settings
 from tests.service.layers import TINY, H, gated_loader
 
@@ -92,11 +93,11 @@ def test_only_plain_binary_posts_to_the_forward_route_are_taken() -> None:
         return {"type": "http", "method": method, "path": path, "query_string": query,
                 "headers": headers}  # fmt: skip
 
-    assert fast_path._takes(scope())
-    assert fast_path._takes(scope(media=b"Application/Octet-Stream; charset=x"))
-    assert not fast_path._takes(scope(query=b"return_routing=true"))
-    assert not fast_path._takes(scope(media=b"application/json"))
-    assert not fast_path._takes(scope(media=None))
-    assert not fast_path._takes(scope(method="GET"))
-    assert not fast_path._takes(scope(path="/v1/layers/a/b/forward"))
-    assert not fast_path._takes(scope(path=f"{ROUTE}/x"))
+    assert plain_binary_forward(scope()) == TINY
+    assert plain_binary_forward(scope(media=b"Application/Octet-Stream; charset=x")) == TINY
+    assert not plain_binary_forward(scope(query=b"return_routing=true"))
+    assert not plain_binary_forward(scope(media=b"application/json"))
+    assert not plain_binary_forward(scope(media=None))
+    assert not plain_binary_forward(scope(method="GET"))
+    assert not plain_binary_forward(scope(path="/v1/layers/a/b/forward"))
+    assert not plain_binary_forward(scope(path=f"{ROUTE}/x"))
