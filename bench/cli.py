@@ -190,6 +190,7 @@ def run_service(args: argparse.Namespace) -> int:
             budget_s=args.budget_s,
             generator=args.generator,
             stack_variant=args.stack_variant,
+            http_workers=args.http_workers,
         )
     except ValueError as err:
         log.error("%s", err)
@@ -221,6 +222,9 @@ def _add_service(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--generator", default="auto", help="auto (hey if on PATH), hey or python")
     p.add_argument("--no-stack-variant", dest="stack_variant", action="store_false",
                    help="skip the demo layer on uvicorn's h11 parser and asyncio loop")  # fmt: skip
+    p.add_argument("--http-workers", type=int, default=8, metavar="N",
+                   help="also serve each layer (and batching off) behind N front-end processes "
+                   "(0: not)")  # fmt: skip
     p.add_argument("--commit", help="commit to record (default: git rev-parse --short HEAD)")
     p.set_defaults(run=run_service)
 

@@ -70,11 +70,15 @@ class ServiceBenchConfig:
     generator: str = "auto"  # auto (hey if on PATH), hey or python
     ready_timeout_s: float = 300.0  # a server's load, warm-up and captures
     stack_variant: bool = True  # also the demo layer on h11 + asyncio
+    # also each layer (and batching off) behind this many HTTP front-end processes; 0: not
+    http_workers: int = 8
 
     def __post_init__(self) -> None:
         for layer in self.layers:
             if layer != DEMO and layer not in SHAPES:
                 raise ValueError(f"unknown layer {layer!r}: {DEMO} or one of {', '.join(SHAPES)}")
+        if self.http_workers < 0:
+            raise ValueError(f"http_workers must be >= 0, got {self.http_workers}")
         if self.generator not in ("auto", "hey", "python"):
             raise ValueError(f"generator must be auto, hey or python, got {self.generator!r}")
         if not self.clients or min(self.clients) < 1 or self.tokens < 1 or self.bodies < 1:
@@ -83,7 +87,7 @@ class ServiceBenchConfig:
 
 class LevelResult(BaseModel):
     layer: str
-    variant: str  # "default", "batching off", "h11+asyncio", "echo"
+    variant: str  # "default", "N front ends", "batching off[, N front ends]", "h11+asyncio", "echo"
     body: str  # binary or json
     tokens: int  # per request
     clients: int
@@ -343,15 +347,20 @@ class ServiceBench:
 
     def run(self) -> ServiceBenchResult:
         c = self.config
+        fronted = [front_ends_variant(c.http_workers)] if c.http_workers else []
         for layer in c.layers:
             self._attempt(f"{layer}: serve", lambda layer=layer: self._serve(layer, "default"))
             if not any(r.layer == layer and r.levels for r in self.result.runs):
                 # measure what can be measured: the same without CUDA graphs
                 self._attempt(f"{layer}: serve without CUDA graphs",
                               lambda layer=layer: self._serve(layer, "no graphs"))  # fmt: skip
+            for variant in fronted:
+                self._attempt(f"{layer}: {variant}",
+                              lambda layer=layer, v=variant: self._serve(layer, v))  # fmt: skip
         self._attempt("load generator capacity", self._echo)
         if DEMO in c.layers and max(c.clients) > 1:
-            self._attempt(f"{DEMO}: batching off", lambda: self._serve(DEMO, "batching off"))
+            for variant in ["batching off"] + [f"batching off, {v}" for v in fronted]:
+                self._attempt(f"{DEMO}: {variant}", lambda v=variant: self._serve(DEMO, v))
             if c.stack_variant:
                 self._attempt(f"{DEMO}: h11+asyncio", lambda: self._serve(DEMO, "h11+asyncio"))
         self.result.checks = checks(self.result, c)
@@ -364,8 +373,10 @@ class ServiceBench:
                    str(port), "--device", c.device, "--backend", c.backend]  # fmt: skip
         if layer != DEMO:
             command += ["--shared-intermediate", str(c.shared_intermediate)]
-        batch = c.tokens if variant == "batching off" else c.max_batch_tokens
+        batch = c.tokens if variant.startswith("batching off") else c.max_batch_tokens
         command += ["--max-batch-tokens", str(batch)]
+        if variant.endswith(front_ends_variant(c.http_workers)):
+            command += ["--http-workers", str(c.http_workers)]
         if variant == "h11+asyncio":
             command += ["--http", "h11", "--loop", "asyncio"]
         if variant == "no graphs":
@@ -387,10 +398,10 @@ class ServiceBench:
             run.layer_info = httpx.get(f"{url}/v1/layers/{layer}", timeout=10).json()
             bodies = self._bodies(run.layer_info["hidden_size"])
             path = f"/v1/layers/{layer}/forward"
-            if variant in ("default", "no graphs"):
+            if _full(variant):
                 levels = [("binary", c.tokens, n) for n in c.clients]
                 levels += [("binary", 1, 1), ("json", c.tokens, 1)]
-            elif variant == "batching off":
+            elif variant.startswith("batching off"):
                 levels = [("binary", c.tokens, max(c.clients))]
             else:
                 levels = [("binary", c.tokens, n) for n in sorted({1, max(c.clients)})]
@@ -404,7 +415,7 @@ class ServiceBench:
                 run.levels.append(level)
                 log.info("%s", _row(level))
                 self.save()
-            if variant in ("default", "no graphs"):
+            if _full(variant):
                 sizes = {1, c.tokens} | {round(lv.tokens_per_forward) for lv in run.levels
                                          if lv.tokens_per_forward}  # fmt: skip
                 timed = httpx.post(
@@ -521,6 +532,17 @@ def render(result: ServiceBenchResult) -> str:
     return "\n".join(lines) + "\n"
 
 
+def front_ends_variant(http_workers: int) -> str:
+    return f"{http_workers} front ends"
+
+
+def _full(variant: str) -> bool:
+    """Variants loaded at every level and timed bare: the layer served as it is configured."""
+    return variant in ("default", "no graphs") or (
+        variant.endswith("front ends") and not (variant.startswith("batching off"))
+    )
+
+
 def _find(
     result: ServiceBenchResult, layer: str, variant: str, body: str, tokens: int, clients: int
 ) -> LevelResult | None:
@@ -532,66 +554,34 @@ def _find(
     return None
 
 
-def _bare_ms(result: ServiceBenchResult, layer: str, tokens: int) -> float | None:
+def _bare_ms(result: ServiceBenchResult, layer: str, variant: str, tokens: int) -> float | None:
     for run in result.runs:
-        if run.layer == layer and run.variant == "default" and tokens in run.bare:
+        if run.layer == layer and run.variant == variant and tokens in run.bare:
             return run.bare[tokens]["median_us"] / 1e3
     return None
 
 
 def checks(result: ServiceBenchResult, c: ServiceBenchConfig) -> list[Check]:
-    """The issue's targets against what this run measured."""
+    """The issue's targets against what this run measured, for the layer served by one process
+    and behind front-end processes."""
     out: list[Check] = []
+    served = ["default"] + ([front_ends_variant(c.http_workers)] if c.http_workers else [])
     for layer in c.layers:
-        slack = 0.5 if layer == DEMO else 1.0
-        for tokens in (c.tokens, 1):
-            lv, bare = _find(result, layer, "default", "binary", tokens, 1), None
-            bare = _bare_ms(result, layer, tokens)
-            if lv is None or lv.p50_ms is None or bare is None:
-                out.append(Check(target=f"{layer}: 1 client, {tokens} tok: p50 <= bare + "
-                                 f"{slack} ms", figure="not measured", met=None))  # fmt: skip
-                continue
-            out.append(Check(
-                target=f"{layer}: 1 client, {tokens} tok: p50 <= bare + {slack} ms",
-                figure=f"p50 {lv.p50_ms:.3f} ms, bare {bare:.3f} ms (+{lv.p50_ms - bare:.3f})",
-                met=lv.p50_ms <= bare + slack,
-            ))  # fmt: skip
-        for clients in c.clients:
-            lv = _find(result, layer, "default", "binary", c.tokens, clients)
-            if lv is None or lv.server_forward_ms is None or lv.bare_forward_ms is None:
-                continue
-            extra = lv.server_forward_ms - lv.bare_forward_ms
-            out.append(Check(
-                target=f"{layer}: {clients} clients: server forward <= bare + 0.2 ms",
-                figure=f"{lv.server_forward_ms:.3f} vs {lv.bare_forward_ms:.3f} ms "
-                f"at {lv.tokens_per_forward:.0f} tok (+{extra:.3f})",
-                met=extra <= 0.2,
-            ))  # fmt: skip
-            if layer != DEMO and clients >= 16:
-                out.append(Check(
-                    target=f"{layer}: {clients} clients: GPU busy >= 85%, tok/s >= 85% of bare",
-                    figure=f"busy {_pct(lv.gpu_busy)}, tok/s {_pct(lv.tokens_per_s_vs_bare)}",
-                    met=(lv.gpu_busy or 0) >= 0.85 and (lv.tokens_per_s_vs_bare or 0) >= 0.85,
-                ))  # fmt: skip
-        binary = _find(result, layer, "default", "binary", c.tokens, 1)
-        as_json = _find(result, layer, "default", "json", c.tokens, 1)
-        if binary and as_json and binary.p50_ms is not None and as_json.p50_ms is not None:
-            extra = as_json.p50_ms - binary.p50_ms
-            out.append(Check(
-                target=f"{layer}: {c.tokens}-tok JSON p50 <= binary + 3 ms",
-                figure=f"{as_json.p50_ms:.2f} vs {binary.p50_ms:.2f} ms (+{extra:.2f})",
-                met=extra <= 3.0,
-            ))  # fmt: skip
+        for variant in served:
+            out += _layer_checks(result, c, layer, variant)
     most = max(c.clients)
-    on = _find(result, DEMO, "default", "binary", c.tokens, most)
-    off = _find(result, DEMO, "batching off", "binary", c.tokens, most)
-    if on and off and off.requests_per_s > 0:
-        ratio = on.requests_per_s / off.requests_per_s
-        out.append(Check(
-            target=f"{DEMO}: {most} clients: batching on >= 5x batching off",
-            figure=f"{on.requests_per_s:,.0f} vs {off.requests_per_s:,.0f} req/s ({ratio:.1f}x)",
-            met=ratio >= 5,
-        ))  # fmt: skip
+    for variant in served:
+        on = _find(result, DEMO, variant, "binary", c.tokens, most)
+        off_variant = "batching off" + ("" if variant == "default" else f", {variant}")
+        off = _find(result, DEMO, off_variant, "binary", c.tokens, most)
+        if on and off and off.requests_per_s > 0:
+            ratio = on.requests_per_s / off.requests_per_s
+            out.append(Check(
+                target=f"{DEMO}{_label(variant)}: {most} clients: batching on >= 5x batching off",
+                figure=f"{on.requests_per_s:,.0f} vs {off.requests_per_s:,.0f} req/s "
+                f"({ratio:.1f}x)",
+                met=ratio >= 5,
+            ))  # fmt: skip
     for echo in result.echo:
         hidden = int(echo.layer.removeprefix("H="))
         served = [lv.requests_per_s for run in result.runs for lv in run.levels
@@ -603,6 +593,57 @@ def checks(result: ServiceBenchResult, c: ServiceBenchConfig) -> list[Check]:
                 figure=f"{echo.requests_per_s:,.0f} vs {max(served):,.0f} req/s",
                 met=echo.requests_per_s >= 3 * max(served),
             ))  # fmt: skip
+    return out
+
+
+def _label(variant: str) -> str:
+    return "" if variant == "default" else f" ({variant})"
+
+
+def _layer_checks(
+    result: ServiceBenchResult, c: ServiceBenchConfig, layer: str, variant: str
+) -> list[Check]:
+    out: list[Check] = []
+    name = f"{layer}{_label(variant)}"
+    slack = 0.5 if layer == DEMO else 1.0
+    for tokens in (c.tokens, 1):
+        lv = _find(result, layer, variant, "binary", tokens, 1)
+        bare = _bare_ms(result, layer, variant, tokens)
+        target = f"{name}: 1 client, {tokens} tok: p50 <= bare + {slack} ms"
+        if lv is None or lv.p50_ms is None or bare is None:
+            out.append(Check(target=target, figure="not measured", met=None))
+            continue
+        out.append(Check(
+            target=target,
+            figure=f"p50 {lv.p50_ms:.3f} ms, bare {bare:.3f} ms (+{lv.p50_ms - bare:.3f})",
+            met=lv.p50_ms <= bare + slack,
+        ))  # fmt: skip
+    for clients in c.clients:
+        lv = _find(result, layer, variant, "binary", c.tokens, clients)
+        if lv is None or lv.server_forward_ms is None or lv.bare_forward_ms is None:
+            continue
+        extra = lv.server_forward_ms - lv.bare_forward_ms
+        out.append(Check(
+            target=f"{name}: {clients} clients: server forward <= bare + 0.2 ms",
+            figure=f"{lv.server_forward_ms:.3f} vs {lv.bare_forward_ms:.3f} ms "
+            f"at {lv.tokens_per_forward:.0f} tok (+{extra:.3f})",
+            met=extra <= 0.2,
+        ))  # fmt: skip
+        if layer != DEMO and clients >= 16:
+            out.append(Check(
+                target=f"{name}: {clients} clients: GPU busy >= 85%, tok/s >= 85% of bare",
+                figure=f"busy {_pct(lv.gpu_busy)}, tok/s {_pct(lv.tokens_per_s_vs_bare)}",
+                met=(lv.gpu_busy or 0) >= 0.85 and (lv.tokens_per_s_vs_bare or 0) >= 0.85,
+            ))  # fmt: skip
+    binary = _find(result, layer, variant, "binary", c.tokens, 1)
+    as_json = _find(result, layer, variant, "json", c.tokens, 1)
+    if binary and as_json and binary.p50_ms is not None and as_json.p50_ms is not None:
+        extra = as_json.p50_ms - binary.p50_ms
+        out.append(Check(
+            target=f"{name}: {c.tokens}-tok JSON p50 <= binary + 3 ms",
+            figure=f"{as_json.p50_ms:.2f} vs {binary.p50_ms:.2f} ms (+{extra:.2f})",
+            met=extra <= 3.0,
+        ))  # fmt: skip
     return out
 
 

@@ -37,6 +37,8 @@ from kernels.tensors import ForwardInputs
 from service import logs
 from service.app import LayerLoader, create_app
 from service.engine import LayerSource, ServedLayer
+from service.front_ends import FrontEnds
+from service.server import listen, server_config
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -112,8 +114,8 @@ async def bare(body: BareRequest, request: Request) -> list[BareTiming]:
     return await asyncio.to_thread(time_bare, served, engine.device, body.tokens)
 
 
-def build_app(args: argparse.Namespace) -> FastAPI:
-    settings = Settings(
+def build_settings(args: argparse.Namespace) -> Settings:
+    return Settings(
         device=args.device,
         backend=args.backend,
         max_batch_tokens=args.max_batch_tokens,
@@ -122,9 +124,15 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         log_level=args.log_level,
         cache_dir=args.cache_dir,
         max_body_bytes=256 << 20,
+        http_workers=args.http_workers,
     )
+
+
+def build_app(
+    settings: Settings, args: argparse.Namespace, front_ends: FrontEnds | None
+) -> FastAPI:
     logs.configure(settings.log_level, settings.log_format)
-    app = create_app(settings, layer_loader(args.layer, args.shared_intermediate))
+    app = create_app(settings, layer_loader(args.layer, args.shared_intermediate), front_ends)
     app.include_router(bare_router)
     return app
 
@@ -141,12 +149,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--cache-dir", type=Path, default=Settings().cache_dir)
+    parser.add_argument("--http-workers", type=int, default=0, help="front-end processes")
     parser.add_argument("--http", default="auto", help="uvicorn's parser: auto, h11, httptools")
     parser.add_argument("--loop", default="auto", help="uvicorn's loop: auto, asyncio, uvloop")
     args = parser.parse_args(argv)
     if args.layer != DEMO and args.layer not in SHAPES:
         parser.error(f"unknown layer {args.layer!r}")
-    app = build_app(args)
+    settings = build_settings(args)
+    if args.http_workers:  # as `moe-serve serve --http-workers N` runs
+        front_ends = FrontEnds(settings, listen("127.0.0.1", args.port))
+        app = build_app(settings, args, front_ends)
+        uvicorn.Server(server_config(app, settings, str(front_ends.http_path))).run()
+        return 0
+    app = build_app(settings, args, None)
     uvicorn.run(
         app,
         host="127.0.0.1",

@@ -153,19 +153,25 @@ def test_a_short_run_on_the_cpu_fills_every_figure_and_writes_the_tables(tmp_pat
         bodies=2,
         generator="python",
         stack_variant=False,
+        http_workers=2,
         budget_s=120,
     )
     result = ServiceBench(config).run()
     assert result.failures == {}
-    (run,) = result.runs
-    assert run.seconds_to_ready > 0 and run.layer_info["shared_experts"]
-    assert set(run.bare) >= {1, 8}
-    levels = {(lv.body, lv.tokens, lv.clients): lv for lv in run.levels}
-    assert set(levels) == {("binary", 8, 1), ("binary", 8, 3), ("binary", 1, 1), ("json", 8, 1)}
-    for lv in levels.values():
-        assert lv.ok > 0 and lv.errors == {}, lv
-        assert lv.forwards > 0 and lv.gpu_busy > 0 and lv.bare_forward_ms > 0
-        assert {"queue", "decode", "forward", "encode"} <= set(lv.stage_ms)
+    assert [run.variant for run in result.runs] == ["default", "2 front ends"]
+    for run in result.runs:
+        assert run.seconds_to_ready > 0 and run.layer_info["shared_experts"]
+        assert set(run.bare) >= {1, 8}
+        levels = {(lv.body, lv.tokens, lv.clients): lv for lv in run.levels}
+        assert set(levels) == {
+            ("binary", 8, 1), ("binary", 8, 3), ("binary", 1, 1), ("json", 8, 1)
+        }  # fmt: skip
+        for lv in levels.values():
+            assert lv.ok > 0 and lv.errors == {}, lv
+            assert lv.forwards > 0 and lv.gpu_busy > 0 and lv.bare_forward_ms > 0
+            assert {"queue", "decode", "forward", "encode"} <= set(lv.stage_ms)
+    fronted = [c.target for c in result.checks if c.target.startswith("tiny (2 front ends)")]
+    assert len(fronted) == len([c for c in result.checks if c.target.startswith("tiny:")])
     assert [echo.tokens for echo in result.echo] == [8, 1]
     assert all(isinstance(c, Check) for c in result.checks)
     capacity = [c for c in result.checks if c.target.startswith("load generator")]
