@@ -86,7 +86,12 @@ class FrontEnd:
     def __init__(self, config: FrontEndConfig) -> None:
         self.config = config
         self.token = None if config.api_token is None else config.api_token.encode()
-        self.arena = BodyArena.create(Path(config.arena_dir), ARENA_BYTES)
+        try:
+            self.arena = BodyArena.create(Path(config.arena_dir), ARENA_BYTES)
+        except OSError as err:  # every request is relayed: slower, but served
+            log.error("no %d MiB arena in %s (%s): relaying every request", ARENA_BYTES >> 20,
+                      config.arena_dir, err.strerror)  # fmt: skip
+            self.arena = None
         self.engine = EngineClient(Path(config.engine_channel), self.arena, self._engine_lost)
         self.on_engine_lost = lambda: None  # main() stops the server: nothing left to serve
         transport = httpx.AsyncHTTPTransport(
@@ -133,7 +138,7 @@ class FrontEnd:
         headers = Headers(scope=scope)
         size = headers.get("content-length", "")
         plain = headers.get("content-encoding", "identity").strip().lower() == "identity"
-        if not (self.engine.connected and plain and size.isdigit()):
+        if not (self.arena and self.engine.connected and plain and size.isdigit()):
             return None
         if int(size) > ARENA_BYTES // 4:
             return None
@@ -245,13 +250,14 @@ class FrontEnd:
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         await receive()  # lifespan.startup
-        try:
-            await self.engine.connect()
-        except (OSError, ConnectionError) as err:
-            await send({"type": "lifespan.startup.failed", "message": f"the engine: {err}"})
-            return
-        finally:
-            self.arena.unlink()  # both processes have it mapped (or it failed): nothing left
+        if self.arena is not None:
+            try:
+                await self.engine.connect()
+            except (OSError, ConnectionError) as err:
+                await send({"type": "lifespan.startup.failed", "message": f"the engine: {err}"})
+                return
+            finally:
+                self.arena.unlink()  # both processes have it mapped (or it failed)
         await send({"type": "lifespan.startup.complete"})
         await receive()  # lifespan.shutdown
         await self.engine.close()
