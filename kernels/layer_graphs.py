@@ -1,15 +1,21 @@
 """Whole-layer CUDA graphs: router GEMM, routing, experts and shared experts captured once per
 token bucket, so a forward costs one graph launch however many kernels the backend launches.
 
-    forward(hidden [m, H]) -> copy into the static input, zero rows m..bucket, replay
-                              the bucket's graph -> views of its static outputs [:m]
+    forward(hidden [m, H]) -> copy into the static input, replay the bucket's graph -> views of
+                              its static outputs [:m]
 
-Padded rows are zeros, and their topk_ids are set to -1 on the device, so experts that can skip
-a pair (`supports_expert_map`) spend nothing on them; other experts compute them and they are
-dropped. Every graph of a layer shares one memory pool: they never run at once, so each graph's
-temporaries reuse the others' (captured largest first). The experts' buffers come from a private
-workspace allocated inside the capture, never from the shared Workspace, whose buffers move when
-another layer grows them.
+A graph also zeroes the padded rows m..bucket of its input (they may hold an earlier batch),
+counts the tokens per expert over the valid rows and checks the valid output rows finite, so
+that a served batch is one launch between its copies in and out (service/pipeline.py). The
+padded rows' topk_ids are set to -1 on the device, so experts that can skip a pair
+(`supports_expert_map`) spend nothing on them; other experts compute them and they are dropped.
+
+`copies` independent sets of graphs (each with its own static inputs and outputs) let a batch
+be copied into one set while the previous batch computes in another. Every graph of a layer
+shares one memory pool: forwards run one at a time on one stream, so each graph's temporaries
+reuse the others' (captured largest first). The experts' buffers come from a private workspace
+allocated inside the capture, never from the shared Workspace, whose buffers move when another
+layer grows them.
 """
 
 from __future__ import annotations
@@ -58,28 +64,47 @@ def can_capture(layer: MoELayer, device: torch.device) -> Support:
 
 @dataclass(frozen=True)
 class GraphOutput:
-    """One replay's results: views of the graph's static buffers, valid until the next replay."""
+    """One replay's results: views of the graph's static buffers, valid until the next replay
+    of the same copy."""
 
     output: LayerOutput  # output [m, H], routing [m, k]
     expert_tokens: torch.Tensor  # [E] int64 pairs per expert over the m valid rows
+    finite: torch.Tensor  # [] int64: 1 if every valid output value is finite, else 0
+    stats: torch.Tensor  # [E + 1] int64: both of the above in one buffer (one copy out)
+
+
+@dataclass(frozen=True)
+class GraphInputs:
+    """One copy's static inputs, [max_tokens, ...]: a batch writes its rows [:m] and `valid_rows`
+    (m), then replays."""
+
+    hidden: torch.Tensor  # [max_tokens, H] in the layer's dtype
+    logits: torch.Tensor | None  # [max_tokens, E] float32 (graphs that take client logits)
+    valid_rows: torch.Tensor  # [] int64
 
 
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
     output: LayerOutput  # [bucket, ...]
-    expert_tokens: torch.Tensor  # [E]
+    stats: torch.Tensor  # [E + 1] int64: tokens per expert, then 1 if the output is finite
 
 
 class LayerGraphs:
-    """One layer's graphs, one per bucket, all reading one static input of the largest bucket.
+    """One layer's graphs: `copies` sets of one graph per bucket, each set reading its own
+    static input of the largest bucket.
 
     `with_logits`: the graphs take router logits from the client ([bucket, E] float32 input)
     instead of computing them with the stored router; a layer has one kind or the other.
     """
 
     def __init__(
-        self, layer: MoELayer, device: torch.device, max_tokens: int, with_logits: bool
+        self,
+        layer: MoELayer,
+        device: torch.device,
+        max_tokens: int,
+        with_logits: bool,
+        copies: int = 1,
     ) -> None:
         cfg = layer.cfg
         self.layer = layer
@@ -87,53 +112,85 @@ class LayerGraphs:
         self.with_logits = with_logits
         self.buckets = token_buckets(max_tokens)
         top = self.buckets[-1]
-        self.hidden = torch.zeros(top, cfg.hidden_size, dtype=cfg.dtype, device=device)
-        self.logits = (
-            torch.zeros(top, cfg.num_experts, dtype=torch.float32, device=device)
-            if with_logits
-            else None
-        )
-        self.valid_rows = torch.zeros((), dtype=torch.int64, device=device)
+
+        def static_inputs() -> GraphInputs:
+            logits = None
+            if with_logits:
+                logits = torch.zeros(top, cfg.num_experts, dtype=torch.float32, device=device)
+            hidden = torch.zeros(top, cfg.hidden_size, dtype=cfg.dtype, device=device)
+            return GraphInputs(hidden, logits, torch.zeros((), dtype=torch.int64, device=device))
+
+        self.copies = copies
+        self.inputs = [static_inputs() for _ in range(copies)]
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[int, _Captured] = {}
+        self._graphs: list[dict[int, _Captured]] = [{} for _ in range(copies)]
 
     @property
     def max_tokens(self) -> int:
         return self.buckets[-1]
+
+    def captured_buckets(self) -> list[int]:
+        """The buckets captured in every copy, ascending."""
+        return sorted(set.intersection(*(set(graphs) for graphs in self._graphs)))
 
     def bucket(self, tokens: int) -> int:
         """The smallest bucket holding `tokens` rows (tokens <= max_tokens)."""
         return self.buckets[bisect.bisect_left(self.buckets, tokens)]
 
     def capture(self) -> None:
-        """Capture every bucket, largest first (the smaller ones then reuse its memory)."""
+        """Capture every bucket of every copy, largest first (the smaller ones then reuse its
+        memory)."""
         with torch.cuda.device(self.device):  # the capture stream is the current device's
             for bucket in reversed(self.buckets):
-                if bucket not in self.graphs:
-                    self.graphs[bucket] = self._capture(bucket)
+                for copy, graphs in enumerate(self._graphs):
+                    if bucket not in graphs:
+                        graphs[bucket] = self._capture(copy, bucket)
 
-    def _run(self, bucket: int) -> tuple[LayerOutput, torch.Tensor]:
-        logits = None if self.logits is None else self.logits[:bucket]
-        inputs = ForwardInputs(self.hidden[:bucket], logits)
+    def _run(self, copy: int, bucket: int) -> tuple[LayerOutput, torch.Tensor]:
+        static = self.inputs[copy]
+        padded = torch.arange(bucket, device=self.device) >= static.valid_rows  # [bucket]
+        hidden = static.hidden[:bucket].masked_fill_(padded[:, None], 0)
+        logits = None
+        if static.logits is not None:
+            logits = static.logits[:bucket].masked_fill_(padded[:, None], 0)
         private = Workspace(self.device)  # allocated in the graph's pool while capturing
-        out = self.layer.forward(inputs, valid_rows=self.valid_rows, workspace=private)
-        valid_ids = mask_rows(out.routing.topk_ids, self.valid_rows)  # experts may not skip
-        return out, expert_tokens(valid_ids, self.layer.cfg.num_experts)
+        out = self.layer.forward(
+            ForwardInputs(hidden, logits), valid_rows=static.valid_rows, workspace=private
+        )
+        valid_ids = mask_rows(out.routing.topk_ids, static.valid_rows)  # experts may not skip
+        counts = expert_tokens(valid_ids, self.layer.cfg.num_experts)
+        finite = (torch.isfinite(out.output).all(dim=1) | padded).all()
+        return out, torch.cat([counts, finite.view(1).to(torch.int64)])
 
-    def _capture(self, bucket: int) -> _Captured:
-        self.valid_rows.fill_(bucket)
+    def _capture(self, copy: int, bucket: int) -> _Captured:
+        self.inputs[copy].valid_rows.fill_(bucket)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compile and autotune outside the capture
-            self._run(bucket)
+            self._run(copy, bucket)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the device worker's other threads may wait on events meanwhile
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            output, counts = self._run(bucket)
-        return _Captured(graph, output, counts)
+            output, stats = self._run(copy, bucket)
+        return _Captured(graph, output, stats)
 
-    def forward(self, inputs: ForwardInputs) -> GraphOutput:
+    def replay(self, m: int, copy: int = 0) -> GraphOutput:
+        """Replay copy `copy`'s graph for m rows (m <= max_tokens) on the current stream; its
+        static inputs already hold the rows [:m] and valid_rows m (written on this stream, or
+        ordered before it)."""
+        bucket = self.bucket(m)
+        captured = self._graphs[copy].get(bucket)
+        if captured is None:
+            with torch.cuda.device(self.device):
+                captured = self._graphs[copy][bucket] = self._capture(copy, bucket)
+        captured.graph.replay()
+        out, e = captured.output, self.layer.cfg.num_experts
+        routing = Routing(out.routing.topk_ids[:m], out.routing.topk_weights[:m])
+        stats = captured.stats
+        return GraphOutput(LayerOutput(out.output[:m], routing), stats[:e], stats[e], stats)
+
+    def forward(self, inputs: ForwardInputs, copy: int = 0) -> GraphOutput:
         """inputs [m, H] (+ logits [m, E]) on the device, m <= max_tokens -> the replay's
         output, valid until the next call; runs on the current stream."""
         hidden, logits = inputs.hidden_states, inputs.router_logits
@@ -142,18 +199,9 @@ class LayerGraphs:
                 "these graphs take router logits" if self.with_logits else "these graphs route"
             )
         m = hidden.shape[0]
-        bucket = self.bucket(m)
-        captured = self.graphs.get(bucket)
-        if captured is None:
-            with torch.cuda.device(self.device):
-                captured = self.graphs[bucket] = self._capture(bucket)
-        self.hidden[:m].copy_(hidden)
-        self.hidden[m:bucket].zero_()
+        static = self.inputs[copy]
+        static.hidden[:m].copy_(hidden)
         if logits is not None:
-            self.logits[:m].copy_(logits)
-            self.logits[m:bucket].zero_()
-        self.valid_rows.fill_(m)
-        captured.graph.replay()
-        out = captured.output
-        routing = Routing(out.routing.topk_ids[:m], out.routing.topk_weights[:m])
-        return GraphOutput(LayerOutput(out.output[:m], routing), captured.expert_tokens)
+            static.logits[:m].copy_(logits)
+        static.valid_rows.fill_(m)
+        return self.replay(m, copy)

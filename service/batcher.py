@@ -401,19 +401,21 @@ class DynamicBatcher:
             return
         finally:
             self._in_flight.release()
-        tokens = sum(piece.rows for piece in batch)
         backend = self.engine.get(name).backend
-        self.metrics.record_batch(
-            name, backend, tokens, result.expert_tokens, result.times, started.queued_s
-        )
         pieces = [dataclasses.replace(piece.request.trace, tokens=piece.rows) for piece in batch]
         tracing.record_forward(name, backend, pieces, started.ns, tracing.now_ns())
-        if not result.finite:
-            self.metrics.nonfinite_forwards.labels(name).inc()
         for piece, out in zip(batch, result.outputs, strict=True):
             if not result.finite and _fail_nonfinite(name, piece, out):
                 continue
             piece.request.finish_piece(piece.start, out)
+        # the requests answer first: the metrics below are off their path
+        await asyncio.sleep(0)
+        tokens = sum(piece.rows for piece in batch)
+        self.metrics.record_batch(
+            name, backend, tokens, result.expert_tokens, result.times, started.queued_s
+        )
+        if not result.finite:
+            self.metrics.nonfinite_forwards.labels(name).inc()
 
     def _fail(self, name: str, batch: list[_Piece], err: Exception) -> None:
         tokens = sum(piece.rows for piece in batch)

@@ -120,7 +120,9 @@ class Engine:
             support = can_capture(layer, self.device)
             if support:  # captured at warm-up; routed layers take no client logits in graphs
                 with_logits = layer.router.weight is None
-                graphs = LayerGraphs(layer, self.device, self.chunk_tokens, with_logits)
+                graphs = LayerGraphs(
+                    layer, self.device, self.chunk_tokens, with_logits, copies=DEPTH
+                )
             else:
                 log.info("layer %s runs without CUDA graphs: %s", source.name, support.reason)
         served = ServedLayer(
@@ -264,7 +266,7 @@ class Engine:
             log.info(
                 "layer %s: %d CUDA graphs captured (buckets %s) in %.1f s",
                 name,
-                len(served.graphs.graphs),
+                len(served.graphs.captured_buckets()) * served.graphs.copies,
                 ",".join(map(str, served.graphs.buckets)),
                 time.perf_counter() - started,
             )

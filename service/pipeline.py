@@ -2,14 +2,16 @@
 in flight so that the next one is copied in while the current one computes.
 
     launcher thread:  parts -> the slot's pinned buffer (cast to the layer's dtype, the one host
-                      copy) -> copy-in stream: H2D -> compute stream: forward (graph replay
-                      where the layer has graphs) -> copy-out stream: D2H of the output, the
-                      routing and the expert counts -> returns at once
+                      copy) -> copy-in stream: H2D, straight into the slot's copy of the
+                      layer's graph inputs -> compute stream: one graph replay (padding,
+                      forward, expert counts, finite check; the eager forward where the layer
+                      has no graphs) -> copy-out stream: D2H of the output, the routing and the
+                      counts -> returns at once
     completer thread: waits for the batch's last event -> per-part results -> frees the slot
 
-Each layer owns two slots (pinned host and device buffers, reused batch after batch). The only
-host sync of a batch is the completer's wait on its last event; every stage's device time comes
-from CUDA events around it.
+Each layer owns two slots (pinned host and device buffers, reused batch after batch, each with
+its own copy of the layer's graphs). The only host sync of a batch is the completer's wait on
+its last event; every stage's device time comes from CUDA events around it.
 """
 
 from __future__ import annotations
@@ -92,11 +94,19 @@ _EVENTS = ("h2d_start", "h2d_end", "forward_start", "forward_end", "d2h_start", 
 
 
 class _Slot:
-    """Pinned host and device buffers for one batch of up to `capacity` tokens of one layer."""
+    """Pinned host and device buffers for one batch of up to `capacity` tokens of one layer.
 
-    def __init__(self, served: ServedLayer, device: torch.device, capacity: int) -> None:
+    With `copy`, the slot's device inputs are that copy of the layer's graph inputs
+    (kernels/layer_graphs.py), so a batch is copied straight into them and replayed; the eager
+    path (no graphs, or a batch they do not take) runs on the slot's own device buffers."""
+
+    def __init__(
+        self, served: ServedLayer, device: torch.device, capacity: int, copy: int | None
+    ) -> None:
         cfg = served.config
         self.capacity = capacity
+        self.copy = copy
+        self.graphs = served.graphs if copy is not None else None
         h, e, k = cfg.hidden_size, cfg.num_experts, cfg.top_k
 
         def pair(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,11 +115,16 @@ class _Slot:
 
         self.hidden = pair((capacity, h), cfg.dtype)
         self.logits = pair((capacity, e), torch.float32)
+        self.valid_rows = torch.empty((), dtype=torch.int64, pin_memory=True)
+        if self.graphs is not None:  # rows go straight into the graphs' static inputs
+            static = self.graphs.inputs[copy]
+            self.hidden = (self.hidden[0], static.hidden)
+            if static.logits is not None:
+                self.logits = (self.logits[0], static.logits)
         self.output = pair((capacity, h), cfg.dtype)
         self.topk_ids = pair((capacity, k), torch.int32)
         self.topk_weights = pair((capacity, k), torch.float32)
-        self.expert_tokens = pair((e,), torch.int64)
-        self.finite = pair((), torch.bool)
+        self.stats = pair((e + 1,), torch.int64)  # tokens per expert, then 1 if finite
         self.events = {name: torch.cuda.Event(enable_timing=True) for name in _EVENTS}
 
     def results(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
@@ -118,6 +133,14 @@ class _Slot:
 
     def seconds(self, start: str, end: str) -> float:
         return self.events[start].elapsed_time(self.events[end]) / 1e3
+
+
+@dataclass(frozen=True)
+class _Slots:
+    """A layer's free slots, made for one ServedLayer (a reloaded layer gets new ones)."""
+
+    served: ServedLayer
+    free: queue.SimpleQueue[_Slot]
 
 
 class DevicePipeline:
@@ -129,21 +152,26 @@ class DevicePipeline:
         self.copy_in = torch.cuda.Stream(device)
         self.compute = torch.cuda.Stream(device)
         self.copy_out = torch.cuda.Stream(device)
-        self._free: dict[str, queue.SimpleQueue[_Slot]] = {}
+        self.default = torch.cuda.default_stream(device)
+        self._slots: dict[str, _Slots] = {}
 
     def _slot(self, served: ServedLayer, tokens: int) -> _Slot:
-        free = self._free.get(served.name)
-        if free is None:
-            free = self._free[served.name] = queue.SimpleQueue()
-            for _ in range(DEPTH):
-                free.put(_Slot(served, self.device, self.capacity))
-        slot = free.get()  # the batcher keeps at most DEPTH in flight: this never waits long
+        slots = self._slots.get(served.name)
+        if slots is None or slots.served is not served:
+            slots = self._slots[served.name] = _Slots(served, queue.SimpleQueue())
+            for copy in range(DEPTH):
+                graph_copy = copy if served.graphs is not None else None
+                slots.free.put(_Slot(served, self.device, self.capacity, graph_copy))
+        slot = slots.free.get()  # the batcher keeps at most DEPTH in flight: this never waits long
         if tokens > slot.capacity:  # only callers past --max-batch-tokens (tests)
-            slot = _Slot(served, self.device, tokens)
+            slots.free.put(slot)
+            slot = _Slot(served, self.device, tokens, None)
         return slot
 
-    def _release(self, name: str, slot: _Slot) -> None:
-        self._free[name].put(slot)
+    def _release(self, served: ServedLayer, slot: _Slot) -> None:
+        slots = self._slots.get(served.name)
+        if slots is not None and slots.served is served and slot.capacity == self.capacity:
+            slots.free.put(slot)
 
     def launch(self, served: ServedLayer, parts: Sequence[ForwardInputs]) -> Pending:
         """Stage `parts` (CPU, rows of any wire dtype; all with router logits or none) and
@@ -157,60 +185,82 @@ class DevicePipeline:
             _gather([p.hidden_states for p in parts], slot.hidden[0][:m])
             if with_logits:
                 _gather([p.router_logits for p in parts], slot.logits[0][:m])
+            slot.valid_rows.fill_(m)
             stage_s = time.perf_counter() - started
             self._enqueue(served, slot, m, with_logits)
         except BaseException:
-            self._release(served.name, slot)
+            self._release(served, slot)
             raise
-        return _InFlight(self, served.name, slot, sizes, stage_s)
+        return _InFlight(self, served, slot, sizes, stage_s)
 
     def _enqueue(self, served: ServedLayer, slot: _Slot, m: int, with_logits: bool) -> None:
+        # Streams are set directly, not through `torch.cuda.stream()`, whose enter and exit
+        # cost more host time than the copies they order (py-spy on the H100 host).
         ev = slot.events
-        inputs = [slot.hidden] + ([slot.logits] if with_logits else [])
-        with torch.cuda.stream(self.copy_in):
-            ev["h2d_start"].record()
-            for host, dev in inputs:
-                dev[:m].copy_(host[:m], non_blocking=True)
-            ev["h2d_end"].record()
-        with torch.cuda.stream(self.compute):
+        graphs = slot.graphs
+        replays = (
+            graphs is not None and graphs.with_logits == with_logits and m <= graphs.max_tokens
+        )
+        try:
+            torch.cuda.set_stream(self.copy_in)
+            ev["h2d_start"].record(self.copy_in)
+            slot.hidden[1][:m].copy_(slot.hidden[0][:m], non_blocking=True)
+            if with_logits:
+                slot.logits[1][:m].copy_(slot.logits[0][:m], non_blocking=True)
+            if replays:
+                graphs.inputs[slot.copy].valid_rows.copy_(slot.valid_rows, non_blocking=True)
+            ev["h2d_end"].record(self.copy_in)
+
+            torch.cuda.set_stream(self.compute)
             self.compute.wait_event(ev["h2d_end"])
-            ev["forward_start"].record()
-            logits = slot.logits[1][:m] if with_logits else None
-            x = ForwardInputs(slot.hidden[1][:m], logits)
-            graphs = served.graphs
-            if graphs is not None and graphs.with_logits == with_logits and m <= graphs.max_tokens:
-                replay = graphs.forward(x)
-                out, counts = replay.output, replay.expert_tokens
+            ev["forward_start"].record(self.compute)
+            if replays:  # one launch: padding, forward, counts and the finite check
+                replay = graphs.replay(m, slot.copy)
+                out, stats = replay.output, replay.stats
             else:
-                out = served.layer.forward(x)
-                counts = expert_tokens(out.routing.topk_ids, served.config.num_experts)
-            results = (out.output, out.routing.topk_ids, out.routing.topk_weights)
-            for (_, dev), value in zip(slot.results(), results, strict=True):
-                dev[:m].copy_(value)
-            slot.expert_tokens[1].copy_(counts)
-            torch.all(torch.isfinite(slot.output[1][:m]), out=slot.finite[1])
-            ev["forward_end"].record()
-        with torch.cuda.stream(self.copy_out):
+                out, stats = self._eager(served, slot, m, with_logits)
+            ev["forward_end"].record(self.compute)
+
+            torch.cuda.set_stream(self.copy_out)
             self.copy_out.wait_event(ev["forward_end"])
-            ev["d2h_start"].record()
-            for host, dev in slot.results():
-                host[:m].copy_(dev[:m], non_blocking=True)
-            slot.expert_tokens[0].copy_(slot.expert_tokens[1], non_blocking=True)
-            slot.finite[0].copy_(slot.finite[1], non_blocking=True)
-            ev["d2h_end"].record()
+            ev["d2h_start"].record(self.copy_out)
+            values = (out.output, out.routing.topk_ids, out.routing.topk_weights)
+            for (host, _), value in zip(slot.results(), values, strict=True):
+                host[:m].copy_(value, non_blocking=True)
+            slot.stats[0].copy_(stats, non_blocking=True)
+            ev["d2h_end"].record(self.copy_out)
+        finally:
+            torch.cuda.set_stream(self.default)
+
+    def _eager(
+        self, served: ServedLayer, slot: _Slot, m: int, with_logits: bool
+    ) -> tuple[LayerOutput, torch.Tensor]:
+        """The uncaptured forward on the compute stream, its results in the slot's device
+        buffers (they outlive the forward's own tensors until the copy out)."""
+        logits = slot.logits[1][:m] if with_logits else None
+        out = served.layer.forward(ForwardInputs(slot.hidden[1][:m], logits))
+        e = served.config.num_experts
+        stats = slot.stats[1]
+        stats[:e].copy_(expert_tokens(out.routing.topk_ids, e))
+        stats[e].copy_(torch.isfinite(out.output).all())
+        values = (out.output, out.routing.topk_ids, out.routing.topk_weights)
+        for (_, dev), value in zip(slot.results(), values, strict=True):
+            dev[:m].copy_(value)
+        ids, weights = slot.topk_ids[1][:m], slot.topk_weights[1][:m]
+        return LayerOutput(slot.output[1][:m], Routing(ids, weights)), stats
 
 
 class _InFlight:
     def __init__(
         self,
         pipeline: DevicePipeline,
-        name: str,
+        served: ServedLayer,
         slot: _Slot,
         sizes: list[int],
         stage_s: float,
     ) -> None:
         self.pipeline = pipeline
-        self.name = name
+        self.served = served
         self.slot = slot
         self.sizes = sizes
         self.stage_s = stage_s
@@ -237,7 +287,8 @@ class _InFlight:
                 h2d_s=slot.seconds("h2d_start", "h2d_end"),
                 d2h_s=slot.seconds("d2h_start", "d2h_end"),
             )
-            finite = bool(slot.finite[0])
-            return BatchResult(outputs, slot.expert_tokens[0].clone(), times, finite)
+            stats = slot.stats[0]
+            e = self.served.config.num_experts
+            return BatchResult(outputs, stats[:e].clone(), times, bool(stats[e]))
         finally:
-            self.pipeline._release(self.name, slot)
+            self.pipeline._release(self.served, slot)

@@ -77,7 +77,7 @@ async def backends(engine: EngineDep) -> BackendsResponse:
             reason=served.selection.reason,
             rejected=served.selection.rejected,
             workspace_bytes=served.layer.kernel.workspace.nbytes,
-            graph_buckets=sorted(served.graphs.graphs) if served.graphs is not None else [],
+            graph_buckets=served.graphs.captured_buckets() if served.graphs is not None else [],
         )
         for served in engine.layers.values()
     ]

@@ -77,7 +77,7 @@ def test_graph_replay_equals_the_uncaptured_forward_at_every_bucket(
     graphs = LayerGraphs(layer, CUDA, MAX_TOKENS, with_logits=False)
     with torch.inference_mode():
         graphs.capture()
-        assert sorted(graphs.graphs) == list(token_buckets(MAX_TOKENS))
+        assert graphs.captured_buckets() == list(token_buckets(MAX_TOKENS))
         generator = torch.Generator(CUDA).manual_seed(0)
         for m in _sizes():
             x = torch.randn(m, cfg.hidden_size, generator=generator, device=CUDA).to(cfg.dtype)
@@ -124,3 +124,33 @@ def test_graphs_with_client_logits_route_by_them() -> None:
         replay = graphs.forward(ForwardInputs(x, logits)).output
         assert torch.equal(replay.routing.topk_ids, eager.routing.topk_ids)
         assert relative_error(replay.output, eager.output) < TOLERANCE["demo-like"]
+
+
+def test_each_copy_replays_its_own_inputs_and_checks_its_valid_rows_finite() -> None:
+    """Two copies staged before either replays (as the service's two slots are) answer as their
+    own batches alone; a NaN in a valid row clears `finite`, one in a padded row does not (the
+    graph zeroes padding)."""
+    cfg = LAYERS["demo-like"]
+    weights = random_layer(cfg, CUDA, seed=6, router=True)
+    layer, _ = build_layer(cfg, weights, CUDA, "triton")
+    graphs = LayerGraphs(layer, CUDA, MAX_TOKENS, with_logits=False, copies=2)
+    with torch.inference_mode():
+        graphs.capture()
+        assert graphs.captured_buckets() == list(token_buckets(MAX_TOKENS))
+        batches = [torch.randn(m, cfg.hidden_size, device=CUDA).to(cfg.dtype) for m in (5, 3)]
+        for copy, x in enumerate(batches):
+            graphs.inputs[copy].hidden[: len(x)].copy_(x)
+            graphs.inputs[copy].hidden[len(x) :].fill_(float("nan"))  # stale padding
+            graphs.inputs[copy].valid_rows.fill_(len(x))
+        for copy, x in enumerate(batches):
+            replay = graphs.replay(len(x), copy)
+            eager = layer.forward(ForwardInputs(x))
+            assert torch.equal(replay.output.routing.topk_ids, eager.routing.topk_ids)
+            assert relative_error(replay.output.output, eager.output) < TOLERANCE["demo-like"]
+            assert int(replay.finite) == 1
+            expected = expert_tokens(eager.routing.topk_ids, cfg.num_experts)
+            assert torch.equal(replay.expert_tokens, expected)
+        poisoned = batches[0].clone()
+        poisoned[2, 7] = float("nan")
+        assert int(graphs.forward(ForwardInputs(poisoned), copy=1).finite) == 0
+        assert int(graphs.forward(ForwardInputs(batches[0]), copy=1).finite) == 1
