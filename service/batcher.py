@@ -91,7 +91,12 @@ class _Request:
     arrived: float  # event-loop time
     future: asyncio.Future[LayerOutput]
     trace: tracing.Piece  # its trace context, for the queue and forward spans
+    # [T, H] pinned host rows the output is copied straight into (its wire dtype is the
+    # layer's), or None: the output comes back as new tensors
+    output_into: torch.Tensor | None = None
     taken: int = 0  # rows handed to forwards so far
+    running: int = 0  # pieces launched and not finished
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # set while running is 0
     pieces_taken: int = 0  # forwards it has rows in
     pieces: list[tuple[int, LayerOutput]] = field(default_factory=list)  # (first row, rows)
     done_rows: int = 0
@@ -119,9 +124,10 @@ class _Request:
             self.future.set_result(out)
             return
         parts = [p for _, p in sorted(self.pieces, key=lambda piece: piece[0])]
+        whole = self.output_into  # every piece's rows were copied into it
         self.future.set_result(
             LayerOutput(
-                torch.cat([p.output for p in parts]),
+                torch.cat([p.output for p in parts]) if whole is None else whole,
                 Routing(
                     torch.cat([p.routing.topk_ids for p in parts]),
                     torch.cat([p.routing.topk_weights for p in parts]),
@@ -141,6 +147,17 @@ class _Piece:
         rows = slice(self.start, self.start + self.rows)
         logits = x.router_logits
         return ForwardInputs(x.hidden_states[rows], None if logits is None else logits[rows])
+
+    def output_into(self) -> torch.Tensor | None:
+        into = self.request.output_into
+        return None if into is None else into[self.start : self.start + self.rows]
+
+    def ended(self) -> None:
+        """Its forward finished or failed: the device no longer touches its rows."""
+        request = self.request
+        request.running -= 1
+        if not request.running:
+            request.settled.set()
 
 
 @dataclass
@@ -211,13 +228,20 @@ class DynamicBatcher:
             await asyncio.to_thread(pool.shutdown, wait=True)
 
     async def submit(
-        self, name: str, inputs: ForwardInputs, options: RequestOptions | None = None
+        self,
+        name: str,
+        inputs: ForwardInputs,
+        options: RequestOptions | None = None,
+        output_into: torch.Tensor | None = None,
     ) -> LayerOutput:
         """inputs [T, H] (+ logits [T, E]) on the CPU, in a wire dtype -> the layer's output
         [T, H] in its dtype and the routing, in order. The one entry of every transport.
 
-        Cancelling the call (its client went away) takes the request's waiting rows out of the
-        queue."""
+        `output_into`: [T, H] pinned host memory in the layer's dtype that the output is copied
+        into from the device (and returned as the output), where the engine enqueues batches on
+        a GPU; elsewhere it is ignored. Cancelling the call (its client went away) takes the
+        request's waiting rows out of the queue; with `output_into` the call returns only once
+        its rows already on the device are done with its buffers."""
         self.engine.get(name)  # UnknownLayer before anything is queued
         if self._closing:
             raise ShuttingDown()
@@ -235,7 +259,10 @@ class DynamicBatcher:
         trace = tracing.Piece(
             tracing.current_context(), tracing.now_ns(), inputs.hidden_states.shape[0]
         )
-        request = _Request(inputs, options, loop.time(), loop.create_future(), trace)
+        if not self.engine.enqueues:
+            output_into = None
+        request = _Request(inputs, options, loop.time(), loop.create_future(), trace, output_into)
+        request.settled.set()
         q.requests += 1
         q.levels.setdefault(options.level, deque()).append(request)
         q.tokens += request.tokens
@@ -252,6 +279,10 @@ class DynamicBatcher:
                 expiry.cancel()
             if request.waiting:  # cancelled, expired or failed: its other rows need not run
                 self._drop(name, q, request)
+            if output_into is not None and request.running:
+                # the device may still read its inputs and write `output_into`: the caller
+                # must not reuse them before
+                await asyncio.shield(request.settled.wait())
 
     def _drop(self, name: str, q: _LayerQueue, request: _Request) -> None:
         """Rows still waiting leave the queue (rows running finish, unheard)."""
@@ -355,6 +386,8 @@ class DynamicBatcher:
                 tokens += rows
                 request.taken += rows
                 request.pieces_taken += 1
+                request.running += 1
+                request.settled.clear()
                 q.tokens -= rows
                 if not request.waiting:
                     line.remove(request)
@@ -370,17 +403,20 @@ class DynamicBatcher:
                 self.metrics.observe_stage(name, "queue", waited)
         self.metrics.batch_requests.labels(name).observe(len(batch))
         parts = [piece.inputs() for piece in batch]
+        into = [piece.output_into() for piece in batch]
         nbytes = sum(p.hidden_states.numel() * p.hidden_states.element_size() for p in parts)
         try:
             async with self._launching:  # one launch at a time: the streams take them in order
                 if self.engine.enqueues and nbytes <= OFF_LOOP_BYTES:
                     # staging a small batch and enqueueing it takes less than a thread hop
-                    pending = self.engine.start(name, parts)
+                    pending = self.engine.start(name, parts, into)
                 else:
                     pending = await loop.run_in_executor(
-                        self._launcher, self.engine.start, name, parts
+                        self._launcher, self.engine.start, name, parts, into
                     )
         except Exception as err:
+            for piece in batch:
+                piece.ended()
             self._fail(name, batch, err)
             return False
         started = _Started(tracing.now_ns(), queued_s)
@@ -401,6 +437,8 @@ class DynamicBatcher:
             return
         finally:
             self._in_flight.release()
+            for piece in batch:
+                piece.ended()
         backend = self.engine.get(name).backend
         pieces = [dataclasses.replace(piece.request.trace, tokens=piece.rows) for piece in batch]
         tracing.record_forward(name, backend, pieces, started.ns, tracing.now_ns())

@@ -3,7 +3,8 @@
 Frames are a 4-byte little-endian length, then a JSON object. A front end sends
 `{"hello": arena path, "size": bytes}` once (the engine maps its arena and answers
 `{"hello": "ok"}`), then per binary forward `{"forward": id, "layer", "offset", "body_bytes",
-"reply_capacity"}` (the body lies in the arena at that region), `{"cancel": id}` when its client
+"reply_capacity", "finite"}` (the body lies in the arena at that region; `finite`: the front end
+found every value finite, so the engine need not read them), `{"cancel": id}` when its client
 goes away, and `{"done": route, "status", "seconds"}` once a request is answered (the engine
 keeps every metric). The engine answers each forward exactly once, `{"reply": id, "status",
 "bytes"}` with the reply blob in the region's reply part, or with `"error"` and `"headers"`;
@@ -82,14 +83,16 @@ class EngineClient:
         if self._reading is not None:
             await self._reading
 
-    async def forward(self, layer: str, region: Region, gone: Callable[[], Awaitable]) -> Reply:
+    async def forward(
+        self, layer: str, region: Region, finite: bool, gone: Callable[[], Awaitable]
+    ) -> Reply:
         """The engine's answer to the body in `region`; `gone()` returning first withdraws it.
         The region is the engine's until it answers: the caller frees it after reading the
         reply, or, if the caller is cancelled, the answer's arrival does."""
         rid = next(self._ids)
         answer = asyncio.get_running_loop().create_future()
         self._pending[rid] = answer
-        frame = {"forward": rid, "layer": layer, "offset": region.offset}
+        frame = {"forward": rid, "layer": layer, "offset": region.offset, "finite": finite}
         write_frame(self._writer, frame | _sizes(region))
         watch = asyncio.ensure_future(gone())
         try:

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
-from service.batcher import RequestOptions
+import torch
+
 from service.body_arena import BodyArena, Region
 from service.channel import read_frame, write_frame
 from service.deps import Runtime, ready
 from service.errors import ServiceError
-from service.routes.forward import serve_blob
-from service.wire import run_sized
+from service.routes.forward import serve_blob_into
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +45,13 @@ class ChannelServer:
             writer.close()
             return
         write_frame(writer, {"hello": "ok"})
+        mapped = _Arena(arena)
         running: dict[int, tuple[asyncio.Task, asyncio.Event]] = {}
         try:
             while (frame := await read_frame(reader)) is not None:
                 if "forward" in frame:
                     rid, gone = frame["forward"], asyncio.Event()
-                    task = asyncio.create_task(self._forward(frame, arena, gone, writer))
+                    task = asyncio.create_task(self._forward(frame, mapped, gone, writer))
                     running[rid] = (task, gone)
                     task.add_done_callback(lambda _, rid=rid: running.pop(rid, None))
                 elif "cancel" in frame and frame["cancel"] in running:
@@ -61,32 +63,29 @@ class ChannelServer:
                 gone.set()
             await asyncio.gather(*(task for task, _ in running.values()))
             writer.close()
+            _unpin(mapped)  # no forward of this front end is left on the device
             arena.close()
 
     async def _forward(
-        self, frame: dict, arena: BodyArena, gone: asyncio.Event, writer: asyncio.StreamWriter
+        self, frame: dict, arena: _Arena, gone: asyncio.Event, writer: asyncio.StreamWriter
     ) -> None:
         region = Region(frame["offset"], frame["body_bytes"], frame["reply_capacity"])
         reply: dict = {"reply": frame["forward"]}
         try:
             runtime = ready(self.runtime)
             served = runtime.engine.get(frame["layer"])
-            parts = await serve_blob(
+            if runtime.engine.enqueues and arena.pinned is None:
+                arena.pinned = await asyncio.to_thread(_pin, arena.arena)
+            size = await serve_blob_into(
                 served,
                 runtime.batcher,
                 runtime.metrics,
-                arena.body(region),
-                RequestOptions(),
-                False,
+                arena.arena.body(region),
+                arena.arena.reply(region),
+                bool(arena.pinned),
+                frame.get("finite", False),
                 gone.wait,
             )
-            size = sum(map(len, parts))
-            if size > region.reply_capacity:
-                raise ServiceError(
-                    f"the reply of {size} bytes does not fit its {region.reply_capacity}-byte room"
-                )
-            out = arena.reply(region, size)
-            await run_sized(size, lambda: _copy(parts, out))
             reply |= {"status": 200, "bytes": size}
         except ServiceError as err:
             reply |= {"status": err.status, "error": err.message, "headers": err.headers}
@@ -103,8 +102,29 @@ class ChannelServer:
         metrics.request_seconds.labels(route).observe(frame["seconds"])
 
 
-def _copy(parts: list[bytes | memoryview], out: memoryview) -> None:
-    at = 0
-    for part in parts:
-        out[at : at + len(part)] = part
-        at += len(part)
+@dataclass
+class _Arena:
+    """A front end's arena as mapped here; `pinned`: its address once registered with CUDA
+    (0: registering failed, None: not tried yet)."""
+
+    arena: BodyArena
+    pinned: int | None = None
+
+
+def _pin(arena: BodyArena) -> int:
+    """Register the arena with CUDA, so bodies are copied to the device and outputs back by
+    DMA from where they lie; its address, or 0 if CUDA refused (it then serves through
+    copies)."""
+    address = torch.frombuffer(arena.view, dtype=torch.uint8).data_ptr()
+    error = torch.cuda.cudart().cudaHostRegister(address, arena.size, 0)
+    if error != 0:
+        log.warning(
+            "arena %s not registered with CUDA (error %s): replies are copied", arena.path, error
+        )
+        return 0
+    return address
+
+
+def _unpin(arena: _Arena) -> None:
+    if arena.pinned:
+        torch.cuda.cudart().cudaHostUnregister(arena.pinned)

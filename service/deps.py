@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
+import torch
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
@@ -184,9 +185,11 @@ async def submit_unless(
     inputs: ForwardInputs,
     options: RequestOptions,
     gone: Callable[[], Awaitable[None]],
+    output_into: torch.Tensor | None = None,
 ) -> LayerOutput:
-    """batcher.submit, withdrawn if `gone()` returns first (the client went away)."""
-    work = asyncio.ensure_future(batcher.submit(name, inputs, options))
+    """batcher.submit, withdrawn if `gone()` returns first (the client went away); with
+    `output_into`, a withdrawn request returns once the device is done with its buffers."""
+    work = asyncio.ensure_future(batcher.submit(name, inputs, options, output_into))
     watch = asyncio.ensure_future(gone())
     try:
         await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
@@ -195,6 +198,8 @@ async def submit_unless(
         withdrawn = not work.done()  # the client went away (or this handler is cancelled)
         if withdrawn:
             work.cancel()
+            if output_into is not None:
+                await asyncio.wait((work,))
     if withdrawn:
         raise ClientDisconnected(
             f"the client went away; its request to layer {name!r} was withdrawn"

@@ -213,10 +213,17 @@ class Engine:
         self.on_failure(self.failure)
         return NotReady(self.failure)
 
-    def start(self, name: str, parts: Sequence[ForwardInputs]) -> Pending:
+    def start(
+        self,
+        name: str,
+        parts: Sequence[ForwardInputs],
+        into: Sequence[torch.Tensor | None] | None = None,
+    ) -> Pending:
         """Begin one batch of layer `name`: `parts` [t_i, H] on the CPU, in any wire dtype (cast
         once, to the layer's), all with router logits or none. Its result holds one output per
-        part, in the layer's dtype. On a GPU this returns once the batch is enqueued."""
+        part, in the layer's dtype. On a GPU this returns once the batch is enqueued, and a
+        part's output is copied straight into its `into` tensor (pinned [t_i, H] host memory
+        in the layer's dtype) where one is given; elsewhere `into` is ignored."""
         if self.failure is not None:
             raise NotReady(self.failure)
         served = self.get(name)
@@ -224,7 +231,7 @@ class Engine:
             return self._run_now(served, parts)
         try:
             with torch.inference_mode():
-                return _Guarded(self, self.pipeline.launch(served, parts))
+                return _Guarded(self, self.pipeline.launch(served, parts, into))
         except torch.AcceleratorError as err:
             raise self._device_failed(err) from err
 

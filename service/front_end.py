@@ -5,10 +5,12 @@ Under load one Python process cannot receive, decode and answer requests as fast
 them (its event loop held 99.5% of the GIL on the H100 host). N front ends share the public
 socket (the kernel spreads connections over them) and do the per-byte work in parallel:
 
-- a plain binary forward (`service/binary_forward.py`) is checked here (connections, token),
-  its body read straight into this process's arena (`service/body_arena.py`) and handed to the
-  engine as a small frame (`service/channel.py`); the engine decodes it in place, batches it
-  with every other front end's requests and writes the reply blob back into the arena;
+- a plain binary forward (`service/binary_forward.py`) is checked here (connections, token,
+  every value finite: `service/body_values.py`), its body read straight into this process's
+  arena (`service/body_arena.py`) and handed to the engine as a small frame
+  (`service/channel.py`); the engine decodes it in place, batches it with every other front
+  end's requests and writes the reply blob back into the arena (on a GPU the body is copied to
+  the device and the output back into the arena with no host copy);
 - every other request (JSON, KServe v2, probes, metrics, admin) is relayed unchanged to the
   engine's own HTTP server on a Unix socket, as is a binary forward the arena cannot hold.
 
@@ -25,6 +27,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -36,6 +39,7 @@ from starlette.types import Message, Receive, Scope, Send
 from service import logs
 from service.binary_forward import BINARY, FORWARD_PATH, plain_binary_forward
 from service.body_arena import BodyArena, Region
+from service.body_values import FiniteCheck
 from service.channel import EngineClient, Reply
 from service.errors import ShuttingDown, error_response
 from service.middleware import (
@@ -93,6 +97,7 @@ class FrontEnd:
                       config.arena_dir, err.strerror)  # fmt: skip
             self.arena = None
         self.engine = EngineClient(Path(config.engine_channel), self.arena, self._engine_lost)
+        self.finite = FiniteCheck()
         self.on_engine_lost = lambda: None  # main() stops the server: nothing left to serve
         transport = httpx.AsyncHTTPTransport(
             uds=config.engine_http, limits=httpx.Limits(max_connections=config.max_connections)
@@ -159,8 +164,10 @@ class FrontEnd:
             ):
                 reply = Reply(401, error=UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
             elif (reply := await self._read_body(receive, self.arena.body(region))) is None:
+                finite = self.finite(self.arena.body(region))
                 ours = False
-                reply = await self.engine.forward(name, region, lambda: client_gone(receive))
+                gone = partial(client_gone, receive)
+                reply = await self.engine.forward(name, region, finite, gone)
                 ours = True
             status = reply.status
             if status == 200:

@@ -90,6 +90,31 @@ def _gather(rows: Sequence[torch.Tensor], into: torch.Tensor) -> None:
         start += r.shape[0]
 
 
+@dataclass(frozen=True)
+class _Run:
+    """Rows [begin, end) of a batch: one part that is copied alone, or parts that go together."""
+
+    begin: int
+    end: int
+    parts: list[int]  # indices of the parts
+    alone: bool
+
+
+def _runs(sizes: Sequence[int], alone: Sequence[bool]) -> list[_Run]:
+    """The batch's rows as one run per part whose `alone` is True and one per maximal stretch
+    of the other parts."""
+    runs: list[_Run] = []
+    begin = 0
+    for i, (size, own) in enumerate(zip(sizes, alone, strict=True)):
+        if not own and runs and not runs[-1].alone:
+            last = runs.pop()
+            runs.append(_Run(last.begin, begin + size, [*last.parts, i], False))
+        else:
+            runs.append(_Run(begin, begin + size, [i], own))
+        begin += size
+    return runs
+
+
 _EVENTS = ("h2d_start", "h2d_end", "forward_start", "forward_end", "d2h_start", "d2h_end")
 
 
@@ -173,27 +198,60 @@ class DevicePipeline:
         if slots is not None and slots.served is served and slot.capacity == self.capacity:
             slots.free.put(slot)
 
-    def launch(self, served: ServedLayer, parts: Sequence[ForwardInputs]) -> Pending:
+    def launch(
+        self,
+        served: ServedLayer,
+        parts: Sequence[ForwardInputs],
+        into: Sequence[torch.Tensor | None] | None = None,
+    ) -> Pending:
         """Stage `parts` (CPU, rows of any wire dtype; all with router logits or none) and
-        enqueue the batch on the device; returns without waiting for it."""
+        enqueue the batch on the device; returns without waiting for it. A part already in
+        pinned memory in the layer's dtype is copied to the device from where it lies; a part
+        with an `into` tensor (pinned [t_i, H], the layer's dtype) gets its output copied
+        straight there. Both must stay untouched until the result is in."""
         sizes = [p.hidden_states.shape[0] for p in parts]
         m = sum(sizes)
         with_logits = parts[0].router_logits is not None
+        into = list(into) if into is not None else [None] * len(parts)
         slot = self._slot(served, m)
         try:
             started = time.perf_counter()
-            _gather([p.hidden_states for p in parts], slot.hidden[0][:m])
+            dtype = served.config.dtype
+            pinned = [p.hidden_states.dtype == dtype and p.hidden_states.is_pinned() for p in parts]
+            if not any(pinned):
+                _gather([p.hidden_states for p in parts], slot.hidden[0][:m])
+            h2d = []  # (first row, source rows): staged runs and pinned parts
+            for run in _runs(sizes, pinned):
+                if run.alone:
+                    h2d.append((run.begin, parts[run.parts[0]].hidden_states))
+                    continue
+                if any(pinned):
+                    rows = [parts[i].hidden_states for i in run.parts]
+                    _gather(rows, slot.hidden[0][run.begin : run.end])
+                h2d.append((run.begin, slot.hidden[0][run.begin : run.end]))
             if with_logits:
                 _gather([p.router_logits for p in parts], slot.logits[0][:m])
             slot.valid_rows.fill_(m)
             stage_s = time.perf_counter() - started
-            self._enqueue(served, slot, m, with_logits)
+            d2h = [  # (rows, their target: a part's own `into`, else the slot's buffer)
+                (run, into[run.parts[0]] if run.alone else slot.output[0][run.begin : run.end])
+                for run in _runs(sizes, [t is not None for t in into])
+            ]
+            self._enqueue(served, slot, m, with_logits, h2d, d2h)
         except BaseException:
             self._release(served, slot)
             raise
-        return _InFlight(self, served, slot, sizes, stage_s)
+        return _InFlight(self, served, slot, sizes, stage_s, into)
 
-    def _enqueue(self, served: ServedLayer, slot: _Slot, m: int, with_logits: bool) -> None:
+    def _enqueue(
+        self,
+        served: ServedLayer,
+        slot: _Slot,
+        m: int,
+        with_logits: bool,
+        h2d: list[tuple[int, torch.Tensor]],
+        d2h: list[tuple[_Run, torch.Tensor]],
+    ) -> None:
         # Streams are set directly, not through `torch.cuda.stream()`, whose enter and exit
         # cost more host time than the copies they order (py-spy on the H100 host).
         ev = slot.events
@@ -204,7 +262,8 @@ class DevicePipeline:
         try:
             torch.cuda.set_stream(self.copy_in)
             ev["h2d_start"].record(self.copy_in)
-            slot.hidden[1][:m].copy_(slot.hidden[0][:m], non_blocking=True)
+            for begin, source in h2d:
+                slot.hidden[1][begin : begin + source.shape[0]].copy_(source, non_blocking=True)
             if with_logits:
                 slot.logits[1][:m].copy_(slot.logits[0][:m], non_blocking=True)
             if replays:
@@ -224,9 +283,10 @@ class DevicePipeline:
             torch.cuda.set_stream(self.copy_out)
             self.copy_out.wait_event(ev["forward_end"])
             ev["d2h_start"].record(self.copy_out)
-            values = (out.output, out.routing.topk_ids, out.routing.topk_weights)
-            for (host, _), value in zip(slot.results(), values, strict=True):
-                host[:m].copy_(value, non_blocking=True)
+            for run, target in d2h:
+                target.copy_(out.output[run.begin : run.end], non_blocking=True)
+            slot.topk_ids[0][:m].copy_(out.routing.topk_ids, non_blocking=True)
+            slot.topk_weights[0][:m].copy_(out.routing.topk_weights, non_blocking=True)
             slot.stats[0].copy_(stats, non_blocking=True)
             ev["d2h_end"].record(self.copy_out)
         finally:
@@ -258,12 +318,14 @@ class _InFlight:
         slot: _Slot,
         sizes: list[int],
         stage_s: float,
+        into: list[torch.Tensor | None],
     ) -> None:
         self.pipeline = pipeline
         self.served = served
         self.slot = slot
         self.sizes = sizes
         self.stage_s = stage_s
+        self.into = into
 
     def result(self) -> BatchResult:
         slot = self.slot
@@ -276,10 +338,10 @@ class _InFlight:
             # copies: the pinned buffers serve the batch after next
             outputs = [
                 LayerOutput(
-                    part.output.clone(),
+                    part.output.clone() if target is None else target,
                     Routing(part.routing.topk_ids.clone(), part.routing.topk_weights.clone()),
                 )
-                for part in split_rows(host, self.sizes)
+                for part, target in zip(split_rows(host, self.sizes), self.into, strict=True)
             ]
             times = StageTimes(
                 forward_s=slot.seconds("forward_start", "forward_end"),

@@ -25,13 +25,13 @@ from service.deps import (
     submit_while_connected,
 )
 from service.engine import ServedLayer
-from service.errors import BadInput, UnsupportedMediaType
+from service.errors import BadInput, ServiceError, UnsupportedMediaType
 from service.examples import DEMO_LOGITS, DEMO_ROWS
 from service.inputs import check_inputs
 from service.metrics import Metrics
 from service.schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
 from service.server import client_gone
-from service.wire import decode_safetensors, run_sized, safetensors_parts
+from service.wire import decode_safetensors, run_sized, safetensors_head, safetensors_parts
 
 router = APIRouter(tags=["forward"])
 
@@ -185,14 +185,78 @@ async def serve_blob(
     inputs = await run_sized(len(body), lambda: _decode_blob(served, body))
     metrics.observe_stage(name, "decode", time.perf_counter() - started)
     result = await submit_unless(batcher, name, inputs, options, gone)
+    return await _encode_timed(served, metrics, result, inputs, return_routing)
+
+
+async def serve_blob_into(
+    served: ServedLayer,
+    batcher: DynamicBatcher,
+    metrics: Metrics,
+    body: memoryview,
+    reply: memoryview,
+    pinned: bool,
+    values_checked: bool,
+    gone: Callable[[], Awaitable[None]],
+) -> int:
+    """A safetensors body -> its reply blob written into `reply`; the reply's size. `pinned`:
+    both lie in memory registered with CUDA; `values_checked`: every value was found finite.
+
+    Where the engine runs batches on a GPU and the request's dtype is the layer's, the body is
+    copied to the device from where it lies and the output from the device straight into
+    `reply` (only the small header is written here); elsewhere the reply is encoded and copied
+    in."""
+    name = served.name
+    started = time.perf_counter()
+    inputs = await run_sized(len(body), lambda: _decode_blob(served, body, values_checked))
+    metrics.observe_stage(name, "decode", time.perf_counter() - started)
+    hidden = inputs.hidden_states
+    options = RequestOptions()
+    if not (pinned and batcher.engine.enqueues and hidden.dtype == served.config.dtype):
+        result = await submit_unless(batcher, name, inputs, options, gone)
+        parts = await _encode_timed(served, metrics, result, inputs, False)
+        size = sum(map(len, parts))
+        _check_fits(size, len(reply))
+        await run_sized(size, lambda: _copy_parts(parts, reply))
+        return size
+    tokens, width = hidden.shape
+    head = safetensors_head(
+        {"output": (hidden.dtype, [tokens, width])}, _reply_metadata(served, tokens)
+    )
+    size = len(head) + hidden.numel() * hidden.element_size()
+    _check_fits(size, len(reply))
+    reply[: len(head)] = head
+    output = torch.frombuffer(reply, dtype=hidden.dtype, count=hidden.numel(), offset=len(head))
+    await submit_unless(batcher, name, inputs, options, gone, output.view(tokens, width))
+    return size
+
+
+async def _encode_timed(
+    served: ServedLayer,
+    metrics: Metrics,
+    result: LayerOutput,
+    inputs: ForwardInputs,
+    return_routing: bool,
+) -> list[bytes | memoryview]:
     started = time.perf_counter()
     wire = inputs.hidden_states.dtype
     parts = await run_sized(
         result.output.numel() * wire.itemsize,
         lambda: _encode_blob(served, result, wire, return_routing),
     )
-    metrics.observe_stage(name, "encode", time.perf_counter() - started)
+    metrics.observe_stage(served.name, "encode", time.perf_counter() - started)
     return parts
+
+
+def _check_fits(size: int, room: int) -> None:
+    if size > room:
+        raise ServiceError(f"the reply of {size} bytes does not fit its {room}-byte room")
+
+
+def _copy_parts(parts: list[bytes | memoryview], out: memoryview) -> None:
+    at = 0
+    for part in parts:
+        out[at : at + len(part)] = part
+        at += len(part)
 
 
 class BlobResponse(Response):
@@ -218,9 +282,12 @@ def schedule_options(priority: int, timeout_us: int) -> RequestOptions:
     return RequestOptions(priority, timeout_us / 1e6 if timeout_us else None)
 
 
-def _decode_blob(served: ServedLayer, body: bytes) -> ForwardInputs:
+def _decode_blob(
+    served: ServedLayer, body: bytes | memoryview, values_checked: bool = False
+) -> ForwardInputs:
     tensors = _load_blob(body)
-    return check_inputs(served, tensors["hidden_states"], tensors.get("router_logits"))
+    hidden, logits = tensors["hidden_states"], tensors.get("router_logits")
+    return check_inputs(served, hidden, logits, values_checked)
 
 
 def _encode_blob(
@@ -229,8 +296,11 @@ def _encode_blob(
     out = {"output": result.output.to(wire)}  # the request's dtype (no copy when it is the layer's)
     if routing:
         out |= {"topk_ids": result.routing.topk_ids, "topk_weights": result.routing.topk_weights}
-    meta = {"layer": served.name, "backend": served.backend, "tokens": str(len(result.output))}
-    return safetensors_parts(out, meta)
+    return safetensors_parts(out, _reply_metadata(served, len(result.output)))
+
+
+def _reply_metadata(served: ServedLayer, tokens: int) -> dict[str, str]:
+    return {"layer": served.name, "backend": served.backend, "tokens": str(tokens)}
 
 
 def _decode_json(served: ServedLayer, body: bytes) -> tuple[ForwardInputs, bool]:

@@ -1,0 +1,128 @@
+"""Outputs copied straight into the caller's buffer (`DynamicBatcher.submit(..., output_into)`,
+as the engine does for bodies in a front end's arena on a GPU), on an engine that enqueues its
+batches as the GPU pipeline does: the output is the buffer itself, split requests fill it piece
+by piece, and a withdrawn request returns only once its batch is done with the buffer (the
+front end then reuses it)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from kernels.tensors import ForwardInputs
+from service.batcher import BatchPolicy, DynamicBatcher, RequestOptions
+from service.deps import submit_unless
+from service.engine import Engine
+from service.errors import ClientDisconnected
+from service.metrics import Metrics
+from service.pipeline import BatchResult
+from tests.service.layers import TINY, H, reference_forward, tiny_layers
+
+WAIT_S = 10.0
+
+
+class EnqueuingEngine(Engine):
+    """A CPU engine that answers as the GPU pipeline does: `start` returns at once, the batch
+    completes when `result()` is called on the completer thread (held by `gate`), and a part
+    with an `into` tensor gets its output written there."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"))
+        for layer in tiny_layers():
+            self.add(layer)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.launched = threading.Event()
+        self.writes: list[str] = []  # in order: "wrote" when a batch filled its targets
+
+    @property
+    def enqueues(self) -> bool:
+        return True
+
+    def start(
+        self,
+        name: str,
+        parts: Sequence[ForwardInputs],
+        into: Sequence[torch.Tensor | None] | None = None,
+    ):
+        into = list(into or [None] * len(parts))
+        self.launched.set()
+        engine = self
+
+        class Later:
+            def result(self) -> BatchResult:
+                assert engine.gate.wait(WAIT_S), "test gate never opened"
+                done = engine._run_now(engine.get(name), parts).result()
+                outputs = []
+                for out, target in zip(done.outputs, into, strict=True):
+                    if target is not None:
+                        target.copy_(out.output)
+                        out = type(out)(target, out.routing)
+                    outputs.append(out)
+                engine.writes.append("wrote")
+                return BatchResult(outputs, done.expert_tokens, done.times, True)
+
+        return Later()
+
+
+def _run(engine: Engine, body, max_batch_tokens: int = 64):
+    async def main():
+        batcher = DynamicBatcher(engine, BatchPolicy(max_batch_tokens, 0.0, 64), Metrics())
+        batcher.start()
+        try:
+            return await asyncio.wait_for(body(batcher), WAIT_S)
+        finally:
+            engine.gate.set()
+            await batcher.close()
+
+    return asyncio.run(main())
+
+
+def _rows(tokens: int, seed: int) -> torch.Tensor:
+    return torch.randn(tokens, H, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("max_batch_tokens", [64, 3])  # whole, and in pieces of 3 rows
+def test_the_output_is_the_callers_buffer_filled_with_the_layers_output(
+    max_batch_tokens: int,
+) -> None:
+    engine = EnqueuingEngine()
+    x = _rows(7, seed=1)
+    buffer = torch.full((7, H), float("nan"))
+
+    async def body(batcher: DynamicBatcher):
+        return await batcher.submit(TINY, ForwardInputs(x), RequestOptions(), buffer)
+
+    out = _run(engine, body, max_batch_tokens)
+    assert out.output.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(buffer, reference_forward(TINY, x))
+    assert out.routing.topk_ids.shape == (7, 2)
+
+
+def test_a_withdrawn_request_returns_only_once_its_batch_is_done_with_the_buffer() -> None:
+    engine = EnqueuingEngine()
+    engine.gate.clear()  # the batch stays "on the device"
+    x = _rows(4, seed=2)
+    buffer = torch.zeros(4, H)
+    order: list[str] = []
+
+    async def body(batcher: DynamicBatcher):
+        gone = asyncio.Event()
+        work = asyncio.create_task(
+            submit_unless(batcher, TINY, ForwardInputs(x), RequestOptions(), gone.wait, buffer)
+        )
+        await asyncio.to_thread(engine.launched.wait, WAIT_S)
+        gone.set()  # the client leaves while its rows are on the device
+        await asyncio.sleep(0.05)
+        assert not work.done(), "returned while the device still writes the buffer"
+        engine.gate.set()
+        with pytest.raises(ClientDisconnected):
+            await work
+        order.append("returned")
+
+    _run(engine, body)
+    assert engine.writes + order == ["wrote", "returned"]
