@@ -179,3 +179,28 @@ def test_gather_and_weighted_sum_move_each_pair_to_its_row_and_back(device: torc
     pairs = y_rows + bias[ids.flatten().long().clamp(min=0)]
     pairs = pairs * torch.where(ids >= 0, weights, 0).flatten()[:, None]
     torch.testing.assert_close(out, pairs.view(m, k, hidden).sum(1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("spec", "inter", "bias"),
+    [
+        (ActivationSpec(Activation.SILU), 2048, False),  # DeepSeek-V3
+        (ActivationSpec(Activation.SWIGLUOAI, GateUp.INTERLEAVED), 2880, True),  # gpt-oss
+    ],
+)
+def test_act_quant_on_the_gpu_in_bf16_at_full_size(
+    spec: ActivationSpec, inter: int, bias: bool
+) -> None:
+    cuda = torch.device("cuda")
+    g = torch.Generator(device=cuda).manual_seed(4)
+    rows, experts = 333, 8
+    h = (torch.randn(rows, 2 * inter, generator=g, device=cuda) * 3).bfloat16()
+    b = torch.randn(experts, 2 * inter, generator=g, device=cuda) if bias else None
+    pair_row = torch.randperm(rows, generator=g, device=cuda).int()
+    pair_row[::5] = -1
+    ids = torch.randint(0, experts, (rows,), generator=g, device=cuda).int()
+    _assert_same(*_run_both(h, b, spec, PairRows(pair_row, ids), rows, inter))
+    counts = torch.randint(0, 9, (experts,), generator=g, device=cuda).int()
+    h3 = h[:256].view(experts, 32, 2 * inter)
+    _assert_same(*_run_both(h3, b, spec, MaskedRows(counts, 8), 32, inter, batch=experts))
