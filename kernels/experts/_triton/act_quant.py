@@ -80,19 +80,22 @@ def _act_quant_kernel(
     HAS_BIAS: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0)
+    # every name below is set once: Triton wants a name to keep its type across runtime branches
     if MASKED:  # program r is row r % max_tokens of expert r // max_tokens
-        batch = r // max_tokens
-        row = r % max_tokens
-        expert = batch
-        valid = row < tl.load(map_ptr + batch)
+        expert = r // max_tokens
+        slot = r % max_tokens
+        valid = slot < tl.load(map_ptr + expert)
+        h_off = expert.to(tl.int64) * stride_hb + slot.to(tl.int64) * stride_hm
+        q_off = expert.to(tl.int64) * stride_qb + slot.to(tl.int64) * stride_qm
+        s_off = expert.to(tl.int64) * stride_sb + slot.to(tl.int64) * stride_sm
     else:  # program r is pair r
-        batch = 0
         row = tl.load(map_ptr + r)
         expert = tl.load(experts_ptr + r)
         valid = row >= 0
+        h_off = row.to(tl.int64) * stride_hm
+        q_off = row.to(tl.int64) * stride_qm
+        s_off = row.to(tl.int64) * stride_sm
     if valid:
-        batch = batch.to(tl.int64)
-        row = row.to(tl.int64)
         groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
         cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS, GROUP]
         mask = cols < inter
@@ -100,7 +103,7 @@ def _act_quant_kernel(
             gate_cols, up_cols = 2 * cols, 2 * cols + 1
         else:
             gate_cols, up_cols = cols, inter + cols
-        h_row = h_ptr + batch * stride_hb + row * stride_hm
+        h_row = h_ptr + h_off
         gate = tl.load(h_row + gate_cols, mask=mask, other=0).to(tl.float32)
         up = tl.load(h_row + up_cols, mask=mask, other=0).to(tl.float32)
         if HAS_BIAS:
@@ -121,9 +124,8 @@ def _act_quant_kernel(
         scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12) * (1.0 / 448.0)  # [GROUPS]
         q = tl.clamp(tl.math.div_rn(a, scale[:, None]), -448.0, 448.0)
         q = _round_to_e4m3(q).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        tl.store(q_ptr + batch * stride_qb + row * stride_qm + cols, q, mask=mask)
-        s_row = s_ptr + batch * stride_sb + row * stride_sm
-        tl.store(s_row + groups * stride_sg, scale, mask=groups * GROUP < inter)
+        tl.store(q_ptr + q_off + cols, q, mask=mask)
+        tl.store(s_ptr + s_off + groups * stride_sg, scale, mask=groups * GROUP < inter)
 
 
 def act_quant(
