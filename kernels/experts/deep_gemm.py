@@ -1,33 +1,35 @@
 """DeepGEMM experts for fp8-block layers (DeepSeek-V3): FP8 e4m3 weights with 128x128 block
 scales times FP8 activations with 1x128 group scales, through DeepGEMM's m-grouped GEMMs.
 
-- `deep-gemm` (standard format, prefill): the (token, expert) pairs are sorted by expert into
-  DeepGEMM's *contiguous* layout, each expert's run padded to its M alignment and the padding
-  rows marked -1 in `m_indices`; after GEMM2 the pairs are weighed and summed per token.
+- `deep-gemm` (standard format, prefill): the (token, expert) pairs take rows of DeepGEMM's
+  *contiguous* layout with prefix sums (`_triton/psum_layout.py`: built on the device, buffers
+  sized for the worst case, so no host sync and the forward can be captured in a CUDA graph);
+  after GEMM2 each token's k rows are weighed and summed (+ bias) in one pass.
 - `deep-gemm-batched` (batched format, decode): the *masked* GEMM over [E, max_m, K], computing
   only the first tokens_per_expert[e] rows of each expert.
 
-Both: GEMM1 -> (+ bias) activation (torch, any kind) -> fp8 1x128 quantisation
-(kernels.quantize, the same rounding as the reference) -> GEMM2 (+ bias). DeepGEMM writes
-bf16; SM90 takes the float32 block scales as stored, so the weights need no transform beyond
-being dense (done once, at build). `deep_gemm_fp4.py` reuses all of this with other GEMMs.
+Both: GEMM1 -> one Triton pass (`_triton/act_quant.py`: + bias, activation, fp8 1x128
+quantisation rounded as the reference's quantiser, scales written MN-major as DeepGEMM's TMA
+reads them) -> GEMM2. DeepGEMM writes bf16; SM90 takes the float32 block scales as stored, so
+the weights need no transform beyond being dense (done once, at build). GEMM inputs and outputs
+share two workspace buffers (a, then GEMM2's input; GEMM1's output, then GEMM2's).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-from dataclasses import dataclass
 from types import ModuleType
 from typing import ClassVar
 
 import torch
 
-from kernels.activations import apply_activation
 from kernels.arith import ceil_div, round_up
 from kernels.config import MoEConfig
-from kernels.quant_scheme import FP8, FP8_BLOCK, ActQuant, QuantScheme
-from kernels.quantize import quantize_activation
+from kernels.experts._triton.act_quant import MaskedRows, PairRows, act_quant
+from kernels.experts._triton.align import aligned_capacity
+from kernels.experts._triton.psum_layout import PsumLayout, gather_rows, psum_layout, weighted_sum
+from kernels.quant_scheme import FP8, FP8_BLOCK, QuantScheme
 from kernels.stages import YES, Experts, Support, cuda_capability
 from kernels.tensors import Dispatched, ExpertWeights, Format
 from kernels.workspace import Workspace
@@ -66,61 +68,8 @@ def check_block_shape(cfg: MoEConfig) -> Support:
     return YES
 
 
-@dataclass(frozen=True)
-class ContiguousLayout:
-    """Where each routed pair sits in DeepGEMM's contiguous layout.
-
-    Expert e's rows start at a multiple of the alignment; rows past its count are padding.
-    """
-
-    m_indices: torch.Tensor  # [m_pad] int32: expert of each row, -1 for padding
-    rows: torch.Tensor  # [P] int64: the row of each valid pair
-    pairs: torch.Tensor  # [P] int64: flat (token * k + slot) index of each valid pair
-
-    @property
-    def num_rows(self) -> int:
-        return self.m_indices.shape[0]
-
-
-def contiguous_layout(topk_ids: torch.Tensor, num_experts: int, alignment: int) -> ContiguousLayout:
-    """topk_ids [M, k] local ids (-1 = not here) -> the contiguous layout; one host sync (m_pad)."""
-    flat = topk_ids.flatten().long()  # [M * k]
-    key = torch.where(flat >= 0, flat, num_experts)  # pairs for other ranks sort last
-    experts, pairs = torch.sort(key, stable=True)  # grouped by expert, token order inside each
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
-    counts = counts.index_add_(0, key, torch.ones_like(key))[:num_experts]  # [E]
-    padded = (counts + alignment - 1) // alignment * alignment
-    m_pad, num_pairs = torch.stack((padded.sum(), counts.sum())).tolist()
-    experts, pairs = experts[:num_pairs], pairs[:num_pairs]
-    seg_start = padded.cumsum(0) - padded  # [E]
-    rank = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[experts]
-    rows = seg_start[experts] + rank
-    m_indices = torch.full((m_pad,), -1, dtype=torch.int32, device=flat.device)
-    m_indices[rows] = experts.to(torch.int32)
-    return ContiguousLayout(m_indices, rows, pairs)
-
-
-@dataclass(frozen=True)
-class MaskedRows:
-    counts: torch.Tensor  # [E] int32 on the GPU: valid rows of each expert
-    expected_m: int  # the mean rows per expert: DeepGEMM's hint for its tile choice
-
-
-def _put_rows(dst: torch.Tensor, rows: torch.Tensor | tuple, src: torch.Tensor) -> None:
-    # index_put has no fp8 kernel; move the bytes instead
-    if dst.dtype == FP8:
-        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
-    dst[rows] = src
-
-
-def _plus_bias(h: torch.Tensor, bias: torch.Tensor | None, experts: torch.Tensor) -> torch.Tensor:
-    """h [R, N] (any float) -> float32 h + bias[experts[r]]; rows of expert -1 take expert 0's."""
-    h = h.float()
-    return h if bias is None else h + bias[experts.clamp(min=0).long()].float()
-
-
-class _DeepGemmBase(Experts):
-    """Weights kept in DeepGEMM's layout; GEMM1 -> (+bias) activation -> quantise -> GEMM2."""
+class DeepGemmBase(Experts):
+    """Weights kept in DeepGEMM's layout; GEMM1 -> act_quant (one Triton pass) -> GEMM2."""
 
     schemes: ClassVar[frozenset[QuantScheme]] = frozenset({QuantScheme.FP8_BLOCK})
 
@@ -149,21 +98,6 @@ class _DeepGemmBase(Experts):
     def check_config(cls, cfg: MoEConfig) -> Support:
         return check_block_shape(cfg)
 
-    def quantize(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[R, K] float -> (fp8 [R, K], float32 [R, K/128]), rounded as the reference does."""
-        return quantize_activation(h, ActQuant.GROUP)
-
-    def activate(self, h13: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """GEMM1's bf16 [R, 2I] (rows of `experts` [R]) -> quantised activation [R, I]."""
-        h = _plus_bias(h13, self.weights.w13_bias, experts)
-        return self.quantize(apply_activation(h, self.cfg.activation))
-
-    def grouped_gemm(self, a: tuple, w: tuple, out: torch.Tensor, m_indices: torch.Tensor) -> None:
-        self.dg.m_grouped_fp8_gemm_nt_contiguous(a, w, out, m_indices)
-
-    def masked_gemm(self, a: tuple, w: tuple, out: torch.Tensor, masked: MaskedRows) -> None:
-        self.dg.m_grouped_fp8_gemm_nt_masked(a, w, out, masked.counts, masked.expected_m)
-
     def quantized_input(self, x: Dispatched) -> tuple[torch.Tensor, torch.Tensor]:
         """The dispatched activations as (fp8 [.., H], float32 scales [.., H/128])."""
         return x.hidden, x.scale
@@ -174,77 +108,113 @@ class _DeepGemmBase(Experts):
     def w2(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.weights.w2, self.weights.w2_scale
 
+    def buffer_bytes(self, rows: int) -> dict[str, int]:
+        """Bytes of the shared buffers for `rows` GEMM rows: inputs (fp8 a, then GEMM2's),
+        their scales, outputs (bf16 GEMM1's, then GEMM2's)."""
+        h, i = self.cfg.hidden_size, self.cfg.intermediate_size
+        groups = ceil_div(max(h, i), FP8_BLOCK)
+        return {"dg_in": rows * max(h, i), "dg_in_scale": rows * groups * 4,
+                "dg_out": rows * max(2 * i, h) * 2}  # fmt: skip
 
-class DeepGemmExperts(_DeepGemmBase):
-    """Standard format through the contiguous m-grouped GEMM (prefill-sized batches)."""
+
+def _bytes(ws_shapes: dict[str, int]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {name: ((n,), torch.uint8) for name, n in ws_shapes.items()}
+
+
+class DeepGemmExperts(DeepGemmBase):
+    """Standard format through the contiguous m-grouped GEMM with prefix sums, no host sync."""
 
     name: ClassVar[str] = "deep-gemm"
     format: ClassVar[Format] = Format.STANDARD
     reduces_topk: ClassVar[bool] = True
+    graph_capturable: ClassVar[bool] = True
+
+    def __init__(self, cfg: MoEConfig, weights: ExpertWeights) -> None:
+        super().__init__(cfg, weights)
+        if "use_psum_layout" not in (self.dg.m_grouped_fp8_gemm_nt_contiguous.__doc__ or ""):
+            raise ValueError(
+                "this DeepGEMM has no psum contiguous layout (use_psum_layout): 2.6 or later"
+            )
+        self.alignment = self.dg.get_mk_alignment_for_contiguous_layout()
+
+    def capacity(self, num_tokens: int) -> int:
+        return aligned_capacity(
+            num_tokens * self.cfg.top_k, self.weights.num_experts, self.alignment
+        )
+
+    def workspace_shapes(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return _bytes(self.buffer_bytes(self.capacity(num_tokens)))
+
+    def grouped_gemm(self, a: tuple, w: tuple, out: torch.Tensor, layout: PsumLayout) -> None:
+        # DeepGEMM plans its tiles for this many rows per expert; it reads the real ones from psum
+        expected_m = max(1, ceil_div(layout.pair_row.numel(), self.weights.num_experts))
+        self.dg.m_grouped_fp8_gemm_nt_contiguous(
+            a, w, out, layout.psum, use_psum_layout=True, expected_m_for_psum_layout=expected_m
+        )
 
     def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
-        m, k = x.topk_ids.shape
-        hidden = self.cfg.hidden_size
-        out = torch.zeros(m, hidden, dtype=torch.float32, device=x.hidden.device)
-        layout = contiguous_layout(
-            x.topk_ids, self.weights.num_experts, self.dg.get_mk_alignment_for_contiguous_layout()
-        )
-        if layout.pairs.numel() == 0:
+        cfg = self.cfg
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        out = torch.empty(x.num_tokens, hidden, dtype=torch.float32, device=x.hidden.device)
+        if x.num_tokens == 0:
             return out
-        rows, tokens = layout.rows, layout.pairs // k
-        m_pad, m_indices = layout.num_rows, layout.m_indices
+        layout = psum_layout(x.topk_ids, self.weights.num_experts, self.alignment)
+        rows = layout.capacity
+        # a is dead once GEMM1 ran and GEMM1's output once act_quant ran: each buffer serves
+        # both GEMMs; rows no pair holds keep whatever they held and are never read back
+        a = ws.get("dg_in", (rows, hidden), FP8)
+        a_scale = _mn_major(ws, "dg_in_scale", rows, hidden)
         x_q, x_scale = self.quantized_input(x)
-        # padding rows keep whatever the buffers held: each output row depends on its own input
-        # row only, and padding rows are never read back
-        a = ws.get("dg_a", (m_pad, hidden), FP8)  # [m_pad, H]
-        a_scale = ws.get("dg_a_scale", (m_pad, x_scale.shape[1]), torch.float32)
-        _put_rows(a, rows, x_q[tokens])
-        a_scale[rows] = x_scale[tokens]
-        h13 = ws.get("dg_h13", (m_pad, 2 * self.cfg.intermediate_size), torch.bfloat16)
-        self.grouped_gemm((a, a_scale), self.w13(), h13, m_indices)
-        y = ws.get("dg_y", (m_pad, hidden), torch.bfloat16)  # [m_pad, H]
-        self.grouped_gemm(self.activate(h13, m_indices), self.w2(), y, m_indices)
-        y_pairs = _plus_bias(y[rows], self.weights.w2_bias, m_indices[rows])  # [P, H]
-        weights = x.topk_weights.flatten()[layout.pairs].float()
-        out.index_add_(0, tokens, y_pairs * weights[:, None])
-        return out
+        gather_rows(x_q, x_scale, layout, a, a_scale)
+        h13 = ws.get("dg_out", (rows, 2 * inter), torch.bfloat16)
+        self.grouped_gemm((a, a_scale), self.w13(), h13, layout)
+        q = ws.get("dg_in", (rows, inter), FP8)
+        q_scale = _mn_major(ws, "dg_in_scale", rows, inter)
+        pairs = PairRows(layout.pair_row, x.topk_ids.flatten())
+        act_quant(h13, self.weights.w13_bias, cfg.activation, pairs, q, q_scale)
+        y = ws.get("dg_out", (rows, hidden), torch.bfloat16)
+        self.grouped_gemm((q, q_scale), self.w2(), y, layout)
+        return weighted_sum(y, self.weights.w2_bias, layout, x.topk_ids, x.topk_weights, out)
 
 
-class DeepGemmBatchedExperts(_DeepGemmBase):
-    """Batched format through the masked m-grouped GEMM (decode, CUDA-graph friendly)."""
+def _mn_major(ws: Workspace, name: str, rows: int, k: int, batch: int = 0) -> torch.Tensor:
+    """A float32 scale view [(batch,) rows, ceil(k/128)] of a workspace buffer, MN-major."""
+    groups = ceil_div(k, FP8_BLOCK)
+    if batch:
+        return ws.get(name, (batch, groups, rows), torch.float32).transpose(1, 2)
+    return ws.get(name, (groups, rows), torch.float32).t()
+
+
+class DeepGemmBatchedExperts(DeepGemmBase):
+    """Batched format through the masked m-grouped GEMM (decode)."""
 
     name: ClassVar[str] = "deep-gemm-batched"
     format: ClassVar[Format] = Format.BATCHED
 
+    def masked_gemm(self, a: tuple, w: tuple, out: torch.Tensor, counts: torch.Tensor,
+                    expected_m: int) -> None:  # fmt: skip
+        self.dg.m_grouped_fp8_gemm_nt_masked(a, w, out, counts, expected_m)
+
     def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
         num_experts, max_tokens, hidden = x.hidden.shape
+        inter = self.cfg.intermediate_size
         # a BLOCK_M tile must not reach into the next expert's rows (a 2D TMA over E * max_m)
         max_m = round_up(max_tokens, MASKED_M_ALIGNMENT)
         x_q, x_scale = self.quantized_input(x)
-        a = ws.get("dg_masked_a", (num_experts, max_m, hidden), FP8)
-        a_scale = ws.get(
-            "dg_masked_a_scale", (num_experts, max_m, x_scale.shape[-1]), torch.float32
-        )
+        a = ws.get("dg_in", (num_experts, max_m, hidden), FP8)
+        a_scale = _mn_major(ws, "dg_in_scale", max_m, hidden, batch=num_experts)
         a.view(torch.uint8)[:, :max_tokens] = x_q.view(torch.uint8)
         a_scale[:, :max_tokens] = x_scale
-        masked = MaskedRows(
-            x.tokens_per_expert.to(torch.int32).contiguous(),
-            max(1, ceil_div(x.topk_ids.numel(), num_experts)),
-        )
-        inter = self.cfg.intermediate_size
-        h13 = ws.get("dg_masked_h13", (num_experts, max_m, 2 * inter), torch.bfloat16)
-        self.masked_gemm((a, a_scale), self.w13(), h13, masked)
-        # only the valid rows go through the torch activation: at decode they are a few of E * 128
-        experts, slots = torch.nonzero(x.source >= 0, as_tuple=True)  # [P] each
-        q = ws.get("dg_masked_q", (num_experts, max_m, inter), FP8)
-        q_scale = ws.get(
-            "dg_masked_q_scale", (num_experts, max_m, ceil_div(inter, FP8_BLOCK)), torch.float32
-        )
-        q_rows, q_row_scales = self.activate(h13[experts, slots], experts)
-        _put_rows(q, (experts, slots), q_rows)
-        q_scale[experts, slots] = q_row_scales
-        y = ws.get("dg_masked_y", (num_experts, max_m, hidden), torch.bfloat16)
-        self.masked_gemm((q, q_scale), self.w2(), y, masked)
-        out = torch.empty(num_experts, max_tokens, hidden, dtype=torch.float32, device=y.device)
-        out[experts, slots] = _plus_bias(y[experts, slots], self.weights.w2_bias, experts)
-        return out
+        counts = x.tokens_per_expert.to(torch.int32).contiguous()
+        expected_m = max(1, ceil_div(x.topk_ids.numel(), num_experts))  # DeepGEMM's tile hint
+        h13 = ws.get("dg_out", (num_experts, max_m, 2 * inter), torch.bfloat16)
+        self.masked_gemm((a, a_scale), self.w13(), h13, counts, expected_m)
+        q = ws.get("dg_in", (num_experts, max_m, inter), FP8)
+        q_scale = _mn_major(ws, "dg_in_scale", max_m, inter, batch=num_experts)
+        rows = MaskedRows(counts, max_tokens)
+        act_quant(h13, self.weights.w13_bias, self.cfg.activation, rows, q, q_scale)
+        y = ws.get("dg_out", (num_experts, max_m, hidden), torch.bfloat16)
+        self.masked_gemm((q, q_scale), self.w2(), y, counts, expected_m)
+        y = y[:, :max_tokens]  # padding rows unspecified, as the batched format allows
+        bias = self.weights.w2_bias
+        return y if bias is None else y.float() + bias[:, None, :].float()

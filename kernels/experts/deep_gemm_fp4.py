@@ -9,22 +9,26 @@ int32 along K (the first group in the lowest byte), MN-major and TMA-aligned. He
 - activations: FP8 e4m3 with a power-of-two scale per 1x128 group (`quantize_fp8_ue8m0`).
   The mxfp4 reference keeps activations 16-bit, so this backend differs from it by one fp8
   rounding of each GEMM input (a few percent relative error, see the tests).
-Everything else (contiguous layout, bias, activation, weight-and-reduce) is `deep-gemm`'s.
+It keeps the m_indices contiguous layout (one host sync for the padded row count) and the
+torch activation: DeepGEMM's psum layout packs SFA differently on SM100, untried here.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
+from kernels.activations import apply_activation
 from kernels.arith import ceil_div, round_up
 from kernels.config import MoEConfig
-from kernels.experts.deep_gemm import DeepGemmExperts, deep_gemm_environment
+from kernels.experts.deep_gemm import DeepGemmBase, deep_gemm_environment
 from kernels.quant_scheme import FP8, FP8_BLOCK, MXFP4_GROUP, QuantScheme
 from kernels.quantize import FP8_MAX
 from kernels.stages import YES, Support
-from kernels.tensors import Dispatched, ExpertWeights
+from kernels.tensors import Dispatched, ExpertWeights, Format
+from kernels.workspace import Workspace
 
 UE8M0_PER_INT32 = 4
 TMA_ALIGN_BYTES = 16  # TMA wants the MN stride of a scale tensor in whole 16-byte units
@@ -61,8 +65,57 @@ def quantize_fp8_ue8m0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(rows, -1)[:, :k], scale
 
 
-class DeepGemmFp4Experts(DeepGemmExperts):
+@dataclass(frozen=True)
+class ContiguousLayout:
+    """Where each routed pair sits in DeepGEMM's contiguous layout.
+
+    Expert e's rows start at a multiple of the alignment; rows past its count are padding.
+    """
+
+    m_indices: torch.Tensor  # [m_pad] int32: expert of each row, -1 for padding
+    rows: torch.Tensor  # [P] int64: the row of each valid pair
+    pairs: torch.Tensor  # [P] int64: flat (token * k + slot) index of each valid pair
+
+    @property
+    def num_rows(self) -> int:
+        return self.m_indices.shape[0]
+
+
+def contiguous_layout(topk_ids: torch.Tensor, num_experts: int, alignment: int) -> ContiguousLayout:
+    """topk_ids [M, k] local ids (-1 = not here) -> the contiguous layout; one host sync (m_pad)."""
+    flat = topk_ids.flatten().long()  # [M * k]
+    key = torch.where(flat >= 0, flat, num_experts)  # pairs for other ranks sort last
+    experts, pairs = torch.sort(key, stable=True)  # grouped by expert, token order inside each
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
+    counts = counts.index_add_(0, key, torch.ones_like(key))[:num_experts]  # [E]
+    padded = (counts + alignment - 1) // alignment * alignment
+    m_pad, num_pairs = torch.stack((padded.sum(), counts.sum())).tolist()
+    experts, pairs = experts[:num_pairs], pairs[:num_pairs]
+    seg_start = padded.cumsum(0) - padded  # [E]
+    rank = torch.arange(num_pairs, device=flat.device) - (counts.cumsum(0) - counts)[experts]
+    rows = seg_start[experts] + rank
+    m_indices = torch.full((m_pad,), -1, dtype=torch.int32, device=flat.device)
+    m_indices[rows] = experts.to(torch.int32)
+    return ContiguousLayout(m_indices, rows, pairs)
+
+
+def _put_rows(dst: torch.Tensor, rows: torch.Tensor | tuple, src: torch.Tensor) -> None:
+    # index_put has no fp8 kernel; move the bytes instead
+    if dst.dtype == FP8:
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    dst[rows] = src
+
+
+def _plus_bias(h: torch.Tensor, bias: torch.Tensor | None, experts: torch.Tensor) -> torch.Tensor:
+    """h [R, N] (any float) -> float32 h + bias[experts[r]]; rows of expert -1 take expert 0's."""
+    h = h.float()
+    return h if bias is None else h + bias[experts.clamp(min=0).long()].float()
+
+
+class DeepGemmFp4Experts(DeepGemmBase):
     name: ClassVar[str] = "deep-gemm-fp4"
+    format: ClassVar[Format] = Format.STANDARD
+    reduces_topk: ClassVar[bool] = True
     schemes: ClassVar[frozenset[QuantScheme]] = frozenset({QuantScheme.MXFP4})
     takes_quantized_input: ClassVar[bool] = False  # quantised here, with UE8M0 scales
 
@@ -86,8 +139,10 @@ class DeepGemmFp4Experts(DeepGemmExperts):
     def check_config(cls, cfg: MoEConfig) -> Support:  # noqa: ARG003
         return YES  # K multiples of 32 are guaranteed by the mxfp4 scheme itself
 
-    def quantize(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return quantize_fp8_ue8m0(h)
+    def activate(self, h13: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """GEMM1's bf16 [R, 2I] (rows of `experts` [R]) -> quantised activation [R, I]."""
+        h = _plus_bias(h13, self.weights.w13_bias, experts)
+        return quantize_fp8_ue8m0(apply_activation(h, self.cfg.activation))
 
     def quantized_input(self, x: Dispatched) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_fp8_ue8m0(x.hidden)
@@ -96,3 +151,30 @@ class DeepGemmFp4Experts(DeepGemmExperts):
         self.dg.m_grouped_fp8_fp4_gemm_nt_contiguous(
             a, w, out, m_indices, recipe_a=ACT_RECIPE, recipe_b=WEIGHT_RECIPE
         )
+
+    def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
+        m, k = x.topk_ids.shape
+        hidden = self.cfg.hidden_size
+        out = torch.zeros(m, hidden, dtype=torch.float32, device=x.hidden.device)
+        layout = contiguous_layout(
+            x.topk_ids, self.weights.num_experts, self.dg.get_mk_alignment_for_contiguous_layout()
+        )
+        if layout.pairs.numel() == 0:
+            return out
+        rows, tokens = layout.rows, layout.pairs // k
+        m_pad, m_indices = layout.num_rows, layout.m_indices
+        x_q, x_scale = self.quantized_input(x)
+        # padding rows keep whatever the buffers held: each output row depends on its own input
+        # row only, and padding rows are never read back
+        a = ws.get("dg_a", (m_pad, hidden), FP8)  # [m_pad, H]
+        a_scale = ws.get("dg_a_scale", (m_pad, x_scale.shape[1]), torch.float32)
+        _put_rows(a, rows, x_q[tokens])
+        a_scale[rows] = x_scale[tokens]
+        h13 = ws.get("dg_h13", (m_pad, 2 * self.cfg.intermediate_size), torch.bfloat16)
+        self.grouped_gemm((a, a_scale), self.w13(), h13, m_indices)
+        y = ws.get("dg_y", (m_pad, hidden), torch.bfloat16)  # [m_pad, H]
+        self.grouped_gemm(self.activate(h13, m_indices), self.w2(), y, m_indices)
+        y_pairs = _plus_bias(y[rows], self.weights.w2_bias, m_indices[rows])  # [P, H]
+        weights = x.topk_weights.flatten()[layout.pairs].float()
+        out.index_add_(0, tokens, y_pairs * weights[:, None])
+        return out

@@ -46,6 +46,8 @@ class TritonOrDeepGemmExperts(Experts):
 
         small = next(cls for cls in SMALL_BATCH_BACKENDS if cls.supports(cfg, device))
         self.small = small(cfg, weights)
+        # the choice by token count is made on the host: capturable when both sides are
+        self.graph_capturable = self.small.graph_capturable and self.deep_gemm.graph_capturable
         self.min_tokens, source = deep_gemm_min_tokens(cfg, device)
         self.last_ran = ""
         logger.info(
@@ -67,7 +69,10 @@ class TritonOrDeepGemmExperts(Experts):
         return self.min_tokens is not None and num_tokens >= self.min_tokens
 
     def workspace_shapes(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return self.small.workspace_shapes(num_tokens)
+        shapes = self.small.workspace_shapes(num_tokens)  # smaller calls of a chunk run it
+        if self.uses_deep_gemm(num_tokens):
+            shapes |= self.deep_gemm.workspace_shapes(num_tokens)
+        return shapes
 
     def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
         experts = self.deep_gemm if self.uses_deep_gemm(x.num_tokens) else self.small

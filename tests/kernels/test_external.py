@@ -142,7 +142,7 @@ def test_contiguous_layout_pads_each_expert_to_the_alignment(case: str) -> None:
         ids = ids % 2  # experts 2..5 get nothing
     if case == "ids_not_here":
         ids[::3, 0] = -1
-    layout = deep_gemm.contiguous_layout(ids.int(), num_experts, ALIGN)
+    layout = deep_gemm_fp4.contiguous_layout(ids.int(), num_experts, ALIGN)
 
     flat = ids.flatten()
     counts = torch.bincount(flat[flat >= 0], minlength=num_experts)
@@ -170,15 +170,25 @@ def _fake_deep_gemm() -> types.ModuleType:
     """D = A @ B.T per group, A with 1x128 float scales, B with 128x128 block scales."""
     fp8_block = QuantConfig(QuantScheme.FP8_BLOCK)
 
-    def contiguous(a, b, d, m_indices):
+    def contiguous(a, b, d, psum, use_psum_layout=False, expected_m_for_psum_layout=None):
+        """Expert e's rows: [round_up(psum[e - 1], ALIGN), psum[e]); the others untouched."""
+        assert use_psum_layout and expected_m_for_psum_layout >= 1
+        assert a[1].stride(0) == 1 and d.shape[0] % ALIGN == 0  # MN-major scales, whole blocks
         w = dequantize_weight(b[0], b[1], fp8_block)  # [E, N, K]
-        x = _dequant_rows(*a, 128)
-        for e in torch.unique(m_indices[m_indices >= 0]).tolist():
-            rows = m_indices == e
-            d[rows] = (x[rows] @ w[e].T).to(d.dtype)
+        end = 0
+        for e, stop in enumerate(psum.tolist()):
+            start = -(-end // ALIGN) * ALIGN
+            assert start <= stop <= d.shape[0]
+            d[start:stop] = (_dequant_rows(a[0][start:stop], a[1][start:stop], 128) @ w[e].T).to(
+                d.dtype
+            )
+            end = stop
+
+    contiguous.__doc__ = "m_grouped_fp8_gemm_nt_contiguous(..., use_psum_layout: bool = False)"
 
     def masked(a, b, d, masked_m, expected_m):
         assert expected_m >= 1 and a[0].shape[1] % deep_gemm.MASKED_M_ALIGNMENT == 0
+        assert a[1].stride(1) == 1  # MN-major scales
         w = dequantize_weight(b[0], b[1], fp8_block)
         for e, count in enumerate(masked_m.tolist()):
             d[e, :count] = (_dequant_rows(a[0][e, :count], a[1][e, :count], 128) @ w[e].T).to(

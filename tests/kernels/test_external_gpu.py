@@ -14,6 +14,8 @@ from kernels import selection
 from kernels.accuracy import relative_error, tolerance
 from kernels.config import Activation, ActivationSpec
 from kernels.experts.reference import ReferenceExperts
+from kernels.layer_graphs import FINE_FROM, token_buckets
+from kernels.tensors import Routing
 from tests.kernels.external_cases import layer_inputs, layer_weights, modular, reference_output
 
 pytestmark = pytest.mark.gpu
@@ -99,3 +101,57 @@ def test_mxfp4_rows_of_the_last_expert_stay_finite_over_freed_nan_bytes(backend:
         hidden, _, routing = layer_inputs("gpt-oss-small", m, False)
         out = modular(experts).forward(hidden, routing)
         assert torch.isfinite(out).all(), f"M={m}: rows {(~torch.isfinite(out)).any(1).nonzero()}"
+
+
+DECODE_BUCKETS = token_buckets(FINE_FROM)  # 1, 2, 4, ..., 64
+
+
+@pytest.mark.parametrize(
+    ("name", "backend"),
+    [
+        ("deepseek-v3", "deep-gemm"),
+        ("deepseek-v3", "triton-or-deep-gemm"),
+        ("gpt-oss", "oai-triton"),
+        ("gpt-oss", "oai-triton-unfused"),
+    ],
+)
+def test_no_forward_up_to_the_largest_decode_bucket_syncs_with_the_host(
+    name: str, backend: str
+) -> None:
+    """Every decode bucket's forward (prepare, experts, finalize) with torch's sync debug mode
+    set to raise: one .item(), nonzero or .tolist() fails it. Warmed up first (JIT compiles)."""
+    cfg = SHAPES[name]
+    experts = selection.select(cfg, CUDA, backend).experts(cfg, layer_weights(name))
+    kernel = modular(experts)
+    inputs = {m: layer_inputs(name, m) for m in DECODE_BUCKETS}
+    for hidden, _, routing in inputs.values():
+        kernel.forward(hidden, routing)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for m, (hidden, _, routing) in inputs.items():
+            out = kernel.forward(hidden, routing)
+            assert out.shape == hidden.shape, m
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for m, (hidden, _, routing) in inputs.items():  # and still right
+        err = relative_error(kernel.forward(hidden, routing), reference_output(name, m))
+        assert err < tolerance(cfg), f"M={m}: {err:.3g}"
+
+
+@pytest.mark.parametrize("m", [1, 333])
+def test_deep_gemm_skips_pairs_of_other_ranks_and_empty_experts(m: int) -> None:
+    """Expert-parallel ids (-1: another rank's expert) and experts nobody picked: the psum
+    layout gives them no rows, and their slots add nothing."""
+    name = "deepseek-v3-small"
+    cfg = SHAPES[name]
+    weights = layer_weights(name)
+    hidden, _, routing = layer_inputs(name, m)
+    ids = routing.topk_ids.clone()
+    ids[ids % 3 == 0] = -1
+    ids[:, 0] = torch.where(ids[:, 0] >= 0, 1, -1)  # expert 1 crowded, 0, 3, 6... empty
+    routing = Routing(ids, routing.topk_weights)
+    expected = modular(ReferenceExperts(cfg, weights)).forward(hidden, routing).float()
+    experts = selection.select(cfg, CUDA, "deep-gemm").experts(cfg, weights)
+    err = relative_error(modular(experts).forward(hidden, routing), expected)
+    assert err < tolerance(cfg), f"{err:.3g}"
