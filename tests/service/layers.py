@@ -101,7 +101,9 @@ def running_server(app: FastAPI) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def running_front_ends(settings: Settings, loader: Callable = tiny_loader) -> Iterator[FrontEnds]:
+def running_front_ends(
+    settings: Settings, loader: Callable = tiny_loader, start_timeout_s: float = START_TIMEOUT_S
+) -> Iterator[FrontEnds]:
     """`moe-serve serve --http-workers N` as serve.run sets it up, this process the engine (its
     uvicorn on a thread, on the Unix socket), the front ends real processes on a free
     127.0.0.1 port; yields the FrontEnds (`.listener` has the port) once the service is ready."""
@@ -112,7 +114,7 @@ def running_front_ends(settings: Settings, loader: Callable = tiny_loader) -> It
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-    deadline = time.monotonic() + START_TIMEOUT_S
+    deadline = time.monotonic() + start_timeout_s
     while not _ready(url):
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the front ends did not start")

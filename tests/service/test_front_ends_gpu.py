@@ -1,0 +1,82 @@
+"""`--http-workers` on a GPU: bodies in a front end's arena are copied to the device from where
+they lie and outputs straight back into the arena (registered with CUDA). Replies match the
+reference for merged, padded and split batches, in the layer's dtype (the direct path) and in
+another (cast, then copied), and a NaN body is still a 400."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from kernels.accuracy import relative_error
+from kernels.config import MoEConfig, RoutingConfig
+from kernels.layer import LayerWeights, RouterWeights, build_layer
+from kernels.random_weights import random_expert_weights
+from kernels.tensors import ForwardInputs
+from service.settings import Settings
+from service.wire import decode_safetensors, encode_safetensors
+from tests.service.layers import INTER, TOP_K, E, H, TinyLayer, running_front_ends
+
+pytestmark = pytest.mark.gpu
+
+BINARY = {"Content-Type": "application/octet-stream"}
+MAX_BATCH = 64  # a 150-row request goes in three pieces
+LAYERS = {"f32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _layers(device: torch.device) -> list[TinyLayer]:
+    layers = []
+    for seed, (name, dtype) in enumerate(LAYERS.items()):
+        cfg = MoEConfig(E, H, INTER, RoutingConfig(top_k=TOP_K), dtype=dtype)
+        router = torch.randn(E, H, generator=torch.Generator().manual_seed(seed)) / H**0.5
+        weights = LayerWeights(random_expert_weights(cfg, seed), RouterWeights(router))
+        on_device = {n: t.to(device) for n, t in weights.tensors().items()}
+        layers.append(TinyLayer(name, cfg, LayerWeights.from_tensors(on_device)))
+    return layers
+
+
+def _reference(name: str, x: torch.Tensor) -> torch.Tensor:
+    layer = next(t for t in _layers(torch.device("cpu")) if t.name == name)
+    model, _ = build_layer(layer.config, layer.weights, torch.device("cpu"), "reference")
+    return model.forward(ForwardInputs(x.to(layer.config.dtype))).output
+
+
+@pytest.fixture(scope="module")
+def url():
+    settings = Settings(device="cuda", http_workers=2, grpc_port=0, max_batch_tokens=MAX_BATCH)
+    loader = lambda _settings, device: _layers(device)  # noqa: E731
+    with running_front_ends(settings, loader, start_timeout_s=300) as front_ends:
+        yield f"http://127.0.0.1:{front_ends.listener.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_concurrent_forwards_through_the_arena_match_the_reference(url: str, name: str) -> None:
+    dtype = LAYERS[name]
+    sizes = (1, 5, 64, 3, 150, 2, 33)
+    inputs = [torch.randn(t, H, generator=torch.Generator().manual_seed(t)) for t in sizes]
+    bodies = [x.to(dtype) for x in inputs] + [x.to(torch.float16) for x in inputs]
+
+    def post(x: torch.Tensor) -> httpx.Response:
+        blob = encode_safetensors({"hidden_states": x}, {})
+        return httpx.post(f"{url}/v1/layers/{name}/forward", content=blob, headers=BINARY)
+
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(post, bodies * 3))
+    for x, reply in zip(bodies * 3, replies, strict=True):
+        assert reply.status_code == 200, reply.text
+        out = decode_safetensors(reply.content)["output"]
+        assert out.dtype == x.dtype and out.shape == x.shape
+        error = relative_error(out.float(), _reference(name, x).float())
+        assert error < 2e-2, f"{name}: {len(x)} rows of {x.dtype}: {error:.2e}"
+
+
+def test_a_nan_body_is_refused_by_name(url: str) -> None:
+    x = torch.randn(4, H).bfloat16()
+    x[2, 5] = float("nan")
+    blob = encode_safetensors({"hidden_states": x}, {})
+    reply = httpx.post(f"{url}/v1/layers/bf16/forward", content=blob, headers=BINARY)
+    assert reply.status_code == 400
+    assert "row 2, column 5" in reply.text
