@@ -36,6 +36,7 @@ from kernels.layer import LayerOutput
 from kernels.quant_scheme import ActQuant
 from kernels.tensors import ForwardInputs, Routing
 from service import tracing
+from service.device_io import rows_of
 from service.engine import Engine, ServedLayer
 from service.errors import (
     DeadlineExceeded,
@@ -137,10 +138,7 @@ class _Piece:
     rows: int
 
     def inputs(self) -> ForwardInputs:
-        x = self.request.inputs
-        rows = slice(self.start, self.start + self.rows)
-        logits = x.router_logits
-        return ForwardInputs(x.hidden_states[rows], None if logits is None else logits[rows])
+        return rows_of(self.request.inputs, slice(self.start, self.start + self.rows))
 
 
 @dataclass
@@ -213,8 +211,9 @@ class DynamicBatcher:
     async def submit(
         self, name: str, inputs: ForwardInputs, options: RequestOptions | None = None
     ) -> LayerOutput:
-        """inputs [T, H] (+ logits [T, E]) on the CPU, in a wire dtype -> the layer's output
-        [T, H] in its dtype and the routing, in order. The one entry of every transport.
+        """inputs [T, H] (+ logits [T, E]) on the CPU (or a GPU: service/device_io.py), in a
+        wire dtype -> the layer's output [T, H] in its dtype and the routing, in order. The one
+        entry of every transport.
 
         Cancelling the call (its client went away) takes the request's waiting rows out of the
         queue."""

@@ -25,6 +25,7 @@ from kernels.modular import DEFAULT_CHUNK_TOKENS
 from kernels.selection import Selection
 from kernels.tensors import ForwardInputs, Routing
 from kernels.workspace import Workspace
+from service.device_io import write_outputs
 from service.errors import NotReady, UnknownLayer
 from service.pipeline import (
     DEPTH,
@@ -212,8 +213,9 @@ class Engine:
         return NotReady(self.failure)
 
     def start(self, name: str, parts: Sequence[ForwardInputs]) -> Pending:
-        """Begin one batch of layer `name`: `parts` [t_i, H] on the CPU, in any wire dtype (cast
-        once, to the layer's), all with router logits or none. Its result holds one output per
+        """Begin one batch of layer `name`: `parts` [t_i, H] on the CPU (or a GPU:
+        service/device_io.py), in any wire dtype (cast once, to the layer's), all with router
+        logits or none. Its result holds one output per
         part, in the layer's dtype. On a GPU this returns once the batch is enqueued."""
         if self.failure is not None:
             raise NotReady(self.failure)
@@ -229,9 +231,9 @@ class Engine:
     def _run_now(self, served: ServedLayer, parts: Sequence[ForwardInputs]) -> Finished:
         cfg = served.config
         logits = [p.router_logits for p in parts]
-        inputs = ForwardInputs(
-            torch.cat([p.hidden_states for p in parts]).to(cfg.dtype),
-            None if logits[0] is None else torch.cat(logits).float(),
+        inputs = ForwardInputs(  # parts on a GPU (service/device_io.py) come to the host here
+            torch.cat([p.hidden_states.cpu() for p in parts]).to(cfg.dtype),
+            None if logits[0] is None else torch.cat([t.cpu() for t in logits]).float(),
         )
         started = time.perf_counter()
         try:
@@ -242,6 +244,7 @@ class Engine:
         counts = expert_tokens(whole.routing.topk_ids, cfg.num_experts)
         sizes = [p.hidden_states.shape[0] for p in parts]
         outputs = split_rows(whole, sizes)
+        write_outputs(parts, outputs)
         return Finished(BatchResult(outputs, counts, StageTimes(seconds), finite))
 
     def warm_up(self, token_counts: Sequence[int], names: Sequence[str] | None = None) -> None:

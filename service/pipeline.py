@@ -2,9 +2,10 @@
 in flight so that the next one is copied in while the current one computes.
 
     launcher thread:  parts -> the slot's pinned buffer (cast to the layer's dtype, the one host
-                      copy) -> copy-in stream: H2D -> compute stream: forward (graph replay
-                      where the layer has graphs) -> copy-out stream: D2H of the output, the
-                      routing and the expert counts -> returns at once
+                      copy) -> copy-in stream: H2D (parts already on a GPU: D2D) -> compute
+                      stream: forward (graph replay where the layer has graphs) -> copy-out
+                      stream: D2H of the output, the routing and the expert counts (and D2D of
+                      the output rows a part sends into a GPU buffer) -> returns at once
     completer thread: waits for the batch's last event -> per-part results -> frees the slot
 
 Each layer owns two slots (pinned host and device buffers, reused batch after batch). The only
@@ -24,6 +25,13 @@ import torch
 
 from kernels.layer import LayerOutput, expert_tokens
 from kernels.tensors import ForwardInputs, Routing
+from service.device_io import (
+    copy_device_rows,
+    copy_outputs,
+    device_parts,
+    output_sinks,
+    stage_host_rows,
+)
 
 if TYPE_CHECKING:
     from service.engine import ServedLayer
@@ -146,31 +154,46 @@ class DevicePipeline:
         self._free[name].put(slot)
 
     def launch(self, served: ServedLayer, parts: Sequence[ForwardInputs]) -> Pending:
-        """Stage `parts` (CPU, rows of any wire dtype; all with router logits or none) and
-        enqueue the batch on the device; returns without waiting for it."""
+        """Stage `parts` (rows of any wire dtype, on the CPU or a GPU: service/device_io.py;
+        all with router logits or none) and enqueue the batch on the device; returns without
+        waiting for it."""
         sizes = [p.hidden_states.shape[0] for p in parts]
         m = sum(sizes)
         with_logits = parts[0].router_logits is not None
         slot = self._slot(served, m)
         try:
             started = time.perf_counter()
-            _gather([p.hidden_states for p in parts], slot.hidden[0][:m])
-            if with_logits:
-                _gather([p.router_logits for p in parts], slot.logits[0][:m])
+            on_gpu = device_parts(parts)
+            if on_gpu:
+                stage_host_rows(parts, slot.hidden[0], slot.logits[0] if with_logits else None)
+            else:
+                _gather([p.hidden_states for p in parts], slot.hidden[0][:m])
+                if with_logits:
+                    _gather([p.router_logits for p in parts], slot.logits[0][:m])
             stage_s = time.perf_counter() - started
-            self._enqueue(served, slot, m, with_logits)
+            self._enqueue(served, slot, m, with_logits, on_gpu, output_sinks(parts))
         except BaseException:
             self._release(served.name, slot)
             raise
         return _InFlight(self, served.name, slot, sizes, stage_s)
 
-    def _enqueue(self, served: ServedLayer, slot: _Slot, m: int, with_logits: bool) -> None:
+    def _enqueue(
+        self,
+        served: ServedLayer,
+        slot: _Slot,
+        m: int,
+        with_logits: bool,
+        on_gpu: list[tuple[slice, ForwardInputs]],
+        sinks: list[tuple[slice, torch.Tensor]],
+    ) -> None:
         ev = slot.events
         inputs = [slot.hidden] + ([slot.logits] if with_logits else [])
         with torch.cuda.stream(self.copy_in):
             ev["h2d_start"].record()
-            for host, dev in inputs:
-                dev[:m].copy_(host[:m], non_blocking=True)
+            if sum(rows.stop - rows.start for rows, _ in on_gpu) < m:  # some rows are staged
+                for host, dev in inputs:
+                    dev[:m].copy_(host[:m], non_blocking=True)
+            copy_device_rows(on_gpu, slot.hidden[1], slot.logits[1] if with_logits else None)
             ev["h2d_end"].record()
         with torch.cuda.stream(self.compute):
             self.compute.wait_event(ev["h2d_end"])
@@ -197,6 +220,7 @@ class DevicePipeline:
                 host[:m].copy_(dev[:m], non_blocking=True)
             slot.expert_tokens[0].copy_(slot.expert_tokens[1], non_blocking=True)
             slot.finite[0].copy_(slot.finite[1], non_blocking=True)
+            copy_outputs(sinks, slot.output[1])  # done when d2h_end is: before any reply
             ev["d2h_end"].record()
 
 
