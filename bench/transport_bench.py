@@ -72,8 +72,9 @@ class HttpKServe:
     """KServe v2 over HTTP with the binary tensor extension, on httpx: tritonclient.http needs
     geventhttpclient, which the GPU machine lacks."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, model: str = "demo") -> None:
         self.http = httpx.Client(base_url=f"http://{address}", timeout=60)
+        self.model = model
 
     def register_system(self, name: str, key: str, byte_size: int) -> None:
         body = {"key": key, "offset": 0, "byte_size": byte_size}
@@ -108,7 +109,7 @@ class HttpKServe:
         header = json.dumps({"inputs": [entry], "outputs": [output]}).encode()
         body = header if region is not None else header + x.tobytes()
         r = self.http.post(
-            f"/v2/models/{MODEL}/infer",
+            f"/v2/models/{self.model}/infer",
             content=body,
             headers={"Inference-Header-Content-Length": str(len(header))},
         )
