@@ -215,8 +215,8 @@ class Engine:
     def start(self, name: str, parts: Sequence[ForwardInputs]) -> Pending:
         """Begin one batch of layer `name`: `parts` [t_i, H] on the CPU (or a GPU:
         service/device_io.py), in any wire dtype (cast once, to the layer's), all with router
-        logits or none. Its result holds one output per
-        part, in the layer's dtype. On a GPU this returns once the batch is enqueued."""
+        logits or none. Its result holds one output per part, in the layer's dtype. On a GPU
+        this returns once the batch is enqueued."""
         if self.failure is not None:
             raise NotReady(self.failure)
         served = self.get(name)
