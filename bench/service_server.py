@@ -3,6 +3,7 @@ plus a `/bench/bare` route that times the same layer's bare forward in the same 
 
     python -m bench.service_server --layer demo|deepseek-v3|... --port 8901 [--backend triton]
         [--shared-intermediate 2048] [--max-batch-tokens 1024] [--http h11] [--loop asyncio]
+        [--grpc-port 8001] [--allow-shared-memory]
 
 `--layer demo` serves the seeded demo layer (bf16) from the cache directory; any shape of
 bench/shapes.py is drawn at random on the device with a stored router (and a shared expert
@@ -125,6 +126,8 @@ def build_settings(args: argparse.Namespace) -> Settings:
         cache_dir=args.cache_dir,
         max_body_bytes=256 << 20,
         http_workers=args.http_workers,
+        grpc_port=args.grpc_port,
+        allow_shared_memory=args.allow_shared_memory,
     )
 
 
@@ -150,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="warning")
     parser.add_argument("--cache-dir", type=Path, default=Settings().cache_dir)
     parser.add_argument("--http-workers", type=int, default=0, help="front-end processes")
+    parser.add_argument("--grpc-port", type=int, default=0, help="KServe gRPC; 0: off")
+    parser.add_argument("--allow-shared-memory", action="store_true", help="Triton's extension")
     parser.add_argument("--http", default="auto", help="uvicorn's parser: auto, h11, httptools")
     parser.add_argument("--loop", default="auto", help="uvicorn's loop: auto, asyncio, uvloop")
     args = parser.parse_args(argv)

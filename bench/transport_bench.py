@@ -1,13 +1,21 @@
-"""One request at a time through each KServe transport, on one server: binary HTTP, gRPC, and
-system and CUDA shared memory over both, with the server's own forward time beside each.
+"""One request at a time through each KServe transport: binary HTTP, gRPC, and system and CUDA
+shared memory over both, on the demo layer and the DeepSeek-V3-sized one, against the server's
+own forward time; issue 18's target checked last.
 
-    python -m bench.transport_bench --out DIR [--tokens 64] [--requests 300] [--device cuda]
+    python -m bench.transport_bench --out DIR [--layers demo,deepseek-v3] [--tokens 64]
+        [--requests 300] [--device cuda]
 
-Starts `moe-serve serve` on the demo layers (a subprocess: CUDA IPC needs the client in
-another process); the clients are tritonclient.grpc and, for HTTP, httpx with the binary
-tensor extension; sends `--requests` sequential requests of `--tokens` FP32 rows per transport
-after a warm-up, checks every output against the binary HTTP one, and writes
-DIR/transport-bench.json: p50/p90/mean latency, requests/s and the server's mean forward ms.
+Each layer is served by `bench.service_server` in a subprocess (CUDA IPC needs the client in
+another process) with gRPC and shared memory on: the demo layer from the cache, a shape of
+bench/shapes.py drawn on the device with DeepSeek-V3's shared expert, as `moe-serve bench
+service` serves them. The clients are tritonclient.grpc and, for HTTP, httpx with the binary
+tensor extension. Each transport gets `--requests` sequential requests of `--tokens` FP32 rows
+after a warm-up; a request's latency runs from sending it to its reply (with shared memory the
+output is in the region by then: it is read after the timed requests and must equal the binary
+HTTP output). Beside each: the server's mean forward time over that transport's requests (its
+metrics: CUDA events around the captured forward as served) and, once per layer, the bare
+captured forward (/bench/bare). Writes DIR/transport-bench.json and .md and prints the tables,
+the targets last: CUDA shared memory p50 <= the server's forward + 0.2 ms.
 """
 
 from __future__ import annotations
@@ -17,11 +25,11 @@ import json
 import logging
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -29,13 +37,18 @@ import numpy as np
 import torch
 
 from bench.environment import current_commit
+from bench.service_bench import process
+from bench.shapes import SHAPES
 
 log = logging.getLogger("bench.transport")
 
-MODEL = "demo"
-HIDDEN = 256  # the demo layers' H
+DEMO = "demo"
+LAYERS = (DEMO, "deepseek-v3")
+SHARED_INTERMEDIATE = 2048  # DeepSeek-V3's shared expert, as `moe-serve bench service` draws it
 WARM_UP = 30
-READY_TIMEOUT_S = 240.0
+READY_TIMEOUT_S = 300.0
+TARGET_SLACK_MS = 0.2  # issue 18: CUDA shared memory p50 <= the captured forward + this
+CUDA_SHM = ("http-cuda-shm", "grpc-cuda-shm")
 
 
 def _free_port() -> int:
@@ -44,11 +57,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _forward_seconds(url: str) -> tuple[float, float]:
-    """(sum, count) of the server's moe_serve_forward_seconds for the demo layer."""
+def _forward_seconds(url: str, layer: str) -> tuple[float, float]:
+    """(sum, count) of the server's moe_serve_forward_seconds for `layer`."""
     total = count = 0.0
     for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("moe_serve_forward_seconds_") and f'layer="{MODEL}"' in line:
+        if line.startswith("moe_serve_forward_seconds_") and f'layer="{layer}"' in line:
             value = float(line.rsplit(" ", 1)[1])
             if line.startswith("moe_serve_forward_seconds_sum"):
                 total += value
@@ -57,23 +70,29 @@ def _forward_seconds(url: str) -> tuple[float, float]:
     return total, count
 
 
-def _time(call: Callable[[], np.ndarray], requests: int) -> tuple[list[float], np.ndarray]:
-    for _ in range(WARM_UP):
-        out = call()
+@dataclass(frozen=True)
+class Transport:
+    send: Callable[[], np.ndarray | None]  # one request; the output where the reply has it
+    read: Callable[[], np.ndarray] | None = None  # the output from its region, once sent
+
+
+def _time(transport: Transport, requests: int) -> tuple[list[float], np.ndarray]:
+    """Latencies of `requests` sequential requests, and the last output."""
     latencies = []
     for _ in range(requests):
         started = time.perf_counter()
-        out = call()
+        out = transport.send()
         latencies.append(time.perf_counter() - started)
-    return latencies, out
+    return latencies, out if transport.read is None else transport.read()
 
 
 class HttpKServe:
     """KServe v2 over HTTP with the binary tensor extension, on httpx: tritonclient.http needs
     geventhttpclient, which the GPU machine lacks."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, model: str = DEMO) -> None:
         self.http = httpx.Client(base_url=f"http://{address}", timeout=60)
+        self.model = model
 
     def register_system(self, name: str, key: str, byte_size: int) -> None:
         body = {"key": key, "offset": 0, "byte_size": byte_size}
@@ -108,7 +127,7 @@ class HttpKServe:
         header = json.dumps({"inputs": [entry], "outputs": [output]}).encode()
         body = header if region is not None else header + x.tobytes()
         r = self.http.post(
-            f"/v2/models/{MODEL}/infer",
+            f"/v2/models/{self.model}/infer",
             content=body,
             headers={"Inference-Header-Content-Length": str(len(header))},
         )
@@ -119,141 +138,243 @@ class HttpKServe:
         return np.frombuffer(r.content[split:], dtype=np.float32).reshape(x.shape)
 
 
-def _variants(
-    http_addr: str, grpc_addr: str, x: np.ndarray, cleanup: list[Callable[[], object]]
-) -> dict[str, Callable[[], np.ndarray]]:
-    """Each transport as a call that sends x and returns the output; the regions it makes
-    are freed by the calls it appends to `cleanup`."""
+def _transports(
+    http_addr: str, grpc_addr: str, model: str, x: np.ndarray, cleanup: list[Callable[[], object]]
+) -> dict[str, Transport]:
+    """Each transport, sending x; the regions it makes are freed by the calls it appends to
+    `cleanup`."""
     import tritonclient.grpc as grpcclient
     import tritonclient.utils.shared_memory as shm
 
-    http = HttpKServe(http_addr)
+    http = HttpKServe(http_addr, model)
     grpc = grpcclient.InferenceServerClient(grpc_addr)
     nbytes = x.nbytes
     plain_input = grpcclient.InferInput("hidden_states", list(x.shape), "FP32")
     plain_input.set_data_from_numpy(x)
 
-    def over_grpc(region: str, read: Callable[[], np.ndarray]) -> Callable[[], np.ndarray]:
+    cleanup.append(grpc.close)
+
+    def over_grpc(region: str) -> Callable[[], None]:
         tensor = grpcclient.InferInput("hidden_states", list(x.shape), "FP32")
         tensor.set_shared_memory(region, nbytes)
         out = grpcclient.InferRequestedOutput("output")
         out.set_shared_memory(region, nbytes, offset=nbytes)
 
-        def call() -> np.ndarray:
-            grpc.infer(MODEL, [tensor], outputs=[out])
-            return read()
+        def send() -> None:
+            grpc.infer(model, [tensor], outputs=[out])
 
-        return call
+        return send
 
-    def over_http(region: str, read: Callable[[], np.ndarray]) -> Callable[[], np.ndarray]:
-        def call() -> np.ndarray:
-            http.infer(x, region)
-            return read()
-
-        return call
-
-    key = f"/moe-serve-bench-{os.getpid()}"
-    system = shm.create_shared_memory_region("bench-sys", key, 2 * nbytes)
+    system_name = f"bench-sys-{model}"
+    key = f"/moe-serve-bench-{os.getpid()}-{model}"
+    system = shm.create_shared_memory_region(system_name, key, 2 * nbytes)
     cleanup.append(lambda: shm.destroy_shared_memory_region(system))
     shm.set_shared_memory_region(system, [x])
-    http.register_system("bench-sys", key, 2 * nbytes)
+    http.register_system(system_name, key, 2 * nbytes)
     read_system = lambda: shm.get_contents_as_numpy(  # noqa: E731
         system, np.float32, list(x.shape), offset=nbytes
     )
-    variants = {
-        "http-binary": lambda: http.infer(x),
-        "grpc": lambda: grpc.infer(MODEL, [plain_input]).as_numpy("output"),
-        "http-system-shm": over_http("bench-sys", read_system),
-        "grpc-system-shm": over_grpc("bench-sys", read_system),
+    transports = {
+        "http-binary": Transport(lambda: http.infer(x)),
+        "grpc": Transport(lambda: grpc.infer(model, [plain_input]).as_numpy("output")),
+        "http-system-shm": Transport(lambda: http.infer(x, system_name), read_system),
+        "grpc-system-shm": Transport(over_grpc(system_name), read_system),
     }
     try:
         import tritonclient.utils.cuda_shared_memory as cudashm
     except RuntimeError as err:  # tritonclient raises this without cuda-python
         log.warning("no CUDA shared memory: %s", err)
-        return variants
-    device = cudashm.create_shared_memory_region("bench-cuda", 2 * nbytes, 0)
+        return transports
+    cuda_name = f"bench-cuda-{model}"
+    device = cudashm.create_shared_memory_region(cuda_name, 2 * nbytes, 0)
     cleanup.append(lambda: cudashm.destroy_shared_memory_region(device))
     cudashm.set_shared_memory_region(device, [x])
-    http.register_cuda("bench-cuda", cudashm.get_raw_handle(device), 2 * nbytes)
+    http.register_cuda(cuda_name, cudashm.get_raw_handle(device), 2 * nbytes)
     # tritonclient reads a CUDA region from its start only: both halves, the output second
     both = [2 * x.shape[0], *x.shape[1:]]
     read_device = lambda: cudashm.get_contents_as_numpy(device, np.float32, both)[x.shape[0] :]  # noqa: E731
-    variants["http-cuda-shm"] = over_http("bench-cuda", read_device)
-    variants["grpc-cuda-shm"] = over_grpc("bench-cuda", read_device)
-    return variants
+    transports["http-cuda-shm"] = Transport(lambda: http.infer(x, cuda_name), read_device)
+    transports["grpc-cuda-shm"] = Transport(over_grpc(cuda_name), read_device)
+    return transports
 
 
-def run(out_dir: Path, tokens: int, requests: int, device: str) -> dict:
+def _server_command(layer: str, port: int, grpc_port: int, tokens: int, device: str, cache: Path):
+    command = [sys.executable, "-m", "bench.service_server", "--layer", layer,
+               "--port", str(port), "--grpc-port", str(grpc_port), "--allow-shared-memory",
+               "--device", device, "--max-batch-tokens", str(tokens),
+               "--cache-dir", str(cache)]  # fmt: skip
+    if layer != DEMO:
+        command += ["--shared-intermediate", str(SHARED_INTERMEDIATE)]
+    return command
+
+
+def _ready(url: str) -> Callable[[], bool]:
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{url}/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    return ready
+
+
+def run_layer(layer: str, out_dir: Path, tokens: int, requests: int, device: str) -> dict:
+    """Every transport on one layer's server: {transports: {name: figures}, bare_forward_ms}."""
     http_port, grpc_port = _free_port(), _free_port()
     url = f"http://127.0.0.1:{http_port}"
     cache = Path(tempfile.mkdtemp(prefix="moe-bench-cache-"))
+    command = _server_command(layer, http_port, grpc_port, tokens, device, cache)
     cleanup: list[Callable[[], object]] = []
-    server = subprocess.Popen(
-        [
-            sys.executable, "-m", "service.cli", "serve", "--device", device,
-            "--port", str(http_port), "--grpc-port", str(grpc_port), "--allow-shared-memory",
-            "--max-batch-tokens", str(tokens), "--cache-dir", str(cache), "--log-level", "warning",
-        ],
-        env={k: v for k, v in os.environ.items() if not k.startswith("MOE_SERVE_")},
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("the server did not get ready")
-            time.sleep(0.5)
-        x = np.random.default_rng(0).standard_normal((tokens, HIDDEN)).astype(np.float32)
-        results, reference = {}, None
-        addresses = f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
-        for name, call in _variants(*addresses, x, cleanup).items():
-            before = _forward_seconds(url)
-            latencies, out = _time(call, requests)
-            after = _forward_seconds(url)
-            reference = out if reference is None else reference
-            forwards = after[1] - before[1]
-            ms = np.array(latencies) * 1e3
-            results[name] = {
-                "p50_ms": float(np.percentile(ms, 50)),
-                "p90_ms": float(np.percentile(ms, 90)),
-                "mean_ms": float(ms.mean()),
-                "requests_per_s": float(len(ms) / (ms.sum() / 1e3)),
-                "server_forward_ms": (after[0] - before[0]) / forwards * 1e3 if forwards else None,
-                "matches_http_binary": bool(np.array_equal(out, reference)),
-            }
-            log.info("%-16s p50 %.3f ms  %s", name, results[name]["p50_ms"], results[name])
-    finally:
-        server.terminate()
-        server.wait(60)
-        for free in cleanup:
-            free()
+    results: dict[str, dict] = {}
+    with process(command, out_dir / f"server-{layer}.log", _ready(url), READY_TIMEOUT_S) as ready_s:
+        try:
+            hidden = httpx.get(f"{url}/v1/layers/{layer}", timeout=10).json()["hidden_size"]
+            x = np.random.default_rng(0).standard_normal((tokens, hidden)).astype(np.float32)
+            reference = None
+            addresses = f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+            for name, transport in _transports(*addresses, layer, x, cleanup).items():
+                for _ in range(WARM_UP):
+                    transport.send()
+                before = _forward_seconds(url, layer)
+                latencies, out = _time(transport, requests)
+                after = _forward_seconds(url, layer)
+                reference = out if reference is None else reference
+                forwards = after[1] - before[1]
+                ms = np.array(latencies) * 1e3
+                results[name] = {
+                    "p50_ms": float(np.percentile(ms, 50)),
+                    "p90_ms": float(np.percentile(ms, 90)),
+                    "mean_ms": float(ms.mean()),
+                    "requests_per_s": float(len(ms) / (ms.sum() / 1e3)),
+                    "server_forward_ms": (after[0] - before[0]) / forwards * 1e3
+                    if forwards
+                    else None,
+                    "matches_http_binary": bool(np.array_equal(out, reference)),
+                }
+                log.info("%s %-16s %s", layer, name, results[name])
+            bare = httpx.post(f"{url}/bench/bare", json={"tokens": [tokens]}, timeout=600).json()
+        finally:
+            for free in cleanup:
+                free()
+    return {
+        "seconds_to_ready": ready_s,
+        "hidden_size": hidden,
+        "bare_forward_ms": bare[0]["median_us"] / 1e3,
+        "bare_graphs": bare[0]["graphs"],
+        "transports": results,
+    }
+
+
+@dataclass(frozen=True)
+class Check:
+    target: str
+    figure: str
+    met: bool | None
+
+
+def checks(report: dict) -> list[Check]:
+    """Issue 18's target on each layer: CUDA shared memory p50 <= the captured forward (the
+    server's, over the same requests) + TARGET_SLACK_MS."""
+    found = []
+    for layer, result in report["layers"].items():
+        for name in CUDA_SHM:
+            target = f"{layer}: {name} p50 <= server forward + {TARGET_SLACK_MS} ms"
+            figures = result.get("transports", {}).get(name)
+            if figures is None or figures["server_forward_ms"] is None:
+                found.append(Check(target, result.get("error", "not measured"), None))
+                continue
+            p50, forward = figures["p50_ms"], figures["server_forward_ms"]
+            found.append(
+                Check(
+                    target,
+                    f"p50 {p50:.3f} ms, forward {forward:.3f} ms (+{p50 - forward:.3f})",
+                    p50 <= forward + TARGET_SLACK_MS,
+                )
+            )
+    return found
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def render(report: dict) -> str:
+    lines = [
+        f"# KServe transports, one request at a time: {report['device']}, "
+        f"commit {report['commit']}",
+        "",
+        f"{report['tokens']} FP32 rows per request, {report['requests']} sequential requests per "
+        f"transport after {WARM_UP} warm-up ones; latency from sending to the reply (shared "
+        "memory: the output is in the region by then).",
+        "",
+        "| layer | transport | p50 ms | p90 ms | mean ms | req/s | server fwd ms "
+        "| p50 - fwd ms | equals binary |",
+        "|" + " --- |" * 9,
+    ]
+    for layer, result in report["layers"].items():
+        for name, f in result.get("transports", {}).items():
+            forward = f["server_forward_ms"]
+            over = None if forward is None else f["p50_ms"] - forward
+            lines.append(
+                f"| {layer} | {name} | {_ms(f['p50_ms'])} | {_ms(f['p90_ms'])} "
+                f"| {_ms(f['mean_ms'])} | {f['requests_per_s']:,.0f} | {_ms(forward)} "
+                f"| {_ms(over)} | {'yes' if f['matches_http_binary'] else 'NO'} |"
+            )
+    lines += ["", "Bare captured forward (/bench/bare, CUDA events, back to back):", ""]
+    for layer, result in report["layers"].items():
+        if "bare_forward_ms" in result:
+            lines.append(
+                f"- {layer}: {result['bare_forward_ms']:.3f} ms at {report['tokens']} tokens "
+                f"({'graph replay' if result['bare_graphs'] else 'uncaptured'}); server ready "
+                f"in {result['seconds_to_ready']:.0f} s"
+            )
+        else:
+            lines.append(f"- {layer}: FAILED: {result['error']}")
+    met = {True: "yes", False: "NO", None: "-"}
+    lines += ["", "| target | measured | met |", "| --- | --- | --- |"]
+    lines += [f"| {c.target} | {c.figure} | {met[c.met]} |" for c in report["checks"]]
+    return "\n".join(lines) + "\n"
+
+
+def run(out_dir: Path, layers: list[str], tokens: int, requests: int, device: str) -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         "commit": current_commit(),
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
-        "model": MODEL,
         "tokens": tokens,
         "requests": requests,
-        "transports": results,
+        "layers": {},
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "transport-bench.json").write_text(json.dumps(report, indent=1))
+    for layer in layers:
+        try:
+            report["layers"][layer] = run_layer(layer, out_dir, tokens, requests, device)
+        except Exception as err:  # one layer's failure leaves the others' figures
+            log.exception("layer %s failed", layer)
+            report["layers"][layer] = {"error": f"{type(err).__name__}: {err}"}
+    report["checks"] = checks(report)
+    (out_dir / "transport-bench.json").write_text(
+        json.dumps({**report, "checks": [c.__dict__ for c in report["checks"]]}, indent=1)
+    )
+    (out_dir / "transport-bench.md").write_text(render(report))
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="directory for the JSON")
+    parser.add_argument("--out", type=Path, required=True, help="directory for the results")
+    parser.add_argument("--layers", default=",".join(LAYERS), help="demo and/or bench shapes")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=300)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    run(args.out, args.tokens, args.requests, args.device)
+    layers = [name.strip() for name in args.layers.split(",") if name.strip()]
+    unknown = [name for name in layers if name != DEMO and name not in SHAPES]
+    if unknown or not layers:
+        parser.error(f"unknown layers {unknown}: {DEMO} or one of {', '.join(SHAPES)}")
+    report = run(args.out, layers, args.tokens, args.requests, args.device)
+    sys.stdout.write(render(report))
     return 0
 
 

@@ -116,6 +116,12 @@ class _Request:
 
     def finish_piece(self, start: int, out: LayerOutput) -> None:
         """One forward's rows of this request; the request completes with its last piece."""
+        into = self.output_into
+        if into is not None:
+            rows = into[start : start + out.output.shape[0]]
+            if rows.data_ptr() != out.output.data_ptr():  # the engine did not write it there
+                rows.copy_(out.output)
+            out = LayerOutput(rows, out.routing)
         self.pieces.append((start, out))
         self.done_rows += out.output.shape[0]
         if self.done_rows < self.tokens or self.future.done():
@@ -234,14 +240,16 @@ class DynamicBatcher:
         options: RequestOptions | None = None,
         output_into: torch.Tensor | None = None,
     ) -> LayerOutput:
-        """inputs [T, H] (+ logits [T, E]) on the CPU, in a wire dtype -> the layer's output
-        [T, H] in its dtype and the routing, in order. The one entry of every transport.
+        """inputs [T, H] (+ logits [T, E]) on the CPU (or a GPU: a CUDA shared-memory region), in a
+        wire dtype -> the layer's output [T, H] in its dtype and the routing, in order. The one
+        entry of every transport.
 
-        `output_into`: [T, H] pinned host memory in the layer's dtype that the output is copied
-        into from the device (and returned as the output), where the engine enqueues batches on
-        a GPU; elsewhere it is ignored. Cancelling the call (its client went away) takes the
-        request's waiting rows out of the queue; with `output_into` the call returns only once
-        its rows already on the device are done with its buffers."""
+        `output_into`: [T, H] memory the output is written into (and returned as the output):
+        on a GPU engine, pinned host memory in the layer's dtype or GPU memory (a client's CUDA
+        shared memory) is written from the device with no host copy; elsewhere the result is
+        copied in. Cancelling the call (its client went away) takes the request's waiting rows
+        out of the queue; with `output_into` the call returns only once its rows already on the
+        device are done with its buffers."""
         self.engine.get(name)  # UnknownLayer before anything is queued
         if self._closing:
             raise ShuttingDown()
@@ -259,8 +267,6 @@ class DynamicBatcher:
         trace = tracing.Piece(
             tracing.current_context(), tracing.now_ns(), inputs.hidden_states.shape[0]
         )
-        if not self.engine.enqueues:
-            output_into = None
         request = _Request(inputs, options, loop.time(), loop.create_future(), trace, output_into)
         request.settled.set()
         q.requests += 1

@@ -6,6 +6,7 @@ import asyncio
 import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import torch
@@ -174,9 +175,11 @@ async def submit_while_connected(
     name: str,
     inputs: ForwardInputs,
     options: RequestOptions,
+    output_into: torch.Tensor | None = None,
 ) -> LayerOutput:
     """batcher.submit, withdrawn (its waiting rows leave the queue) if the client goes away."""
-    return await submit_unless(batcher, name, inputs, options, lambda: client_gone(request.receive))
+    gone = partial(client_gone, request.receive)
+    return await submit_unless(batcher, name, inputs, options, gone, output_into)
 
 
 async def submit_unless(

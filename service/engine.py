@@ -219,11 +219,12 @@ class Engine:
         parts: Sequence[ForwardInputs],
         into: Sequence[torch.Tensor | None] | None = None,
     ) -> Pending:
-        """Begin one batch of layer `name`: `parts` [t_i, H] on the CPU, in any wire dtype (cast
-        once, to the layer's), all with router logits or none. Its result holds one output per
-        part, in the layer's dtype. On a GPU this returns once the batch is enqueued, and a
-        part's output is copied straight into its `into` tensor (pinned [t_i, H] host memory
-        in the layer's dtype) where one is given; elsewhere `into` is ignored."""
+        """Begin one batch of layer `name`: `parts` [t_i, H] on the CPU or a GPU (views of a
+        client's CUDA shared memory), in any wire dtype (cast once, to the layer's), all with
+        router logits or none. Its result holds one output per part, in the layer's dtype. On a
+        GPU this returns once the batch is enqueued, and a part's output is copied straight into
+        its `into` tensor ([t_i, H]: pinned host memory in the layer's dtype, or GPU memory)
+        where one is given; elsewhere `into` is ignored (the batcher copies)."""
         if self.failure is not None:
             raise NotReady(self.failure)
         served = self.get(name)
@@ -238,9 +239,9 @@ class Engine:
     def _run_now(self, served: ServedLayer, parts: Sequence[ForwardInputs]) -> Finished:
         cfg = served.config
         logits = [p.router_logits for p in parts]
-        inputs = ForwardInputs(
-            torch.cat([p.hidden_states for p in parts]).to(cfg.dtype),
-            None if logits[0] is None else torch.cat(logits).float(),
+        inputs = ForwardInputs(  # parts on a GPU (CUDA shared memory) come to the host here
+            torch.cat([p.hidden_states.cpu() for p in parts]).to(cfg.dtype),
+            None if logits[0] is None else torch.cat([t.cpu() for t in logits]).float(),
         )
         started = time.perf_counter()
         try:

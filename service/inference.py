@@ -31,6 +31,7 @@ from service.kserve_codec import (
     byte_size,
     tensor_bytes,
     tensor_from_bytes,
+    tensor_type,
 )
 from service.routes.forward import TENSOR_NAMES, schedule_options
 from service.shared_memory import TensorPlace
@@ -93,7 +94,7 @@ async def infer(
     runtime = ready(runtime)
     served = get_model(runtime.engine, name, version)
     with runtime.metrics.statistics.request(name) as timer:
-        tensors = tensors | await _read_shared_memory(runtime, request, owner)
+        tensors = tensors | _read_shared_memory(runtime, request, owner)
         unknown = sorted(set(tensors) - set(TENSOR_NAMES))
         if unknown:
             raise BadInput(f"unknown inputs {unknown}; model {name!r} takes {list(TENSOR_NAMES)}")
@@ -101,20 +102,23 @@ async def infer(
             raise BadInput("input hidden_states is missing")
         hidden = tensors["hidden_states"]
         inputs = check_inputs(served, hidden, tensors.get("router_logits"))
-        places = _output_places(runtime, request, name, hidden, owner)
+        # into: a CUDA region's view, which the forward writes on the device
+        place, into = _output_place(runtime, request, name, hidden, owner)
         options = schedule_policy(request.parameters)
         timer.submit(hidden.shape[0])
         if http_request is None:
-            result = await runtime.batcher.submit(name, inputs, options)
+            result = await runtime.batcher.submit(name, inputs, options, into)
         else:
             result = await submit_while_connected(
-                http_request, runtime.batcher, name, inputs, options
+                http_request, runtime.batcher, name, inputs, options, into
             )
         timer.answer()
-        output = result.output.to(hidden.dtype)
-        if places.get(OUTPUT) is None:
-            return InferenceResult({OUTPUT: output})
-        return InferenceResult({}, [await _write_output(runtime, places[OUTPUT], output, owner)])
+        if place is None:
+            return InferenceResult({OUTPUT: result.output.to(hidden.dtype)})
+        if into is None:  # a system region
+            output = result.output.to(hidden.dtype)
+            runtime.shared_memory.write(f"output {OUTPUT}", place, tensor_bytes(output), owner)
+        return InferenceResult({}, [_placed(place, hidden)])
 
 
 def schedule_policy(parameters: dict[str, object]) -> RequestOptions:
@@ -129,49 +133,55 @@ def schedule_policy(parameters: dict[str, object]) -> RequestOptions:
     return schedule_options(values["priority"], values["timeout"])
 
 
-async def _read_shared_memory(
+def _read_shared_memory(
     runtime: Runtime, request: InferRequest, owner: str | None
 ) -> dict[str, torch.Tensor]:
+    """The inputs that name a region: views of a CUDA region (on its GPU), or tensors of the
+    bytes read from a system region."""
     tensors = {}
     for t in request.inputs:
         what = f"input {t.name}"
         place = TensorPlace.of(what, t.parameters)
-        if place is not None:
-            raw = await runtime.shared_memory.read(what, place, byte_size(t), owner)
-            tensors[t.name] = tensor_from_bytes(t, raw)
+        if place is None:
+            continue
+        shm, (dtype, shape) = runtime.shared_memory, tensor_type(t)
+        view = shm.view(what, place, dtype, shape, owner, exact=True)
+        if view is None:
+            view = tensor_from_bytes(t, shm.read(what, place, byte_size(t), owner))
+        tensors[t.name] = view
     return tensors
 
 
-def _output_places(
+def _output_place(
     runtime: Runtime, request: InferRequest, name: str, hidden: torch.Tensor, owner: str | None
-) -> dict[str, TensorPlace | None]:
-    """Each requested output's shared-memory place (None: in the reply), checked before the
-    forward so that an output that cannot fit fails first."""
-    places = {}
+) -> tuple[TensorPlace | None, torch.Tensor | None]:
+    """Where the output goes: (None, None) in the reply; else its shared-memory place, checked
+    before the forward so that an output that cannot fit fails first, and for a CUDA region the
+    view of it that the forward writes into."""
+    place = into = None
     for requested in request.outputs or ():
         if requested.name != OUTPUT:
             raise BadInput(f"unknown output {requested.name!r}; model {name!r} has {OUTPUT!r}")
         what = f"output {requested.name}"
-        place = TensorPlace.of(what, requested.parameters)
+        place, into = TensorPlace.of(what, requested.parameters), None
         if place is not None:
-            size = hidden.numel() * hidden.itemsize
-            runtime.shared_memory.check(what, place, size, owner, exact=False)
-        places[requested.name] = place
-    return places
+            shm = runtime.shared_memory
+            into = shm.view(what, place, hidden.dtype, hidden.shape, owner, exact=False)
+            if into is None:
+                shm.check(what, place, hidden.numel() * hidden.itemsize, owner, exact=False)
+    return place, into
 
 
-async def _write_output(
-    runtime: Runtime, place: TensorPlace, output: torch.Tensor, owner: str | None
-) -> InferOutput:
-    raw = tensor_bytes(output)
-    await runtime.shared_memory.write(f"output {OUTPUT}", place, raw, owner)
-    parameters = {SHM_REGION: place.region, SHM_BYTE_SIZE: len(raw)}
+def _placed(place: TensorPlace, hidden: torch.Tensor) -> InferOutput:
+    """The output written at `place` (as big as the input, in its datatype), as the reply lists
+    it."""
+    parameters = {SHM_REGION: place.region, SHM_BYTE_SIZE: hidden.numel() * hidden.itemsize}
     if place.offset:
         parameters[SHM_OFFSET] = place.offset
     return InferOutput(
         name=OUTPUT,
-        shape=list(output.shape),
-        datatype=DATATYPE_NAMES[output.dtype],
+        shape=list(hidden.shape),
+        datatype=DATATYPE_NAMES[hidden.dtype],
         parameters=parameters,
     )
 

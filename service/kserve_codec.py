@@ -117,6 +117,11 @@ def byte_size(t: InferInput) -> int:
     return math.prod(_shape(t)) * _dtype(t).itemsize
 
 
+def tensor_type(t: InferInput) -> tuple[torch.dtype, list[int]]:
+    """Input `t`'s dtype and shape (checked)."""
+    return _dtype(t), _shape(t)
+
+
 def tensor_from_bytes(t: InferInput, raw: bytes | memoryview) -> torch.Tensor:
     """Raw little-endian row-major bytes -> t's tensor (a copy: `raw` may be shared memory)."""
     dtype, shape, expected = _dtype(t), _shape(t), byte_size(t)

@@ -100,6 +100,13 @@ class _Run:
     alone: bool
 
 
+def _copied_in_place(part: ForwardInputs, dtype: torch.dtype) -> bool:
+    """Whether a part's rows go to the device from where they lie: on a GPU, or pinned host
+    memory in the layer's dtype (a DMA with no cast)."""
+    hidden = part.hidden_states
+    return hidden.device.type == "cuda" or (hidden.dtype == dtype and hidden.is_pinned())
+
+
 def _runs(sizes: Sequence[int], alone: Sequence[bool]) -> list[_Run]:
     """The batch's rows as one run per part whose `alone` is True and one per maximal stretch
     of the other parts."""
@@ -204,11 +211,12 @@ class DevicePipeline:
         parts: Sequence[ForwardInputs],
         into: Sequence[torch.Tensor | None] | None = None,
     ) -> Pending:
-        """Stage `parts` (CPU, rows of any wire dtype; all with router logits or none) and
-        enqueue the batch on the device; returns without waiting for it. A part already in
-        pinned memory in the layer's dtype is copied to the device from where it lies; a part
-        with an `into` tensor (pinned [t_i, H], the layer's dtype) gets its output copied
-        straight there. Both must stay untouched until the result is in."""
+        """Stage `parts` (rows of any wire dtype; all with router logits or none) and enqueue
+        the batch on the device; returns without waiting for it. A part on a GPU (a client's
+        CUDA shared memory) or in pinned memory in the layer's dtype is copied to the device
+        from where it lies; the others through the slot's pinned buffer. A part with an `into`
+        tensor (pinned host memory in the layer's dtype, or GPU memory) gets its output rows
+        copied straight there. Both must stay untouched until the result is in."""
         sizes = [p.hidden_states.shape[0] for p in parts]
         m = sum(sizes)
         with_logits = parts[0].router_logits is not None
@@ -216,21 +224,20 @@ class DevicePipeline:
         slot = self._slot(served, m)
         try:
             started = time.perf_counter()
-            dtype = served.config.dtype
-            pinned = [p.hidden_states.dtype == dtype and p.hidden_states.is_pinned() for p in parts]
-            if not any(pinned):
-                _gather([p.hidden_states for p in parts], slot.hidden[0][:m])
-            h2d = []  # (first row, source rows): staged runs and pinned parts
-            for run in _runs(sizes, pinned):
+            direct = [_copied_in_place(p, served.config.dtype) for p in parts]
+            h2d = []  # (rows of the batch, their hidden states, their logits or None)
+            for run in _runs(sizes, direct):
+                rows = slice(run.begin, run.end)
                 if run.alone:
-                    h2d.append((run.begin, parts[run.parts[0]].hidden_states))
+                    part = parts[run.parts[0]]
+                    h2d.append((rows, part.hidden_states, part.router_logits))
                     continue
-                if any(pinned):
-                    rows = [parts[i].hidden_states for i in run.parts]
-                    _gather(rows, slot.hidden[0][run.begin : run.end])
-                h2d.append((run.begin, slot.hidden[0][run.begin : run.end]))
-            if with_logits:
-                _gather([p.router_logits for p in parts], slot.logits[0][:m])
+                _gather([parts[i].hidden_states for i in run.parts], slot.hidden[0][rows])
+                logits = None
+                if with_logits:
+                    logits = slot.logits[0][rows]
+                    _gather([parts[i].router_logits for i in run.parts], logits)
+                h2d.append((rows, slot.hidden[0][rows], logits))
             slot.valid_rows.fill_(m)
             stage_s = time.perf_counter() - started
             d2h = [  # (rows, their target: a part's own `into`, else the slot's buffer)
@@ -249,7 +256,7 @@ class DevicePipeline:
         slot: _Slot,
         m: int,
         with_logits: bool,
-        h2d: list[tuple[int, torch.Tensor]],
+        h2d: list[tuple[slice, torch.Tensor, torch.Tensor | None]],
         d2h: list[tuple[_Run, torch.Tensor]],
     ) -> None:
         # Streams are set directly, not through `torch.cuda.stream()`, whose enter and exit
@@ -262,10 +269,10 @@ class DevicePipeline:
         try:
             torch.cuda.set_stream(self.copy_in)
             ev["h2d_start"].record(self.copy_in)
-            for begin, source in h2d:
-                slot.hidden[1][begin : begin + source.shape[0]].copy_(source, non_blocking=True)
-            if with_logits:
-                slot.logits[1][:m].copy_(slot.logits[0][:m], non_blocking=True)
+            for rows, hidden, logits in h2d:  # host to device, or device to device
+                slot.hidden[1][rows].copy_(hidden, non_blocking=True)
+                if logits is not None:
+                    slot.logits[1][rows].copy_(logits, non_blocking=True)
             if replays:
                 graphs.inputs[slot.copy].valid_rows.copy_(slot.valid_rows, non_blocking=True)
             ev["h2d_end"].record(self.copy_in)

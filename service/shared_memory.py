@@ -2,26 +2,31 @@
 request instead of sending tensor bytes (inputs read from it, outputs written into it).
 
 A system region is a POSIX shared-memory object (`/dev/shm/<key>`, what
-`tritonclient.utils.shared_memory` creates); a CUDA region is a CUDA IPC handle of the
-client's device buffer (`tritonclient.utils.cuda_shared_memory`), opened here with cuda-python.
-Both kinds share one namespace of names. Every offset and size is checked against the region
-(a CUDA buffer's real size is asked of the driver), so nothing is read or written outside it;
-a region is visible only to the token that registered it; a region unregistered while a request
-uses it closes when that request is done.
+`tritonclient.utils.shared_memory` creates): inputs are read from it and outputs written into it
+as bytes. A CUDA region is a CUDA IPC handle of the client's device buffer
+(`tritonclient.utils.cuda_shared_memory`), opened once, at registration, with cuda-python: a
+request gets tensors that view the buffer, which the device pipeline copies device to device
+(service/pipeline.py), so no tensor byte goes through the host. Both kinds share one namespace
+of names. Every offset and size is checked against the region (a CUDA buffer's real size is asked
+of the driver), so nothing is read or written outside it; a region is visible only to the token
+that registered it. A CUDA region unregistered while a request uses it stays open until the last
+tensor viewing it is freed, after the request's device copies; a system region is read when a
+request arrives and written when its forward is done, each time found by name (unregistered
+meanwhile: that request's output is a 400).
 """
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import hashlib
 import logging
+import math
 import mmap
 import os
 import re
+import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from stat import S_ISREG
@@ -30,7 +35,7 @@ from typing import Any
 import torch
 
 from service.errors import BadInput, Conflict, Forbidden, UnknownRegion
-from service.kserve_codec import SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION
+from service.kserve_codec import DATATYPE_NAMES, SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +76,9 @@ class Region(ABC):
     """A registered region: `byte_size` bytes the server may read and write."""
 
     kind: str  # "system" or "cuda"
-    on_device = False  # copies in and out wait for the GPU: run them off the event loop
 
     def __init__(self, name: str, byte_size: int, owner: str | None) -> None:
         self.name, self.byte_size, self.owner = name, byte_size, owner
-        self.users = 0  # requests using it now
-        self.unregistered = False  # close once the last user is done
 
     def check(self, tensor: str, place: TensorPlace, needed: int, exact: bool) -> None:
         """Refuse a place outside the region, or of the wrong size for `needed` bytes."""
@@ -91,14 +93,6 @@ class Region(ABC):
                 f"{tensor}: {SHM_BYTE_SIZE} is {place.byte_size} but the tensor takes "
                 f"{wanted}{needed} bytes"
             )
-
-    @abstractmethod
-    def read(self, offset: int, size: int) -> bytes:
-        """The `size` bytes at `offset`."""
-
-    @abstractmethod
-    def write(self, offset: int, data: bytes) -> None:
-        """Write `data` at `offset`; visible to the client when this returns."""
 
     @abstractmethod
     def close(self) -> None: ...
@@ -138,10 +132,12 @@ class SystemRegion(Region):
             os.close(fd)
 
     def read(self, offset: int, size: int) -> bytes:
+        """The `size` bytes at `offset`."""
         start = self.offset + offset
         return self._map[start : start + size] if size else b""
 
     def write(self, offset: int, data: bytes) -> None:
+        """Write `data` at `offset`; visible to the client when this returns."""
         start = self.offset + offset
         if data:
             self._map[start : start + len(data)] = data
@@ -159,10 +155,52 @@ class SystemRegion(Region):
         }
 
 
-class _CudaArray:
-    """A device pointer as __cuda_array_interface__, so torch can wrap it without a copy."""
+class DeviceRegion(Region):
+    """A CUDA region as this process sees it: its bytes as a tensor (`memory`, uint8), which a
+    request views without a copy; the forward then copies from and into those views on the
+    device. CudaRegion opens one from a client's IPC handle (tests wrap any tensor)."""
 
-    def __init__(self, pointer: int, size: int) -> None:
+    kind = "cuda"
+
+    def __init__(self, name: str, memory: torch.Tensor, device_id: int, owner: str | None):
+        super().__init__(name, memory.numel(), owner)
+        self.memory: torch.Tensor | None = memory
+        self.device_id = device_id
+
+    def view(
+        self,
+        tensor: str,
+        place: TensorPlace,
+        dtype: torch.dtype,
+        shape: Sequence[int],
+        exact: bool,
+    ) -> torch.Tensor:
+        """The `dtype` tensor of `shape` at `place`, viewing the region (place checked)."""
+        needed = math.prod(shape) * dtype.itemsize
+        self.check(tensor, place, needed, exact)
+        if place.offset % dtype.itemsize:  # a misaligned view would fault in a kernel
+            raise BadInput(
+                f"{tensor}: {SHM_OFFSET} {place.offset} in CUDA region {self.name!r} is not a "
+                f"multiple of the {DATATYPE_NAMES.get(dtype, dtype)} element size "
+                f"({dtype.itemsize} bytes)"
+            )
+        return self.memory[place.offset : place.offset + needed].view(dtype).view(*shape)
+
+    def close(self) -> None:
+        self.memory = None  # what the memory holds (an IPC handle) goes with its last view
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
+
+
+class _IpcMapping:
+    """An opened CUDA IPC handle as __cuda_array_interface__: torch wraps the pointer without a
+    copy and holds this object while any tensor views it, and the handle is closed once the last
+    such tensor is freed. A region unregistered mid-request so stays open until the request's
+    views are gone, which is after the device copies on them are done (the batcher holds a
+    batch's requests until its device work has finished)."""
+
+    def __init__(self, cudart: Any, pointer: int, size: int, device_id: int, region: str):
         self.__cuda_array_interface__ = {
             "shape": (size,),
             "typestr": "|u1",
@@ -170,17 +208,23 @@ class _CudaArray:
             "strides": None,
             "version": 3,
         }
+        self.close = weakref.finalize(self, _close_ipc, cudart, pointer, device_id, region)
+        self.close.atexit = False  # at exit the driver unmaps it anyway
 
 
-class CudaRegion(Region):
-    kind = "cuda"
-    on_device = True
+def _close_ipc(cudart: Any, pointer: int, device_id: int, region: str) -> None:
+    with torch.cuda.device(device_id):
+        err = cudart.cudaIpcCloseMemHandle(pointer)[0]
+    if err != cudart.cudaError_t.cudaSuccess:
+        log.warning("closing the IPC handle of CUDA region %s: %s", region, err.name)
+    else:
+        log.info("closed the IPC handle of CUDA region %s", region)
 
+
+class CudaRegion(DeviceRegion):
     def __init__(
         self, name: str, raw_handle: bytes, device_id: int, byte_size: int, owner: str | None
     ):
-        super().__init__(name, byte_size, owner)
-        self.device_id = device_id
         cudart, driver = _cuda_bindings()
         if not 0 <= device_id < torch.cuda.device_count():
             raise BadInput(
@@ -203,40 +247,33 @@ class CudaRegion(Region):
                     f"raw_handle is not a CUDA IPC handle of a live buffer on device "
                     f"{device_id} that this server can open ({err.name})"
                 )
-            self._pointer, self._cudart = pointer, cudart
-            # the client states byte_size; the driver knows the allocation's real size
-            err, base, allocated = driver.cuMemGetAddressRange(driver.CUdeviceptr(int(pointer)))
-            if (
-                err != driver.CUresult.CUDA_SUCCESS
-                or int(base) + int(allocated) < int(pointer) + byte_size
-            ):
-                self.close()
-                raise BadInput(
-                    f"byte_size {byte_size} exceeds the CUDA buffer behind raw_handle "
-                    f"({int(allocated) if err == driver.CUresult.CUDA_SUCCESS else '?'} bytes)"
-                )
-        self.memory = torch.as_tensor(
-            _CudaArray(int(pointer), byte_size), device=f"cuda:{device_id}"
+            mapping = _IpcMapping(cudart, int(pointer), byte_size, device_id, name)
+            try:
+                _check_buffer(driver, int(pointer), device_id, byte_size)
+            except BadInput:
+                mapping.close()
+                raise
+            memory = torch.as_tensor(mapping, device=f"cuda:{device_id}")
+        super().__init__(name, memory, device_id, owner)
+
+
+def _check_buffer(driver: Any, pointer: int, device_id: int, byte_size: int) -> None:
+    """Refuse a buffer smaller than `byte_size` or on another GPU than `device_id` (the driver
+    knows both; the client only states them)."""
+    address = driver.CUdeviceptr(pointer)
+    err, base, allocated = driver.cuMemGetAddressRange(address)
+    if err != driver.CUresult.CUDA_SUCCESS or int(base) + int(allocated) < pointer + byte_size:
+        raise BadInput(
+            f"byte_size {byte_size} exceeds the CUDA buffer behind raw_handle "
+            f"({int(allocated) if err == driver.CUresult.CUDA_SUCCESS else '?'} bytes)"
         )
-
-    def read(self, offset: int, size: int) -> bytes:
-        return self.memory[offset : offset + size].cpu().numpy().tobytes()  # waits for the copy
-
-    def write(self, offset: int, data: bytes) -> None:
-        if data:
-            source = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            self.memory[offset : offset + len(data)].copy_(source)
-        # the client reads the buffer from its own process: the bytes must be there now
-        torch.cuda.current_stream(self.memory.device).synchronize()
-
-    def close(self) -> None:
-        self.memory = None
-        err = self._cudart.cudaIpcCloseMemHandle(self._pointer)[0]
-        if err != self._cudart.cudaError_t.cudaSuccess:
-            log.warning("closing CUDA region %s: %s", self.name, err.name)
-
-    def status(self) -> dict[str, Any]:
-        return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
+    ordinal = driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    err, device = driver.cuPointerGetAttribute(ordinal, address)
+    if err == driver.CUresult.CUDA_SUCCESS and int(device) != device_id:
+        raise BadInput(
+            f"raw_handle is a buffer on GPU {int(device)} of this server, not on "
+            f"device_id {device_id}"
+        )
 
 
 def _cuda_bindings() -> tuple[Any, Any]:
@@ -305,51 +342,54 @@ class SharedMemory:
         self._check_allowed()
         for region in [self.find(kind, name, owner)] if name else self._visible(kind, owner):
             del self.regions[region.name]
-            region.unregistered = True
-            if not region.users:
-                region.close()
+            region.close()
 
     def close(self) -> None:
         for region in self.regions.values():
             region.close()
         self.regions.clear()
 
-    @contextmanager
-    def using(self, tensor: str, place: TensorPlace, owner: str | None) -> Iterator[Region]:
-        """The region of `place`, held open for the block even if it is unregistered meanwhile."""
+    def _region_of(
+        self, tensor: str, place: TensorPlace, owner: str | None, kind: str | None = None
+    ) -> Region:
+        """The region `place` names (of `kind`, or either kind); a 400 naming the tensor if none."""
         self._check_allowed()
         try:
-            region = self.find(None, place.region, owner)
+            return self.find(kind, place.region, owner)
         except UnknownRegion as err:
             raise BadInput(f"{tensor}: {err.message}") from None
-        region.users += 1
-        try:
-            yield region
-        finally:
-            region.users -= 1
-            if region.unregistered and not region.users:
-                region.close()
 
     def check(
         self, tensor: str, place: TensorPlace, size: int, owner: str | None, exact: bool
     ) -> None:
         """Refuse `place` for `size` bytes now, before a forward whose output would not fit."""
-        with self.using(tensor, place, owner) as region:
-            region.check(tensor, place, size, exact)
+        self._region_of(tensor, place, owner).check(tensor, place, size, exact)
 
-    async def read(self, tensor: str, place: TensorPlace, size: int, owner: str | None) -> bytes:
-        """The `size` bytes at `place`; `size` must be the place's byte size."""
-        with self.using(tensor, place, owner) as region:
-            region.check(tensor, place, size, exact=True)
-            if region.on_device:
-                return await asyncio.to_thread(region.read, place.offset, size)
-            return region.read(place.offset, size)
+    def view(
+        self,
+        tensor: str,
+        place: TensorPlace,
+        dtype: torch.dtype,
+        shape: Sequence[int],
+        owner: str | None,
+        exact: bool,
+    ) -> torch.Tensor | None:
+        """`place` as a `dtype` tensor of `shape` that views a CUDA region (its byte size
+        `exact`ly the tensor's, or at least); None when `place` is in a system region, which is
+        read and written as bytes instead."""
+        region = self._region_of(tensor, place, owner)
+        if not isinstance(region, DeviceRegion):
+            return None
+        return region.view(tensor, place, dtype, shape, exact)
 
-    async def write(self, tensor: str, place: TensorPlace, data: bytes, owner: str | None) -> None:
-        """Write `data` at `place`, which must hold at least len(data) bytes."""
-        with self.using(tensor, place, owner) as region:
-            region.check(tensor, place, len(data), exact=False)
-            if region.on_device:
-                await asyncio.to_thread(region.write, place.offset, data)
-            else:
-                region.write(place.offset, data)
+    def read(self, tensor: str, place: TensorPlace, size: int, owner: str | None) -> bytes:
+        """The `size` bytes at `place` in a system region; `size` must be the place's byte size."""
+        region = self._region_of(tensor, place, owner, "system")
+        region.check(tensor, place, size, exact=True)
+        return region.read(place.offset, size)
+
+    def write(self, tensor: str, place: TensorPlace, data: bytes, owner: str | None) -> None:
+        """Write `data` at `place` in a system region, which must hold at least len(data) bytes."""
+        region = self._region_of(tensor, place, owner, "system")
+        region.check(tensor, place, len(data), exact=False)
+        region.write(place.offset, data)

@@ -1,5 +1,5 @@
 """The transport benchmark runs end to end on the CPU (no CUDA regions there) and every
-transport returns the same output as binary HTTP."""
+transport returns the same output as binary HTTP; issue 18's target is judged from the figures."""
 
 from __future__ import annotations
 
@@ -8,18 +8,71 @@ from pathlib import Path
 
 import pytest
 
-from bench.transport_bench import run
+from bench.transport_bench import Check, checks, render, run
 
 pytest.importorskip("tritonclient.grpc")
 
 
 @pytest.mark.slow
 def test_transport_bench_times_every_transport_and_writes_json(tmp_path: Path) -> None:
-    report = run(tmp_path, tokens=4, requests=3, device="cpu")
-    assert json.loads((tmp_path / "transport-bench.json").read_text()) == report
-    transports = report["transports"]
+    report = run(tmp_path, ["demo"], tokens=4, requests=3, device="cpu")
+    saved = json.loads((tmp_path / "transport-bench.json").read_text())
+    assert saved["layers"] == report["layers"]
+    demo = report["layers"]["demo"]
+    transports = demo["transports"]
     assert set(transports) == {"http-binary", "grpc", "http-system-shm", "grpc-system-shm"}
     for name, result in transports.items():
         assert result["matches_http_binary"], name
         assert 0 < result["p50_ms"] <= result["p90_ms"], name
         assert result["server_forward_ms"] > 0, name
+    assert demo["bare_forward_ms"] > 0
+    assert [c.met for c in report["checks"]] == [None, None]  # no CUDA regions on the CPU
+    markdown = (tmp_path / "transport-bench.md").read_text()
+    assert markdown.rstrip().endswith(
+        "| demo: grpc-cuda-shm p50 <= server forward + 0.2 ms | not measured | - |"
+    )
+
+
+def _figures(p50_ms: float, forward_ms: float) -> dict:
+    return {"p50_ms": p50_ms, "p90_ms": p50_ms, "mean_ms": p50_ms, "requests_per_s": 1e3 / p50_ms,
+            "server_forward_ms": forward_ms, "matches_http_binary": True}  # fmt: skip
+
+
+def test_cuda_shared_memory_target_is_p50_within_0_2_ms_of_the_server_forward() -> None:
+    report = {
+        "device": "H100",
+        "commit": "abc",
+        "tokens": 64,
+        "requests": 300,
+        "layers": {
+            "deepseek-v3": {
+                "seconds_to_ready": 60.0,
+                "bare_forward_ms": 3.7,
+                "bare_graphs": True,
+                "transports": {
+                    "http-binary": _figures(7.0, 3.8),
+                    "http-cuda-shm": _figures(4.0, 3.81),
+                    "grpc-cuda-shm": _figures(4.2, 3.9),
+                },
+            },
+            "demo": {"error": "RuntimeError: exited with 1 before ready"},
+        },
+    }
+    found = checks(report)
+    assert found == [
+        Check("deepseek-v3: http-cuda-shm p50 <= server forward + 0.2 ms",
+              "p50 4.000 ms, forward 3.810 ms (+0.190)", True),
+        Check("deepseek-v3: grpc-cuda-shm p50 <= server forward + 0.2 ms",
+              "p50 4.200 ms, forward 3.900 ms (+0.300)", False),
+        Check("demo: http-cuda-shm p50 <= server forward + 0.2 ms",
+              "RuntimeError: exited with 1 before ready", None),
+        Check("demo: grpc-cuda-shm p50 <= server forward + 0.2 ms",
+              "RuntimeError: exited with 1 before ready", None),
+    ]  # fmt: skip
+    markdown = render({**report, "checks": found})
+    assert (
+        "| deepseek-v3 | http-cuda-shm | 4.000 | 4.000 | 4.000 | 250 | 3.810 | 0.190 | yes |"
+        in markdown
+    )
+    assert "- demo: FAILED: RuntimeError" in markdown
+    assert markdown.rstrip().splitlines()[-3].endswith("| NO |")  # grpc on deepseek-v3

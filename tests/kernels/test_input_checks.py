@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.config import MoEConfig
-from kernels.input_checks import InputError, check_values
+from kernels.input_checks import InputError, _all_fit_on_device, check_values
 from kernels.layer import LayerWeights, MoELayer, RouterWeights, build_layer
 from kernels.random_weights import random_expert_weights
 from kernels.tensors import ForwardInputs
@@ -78,3 +78,33 @@ def test_value_check_refuses_hidden_states_the_layer_dtype_cannot_hold(
     dtype = str(layer_dtype).removeprefix("torch.")
     with pytest.raises(InputError, match=rf"at row 1, column 7: beyond the largest {dtype} value"):
         check_values(ForwardInputs(hidden), layer_dtype)
+
+
+@pytest.mark.parametrize(
+    ("layer_dtype", "hidden_value", "logit_value", "fits"),
+    [
+        (torch.bfloat16, 1.0, 0.0, True),
+        (torch.bfloat16, float("nan"), 0.0, False),
+        (torch.bfloat16, float("-inf"), 0.0, False),
+        (torch.bfloat16, 3.4e38, 0.0, False),  # beyond bfloat16, finite in float32
+        (torch.float16, 65504.0, 0.0, True),
+        (torch.float16, 1e5, 0.0, False),
+        (torch.float32, 3.4e38, float("inf"), False),
+        (torch.float32, 3.4e38, None, True),
+    ],
+)
+def test_the_one_flag_check_of_device_inputs_agrees_with_the_named_checks(
+    layer_dtype: torch.dtype, hidden_value: float, logit_value: float | None, fits: bool
+) -> None:
+    """_all_fit_on_device runs on any device: here it is checked against check_values on the
+    CPU, which a GPU request falls back to when the flag says no."""
+    hidden = torch.zeros(3, 64)
+    hidden[2, 5] = hidden_value
+    logits = None if logit_value is None else torch.full((3, 4), logit_value)
+    inputs = ForwardInputs(hidden, logits)
+    assert _all_fit_on_device(inputs, layer_dtype) is fits
+    if fits:
+        check_values(inputs, layer_dtype)
+    else:
+        with pytest.raises(InputError):
+            check_values(inputs, layer_dtype)

@@ -1,12 +1,16 @@
 """CUDA shared memory on the GPU: a client in a second process on the same GPU hands the
 server a CUDA IPC handle (tritonclient.utils.cuda_shared_memory); the output written into its
-buffer matches the reference, over HTTP and gRPC; bad handles are clear 400s."""
+buffer (device to device) matches the reference and equals the binary request's, over HTTP and
+gRPC; a region unregistered while a request on it waits is still read and written, and its
+handle closed after; bad handles and places are clear 400s."""
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +22,7 @@ import torch
 from kernels.accuracy import relative_error
 from kernels.layer import build_layer
 from kernels.tensors import ForwardInputs
+from service import shared_memory
 from service.app import create_app
 from service.settings import Settings
 from tests.service.conftest import wait_ready
@@ -30,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 GPU_READY_TIMEOUT_S = 300.0
 CLIENT_TIMEOUT_S = 120.0
 TOLERANCE = 2e-2  # the demo layer computes in bf16
+CLOSE_TIMEOUT_S = 5.0
+BATCH_DELAY_MS = 300.0  # how long cuda_shm_client's in-flight requests (16 rows) wait
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +48,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str,
         cache_dir=cache,
         grpc_port=port,
         allow_shared_memory=True,
-        max_batch_tokens=64,
+        max_batch_tokens=64,  # a 64-row request runs at once; fewer rows wait BATCH_DELAY_MS
+        max_batch_delay_ms=BATCH_DELAY_MS,
     )
     with running_server(create_app(settings)) as url:
         with httpx.Client(base_url=url) as http:
@@ -49,8 +57,18 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str,
         yield url.removeprefix("http://"), f"127.0.0.1:{port}", cache
 
 
-def test_cuda_shared_memory_round_trip_from_another_process(server, tmp_path: Path) -> None:
+def test_cuda_shared_memory_round_trip_from_another_process(
+    server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     http, grpc, cache = server
+    closed: dict[str, list[float]] = {}  # region -> when its IPC handle was closed
+    close_ipc = shared_memory._close_ipc
+
+    def record_close(cudart: object, pointer: int, device_id: int, region: str) -> None:
+        closed.setdefault(region, []).append(time.time())
+        close_ipc(cudart, pointer, device_id, region)
+
+    monkeypatch.setattr(shared_memory, "_close_ipc", record_close)
     x = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
     run = subprocess.run(
@@ -79,9 +97,29 @@ def test_cuda_shared_memory_round_trip_from_another_process(server, tmp_path: Pa
     with torch.inference_mode():
         hidden = torch.from_numpy(x).bfloat16().float()  # the bf16 layer rounds its input so
         expected = reference.forward(ForwardInputs(hidden, None)).output
+    binary = np.load(tmp_path / "binary.npy")
     for transport in ("http", "grpc"):
-        out = torch.from_numpy(np.load(tmp_path / f"{transport}.npy"))
-        assert relative_error(out, expected) < TOLERANCE, transport
+        out = np.load(tmp_path / f"{transport}.npy")
+        assert relative_error(torch.from_numpy(out), expected) < TOLERANCE, transport
+        assert np.array_equal(out, binary), transport  # the same forward of the same rows
+    inflight = torch.from_numpy(np.load(tmp_path / "inflight.npy"))
+    inflight_binary = torch.from_numpy(np.load(tmp_path / "inflight-binary.npy"))
+    assert relative_error(inflight, expected[: inflight.shape[0]]) < TOLERANCE
+    assert relative_error(inflight, inflight_binary) < TOLERANCE
+    assert "no shared-memory region named 'inflight'" in report["named afterwards"]
+    # each opened handle closed once, when its last view is freed (a refused request's views
+    # may wait for the garbage collector); the in-flight one after its unregister had returned
+    opened = {"io-grpc", "io-http", "inflight", "places", "bad"}  # bad: larger than the buffer
+    deadline = time.monotonic() + CLOSE_TIMEOUT_S
+    while set(closed) != opened and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert {name: len(times) for name, times in closed.items()} == dict.fromkeys(opened, 1), closed
+    assert closed["inflight"][0] > report["unregistered at"], (closed, report)
+    assert report["nan input"].startswith("400: hidden_states holds NaN"), report
+    assert "row 3, column 7" in report["nan input"]
+    assert report["misaligned offset"].startswith("400"), report
+    assert "is not a multiple of the FP32 element size" in report["misaligned offset"]
     assert report["another device"].startswith("400: device_id"), report
     assert "is not a GPU of this server" in report["another device"]
     assert report["invalid handle"].startswith("StatusCode.INVALID_ARGUMENT"), report

@@ -126,3 +126,22 @@ def test_a_withdrawn_request_returns_only_once_its_batch_is_done_with_the_buffer
 
     _run(engine, body)
     assert engine.writes + order == ["wrote", "returned"]
+
+
+def test_an_engine_that_runs_batches_itself_copies_each_piece_into_the_buffer() -> None:
+    """On the CPU engine the batcher writes each piece's rows into `output_into`, cast to its
+    dtype (a client's region may hold another dtype than the layer's)."""
+    from tests.service.test_batcher import RecordingEngine  # a plain CPU engine
+
+    engine = RecordingEngine(tiny_layers())
+    x = _rows(7, seed=3)
+    buffer = torch.zeros(7, H, dtype=torch.float64)
+
+    async def body(batcher: DynamicBatcher):
+        return await batcher.submit(TINY, ForwardInputs(x), RequestOptions(), buffer)
+
+    out = _run(engine, body, max_batch_tokens=3)
+    assert engine.batch_sizes == [3, 3, 1]
+    assert out.output.data_ptr() == buffer.data_ptr()
+    expected = reference_forward(TINY, x).double()
+    torch.testing.assert_close(buffer, expected, rtol=1e-5, atol=1e-5)
