@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels.config import Activation, ActivationSpec, GateUp
 from kernels.experts._triton import psum_layout as psum
 from kernels.experts._triton.act_quant import (
     MaskedRows,
     PairRows,
+    _round_to_e4m3,
     act_quant,
     act_quant_torch,
     mn_major_scales,
@@ -49,7 +52,32 @@ def _assert_same(kernel, twin) -> None:
     differ = qk != qt
     got, want = qk[differ].view(FP8).float(), qt[differ].view(FP8).float()
     assert torch.all((got - want).abs() <= want.abs() / 8 + 2.0**-9)
+    assert torch.all(got != want)  # never +0.0 against -0.0: bytes differ only with values
     assert differ.float().mean() < 1e-3
+
+
+@triton.jit
+def _round_kernel(x_ptr, q_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    q = _round_to_e4m3(x).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    tl.store(q_ptr + offs, q, mask=offs < n)
+
+
+def test_round_to_e4m3_is_torchs_cast_bit_for_bit(device: torch.device) -> None:
+    """Every fp8 value, every midpoint (ties to even) and a float32 step either side of it, and
+    values that round to zero: the same bytes as torch's cast, the sign of zero included."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[grid.isfinite()].unique()  # ascending, -448..448, one zero
+    mid = (grid[1:] + grid[:-1]) / 2
+    step = torch.finfo(torch.float32).eps * mid.abs()
+    tiny = torch.tensor([2.0**-10, 2.0**-11, 1e-6, 1e-30, 0.0])
+    x = torch.cat((grid, mid, mid - step, mid + step, tiny, -tiny)).to(device)
+    q = torch.empty(x.numel(), dtype=torch.uint8, device=device)
+    _round_kernel[(triton.cdiv(x.numel(), 256),)](x, q, x.numel(), BLOCK=256)
+    want = x.to(FP8).view(torch.uint8)
+    assert torch.equal(q, want), x[q != want]
+    assert torch.all(want[x.numel() - 5 :] == 0x80)  # the negative zeros
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.kind}-{s.gate_up}")

@@ -1,5 +1,7 @@
-"""External backends on the CPU: capability reasons, the pure-torch layout conversions, and the
-experts' own data movement run against torch twins of DeepGEMM's documented GEMM contract."""
+"""External backends without their libraries: capability reasons, the pure-torch layout
+conversions, and the experts' own data movement run against torch twins of DeepGEMM's documented
+GEMM contract. The DeepGEMM experts' Triton passes run on the `device` fixture: the interpreter
+on a CPU machine, the GPU where there is one (the twins compute on either)."""
 
 from __future__ import annotations
 
@@ -224,33 +226,37 @@ def fake_deep_gemm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
 
 def _run(experts, cfg: MoEConfig, hidden: torch.Tensor, routing: Routing) -> torch.Tensor:
     pf = Batched() if experts.format == "batched" else NoEP()
-    return ModularKernel(pf, experts, Workspace(CPU)).forward(hidden, routing)
+    return ModularKernel(pf, experts, Workspace(hidden.device)).forward(hidden, routing)
 
 
-def _routing(cfg: MoEConfig, m: int, seed: int) -> tuple[torch.Tensor, Routing]:
+def _routing(
+    cfg: MoEConfig, m: int, seed: int, device: torch.device = CPU
+) -> tuple[torch.Tensor, Routing]:
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(m, cfg.hidden_size, generator=g).to(cfg.dtype)
-    return hidden, route(torch.randn(m, cfg.num_experts, generator=g), cfg.routing)
+    hidden = torch.randn(m, cfg.hidden_size, generator=g).to(device, cfg.dtype)
+    return hidden, route(torch.randn(m, cfg.num_experts, generator=g).to(device), cfg.routing)
 
 
 @pytest.mark.parametrize("m", [1, 13])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("cls", [deep_gemm.DeepGemmExperts, deep_gemm.DeepGemmBatchedExperts])
 def test_deep_gemm_data_movement_matches_reference(
-    fake_deep_gemm: types.ModuleType, cls: type, bias: bool, m: int
+    fake_deep_gemm: types.ModuleType, device: torch.device, cls: type, bias: bool, m: int
 ) -> None:
     cfg = _fp8_block_config(has_bias=bias)
-    weights = random_expert_weights(cfg, seed=1)
-    hidden, routing = _routing(cfg, m, seed=2)
+    weights = random_expert_weights(cfg, seed=1).to(device)
+    hidden, routing = _routing(cfg, m, seed=2, device=device)
     expected = _run(ReferenceExperts(cfg, weights), cfg, hidden, routing)
     actual = _run(cls(cfg, weights), cfg, hidden, routing)
     assert relative_error(actual, expected) < 2e-2  # bf16 GEMM outputs before the fp8 rounding
 
 
-def test_deep_gemm_skips_ids_of_other_ranks(fake_deep_gemm: types.ModuleType) -> None:
+def test_deep_gemm_skips_ids_of_other_ranks(
+    fake_deep_gemm: types.ModuleType, device: torch.device
+) -> None:
     cfg = _fp8_block_config()
-    weights = random_expert_weights(cfg, seed=3)
-    hidden, routing = _routing(cfg, 9, seed=4)
+    weights = random_expert_weights(cfg, seed=3).to(device)
+    hidden, routing = _routing(cfg, 9, seed=4, device=device)
     ids = routing.topk_ids.clone()
     ids[ids == 2] = -1  # expert 2 lives elsewhere: its slots must add nothing
     routing = Routing(ids, routing.topk_weights)
@@ -351,20 +357,23 @@ def test_ogs_indices_reproduce_the_moe_through_gather_and_scatter() -> None:
 # ---- triton-or-deep-gemm -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("m", "ran"), [(3, "reference"), (40, "deep-gemm")])
+@pytest.mark.parametrize(("m", "ran"), [(3, "small"), (40, "deep-gemm")])
 def test_triton_or_deep_gemm_switches_at_the_measured_token_count(
-    fake_deep_gemm: types.ModuleType, monkeypatch: pytest.MonkeyPatch, m: int, ran: str
+    fake_deep_gemm: types.ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    device: torch.device,
+    m: int,
+    ran: str,
 ) -> None:
     monkeypatch.setattr(selection, "deep_gemm_min_tokens", lambda cfg, device: (32, "test rule"))
     cfg = _fp8_block_config()
-    weights = random_expert_weights(cfg, seed=9)
+    weights = random_expert_weights(cfg, seed=9).to(device)
     experts = triton_or_deep_gemm.TritonOrDeepGemmExperts(cfg, weights)
-    assert (
-        experts.small.name == "reference"
-    )  # triton cannot run on the CPU: the reference stands in
-    hidden, routing = _routing(cfg, m, seed=10)
+    # the triton experts cannot run on the CPU: there the reference stands in
+    assert experts.small.name == ("triton" if device.type == "cuda" else "reference")
+    hidden, routing = _routing(cfg, m, seed=10, device=device)
     actual = _run(experts, cfg, hidden, routing)
-    assert experts.last_ran == ran
+    assert experts.last_ran == (experts.small.name if ran == "small" else ran)
     expected = _run(ReferenceExperts(cfg, weights), cfg, hidden, routing)
     assert relative_error(actual, expected) < 2e-2
 

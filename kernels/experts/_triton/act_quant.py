@@ -66,8 +66,12 @@ def _round_to_e4m3(x):
     # normal range: keep 3 of float32's 23 mantissa bits; a carry into the exponent is right
     keep = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
     normal = keep.to(tl.float32, bitcast=True)
-    subnormal = (tl.abs(x) + _SUBNORMAL_ROUNDER) - _SUBNORMAL_ROUNDER
-    subnormal = tl.where(bits < 0, -subnormal, subnormal)  # the sign bit: -0.0 stays -0.0
+    magnitude = (tl.abs(x) + _SUBNORMAL_ROUNDER) - _SUBNORMAL_ROUNDER
+    # x's sign bit put back by hand: a negative x that rounds to zero is -0.0 (0x80) as torch
+    # casts it, and Triton 3.6 compiles `-m` as `0 - m`, +0.0 for m = +0.0 (triton-lang/triton
+    # #10270 made it a negation later)
+    sign = bits & -0x80000000
+    subnormal = (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < _FP8_MIN_NORMAL, subnormal, normal)
 
 
