@@ -6,10 +6,12 @@ token bucket, so a forward costs one graph launch however many kernels the backe
 
 Padded rows are zeros, and their topk_ids are set to -1 on the device, so experts that can skip
 a pair (`supports_expert_map`) spend nothing on them; other experts compute them and they are
-dropped. Every graph of a layer shares one memory pool: they never run at once, so each graph's
-temporaries reuse the others' (captured largest first). The experts' buffers come from a private
-workspace allocated inside the capture, never from the shared Workspace, whose buffers move when
-another layer grows them.
+dropped. A batch-invariant layer's valid rows are untouched by the padding: its router and
+shared-expert GEMMs run one fixed tile, its experts skip the padded pairs
+(tests/kernels/test_batch_invariant_gpu.py). Every graph of a layer shares one memory pool:
+they never run at once, so each graph's temporaries reuse the others' (captured largest
+first). The experts' buffers come from a private workspace allocated inside the capture, never
+from the shared Workspace, whose buffers move when another layer grows them.
 """
 
 from __future__ import annotations

@@ -11,11 +11,13 @@ Weights are dequantised one expert at a time, so a large layer never exists in f
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import torch
 
 from kernels.activations import apply_activation
+from kernels.batch_invariant import row_by_row
 from kernels.quant_scheme import ActQuant, QuantConfig, QuantScheme
 from kernels.quantize import dequantize_activation, dequantize_weight, quantize_activation
 from kernels.stages import Experts
@@ -48,8 +50,39 @@ def _expert_linear(
     return out
 
 
+def _pairs_one_by_one(experts_obj: Experts, a: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """`run_pairs` for batch invariance: each pair alone through GEMM1 -> act -> quant -> GEMM2
+    (every op on [1, ...] shapes, so on the same kernels whatever the batch), an expert's weights
+    dequantised once."""
+    cfg, w = experts_obj.cfg, experts_obj.weights
+    act_quant = experts_obj.act_quant()
+    out = torch.zeros(a.shape[0], w.w2.shape[1], dtype=torch.float32, device=a.device)
+
+    def pair_mlp(row: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, e: int) -> torch.Tensor:
+        h = row @ w13.T  # [1, 2I]
+        if w.w13_bias is not None:
+            h = h + w.w13_bias[e].float()
+        h = apply_activation(h, cfg.activation)
+        if act_quant is not None:
+            h = dequantize_activation(*quantize_activation(h, act_quant), act_quant)
+        y = h @ w2.T  # [1, K]
+        return y if w.w2_bias is None else y + w.w2_bias[e].float()
+
+    for e in torch.unique(experts[experts >= 0]).tolist():
+        one = slice(e, e + 1)
+        w13 = dequantize_weight(w.w13[one], None if w.w13_scale is None else w.w13_scale[one],
+                                cfg.quant)[0]  # fmt: skip
+        w2 = dequantize_weight(w.w2[one], None if w.w2_scale is None else w.w2_scale[one],
+                               cfg.quant)[0]  # fmt: skip
+        rows = experts == e
+        out[rows] = row_by_row(functools.partial(pair_mlp, w13=w13, w2=w2, e=e), a[rows])
+    return out
+
+
 def run_pairs(experts_obj: Experts, a: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """a [P, K] float32 activations, experts [P] local ids (-1 = skip) -> float32 [P, K]."""
+    if experts_obj.batch_invariant:
+        return _pairs_one_by_one(experts_obj, a, experts)
     cfg, w = experts_obj.cfg, experts_obj.weights
     h = _expert_linear(a, w.w13, w.w13_scale, w.w13_bias, experts, cfg.quant)  # [P, 2I]
     h = apply_activation(h, cfg.activation)  # [P, I]
@@ -77,6 +110,7 @@ class ReferenceExperts(Experts):
     format: ClassVar[Format] = Format.STANDARD
     schemes: ClassVar[frozenset[QuantScheme]] = _SCHEMES
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
+    has_invariant_mode: ClassVar[bool] = True
 
     def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:  # noqa: ARG002
         m, k = x.topk_ids.shape
