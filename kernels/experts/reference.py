@@ -31,6 +31,14 @@ _SCHEMES = frozenset({
 })  # fmt: skip
 
 
+def _expert_weight(
+    w: torch.Tensor, scale: torch.Tensor | None, e: int, quant: QuantConfig, parts: int
+) -> torch.Tensor:
+    """Expert e's weight [N, K] in float32 (`parts`: as `quantize.dequantize_weight`)."""
+    one = slice(e, e + 1)
+    return dequantize_weight(w[one], None if scale is None else scale[one], quant, parts)[0]
+
+
 def _expert_linear(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -38,13 +46,13 @@ def _expert_linear(
     bias: torch.Tensor | None,
     experts: torch.Tensor,
     quant: QuantConfig,
+    parts: int = 1,
 ) -> torch.Tensor:
     """a [P, K_in] @ W[experts[p]].T (+ bias) per pair -> float32 [P, N]; expert -1 rows stay 0."""
     out = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float32, device=a.device)
     for e in torch.unique(experts[experts >= 0]).tolist():
         rows = experts == e
-        w_e = dequantize_weight(w[e : e + 1], None if scale is None else scale[e : e + 1], quant)[0]
-        out[rows] = a[rows] @ w_e.T
+        out[rows] = a[rows] @ _expert_weight(w, scale, e, quant, parts).T
         if bias is not None:
             out[rows] += bias[e].float()
     return out
@@ -69,11 +77,8 @@ def _pairs_one_by_one(experts_obj: Experts, a: torch.Tensor, experts: torch.Tens
         return y if w.w2_bias is None else y + w.w2_bias[e].float()
 
     for e in torch.unique(experts[experts >= 0]).tolist():
-        one = slice(e, e + 1)
-        w13 = dequantize_weight(w.w13[one], None if w.w13_scale is None else w.w13_scale[one],
-                                cfg.quant)[0]  # fmt: skip
-        w2 = dequantize_weight(w.w2[one], None if w.w2_scale is None else w.w2_scale[one],
-                               cfg.quant)[0]  # fmt: skip
+        w13 = _expert_weight(w.w13, w.w13_scale, e, cfg.quant, cfg.w13_parts)
+        w2 = _expert_weight(w.w2, w.w2_scale, e, cfg.quant, 1)
         rows = experts == e
         out[rows] = row_by_row(functools.partial(pair_mlp, w13=w13, w2=w2, e=e), a[rows])
     return out
@@ -84,7 +89,7 @@ def run_pairs(experts_obj: Experts, a: torch.Tensor, experts: torch.Tensor) -> t
     if experts_obj.batch_invariant:
         return _pairs_one_by_one(experts_obj, a, experts)
     cfg, w = experts_obj.cfg, experts_obj.weights
-    h = _expert_linear(a, w.w13, w.w13_scale, w.w13_bias, experts, cfg.quant)  # [P, 2I]
+    h = _expert_linear(a, w.w13, w.w13_scale, w.w13_bias, experts, cfg.quant, cfg.w13_parts)
     h = apply_activation(h, cfg.activation)  # [P, I]
     act_quant = experts_obj.act_quant()
     valid = experts >= 0
