@@ -249,7 +249,12 @@ def _add_kernels(sub: argparse._SubParsersAction) -> None:
         default=int_list(DEFAULT_TOKENS),
         help=f"comma list of token counts (default {DEFAULT_TOKENS})",
     )
-    p.add_argument("--backends", default="all", help="all, or a comma list of experts backends")
+    p.add_argument(
+        "--backends",
+        default="all",
+        help="all, or a comma list of experts backends; NAME+invariant: NAME built "
+        "batch-invariant (serve --batch-invariant), e.g. triton,triton+invariant",
+    )
     p.add_argument(
         "--loads", type=_loads, default=list(Load), help="router loads (default uniform,skewed)"
     )

@@ -55,6 +55,13 @@ from kernels.tensors import ForwardInputs, Routing
 log = logging.getLogger(__name__)
 
 REFERENCE_BACKENDS = frozenset({"reference", "reference-batched"})
+# `--backends triton,triton+invariant`: the backend built batch-invariant, timed beside itself
+INVARIANT = "+invariant"
+
+
+def bench_name(layer: MoELayer) -> str:
+    """The layer's backend as results name it: with INVARIANT when built batch-invariant."""
+    return layer.kernel.experts.name + (INVARIANT if layer.batch_invariant else "")
 
 
 @dataclass(frozen=True)
@@ -149,7 +156,7 @@ def check_and_time(
     where the allocator hands back memory that still holds an earlier, correct output.
     """
     hidden, logits, routing = inputs.at(load, m)
-    name = layer.kernel.experts.name
+    name = bench_name(layer)
     expected = inputs.expected[load][:m]
     out = layer.kernel.forward(hidden, routing, out=torch.full_like(hidden, float("nan")))
     err = relative_error(out[: expected.shape[0]], expected)
@@ -239,7 +246,7 @@ class KernelBench:
     def _backends(self) -> list[str]:
         known = experts_backends()
         wanted = self.config.backends or tuple(known)
-        unknown = [b for b in wanted if b not in known]
+        unknown = [b for b in wanted if b.removesuffix(INVARIANT) not in known]
         if unknown:
             raise ValueError(f"unknown backend(s) {unknown}; registered: {', '.join(known)}")
         return list(wanted)
@@ -251,9 +258,12 @@ class KernelBench:
     def _time_backend(
         self, layer: MoELayer, inputs: ShapeInputs, results: dict[PointKey, list[BackendResult]]
     ) -> None:
-        name = layer.kernel.experts.name
+        name = bench_name(layer)
         for key in results:
-            if name in REFERENCE_BACKENDS and key.tokens > self.config.reference_max_tokens:
+            if (
+                name.removesuffix(INVARIANT) in REFERENCE_BACKENDS
+                and key.tokens > self.config.reference_max_tokens
+            ):
                 continue
             if self._out_of_time():
                 error = "not timed: the run's time limit (--max-minutes) was reached"
@@ -276,12 +286,18 @@ class KernelBench:
         not_run = {}
         backends = experts_backends()
         for backend in tqdm(self.backends, desc=name, disable=None):
-            support = backends[backend].supports(cfg, device)
+            base = backend.removesuffix(INVARIANT)
+            invariant = base != backend
+            support = backends[base].supports(cfg, device)
+            if support and invariant:
+                support = backends[base].batch_invariance(cfg)
             if not support:
                 not_run[backend] = support.reason
                 continue
             try:
-                layer, _ = build_layer(cfg, weights, device, backend=backend)
+                layer, _ = build_layer(
+                    cfg, weights, device, backend=base, batch_invariant=invariant
+                )
             except Exception as err:  # recorded with its reason, like an unsupported backend
                 not_run[backend] = f"build failed: {type(err).__name__}: {err}"
                 continue

@@ -17,7 +17,7 @@ _CHUNK_ELEMENTS = 1 << 28  # float32 draws of at most 1 GiB before quantising
 
 
 def _random_quantized(
-    cfg: MoEConfig, shape: tuple[int, int, int], generator: torch.Generator
+    cfg: MoEConfig, shape: tuple[int, int, int], generator: torch.Generator, parts: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draw [E, N, K] ~ N(0, 1/K) expert by expert chunk and quantise it in cfg.quant's layout."""
     e, n, k = shape
@@ -27,7 +27,7 @@ def _random_quantized(
     for start in range(0, e, step):
         stop = min(e, start + step)
         w = torch.randn(stop - start, n, k, generator=generator, device=device) / k**0.5
-        q, s = quantize_weight(w, cfg.quant)
+        q, s = quantize_weight(w, cfg.quant, parts)
         if cfg.quant.scheme == QuantScheme.NONE:
             q = q.to(cfg.dtype)
         if weight is None:
@@ -58,7 +58,7 @@ def random_layer(
             cfg.dtype
         )
 
-    w13, w13_scale = _random_quantized(cfg, (e, 2 * i, h), generator)
+    w13, w13_scale = _random_quantized(cfg, (e, 2 * i, h), generator, cfg.w13_parts)
     w2, w2_scale = _random_quantized(cfg, (e, h, i), generator)
     biases = {}
     if cfg.has_bias:

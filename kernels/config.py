@@ -125,6 +125,12 @@ class MoEConfig:
     def top_k(self) -> int:
         return self.routing.top_k
 
+    @property
+    def w13_parts(self) -> int:
+        """w13's matrices stacked along 2I, each scaled on its own: gate and up when split
+        (quant_scheme.py's note on fp8-block), one when interleaved."""
+        return 2 if self.activation.gate_up == GateUp.SPLIT else 1
+
     def as_json(self) -> dict[str, Any]:
         """Every field as a JSON value (enums as strings, dtype by name), as manifest.json and
         /v1/layers show the layer."""

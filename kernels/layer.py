@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from kernels.activations import apply_activation
+from kernels.batch_invariant import row_by_row, triton_matmul
 from kernels.config import ActivationSpec, MoEConfig
 from kernels.input_checks import check_shapes
 from kernels.modular import DEFAULT_CHUNK_TOKENS, ModularKernel
@@ -22,14 +24,18 @@ def on_tensor_cores(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16)
 
 
-def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def matmul_f32(a: torch.Tensor, b: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
     """a [M, K] @ b [K, N] -> float32 [M, N], accumulated in float32.
 
     On CUDA, 16-bit a and b of one dtype go to a tensor-core GEMM with float32 output as they
     are: no float32 copy of the weights per call (about 175 MB of traffic per forward for
     DeepSeek-V3's shared expert and router). Elsewhere both are widened to float32: the CPU has
     no such GEMM, and there the reference backend's results are compared with a float64 oracle.
+    `batch_invariant` on CUDA: our Triton GEMM with one tile at every M, where cuBLAS picks its
+    kernel, and so each row's summation order, by M (on the CPU callers go row by row).
     """
+    if batch_invariant and a.is_cuda:
+        return triton_matmul(a, b.T)
     if on_tensor_cores(a, b):
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
@@ -41,9 +47,11 @@ class RouterWeights:
     bias: torch.Tensor | None = None  # [E]
     correction_bias: torch.Tensor | None = None  # [E] steers the choice only (DeepSeek-V3)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         """hidden [M, H] -> float32 logits [M, E]."""
-        logits = matmul_f32(hidden, self.weight.T)
+        if batch_invariant and not hidden.is_cuda:
+            return row_by_row(functools.partial(self.logits, batch_invariant=False), hidden)
+        logits = matmul_f32(hidden, self.weight.T, batch_invariant)
         return logits if self.bias is None else logits + self.bias.float()
 
 
@@ -55,14 +63,18 @@ class SharedExpert:
     w2: torch.Tensor  # [H, I_s]
     gate: torch.Tensor | None = None  # [1, H]: Qwen2-MoE scales the output by sigmoid(x @ gate.T)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         """hidden [M, H] -> float32 [M, H]."""
-        h = apply_activation(matmul_f32(hidden, self.w13.T), ActivationSpec())  # [M, I_s]
+        if batch_invariant and not hidden.is_cuda:
+            return row_by_row(functools.partial(self.forward, batch_invariant=False), hidden)
+        invariant = batch_invariant  # from here on: on CUDA
+        h = matmul_f32(hidden, self.w13.T, invariant)  # [M, 2I_s]
+        h = apply_activation(h, ActivationSpec())  # [M, I_s]
         if on_tensor_cores(hidden, self.w2):
             h = h.to(hidden.dtype)  # GEMM2 takes the layer's dtype, as vLLM and SGLang run it
-        out = matmul_f32(h, self.w2.T)
+        out = matmul_f32(h, self.w2.T, invariant)
         if self.gate is not None:
-            out = out * torch.sigmoid(matmul_f32(hidden, self.gate.T))
+            out = out * torch.sigmoid(matmul_f32(hidden, self.gate.T, invariant))
         return out
 
 
@@ -147,15 +159,33 @@ class MoELayer:
         cfg = self.cfg
         check_shapes(cfg, inputs, has_router=self.router.weight is not None)
         hidden, logits = inputs.hidden_states, inputs.router_logits
+        invariant = self.batch_invariant
         if logits is None:
-            logits = self.router.logits(hidden)
-        routing = route(logits, cfg.routing, self.router.correction_bias)
+            logits = self.router.logits(hidden, invariant)
+        routing = self.route(logits)
         if valid_rows is not None and self.kernel.experts.supports_expert_map:
             routing = Routing(mask_rows(routing.topk_ids, valid_rows), routing.topk_weights)
         out = self.kernel.forward(hidden.to(cfg.dtype), routing, workspace=workspace)
         if self.shared is not None:
-            out = (out.float() + self.shared.forward(hidden)).to(cfg.dtype)
+            out = (out.float() + self.shared.forward(hidden, invariant)).to(cfg.dtype)
         return LayerOutput(out, routing)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether each row's output is independent of its batch (kernels/batch_invariant.py)."""
+        return self.kernel.experts.batch_invariant
+
+    def route(self, logits: torch.Tensor) -> Routing:
+        """logits [M, E] -> routing; batch-invariant on the CPU, row by row (its elementwise
+        sigmoid, vectorised or not by position, differs by an ulp)."""
+        if self.batch_invariant and not logits.is_cuda:
+
+            def one(row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                routing = route(row, self.cfg.routing, self.router.correction_bias)
+                return routing.topk_ids, routing.topk_weights
+
+            return Routing(*row_by_row(one, logits))
+        return route(logits, self.cfg.routing, self.router.correction_bias)
 
 
 def build_layer(
@@ -167,6 +197,7 @@ def build_layer(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     expert_map: torch.Tensor | None = None,
     prepare_finalize: PrepareFinalize | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[MoELayer, Selection]:
     """Pick a backend for the layer on `device` and compose its modular kernel.
 
@@ -175,9 +206,14 @@ def build_layer(
     Expert parallelism: `weights` holds this rank's experts, `expert_map` [E] maps each global
     expert id to its local id (-1: another rank's), the backend is chosen among those that take
     an expert_map, and `prepare_finalize` is the collective stage (default: naive-ep's).
+    `batch_invariant`: each row's output independent of its batch, among the backends that can.
     """
-    choice = select(cfg, device, backend, expert_parallel=expert_map is not None)
-    experts = choice.experts(cfg, weights.experts)
+    choice = select(cfg, device, backend, expert_map is not None, batch_invariant)
+    experts = (
+        choice.experts(cfg, weights.experts, batch_invariant=True)
+        if batch_invariant
+        else choice.experts(cfg, weights.experts)
+    )
     kernel = ModularKernel(
         prepare_finalize or choice.prepare_finalize(),
         experts,

@@ -15,7 +15,9 @@ be copied into one set while the previous batch computes in another. Every graph
 shares one memory pool: forwards run one at a time on one stream, so each graph's temporaries
 reuse the others' (captured largest first). The experts' buffers come from a private workspace
 allocated inside the capture, never from the shared Workspace, whose buffers move when another
-layer grows them.
+layer grows them. A batch-invariant layer's valid rows are untouched by the padding: its router
+and shared-expert GEMMs run one fixed tile, its experts skip the padded pairs
+(tests/kernels/test_batch_invariant_gpu.py).
 """
 
 from __future__ import annotations

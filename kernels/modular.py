@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.batch_invariant import fixed_order_topk_sum
 from kernels.stages import DispatchSpec, Experts, PrepareFinalize
 from kernels.tensors import Routing
 from kernels.workspace import Workspace
@@ -67,5 +68,8 @@ class ModularKernel:
             chunk = Routing(routing.topk_ids[rows], routing.topk_weights[rows])
             x = self.prepare_finalize.prepare(hidden[rows], chunk, self.spec, ws)
             y = self.experts.apply(x, ws)
-            self.prepare_finalize.finalize(y, x, out[rows], reduce=not self.experts.reduces_topk)
+            reduce = not self.experts.reduces_topk
+            if reduce and self.experts.batch_invariant:  # standard format: [M, k, K]
+                y, reduce = fixed_order_topk_sum(y, x.topk_ids, x.topk_weights), False
+            self.prepare_finalize.finalize(y, x, out[rows], reduce=reduce)
         return out

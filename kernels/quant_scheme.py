@@ -9,12 +9,17 @@ Weight layouts (E experts, N output rows, K input columns of one GEMM weight [E,
 | none          | dtype of the layer         | -                              | as is             |
 | fp8-tensor    | float8_e4m3fn              | [E] float32                    | fp8, one scale    |
 | fp8-token     | float8_e4m3fn              | [E, N] float32 (per channel)   | fp8, per token    |
-| fp8-block     | float8_e4m3fn              | [E, ceil(N/128), ceil(K/128)]  | fp8, 1x128 groups |
+| fp8-block     | float8_e4m3fn              | [E, ceil(N/128), ceil(K/128)]* | fp8, 1x128 groups |
 | int8-w8a16    | int8                       | [E, N] float32                 | as is             |
 | int4-w4a16    | uint8 [E, N, K/2], 2 per B | [E, N, K/group] float32        | as is             |
 | mxfp4         | uint8 [E, N, K/2] e2m1     | [E, N, K/32] uint8 e8m0        | as is             |
 
 Activation scales are dynamic: computed per call from the tensor being quantised.
+
+* A w13 of split gate/up rows is two matrices stacked, gate [I, H] then up [I, H], each grouped
+on its own (`parts=2`): [E, 2 * ceil(I/128), ceil(H/128)], as transformers' fine-grained fp8
+stores gate_proj and up_proj; where 128 divides I this is the plain layout. Partial last blocks
+(H or I not a multiple of 128) have a scale of their own.
 """
 
 from __future__ import annotations
@@ -69,13 +74,24 @@ class ScaleGroups:
     k: int | None
     ragged: bool = False  # a partial last group has a scale of its own; else groups divide K
 
-    def shape(self, experts: int, n: int, k: int) -> tuple[int, ...]:
-        """The scale tensor's shape for a weight [experts, n, k]."""
+    def shape(self, experts: int, n: int, k: int, parts: int = 1) -> tuple[int, ...]:
+        """The scale tensor's shape for a weight [experts, n, k] of `parts` matrices stacked
+        along N, each grouped on its own."""
         return (
             experts,
-            *(() if self.n is None else (ceil_div(n, self.n),)),
+            *(() if self.n is None else (parts * ceil_div(n // parts, self.n),)),
             *(() if self.k is None else (ceil_div(k, self.k),)),
         )
+
+    def splits_parts(self) -> bool:
+        """Whether stacked matrices (w13's gate and up) group their rows apart: groups of
+        several rows (fp8-block); per-row and whole-tensor scales are the same either way."""
+        return self.n not in (None, 1)
+
+    @property
+    def n_dim(self) -> int:
+        """The scale tensor's axis of row groups (negative; it exists where n is not None)."""
+        return -1 if self.k is None else -2
 
 
 @dataclass(frozen=True)

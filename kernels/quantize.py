@@ -162,20 +162,30 @@ def dequantize_mxfp4(packed: torch.Tensor, scale_e8m0: torch.Tensor) -> torch.Te
 
 
 def quantize_weight(
-    w: torch.Tensor, quant: QuantConfig
+    w: torch.Tensor, quant: QuantConfig, parts: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Float weights [E, N, K] -> (stored weight, scale or None) in `quant`'s layout."""
+    """Float weights [E, N, K] -> (stored weight, scale or None) in `quant`'s layout.
+
+    `parts`: N holds that many matrices stacked (a split w13: gate, up), grouped apart."""
     spec = quant.spec
     if spec.scales is None:
         return w, None
+    if parts > 1 and spec.scales.splits_parts():
+        pieces = [quantize_weight(p, quant) for p in w.chunk(parts, dim=-2)]
+        q = torch.cat([q for q, _ in pieces], dim=-2)
+        return q, torch.cat([s for _, s in pieces], dim=spec.scales.n_dim)
     return _ENCODE[spec.values](w, spec.scales)
 
 
 def dequantize_weight(
-    w: torch.Tensor, scale: torch.Tensor | None, quant: QuantConfig
+    w: torch.Tensor, scale: torch.Tensor | None, quant: QuantConfig, parts: int = 1
 ) -> torch.Tensor:
-    """Stored weight [E, N, K'] (+ scale) -> float32 [E, N, K], exactly."""
+    """Stored weight [E, N, K'] (+ scale) -> float32 [E, N, K], exactly (`parts` as in
+    `quantize_weight`)."""
     spec = quant.spec
+    if parts > 1 and spec.scales is not None and spec.scales.splits_parts():
+        pieces = zip(w.chunk(parts, dim=-2), scale.chunk(parts, dim=spec.scales.n_dim), strict=True)
+        return torch.cat([dequantize_weight(p, s, quant) for p, s in pieces], dim=-2)
     decode = _DECODE.get(spec.values)
     values = w.float() if decode is None else decode(w)
     if spec.scales is None:
@@ -188,7 +198,7 @@ def dequantize_weight(
 def quantize_expert_weights(cfg: MoEConfig, tensors: dict[str, torch.Tensor]) -> ExpertWeights:
     """Float expert tensors (w13, w2, optional biases) -> ExpertWeights in cfg.quant's layout
     (biases stay float32)."""
-    w13, w13_scale = quantize_weight(tensors["w13"], cfg.quant)
+    w13, w13_scale = quantize_weight(tensors["w13"], cfg.quant, cfg.w13_parts)
     w2, w2_scale = quantize_weight(tensors["w2"], cfg.quant)
     if cfg.quant.spec.values.storage is None:  # unquantised: the layer's dtype
         w13, w2 = w13.to(cfg.dtype), w2.to(cfg.dtype)

@@ -23,6 +23,7 @@ import torch
 
 from kernels.config import MoEConfig
 from kernels.registry import experts_backends, prepare_finalize_backends
+from kernels.stages import Support
 from kernels.tensors import Format
 from kernels.tuned import TUNED_DIR
 
@@ -158,17 +159,30 @@ def _expert_parallel_problem(experts: type[Experts]) -> str:
 
 
 def select(
-    cfg: MoEConfig, device: torch.device, requested: str = "auto", expert_parallel: bool = False
+    cfg: MoEConfig,
+    device: torch.device,
+    requested: str = "auto",
+    expert_parallel: bool = False,
+    batch_invariant: bool = False,
 ) -> Selection:
     """Choose the experts backend for one layer on `device`.
 
     `requested` is a backend name (forced: an error if it cannot run the layer) or "auto".
     `expert_parallel`: this rank holds a slice of the experts; the backend pairs with naive-ep.
+    `batch_invariant`: only backends that can run each row independently of its batch.
     """
+    if expert_parallel and batch_invariant:
+        raise ValueError(
+            "batch invariance is not available with expert parallelism: the ranks' partial "
+            "outputs are summed by NCCL, in an order that depends on the message size"
+        )
     backends = experts_backends()
     rejected = {}
     for name, cls in backends.items():
         support = cls.supports(cfg, device)
+        if support and batch_invariant:
+            invariance = cls.batch_invariance(cfg)
+            support = Support(invariance.ok, f"not batch-invariant: {invariance.reason}")
         if not support:
             rejected[name] = support.reason
         elif expert_parallel and _expert_parallel_problem(cls):

@@ -80,10 +80,37 @@ class Experts(ABC):
     # True: apply() makes no host sync and no data-dependent host decision, so a whole-layer
     # forward can be captured in a CUDA graph and replayed (kernels/layer_graphs.py)
     graph_capturable: ClassVar[bool] = False
+    # True: built with batch_invariant=True, each row's output is independent of the other rows
+    # and of the chunking (kernels/batch_invariant.py); standard format only
+    has_invariant_mode: ClassVar[bool] = False
 
-    def __init__(self, cfg: MoEConfig, weights: ExpertWeights) -> None:
+    def __init__(
+        self, cfg: MoEConfig, weights: ExpertWeights, batch_invariant: bool = False
+    ) -> None:
         self.cfg = cfg
         self.weights = weights
+        self.batch_invariant = batch_invariant
+
+    @classmethod
+    def batch_invariance(cls, cfg: MoEConfig | None) -> Support:
+        """Can this backend run `cfg` (None: some layer) so that a row's output does not depend
+        on the rest of its batch?"""
+        if cls.format != Format.STANDARD:
+            return Support(
+                False,
+                "the batched format's finalize sums each token's rows with index_add_ (atomic "
+                "adds on CUDA), in an order that varies",
+            )
+        if not cls.has_invariant_mode:
+            return Support(False, "no batch-invariant mode: its kernels change with the batch size")
+        if cfg is not None and cfg.quant.spec.act_quant == ActQuant.TENSOR:
+            return Support(
+                False,
+                f"{cfg.quant.scheme} quantises the activations with one scale over the whole "
+                "batch, so every row's output depends on the others (fp8-token and fp8-block "
+                "scale each row)",
+            )
+        return YES
 
     @classmethod
     def environment(cls, device: torch.device) -> Support:  # noqa: ARG003

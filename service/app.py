@@ -75,7 +75,11 @@ def _build_engine(settings: Settings, loader: LayerLoader, metrics: Metrics) -> 
         sources = engine.load()
     else:
         engine = Engine(
-            device, settings.backend, settings.max_batch_tokens, cuda_graphs=settings.cuda_graphs
+            device,
+            settings.backend,
+            settings.max_batch_tokens,
+            cuda_graphs=settings.cuda_graphs,
+            batch_invariant=settings.batch_invariant,
         )
         sources = loader(settings, device)
     for source in sources:

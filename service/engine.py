@@ -85,11 +85,13 @@ class Engine:
         backend: str = "auto",
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         cuda_graphs: bool = True,
+        batch_invariant: bool = False,
     ) -> None:
         self.device = device
         self.backend = backend
         self.chunk_tokens = chunk_tokens  # the largest batch (--max-batch-tokens): never split
         self.cuda_graphs = cuda_graphs  # False: never capture (--no-cuda-graphs)
+        self.batch_invariant = batch_invariant  # --batch-invariant
         self.workspace = Workspace(device)  # shared by every layer
         self.layers: dict[str, ServedLayer] = {}
         self.failure: str | None = None  # why this engine can serve no more; None while it can
@@ -169,6 +171,7 @@ class Engine:
             self.backend,
             self.workspace,
             self.chunk_tokens,
+            batch_invariant=self.batch_invariant,
         )
 
     def get(self, name: str) -> ServedLayer:

@@ -74,6 +74,9 @@ class LayerInfo(BaseModel):
     device_bytes: int
     shared_experts: bool
     backend: str
+    batch_invariant: bool = Field(
+        description="each row's output is independent of its batch (--batch-invariant)"
+    )
 
 
 class LayersResponse(BaseModel):
@@ -87,6 +90,9 @@ class BackendInfo(BaseModel):
     format: str = Field(description="activation format: standard [M, K] or batched [E, max, K]")
     schemes: list[str] = Field(default_factory=list, description="quant schemes (experts only)")
     activations: list[str] = Field(default_factory=list, description="(experts only)")
+    batch_invariant: bool = Field(
+        False, description="(experts only) has a batch-invariant mode (--batch-invariant)"
+    )
 
 
 class LayerBackend(BaseModel):
@@ -96,6 +102,9 @@ class LayerBackend(BaseModel):
     reason: str = Field(description="why this pair: forced by --backend, or the auto rule")
     rejected: dict[str, str] = Field(description="other experts backends and why not")
     workspace_bytes: int = Field(description="scratch memory, shared by all layers")
+    batch_invariant: bool = Field(
+        description="each row's output is independent of its batch (--batch-invariant)"
+    )
     graph_buckets: list[int] = Field(
         description="token counts the layer replays from whole-layer CUDA graphs (a batch is "
         "padded to the next); empty: it runs uncaptured (CPU, or a backend that syncs)"

@@ -97,6 +97,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action=argparse.BooleanOptionalAction,
         help="replay forwards from CUDA graphs where the backend allows (default on)",
     )
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        default=None,
+        help="make each row's output bit for bit independent of the rows it is batched with "
+        "and of the chunking (reference and triton backends; refuses fp8-tensor layers and "
+        "--ep; costs speed: README, Batch invariance)",
+    )
     p.set_defaults(run=run)
 
 
@@ -168,7 +176,7 @@ def _check_layers(settings: Settings) -> None:
     configs = {where: manifest.config for where, manifest in manifests.items()}
     for where, cfg in (configs or demo_configs()).items():
         try:
-            select(cfg, device, settings.backend, expert_parallel=settings.ep > 1)
+            select(cfg, device, settings.backend, settings.ep > 1, settings.batch_invariant)
             if settings.ep_placement is not None:
                 read_placement(settings.ep_placement, cfg.num_experts, settings.ep)
         except ValueError as err:

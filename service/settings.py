@@ -40,6 +40,9 @@ class Settings(BaseSettings):
     # Replay each layer's forward from CUDA graphs, one per token bucket, where its backend can
     # be captured; False: every forward runs eagerly (slower; for debugging and comparison).
     cuda_graphs: bool = True
+    # Each row's output bit for bit independent of the rest of its batch and of the chunking
+    # (reference and triton; fp8-tensor and expert parallelism refused): kernels/batch_invariant.py
+    batch_invariant: bool = False
     max_body_bytes: int = Field(64 << 20, ge=1024)  # request bodies above this get 413
     # JSON bodies above this get 413 pointing to the binary formats: decoding JSON holds the GIL
     # (the event loop, /health included, waits) and costs a few times the body in memory
@@ -78,6 +81,11 @@ class Settings(BaseSettings):
     def _check_repository(self) -> Settings:
         if self.model_repository is not None and self.ep > 1:
             raise ValueError("model_repository cannot be used with expert parallelism (ep > 1)")
+        if self.batch_invariant and self.ep > 1:
+            raise ValueError(
+                "batch_invariant cannot be used with expert parallelism (ep > 1): the ranks' "
+                "partial outputs are summed by NCCL in an order that depends on the batch"
+            )
         return self
 
     @field_validator("device")

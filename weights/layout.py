@@ -36,14 +36,17 @@ class TensorSpec:
     is_scale: bool = False  # must be finite (e8m0: not the NaN code 255)
 
 
-def _gemm_weight(cfg: MoEConfig, e: int, n: int, k: int) -> tuple[TensorSpec, TensorSpec | None]:
+def _gemm_weight(
+    cfg: MoEConfig, e: int, n: int, k: int, parts: int
+) -> tuple[TensorSpec, TensorSpec | None]:
     """The stored weight [E, N, K'] and its scale for one GEMM, as the scheme describes them."""
     spec = cfg.quant.spec
     values = spec.values
     weight = TensorSpec((e, n, k // values.per_byte), values.storage or cfg.dtype, True)
     if spec.scales is None:
         return weight, None
-    return weight, TensorSpec(spec.scales.shape(e, n, k), spec.scales.dtype, True, True)
+    scale = TensorSpec(spec.scales.shape(e, n, k, parts), spec.scales.dtype, True, True)
+    return weight, scale
 
 
 def expected_tensors(m: Manifest) -> dict[str, TensorSpec]:
@@ -51,8 +54,8 @@ def expected_tensors(m: Manifest) -> dict[str, TensorSpec]:
     cfg = m.config
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.intermediate_size
     specs: dict[str, TensorSpec] = {}
-    for name, (n, k) in (("w13", (2 * i, h)), ("w2", (h, i))):
-        weight, scale = _gemm_weight(cfg, e, n, k)
+    for name, (n, k, parts) in (("w13", (2 * i, h, cfg.w13_parts)), ("w2", (h, i, 1))):
+        weight, scale = _gemm_weight(cfg, e, n, k, parts)
         specs[name] = weight
         if scale is not None:
             specs[f"{name}_scale"] = scale

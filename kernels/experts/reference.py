@@ -11,11 +11,13 @@ Weights are dequantised one expert at a time, so a large layer never exists in f
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import torch
 
 from kernels.activations import apply_activation
+from kernels.batch_invariant import row_by_row
 from kernels.quant_scheme import ActQuant, QuantConfig, QuantScheme
 from kernels.quantize import dequantize_activation, dequantize_weight, quantize_activation
 from kernels.stages import Experts
@@ -29,6 +31,14 @@ _SCHEMES = frozenset({
 })  # fmt: skip
 
 
+def _expert_weight(
+    w: torch.Tensor, scale: torch.Tensor | None, e: int, quant: QuantConfig, parts: int
+) -> torch.Tensor:
+    """Expert e's weight [N, K] in float32 (`parts`: as `quantize.dequantize_weight`)."""
+    one = slice(e, e + 1)
+    return dequantize_weight(w[one], None if scale is None else scale[one], quant, parts)[0]
+
+
 def _expert_linear(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -36,22 +46,50 @@ def _expert_linear(
     bias: torch.Tensor | None,
     experts: torch.Tensor,
     quant: QuantConfig,
+    parts: int = 1,
 ) -> torch.Tensor:
     """a [P, K_in] @ W[experts[p]].T (+ bias) per pair -> float32 [P, N]; expert -1 rows stay 0."""
     out = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float32, device=a.device)
     for e in torch.unique(experts[experts >= 0]).tolist():
         rows = experts == e
-        w_e = dequantize_weight(w[e : e + 1], None if scale is None else scale[e : e + 1], quant)[0]
-        out[rows] = a[rows] @ w_e.T
+        out[rows] = a[rows] @ _expert_weight(w, scale, e, quant, parts).T
         if bias is not None:
             out[rows] += bias[e].float()
     return out
 
 
+def _pairs_one_by_one(experts_obj: Experts, a: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """`run_pairs` for batch invariance: each pair alone through GEMM1 -> act -> quant -> GEMM2
+    (every op on [1, ...] shapes, so on the same kernels whatever the batch), an expert's weights
+    dequantised once."""
+    cfg, w = experts_obj.cfg, experts_obj.weights
+    act_quant = experts_obj.act_quant()
+    out = torch.zeros(a.shape[0], w.w2.shape[1], dtype=torch.float32, device=a.device)
+
+    def pair_mlp(row: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, e: int) -> torch.Tensor:
+        h = row @ w13.T  # [1, 2I]
+        if w.w13_bias is not None:
+            h = h + w.w13_bias[e].float()
+        h = apply_activation(h, cfg.activation)
+        if act_quant is not None:
+            h = dequantize_activation(*quantize_activation(h, act_quant), act_quant)
+        y = h @ w2.T  # [1, K]
+        return y if w.w2_bias is None else y + w.w2_bias[e].float()
+
+    for e in torch.unique(experts[experts >= 0]).tolist():
+        w13 = _expert_weight(w.w13, w.w13_scale, e, cfg.quant, cfg.w13_parts)
+        w2 = _expert_weight(w.w2, w.w2_scale, e, cfg.quant, 1)
+        rows = experts == e
+        out[rows] = row_by_row(functools.partial(pair_mlp, w13=w13, w2=w2, e=e), a[rows])
+    return out
+
+
 def run_pairs(experts_obj: Experts, a: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """a [P, K] float32 activations, experts [P] local ids (-1 = skip) -> float32 [P, K]."""
+    if experts_obj.batch_invariant:
+        return _pairs_one_by_one(experts_obj, a, experts)
     cfg, w = experts_obj.cfg, experts_obj.weights
-    h = _expert_linear(a, w.w13, w.w13_scale, w.w13_bias, experts, cfg.quant)  # [P, 2I]
+    h = _expert_linear(a, w.w13, w.w13_scale, w.w13_bias, experts, cfg.quant, cfg.w13_parts)
     h = apply_activation(h, cfg.activation)  # [P, I]
     act_quant = experts_obj.act_quant()
     valid = experts >= 0
@@ -77,6 +115,7 @@ class ReferenceExperts(Experts):
     format: ClassVar[Format] = Format.STANDARD
     schemes: ClassVar[frozenset[QuantScheme]] = _SCHEMES
     devices: ClassVar[frozenset[str]] = frozenset({"cpu", "cuda"})
+    has_invariant_mode: ClassVar[bool] = True
 
     def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:  # noqa: ARG002
         m, k = x.topk_ids.shape

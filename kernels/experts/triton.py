@@ -37,7 +37,12 @@ if HAS_TRITON:  # without it the backends stay registered and say why they canno
         grouped_gemm,
     )
     from kernels.experts._triton.quantize import quantize_rows
-    from kernels.experts._triton.tiles import LayerTiles, nested_block_k, tiles_for
+    from kernels.experts._triton.tiles import (
+        INVARIANT_TOKENS,
+        LayerTiles,
+        nested_block_k,
+        tiles_for,
+    )
     from kernels.experts._triton.topk_sum import topk_sum
 
 _FP8_CAPABILITY = (8, 9)  # fp8 tensor-core dots: Ada and Hopper onwards
@@ -49,11 +54,16 @@ class _TritonBase(Experts):
         QuantScheme.NONE, QuantScheme.FP8_TENSOR, QuantScheme.FP8_TOKEN, QuantScheme.FP8_BLOCK,
         QuantScheme.INT8_W8A16, QuantScheme.INT4_W4A16, QuantScheme.MXFP4,
     })  # fmt: skip
+    has_invariant_mode: ClassVar[bool] = True
 
     def __init__(
-        self, cfg: MoEConfig, weights: ExpertWeights, fixed_tiles: LayerTiles | None = None
+        self,
+        cfg: MoEConfig,
+        weights: ExpertWeights,
+        fixed_tiles: LayerTiles | None = None,
+        batch_invariant: bool = False,
     ) -> None:
-        super().__init__(cfg, weights)
+        super().__init__(cfg, weights, batch_invariant)
         self.fixed_tiles = fixed_tiles  # `moe-serve tune` times candidates; None: file/heuristic
         self.w13 = ExpertMatrix(weights.w13, weights.w13_scale, weights.w13_bias, cfg.quant)
         self.w2 = ExpertMatrix(weights.w2, weights.w2_scale, weights.w2_bias, cfg.quant)
@@ -83,7 +93,10 @@ class _TritonBase(Experts):
         return support
 
     def tiles(self, num_tokens: int, device: torch.device) -> LayerTiles:
-        """Tile sizes for a call of `num_tokens` tokens."""
+        """Tile sizes for a call of `num_tokens` tokens; batch-invariant: one set at every M,
+        so each row's dots sum in one order (no tile here splits K)."""
+        if self.batch_invariant:
+            num_tokens = INVARIANT_TOKENS
         return self.fixed_tiles or tiles_for(self.cfg, num_tokens, device)
 
     @property

@@ -44,6 +44,7 @@ def layer_info(served: ServedLayer) -> LayerInfo:
         device_bytes=served.device_bytes,
         shared_experts=served.layer.shared is not None,
         backend=served.backend,
+        batch_invariant=served.layer.batch_invariant,
     )
 
 
@@ -61,6 +62,7 @@ async def backends(engine: EngineDep) -> BackendsResponse:
                 format=cls.format,
                 schemes=sorted(cls.schemes),
                 activations=sorted(cls.activations),
+                batch_invariant=cls.batch_invariance(None).ok,
             )
         )
     stages = []
@@ -77,6 +79,7 @@ async def backends(engine: EngineDep) -> BackendsResponse:
             reason=served.selection.reason,
             rejected=served.selection.rejected,
             workspace_bytes=served.layer.kernel.workspace.nbytes,
+            batch_invariant=served.layer.batch_invariant,
             graph_buckets=served.graphs.captured_buckets() if served.graphs is not None else [],
         )
         for served in engine.layers.values()

@@ -210,3 +210,22 @@ def test_a_shape_that_fails_to_set_up_is_recorded_and_the_next_one_runs(
     run = KernelBench(config, tmp_path / "run.json").run()
     assert "MemoryError: out of memory" in run.shapes_not_run["tiny"]
     assert [s.name for s in run.shapes] == ["tiny2"]
+
+
+def test_invariant_entries_time_the_backend_built_batch_invariant_beside_itself(
+    tmp_path: Path,
+) -> None:
+    config = KernelBenchConfig(
+        shapes=("tiny",),
+        tokens=(2,),
+        device=CPU,
+        backends=("reference", "reference+invariant", "reference-batched+invariant"),
+        loads=(Load.UNIFORM,),
+        plan=QUICK,
+    )
+    run = KernelBench(config, tmp_path / "run.json").run()
+    (point,) = run.points
+    results = {r.backend: r for r in point.results}
+    assert set(results) == {"reference", "reference+invariant"}
+    assert results["reference+invariant"].correct
+    assert "index_add_" in run.shapes[0].not_run["reference-batched+invariant"]

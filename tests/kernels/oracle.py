@@ -96,7 +96,7 @@ def _oracle_chunk(
     routing: Routing,
     expert_map: torch.Tensor | None,
 ) -> Oracle:
-    w13 = dequantize_weight(weights.w13, weights.w13_scale, cfg.quant).double()
+    w13 = dequantize_weight(weights.w13, weights.w13_scale, cfg.quant, cfg.w13_parts).double()
     w2 = dequantize_weight(weights.w2, weights.w2_scale, cfg.quant).double()
     x, ambiguous = _fp8_round_trip(hidden.double(), cfg)
     pairs, intermediates = [], []

@@ -57,6 +57,30 @@ def test_fp8_weight_round_trip_is_within_half_an_ulp(shape: tuple, scheme: Quant
         )
 
 
+@pytest.mark.parametrize("rows", [128, 328], ids=["whole", "partial"])
+def test_fp8_block_stacked_matrices_are_blocked_apart_with_partial_last_blocks(rows: int) -> None:
+    gate, up = torch.randn(2, 2, rows, 200, generator=_gen(2))  # [E, I, H] each, H partial too
+    quant = QuantConfig(QuantScheme.FP8_BLOCK)
+    q, scale = quantize_weight(torch.cat([gate, up], dim=1), quant, parts=2)
+    (qg, sg), (qu, su) = quantize_weight(gate, quant), quantize_weight(up, quant)
+    assert scale.shape == (2, 2 * math.ceil(rows / 128), 2)
+    assert scale.shape[1:] == QuantScheme.FP8_BLOCK.spec.scales.shape(2, 2 * rows, 200, 2)[1:]
+    assert torch.equal(scale, torch.cat([sg, su], dim=1))
+    assert torch.equal(q.view(torch.uint8), torch.cat([qg, qu], dim=1).view(torch.uint8))
+    back = dequantize_weight(q, scale, quant, parts=2)
+    expected = torch.cat([dequantize_weight(qg, sg, quant), dequantize_weight(qu, su, quant)], 1)
+    assert torch.equal(back, expected)
+
+
+def test_stacked_matrices_change_nothing_where_scales_are_per_row_or_per_tensor() -> None:
+    w = torch.randn(2, 100, 64, generator=_gen(3))
+    for scheme in (QuantScheme.FP8_TENSOR, QuantScheme.FP8_TOKEN, QuantScheme.INT8_W8A16):
+        quant = QuantConfig(scheme)
+        (q1, s1), (q2, s2) = quantize_weight(w, quant), quantize_weight(w, quant, parts=2)
+        assert torch.equal(s1, s2)
+        assert torch.equal(dequantize_weight(q1, s1, quant), dequantize_weight(q2, s2, quant, 2))
+
+
 def test_fp8_block_scale_follows_each_tile_maximum() -> None:
     w = torch.randn(1, 256, 256, generator=_gen(1))
     w[0, 5, 7] = 100.0  # only tile (0, 0) sees it

@@ -17,7 +17,9 @@ from kernels.config import Activation, GateUp
 from kernels.experts._triton import tiles
 from kernels.experts._triton.align import align_pairs, align_pairs_torch, aligned_capacity
 from kernels.experts._triton.grouped_gemm import GemmTile
+from kernels.experts.deep_gemm import DeepGemmExperts
 from kernels.experts.triton import TritonBatchedExperts, TritonExperts
+from kernels.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
 from kernels.modular import ModularKernel
 from kernels.prepare_finalize.no_ep import NoEP
 from kernels.quant_scheme import QuantScheme
@@ -294,3 +296,38 @@ def test_tune_refuses_to_run_without_a_gpu() -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     assert main(["tune", "--shape", "8,64,96,2"]) == 2
+
+
+# ---- fp8-block with partial last blocks (H, I not multiples of 128) -------------------------
+
+PARTIAL = {"hidden": 200, "intermediate": 328}  # 1 full + 72 columns, 2 full + 72 rows
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("layout", list(GateUp))
+@pytest.mark.parametrize(("m", "only"), [(1, None), (9, None), (33, 2)], ids=["M1", "M9", "one"])
+def test_fp8_block_with_partial_last_blocks_matches_reference(
+    fmt: Format, layout: GateUp, m: int, only: int | None, device: torch.device
+) -> None:
+    activation = Activation.SWIGLUOAI if layout == GateUp.INTERLEAVED else Activation.SILU
+    cfg = Case(QuantScheme.FP8_BLOCK, torch.float16, activation, layout, **PARTIAL).config()
+    routing = random_routing(m, cfg.num_experts, cfg.top_k, seed=m, only=only)
+    assert triton_vs_reference(cfg, routing, device, fmt) < tolerance(cfg)
+
+
+@pytest.mark.parametrize(("block_n", "block_k"), [(16, 32), (128, 128)])
+def test_fp8_block_partial_blocks_with_other_tiles_match_reference(
+    block_n: int, block_k: int, device: torch.device
+) -> None:
+    cfg = Case(QuantScheme.FP8_BLOCK, torch.float16, **PARTIAL).config()
+    tile = GemmTile(block_n, block_k, 4, 2)
+    fixed = tiles.LayerTiles(16, tile, tile)
+    err = triton_vs_reference(cfg, random_routing(7, 4, 2, seed=11), device, tiles=fixed)
+    assert err < tolerance(cfg)
+
+
+def test_deep_gemm_alone_refuses_partial_fp8_blocks_saying_why() -> None:
+    cfg = Case(QuantScheme.FP8_BLOCK, torch.float16, **PARTIAL).config()
+    for cls in (DeepGemmExperts, TritonOrDeepGemmExperts):
+        support = cls.check_config(cfg)
+        assert not support and "hidden_size=200 is not a multiple of 128" in support.reason

@@ -20,6 +20,8 @@ import safetensors.torch
 import torch
 from pydantic import ValidationError
 
+from kernels.config import MoEConfig, RoutingConfig
+from kernels.quant_scheme import QuantConfig, QuantScheme
 from service.cli import build_parser, main
 from service.settings import Settings
 from weights.demo import ensure_demo_layers
@@ -303,3 +305,18 @@ def test_serve_refuses_a_grpc_port_in_use_before_loading_anything(tmp_path: Path
         assert main([*argv, "--device", "cpu", "--cache-dir", str(tmp_path)]) == 2
     assert f"cannot listen on 127.0.0.1:{grpc_port}: Address already in use" in caplog.text
     assert list(tmp_path.iterdir()) == []
+
+
+def test_serve_refuses_batch_invariance_for_an_fp8_tensor_layer_saying_why(
+    monkeypatch, caplog
+) -> None:
+    cfg = MoEConfig(4, 64, 128, RoutingConfig(top_k=2), quant=QuantConfig(QuantScheme.FP8_TENSOR))
+    monkeypatch.setattr("service.serve.demo_configs", lambda: {"demo": cfg})
+    assert main(["serve", "--batch-invariant", "--device", "cpu"]) == 2
+    reason = "reference: not batch-invariant: fp8-tensor quantises the activations with one scale"
+    assert reason in caplog.text
+
+
+def test_batch_invariance_with_expert_parallelism_is_refused() -> None:
+    with pytest.raises(ValidationError, match="batch_invariant cannot be used with expert"):
+        Settings(batch_invariant=True, ep=2)

@@ -116,6 +116,16 @@ def test_backends_shows_each_backend_and_each_layers_choice(client: TestClient) 
     assert layer["workspace_bytes"] >= 0
 
 
+def test_batch_invariant_layers_say_so_in_backends_and_layers(make_client, client) -> None:
+    invariant = make_client(batch_invariant=True)
+    body = invariant.get("/backends").json()
+    assert all(layer["batch_invariant"] for layer in body["layers"])
+    capable = {b["name"] for b in body["experts"] if b["batch_invariant"]}
+    assert {"reference", "triton"} <= capable and "deep-gemm" not in capable
+    assert all(layer["batch_invariant"] for layer in invariant.get("/v1/layers").json()["layers"])
+    assert not any(layer["batch_invariant"] for layer in client.get("/v1/layers").json()["layers"])
+
+
 def test_forced_backend_is_reported_as_forced(make_client) -> None:
     client = make_client(backend="reference")
     assert client.get("/backends").json()["layers"][0]["reason"] == "forced by --backend"

@@ -12,6 +12,7 @@ import torch
 
 from kernels.accuracy import relative_error
 from kernels.layer import build_layer
+from kernels.quant_scheme import QuantConfig, QuantScheme
 from kernels.tensors import ForwardInputs
 from tests.weights import tiny_hub
 from tests.weights.tiny_hub import Expert, Hub, moe_loop, run_expert, silu, softmax_topk
@@ -65,8 +66,8 @@ def qwen_case(root: Path, model_type: str) -> Case:
     return case
 
 
-def deepseek_v3_case(root: Path) -> Case:
-    hub = tiny_hub.deepseek_v3_fp8(root)
+def deepseek_v3_case(root: Path, intermediate: int = 128) -> Case:
+    hub = tiny_hub.deepseek_v3_fp8(root, intermediate=intermediate)
     projections = ("gate_proj", "up_proj", "down_proj")
     experts = _gated(hub, "mlp.experts.{e}.{proj}.weight", projections, 8)
     gate, bias = hub.t("mlp.gate.weight"), hub.t("mlp.gate.e_score_correction_bias")
@@ -135,6 +136,7 @@ CASES: dict[str, Callable[[Path], Case]] = {
     "qwen2_moe-bf16-shared": lambda root: qwen_case(root, "qwen2_moe"),
     "qwen3_moe": lambda root: qwen_case(root, "qwen3_moe"),
     "deepseek_v3-fp8": deepseek_v3_case,
+    "deepseek_v3-fp8-partial-blocks": lambda root: deepseek_v3_case(root, intermediate=328),
     "deepseek_v2-grouped": deepseek_v2_case,
     "gpt_oss-mxfp4": lambda root: gpt_oss_case(root, mxfp4=True),
     "gpt_oss-bf16-layout": lambda root: gpt_oss_case(root, mxfp4=False),
@@ -162,8 +164,9 @@ def test_converted_layer_matches_a_loop_over_the_original_tensors(
     assert err < case.tol, f"{family}: relative error {err:.3g}"
 
 
-def test_deepseek_fp8_experts_are_kept_bit_for_bit(tmp_path: Path):
-    hub = tiny_hub.deepseek_v3_fp8(tmp_path / "hub")
+@pytest.mark.parametrize("intermediate", [128, 328])  # 328: partial last blocks (H is 200)
+def test_deepseek_fp8_experts_are_kept_bit_for_bit(tmp_path: Path, intermediate: int):
+    hub = tiny_hub.deepseek_v3_fp8(tmp_path / "hub", intermediate=intermediate)
     manifest = convert_checkpoint(hub.root, 1, tmp_path / "out")
     assert manifest.config.quant.scheme == "fp8-block"
     experts = load_layer(tmp_path / "out", CPU).weights.experts
@@ -180,6 +183,17 @@ def test_deepseek_fp8_experts_are_kept_bit_for_bit(tmp_path: Path):
         ),
     )
     assert torch.equal(experts.w2_scale[5], hub.tensors[f"{p}.down_proj.weight_scale_inv"])
+
+
+def test_fp8_partial_blocks_requantise_exactly_from_each_projections_own_scales(tmp_path: Path):
+    hub = tiny_hub.deepseek_v3_fp8(tmp_path / "hub", intermediate=328)
+    convert_checkpoint(hub.root, 1, tmp_path / "out", quant=QuantConfig(QuantScheme.NONE))
+    experts = load_layer(tmp_path / "out", CPU).weights.experts
+    p = "mlp.experts.3"
+    gate_up = torch.cat([hub.t(f"{p}.gate_proj.weight"), hub.t(f"{p}.up_proj.weight")])
+    bf16 = {"rtol": 2.0**-8, "atol": 0.0}  # one rounding to the layer's bf16
+    torch.testing.assert_close(experts.w13[3].double(), gate_up, **bf16)
+    torch.testing.assert_close(experts.w2[3].double(), hub.t(f"{p}.down_proj.weight"), **bf16)
 
 
 def test_gpt_oss_mxfp4_blocks_are_kept_bit_for_bit(tmp_path: Path):

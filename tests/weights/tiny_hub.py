@@ -134,11 +134,12 @@ def _fp8_linear(gen: torch.Generator, n: int, k: int) -> tuple[torch.Tensor, tor
     return w, scale
 
 
-def deepseek_v3_fp8(root: Path, seed: int = 0) -> Hub:
-    """E=8 in 4 groups (2 chosen), top_k=2, H=200 (not a block multiple), I=128, one shared
-    expert, sigmoid + correction bias, scaled by 2.5; fp8 with weight_scale_inv; layer 0 dense."""
+def deepseek_v3_fp8(root: Path, seed: int = 0, intermediate: int = 128) -> Hub:
+    """E=8 in 4 groups (2 chosen), top_k=2, H=200 (not a block multiple), I=128 (or
+    `intermediate`: 328 gives gate, up and down partial last blocks), one shared expert, sigmoid
+    + correction bias, scaled by 2.5; fp8 with weight_scale_inv; layer 0 dense."""
     gen = torch.Generator().manual_seed(seed)
-    e, h, i = 8, 200, 128
+    e, h, i = 8, 200, intermediate
     config = {
         "model_type": "deepseek_v3",
         "num_hidden_layers": 2,

@@ -237,7 +237,8 @@ def stack_gated_experts(
 
     `template` has `{e}` and `{proj}` fields; `projections` are the (gate, up, down) names;
     `sizes` is (E, H, I). Gate [I, H] and up [I, H] stack into w13 [E, 2I, H] (gate rows first);
-    down [H, I] into w2 [E, H, I]. fp8 blocks and their scales are kept bit for bit.
+    down [H, I] into w2 [E, H, I]. fp8 blocks and their scales are kept bit for bit, partial
+    last blocks (H or I not a multiple of 128) included.
     """
     e_count, h, i = sizes
     gate, up, down = projections
@@ -249,11 +250,8 @@ def stack_gated_experts(
             w13.append(torch.cat([g, u]).to(dtype))
             w2.append(ckpt.get_float(template.format(e=e, proj=down), (h, i)).to(dtype))
         return ExpertWeights(torch.stack(w13), torch.stack(w2))
-    if i % FP8_BLOCK:
-        # gate and up tiles would share 128-row blocks in w13: no exact fp8-block layout exists
-        raise ckpt.config_error(
-            f"fp8 experts need the intermediate size to be a multiple of {FP8_BLOCK}, got {i}"
-        )
+    # gate's and up's scales stack as they are: w13 is blocked per half (quant_scheme.py), so an
+    # I that 128 does not divide keeps each half's partial last block
     parts: dict[str, list[torch.Tensor]] = {"w13": [], "w13_scale": [], "w2": [], "w2_scale": []}
     for e in range(e_count):
         g, g_scale = ckpt.get_fp8_block(template.format(e=e, proj=gate), (i, h))

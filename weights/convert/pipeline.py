@@ -59,7 +59,9 @@ def requantize(layer: ConvertedLayer, quant: QuantConfig) -> ConvertedLayer:
     for e in range(src.num_experts):
         one = slice(e, e + 1)
         floats = {
-            "w13": dequantize_weight(src.w13[one], _at(src.w13_scale, one), old),
+            "w13": dequantize_weight(
+                src.w13[one], _at(src.w13_scale, one), old, layer.config.w13_parts
+            ),
             "w2": dequantize_weight(src.w2[one], _at(src.w2_scale, one), old),
         }
         floats |= {n: t[one] for n, t in src.tensors().items() if n.endswith("_bias")}

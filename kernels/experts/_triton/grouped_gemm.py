@@ -174,12 +174,14 @@ def _weight_tile(
 
 @triton.jit
 def _block_scales(
-    a_s_ptr, a_rows, stride_asm, s_ptr, n_rows, stride_sn, stride_sk, k0, GROUP: tl.constexpr
-):
-    """fp8-block: ([BLOCK_M] activation group scales, [BLOCK_N] weight tile scales) at k0."""
+    a_s_ptr, a_rows, stride_asm, s_ptr, n_blocks, n_mask, stride_sn, stride_sk, k0,
+    GROUP: tl.constexpr,
+):  # fmt: skip
+    """fp8-block: ([BLOCK_M] activation group scales, [BLOCK_N] weight tile scales) at k0;
+    `n_blocks`: each output row's row-block of the scale."""
     kb = k0 // GROUP
     a_s = tl.load(a_s_ptr + a_rows * stride_asm + kb)
-    b_s = tl.load(s_ptr + (n_rows // GROUP) * stride_sn + kb * stride_sk)
+    b_s = tl.load(s_ptr + n_blocks * stride_sn + kb * stride_sk, mask=n_mask, other=0)
     return a_s, b_s
 
 
@@ -215,6 +217,7 @@ def _grouped_gemm_kernel(
     n_out,
     k,
     up_offset,
+    up_block_offset,
     stride_am,
     stride_asm,
     stride_we,
@@ -233,6 +236,8 @@ def _grouped_gemm_kernel(
     GROUP: tl.constexpr,
     ACTIVATION: tl.constexpr,  # codes.ACTIVATION: a gated activation over gate and up tiles
     GATE_STEP: tl.constexpr,  # weight row of gate n: n * GATE_STEP; of up n: that + up_offset
+    # fp8-block scale row-block of gate n: n // GROUP (split) or 2n // GROUP (interleaved); of
+    # up n: up_block_offset + n // GROUP (split: gate and up are blocked apart) or (2n+1) // GROUP
     HAS_BIAS: tl.constexpr,
     HAS_ROW_WEIGHTS: tl.constexpr,
     A_FP8: tl.constexpr,  # fp8 tensors come as uint8 views (see _load_tile)
@@ -272,6 +277,8 @@ def _grouped_gemm_kernel(
     n_mask = offs_n < n_out
     gate_rows = offs_n * GATE_STEP
     up_rows = gate_rows + up_offset
+    gate_blocks = gate_rows // GROUP
+    up_blocks = up_rows // GROUP if GATE_STEP == 2 else up_block_offset + offs_n // GROUP
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
@@ -288,9 +295,8 @@ def _grouped_gemm_kernel(
         )  # fmt: skip
         part = tl.dot(a, b, input_precision=DOT_PRECISION)
         if KIND == W_FP8_BLOCK:
-            a_s, b_s = _block_scales(
-                a_s_ptr, a_rows, stride_asm, s_ptr, gate_rows, stride_sn, stride_sk, k0, GROUP
-            )
+            a_s, b_s = _block_scales(a_s_ptr, a_rows, stride_asm, s_ptr, gate_blocks, n_mask,
+                                     stride_sn, stride_sk, k0, GROUP)  # fmt: skip
             part = part * a_s[:, None] * b_s[None, :]
         acc += part
         if ACTIVATION != NO_ACTIVATION:
@@ -300,9 +306,8 @@ def _grouped_gemm_kernel(
             )  # fmt: skip
             part = tl.dot(a, b, input_precision=DOT_PRECISION)
             if KIND == W_FP8_BLOCK:
-                a_s, b_s = _block_scales(
-                    a_s_ptr, a_rows, stride_asm, s_ptr, up_rows, stride_sn, stride_sk, k0, GROUP
-                )
+                a_s, b_s = _block_scales(a_s_ptr, a_rows, stride_asm, s_ptr, up_blocks, n_mask,
+                                         stride_sn, stride_sk, k0, GROUP)  # fmt: skip
                 part = part * a_s[:, None] * b_s[None, :]
             acc_up += part
 
@@ -392,6 +397,7 @@ def grouped_gemm(
         row_ids, block_expert, tokens_per_expert, epilogue.row_weights,
         num_pairs, max_tokens, a.pairs_per_row, n_out, w.k,
         1 if interleaved else n_out,
+        triton.cdiv(n_out, group) if gated else 0,
         a.data.stride(0), a.scale.stride(0) if a.scale is not None and a.scale.dim() == 2 else 0,
         w.data.stride(0), w.data.stride(1), w.data.stride(2), s_e, s_n, s_k,
         w.bias.stride(0) if w.bias is not None else 0, out.stride(0),

@@ -20,6 +20,7 @@ from kernels.tuned import TUNED_DIR
 
 log = logging.getLogger(__name__)
 
+INVARIANT_TOKENS = 64  # batch-invariant experts run the tiles of this token count at every M
 _BUCKET_REACH = 2.0  # a tuned bucket answers for token counts within this factor of it
 _SMEM_BUDGET_BYTES = 160 * 1024  # of Hopper's 227 KiB per block, leaving room for the epilogue
 
