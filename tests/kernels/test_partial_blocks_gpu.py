@@ -46,7 +46,7 @@ def test_whole_layer_with_partial_blocks_replays_from_graphs_as_the_reference() 
     graphs = LayerGraphs(layer, CUDA, max_tokens=64, with_logits=False)
     graphs.capture()
     x = torch.randn(50, 200, device=CUDA, dtype=torch.bfloat16)
-    out = graphs.forward(ForwardInputs(x)).output.clone()
+    out = graphs.forward(ForwardInputs(x)).output.output.clone()
     expected = reference.forward(ForwardInputs(x)).output
     assert relative_error(out, expected) < tolerance(cfg)
 
