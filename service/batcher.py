@@ -114,6 +114,12 @@ class _Request:
     def has_logits(self) -> bool:
         return self.inputs.router_logits is not None
 
+    def lends_memory(self) -> bool:
+        """Whether a forward copies from or into the caller's memory on the device's own
+        schedule: an output buffer, or inputs on a GPU or in pinned memory."""
+        hidden = self.inputs.hidden_states
+        return self.output_into is not None or hidden.is_cuda or hidden.is_pinned()
+
     def finish_piece(self, start: int, out: LayerOutput) -> None:
         """One forward's rows of this request; the request completes with its last piece."""
         into = self.output_into
@@ -249,7 +255,8 @@ class DynamicBatcher:
         shared memory) is written from the device with no host copy; elsewhere the result is
         copied in. Cancelling the call (its client went away) takes the request's waiting rows
         out of the queue; with `output_into` the call returns only once its rows already on the
-        device are done with its buffers."""
+        device are done with its buffers (so also when its inputs lie on a GPU or in pinned
+        memory)."""
         self.engine.get(name)  # UnknownLayer before anything is queued
         if self._closing:
             raise ShuttingDown()
@@ -285,8 +292,8 @@ class DynamicBatcher:
                 expiry.cancel()
             if request.waiting:  # cancelled, expired or failed: its other rows need not run
                 self._drop(name, q, request)
-            if output_into is not None and request.running:
-                # the device may still read its inputs and write `output_into`: the caller
+            if request.running and request.lends_memory():
+                # the device may still read its inputs or write `output_into`: the caller
                 # must not reuse them before
                 await asyncio.shield(request.settled.wait())
 

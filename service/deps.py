@@ -190,8 +190,9 @@ async def submit_unless(
     gone: Callable[[], Awaitable[None]],
     output_into: torch.Tensor | None = None,
 ) -> LayerOutput:
-    """batcher.submit, withdrawn if `gone()` returns first (the client went away); with
-    `output_into`, a withdrawn request returns once the device is done with its buffers."""
+    """batcher.submit, withdrawn if `gone()` returns first (the client went away); a
+    withdrawn request whose buffers the device uses (`output_into`, inputs on a GPU or in
+    pinned memory) returns once the device is done with them."""
     work = asyncio.ensure_future(batcher.submit(name, inputs, options, output_into))
     watch = asyncio.ensure_future(gone())
     try:
@@ -201,8 +202,7 @@ async def submit_unless(
         withdrawn = not work.done()  # the client went away (or this handler is cancelled)
         if withdrawn:
             work.cancel()
-            if output_into is not None:
-                await asyncio.wait((work,))
+            await asyncio.wait((work,))  # at once unless the device still uses its buffers
     if withdrawn:
         raise ClientDisconnected(
             f"the client went away; its request to layer {name!r} was withdrawn"

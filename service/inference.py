@@ -34,7 +34,7 @@ from service.kserve_codec import (
     tensor_type,
 )
 from service.routes.forward import TENSOR_NAMES, schedule_options
-from service.shared_memory import TensorPlace
+from service.shared_memory import DeviceRegion, TensorPlace
 
 OUTPUT = "output"
 VERSION = "1"  # a layer is a model with one version; clients may name it or not
@@ -93,32 +93,39 @@ async def infer(
     goes away (a gRPC call is cancelled instead, which withdraws it too)."""
     runtime = ready(runtime)
     served = get_model(runtime.engine, name, version)
-    with runtime.metrics.statistics.request(name) as timer:
-        tensors = tensors | _read_shared_memory(runtime, request, owner)
-        unknown = sorted(set(tensors) - set(TENSOR_NAMES))
-        if unknown:
-            raise BadInput(f"unknown inputs {unknown}; model {name!r} takes {list(TENSOR_NAMES)}")
-        if "hidden_states" not in tensors:
-            raise BadInput("input hidden_states is missing")
-        hidden = tensors["hidden_states"]
-        inputs = check_inputs(served, hidden, tensors.get("router_logits"))
-        # into: a CUDA region's view, which the forward writes on the device
-        place, into = _output_place(runtime, request, name, hidden, owner)
-        options = schedule_policy(request.parameters)
-        timer.submit(hidden.shape[0])
-        if http_request is None:
-            result = await runtime.batcher.submit(name, inputs, options, into)
-        else:
-            result = await submit_while_connected(
-                http_request, runtime.batcher, name, inputs, options, into
-            )
-        timer.answer()
-        if place is None:
-            return InferenceResult({OUTPUT: result.output.to(hidden.dtype)})
-        if into is None:  # a system region
-            output = result.output.to(hidden.dtype)
-            runtime.shared_memory.write(f"output {OUTPUT}", place, tensor_bytes(output), owner)
-        return InferenceResult({}, [_placed(place, hidden)])
+    held: list[DeviceRegion] = []  # CUDA regions it views: released once it is done
+    try:
+        with runtime.metrics.statistics.request(name) as timer:
+            tensors = tensors | _read_shared_memory(runtime, request, owner, held)
+            unknown = sorted(set(tensors) - set(TENSOR_NAMES))
+            if unknown:
+                known = list(TENSOR_NAMES)
+                raise BadInput(f"unknown inputs {unknown}; model {name!r} takes {known}")
+            if "hidden_states" not in tensors:
+                raise BadInput("input hidden_states is missing")
+            hidden = tensors["hidden_states"]
+            inputs = check_inputs(served, hidden, tensors.get("router_logits"))
+            # into: a CUDA region's view, which the forward writes on the device
+            place, into = _output_place(runtime, request, name, hidden, owner, held)
+            options = schedule_policy(request.parameters)
+            timer.submit(hidden.shape[0])
+            if http_request is None:
+                result = await runtime.batcher.submit(name, inputs, options, into)
+            else:
+                result = await submit_while_connected(
+                    http_request, runtime.batcher, name, inputs, options, into
+                )
+            timer.answer()
+            if place is None:
+                return InferenceResult({OUTPUT: result.output.to(hidden.dtype)})
+            if into is None:  # a system region
+                output = result.output.to(hidden.dtype)
+                shm = runtime.shared_memory
+                shm.write(f"output {OUTPUT}", place, tensor_bytes(output), owner)
+            return InferenceResult({}, [_placed(place, hidden)])
+    finally:
+        for region in held:  # the batcher returns once no device copy uses them
+            region.release()
 
 
 def schedule_policy(parameters: dict[str, object]) -> RequestOptions:
@@ -134,7 +141,7 @@ def schedule_policy(parameters: dict[str, object]) -> RequestOptions:
 
 
 def _read_shared_memory(
-    runtime: Runtime, request: InferRequest, owner: str | None
+    runtime: Runtime, request: InferRequest, owner: str | None, held: list[DeviceRegion]
 ) -> dict[str, torch.Tensor]:
     """The inputs that name a region: views of a CUDA region (on its GPU), or tensors of the
     bytes read from a system region."""
@@ -145,7 +152,7 @@ def _read_shared_memory(
         if place is None:
             continue
         shm, (dtype, shape) = runtime.shared_memory, tensor_type(t)
-        view = shm.view(what, place, dtype, shape, owner, exact=True)
+        view = shm.view(what, place, dtype, shape, owner, True, held)
         if view is None:
             view = tensor_from_bytes(t, shm.read(what, place, byte_size(t), owner))
         tensors[t.name] = view
@@ -153,7 +160,12 @@ def _read_shared_memory(
 
 
 def _output_place(
-    runtime: Runtime, request: InferRequest, name: str, hidden: torch.Tensor, owner: str | None
+    runtime: Runtime,
+    request: InferRequest,
+    name: str,
+    hidden: torch.Tensor,
+    owner: str | None,
+    held: list[DeviceRegion],
 ) -> tuple[TensorPlace | None, torch.Tensor | None]:
     """Where the output goes: (None, None) in the reply; else its shared-memory place, checked
     before the forward so that an output that cannot fit fails first, and for a CUDA region the
@@ -166,7 +178,7 @@ def _output_place(
         place, into = TensorPlace.of(what, requested.parameters), None
         if place is not None:
             shm = runtime.shared_memory
-            into = shm.view(what, place, hidden.dtype, hidden.shape, owner, exact=False)
+            into = shm.view(what, place, hidden.dtype, hidden.shape, owner, False, held)
             if into is None:
                 shm.check(what, place, hidden.numel() * hidden.itemsize, owner, exact=False)
     return place, into

@@ -10,7 +10,7 @@ request gets tensors that view the buffer, which the device pipeline copies devi
 of names. Every offset and size is checked against the region (a CUDA buffer's real size is asked
 of the driver), so nothing is read or written outside it; a region is visible only to the token
 that registered it. A CUDA region unregistered while a request uses it stays open until the last
-tensor viewing it is freed, after the request's device copies; a system region is read when a
+such request is done (its device copies finished); a system region is read when a
 request arrives and written when its forward is done, each time found by name (unregistered
 meanwhile: that request's output is a 400).
 """
@@ -162,10 +162,30 @@ class DeviceRegion(Region):
 
     kind = "cuda"
 
-    def __init__(self, name: str, memory: torch.Tensor, device_id: int, owner: str | None):
+    def __init__(
+        self,
+        name: str,
+        memory: torch.Tensor,
+        device_id: int,
+        owner: str | None,
+        release: Callable[[], None] = lambda: None,
+    ):
         super().__init__(name, memory.numel(), owner)
         self.memory: torch.Tensor | None = memory
         self.device_id = device_id
+        self.users = 0  # requests whose device work may still read or write the memory
+        self._closing = False
+        self._release = release  # let the memory go (close the IPC handle)
+
+    def acquire(self) -> None:
+        """A request will use the memory: it stays open until the request's `release`."""
+        self.users += 1
+
+    def release(self) -> None:
+        """A request is done with the memory (its device copies have finished)."""
+        self.users -= 1
+        if self._closing and not self.users:
+            self._free()
 
     def view(
         self,
@@ -187,7 +207,16 @@ class DeviceRegion(Region):
         return self.memory[place.offset : place.offset + needed].view(dtype).view(*shape)
 
     def close(self) -> None:
-        self.memory = None  # what the memory holds (an IPC handle) goes with its last view
+        """Unregistered: the memory goes now, or when the last request using it is done."""
+        self._closing = True
+        if not self.users:
+            self._free()
+
+    def _free(self) -> None:
+        # explicitly, not when the last view is collected: a view may outlive its request
+        # (found on the H100: views kept alive from C++ after the request had finished)
+        self.memory = None
+        self._release()
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
@@ -195,10 +224,8 @@ class DeviceRegion(Region):
 
 class _IpcMapping:
     """An opened CUDA IPC handle as __cuda_array_interface__: torch wraps the pointer without a
-    copy and holds this object while any tensor views it, and the handle is closed once the last
-    such tensor is freed. A region unregistered mid-request so stays open until the request's
-    views are gone, which is after the device copies on them are done (the batcher holds a
-    batch's requests until its device work has finished)."""
+    copy and holds this object while any tensor views it. The handle is closed by `close()`
+    (the region's release, once no request uses it), or else when the last view is freed."""
 
     def __init__(self, cudart: Any, pointer: int, size: int, device_id: int, region: str):
         self.__cuda_array_interface__ = {
@@ -254,7 +281,7 @@ class CudaRegion(DeviceRegion):
                 mapping.close()
                 raise
             memory = torch.as_tensor(mapping, device=f"cuda:{device_id}")
-        super().__init__(name, memory, device_id, owner)
+        super().__init__(name, memory, device_id, owner, release=mapping.close)
 
 
 def _check_buffer(driver: Any, pointer: int, device_id: int, byte_size: int) -> None:
@@ -373,14 +400,19 @@ class SharedMemory:
         shape: Sequence[int],
         owner: str | None,
         exact: bool,
+        held: list[DeviceRegion],
     ) -> torch.Tensor | None:
         """`place` as a `dtype` tensor of `shape` that views a CUDA region (its byte size
-        `exact`ly the tensor's, or at least); None when `place` is in a system region, which is
-        read and written as bytes instead."""
+        `exact`ly the tensor's, or at least), the region acquired and appended to `held` (the
+        caller releases it once the request is done); None when `place` is in a system region,
+        which is read and written as bytes instead."""
         region = self._region_of(tensor, place, owner)
         if not isinstance(region, DeviceRegion):
             return None
-        return region.view(tensor, place, dtype, shape, exact)
+        view = region.view(tensor, place, dtype, shape, exact)
+        region.acquire()
+        held.append(region)
+        return view
 
     def read(self, tensor: str, place: TensorPlace, size: int, owner: str | None) -> bytes:
         """The `size` bytes at `place` in a system region; `size` must be the place's byte size."""

@@ -174,30 +174,42 @@ def test_unregistered_while_queued_the_request_still_reads_and_writes_its_region
     c.close()
 
 
-def test_a_device_region_views_its_memory_and_closes_by_dropping_it() -> None:
+def test_a_device_region_views_its_memory_and_closes_once_its_last_user_is_done() -> None:
     memory = torch.arange(64, dtype=torch.uint8)
+    released: list[str] = []
     regions = SharedMemory(allowed=True)
-    regions.regions["dev"] = DeviceRegion("dev", memory, 3, None)
+    regions.regions["dev"] = DeviceRegion("dev", memory, 3, None, lambda: released.append("dev"))
     place = TensorPlace("dev", 8, 16)
-    view = regions.view("input x", place, torch.int32, [2, 2], None, exact=True)
+    held: list[DeviceRegion] = []
+    view = regions.view("input x", place, torch.int32, [2, 2], None, True, held)
     assert view.data_ptr() == memory.data_ptr() + 8 and torch.equal(
         view.view(torch.uint8).ravel(), memory[8:24]
     )
-    bigger = regions.view("output y", place, torch.int16, [2, 2], None, exact=False)
+    bigger = regions.view("output y", place, torch.int16, [2, 2], None, False, held)
     assert bigger.shape == (2, 2)
     with pytest.raises(Exception, match="takes 8 bytes"):
-        regions.view("input x", place, torch.int16, [2, 2], None, exact=True)
+        regions.view("input x", place, torch.int16, [2, 2], None, True, held)
     assert regions.status("cuda", "", None) == [{"name": "dev", "device_id": 3, "byte_size": 64}]
     region = regions.regions["dev"]
+    assert held == [region, region] and region.users == 2  # the refused view took none
     regions.unregister("cuda", "dev", None)
-    assert region.memory is None and regions.regions == {}
-    assert view[0, 0] == int.from_bytes(bytes(range(8, 12)), "little")  # the view still reads
+    assert regions.regions == {} and region.memory is not None and released == []
+    region.release()
+    assert released == []  # one request still uses it
+    region.release()
+    assert region.memory is None and released == ["dev"]  # closed once, by the last user
+    regions.regions["idle"] = idle = DeviceRegion(
+        "idle", memory, 3, None, lambda: released.append("idle")
+    )
+    regions.unregister("cuda", "idle", None)
+    assert idle.memory is None and released == ["dev", "idle"]  # no user: closed at once
 
 
 def test_system_regions_are_not_viewed() -> None:
     regions = SharedMemory(allowed=True)
     regions.regions["sys"] = _FakeSystem()
-    assert regions.view("input x", TensorPlace("sys", 0, 4), torch.int32, [1], None, True) is None
+    place = TensorPlace("sys", 0, 4)
+    assert regions.view("input x", place, torch.int32, [1], None, True, []) is None
 
 
 class _FakeSystem(Region):  # a region that is no DeviceRegion
