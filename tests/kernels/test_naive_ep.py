@@ -38,7 +38,7 @@ from kernels.random_weights import random_expert_weights
 from kernels.routing import contiguous_expert_map, route
 from kernels.tensors import Routing
 from kernels.workspace import Workspace
-from weights.placement_file import read_placement
+from weights.placement_file import read_expert_counts, read_placement
 
 log = logging.getLogger(__name__)
 
@@ -248,13 +248,14 @@ def test_placement_file_maps_global_ids_to_local_order(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('{"ranks": [[0, 1], [1, 2, 3]]}', r"on two ranks \[1\]"),
+        ('{"ranks": [[0, 1, 1], [2, 3]]}', r"rank 0 lists experts \[1\] more than once"),
         ('{"ranks": [[0], [1, 2]]}', r"missing \[3\]"),
         ('{"ranks": [[0, 1, 2, 3, 4], []]}', r"out of range \[4\]"),
         ('{"ranks": [[0, 1, 2, 3], []]}', r"ranks \[1\] would hold no experts"),
         ('{"ranks": [[0, 1, 2, 3]]}', "lists 1 ranks, the group has 2"),
         ('{"ranks": [[0, -1], [2, 3]]}', "ranks.0.1"),
         ('{"rank": [[0, 1], [2, 3]]}', "ranks: Field required"),
+        ('{"ranks": [[0, 1], [2, 3]], "counts": [1, 2]}', "2 expert counts for 4 experts"),
         ("not json", "Invalid JSON"),
     ],
 )
@@ -266,6 +267,16 @@ def test_bad_placement_file_is_refused_naming_the_file_and_problem(
     with pytest.raises(ValueError, match=message) as err:
         read_placement(file, num_experts=4, world_size=2)
     assert str(file) in str(err.value)
+
+
+def test_placement_file_may_replicate_experts_and_carry_their_counts(tmp_path: Path) -> None:
+    file = tmp_path / "p.json"
+    file.write_text('{"ranks": [[0, 1, 3], [2, 3]], "counts": [5, 0, 1, 9]}')
+    placement = read_placement(file, num_experts=4, world_size=2)
+    assert placement.copies(3) == [0, 1]
+    assert read_expert_counts(file, num_experts=4) == [5, 0, 1, 9]
+    file.write_text('{"ranks": [[0, 1], [2, 3]]}')
+    assert read_expert_counts(file, num_experts=4) is None
 
 
 def test_missing_placement_file_names_the_path(tmp_path: Path) -> None:
