@@ -50,6 +50,7 @@ class Runtime:
     engine: Engine | None = None
     batcher: DynamicBatcher | None = None
     not_ready: str | None = "loading layers"  # None once ready
+    degraded: str | None = None  # ready, but on fewer expert-parallel ranks (why)
     start_failed: bool = False  # loading or warming up the layers raised
     # What a failed start does besides answering 503: `moe-serve serve` stops the server.
     on_start_failure: Callable[[], None] = lambda: None

@@ -71,6 +71,9 @@ def unpack_rows(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Te
 class NaiveEP(PrepareFinalize):
     name: ClassVar[str] = "naive-ep"
     format: ClassVar[Format] = Format.STANDARD
+    # whether this process has built one with a group of its own (the service's groups live
+    # outside torch.distributed's default group)
+    given_group: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -81,6 +84,8 @@ class NaiveEP(PrepareFinalize):
         if sequence_parallel and sender is not None:
             raise ValueError("sequence_parallel and sender are two different modes")
         self.group = group  # None: the default (world) group
+        if group is not None:
+            NaiveEP.given_group = True
         self.sequence_parallel = sequence_parallel
         self.sender = sender  # the group rank that brings every token; None: every rank brings
         # tokens each rank brought to the chunk in flight: set by prepare, read by finalize
@@ -89,7 +94,7 @@ class NaiveEP(PrepareFinalize):
 
     @classmethod
     def supports(cls, device: torch.device) -> Support:  # noqa: ARG003
-        if not (dist.is_available() and dist.is_initialized()):
+        if not (dist.is_available() and (dist.is_initialized() or cls.given_group)):
             return Support(False, "needs an initialised torch.distributed process group")
         return YES
 

@@ -1,0 +1,125 @@
+"""Where the expert-parallel ranks meet: a TCPStore served by rank 0, on one host or several.
+
+    MASTER_ADDR:MASTER_PORT (torch.distributed's usual environment; default 127.0.0.1, a free port)
+    spec            rank 0's RankSpec (JSON): the layers, their placements, the backend
+    status/<r>      rank r has loaded its experts ("") or why it could not
+    cmd/<n>         rank 0's n-th command, read by every other rank in order (JSON)
+    beat/<r>        a counter rank r adds to every HEARTBEAT_S: rank 0 sees a silent rank
+    abort/<g>       set before generation g is replaced: every rank aborts g's group, so a rank
+                    blocked in one of its collectives returns
+    gen<g>/...      the rendezvous of generation g's process group among the live ranks
+
+Commands go through the store rather than a collective: an idle rank waits on the store, never
+inside a collective that would time out, and a rank on another host reads them the same way.
+A rank dying breaks its group for good, so the survivors form the next generation's group (a
+new ProcessGroup under a new prefix, outside torch.distributed's default group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+HEARTBEAT_S = 0.5
+POLL_S = 1.0  # how long one wait for the next command lasts before checking the store is there
+KEEP_COMMANDS = 256  # commands kept in the store (every live rank reads one before the next)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    host: str
+    port: int
+    world_size: int
+
+    @classmethod
+    def for_rank0(cls, world_size: int) -> Rendezvous:
+        """MASTER_ADDR and MASTER_PORT when set (other hosts join there), else a free port on
+        127.0.0.1 (every rank on this host)."""
+        port = os.environ.get("MASTER_PORT")
+        host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        return cls(host, int(port) if port else _free_port(), world_size)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def connect(rv: Rendezvous, rank: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0 serves the store; the others connect to it (waiting up to `timeout_s`)."""
+    return dist.TCPStore(
+        rv.host,
+        rv.port,
+        rv.world_size,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def make_group(
+    store: dist.Store,
+    generation: int,
+    members: list[int],
+    rank: int,
+    device: torch.device,
+    timeout_s: float,
+) -> dist.ProcessGroup:
+    """Generation `generation`'s group among `members` (global ranks; this rank is group rank
+    members.index(rank)): NCCL on GPUs, gloo on the CPU. Blocks until every member joins."""
+    prefixed = dist.PrefixStore(f"gen{generation}/", store)
+    index, size, timeout = members.index(rank), len(members), timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, index, size, options)
+    return dist.ProcessGroupGloo(prefixed, index, size, timeout)
+
+
+def abort(group: dist.ProcessGroup) -> None:
+    """Abort `group` so collectives blocked in it return (best effort: a backend may lack it)."""
+    with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
+        group.abort()
+
+
+class Commands:
+    """Rank 0 posts numbered commands; every other rank reads each one, in order."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self.store = store
+        self.seq = 0  # the last command posted (rank 0) or read (the others)
+
+    def post(self, **command: object) -> None:
+        self.seq += 1
+        self.store.set(f"cmd/{self.seq}", json.dumps(command))
+        if self.seq > KEEP_COMMANDS:
+            self.store.delete_key(f"cmd/{self.seq - KEEP_COMMANDS}")
+
+    def next(self) -> dict | None:
+        """The next command; None once rank 0's store is gone (rank 0 exited)."""
+        key = f"cmd/{self.seq + 1}"
+        while True:
+            try:
+                self.store.wait([key], timedelta(seconds=POLL_S))
+                break
+            except (RuntimeError, dist.DistError):
+                if not store_alive(self.store):
+                    return None
+        self.seq += 1
+        return json.loads(self.store.get(key))
+
+
+def store_alive(store: dist.Store) -> bool:
+    try:
+        store.check(["spec"])
+    except (RuntimeError, dist.DistError):
+        return False
+    return True
