@@ -165,7 +165,7 @@ def parse_body(model: type[Body], body: bytes) -> Body:
     try:
         return model.model_validate_json(body or b"{}")
     except ValidationError as err:
-        raise BadInput(f"request body: {describe_validation_error(err)}") from None
+        raise BadInput(f"request body: {describe_validation_error(err, 'body')}") from None
 
 
 async def submit_while_connected(

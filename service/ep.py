@@ -29,12 +29,14 @@ import dataclasses
 import json
 import logging
 import multiprocessing.connection
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -50,7 +52,7 @@ from kernels.tensors import ForwardInputs, Routing
 from kernels.workspace import Workspace
 from service import ep_group
 from service.engine import Engine, LayerSource, NonFiniteRows, ServedLayer
-from service.ep_group import Commands, Rendezvous
+from service.ep_group import Commands, Generation, Rendezvous
 from service.errors import NotReady
 from service.settings import Settings
 from weights.load import load_layer, read_manifest
@@ -130,13 +132,13 @@ def build_ep_kernel(
     source: LayerSource,
     placement: Placement,
     rank: int,
-    group: dist.ProcessGroup,
+    current: Callable[[], Generation],
     spec: RankSpec,
     device: torch.device,
     workspace: Workspace,
 ) -> tuple[MoELayer, Selection]:
     """`source` holds `rank`'s experts of `placement` (over the group's ranks): compose them
-    with naive-ep's sender mode and the replica map."""
+    with naive-ep's sender mode and the replica map, waiting through `current()` generation."""
     layer, choice = build_layer(
         source.config,
         source.weights,
@@ -145,7 +147,7 @@ def build_ep_kernel(
         workspace,
         spec.chunk_tokens,
         expert_map=placement.replica_map(rank).to(device),
-        prepare_finalize=NaiveEP(group, sender=0),
+        prepare_finalize=NaiveEP(current().group, sender=0, wait=lambda w: current().wait(w)),
     )
     counts = [len(ids) for ids in placement.ranks]
     reason = f"{choice.reason}; experts over {placement.world_size} ranks, per rank {counts}"
@@ -153,10 +155,10 @@ def build_ep_kernel(
 
 
 def regroup_kernel(
-    kernel: ModularKernel, placement: Placement, index: int, group: dist.ProcessGroup
+    kernel: ModularKernel, placement: Placement, index: int, generation: Generation
 ) -> None:
     """Point `kernel` at a new group in which this rank is `index` of `placement`'s ranks."""
-    kernel.prepare_finalize.group = group
+    kernel.prepare_finalize.group = generation.group
     device = kernel.spec.expert_map.device
     kernel.spec = dataclasses.replace(
         kernel.spec, expert_map=placement.replica_map(index).to(device)
@@ -199,9 +201,9 @@ class EPEngine(Engine):
         self.on_degraded: Callable[[str], None] = lambda _reason: None
         self._closing = False
         self._lock = threading.RLock()  # one forward, regroup or switch at a time
-        self._generation = 0
         self.members = list(range(self.world_size))  # live global ranks; group rank = index
-        self._retired: list[dist.ProcessGroup] = []  # dead generations' groups, never destroyed
+        self.gen: Generation | None = None  # the group among them
+        self._retired: list[Generation] = []  # kept: a broken group is never destroyed
         self._liveness = _Liveness()
         self._rebalance_seq = 0
         self._staged: dict[str, tuple[int, ServedLayer, Placement]] = {}
@@ -219,7 +221,6 @@ class EPEngine(Engine):
             self.world_size, self.device.type, self.backend, self.chunk_tokens, tuple(plans)
         )
         self.store.set("spec", self.spec.to_json())
-        self.group: dist.ProcessGroup | None = None
         self._layers: dict[str, _Layer] = {}
         ctx = mp.get_context("spawn")
         local = settings.ep_local_ranks or self.world_size
@@ -247,12 +248,13 @@ class EPEngine(Engine):
                 for p in self.spec.layers
             ]
             self._wait_for_ranks()
-            self.group = ep_group.make_group(
+            self.gen = ep_group.make_group(
                 self.store, 0, self.members, 0, self.device, COLLECTIVE_TIMEOUT_S
             )
         except Exception:
             self.close()
             raise
+        NaiveEP.outside_groups += 1
         for plan in self.spec.layers:
             self._layers[plan.name] = self._layer_state(plan, plan.placement)
         self._set_rank_gauges()
@@ -268,7 +270,7 @@ class EPEngine(Engine):
     def build(self, source: LayerSource) -> tuple[MoELayer, Selection]:
         placement = self._layers[source.name].placement
         return build_ep_kernel(
-            source, placement, 0, self.group, self.spec, self.device, self.workspace
+            source, placement, 0, lambda: self.gen, self.spec, self.device, self.workspace
         )
 
     def _worker(self, rank: int) -> mp.Process | None:
@@ -312,6 +314,7 @@ class EPEngine(Engine):
                 reason = f"forward of layer {name!r} failed: {type(err).__name__}: {err}"
                 if not self._recover(reason, wait_s=HEARTBEAT_TIMEOUT_S):
                     raise NotReady(f"expert parallelism is down: {self.failure}") from err
+            log.warning("layer %s: the batch runs again on ranks %s", name, self.members)
             return self._forward_once(name, inputs)  # on the survivors' group
 
     def _forward_once(self, name: str, inputs: ForwardInputs) -> LayerOutput:
@@ -396,22 +399,25 @@ class EPEngine(Engine):
         self._set_rank_gauges()
         return True
 
+    def _abort_generation(self) -> None:
+        """Every rank stops waiting on the current group's collectives (they never finish)."""
+        self.store.set(f"abort/{self.gen.number}", "1")
+        self.gen.abort()
+
     def _regroup(self, live: list[int]) -> None:
-        old = self.group
-        self.store.set(f"abort/{self._generation}", "1")
-        ep_group.abort(old)
-        self._retired.append(old)
-        self._generation += 1
+        self._abort_generation()
+        self._retired.append(self.gen)
         self.members = live
-        for rank, staged in list(self._staged.items()):
-            self._cancel_staged(rank, staged[0], "a rank died while staging")
-        self.commands.post(op="regroup", generation=self._generation, members=live)
-        self.group = ep_group.make_group(
-            self.store, self._generation, live, 0, self.device, COLLECTIVE_TIMEOUT_S
+        for name, staged in list(self._staged.items()):
+            self._cancel_staged(name, staged[0], "a rank died while staging")
+        number = self.gen.number + 1
+        self.commands.post(op="regroup", generation=number, members=live)
+        self.gen = ep_group.make_group(
+            self.store, number, live, 0, self.device, COLLECTIVE_TIMEOUT_S
         )
         for name, state in self._layers.items():
             survivors = state.placement.surviving(live)
-            regroup_kernel(self.get(name).layer.kernel, survivors, 0, self.group)
+            regroup_kernel(self.get(name).layer.kernel, survivors, 0, self.gen)
             state.owners = survivors.owner_map().to(self.device)
 
     def _watch(self) -> None:
@@ -421,9 +427,11 @@ class EPEngine(Engine):
             multiprocessing.connection.wait(list(sentinels), timeout=1.0)
             if self._closing:
                 return
-            with self._lock:
-                if self.failure is None and (dead := self._dead_ranks()):
-                    self._recover("; ".join(dead.values()), wait_s=0)
+            if self.failure is None and self._dead_ranks():
+                self._abort_generation()  # a forward waiting on the dead rank returns now
+                with self._lock:
+                    if self.failure is None and (dead := self._dead_ranks()):
+                        self._recover("; ".join(dead.values()), wait_s=0)
             sentinels = {s: r for s, r in sentinels.items() if r in self.members}
 
     def _fail(self, reason: str) -> None:
@@ -497,7 +505,13 @@ class EPEngine(Engine):
                 Path(state.plan.path), self.device, experts=placement.local_experts(0)
             )
             layer, choice = build_ep_kernel(
-                source, placement, 0, self.group, self.spec, self.device, Workspace(self.device)
+                source,
+                placement,
+                0,
+                lambda: self.gen,
+                self.spec,
+                self.device,
+                Workspace(self.device),
             )
             served = dataclasses.replace(
                 self.get(name), layer=layer, selection=choice, device_bytes=source.weights.nbytes()
@@ -549,9 +563,10 @@ class EPEngine(Engine):
             worker.join(COLLECTIVE_TIMEOUT_S if self.failure is None else 0)
             if worker.is_alive():
                 worker.kill()
-        for group in [*self._retired, self.group]:
-            if group is not None:
-                ep_group.abort(group)
+        if self.gen is not None:  # the retired ones were aborted when they retired
+            self.gen.abort()
+            NaiveEP.outside_groups -= 1
+            self.gen = None
 
 
 # ---- ranks 1..N-1 ---------------------------------------------------------------------------
@@ -580,16 +595,15 @@ class _Rank:
         self.store.wait(["spec"])
         self.spec = RankSpec.from_json(self.store.get("spec"))
         self.members = list(range(self.spec.world_size))
-        self.generation = 0
-        self.group: dist.ProcessGroup | None = None
-        self.retired: list[dist.ProcessGroup] = []
+        self.gen: Generation | None = None
+        self.retired: list[Generation] = []  # kept: a broken group is never destroyed
         self.workspace = Workspace(device)
         self.layers: dict[str, _RankLayer] = {}
 
     def load(self) -> None:
         loaded = [(p, self._load(p, p.placement)) for p in self.spec.layers]
         self.store.set(f"status/{self.rank}", "")
-        self.group = ep_group.make_group(
+        self.gen = ep_group.make_group(
             self.store, 0, self.members, self.rank, self.device, COLLECTIVE_TIMEOUT_S
         )
         for plan, source in loaded:
@@ -612,9 +626,9 @@ class _Rank:
     def _kernel(self, source: LayerSource, placement: Placement, ws: Workspace) -> ModularKernel:
         index = self.members.index(self.rank)
         survivors = placement.surviving(self.members)
-        return build_ep_kernel(source, survivors, index, self.group, self.spec, self.device, ws)[
-            0
-        ].kernel
+        return build_ep_kernel(
+            source, survivors, index, lambda: self.gen, self.spec, self.device, ws
+        )[0].kernel
 
     def serve(self, commands: Commands) -> None:
         """Run rank 0's commands until it says exit or is gone."""
@@ -632,15 +646,19 @@ class _Rank:
         self.members = command["members"]
         if self.rank not in self.members:
             raise SystemExit(f"rank {self.rank} was dropped from the group")
-        self.retired.append(self.group)
-        ep_group.abort(self.group)
-        self.generation = command["generation"]
-        self.group = ep_group.make_group(
-            self.store, self.generation, self.members, self.rank, self.device, COLLECTIVE_TIMEOUT_S
+        self.gen.abort()
+        self.retired.append(self.gen)
+        self.gen = ep_group.make_group(
+            self.store,
+            command["generation"],
+            self.members,
+            self.rank,
+            self.device,
+            COLLECTIVE_TIMEOUT_S,
         )
         index = self.members.index(self.rank)
         for layer in self.layers.values():
-            regroup_kernel(layer.kernel, layer.placement.surviving(self.members), index, self.group)
+            regroup_kernel(layer.kernel, layer.placement.surviving(self.members), index, self.gen)
             layer.staged.clear()
 
     def _stage(self, command: dict) -> None:
@@ -678,15 +696,21 @@ class _Rank:
         self.layers[command["layer"]].staged.pop(command["id"], None)
 
 
-def _heartbeat(rank: int, rv: Rendezvous, stop: threading.Event, current: Callable) -> None:
-    """Tell rank 0 this rank lives; abort the current group when rank 0 replaces it."""
+def _heartbeat(
+    rank: int, rv: Rendezvous, stop: threading.Event, current: Callable[[], Generation | None]
+) -> None:
+    """Tell rank 0 this rank lives; abort the current group when rank 0 gives it up."""
     store = ep_group.connect(rv, rank, JOIN_TIMEOUT_S)
     while not stop.wait(ep_group.HEARTBEAT_S):
         try:
             store.add(f"beat/{rank}", 1)
-            generation, group = current()
-            if group is not None and store.check([f"abort/{generation}"]):
-                ep_group.abort(group)
+            gen = current()
+            if (
+                gen is not None
+                and not gen.aborted.is_set()
+                and store.check([f"abort/{gen.number}"])
+            ):
+                gen.abort()
         except (RuntimeError, dist.DistError):
             return  # rank 0 is gone; the main loop sees it too
 
@@ -699,7 +723,7 @@ def run_rank(rank: int, rv: Rendezvous, device: torch.device) -> None:
     stop = threading.Event()
     threading.Thread(
         target=_heartbeat,
-        args=(rank, rv, stop, lambda: (state.generation, state.group)),
+        args=(rank, rv, stop, lambda: state.gen),
         name="moe-serve-ep-heartbeat",
         daemon=True,
     ).start()
@@ -710,9 +734,8 @@ def run_rank(rank: int, rv: Rendezvous, device: torch.device) -> None:
         raise
     state.serve(Commands(state.store))
     stop.set()
-    for group in [*state.retired, state.group]:
-        if group is not None:
-            ep_group.abort(group)
+    if state.gen is not None:  # the retired ones were aborted when they retired
+        state.gen.abort()
 
 
 def worker_main(rank: int, rv: Rendezvous, device: str) -> None:
@@ -722,3 +745,14 @@ def worker_main(rank: int, rv: Rendezvous, device: str) -> None:
         run_rank(rank, rv, torch.device(device))
     except Exception:
         log.exception("rank %d failed", rank)
+        leave(1)
+    leave(0)
+
+
+def leave(status: int) -> NoReturn:
+    """Exit without running destructors: torch's process groups and store clients, torn down
+    at interpreter exit with their threads still running, call std::terminate."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

@@ -21,6 +21,8 @@ import contextlib
 import json
 import os
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -28,7 +30,10 @@ import torch
 import torch.distributed as dist
 
 HEARTBEAT_S = 0.5
-POLL_S = 1.0  # how long one wait for the next command lasts before checking the store is there
+# One wait for the next command; a closed store (rank 0 gone) ends it at once, so this only
+# bounds how often an idle rank checks.
+POLL_S = 3600.0
+WAIT_POLL_S = 50e-6  # gloo: how often a wait on a collective checks for an abort
 KEEP_COMMANDS = 256  # commands kept in the store (every live rank reads one before the next)
 
 
@@ -65,29 +70,52 @@ def connect(rv: Rendezvous, rank: int, timeout_s: float) -> dist.TCPStore:
     )
 
 
+@dataclass(frozen=True)
+class Generation:
+    """One group among the live ranks; the next replaces it when a rank dies."""
+
+    number: int
+    members: tuple[int, ...]  # global ranks; group rank i is members[i]
+    group: dist.ProcessGroup
+    aborted: threading.Event  # set once a member is known dead: stop waiting on collectives
+    poll: bool  # gloo: waits poll `aborted` (its abort does not wake a blocked wait)
+
+    def abort(self) -> None:
+        """Make collectives of this group return: NCCL aborts them; gloo waits see `aborted`."""
+        self.aborted.set()
+        with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
+            self.group.abort()
+
+    def wait(self, work: dist.Work) -> None:
+        """Wait for a collective of this group; RuntimeError once the group is aborted. With
+        NCCL, wait() only orders the current stream after the collective: no host wait."""
+        if self.poll:
+            while not work.is_completed():
+                if self.aborted.is_set():
+                    raise RuntimeError("the expert-parallel group was aborted: a rank died")
+                time.sleep(WAIT_POLL_S)
+        work.wait()
+
+
 def make_group(
     store: dist.Store,
-    generation: int,
+    number: int,
     members: list[int],
     rank: int,
     device: torch.device,
     timeout_s: float,
-) -> dist.ProcessGroup:
-    """Generation `generation`'s group among `members` (global ranks; this rank is group rank
+) -> Generation:
+    """Generation `number`'s group among `members` (global ranks; this rank is group rank
     members.index(rank)): NCCL on GPUs, gloo on the CPU. Blocks until every member joins."""
-    prefixed = dist.PrefixStore(f"gen{generation}/", store)
+    prefixed = dist.PrefixStore(f"gen{number}/", store)
     index, size, timeout = members.index(rank), len(members), timedelta(seconds=timeout_s)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, index, size, options)
-    return dist.ProcessGroupGloo(prefixed, index, size, timeout)
-
-
-def abort(group: dist.ProcessGroup) -> None:
-    """Abort `group` so collectives blocked in it return (best effort: a backend may lack it)."""
-    with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
-        group.abort()
+        group = dist.ProcessGroupNCCL(prefixed, index, size, options)
+    else:
+        group = dist.ProcessGroupGloo(prefixed, index, size, timeout)
+    return Generation(number, tuple(members), group, threading.Event(), device.type != "cuda")
 
 
 class Commands:

@@ -15,7 +15,7 @@ import os
 import torch
 
 from kernels.stages import resolve_device
-from service.ep import run_rank
+from service.ep import leave, run_rank
 from service.ep_group import Rendezvous
 
 log = logging.getLogger(__name__)
@@ -50,4 +50,4 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     rv = Rendezvous(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world)
     run_rank(rank, rv, device)
-    return 0
+    leave(0)

@@ -33,6 +33,7 @@ standard-format EP stage would have to redo; every scheme has a standard-format 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import ClassVar
 
@@ -71,30 +72,30 @@ def unpack_rows(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Te
 class NaiveEP(PrepareFinalize):
     name: ClassVar[str] = "naive-ep"
     format: ClassVar[Format] = Format.STANDARD
-    # whether this process has built one with a group of its own (the service's groups live
-    # outside torch.distributed's default group)
-    given_group: ClassVar[bool] = False
+    # groups held outside torch.distributed's default group (service.ep counts its own)
+    outside_groups: ClassVar[int] = 0
 
     def __init__(
         self,
         group: dist.ProcessGroup | None = None,
         sequence_parallel: bool = False,
         sender: int | None = None,
+        wait: Callable[[dist.Work], None] | None = None,
     ) -> None:
         if sequence_parallel and sender is not None:
             raise ValueError("sequence_parallel and sender are two different modes")
         self.group = group  # None: the default (world) group
-        if group is not None:
-            NaiveEP.given_group = True
         self.sequence_parallel = sequence_parallel
         self.sender = sender  # the group rank that brings every token; None: every rank brings
+        # how the sender mode waits for its collectives (the service's stops when a rank dies)
+        self.wait = wait or (lambda work: work.wait())
         # tokens each rank brought to the chunk in flight: set by prepare, read by finalize
         # (the modular kernel runs them back to back)
         self._counts: list[int] = []
 
     @classmethod
     def supports(cls, device: torch.device) -> Support:  # noqa: ARG003
-        if not (dist.is_available() and (dist.is_initialized() or cls.given_group)):
+        if not (dist.is_available() and (dist.is_initialized() or cls.outside_groups)):
             return Support(False, "needs an initialised torch.distributed process group")
         return YES
 
@@ -146,14 +147,14 @@ class NaiveEP(PrepareFinalize):
             else expert_out.float()
         )  # [M, K] float32, this rank's experts only
         if self.sender is not None:  # the sum lands on the sender; elsewhere out is a placeholder
-            self._group().reduce(partial, self.sender, dist.ReduceOp.SUM).wait()
+            self.wait(self._group().reduce(partial, self.sender, dist.ReduceOp.SUM))
             out.copy_(partial)
             return
         out.copy_(self.reduce_scatter(partial)[: out.shape[0]])
 
     def broadcast(self, rows: torch.Tensor) -> torch.Tensor:
         """The sender's rows [M, B] onto every rank (others bring a buffer of the same shape)."""
-        self._group().broadcast(rows, self.sender).wait()
+        self.wait(self._group().broadcast(rows, self.sender))
         return rows
 
     def all_gather(self, rows: torch.Tensor) -> torch.Tensor:

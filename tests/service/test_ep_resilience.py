@@ -52,7 +52,10 @@ def _app(cache: Path, **settings: object) -> Iterator[TestClient]:
 
 
 def _hidden(tokens: int, seed: int) -> torch.Tensor:
-    return torch.randn(tokens, 256, generator=torch.Generator().manual_seed(seed))
+    """Values the bf16 demo layers hold exactly: the service rounds its input to the layer's
+    dtype before routing, and a near tie may route float32 input elsewhere."""
+    hidden = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(seed))
+    return hidden.to(torch.bfloat16).float()
 
 
 def _check(client: TestClient, expected: Callable, layer: str, tokens: int, seed: int) -> None:
@@ -138,20 +141,21 @@ def test_a_killed_rank_whose_experts_have_copies_degrades_and_keeps_answering(
     demo_cache: Path, expected: Callable, tmp_path: Path
 ) -> None:
     file = _placement_file(tmp_path, [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3], [4, 5, 6, 7]])
-    with _app(demo_cache, ep=3, ep_placement=file) as client, Traffic(client, expected) as traffic:
-        _wait_for(lambda: traffic.replies >= 4, "replies before the kill")
-        client.app.state.runtime.engine.workers[1].kill()  # rank 2
-        ready = _wait_for(lambda: client.get("/ready").json().get("degraded"), "degraded")
-        before = traffic.replies
-        _wait_for(lambda: traffic.replies >= before + 6, "replies after the kill")
-    assert not traffic.errors, traffic.errors[:3]
-    body = client.get("/ready")
-    assert ready is True and body.status_code == 200
-    reason = body.json()["reason"]
-    assert "rank 2 exited" in reason and "serving on ranks [0, 1]" in reason, reason
-    assert _metric(client, "moe_serve_ep_degraded") == 1
-    assert _metric(client, "moe_serve_ep_live_ranks") == 2
-    assert client.get("/v1/layers/demo/placement").json()["live_ranks"] == [0, 1]
+    with _app(demo_cache, ep=3, ep_placement=file) as client:
+        with Traffic(client, expected) as traffic:
+            _wait_for(lambda: traffic.replies >= 4, "replies before the kill")
+            client.app.state.runtime.engine.workers[1].kill()  # rank 2
+            _wait_for(lambda: client.get("/ready").json().get("degraded"), "degraded")
+            before = traffic.replies
+            _wait_for(lambda: traffic.replies >= before + 6, "replies after the kill")
+        assert not traffic.errors, traffic.errors[:3]
+        body = client.get("/ready")
+        assert body.status_code == 200 and body.json()["degraded"] is True
+        reason = body.json()["reason"]
+        assert "rank 2 exited" in reason and "serving on ranks [0, 1]" in reason, reason
+        assert _metric(client, "moe_serve_ep_degraded") == 1
+        assert _metric(client, "moe_serve_ep_live_ranks") == 2
+        assert client.get("/v1/layers/demo/placement").json()["live_ranks"] == [0, 1]
 
 
 def test_a_killed_rank_holding_the_only_copy_of_an_expert_turns_everything_503(
@@ -198,23 +202,30 @@ def test_placement_switches_under_traffic_without_a_wrong_or_lost_reply(
     assert not traffic.errors, traffic.errors[:3]
 
 
-@pytest.mark.parametrize(
-    ("body", "status", "message"),
-    [
-        ({"ranks": [[0, 1, 2], [3, 4, 5]]}, 400, r"missing \[6, 7\]"),
+def test_bad_placements_are_refused_naming_the_problem(demo_cache: Path) -> None:
+    refused = [
+        ({"ranks": [[0, 1, 2], [3, 4, 5]]}, 400, "missing [6, 7]"),
         ({"ranks": [[0, 1, 2, 3, 4, 5, 6, 7]]}, 400, "lists 1 ranks, the group has 2"),
+        ({"ranks": [[0, 0, 1, 2, 3], [4, 5, 6, 7]]}, 400, "rank 0 lists experts [0] more"),
         ({"placement": "even"}, 400, "placement"),
         ({}, 400, 'either "ranks" or "placement": "auto"'),
-    ],
-)
-def test_bad_placements_are_refused_naming_the_problem(
-    demo_cache: Path, body: dict, status: int, message: str
-) -> None:
+    ]
     with _app(demo_cache, ep=2) as client:
-        r = client.post("/v1/layers/demo/placement", json=body)
-        assert r.status_code == status and message in r.json()["error"], r.text
+        for body, status, message in refused:
+            r = client.post("/v1/layers/demo/placement", json=body)
+            assert r.status_code == status and message in r.json()["error"], r.text
         r = client.post("/v1/layers/nope/placement", json={"placement": "auto"})
         assert r.status_code == 404
+        assert client.get("/v1/layers/demo/placement").json()["rebalance"] == "none"
+
+
+def test_placements_need_expert_parallelism(make_client: Callable[..., TestClient]) -> None:
+    client = make_client()
+    for r in (
+        client.get("/v1/layers/tiny/placement"),
+        client.post("/v1/layers/tiny/placement", json={"placement": "auto"}),
+    ):
+        assert r.status_code == 409 and "--ep N" in r.json()["error"], r.text
 
 
 def test_a_rank_from_another_host_joins_through_the_torch_distributed_environment(
