@@ -32,4 +32,4 @@ async def ready(runtime: RuntimeDep) -> JSONResponse:
         body = ReadyResponse(ready=True, degraded=True, reason=runtime.degraded)
         return JSONResponse(body.model_dump())
     body = ReadyResponse(ready=False, reason=runtime.not_ready)
-    return JSONResponse(body.model_dump(), status_code=503)
+    return JSONResponse(body.model_dump(exclude_none=True), status_code=503)
