@@ -44,6 +44,7 @@ import torch.multiprocessing as mp
 
 from kernels.input_checks import check_shapes
 from kernels.layer import LayerOutput, MoELayer, build_layer, expert_tokens
+from kernels.layer_graphs import LayerGraphs, can_capture
 from kernels.modular import ModularKernel
 from kernels.placement import Placement, balancedness, rank_tokens
 from kernels.prepare_finalize.naive_ep import NaiveEP
@@ -194,7 +195,10 @@ class EPEngine(Engine):
     ) -> None:
         self.world_size = settings.ep
         super().__init__(
-            rank_device(settings.torch_device(), 0), settings.backend, settings.max_batch_tokens
+            rank_device(settings.torch_device(), 0),
+            settings.backend,
+            settings.max_batch_tokens,
+            cuda_graphs=settings.cuda_graphs,
         )
         self.metrics = metrics  # service.metrics.Metrics: the EP gauges
         self.degraded: str | None = None  # why fewer ranks serve than started; None: all do
@@ -267,6 +271,20 @@ class EPEngine(Engine):
             plan, placement, owners, torch.zeros(placement.num_experts, dtype=torch.float64)
         )
 
+    @property
+    def captures(self) -> bool:
+        """On GPUs every rank captures each layer's buckets together (NCCL in the graphs)."""
+        return self.cuda_graphs and self.device.type == "cuda"
+
+    def warm_up(self, token_counts: Sequence[int], names: Sequence[str] | None = None) -> None:
+        """Every rank captures with rank 0, layer by layer, bucket by bucket (the eager run
+        before each capture is a collective), then the warm-up forwards run."""
+        for name in list(self.layers) if names is None else names:
+            graphs = self.layers[name].graphs
+            if graphs is not None:
+                self.commands.post(op="capture", layer=name, buckets=list(graphs.buckets))
+        super().warm_up(token_counts, names)
+
     def build(self, source: LayerSource) -> tuple[MoELayer, Selection]:
         placement = self._layers[source.name].placement
         return build_ep_kernel(
@@ -321,14 +339,19 @@ class EPEngine(Engine):
         served, state = self.get(name), self._layers[name]
         check_shapes(served.config, inputs, has_router=served.has_router)  # before ranks start
         tokens = inputs.hidden_states.shape[0]
-        self.commands.post(op="forward", layer=name, tokens=tokens)
+        graphs = served.graphs
+        bucket = None if graphs is None else graphs.bucket(tokens)
+        self.commands.post(op="forward", layer=name, tokens=tokens, bucket=bucket)
         logits = inputs.router_logits
         on_device = ForwardInputs(
             inputs.hidden_states.to(self.device),
             None if logits is None else logits.to(self.device),
         )
         with torch.inference_mode():
-            result = served.layer.forward(on_device)
+            if graphs is None:
+                result = served.layer.forward(on_device)
+            else:  # every other rank replays the same bucket's graph
+                result = graphs.forward(on_device).output
             ids = result.routing.topk_ids
             per_rank = rank_tokens(ids, state.owners, len(self.members))
             # one small vector, copied back behind the output (no sync of its own)
@@ -417,8 +440,11 @@ class EPEngine(Engine):
         )
         for name, state in self._layers.items():
             survivors = state.placement.surviving(live)
-            regroup_kernel(self.get(name).layer.kernel, survivors, 0, self.gen)
+            served = self.get(name)
+            regroup_kernel(served.layer.kernel, survivors, 0, self.gen)
             state.owners = survivors.owner_map().to(self.device)
+            # graphs hold the old group's communicator: degraded ranks run eagerly
+            self.layers[name] = dataclasses.replace(served, graphs=None)
 
     def _watch(self) -> None:
         """Notice a lost rank between forwards too (a forward notices it by failing)."""
@@ -514,7 +540,11 @@ class EPEngine(Engine):
                 Workspace(self.device),
             )
             served = dataclasses.replace(
-                self.get(name), layer=layer, selection=choice, device_bytes=source.weights.nbytes()
+                self.get(name),
+                layer=layer,
+                selection=choice,
+                device_bytes=source.weights.nbytes(),
+                graphs=None,
             )
             with self._lock:
                 self._staged[name] = (seq, served, placement)
@@ -530,10 +560,24 @@ class EPEngine(Engine):
             del self._staged[name]
             self.commands.post(op="switch", layer=name, id=seq)
             self.layers[name] = served
+            self._capture(name)
             self._layers[name] = dataclasses.replace(
                 self._layer_state(state.plan, placement), rebalance="done"
             )
         log.info("layer %s: placement switched to %s", name, [list(r) for r in placement.ranks])
+
+    def _capture(self, name: str) -> None:
+        """Capture a switched layer's graphs on every rank (between two forwards: holds the
+        lock); a layer that cannot be captured runs eagerly."""
+        served = self.get(name)
+        if not (self.captures and can_capture(served.layer, self.device)):
+            return
+        with_logits = served.layer.router.weight is None
+        graphs = LayerGraphs(served.layer, self.device, self.chunk_tokens, with_logits)
+        self.commands.post(op="capture", layer=name, buckets=list(graphs.buckets))
+        with torch.inference_mode():
+            graphs.capture()
+        self.layers[name] = dataclasses.replace(served, graphs=graphs)
 
     def _await_staged(self, seq: int) -> None:
         for rank in self.members[1:]:
@@ -579,11 +623,30 @@ class _RankLayer:
     hidden: torch.Tensor  # [chunk_tokens, H] placeholders the broadcast overwrites
     routing: Routing
     staged: dict[int, tuple[ModularKernel, Placement] | None] = field(default_factory=dict)
+    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)  # bucket -> graph
 
-    def forward(self, tokens: int) -> None:
+    def forward(self, tokens: int, workspace: Workspace | None = None) -> None:
         rows = slice(0, tokens)
         r = self.routing
-        self.kernel.forward(self.hidden[rows], Routing(r.topk_ids[rows], r.topk_weights[rows]))
+        routing = Routing(r.topk_ids[rows], r.topk_weights[rows])
+        self.kernel.forward(self.hidden[rows], routing, workspace=workspace)
+
+    def capture(self, buckets: Sequence[int], device: torch.device) -> None:
+        """As kernels.layer_graphs captures rank 0's: largest bucket first, each after an eager
+        run on a side stream (a collective with rank 0's), experts' buffers in the graph pool."""
+        pool = torch.cuda.graph_pool_handle()
+        self.graphs.clear()
+        with torch.cuda.device(device):
+            for bucket in sorted(buckets, reverse=True):
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    self.forward(bucket, Workspace(device))
+                torch.cuda.current_stream(device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    self.forward(bucket, Workspace(device))
+                self.graphs[bucket] = graph
 
 
 class _Rank:
@@ -640,7 +703,15 @@ class _Rank:
                 log.exception("rank %d: command %s failed", self.rank, command["op"])
 
     def _forward(self, command: dict) -> None:
-        self.layers[command["layer"]].forward(command["tokens"])
+        layer = self.layers[command["layer"]]
+        graph = layer.graphs.get(command.get("bucket"))
+        if graph is not None:
+            graph.replay()  # rank 0 replays the same bucket's
+        else:  # rank 0's graph pads to the bucket: as many rows
+            layer.forward(command.get("bucket") or command["tokens"])
+
+    def _capture(self, command: dict) -> None:
+        self.layers[command["layer"]].capture(command["buckets"], self.device)
 
     def _regroup(self, command: dict) -> None:
         self.members = command["members"]
@@ -660,6 +731,7 @@ class _Rank:
         for layer in self.layers.values():
             regroup_kernel(layer.kernel, layer.placement.surviving(self.members), index, self.gen)
             layer.staged.clear()
+            layer.graphs.clear()  # they hold the old group's communicator
 
     def _stage(self, command: dict) -> None:
         layer = self.layers[command["layer"]]
@@ -691,6 +763,7 @@ class _Rank:
     def _switch(self, command: dict) -> None:
         layer = self.layers[command["layer"]]
         layer.kernel, layer.placement = layer.staged.pop(command["id"])
+        layer.graphs.clear()  # rank 0 has them captured anew (a capture command follows)
 
     def _drop(self, command: dict) -> None:
         self.layers[command["layer"]].staged.pop(command["id"], None)

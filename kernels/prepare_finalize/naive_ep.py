@@ -89,6 +89,9 @@ class NaiveEP(PrepareFinalize):
         self.sender = sender  # the group rank that brings every token; None: every rank brings
         # how the sender mode waits for its collectives (the service's stops when a rank dies)
         self.wait = wait or (lambda work: work.wait())
+        # fixed shapes and no host sync: CUDA graphs can hold its collectives (every rank
+        # captures, then replays, the same bucket's graph)
+        self.graph_capturable = sender is not None
         # tokens each rank brought to the chunk in flight: set by prepare, read by finalize
         # (the modular kernel runs them back to back)
         self._counts: list[int] = []

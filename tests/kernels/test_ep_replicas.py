@@ -8,8 +8,10 @@ rank 0 bringing all tokens, and rank 0 saves the outputs; each test compares one
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -85,7 +87,7 @@ def _run_rank(rank: int, port: int, files: Path) -> None:
     group = dist.ProcessGroupGloo(
         dist.PrefixStore("gen1", store), rank, WORLD, timedelta(seconds=TIMEOUT_S)
     )
-    outputs = {}
+    outputs, runs = {}, {}
     for name, case in CASES.items():
         placement = Placement(case.placement, case.cfg.num_experts)
         local = torch.tensor(placement.local_experts(rank))
@@ -102,9 +104,59 @@ def _run_rank(rank: int, port: int, files: Path) -> None:
             hidden = torch.zeros_like(hidden)
             routing = Routing(torch.zeros_like(routing.topk_ids), routing.topk_weights * 0)
         outputs[name] = kernel.forward(hidden, routing)
+        runs[name] = (kernel, hidden, routing)
+    reads = {}
+    for name in NO_SYNC_CASES:  # a second forward of each, the stage's host reads noted
+        kernel, hidden, routing = runs[name]
+        with _host_reads(kernel.prepare_finalize) as reads[name]:
+            kernel.forward(hidden, routing)
+    torch.save(reads, files / f"host_reads{rank}.pt")
     if rank == 0:
         torch.save(outputs, files / "outputs.pt")
     group.barrier().wait()
+
+
+NO_SYNC_CASES = ("replicas", "chunked", "fp8_block", "all_tokens_to_a_replicated_expert")
+_HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def _host_reads(stage: NaiveEP) -> Iterator[list[str]]:
+    """Notes each tensor value read on the host (each one a sync on a GPU) inside the stage's
+    methods (the reference experts, an oracle, read freely)."""
+    reads: list[str] = []
+    inside = [False]
+    originals = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
+
+    def noting(name: str) -> Callable:
+        def read(self: torch.Tensor, *args: object) -> object:
+            if inside[0]:
+                reads.append(name)
+            return originals[name](self, *args)
+
+        return read
+
+    def watched(method: Callable) -> Callable:
+        def call(*args: object, **kwargs: object) -> object:
+            inside[0] = True
+            try:
+                return method(*args, **kwargs)
+            finally:
+                inside[0] = False
+
+        return call
+
+    for name in _HOST_READS:
+        setattr(torch.Tensor, name, noting(name))
+    for method in ("planned_tokens", "prepare", "finalize"):
+        setattr(stage, method, watched(getattr(stage, method)))
+    try:
+        yield reads
+    finally:
+        for name, method in originals.items():
+            setattr(torch.Tensor, name, method)
+        for method in ("planned_tokens", "prepare", "finalize"):
+            delattr(stage, method)
 
 
 def _free_port() -> int:
@@ -114,7 +166,7 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def ep_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+def ep_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     files = tmp_path_factory.mktemp("ep_replicas")
     ctx = mp.start_processes(
         _run_rank, args=(_free_port(), files), nprocs=WORLD, start_method="spawn", join=False
@@ -125,7 +177,12 @@ def ep_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
             for p in ctx.processes:
                 p.kill()
             pytest.fail("the gloo ranks did not finish in time")
-    return torch.load(files / "outputs.pt")
+    return files
+
+
+@pytest.fixture(scope="module")
+def ep_run(ep_files: Path) -> dict[str, torch.Tensor]:
+    return torch.load(ep_files / "outputs.pt")
 
 
 def _single_process(case: Case) -> torch.Tensor:
@@ -140,6 +197,12 @@ def test_sender_mode_over_three_ranks_matches_one_process(
 ) -> None:
     case = CASES[name]
     assert relative_error(ep_run[name], _single_process(case)) < case.tol
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_the_sender_mode_forward_reads_nothing_back_on_any_rank(ep_files: Path, rank: int) -> None:
+    reads = torch.load(ep_files / f"host_reads{rank}.pt")
+    assert reads == {name: [] for name in NO_SYNC_CASES}
 
 
 # ---- placements and replica tables -----------------------------------------------------------
