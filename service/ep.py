@@ -336,7 +336,7 @@ class EPEngine(Engine):
             return self._forward_once(name, inputs)  # on the survivors' group
 
     def _forward_once(self, name: str, inputs: ForwardInputs) -> LayerOutput:
-        served, state = self.get(name), self._layers[name]
+        served, state, gen = self.get(name), self._layers[name], self.gen
         check_shapes(served.config, inputs, has_router=served.has_router)  # before ranks start
         tokens = inputs.hidden_states.shape[0]
         graphs = served.graphs
@@ -366,6 +366,8 @@ class EPEngine(Engine):
                 result.output.cpu(),
                 Routing(ids.cpu(), result.routing.topk_weights.cpu()),
             )
+        if gen.aborted.is_set():  # NCCL: an aborted collective returns, its data unfinished
+            raise RuntimeError("the group was aborted during the forward: a rank died")
         state.balancedness = float(stats[0])
         state.counts += stats[2:]
         if self.metrics is not None:
