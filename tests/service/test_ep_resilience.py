@@ -228,22 +228,53 @@ def test_placements_need_expert_parallelism(make_client: Callable[..., TestClien
         assert r.status_code == 409 and "--ep N" in r.json()["error"], r.text
 
 
-def test_a_rank_from_another_host_joins_through_the_torch_distributed_environment(
-    demo_cache: Path, expected: Callable, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    port = _free_port()
+@contextlib.contextmanager
+def _other_host(
+    monkeypatch: pytest.MonkeyPatch, rank: int, world: int
+) -> Iterator[subprocess.Popen]:
+    """`moe-serve ep-rank` as rank `rank` in its own process, as another host would run it;
+    rank 0 (this process) serves the store at MASTER_ADDR:MASTER_PORT."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "PYTHONPATH": str(ROOT)}
-    other_host = subprocess.Popen(
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "PYTHONPATH": str(ROOT)}
+    process = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "ep-rank", "--device", "cpu"], cwd=ROOT, env=env
     )
     try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_a_rank_from_another_host_joins_through_the_torch_distributed_environment(
+    demo_cache: Path, expected: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with _other_host(monkeypatch, rank=1, world=2) as other_host:
         with _app(demo_cache, ep=2, ep_local_ranks=1) as client:
             assert client.app.state.runtime.engine.workers == []  # no rank spawned here
             for layer in ("demo", "demo-fp8"):
                 _check(client, expected, layer, tokens=9, seed=9)
         assert other_host.wait(timeout=WAIT_S) == 0  # it leaves when rank 0 does
-    finally:
-        if other_host.poll() is None:
-            other_host.kill()
+
+
+def test_a_silent_rank_of_another_host_is_served_around_after_its_heartbeat_stops(
+    demo_cache: Path, expected: Callable, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr("service.ep.HEARTBEAT_TIMEOUT_S", 2.0)
+    file = _placement_file(tmp_path, [list(range(8)), list(range(8))])
+    with (
+        _other_host(monkeypatch, rank=1, world=2) as other_host,
+        _app(demo_cache, ep=2, ep_local_ranks=1, ep_placement=file) as client,
+        Traffic(client, expected) as traffic,
+    ):
+        _wait_for(lambda: traffic.replies >= 4, "replies before the kill")
+        other_host.kill()
+        _wait_for(lambda: client.get("/ready").json().get("degraded"), "degraded")
+        before = traffic.replies
+        _wait_for(lambda: traffic.replies >= before + 4, "replies after the kill")
+        reason = client.get("/ready").json()["reason"]
+        assert "rank 1 sent no heartbeat" in reason and "serving on ranks [0]" in reason, reason
+        r = client.post("/v1/layers/demo/placement", json={"placement": "auto"})
+        assert r.status_code == 409 and "cannot rebalance: rank 1" in r.json()["error"], r.text
+    assert not traffic.errors, traffic.errors[:3]
