@@ -14,7 +14,7 @@ from kernels.registry import experts_backends
 from kernels.selection import select
 from service import logs, tracing
 from service.app import create_app
-from service.ep import initial_placement, rank_device
+from service.ep_layers import initial_placement, rank_device
 from service.front_ends import FrontEnds
 from service.server import listen, server_config
 from service.settings import Settings
