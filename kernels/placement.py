@@ -15,6 +15,7 @@ The split is read on the device from small tables, without a host sync:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -75,9 +76,17 @@ class Placement:
         placement = cls(tuple(tuple(sorted(ids)) for ids in ranks), len(counts))
         return placement.with_redundant(counts, redundant)
 
+    @functools.cached_property
+    def _holders(self) -> tuple[tuple[int, ...], ...]:
+        holders: list[list[int]] = [[] for _ in range(self.num_experts)]
+        for rank, ids in enumerate(self.ranks):
+            for e in ids:
+                holders[e].append(rank)
+        return tuple(map(tuple, holders))
+
     def copies(self, expert: int) -> list[int]:
         """The ranks holding `expert`, in rank order (its replica c is on the c-th)."""
-        return [r for r, ids in enumerate(self.ranks) if expert in ids]
+        return list(self._holders[expert])
 
     @property
     def replicated(self) -> bool:

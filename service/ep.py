@@ -230,16 +230,16 @@ class EPEngine(Engine):
             if self.failure is not None:
                 raise NotReady(f"expert parallelism is down: {self.failure}")
             self.get(name)  # UnknownLayer before any rank is told to start
-            try:
-                return self._forward_once(name, inputs)
-            except NonFiniteRows:
-                raise  # every rank finished the forward: the group is fine
-            except Exception as err:
-                reason = f"forward of layer {name!r} failed: {type(err).__name__}: {err}"
-                if not self._recover(reason, wait_s=HEARTBEAT_TIMEOUT_S):
-                    raise NotReady(f"expert parallelism is down: {self.failure}") from err
-            log.warning("layer %s: the batch runs again on ranks %s", name, self.members)
-            return self._forward_once(name, inputs)  # on the survivors' group
+            while True:  # each retry follows a recovery, which drops a rank: it ends
+                try:
+                    return self._forward_once(name, inputs)
+                except NonFiniteRows:
+                    raise  # every rank finished the forward: the group is fine
+                except Exception as err:
+                    reason = f"forward of layer {name!r} failed: {type(err).__name__}: {err}"
+                    if not self._recover(reason, wait_s=HEARTBEAT_TIMEOUT_S):
+                        raise NotReady(f"expert parallelism is down: {self.failure}") from err
+                log.warning("layer %s: the batch runs again on ranks %s", name, self.members)
 
     def _forward_once(self, name: str, inputs: ForwardInputs) -> LayerOutput:
         served, state, gen = self.get(name), self._layers[name], self.gen
