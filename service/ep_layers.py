@@ -91,7 +91,7 @@ def build_ep_kernel(
     source: LayerSource,
     placement: Placement,
     rank: int,
-    current: Callable[[], Generation],
+    current: Callable[[], Generation | None],
     spec: RankSpec,
     device: torch.device,
     workspace: Workspace,
@@ -106,7 +106,12 @@ def build_ep_kernel(
         workspace,
         spec.chunk_tokens,
         expert_map=placement.replica_map(rank).to(device),
-        prepare_finalize=NaiveEP(current().group, sender=0, wait=lambda w: current().wait(w)),
+        # no generation yet (a rank building before the group forms): set by regroup_kernel
+        prepare_finalize=NaiveEP(
+            None if current() is None else current().group,
+            sender=0,
+            wait=lambda work: current().wait(work),
+        ),
     )
     counts = [len(ids) for ids in placement.ranks]
     reason = f"{choice.reason}; experts over {placement.world_size} ranks, per rank {counts}"

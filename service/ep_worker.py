@@ -84,12 +84,10 @@ class _Rank:
         self.layers: dict[str, _RankLayer] = {}
 
     def load(self) -> None:
-        loaded = [(p, self._load(p, p.placement)) for p in self.spec.layers]
-        self.store.set(f"status/{self.rank}", "")
-        self.gen = ep_group.make_group(
-            self.store, 0, self.members, self.rank, self.device, COLLECTIVE_TIMEOUT_S
-        )
-        for plan, source in loaded:
+        """Load and build every layer, tell rank 0 (which waits for every rank), then join the
+        first generation's group."""
+        for plan in self.spec.layers:
+            source = self._load(plan, plan.placement)
             kernel = self._kernel(source, plan.placement, self.workspace)
             cfg = source.config
             chunk = self.spec.chunk_tokens
@@ -102,6 +100,13 @@ class _Rank:
                     torch.zeros(chunk, cfg.routing.top_k, device=self.device),
                 ),
             )
+        self.store.set(f"status/{self.rank}", "")
+        self.gen = ep_group.make_group(
+            self.store, 0, self.members, self.rank, self.device, COLLECTIVE_TIMEOUT_S
+        )
+        for plan in self.spec.layers:
+            layer = self.layers[plan.name]
+            regroup_kernel(layer.kernel, plan.placement, self.rank, self.gen)
 
     def _load(self, plan: LayerPlan, placement: Placement) -> LayerSource:
         return load_layer(Path(plan.path), self.device, experts=placement.local_experts(self.rank))
