@@ -110,6 +110,9 @@ def make_group(
     prefixed = dist.PrefixStore(f"gen{number}/", store)
     index, size, timeout = members.index(rank), len(members), timedelta(seconds=timeout_s)
     if device.type == "cuda":
+        # 2: on a collective error the watchdog aborts the communicators but leaves the process
+        # alone (the default tears it down), so the survivors can form the next generation
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         group = dist.ProcessGroupNCCL(prefixed, index, size, options)
