@@ -30,9 +30,6 @@ import torch
 import torch.distributed as dist
 
 HEARTBEAT_S = 0.5
-# One wait for the next command; a closed store (rank 0 gone) ends it at once, so this only
-# bounds how often an idle rank checks.
-POLL_S = 3600.0
 WAIT_POLL_S = 50e-6  # gloo: how often a wait on a collective checks for an abort
 KEEP_COMMANDS = 256  # commands kept in the store (every live rank reads one before the next)
 
@@ -135,17 +132,18 @@ class Commands:
             self.store.delete_key(f"cmd/{self.seq - KEEP_COMMANDS}")
 
     def next(self) -> dict | None:
-        """The next command; None once rank 0's store is gone (rank 0 exited)."""
+        """The next command; None once rank 0's store is gone (rank 0 exited). One round trip:
+        the store answers the get once the key is set (or after the client's timeout)."""
         key = f"cmd/{self.seq + 1}"
         while True:
             try:
-                self.store.wait([key], timedelta(seconds=POLL_S))
+                command = self.store.get(key)
                 break
             except (RuntimeError, dist.DistError):
                 if not store_alive(self.store):
                     return None
         self.seq += 1
-        return json.loads(self.store.get(key))
+        return json.loads(command)
 
 
 def store_alive(store: dist.Store) -> bool:
