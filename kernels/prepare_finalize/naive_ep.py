@@ -150,10 +150,14 @@ class NaiveEP(PrepareFinalize):
             else expert_out.float()
         )  # [M, K] float32, this rank's experts only
         if self.sender is not None:  # the sum lands on the sender; elsewhere out is a placeholder
-            self.wait(self._group().reduce(partial, self.sender, dist.ReduceOp.SUM))
-            out.copy_(partial)
+            out.copy_(self.reduce_to_sender(partial))
             return
         out.copy_(self.reduce_scatter(partial)[: out.shape[0]])
+
+    def reduce_to_sender(self, partial: torch.Tensor) -> torch.Tensor:
+        """Every rank's partial sums [M, K] -> their sum on the sender (in place)."""
+        self.wait(self._group().reduce(partial, self.sender, dist.ReduceOp.SUM))
+        return partial
 
     def broadcast(self, rows: torch.Tensor) -> torch.Tensor:
         """The sender's rows [M, B] onto every rank (others bring a buffer of the same shape)."""
