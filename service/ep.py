@@ -355,12 +355,14 @@ class EPEngine(Engine):
             self.layers[name] = dataclasses.replace(served, graphs=None)
 
     def _watch(self) -> None:
-        """Notice a lost rank between forwards too (a forward notices it by failing)."""
+        """Notice a lost rank between forwards too (a forward notices it by failing); prune
+        the commands every rank has read."""
         sentinels = {w.sentinel: r for r, w in enumerate(self.workers, start=1)}
         while not self._closing and self.failure is None:
             multiprocessing.connection.wait(list(sentinels), timeout=1.0)
             if self._closing:
                 return
+            self.commands.prune()
             if self.failure is None and self._dead_ranks():
                 self._abort_generation()  # a forward waiting on the dead rank returns now
                 with self._lock:

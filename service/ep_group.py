@@ -124,12 +124,17 @@ class Commands:
     def __init__(self, store: dist.Store) -> None:
         self.store = store
         self.seq = 0  # the last command posted (rank 0) or read (the others)
+        self._pruned = 0  # commands up to this one are deleted from the store
 
     def post(self, **command: object) -> None:
         self.seq += 1
         self.store.set(f"cmd/{self.seq}", json.dumps(command))
-        if self.seq > KEEP_COMMANDS:
-            self.store.delete_key(f"cmd/{self.seq - KEEP_COMMANDS}")
+
+    def prune(self) -> None:
+        """Delete all but the last KEEP_COMMANDS commands (rank 0, off the forward's path)."""
+        while self._pruned < self.seq - KEEP_COMMANDS:
+            self._pruned += 1
+            self.store.delete_key(f"cmd/{self._pruned}")
 
     def next(self) -> dict | None:
         """The next command; None once rank 0's store is gone (rank 0 exited). One round trip:
