@@ -398,10 +398,12 @@ class EPEngine(Engine):
             "rebalance": state.rebalance,
         }
 
-    def _plan(self, name: str, ranks: Sequence[Sequence[int]] | None) -> Placement:
+    def _plan(
+        self, name: str, ranks: Sequence[Sequence[int]] | None, redundant: int | None
+    ) -> Placement:
         """The placement a rebalance switches to: `ranks`, or (None) one balanced on the tokens
-        seen since the last switch with as many redundant copies as now. ValueError when it
-        does not fit, RuntimeError when no rebalance can start now."""
+        seen since the last switch with `redundant` copies (None: as many as now). ValueError
+        when it does not fit, RuntimeError when no rebalance can start now."""
         state = self._layers[name]
         if self.failure is not None or self.degraded is not None:
             raise RuntimeError(f"cannot rebalance: {self.degraded or self.failure}")
@@ -412,17 +414,21 @@ class EPEngine(Engine):
             if len(ranks) != self.world_size:
                 raise ValueError(f"lists {len(ranks)} ranks, the group has {self.world_size}")
             return Placement(tuple(map(tuple, ranks)), current.num_experts)
-        extra = sum(map(len, current.ranks)) - current.num_experts
-        return Placement.balanced(state.counts.tolist(), self.world_size, extra)
+        if redundant is None:
+            redundant = sum(map(len, current.ranks)) - current.num_experts
+        return Placement.balanced(state.counts.tolist(), self.world_size, redundant)
 
-    def rebalance(self, name: str, ranks: Sequence[Sequence[int]] | None) -> Placement:
-        """Switch layer `name` to the placement `ranks` (None: balanced on the recent counts):
+    def rebalance(
+        self, name: str, ranks: Sequence[Sequence[int]] | None, redundant: int | None = None
+    ) -> Placement:
+        """Switch layer `name` to the placement `ranks` (None: balanced on the recent counts,
+        with `redundant` copies of the hottest experts, None: as many as now):
         every rank loads its new experts in the background; the old placement serves until
         all have, then all switch between two forwards. Returns the placement once staging
         has started; `placement(name)["rebalance"]` follows it."""
         self.get(name)
         with self._lock:
-            placement = self._plan(name, ranks)
+            placement = self._plan(name, ranks, redundant)
             self._rebalance_seq += 1
             seq = self._rebalance_seq
             self._layers[name].rebalance = "staging"

@@ -28,17 +28,20 @@ _ERRORS = {
 class PlacementRequest(BaseModel):
     """Either `ranks` (each rank's global expert ids, in local order; an expert may sit on
     several ranks) or `placement: "auto"`: balanced on the tokens per expert seen since the
-    last switch, with as many redundant copies as now."""
+    last switch, with `redundant` copies of the hottest experts (default: as many as now)."""
 
     model_config = ConfigDict(extra="forbid")
 
     ranks: list[list[NonNegativeInt]] | None = None
     placement: Literal["auto"] | None = None
+    redundant: NonNegativeInt | None = None
 
     @model_validator(mode="after")
     def _one_of(self) -> PlacementRequest:
         if (self.ranks is None) == (self.placement is None):
             raise ValueError('give either "ranks" or "placement": "auto"')
+        if self.redundant is not None and self.placement is None:
+            raise ValueError('"redundant" goes with "placement": "auto"')
         return self
 
 
@@ -70,7 +73,7 @@ async def post_placement(name: str, body: BodyDep, engine: EngineDep) -> JSONRes
     request = parse_body(PlacementRequest, body)
     ep = _ep(engine)
     try:  # on a thread: it waits for the forward in progress
-        placement = await asyncio.to_thread(ep.rebalance, name, request.ranks)
+        placement = await asyncio.to_thread(ep.rebalance, name, request.ranks, request.redundant)
     except ValueError as err:
         raise BadInput(f"placement for layer {name!r}: {err}") from None
     except RuntimeError as err:

@@ -199,6 +199,14 @@ def test_placement_switches_under_traffic_without_a_wrong_or_lost_reply(
         )
         before = traffic.replies
         _wait_for(lambda: traffic.replies >= before + 4, "replies after the auto switch")
+        r = client.post("/v1/layers/demo-fp8/placement", json={"placement": "auto", "redundant": 3})
+        assert r.status_code == 202 and sum(map(len, r.json()["ranks"])) == 11, r.text
+        _wait_for(
+            lambda: client.get("/v1/layers/demo-fp8/placement").json()["rebalance"] == "done",
+            "the fp8 layer's switch",
+        )
+        before = traffic.replies
+        _wait_for(lambda: traffic.replies >= before + 4, "replies after the fp8 layer's switch")
     assert not traffic.errors, traffic.errors[:3]
 
 
@@ -209,6 +217,8 @@ def test_bad_placements_are_refused_naming_the_problem(demo_cache: Path) -> None
         ({"ranks": [[0, 0, 1, 2, 3], [4, 5, 6, 7]]}, 400, "rank 0 lists experts [0] more"),
         ({"placement": "even"}, 400, "placement"),
         ({}, 400, 'either "ranks" or "placement": "auto"'),
+        ({"ranks": [[0, 1, 2, 3], [4, 5, 6, 7]], "redundant": 1}, 400, '"redundant" goes with'),
+        ({"placement": "auto", "redundant": 9}, 400, "9 redundant copies do not fit"),
     ]
     with _app(demo_cache, ep=2) as client:
         for body, status, message in refused:
