@@ -77,6 +77,8 @@ class _Rank:
         self.store = ep_group.connect(rv, rank, JOIN_TIMEOUT_S)
         self.store.wait(["spec"])
         self.spec = RankSpec.from_json(self.store.get("spec"))
+        if self.spec.device_type != device.type:  # NCCL and gloo ranks cannot meet
+            raise ValueError(f"rank 0 runs on {self.spec.device_type}, rank {rank} on {device}")
         self.members = list(range(self.spec.world_size))
         self.gen: Generation | None = None
         self.retired: list[Generation] = []  # kept: a broken group is never destroyed
