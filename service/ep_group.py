@@ -46,10 +46,10 @@ class Rendezvous:
         127.0.0.1 (every rank on this host)."""
         port = os.environ.get("MASTER_PORT")
         host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        return cls(host, int(port) if port else _free_port(), world_size)
+        return cls(host, int(port) if port else free_port(), world_size)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -72,9 +72,8 @@ class _RankLayer:
 class _Rank:
     """One rank other than 0: its layers, its group, and the commands rank 0 posts."""
 
-    def __init__(self, rank: int, rv: Rendezvous, device: torch.device) -> None:
-        self.rank, self.rv, self.device = rank, rv, device
-        self.store = ep_group.connect(rv, rank, JOIN_TIMEOUT_S)
+    def __init__(self, rank: int, store: dist.Store, device: torch.device) -> None:
+        self.rank, self.store, self.device = rank, store, device
         self.store.wait(["spec"])
         self.spec = RankSpec.from_json(self.store.get("spec"))
         if self.spec.device_type != device.type:  # NCCL and gloo ranks cannot meet
@@ -219,20 +218,22 @@ def run_rank(rank: int, rv: Rendezvous, device: torch.device) -> None:
     """Ranks 1..N-1: load this rank's experts, then join every forward rank 0 announces."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    state = _Rank(rank, rv, device)
+    store = ep_group.connect(rv, rank, JOIN_TIMEOUT_S)
     stop = threading.Event()
+    state: _Rank | None = None
     threading.Thread(
         target=_heartbeat,
-        args=(rank, rv, stop, lambda: state.gen),
+        args=(rank, rv, stop, lambda: None if state is None else state.gen),
         name="moe-serve-ep-heartbeat",
         daemon=True,
     ).start()
     try:
+        state = _Rank(rank, store, device)
         state.load()
-    except Exception as err:
-        state.store.set(f"status/{rank}", f"{type(err).__name__}: {err}")
+    except Exception as err:  # rank 0 waits for this rank's word
+        store.set(f"status/{rank}", f"{type(err).__name__}: {err}")
         raise
-    state.serve(Commands(state.store))
+    state.serve(Commands(store))
     stop.set()
     if state.gen is not None:  # the retired ones were aborted when they retired
         state.gen.abort()

@@ -21,7 +21,8 @@ import torch
 from fastapi.testclient import TestClient
 
 from service.app import create_app
-from service.ep_group import _free_port
+from service.ep_group import Rendezvous, free_port
+from service.ep_worker import run_rank
 from service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.test_ep import _forward, _single_process
@@ -245,7 +246,7 @@ def _other_host(
     """`moe-serve ep-rank` as rank `rank` in its own process, as another host would run it;
     rank 0 (this process) serves the store at MASTER_ADDR:MASTER_PORT."""
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen(
         [sys.executable, "-m", "service.cli", "ep-rank", "--device", "cpu"], cwd=ROOT, env=env
@@ -288,3 +289,32 @@ def test_a_silent_rank_of_another_host_is_served_around_after_its_heartbeat_stop
         r = client.post("/v1/layers/demo/placement", json={"placement": "auto"})
         assert r.status_code == 409 and "cannot rebalance: rank 1" in r.json()["error"], r.text
     assert not traffic.errors, traffic.errors[:3]
+
+
+def test_a_rank_that_cannot_load_keeps_the_service_unready_naming_it(
+    demo_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = free_port()
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    errors: list[Exception] = []
+
+    def rank1_on_another_device() -> None:  # as `ep-rank --device` of the wrong kind
+        try:
+            run_rank(1, Rendezvous("127.0.0.1", port, 2), torch.device("meta"))
+        except ValueError as err:
+            errors.append(err)
+
+    rank1 = threading.Thread(target=rank1_on_another_device)
+    rank1.start()
+    app = create_app(Settings(device="cpu", cache_dir=demo_cache, ep=2, ep_local_ranks=1))
+    with TestClient(app) as client:
+        reason = _wait_for(
+            lambda: (
+                "loading the layers failed" in (r := client.get("/ready").json()["reason"]) and r
+            ),
+            "the failed start",
+        )
+    rank1.join(WAIT_S)
+    assert "rank 1 failed to load: ValueError: rank 0 runs on cpu, rank 1 on meta" in reason
+    assert len(errors) == 1
