@@ -65,8 +65,27 @@ def contiguous_expert_map(num_experts: int, rank: int, world_size: int) -> torch
     return torch.where((local >= 0) & (local < per_rank), local, -1).to(torch.int32)
 
 
+def replica_slots(topk_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """topk_ids [M, k] (-1: nowhere) -> table's entry for each pair's replica, [M, k] int32.
+
+    `table` [E, 1 + C] (kernels.placement): column 0 the expert's copies, column 1 + c the entry
+    of its replica c. Token t's pair takes replica t % copies: every rank splits a replicated
+    expert's pairs alike, on the device. Pairs routed nowhere get -1."""
+    ids = topk_ids.long()
+    experts = ids.clamp_min(0)
+    table = table.to(topk_ids.device)
+    rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
+    replica = rows % table[experts, 0].long().clamp_min(1)
+    return torch.where(ids >= 0, table[experts, 1 + replica], -1).to(torch.int32)
+
+
 def to_local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None) -> torch.Tensor:
-    """Global [M, k] ids -> local ids through `expert_map` [E] (-1 = not on this rank)."""
+    """Global [M, k] ids -> local ids through `expert_map` (-1 = not on this rank): [E] global
+    id -> local id, or a replica map [E, 1 + C] (Placement.replica_map). -1 ids stay -1."""
     if expert_map is None:
         return topk_ids
-    return expert_map.to(topk_ids.device)[topk_ids.long()].to(topk_ids.dtype)
+    if expert_map.dim() == 2:
+        return replica_slots(topk_ids, expert_map).to(topk_ids.dtype)
+    ids = topk_ids.long()
+    local = expert_map.to(topk_ids.device)[ids.clamp_min(0)]
+    return torch.where(ids >= 0, local, -1).to(topk_ids.dtype)

@@ -61,7 +61,8 @@ class DispatchSpec:
 
     act_quant: ActQuant | None  # quantise activations to fp8 before dispatch
     num_local_experts: int
-    expert_map: torch.Tensor | None = None  # [E_global] -> local id or -1
+    # [E_global] -> local id or -1, or a replica map [E_global, 1 + C] (kernels.placement)
+    expert_map: torch.Tensor | None = None
     apply_router_weight_on_input: bool = False
 
 

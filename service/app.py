@@ -31,6 +31,7 @@ from service.routes import (
     introspect,
     kserve,
     metrics,
+    placement,
     repository,
     shared_memory,
 )
@@ -71,7 +72,7 @@ def warm_up_tokens(max_batch_tokens: int, device: torch.device) -> list[int]:
 def _build_engine(settings: Settings, loader: LayerLoader, metrics: Metrics) -> Engine:
     device = settings.torch_device()
     if settings.ep > 1:  # this process is rank 0; each rank loads only its experts from disk
-        engine = EPEngine(settings, layer_paths(settings))
+        engine = EPEngine(settings, layer_paths(settings), metrics)
         sources = engine.load()
     else:
         engine = Engine(
@@ -108,6 +109,8 @@ async def _start(runtime: Runtime, loader: LayerLoader) -> None:
     )
     # a device fault (or a lost expert-parallel rank) turns /ready and every request into 503
     engine.on_failure = partial(setattr, runtime, "not_ready")
+    if isinstance(engine, EPEngine):  # a lost rank whose experts have copies: serve on
+        engine.on_degraded = partial(setattr, runtime, "degraded")
     runtime.batcher = DynamicBatcher(engine, policy, runtime.metrics)
     runtime.batcher.start()
     runtime.engine = engine
@@ -164,7 +167,8 @@ def create_app(
     )
     app.state.runtime = runtime
     install_handlers(app)
-    for module in (health, metrics, introspect, forward, kserve, shared_memory, repository):
+    routers = (health, metrics, introspect, forward, kserve, shared_memory, repository, placement)
+    for module in routers:
         app.include_router(module.router)
     # innermost: the tracing middleware and RequestMiddleware wrap it as they wrap the routes
     route = forward_route(forward.router.routes)

@@ -16,7 +16,13 @@ demo layers on http://127.0.0.1:8000 (API and examples at /docs); `moe-serve con
 layer of a Hugging Face checkpoint into a layer directory that `serve --weights` takes.
 """
 EPILOG = "`moe-serve COMMAND --help` describes each command; README.md has the rest."
-COMMAND_MODULES: tuple[str, ...] = ("weights.cli", "service.serve", "bench.cli", "bench.tune")
+COMMAND_MODULES: tuple[str, ...] = (
+    "weights.cli",
+    "service.serve",
+    "service.ep_rank",
+    "bench.cli",
+    "bench.tune",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -52,6 +52,7 @@ class Runtime:
     engine: Engine | None = None
     batcher: DynamicBatcher | None = None
     not_ready: str | None = "loading layers"  # None once ready
+    degraded: str | None = None  # ready, but on fewer expert-parallel ranks (why)
     start_failed: bool = False  # loading or warming up the layers raised
     # What a failed start does besides answering 503: `moe-serve serve` stops the server.
     on_start_failure: Callable[[], None] = lambda: None
@@ -166,7 +167,7 @@ def parse_body(model: type[Body], body: bytes) -> Body:
     try:
         return model.model_validate_json(body or b"{}")
     except ValidationError as err:
-        raise BadInput(f"request body: {describe_validation_error(err)}") from None
+        raise BadInput(f"request body: {describe_validation_error(err, 'body')}") from None
 
 
 async def submit_while_connected(

@@ -108,6 +108,11 @@ class Engine:
         return self.pipeline is not None
 
     @property
+    def captures(self) -> bool:
+        """Whether layers run from CUDA graphs where their backend allows."""
+        return self.pipeline is not None and self.cuda_graphs
+
+    @property
     def max_in_flight(self) -> int:
         """Batches `start` may have running at once."""
         return DEPTH if self.enqueues else 1
@@ -118,7 +123,7 @@ class Engine:
             raise ValueError(f"two layers are named {source.name!r}; layer names must be unique")
         layer, selection = self.build(source)
         graphs = None
-        if self.pipeline is not None and self.cuda_graphs:
+        if self.captures:
             support = can_capture(layer, self.device)
             if support:  # captured at warm-up; routed layers take no client logits in graphs
                 with_logits = layer.router.weight is None

@@ -1,29 +1,38 @@
 """Expert parallelism in the service: `moe-serve serve --ep N` runs one process per rank.
 
     rank 0 (this process): HTTP, batcher, router, shared experts; brings every batch's tokens
-    ranks 1..N-1 (spawned): hold their experts; join each forward bringing no tokens
+    ranks 1..N-1: hold their experts; join each forward rank 0 announces (service/ep_worker.py).
+    Spawned here, or, for ranks past --ep-local-ranks, started on other hosts (`moe-serve
+    ep-rank`, service/ep_rank.py)
 
-Each forward is one naive-ep collective in its sequence-parallel mode: rank 0 brings the M tokens
-of the batch, the others bring 0, and rank 0 gets the sum over ranks back. Rank 0 names the
-layer to the others through a queue, so an idle rank waits on the queue rather than inside a
-collective that would time out. Each rank reads only its own experts from the layer directory.
+Each forward is one naive-ep collective in its sender mode: rank 0 posts the layer and the token
+count M (service/ep_group.py), broadcasts the packed rows and gets the sum over ranks back
+(reduce). Every rank knows M from the command, so the forward runs on fixed shapes: no host sync
+on any rank. Each rank reads only its own experts from the layer directory.
 
-A rank that exits, or a collective that fails or times out (COLLECTIVE_TIMEOUT_S), breaks the
-group for good: /ready and every request answer 503 naming the cause. The service does not heal
-itself; its orchestrator restarts it.
+Replicas: a placement may hold an expert on several ranks (--ep-placement, --ep-redundant); its
+pairs split between the copies by token index. Rank 0 measures each step's load per rank on the
+device and reads it with the batch's one host sync (moe_serve_ep_balancedness).
+
+A rank that dies (its process exits, or it stops its heartbeat) breaks the group. If each of its
+experts has a copy on a live rank, the survivors form a new group and keep serving with the
+replica maps rewritten (degraded: /ready says why, moe_serve_ep_live_ranks drops); the batch in
+flight is run again on the new group. Otherwise /ready and every request answer 503.
+
+Rebalance (`rebalance`): every rank loads its experts of the new placement in the background
+while the old one serves, then all switch between two forwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing.connection
-import queue
-import socket
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
-from datetime import timedelta
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -31,261 +40,490 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kernels.layer import LayerOutput, MoELayer, build_layer
-from kernels.placement import Placement
+from kernels.input_checks import check_shapes
+from kernels.layer import LayerOutput, MoELayer, expert_tokens
+from kernels.layer_graphs import LayerGraphs, can_capture
+from kernels.placement import Placement, balancedness, rank_tokens
 from kernels.prepare_finalize.naive_ep import NaiveEP
 from kernels.selection import Selection
-from kernels.tensors import ForwardInputs
+from kernels.tensors import ForwardInputs, Routing
 from kernels.workspace import Workspace
-from service.engine import Engine, LayerSource, NonFiniteRows
+from service import ep_group
+from service.engine import Engine, LayerSource, NonFiniteRows, ServedLayer
+from service.ep_group import Commands, Generation, Rendezvous
+from service.ep_layers import (
+    COLLECTIVE_TIMEOUT_S,
+    JOIN_TIMEOUT_S,
+    LayerPlan,
+    RankSpec,
+    build_ep_kernel,
+    initial_placement,
+    rank_device,
+    regroup_kernel,
+)
+from service.ep_worker import worker_main
 from service.errors import NotReady
 from service.settings import Settings
-from weights.load import LoadedLayer, load_layer, read_manifest
-from weights.placement_file import read_placement
+from weights.load import load_layer, read_manifest
 
 log = logging.getLogger(__name__)
 
-# How long a rank waits in a collective for the others. Idle ranks wait on their command queue,
-# not in a collective, so this bounds only the skew within one forward (first-call compiles).
-COLLECTIVE_TIMEOUT_S = 60.0
-_POLL_S = 1.0  # how often a waiting rank checks that the processes it waits for are alive
+HEARTBEAT_TIMEOUT_S = 10.0  # a rank whose heartbeat stops this long counts as dead
+_POLL_S = 0.2
 
 
-@dataclass(frozen=True)
-class RankSpec:
-    """What one rank needs to join the group and build its slice of every layer."""
+@dataclass
+class _Layer:
+    """Rank 0's view of one layer's placement (over the global ranks)."""
 
-    rank: int
-    world_size: int
-    port: int  # rank 0's TCP rendezvous on 127.0.0.1
-    device: torch.device
-    paths: tuple[Path, ...]  # layer directories, in serving order
-    placement_file: Path | None  # None: contiguous slices
-    backend: str
-    chunk_tokens: int  # --max-batch-tokens: rank 0's largest batch, so every rank's largest pass
+    plan: LayerPlan
+    placement: Placement
+    owners: torch.Tensor  # owner_map over the live group, on the device
+    counts: torch.Tensor  # tokens per expert since the last placement switch (CPU float64)
+    balancedness: float = 1.0  # of the last step
+    rebalance: str = "none"  # none | staging | done | failed: <why>
 
 
-def rank_device(base: torch.device, rank: int) -> torch.device:
-    """Rank r runs on the r-th GPU from `base` (all ranks share the CPU when base is the CPU)."""
-    if base.type != "cuda":
-        return base
-    index = (base.index or 0) + rank
-    if index >= torch.cuda.device_count():
-        raise ValueError(
-            f"expert parallelism needs GPU {index} for rank {rank}, but only "
-            f"{torch.cuda.device_count()} are visible"
-        )
-    return torch.device("cuda", index)
+@dataclass
+class _Liveness:
+    """Heartbeats of ranks on other hosts: the last counter seen and when it changed."""
 
-
-def init_group(spec: RankSpec) -> None:
-    """Join the group: NCCL on GPUs, gloo on the CPU; every collective times out."""
-    if spec.device.type == "cuda":
-        torch.cuda.set_device(spec.device)
-    dist.init_process_group(
-        "nccl" if spec.device.type == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{spec.port}",
-        rank=spec.rank,
-        world_size=spec.world_size,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
-
-
-def placement_for(spec: RankSpec, num_experts: int) -> Placement:
-    if spec.placement_file is None:
-        return Placement.contiguous(num_experts, spec.world_size)
-    return read_placement(spec.placement_file, num_experts, spec.world_size)
-
-
-def load_local_layers(spec: RankSpec) -> list[tuple[LoadedLayer, Placement]]:
-    """Each layer with only this rank's experts on its device, and the placement it used."""
-    loaded = []
-    for path in spec.paths:
-        placement = placement_for(spec, read_manifest(path).config.num_experts)
-        layer = load_layer(path, spec.device, experts=placement.local_experts(spec.rank))
-        loaded.append((layer, placement))
-    return loaded
-
-
-def build_ep_layer(
-    source: LayerSource, placement: Placement, spec: RankSpec, workspace: Workspace
-) -> tuple[MoELayer, Selection]:
-    """`source` holds this rank's experts: compose them with naive-ep and the expert_map."""
-    layer, choice = build_layer(
-        source.config,
-        source.weights,
-        spec.device,
-        spec.backend,
-        workspace,
-        spec.chunk_tokens,
-        expert_map=placement.expert_map(spec.rank).to(spec.device),
-        prepare_finalize=NaiveEP(sequence_parallel=True),
-    )
-    counts = [len(ids) for ids in placement.ranks]
-    reason = f"{choice.reason}; experts over {placement.world_size} ranks, per rank {counts}"
-    return layer, dataclasses.replace(choice, reason=reason)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    seen: dict[int, tuple[int, float]] = field(default_factory=dict)
 
 
 class EPEngine(Engine):
-    """The engine of rank 0: starts ranks 1..N-1, and has them join every forward."""
+    """The engine of rank 0: starts or awaits the other ranks, and has them join every forward."""
 
     pipelined: ClassVar[bool] = False  # each forward is a collective: run batches one by one
 
-    def __init__(self, settings: Settings, paths: Sequence[Path]) -> None:
-        if dist.is_initialized():
-            raise RuntimeError("this process is already in a torch.distributed group")
+    def __init__(
+        self, settings: Settings, paths: Sequence[Path], metrics: object | None = None
+    ) -> None:
         self.world_size = settings.ep
         super().__init__(
-            rank_device(settings.torch_device(), 0), settings.backend, settings.max_batch_tokens
+            rank_device(settings.torch_device(), 0),
+            settings.backend,
+            settings.max_batch_tokens,
+            cuda_graphs=settings.cuda_graphs,
         )
+        self.metrics = metrics  # service.metrics.Metrics: the EP gauges
+        self.degraded: str | None = None  # why fewer ranks serve than started; None: all do
+        self.on_degraded: Callable[[str], None] = lambda _reason: None
         self._closing = False
-        port = _free_port()
-        self._spec = RankSpec(
-            0,
-            self.world_size,
-            port,
-            self.device,
-            tuple(paths),
-            settings.ep_placement,
-            self.backend,
-            self.chunk_tokens,
+        self._lock = threading.RLock()  # one forward, regroup or switch at a time
+        self.members = list(range(self.world_size))  # live global ranks; group rank = index
+        self.gen: Generation | None = None  # the group among them
+        self._retired: list[Generation] = []  # kept: a broken group is never destroyed
+        self._liveness = _Liveness()
+        self._rebalance_seq = 0
+        self._staged: dict[str, tuple[int, ServedLayer, Placement]] = {}
+        self.rendezvous = Rendezvous.for_rank0(self.world_size)
+        self.store = ep_group.connect(self.rendezvous, 0, JOIN_TIMEOUT_S)
+        self.commands = Commands(self.store)
+        plans = []
+        for path in paths:
+            manifest = read_manifest(path)
+            placement = initial_placement(settings, manifest.config.num_experts)
+            plans.append(
+                LayerPlan(manifest.name, str(path), placement.ranks, placement.num_experts)
+            )
+        self.spec = RankSpec(
+            self.world_size, self.device.type, self.backend, self.chunk_tokens, tuple(plans)
         )
+        self.store.set("spec", self.spec.to_json())
+        self._layers: dict[str, _Layer] = {}
         ctx = mp.get_context("spawn")
-        self._status = ctx.Queue()  # (rank, "" when loaded, else why it failed)
-        self._commands = [ctx.Queue() for _ in range(1, self.world_size)]
-        self.workers: list[mp.Process] = []  # rank r is workers[r - 1]
-        for rank, commands in enumerate(self._commands, start=1):
-            spec = dataclasses.replace(self._spec, rank=rank, device=rank_device(self.device, rank))
+        local = settings.ep_local_ranks or self.world_size
+        self.workers: list[mp.Process] = []  # the ranks spawned here: rank r is workers[r - 1]
+        for rank in range(1, local):
+            device = rank_device(self.device, rank)
             self.workers.append(
                 ctx.Process(
-                    target=_worker_main,
-                    args=(spec, commands, self._status),
+                    target=worker_main,
+                    args=(rank, self.rendezvous, str(device)),
                     name=f"moe-serve-ep-rank{rank}",
                     daemon=True,  # never outlives this process
                 )
             )
         for worker in self.workers:
             worker.start()
-        self._placements: dict[str, Placement] = {}
-        try:
-            init_group(self._spec)
-        except Exception:
-            self.close()
-            raise
 
-    def load(self) -> list[LoadedLayer]:
+    # ---- start ------------------------------------------------------------------------------
+
+    def load(self) -> list[LayerSource]:
         """Rank 0's slice of every layer, once every other rank has loaded its own."""
         try:
-            loaded = load_local_layers(self._spec)
-            self._wait_for_workers()
+            loaded = [
+                load_layer(Path(p.path), self.device, experts=p.placement.local_experts(0))
+                for p in self.spec.layers
+            ]
+            self._wait_for_ranks()
+            self.gen = ep_group.make_group(
+                self.store, 0, self.members, 0, self.device, COLLECTIVE_TIMEOUT_S
+            )
         except Exception:
             self.close()
             raise
-        self._placements = {layer.name: placement for layer, placement in loaded}
+        NaiveEP.outside_groups += 1
+        for plan in self.spec.layers:
+            self._layers[plan.name] = self._layer_state(plan, plan.placement)
+        self._set_rank_gauges()
         threading.Thread(target=self._watch, name="moe-serve-ep-watch", daemon=True).start()
-        return [layer for layer, _ in loaded]
+        return loaded
+
+    def _layer_state(self, plan: LayerPlan, placement: Placement) -> _Layer:
+        owners = placement.surviving(self.members).owner_map().to(self.device)
+        return _Layer(
+            plan, placement, owners, torch.zeros(placement.num_experts, dtype=torch.float64)
+        )
+
+    @property
+    def captures(self) -> bool:
+        """On GPUs every rank captures each layer's buckets together (NCCL in the graphs)."""
+        return self.cuda_graphs and self.device.type == "cuda"
+
+    def warm_up(self, token_counts: Sequence[int], names: Sequence[str] | None = None) -> None:
+        """Every rank captures with rank 0, layer by layer, bucket by bucket (the eager run
+        before each capture is a collective), then the warm-up forwards run."""
+        for name in list(self.layers) if names is None else names:
+            graphs = self.layers[name].graphs
+            if graphs is not None:
+                self.commands.post(op="capture", layer=name, buckets=list(graphs.buckets))
+        super().warm_up(token_counts, names)
 
     def build(self, source: LayerSource) -> tuple[MoELayer, Selection]:
-        return build_ep_layer(source, self._placements[source.name], self._spec, self.workspace)
+        placement = self._layers[source.name].placement
+        return build_ep_kernel(
+            source, placement, 0, lambda: self.gen, self.spec, self.device, self.workspace
+        )
+
+    def _worker(self, rank: int) -> mp.Process | None:
+        """The process of `rank` when this one spawned it (None: it runs on another host)."""
+        return self.workers[rank - 1] if rank <= len(self.workers) else None
+
+    def _wait_for_ranks(self) -> None:
+        pending = set(range(1, self.world_size))
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while pending:
+            for rank in sorted(pending):
+                if self.store.check([f"status/{rank}"]):
+                    problem = self.store.get(f"status/{rank}").decode()
+                    if problem:
+                        raise RuntimeError(f"expert-parallel rank {rank} failed to load: {problem}")
+                    pending.discard(rank)
+                elif (worker := self._worker(rank)) is not None and not worker.is_alive():
+                    raise RuntimeError(
+                        f"expert-parallel rank {rank} exited with code "
+                        f"{worker.exitcode} while loading its experts"
+                    )
+            if pending and time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"expert-parallel ranks {sorted(pending)} did not join "
+                    f"{self.rendezvous.host}:{self.rendezvous.port} in {JOIN_TIMEOUT_S:.0f} s"
+                )
+            time.sleep(_POLL_S if pending else 0)
+
+    # ---- forward ----------------------------------------------------------------------------
 
     def forward(self, name: str, inputs: ForwardInputs) -> LayerOutput:
-        if self.failure is not None:
-            raise NotReady(f"expert parallelism is down: {self.failure}")
-        self.get(name)  # UnknownLayer before any rank is told to start
-        for commands in self._commands:
-            commands.put(name)
-        try:
-            return super().forward(name, inputs)
-        except NonFiniteRows:
-            raise  # every rank finished the forward: the group is fine
-        except Exception as err:
-            # the other ranks may be left inside the collective: the group cannot be trusted
-            self._fail(f"forward of layer {name!r} failed: {type(err).__name__}: {err}")
-            raise NotReady(f"expert parallelism is down: {self.failure}") from err
+        with self._lock:
+            if self.failure is not None:
+                raise NotReady(f"expert parallelism is down: {self.failure}")
+            self.get(name)  # UnknownLayer before any rank is told to start
+            while True:  # each retry follows a recovery, which drops a rank: it ends
+                try:
+                    return self._forward_once(name, inputs)
+                except NonFiniteRows:
+                    raise  # every rank finished the forward: the group is fine
+                except Exception as err:
+                    reason = f"forward of layer {name!r} failed: {type(err).__name__}: {err}"
+                    if not self._recover(reason, wait_s=HEARTBEAT_TIMEOUT_S):
+                        raise NotReady(f"expert parallelism is down: {self.failure}") from err
+                log.warning("layer %s: the batch runs again on ranks %s", name, self.members)
 
-    def close(self) -> None:
-        """Tell the other ranks to exit and wait for them; a broken group's ranks are killed."""
-        self._closing = True
-        for commands in self._commands:
-            commands.put(None)
-        for worker in self.workers:
-            worker.join(COLLECTIVE_TIMEOUT_S if self.failure is None else 0)
-            if worker.is_alive():
-                worker.kill()
-        for q in (*self._commands, self._status):
-            q.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def _forward_once(self, name: str, inputs: ForwardInputs) -> LayerOutput:
+        served, state, gen = self.get(name), self._layers[name], self.gen
+        check_shapes(served.config, inputs, has_router=served.has_router)  # before ranks start
+        tokens = inputs.hidden_states.shape[0]
+        graphs = served.graphs
+        bucket = None if graphs is None else graphs.bucket(tokens)
+        self.commands.post(op="forward", layer=name, tokens=tokens, bucket=bucket)
+        logits = inputs.router_logits
+        on_device = ForwardInputs(
+            inputs.hidden_states.to(self.device),
+            None if logits is None else logits.to(self.device),
+        )
+        with torch.inference_mode():
+            if graphs is None:
+                result = served.layer.forward(on_device)
+            else:  # every other rank replays the same bucket's graph
+                result = graphs.forward(on_device).output
+            ids = result.routing.topk_ids
+            per_rank = rank_tokens(ids, state.owners, len(self.members))
+            # one small vector, copied back behind the output (no sync of its own)
+            stats = torch.cat(
+                [
+                    balancedness(per_rank).reshape(1).double(),
+                    torch.isfinite(result.output).all().reshape(1).double(),
+                    expert_tokens(ids, served.config.num_experts).double(),
+                ]
+            ).to("cpu", non_blocking=True)
+            output = LayerOutput(
+                result.output.cpu(),
+                Routing(ids.cpu(), result.routing.topk_weights.cpu()),
+            )
+        if gen.aborted.is_set():  # NCCL: an aborted collective returns, its data unfinished
+            raise RuntimeError("the group was aborted during the forward: a rank died")
+        state.balancedness = float(stats[0])
+        state.counts += stats[2:]
+        if self.metrics is not None:
+            self.metrics.ep_balancedness.labels(name).set(state.balancedness)
+        if not stats[1]:
+            raise NonFiniteRows(name, output)
+        return output
 
-    def _wait_for_workers(self) -> None:
-        pending = set(range(1, self.world_size))
-        while pending:
-            try:
-                rank, problem = self._status.get(timeout=_POLL_S)
-            except queue.Empty:
-                for rank in pending:
-                    worker = self.workers[rank - 1]
-                    if not worker.is_alive():
-                        raise RuntimeError(
-                            f"expert-parallel rank {rank} exited with code {worker.exitcode} "
-                            "while loading its experts"
-                        ) from None
+    # ---- failures ---------------------------------------------------------------------------
+
+    def _dead_ranks(self) -> dict[int, str]:
+        """Members (other than 0) that are gone, with why."""
+        dead = {}
+        now = time.monotonic()
+        for rank in self.members[1:]:
+            worker = self._worker(rank)
+            if worker is not None:
+                if not worker.is_alive():
+                    dead[rank] = f"rank {rank} exited with code {worker.exitcode}"
                 continue
-            if problem:
-                raise RuntimeError(f"expert-parallel rank {rank} failed to load: {problem}")
-            pending.discard(rank)
+            beat = self.store.add(f"beat/{rank}", 0)
+            last, since = self._liveness.seen.get(rank, (-1, now))
+            if beat != last:
+                self._liveness.seen[rank] = (beat, now)
+            elif now - since > HEARTBEAT_TIMEOUT_S:
+                dead[rank] = f"rank {rank} sent no heartbeat for {now - since:.0f} s"
+        return dead
+
+    def _recover(self, reason: str, wait_s: float) -> bool:
+        """After a failed collective or a lost rank: serve on without the dead ranks if every
+        expert keeps a live copy (True), else fail for good (False). Holds the lock."""
+        deadline = time.monotonic() + wait_s
+        while not (dead := self._dead_ranks()) and time.monotonic() < deadline:
+            time.sleep(_POLL_S)  # a collective failed: see which rank it was
+        if not dead:
+            self._fail(reason)
+            return False
+        why = "; ".join(dead.values())
+        live = [r for r in self.members if r not in dead]
+        try:
+            for state in self._layers.values():
+                state.placement.surviving(live)
+        except ValueError as err:
+            self._fail(f"{why}; {err} in layer {state.plan.name!r}")
+            return False
+        try:
+            self._regroup(live)
+        except Exception as err:
+            self._fail(f"{why}; the survivors could not form a new group: {err}")
+            return False
+        self.degraded = f"{why}; serving on ranks {live} (every expert has a live copy)"
+        log.warning("expert parallelism degraded: %s", self.degraded)
+        self.on_degraded(self.degraded)
+        self._set_rank_gauges()
+        return True
+
+    def _abort_generation(self) -> None:
+        """Every rank stops waiting on the current group's collectives (they never finish)."""
+        self.store.set(f"abort/{self.gen.number}", "1")
+        self.gen.abort()
+
+    def _regroup(self, live: list[int]) -> None:
+        self._abort_generation()
+        self._retired.append(self.gen)
+        self.members = live
+        for name, staged in list(self._staged.items()):
+            self._cancel_staged(name, staged[0], "a rank died while staging")
+        number = self.gen.number + 1
+        self.commands.post(op="regroup", generation=number, members=live)
+        self.gen = ep_group.make_group(
+            self.store, number, live, 0, self.device, COLLECTIVE_TIMEOUT_S
+        )
+        for name, state in self._layers.items():
+            survivors = state.placement.surviving(live)
+            served = self.get(name)
+            regroup_kernel(served.layer.kernel, survivors, 0, self.gen)
+            state.owners = survivors.owner_map().to(self.device)
+            # graphs hold the old group's communicator: degraded ranks run eagerly
+            self.layers[name] = dataclasses.replace(served, graphs=None)
 
     def _watch(self) -> None:
-        """Mark the group broken as soon as any other rank exits."""
-        sentinels = {w.sentinel: rank for rank, w in enumerate(self.workers, start=1)}
-        ready = multiprocessing.connection.wait(list(sentinels))
-        if not self._closing:
-            rank = sentinels[ready[0]]
-            self._fail(f"rank {rank} exited with code {self.workers[rank - 1].exitcode}")
+        """Notice a lost rank between forwards too (a forward notices it by failing); prune
+        the commands every rank has read."""
+        sentinels = {w.sentinel: r for r, w in enumerate(self.workers, start=1)}
+        while not self._closing and self.failure is None:
+            multiprocessing.connection.wait(list(sentinels), timeout=1.0)
+            if self._closing:
+                return
+            self.commands.prune()
+            if self.failure is None and self._dead_ranks():
+                self._abort_generation()  # a forward waiting on the dead rank returns now
+                with self._lock:
+                    if self.failure is None and (dead := self._dead_ranks()):
+                        self._recover("; ".join(dead.values()), wait_s=0)
+            sentinels = {s: r for s, r in sentinels.items() if r in self.members}
 
     def _fail(self, reason: str) -> None:
         if self.failure is None:
             self.failure = reason
             log.error("expert parallelism is down: %s", reason)
             self.on_failure(f"expert parallelism is down: {reason}")
+            self._set_rank_gauges()
 
+    def _set_rank_gauges(self) -> None:
+        if self.metrics is not None:
+            live = 0 if self.failure is not None else len(self.members)
+            self.metrics.ep_live_ranks.set(live)
+            self.metrics.ep_degraded.set(int(self.degraded is not None or live == 0))
 
-def _next_command(commands: mp.Queue) -> str | None:
-    """The next layer to run, or None to exit (asked to, or rank 0 is gone)."""
-    while True:
-        try:
-            return commands.get(timeout=_POLL_S)
-        except queue.Empty:
-            if not mp.parent_process().is_alive():
-                return None
+    # ---- rebalance --------------------------------------------------------------------------
 
-
-def _worker_main(spec: RankSpec, commands: mp.Queue, status: mp.Queue) -> None:
-    """Ranks 1..N-1: load this rank's experts, then join every forward rank 0 names."""
-    logging.basicConfig(level=logging.INFO, format=f"rank {spec.rank} %(levelname)s %(message)s")
-    try:
-        init_group(spec)
-        workspace = Workspace(spec.device)
-        layers = {
-            layer.name: build_ep_layer(layer, placement, spec, workspace)[0]
-            for layer, placement in load_local_layers(spec)
+    def placement(self, name: str) -> dict:
+        """The layer's placement as GET /v1/layers/{name}/placement shows it."""
+        self.get(name)
+        state = self._layers[name]
+        return {
+            "layer": name,
+            "ranks": [list(ids) for ids in state.placement.ranks],
+            "live_ranks": list(self.members),
+            "balancedness": state.balancedness,
+            "expert_tokens": [int(c) for c in state.counts.tolist()],
+            "rebalance": state.rebalance,
         }
-    except Exception as err:
-        status.put((spec.rank, f"{type(err).__name__}: {err}"))
-        return
-    status.put((spec.rank, ""))
-    while (name := _next_command(commands)) is not None:
-        cfg = layers[name].cfg
-        no_tokens = ForwardInputs(
-            torch.empty(0, cfg.hidden_size, device=spec.device),
-            torch.empty(0, cfg.num_experts, device=spec.device),
-        )
+
+    def _plan(
+        self, name: str, ranks: Sequence[Sequence[int]] | None, redundant: int | None
+    ) -> Placement:
+        """The placement a rebalance switches to: `ranks`, or (None) one balanced on the tokens
+        seen since the last switch with `redundant` copies (None: as many as now). ValueError
+        when it does not fit, RuntimeError when no rebalance can start now."""
+        state = self._layers[name]
+        if self.failure is not None or self.degraded is not None:
+            raise RuntimeError(f"cannot rebalance: {self.degraded or self.failure}")
+        if state.rebalance == "staging":
+            raise RuntimeError(f"layer {name!r} is already being rebalanced")
+        current = state.placement
+        if ranks is not None:
+            if len(ranks) != self.world_size:
+                raise ValueError(f"lists {len(ranks)} ranks, the group has {self.world_size}")
+            return Placement(tuple(map(tuple, ranks)), current.num_experts)
+        if redundant is None:
+            redundant = sum(map(len, current.ranks)) - current.num_experts
+        return Placement.balanced(state.counts.tolist(), self.world_size, redundant)
+
+    def rebalance(
+        self, name: str, ranks: Sequence[Sequence[int]] | None, redundant: int | None = None
+    ) -> Placement:
+        """Switch layer `name` to the placement `ranks` (None: balanced on the recent counts,
+        with `redundant` copies of the hottest experts, None: as many as now):
+        every rank loads its new experts in the background; the old placement serves until
+        all have, then all switch between two forwards. Returns the placement once staging
+        has started; `placement(name)["rebalance"]` follows it."""
+        self.get(name)
+        with self._lock:
+            placement = self._plan(name, ranks, redundant)
+            self._rebalance_seq += 1
+            seq = self._rebalance_seq
+            self._layers[name].rebalance = "staging"
+            self.commands.post(
+                op="stage", layer=name, id=seq, ranks=[list(ids) for ids in placement.ranks]
+            )
+        threading.Thread(
+            target=self._stage, args=(name, placement, seq), name="moe-serve-ep-stage", daemon=True
+        ).start()
+        return placement
+
+    def _stage(self, name: str, placement: Placement, seq: int) -> None:
+        state = self._layers[name]
+        try:
+            source = load_layer(
+                Path(state.plan.path), self.device, experts=placement.local_experts(0)
+            )
+            layer, choice = build_ep_kernel(
+                source,
+                placement,
+                0,
+                lambda: self.gen,
+                self.spec,
+                self.device,
+                Workspace(self.device),
+            )
+            served = dataclasses.replace(
+                self.get(name),
+                layer=layer,
+                selection=choice,
+                device_bytes=source.weights.nbytes(),
+                graphs=None,
+            )
+            with self._lock:
+                self._staged[name] = (seq, served, placement)
+            self._await_staged(seq)
+        except Exception as err:
+            log.exception("rebalancing layer %s failed", name)
+            with self._lock:
+                self._cancel_staged(name, seq, f"{type(err).__name__}: {err}")
+            return
+        with self._lock:
+            if self._staged.get(name, (None,))[0] != seq:
+                return  # cancelled meanwhile (a rank died)
+            del self._staged[name]
+            self.commands.post(op="switch", layer=name, id=seq)
+            self.layers[name] = served
+            self._capture(name)
+            self._layers[name] = dataclasses.replace(
+                self._layer_state(state.plan, placement), rebalance="done"
+            )
+        log.info("layer %s: placement switched to %s", name, [list(r) for r in placement.ranks])
+
+    def _capture(self, name: str) -> None:
+        """Capture a switched layer's graphs on every rank (between two forwards: holds the
+        lock); a layer that cannot be captured runs eagerly."""
+        served = self.get(name)
+        if not (self.captures and can_capture(served.layer, self.device)):
+            return
+        with_logits = served.layer.router.weight is None
+        graphs = LayerGraphs(served.layer, self.device, self.chunk_tokens, with_logits)
+        self.commands.post(op="capture", layer=name, buckets=list(graphs.buckets))
         with torch.inference_mode():
-            layers[name].forward(no_tokens)
-    dist.destroy_process_group()
+            graphs.capture()
+        self.layers[name] = dataclasses.replace(served, graphs=graphs)
+
+    def _await_staged(self, seq: int) -> None:
+        for rank in self.members[1:]:
+            key = f"staged/{seq}/{rank}"
+            while not self.store.check([key]):
+                if self._closing or rank not in self.members or self._dead_ranks():
+                    raise RuntimeError(f"rank {rank} did not stage its experts")
+                time.sleep(_POLL_S)
+            problem = self.store.get(key).decode()
+            if problem:
+                raise RuntimeError(f"rank {rank} could not stage its experts: {problem}")
+
+    def _cancel_staged(self, name: str, seq: int, why: str) -> None:
+        self._staged.pop(name, None)
+        self._layers[name].rebalance = f"failed: {why}"
+        if self.failure is None:
+            self.commands.post(op="drop", layer=name, id=seq)
+
+    # ---- stop -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Tell the other ranks to exit and wait for the spawned ones; stragglers are killed."""
+        self._closing = True
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            self.commands.post(op="exit")
+        for worker in self.workers:
+            worker.join(COLLECTIVE_TIMEOUT_S if self.failure is None else 0)
+            if worker.is_alive():
+                worker.kill()
+        if self.gen is not None:  # the retired ones were aborted when they retired
+            self.gen.abort()
+            NaiveEP.outside_groups -= 1
+            self.gen = None

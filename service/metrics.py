@@ -98,6 +98,22 @@ class Metrics:
             buckets=_STAGE_BUCKETS_S,
             registry=r,
         )
+        # --ep N: expert parallelism's health and balance
+        self.ep_balancedness = Gauge(
+            "moe_serve_ep_balancedness",
+            "expert parallelism: mean over max tokens per rank of the layer's last forward "
+            "(1: even)",
+            ["layer"],
+            registry=r,
+        )
+        self.ep_live_ranks = Gauge(
+            "moe_serve_ep_live_ranks", "expert-parallel ranks serving (0: down)", registry=r
+        )
+        self.ep_degraded = Gauge(
+            "moe_serve_ep_degraded",
+            "1 while expert parallelism serves on fewer ranks than it started with, or is down",
+            registry=r,
+        )
         # layer -> its expert counters, looked up once: a batch of DeepSeek-V3 (E=256) would
         # otherwise make hundreds of label lookups on the event loop
         self._expert_series: dict[str, list[Counter]] = {}

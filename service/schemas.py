@@ -131,4 +131,7 @@ class HealthResponse(BaseModel):
 
 class ReadyResponse(BaseModel):
     ready: bool
-    reason: str = Field("", description="what is missing when not ready")
+    reason: str = Field("", description="what is missing when not ready; why when degraded")
+    degraded: bool | None = Field(
+        None, description="true: ready, but on fewer expert-parallel ranks than started"
+    )

@@ -14,14 +14,13 @@ from kernels.registry import experts_backends
 from kernels.selection import select
 from service import logs, tracing
 from service.app import create_app
-from service.ep import rank_device
+from service.ep_layers import initial_placement, rank_device
 from service.front_ends import FrontEnds
 from service.server import listen, server_config
 from service.settings import Settings
 from weights.demo import demo_configs
 from weights.errors import describe_validation_error
 from weights.load import inspect_layer
-from weights.placement_file import read_placement
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +72,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--ep", type=int, metavar="N", help="expert-parallel ranks, one GPU each")
     p.add_argument(
-        "--ep-placement", type=Path, metavar="FILE", help="JSON: the experts each rank holds"
+        "--ep-placement",
+        type=Path,
+        metavar="FILE",
+        help="JSON: the experts each rank holds (an expert may sit on several)",
+    )
+    p.add_argument(
+        "--ep-redundant",
+        type=int,
+        metavar="N",
+        help="N extra copies of the hottest experts (by the placement file's counts), over the "
+        "least loaded ranks; tokens split between copies (default 0)",
+    )
+    p.add_argument(
+        "--ep-local-ranks",
+        type=int,
+        metavar="K",
+        help="start ranks 0..K-1 here; the others join from other hosts with `moe-serve "
+        "ep-rank` at MASTER_ADDR:MASTER_PORT (default: all --ep ranks here)",
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="info")
     p.add_argument("--log-format", choices=["text", "json"], help="json: one object per line")
@@ -160,7 +176,7 @@ class _FrontedServer(uvicorn.Server):
 def _check_layers(settings: Settings) -> None:
     """Refuse here, naming the file or backend, what would otherwise never get ready."""
     device = settings.torch_device()
-    rank_device(device, settings.ep - 1)  # --ep N: a GPU for every rank
+    rank_device(device, (settings.ep_local_ranks or settings.ep) - 1)  # a GPU for each rank here
     backends = experts_backends()
     if settings.backend != "auto" and settings.backend not in backends:
         raise ValueError(f"unknown backend {settings.backend!r}; registered: {', '.join(backends)}")
@@ -177,8 +193,8 @@ def _check_layers(settings: Settings) -> None:
     for where, cfg in (configs or demo_configs()).items():
         try:
             select(cfg, device, settings.backend, settings.ep > 1, settings.batch_invariant)
-            if settings.ep_placement is not None:
-                read_placement(settings.ep_placement, cfg.num_experts, settings.ep)
+            if settings.ep > 1:
+                initial_placement(settings, cfg.num_experts)
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
 

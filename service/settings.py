@@ -58,6 +58,10 @@ class Settings(BaseSettings):
     model_repository: Path | None = None
     ep: int = Field(1, ge=1)  # expert-parallel ranks, one GPU each; rank 0 serves HTTP
     ep_placement: Path | None = None  # JSON: experts per rank; None: contiguous slices
+    ep_redundant: int = Field(0, ge=0)  # extra copies of the hottest experts, over the ranks
+    # ranks started on this host (0..N-1); the others join from other hosts (moe-serve ep-rank,
+    # at MASTER_ADDR:MASTER_PORT); None: all --ep ranks run here
+    ep_local_ranks: int | None = Field(None, ge=1)
     drain_timeout_s: float = Field(30.0, gt=0)  # SIGTERM: how long in-flight requests may finish
     # A request's head, and then its body, must each arrive within this (else closed, or 408).
     read_timeout_s: float = Field(30.0, gt=0)
@@ -86,6 +90,10 @@ class Settings(BaseSettings):
                 "batch_invariant cannot be used with expert parallelism (ep > 1): the ranks' "
                 "partial outputs are summed by NCCL in an order that depends on the batch"
             )
+        if self.ep == 1 and (self.ep_redundant or self.ep_local_ranks is not None):
+            raise ValueError("ep_redundant and ep_local_ranks need expert parallelism (ep > 1)")
+        if self.ep_local_ranks is not None and self.ep_local_ranks > self.ep:
+            raise ValueError(f"ep_local_ranks ({self.ep_local_ranks}) exceeds ep ({self.ep})")
         return self
 
     @field_validator("device")

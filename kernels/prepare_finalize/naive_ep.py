@@ -8,11 +8,18 @@ Each rank holds a slice of the experts (`kernels.placement`); `DispatchSpec.expe
 the gathered global ids into local ones (-1 elsewhere), so every (token, expert) pair is computed
 on exactly one rank and the sum over ranks is the layer output.
 
-Two ways of bringing tokens:
+Three ways of bringing tokens:
 - equal (default): every rank brings the same M_r (data-parallel ranks padded alike), so the
   collectives run on fixed shapes without a host sync.
-- sequence_parallel: ranks bring any M_r, 0 included (the service's rank 0 brings the whole batch
-  and the others none). The counts are all-gathered first and rows padded to the largest count.
+- sequence_parallel: ranks bring any M_r, 0 included. The counts are all-gathered first and
+  rows padded to the largest count (two host syncs).
+- sender (the service): one rank brings all M tokens, every other rank a placeholder of the same
+  shape (it learnt M with the command that started the forward). The rows are broadcast from
+  the sender and the partial outputs summed onto it (reduce): fixed shapes, no host sync, and
+  each rank moves M rows instead of world * M.
+
+`group` may be any ProcessGroup object, one made outside the default group included (the
+service forms a new one among the live ranks when a rank dies); collectives are its methods.
 
 What travels, packed into one byte row per token so a dispatch is one collective: the
 activations (fp8 + per-token or per-group scales when the experts take them), the global topk
@@ -26,6 +33,7 @@ standard-format EP stage would have to redo; every scheme has a standard-format 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import ClassVar
 
@@ -64,25 +72,42 @@ def unpack_rows(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Te
 class NaiveEP(PrepareFinalize):
     name: ClassVar[str] = "naive-ep"
     format: ClassVar[Format] = Format.STANDARD
+    # groups held outside torch.distributed's default group (service.ep counts its own)
+    outside_groups: ClassVar[int] = 0
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, sequence_parallel: bool = False
+        self,
+        group: dist.ProcessGroup | None = None,
+        sequence_parallel: bool = False,
+        sender: int | None = None,
+        wait: Callable[[dist.Work], None] | None = None,
     ) -> None:
+        if sequence_parallel and sender is not None:
+            raise ValueError("sequence_parallel and sender are two different modes")
         self.group = group  # None: the default (world) group
         self.sequence_parallel = sequence_parallel
+        self.sender = sender  # the group rank that brings every token; None: every rank brings
+        # how the sender mode waits for its collectives (the service's stops when a rank dies)
+        self.wait = wait or (lambda work: work.wait())
+        # fixed shapes and no host sync: CUDA graphs can hold its collectives (every rank
+        # captures, then replays, the same bucket's graph)
+        self.graph_capturable = sender is not None
         # tokens each rank brought to the chunk in flight: set by prepare, read by finalize
         # (the modular kernel runs them back to back)
         self._counts: list[int] = []
 
     @classmethod
     def supports(cls, device: torch.device) -> Support:  # noqa: ARG003
-        if not (dist.is_available() and dist.is_initialized()):
+        if not (dist.is_available() and (dist.is_initialized() or cls.outside_groups)):
             return Support(False, "needs an initialised torch.distributed process group")
         return YES
 
     @property
     def world_size(self) -> int:
-        return dist.get_world_size(self.group)
+        return self._group().size()
+
+    def _group(self) -> dist.ProcessGroup:
+        return dist.group.WORLD if self.group is None else self.group
 
     def planned_tokens(self, hidden: torch.Tensor) -> int:
         if not self.sequence_parallel:
@@ -108,7 +133,8 @@ class NaiveEP(PrepareFinalize):
         rows = [local.hidden, local.topk_ids, local.topk_weights]
         if quantise_first:
             rows.append(local.scale)
-        gathered = unpack_rows(self.all_gather(pack_rows(rows)), rows)
+        moved = self.broadcast if self.sender is not None else self.all_gather
+        gathered = unpack_rows(moved(pack_rows(rows)), rows)
         x, ids, weights = gathered[:3]
         scale = gathered[3] if quantise_first else None
         if spec.act_quant == ActQuant.TENSOR:
@@ -123,7 +149,20 @@ class NaiveEP(PrepareFinalize):
             if reduce
             else expert_out.float()
         )  # [M, K] float32, this rank's experts only
+        if self.sender is not None:  # the sum lands on the sender; elsewhere out is a placeholder
+            out.copy_(self.reduce_to_sender(partial))
+            return
         out.copy_(self.reduce_scatter(partial)[: out.shape[0]])
+
+    def reduce_to_sender(self, partial: torch.Tensor) -> torch.Tensor:
+        """Every rank's partial sums [M, K] -> their sum on the sender (in place)."""
+        self.wait(self._group().reduce(partial, self.sender, dist.ReduceOp.SUM))
+        return partial
+
+    def broadcast(self, rows: torch.Tensor) -> torch.Tensor:
+        """The sender's rows [M, B] onto every rank (others bring a buffer of the same shape)."""
+        self.wait(self._group().broadcast(rows, self.sender))
+        return rows
 
     def all_gather(self, rows: torch.Tensor) -> torch.Tensor:
         """This rank's rows [M_r, B] -> every rank's rows [M, B], in rank order."""

@@ -27,6 +27,9 @@ async def health() -> HealthResponse:
 )
 async def ready(runtime: RuntimeDep) -> JSONResponse:
     if runtime.not_ready is None:
-        return JSONResponse(ReadyResponse(ready=True).model_dump())
+        if runtime.degraded is None:
+            return JSONResponse(ReadyResponse(ready=True).model_dump(exclude_none=True))
+        body = ReadyResponse(ready=True, degraded=True, reason=runtime.degraded)
+        return JSONResponse(body.model_dump())
     body = ReadyResponse(ready=False, reason=runtime.not_ready)
-    return JSONResponse(body.model_dump(), status_code=503)
+    return JSONResponse(body.model_dump(exclude_none=True), status_code=503)

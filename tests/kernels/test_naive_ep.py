@@ -38,7 +38,7 @@ from kernels.random_weights import random_expert_weights
 from kernels.routing import contiguous_expert_map, route
 from kernels.tensors import Routing
 from kernels.workspace import Workspace
-from weights.placement_file import read_placement
+from weights.placement_file import read_expert_counts, read_placement
 
 log = logging.getLogger(__name__)
 
@@ -248,13 +248,14 @@ def test_placement_file_maps_global_ids_to_local_order(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('{"ranks": [[0, 1], [1, 2, 3]]}', r"on two ranks \[1\]"),
+        ('{"ranks": [[0, 1, 1], [2, 3]]}', r"rank 0 lists experts \[1\] more than once"),
         ('{"ranks": [[0], [1, 2]]}', r"missing \[3\]"),
         ('{"ranks": [[0, 1, 2, 3, 4], []]}', r"out of range \[4\]"),
         ('{"ranks": [[0, 1, 2, 3], []]}', r"ranks \[1\] would hold no experts"),
         ('{"ranks": [[0, 1, 2, 3]]}', "lists 1 ranks, the group has 2"),
         ('{"ranks": [[0, -1], [2, 3]]}', "ranks.0.1"),
         ('{"rank": [[0, 1], [2, 3]]}', "ranks: Field required"),
+        ('{"ranks": [[0, 1], [2, 3]], "counts": [1, 2]}', "2 expert counts for 4 experts"),
         ("not json", "Invalid JSON"),
     ],
 )
@@ -266,6 +267,16 @@ def test_bad_placement_file_is_refused_naming_the_file_and_problem(
     with pytest.raises(ValueError, match=message) as err:
         read_placement(file, num_experts=4, world_size=2)
     assert str(file) in str(err.value)
+
+
+def test_placement_file_may_replicate_experts_and_carry_their_counts(tmp_path: Path) -> None:
+    file = tmp_path / "p.json"
+    file.write_text('{"ranks": [[0, 1, 3], [2, 3]], "counts": [5, 0, 1, 9]}')
+    placement = read_placement(file, num_experts=4, world_size=2)
+    assert placement.copies(3) == [0, 1]
+    assert read_expert_counts(file, num_experts=4) == [5, 0, 1, 9]
+    file.write_text('{"ranks": [[0, 1], [2, 3]]}')
+    assert read_expert_counts(file, num_experts=4) is None
 
 
 def test_missing_placement_file_names_the_path(tmp_path: Path) -> None:
@@ -318,8 +329,10 @@ def test_build_layer_composes_a_slice_of_the_experts_with_the_given_stage(
 #   python3 -m pytest -q -m gpu tests/kernels/test_naive_ep.py -o log_cli=true --log-cli-level=INFO
 # Both ranks draw the whole layer from the same seed on their own GPU and keep their half of the
 # experts. Per backend and token count M: rank 0 alone (NoEP, all experts), then EP over 2 GPUs
-# with M/2 tokens per rank ("split", equal counts) and with all M on rank 0 ("rank0", as the
-# service runs it). Collectives are timed in place with CUDA events.
+# with M/2 tokens per rank ("split", equal counts), with all M on rank 0 ("rank0": sequence
+# parallel, two host syncs) and in the sender mode the service runs ("sender": rank 0 brings
+# all M, rank 1 a placeholder; broadcast and reduce, no host sync). Collectives are timed in
+# place with CUDA events.
 
 GPU_TOKENS = (64, 4096)
 GPU_TOL = 1e-2  # EP against one GPU, same backend: only the summation order differs
@@ -387,6 +400,12 @@ class TimedNaiveEP(NaiveEP):
 
     def reduce_scatter(self, partial: torch.Tensor) -> torch.Tensor:
         return self._timed(lambda: super(TimedNaiveEP, self).reduce_scatter(partial))
+
+    def broadcast(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._timed(lambda: super(TimedNaiveEP, self).broadcast(rows))
+
+    def reduce_to_sender(self, partial: torch.Tensor) -> torch.Tensor:
+        return self._timed(lambda: super(TimedNaiveEP, self).reduce_to_sender(partial))
 
     def comm_us(self, last: int) -> float:
         """Median over the last `last` forwards of the time spent in collectives, microseconds."""
@@ -463,15 +482,19 @@ def _gpu_backend_rows(
         log.info("%s", rows[-1])
     dist.barrier()
     half = slice(rank * m // WORLD, (rank + 1) * m // WORLD)
-    for mode, sp, part in (
-        ("EP2 split", False, half),
-        ("EP2 rank0", True, slice(0, m * (1 - rank))),
+    everything = slice(0, m)
+    for mode, mode_args, part in (
+        ("EP2 split", {}, half),
+        ("EP2 rank0", {"sequence_parallel": True}, slice(0, m * (1 - rank))),
+        ("EP2 sender", {"sender": 0}, everything),
     ):
-        pf = TimedNaiveEP(sequence_parallel=sp)
+        pf = TimedNaiveEP(**mode_args)
         kernel = ModularKernel(pf, cls(cfg, local), Workspace(device), expert_map=expert_map)
         mine = Routing(routing.topk_ids[part], routing.topk_weights[part])
+        if rank != 0 and "sender" in mode_args:  # placeholders: the rows come from rank 0
+            mine = Routing(torch.zeros_like(mine.topk_ids), torch.zeros_like(mine.topk_weights))
         out = kernel.forward(hidden[part], mine)
-        if not sp:
+        if not mode_args:
             full = out.new_empty((m, out.shape[1]))
             dist.all_gather_into_tensor(full, out.contiguous())
             out = full
@@ -530,4 +553,4 @@ def test_deepseek_v3_over_two_gpus_matches_one_gpu_for_every_expert_map_backend(
     log.info("rows: %s", json.dumps(rows))
     bad = [r for r in rows if r.get("rel_err", 0.0) >= GPU_TOL]
     assert not bad, f"EP differs from one GPU: {bad}"
-    assert {r["mode"] for r in rows} == {"1 GPU", "EP2 split", "EP2 rank0"}
+    assert {r["mode"] for r in rows} == {"1 GPU", "EP2 split", "EP2 rank0", "EP2 sender"}

@@ -166,7 +166,22 @@ def test_serve_refuses_a_placement_file_that_does_not_fit_the_layers(tmp_path: P
     argv = ["serve", "--ep", "2", "--ep-placement", str(placement), "--device", "cpu"]
     assert main(argv) == 2
     assert "demo: placement file " in caplog.text
-    assert "every expert of 0..7 must sit on exactly one rank: missing [7]" in caplog.text
+    assert "every expert of 0..7 must sit on at least one rank: missing [7]" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--ep-redundant", "2"], "ep_redundant and ep_local_ranks need expert parallelism"),
+        (["--ep", "2", "--ep-local-ranks", "3"], "ep_local_ranks (3) exceeds ep (2)"),
+        (["--ep", "2", "--ep-redundant", "9"], "9 redundant copies do not fit"),
+    ],
+)
+def test_serve_refuses_redundant_copies_and_local_ranks_that_do_not_fit(
+    argv: list[str], message: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert main(["serve", "--device", "cpu", *argv]) == 2
+    assert message in caplog.text
 
 
 def test_serve_refuses_a_port_in_use_before_loading_anything(tmp_path: Path, caplog) -> None:

@@ -1,0 +1,183 @@
+"""Expert parallelism in service mode against one GPU (issue 20's targets), without HTTP.
+
+    python3 -m bench.ep_service --out OUT [--shape deepseek-v3] [--tokens 64,512,4096] [--ep 2]
+
+Writes a random layer of the shape (router and DeepSeek-V3's shared expert included) as a layer
+directory under OUT, then for each engine, one after the other on the same GPUs:
+- "1 GPU": service.engine.Engine on cuda:0 (pipelined, CUDA graphs), as `serve` runs it;
+- "EP N": service.ep.EPEngine over cuda:0..N-1, as `serve --ep N` runs it (rank 0 brings
+  every batch; the others replay the same graph bucket);
+each warmed up at every token count, then fed batches of M tokens (bf16 on the host, as the
+batcher hands them over) for about SECONDS_PER_POINT, up to the engine's batches in flight.
+Throughput is tokens per second of wall time from `start` to each result on the host. The EP
+outputs are compared with one GPU's (same backend; only the summation order differs).
+
+OUT/ep_service.json holds every figure, OUT/ep_service.md the table with the targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from bench.random_layer import random_layer
+from bench.shapes import SHAPES
+from kernels.accuracy import relative_error
+from kernels.tensors import ForwardInputs
+from service.engine import Engine
+from service.ep import EPEngine
+from service.settings import Settings
+from weights.load import load_layer
+from weights.manifest import Manifest, Source
+from weights.write import write_layer
+
+log = logging.getLogger(__name__)
+
+SECONDS_PER_POINT = 3.0
+TARGETS = {4096: 1.8, 512: 1.5, 64: 1.0}  # EP throughput over one GPU's, at M tokens
+SHARED_INTERMEDIATE = 2048  # DeepSeek-V3's shared expert
+
+
+def write_random_layer(shape: str, out: Path, device: torch.device) -> Path:
+    cfg = SHAPES[shape]
+    shared = min(SHARED_INTERMEDIATE, cfg.intermediate_size)
+    weights = random_layer(cfg, device, router=True, shared_intermediate=shared)
+    source = Source(family="bench", model=f"random-{shape}", layer=0)
+    manifest = Manifest.from_config(cfg, weights, name=shape, source=source)
+    path = out / "layers" / shape
+    write_layer(path, weights, manifest)
+    return path
+
+
+def _inputs(m: int, hidden: int, count: int = 4) -> list[ForwardInputs]:
+    gen = torch.Generator().manual_seed(m)
+    return [
+        ForwardInputs(torch.randn(m, hidden, generator=gen).to(torch.bfloat16))
+        for _ in range(count)
+    ]
+
+
+def throughput(engine: Engine, name: str, m: int, hidden: int, seconds: float) -> dict:
+    """Tokens per second over about `seconds`, up to max_in_flight batches at once."""
+    batches = _inputs(m, hidden)
+    first = engine.start(name, [batches[0]]).result().outputs[0].output
+    pending: collections.deque = collections.deque()
+    sent = done = 0
+    started = time.perf_counter()
+    while (feeding := time.perf_counter() - started < seconds) or pending:
+        if feeding and len(pending) < engine.max_in_flight:
+            pending.append(engine.start(name, [batches[sent % len(batches)]]))
+            sent += 1
+            continue
+        pending.popleft().result()
+        done += 1
+    elapsed = time.perf_counter() - started
+    return {
+        "M": m,
+        "batches": done,
+        "ms_per_batch": elapsed / done * 1e3,
+        "tokens_per_s": done * m / elapsed,
+        "first_output": first.float(),
+    }
+
+
+def run_engine(
+    engine: Engine, name: str, tokens: list[int], hidden: int, seconds: float
+) -> list[dict]:
+    engine.warm_up(tokens)
+    rows = []
+    for m in tokens:
+        rows.append(throughput(engine, name, m, hidden, seconds))
+        log.info("%s M=%d: %.0f tokens/s", type(engine).__name__, m, rows[-1]["tokens_per_s"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m bench.ep_service", description=__doc__)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--shape", default="deepseek-v3")
+    p.add_argument("--tokens", default="64,512,4096")
+    p.add_argument("--ep", type=int, default=2)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--redundant", type=int, default=0, help="--ep-redundant for the EP engine")
+    p.add_argument("--device", default="cuda", help="cuda; cpu (gloo) only checks the script")
+    p.add_argument("--seconds", type=float, default=SECONDS_PER_POINT, help="per point")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    path = write_random_layer(args.shape, args.out, device)
+    hidden = SHAPES[args.shape].hidden_size
+    top = max(tokens)
+
+    single = Engine(device, args.backend, top)
+    served = single.add(load_layer(path, single.device))
+    one_gpu = run_engine(single, args.shape, tokens, hidden, args.seconds)
+    backend = served.backend
+    del single, served
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    settings = Settings(
+        device=args.device,
+        ep=args.ep,
+        ep_redundant=args.redundant,
+        weights=(path,),
+        backend=backend,
+        max_batch_tokens=top,
+    )
+    ep = EPEngine(settings, [path])
+    try:
+        for source in ep.load():
+            ep.add(source)
+        ep_rows = run_engine(ep, args.shape, tokens, hidden, args.seconds)
+        balance = ep.placement(args.shape)["balancedness"]
+    finally:
+        ep.close()
+
+    table = [
+        "M | 1 GPU tokens/s | EP tokens/s | speedup | target | ms/batch 1 GPU | ms/batch EP "
+        "| rel err vs 1 GPU",
+        "--- | --- | --- | --- | --- | --- | --- | ---",
+    ]
+    results = []
+    for one, many in zip(one_gpu, ep_rows, strict=True):
+        m, speedup = one["M"], many["tokens_per_s"] / one["tokens_per_s"]
+        err = relative_error(many.pop("first_output"), one.pop("first_output"))
+        target = TARGETS.get(m)
+        verdict = (
+            "" if target is None else f">= {target} {'met' if speedup >= target else 'MISSED'}"
+        )
+        table.append(
+            f"{m} | {one['tokens_per_s']:.0f} | {many['tokens_per_s']:.0f} | {speedup:.2f}x | "
+            f"{verdict} | {one['ms_per_batch']:.2f} | {many['ms_per_batch']:.2f} | {err:.1e}"
+        )
+        results.append({"one_gpu": one, "ep": many, "speedup": speedup, "rel_err": err})
+    report = {
+        "shape": args.shape,
+        "ep": args.ep,
+        "redundant": args.redundant,
+        "backend": backend,
+        "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "last_balancedness": balance,
+        "points": results,
+    }
+    (args.out / "ep_service.json").write_text(json.dumps(report, indent=2))
+    text = f"{args.shape}, {backend}, EP {args.ep} vs 1 GPU ({report['gpu']})\n\n" + "\n".join(
+        table
+    )
+    (args.out / "ep_service.md").write_text(text + "\n")
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,19 @@
+"""bench/ep_service.py end to end on the CPU (gloo, a small layer): the GPU run's script works."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import ep_service
+
+
+def test_the_ep_service_benchmark_writes_its_table_and_matches_one_process(tmp_path: Path) -> None:
+    argv = ["--out", str(tmp_path), "--device", "cpu", "--shape", "deepseek-v3-small"]
+    argv += ["--tokens", "1,5", "--backend", "reference", "--seconds", "0.2", "--redundant", "2"]
+    assert ep_service.main(argv) == 0
+    report = json.loads((tmp_path / "ep_service.json").read_text())
+    assert [p["one_gpu"]["M"] for p in report["points"]] == [1, 5]
+    assert all(p["rel_err"] < 1e-2 and p["ep"]["batches"] > 0 for p in report["points"])
+    assert 0 < report["last_balancedness"] <= 1
+    assert "speedup" in (tmp_path / "ep_service.md").read_text()
