@@ -74,15 +74,16 @@ class ChannelServer:
         try:
             runtime = ready(self.runtime)
             served = runtime.engine.get(frame["layer"])
-            if runtime.engine.enqueues and arena.pinned is None:
-                arena.pinned = await asyncio.to_thread(_pin, arena.arena)
+            if runtime.engine.enqueues and arena.pinning is None:  # once per arena
+                arena.pinning = asyncio.ensure_future(asyncio.to_thread(_pin, arena.arena))
+            pinned = arena.pinning is not None and await asyncio.shield(arena.pinning)
             size = await serve_blob_into(
                 served,
                 runtime.batcher,
                 runtime.metrics,
                 arena.arena.body(region),
                 arena.arena.reply(region),
-                bool(arena.pinned),
+                bool(pinned),
                 frame.get("finite", False),
                 gone.wait,
             )
@@ -104,11 +105,12 @@ class ChannelServer:
 
 @dataclass
 class _Arena:
-    """A front end's arena as mapped here; `pinned`: its address once registered with CUDA
-    (0: registering failed, None: not tried yet)."""
+    """A front end's arena as mapped here; `pinning`: its registration with CUDA, started by
+    the first forward (the others of that moment wait for it), whose result is the arena's
+    address, or 0 if CUDA refused."""
 
     arena: BodyArena
-    pinned: int | None = None
+    pinning: asyncio.Future[int] | None = None
 
 
 def _pin(arena: BodyArena) -> int:
@@ -116,15 +118,17 @@ def _pin(arena: BodyArena) -> int:
     DMA from where they lie; its address, or 0 if CUDA refused (it then serves through
     copies)."""
     address = torch.frombuffer(arena.view, dtype=torch.uint8).data_ptr()
-    error = torch.cuda.cudart().cudaHostRegister(address, arena.size, 0)
-    if error != 0:
+    error = int(torch.cuda.cudart().cudaHostRegister(address, arena.size, 0))
+    if error:
         log.warning(
             "arena %s not registered with CUDA (error %s): replies are copied", arena.path, error
         )
         return 0
+    log.info("arena %s registered with CUDA: bodies and replies are copied by DMA", arena.path)
     return address
 
 
 def _unpin(arena: _Arena) -> None:
-    if arena.pinned:
-        torch.cuda.cudart().cudaHostUnregister(arena.pinned)
+    pinning = arena.pinning
+    if pinning is not None and pinning.done() and not pinning.exception() and pinning.result():
+        torch.cuda.cudart().cudaHostUnregister(pinning.result())

@@ -5,6 +5,7 @@ another (cast, then copied), and a NaN body is still a 400."""
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -44,12 +45,30 @@ def _reference(name: str, x: torch.Tensor) -> torch.Tensor:
     return model.forward(ForwardInputs(x.to(layer.config.dtype))).output
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+ENGINE_LOG = _Records()  # what the engine's end of the channel logged
+
+
 @pytest.fixture(scope="module")
 def url():
     settings = Settings(device="cuda", http_workers=2, grpc_port=0, max_batch_tokens=MAX_BATCH)
     loader = lambda _settings, device: _layers(device)  # noqa: E731
-    with running_front_ends(settings, loader, start_timeout_s=300) as front_ends:
-        yield f"http://127.0.0.1:{front_ends.listener.getsockname()[1]}"
+    logger = logging.getLogger("service.channel_server")
+    logger.addHandler(ENGINE_LOG)
+    logger.setLevel(logging.INFO)
+    try:
+        with running_front_ends(settings, loader, start_timeout_s=300) as front_ends:
+            yield f"http://127.0.0.1:{front_ends.listener.getsockname()[1]}"
+    finally:
+        logger.removeHandler(ENGINE_LOG)
 
 
 @pytest.mark.parametrize("name", list(LAYERS))
@@ -71,6 +90,10 @@ def test_concurrent_forwards_through_the_arena_match_the_reference(url: str, nam
         assert out.dtype == x.dtype and out.shape == x.shape
         error = relative_error(out.float(), _reference(name, x).float())
         assert error < 2e-2, f"{name}: {len(x)} rows of {x.dtype}: {error:.2e}"
+    # the direct path ran: each arena that served was registered with CUDA, once
+    registered = [m for m in ENGINE_LOG.messages if "registered with CUDA" in m]
+    assert registered and all(" not registered" not in m for m in registered), registered
+    assert len(registered) == len(set(registered)) <= 2, registered
 
 
 def test_a_nan_body_is_refused_by_name(url: str) -> None:
