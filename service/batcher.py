@@ -1,4 +1,4 @@
-"""DynamicBatcher: per-layer queues merged into few large forwards, two batches in flight.
+"""DynamicBatcher: per-layer queues merged into few large forwards, several batches in flight.
 
     submit(layer, inputs, options) -> a request in the layer's queue, at its priority level
     scheduler (one asyncio task per layer): once a forward may start (fewer than

@@ -92,7 +92,7 @@ def test_requests_of_another_wire_dtype_are_cast_once_and_answered_in_theirs(
 
 
 def test_concurrent_requests_on_gpu_each_get_their_own_rows(gpu_client) -> None:
-    """Batched, pipelined (two batches in flight) and padded to graph buckets: every request
+    """Batched, pipelined (several batches in flight) and padded to graph buckets: every request
     still gets exactly its rows."""
     import concurrent.futures
 
