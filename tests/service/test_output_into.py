@@ -18,9 +18,9 @@ from service.batcher import BatchPolicy, DynamicBatcher, RequestOptions
 from service.deps import submit_unless
 from service.engine import Engine
 from service.errors import ClientDisconnected
-from service.metrics import Metrics
 from service.pipeline import BatchResult
 from tests.service.layers import TINY, H, reference_forward, tiny_layers
+from tests.service.test_batcher import RecordingEngine, run
 
 WAIT_S = 10.0
 
@@ -70,16 +70,7 @@ class EnqueuingEngine(Engine):
 
 
 def _run(engine: Engine, body, max_batch_tokens: int = 64):
-    async def main():
-        batcher = DynamicBatcher(engine, BatchPolicy(max_batch_tokens, 0.0, 64), Metrics())
-        batcher.start()
-        try:
-            return await asyncio.wait_for(body(batcher), WAIT_S)
-        finally:
-            engine.gate.set()
-            await batcher.close()
-
-    return asyncio.run(main())
+    return run(engine, BatchPolicy(max_batch_tokens, 0.0, 64), body)
 
 
 def _rows(tokens: int, seed: int) -> torch.Tensor:
@@ -131,8 +122,6 @@ def test_a_withdrawn_request_returns_only_once_its_batch_is_done_with_the_buffer
 def test_an_engine_that_runs_batches_itself_copies_each_piece_into_the_buffer() -> None:
     """On the CPU engine the batcher writes each piece's rows into `output_into`, cast to its
     dtype (a client's region may hold another dtype than the layer's)."""
-    from tests.service.test_batcher import RecordingEngine  # a plain CPU engine
-
     engine = RecordingEngine(tiny_layers())
     x = _rows(7, seed=3)
     buffer = torch.zeros(7, H, dtype=torch.float64)
