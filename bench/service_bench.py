@@ -286,7 +286,7 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _http_ready(url: str) -> Callable[[], bool]:
+def http_ready(url: str) -> Callable[[], bool]:
     def ready() -> bool:
         try:
             return httpx.get(f"{url}/ready", timeout=2).status_code == 200
@@ -393,7 +393,7 @@ class ServiceBench:
         slug = variant.replace(" ", "-").replace("+", "-")
         log_path = self.out / f"server-{layer}-{slug}.log"
         timeout = min(c.ready_timeout_s, max(self._left_s(), 60.0))
-        with process(command, log_path, _http_ready(url), timeout) as seconds:
+        with process(command, log_path, http_ready(url), timeout) as seconds:
             run.seconds_to_ready = seconds
             run.layer_info = httpx.get(f"{url}/v1/layers/{layer}", timeout=10).json()
             bodies = self._bodies(run.layer_info["hidden_size"])

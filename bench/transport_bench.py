@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from bench.environment import current_commit
-from bench.service_bench import process
+from bench.service_bench import http_ready, process
 from bench.shapes import SHAPES
 
 log = logging.getLogger("bench.transport")
@@ -208,16 +208,6 @@ def _server_command(layer: str, port: int, grpc_port: int, tokens: int, device: 
     return command
 
 
-def _ready(url: str) -> Callable[[], bool]:
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{url}/ready", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    return ready
-
-
 def run_layer(layer: str, out_dir: Path, tokens: int, requests: int, device: str) -> dict:
     """Every transport on one layer's server: {transports: {name: figures}, bare_forward_ms}."""
     http_port, grpc_port = _free_port(), _free_port()
@@ -226,7 +216,8 @@ def run_layer(layer: str, out_dir: Path, tokens: int, requests: int, device: str
     command = _server_command(layer, http_port, grpc_port, tokens, device, cache)
     cleanup: list[Callable[[], object]] = []
     results: dict[str, dict] = {}
-    with process(command, out_dir / f"server-{layer}.log", _ready(url), READY_TIMEOUT_S) as ready_s:
+    log_path = out_dir / f"server-{layer}.log"
+    with process(command, log_path, http_ready(url), READY_TIMEOUT_S) as ready_s:
         try:
             hidden = httpx.get(f"{url}/v1/layers/{layer}", timeout=10).json()["hidden_size"]
             x = np.random.default_rng(0).standard_normal((tokens, hidden)).astype(np.float32)
