@@ -100,7 +100,7 @@ def _align_kernel(
 
 
 @triton.jit
-def _rank_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
+def rank_pairs_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
     """Count each expert's pairs; each pair's rank is the count its increment saw."""
     pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
@@ -168,7 +168,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
     start = torch.empty(num_experts, dtype=torch.int32, device=device)
     grid = (triton.cdiv(num_pairs, _PAIR_BLOCK),)
-    _rank_kernel[grid](ids, counts, rank, num_pairs, num_experts, BLOCK=_PAIR_BLOCK)
+    rank_pairs_kernel[grid](ids, counts, rank, num_pairs, num_experts, BLOCK=_PAIR_BLOCK)
     _runs_kernel[(1,)](
         counts, start, row_ids, block_expert, num_pairs, num_experts, capacity,
         BLOCK_M=block_m, E_BLOCK=e_block, C_BLOCK=128, num_warps=8,

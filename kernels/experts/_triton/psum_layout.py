@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.experts._triton.align import aligned_capacity
+from kernels.experts._triton.align import aligned_capacity, rank_pairs_kernel
 from kernels.quant_scheme import FP8_BLOCK
 
 _ONE_PROGRAM_MAX_ELEMENTS = 1 << 15  # [pairs, experts] one-hot tiles one program handles well
@@ -55,15 +55,6 @@ def _layout_one_program(
     rank = tl.sum(onehot * tl.cumsum(onehot, axis=0), axis=1) - 1  # earlier pairs of its expert
     row = tl.sum(onehot * start[None, :], axis=1) + rank
     tl.store(pair_row_ptr + pairs, tl.where(here, row, -1), mask=pairs < num_pairs)
-
-
-@triton.jit
-def _count_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
-    pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
-    here = (ids >= 0) & (ids < num_experts)
-    rank = tl.atomic_add(counts_ptr + tl.where(here, ids, 0), 1, mask=here, sem="relaxed")
-    tl.store(rank_ptr + pairs, rank, mask=here)
 
 
 @triton.jit
@@ -108,7 +99,7 @@ def psum_layout(topk_ids: torch.Tensor, num_experts: int, alignment: int) -> Psu
     rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
     start = torch.empty(num_experts, dtype=torch.int32, device=device)
     grid = (triton.cdiv(num_pairs, _PAIR_BLOCK),)
-    _count_kernel[grid](ids, counts, rank, num_pairs, num_experts, BLOCK=_PAIR_BLOCK)
+    rank_pairs_kernel[grid](ids, counts, rank, num_pairs, num_experts, BLOCK=_PAIR_BLOCK)
     _runs_kernel[(1,)](counts, start, psum, num_experts, ALIGN=alignment, E_BLOCK=e_block)
     _place_kernel[grid](ids, rank, start, pair_row, num_pairs, num_experts, BLOCK=_PAIR_BLOCK)
     return PsumLayout(pair_row, psum, capacity)
