@@ -13,6 +13,10 @@ POST /bench/bare {"tokens": [1, 64, ...]} times, for each token count, the forwa
 runs it (graph replay where the layer has graphs, else the eager layer) on random inputs already
 on the device, with bench/timing.py (CUDA events, L2 not flushed: back-to-back forwards, as
 served). Call it only while no load runs.
+
+POST /bench/path {"tokens": [1, 64]} times one request at a time through each level of the
+server's own path, inside this process, by the host clock (bench/request_path.py says which
+level is which), so that a one-client HTTP latency can be split into where its time goes.
 """
 
 from __future__ import annotations
@@ -106,6 +110,21 @@ def time_bare(served: ServedLayer, device: torch.device, tokens: list[int]) -> l
 
 
 bare_router = APIRouter(prefix="/bench", tags=["bench"])
+
+
+class PathTiming(BaseModel):
+    tokens: int
+    level: str
+    median_us: float
+    p90_us: float
+
+
+@bare_router.post("/path")
+async def path(body: BareRequest, request: Request) -> list[PathTiming]:
+    from bench.request_path import time_levels
+
+    runtime = request.app.state.runtime
+    return [PathTiming(**t) for t in await time_levels(runtime, body.tokens)]
 
 
 @bare_router.post("/bare")

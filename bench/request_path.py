@@ -1,0 +1,225 @@
+"""Where one request's time goes: each level of the server's path timed alone, one request at a
+time, beside the one-client HTTP latency of the same layer (issue 16, target 1).
+
+    python -m bench.request_path --out DIR [--layers demo,deepseek-v3] [--tokens 1,64]
+
+For each layer a bench server (bench/service_server.py) is started, in one process and behind
+front ends, and timed at each level, by the host clock, medians:
+
+| level | what one call does |
+| --- | --- |
+| device | the captured forward replayed on inputs already on the device, then a device sync |
+| engine | `Engine.start(...).result()`: a pageable CPU part in, the output back (batch of one) |
+| engine-pinned | the same from pinned memory into pinned memory (the front ends' arena path) |
+| batcher | `DynamicBatcher.submit`: queue, launch, completion (pageable part) |
+| batcher-pinned | the same with pinned inputs and `output_into` |
+| blob | `serve_blob`: decode a safetensors body, submit, encode the reply (one process) |
+| blob-into | `serve_blob_into`: the engine's side of a front end's forward (pinned arena) |
+| http | one client over HTTP (a lean keep-alive client, `load_gen.run_one_client`), one process |
+| http-front-ends | the same through 8 front-end processes |
+| http-floor | the same body posted to bench/echo_server.py (client, loopback and HTTP alone) |
+
+The first six run inside the server (POST /bench/path); consecutive levels differ by one stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import httpx
+import safetensors.torch
+import torch
+
+from bench.load_gen import run_one_client
+from bench.service_bench import _free_port, _tcp_ready, http_ready, process
+from kernels.tensors import ForwardInputs
+from service.batcher import RequestOptions
+from service.routes.forward import serve_blob, serve_blob_into
+
+_BUDGET_S = 0.5  # timed work per level and token count
+_MIN_CALLS, _MAX_CALLS, _WARMUP = 30, 2000, 10
+_HTTP_SECONDS = 4.0
+FRONT_ENDS = 8
+
+
+async def _timed(call: Callable[[], Awaitable[object] | object]) -> tuple[float, float]:
+    """Median and p90 seconds of `call` (awaited when it returns an awaitable)."""
+
+    async def once() -> float:
+        started = time.perf_counter()
+        result = call()
+        if asyncio.iscoroutine(result):
+            await result
+        return time.perf_counter() - started
+
+    for _ in range(_WARMUP):
+        await once()
+    samples: list[float] = []
+    deadline = time.perf_counter() + _BUDGET_S
+    while len(samples) < _MIN_CALLS or (
+        time.perf_counter() < deadline and len(samples) < _MAX_CALLS
+    ):
+        samples.append(await once())
+    return statistics.median(samples), statistics.quantiles(samples, n=10)[8]
+
+
+async def _never() -> None:
+    await asyncio.Event().wait()
+
+
+async def time_levels(runtime, tokens: list[int]) -> list[dict]:
+    """Each in-process level at each token count: dicts of tokens, level, median_us, p90_us."""
+    engine, batcher, metrics = runtime.engine, runtime.batcher, runtime.metrics
+    served = next(iter(engine.layers.values()))
+    cfg, name = served.config, served.name
+    cuda = engine.device.type == "cuda"
+    generator = torch.Generator().manual_seed(2)
+    rows = []
+    for t in tokens:
+        hidden = torch.randn(t, cfg.hidden_size, generator=generator).to(cfg.dtype)
+        logits = None if served.has_router else torch.randn(t, cfg.num_experts)
+        cpu = ForwardInputs(hidden, logits)
+        blob = safetensors.torch.save(
+            {"hidden_states": hidden} | ({} if logits is None else {"router_logits": logits})
+        )
+        levels: dict[str, Callable[[], object]] = {}
+        if cuda and served.graphs is not None and t <= served.graphs.max_tokens:
+            on_device = ForwardInputs(
+                hidden.to(engine.device), None if logits is None else logits.to(engine.device)
+            )
+
+            def device(on_device=on_device) -> None:
+                served.graphs.forward(on_device)
+                torch.cuda.synchronize(engine.device)
+
+            levels["device"] = device
+        levels["engine"] = lambda cpu=cpu: engine.start(name, [cpu]).result()
+        if cuda:
+            pinned = ForwardInputs(hidden.pin_memory(), None if logits is None else logits)
+            into = torch.empty_like(hidden).pin_memory()
+            levels["engine-pinned"] = lambda p=pinned, o=into: engine.start(name, [p], [o]).result()
+        levels["batcher"] = lambda cpu=cpu: batcher.submit(name, cpu)
+        if cuda:
+            levels["batcher-pinned"] = lambda p=pinned, o=into: batcher.submit(
+                name, p, output_into=o
+            )
+        levels["blob"] = lambda b=blob: serve_blob(
+            served, batcher, metrics, b, RequestOptions(), False, _never
+        )
+        if cuda and logits is None:
+            arena = torch.empty(2 * len(blob) + (64 << 10), dtype=torch.uint8).pin_memory()
+            view = memoryview(arena.numpy())
+            view[: len(blob)] = blob
+            body, reply = view[: len(blob)], view[len(blob) :]
+            levels["blob-into"] = lambda b=body, r=reply: serve_blob_into(
+                served, batcher, metrics, b, r, True, True, _never
+            )
+        for level, call in levels.items():
+            median, p90 = await _timed(call)
+            rows.append({"tokens": t, "level": level, "median_us": median * 1e6,
+                         "p90_us": p90 * 1e6})  # fmt: skip
+    return rows
+
+
+def _http_level(url: str, body: Path, level: str, tokens: int) -> dict:
+    load = run_one_client(url, body.read_bytes(), "application/octet-stream", _HTTP_SECONDS)
+    if not load.latencies_s or load.errors:
+        raise RuntimeError(f"{level}: {load.errors or 'no answers'}")
+    median = statistics.median(load.latencies_s)
+    p90 = statistics.quantiles(load.latencies_s, n=10)[8]
+    return {"tokens": tokens, "level": level, "median_us": median * 1e6, "p90_us": p90 * 1e6}
+
+
+def _bodies(hidden_size: int, tokens: list[int], where: Path) -> dict[int, Path]:
+    generator = torch.Generator().manual_seed(3)
+    files = {}
+    for t in tokens:
+        hidden = torch.randn(t, hidden_size, generator=generator).bfloat16()
+        files[t] = where / f"path-{hidden_size}-{t}.safetensors"
+        files[t].write_bytes(safetensors.torch.save({"hidden_states": hidden}))
+    return files
+
+
+def measure_layer(
+    layer: str, tokens: list[int], work: Path, logs: Path, shared: int | None
+) -> list[dict]:
+    rows: list[dict] = []
+    for workers in (0, FRONT_ENDS):
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        command = [sys.executable, "-m", "bench.service_server", "--layer", layer,
+                   "--port", str(port), "--http-workers", str(workers)]  # fmt: skip
+        if shared:
+            command += ["--shared-intermediate", str(shared)]
+        with process(command, logs / f"{layer}-{workers}.log", http_ready(url), 600):
+            hidden = httpx.get(f"{url}/v1/layers/{layer}").json()["hidden_size"]
+            bodies = _bodies(hidden, tokens, work)
+            forward = f"{url}/v1/layers/{layer}/forward"
+            if not workers:
+                bare = httpx.post(f"{url}/bench/bare", json={"tokens": tokens}, timeout=600)
+                rows += [{"tokens": b["tokens"], "level": "bare (CUDA events)",
+                          "median_us": b["median_us"], "p90_us": b["p90_us"]}
+                         for b in bare.json()]  # fmt: skip
+                path = httpx.post(f"{url}/bench/path", json={"tokens": tokens}, timeout=600)
+                rows += path.json()
+            level = "http-front-ends" if workers else "http"
+            rows += [_http_level(forward, bodies[t], level, t) for t in tokens]
+    echo_port = _free_port()
+    echo = [sys.executable, "-m", "bench.echo_server", "--port", str(echo_port)]
+    with process(echo, logs / "echo.log", _tcp_ready(echo_port), 60):
+        rows += [
+            _http_level(f"http://127.0.0.1:{echo_port}/echo", bodies[t], "http-floor", t)
+            for t in tokens
+        ]
+    return rows
+
+
+def render(results: dict[str, list[dict]]) -> str:
+    lines = []
+    for layer, rows in results.items():
+        tokens = sorted({r["tokens"] for r in rows})
+        levels = list(dict.fromkeys(r["level"] for r in rows))
+        lines += [f"## {layer}", "", "| level | " + " | ".join(f"{t} tok p50 us" for t in tokens)
+                  + " |", "| --- |" + " ---: |" * len(tokens)]  # fmt: skip
+        for level in levels:
+            cells = []
+            for t in tokens:
+                hit = [r for r in rows if r["level"] == level and r["tokens"] == t]
+                cells.append(f"{hit[0]['median_us']:.0f}" if hit else "-")
+            lines.append(f"| {level} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", default="demo,deepseek-v3")
+    parser.add_argument("--tokens", default="1,64")
+    parser.add_argument("--shared-intermediate", type=int, default=2048,
+                        help="shared expert of random (non-demo) layers")  # fmt: skip
+    args = parser.parse_args(argv)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for layer in args.layers.split(","):
+            shared = None if layer == "demo" else args.shared_intermediate
+            results[layer] = measure_layer(layer, tokens, Path(tmp), args.out, shared)
+            (args.out / "request-path.json").write_text(json.dumps(results, indent=1))
+    text = render(results)
+    (args.out / "request-path.md").write_text(text)
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
