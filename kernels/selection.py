@@ -205,10 +205,10 @@ def _planned(
         plan = token_plan(rule.served_us, candidates, rule.captured, composable)
         if not plan:
             return None
-        for name in missing:
-            why += f"; {name} cannot run here ({rejected.get(name, 'not registered')})"
-        why += "; one backend at every size" if not switch else ""
-        why += ", so the plan was made again among the available backends" if why else ""
+        notes = [f"{n} cannot run here ({rejected.get(n, 'not registered')})" for n in missing]
+        notes += [] if switch else ["one backend at every size is asked for"]
+        if notes:
+            why = f"; {'; '.join(notes)}, so the plan was made again among the available backends"
     counts = ",".join(rule.served_us)
     served = "served (a whole-layer CUDA graph where the backend captures)"
     if len(plan) == 1:
