@@ -156,8 +156,8 @@ def make_inputs(cfg: MoEConfig, weights: LayerWeights, config: KernelBenchConfig
 def time_captured(
     layer: MoELayer, hidden: torch.Tensor, logits: torch.Tensor, timer: Timer
 ) -> tuple[torch.Tensor | None, dict]:
-    """The layer as served: captured in a CUDA graph of exactly hidden's rows, replayed.
-    (the replay's output, BackendResult fields); no output where it cannot be captured."""
+    """The layer as served: captured in a CUDA graph of exactly hidden's rows and replayed.
+    Returns the replay's output (None where it cannot be captured) and BackendResult fields."""
     support = can_capture(layer, hidden.device)
     if not support:
         return None, {"not_captured": support.reason}
