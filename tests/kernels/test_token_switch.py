@@ -251,3 +251,16 @@ def test_build_layer_under_auto_holds_the_switch_the_table_plans(
     for tokens, ran in ((1, "reference"), (8, "second"), (40, "second")):
         layer.forward(ForwardInputs(torch.randn(tokens, 64), torch.randn(tokens, 6)))
         assert layer.kernel.experts.last_ran == ran
+
+
+def test_select_falls_back_from_a_plan_member_that_cannot_run_here_naming_why() -> None:
+    cfg = _config(QuantScheme.NONE)
+    served = {"1": {"triton": 1.0, "reference": 5.0}, "8": {"triton": 9.0, "reference": 5.0}}
+    rule = selection.Rule(
+        selection.rule_key(cfg), ("triton",), served, None, served,
+        frozenset({"triton"}), ((1, "triton"), (8, "reference")),
+    )  # fmt: skip
+    table = selection.RuleTable("cpu", "abc1234", "auto_cpu.json", {rule.key: rule})
+    choice = selection.select(cfg, CPU, rules=table)  # triton runs on CUDA only
+    assert choice.experts is ReferenceExperts
+    assert "triton cannot run here (runs on cuda, not cpu)" in choice.reason
