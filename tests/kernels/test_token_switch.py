@@ -20,6 +20,7 @@ from kernels.quant_scheme import QuantConfig, QuantScheme
 from kernels.random_weights import random_expert_weights
 from kernels.routing import route
 from kernels.tensors import ForwardInputs
+from kernels.tuned import TUNED_DIR
 from kernels.workspace import Workspace
 
 GPU = torch.device("cuda")
@@ -264,3 +265,13 @@ def test_select_falls_back_from_a_plan_member_that_cannot_run_here_naming_why() 
     choice = selection.select(cfg, CPU, rules=table)  # triton runs on CUDA only
     assert choice.experts is ReferenceExperts
     assert "triton cannot run here (runs on cuda, not cpu)" in choice.reason
+
+
+@pytest.mark.parametrize("path", sorted(TUNED_DIR.glob("auto_*.json")), ids=str)
+def test_shipped_plans_hold_at_most_two_registered_backends_from_one_token(path) -> None:
+    backends = registry.experts_backends()
+    for rule in selection.RuleTable.from_json(path).rules.values():
+        names = {name for _, name in rule.plan}
+        assert names <= set(backends) and len(names) <= selection.MAX_BACKENDS, rule.key
+        assert not rule.plan or rule.plan[0][0] == 1, rule.key
+        assert set(rule.served_us) == set(rule.times_us) or not rule.served_us, rule.key
