@@ -1,16 +1,21 @@
 """`moe-serve bench auto-table RUN.json`: the rule table `--backend auto` follows
 (`kernels/tuned/auto_<gpu>.json`, read by kernels/selection.py), from a kernel benchmark run.
 
-One rule per layer shape of the run, keyed `<scheme>/<shape class>` (`selection.rule_key`):
-each backend's median time at every token count of the uniform load, routing excluded (the
-modular forward on fixed routing), as `moe-serve bench kernels` measured it after checking the
-backend against the reference; the backends that failed or were wrong, never ranked; the order
-(backends timed at every count, by geometric mean of their times); and, where both ran, the
-token count from which DeepGEMM beats our Triton experts for good.
+One rule per layer shape of the run, keyed `<scheme>/<shape class>` (`selection.rule_key`), from
+the uniform load's points, each backend checked against the reference first (the backends that
+failed or were wrong are never ranked):
+- `served_us`: each backend's median time as the service runs it, at every token count: the
+  whole-layer forward replayed from a CUDA graph where the backend captures (`captured` names
+  those), uncaptured where it cannot; `fastest`: the fastest there per count; `plan`: what auto
+  runs, per token count (`selection.token_plan`: one backend within 3% of the fastest at every
+  count, else the pair closest to it);
+- `times_us`: the modular forward uncaptured on fixed routing, its `order` (backends timed at
+  every count, by geometric mean) and, where both ran, the token count from which DeepGEMM
+  beats our Triton experts for good (`triton-or-deep-gemm` switches there).
 
 The composed backend is not ranked on its own measurement: `triton-or-deep-gemm` switches at
-the count this table sets, so its row is derived, at each count, from the backend it would run
-there.
+the count this table sets, so its `times_us` row is derived, at each count, from the backend it
+would run there; it is never part of a plan (its members are). Nor is auto's own row.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ import os
 from pathlib import Path
 
 from bench.environment import device_slug
-from bench.schema import BenchRun, Point
+from bench.schema import AUTO_ROW, BackendResult, BenchRun
 from bench.shapes import SHAPES
-from kernels.selection import rule_key
+from kernels.registry import experts_backends
+from kernels.selection import COMPOSED, rule_key, token_plan
+from kernels.tensors import Format
 from kernels.tuned import TUNED_DIR
 
-COMPOSED = frozenset({"triton-or-deep-gemm"})
 LOAD = "uniform"  # the load the rules are measured under (random router logits)
 
 
@@ -53,22 +59,56 @@ def crossover_tokens(times_us: dict[str, dict[str, float]], fast: str, base: str
     return best
 
 
-def _rule(shape: str, points: list[Point]) -> dict:
-    """One shape's rule from its uniform-load points."""
+def _served(
+    rows: dict[int, list[BackendResult]], failed: dict[str, str]
+) -> tuple[dict[str, dict[str, float]], set[str]]:
+    """Served medians by tokens and backend, and the backends captured. A backend captured at
+    some count but not at another is not served there (its times would mix modes)."""
+    known = experts_backends()  # not NAME+invariant: auto runs the default builds
+    results = [
+        (m, r) for m, row in rows.items() for r in row
+        if r.correct and r.served() and r.backend in known
+    ]  # fmt: skip
+    captured = {r.backend for _, r in results if r.captured is not None}
+    served: dict[str, dict[str, float]] = {str(m): {} for m in rows}
+    for m, r in results:
+        if r.backend in captured and r.captured is None:
+            failed.setdefault(r.backend, f"M={m}: not captured: {r.not_captured}")
+        else:
+            served[str(m)][r.backend] = r.served().median_us
+    return served, captured
+
+
+def shape_rule(shape: str, rows: dict[int, list[BackendResult]]) -> dict:
+    """One shape's rule from its uniform-load results, by token count."""
     times: dict[str, dict[str, float]] = {}
     failed: dict[str, str] = {}  # backend -> why it was not ranked (its first failure)
-    for point in sorted(points, key=lambda p: p.tokens):
-        row = times.setdefault(str(point.tokens), {})
-        for r in point.results:
-            if r.backend in COMPOSED:
-                continue
+    rows = {m: [r for r in rows[m] if r.backend not in COMPOSED | {AUTO_ROW}] for m in sorted(rows)}
+    for tokens, results in rows.items():
+        row = times.setdefault(str(tokens), {})
+        for r in results:
             if r.error is not None:
-                failed.setdefault(r.backend, f"M={point.tokens}: {r.error}")
+                failed.setdefault(r.backend, f"M={tokens}: {r.error}")
             elif not r.correct:
-                failed.setdefault(r.backend, f"M={point.tokens}: relative error {r.rel_error:.3g}")
+                error = r.rel_error if r.captured_rel_error is None else r.captured_rel_error
+                failed.setdefault(r.backend, f"M={tokens}: relative error {error:.3g}")
             elif r.routing_excluded is not None:
                 row[r.backend] = r.routing_excluded.median_us
-    body: dict = {"shape": shape, "times_us": times, "failed": failed}
+    served, captured = _served(rows, failed)
+    backends = experts_backends()
+    standard = frozenset(n for n, cls in backends.items() if cls.format == Format.STANDARD)
+    plan = token_plan(
+        served, sorted({n for row in served.values() for n in row}), frozenset(captured), standard
+    )
+    body: dict = {
+        "shape": shape,
+        "plan": [list(step) for step in plan],
+        "fastest": {m: min(row, key=row.get) for m, row in served.items() if row},
+        "served_us": served,
+        "captured": sorted(captured),
+        "times_us": times,
+        "failed": failed,
+    }
     if all("deep-gemm" in row and "triton" in row for row in times.values()):
         threshold = crossover_tokens(times, "deep-gemm", "triton")
         body["deep_gemm_min_tokens"] = threshold
@@ -93,7 +133,7 @@ def rule_table(run: BenchRun) -> dict:
         key = rule_key(SHAPES[shape.name])
         if key in rules:
             raise ValueError(f"shapes {rules[key]['shape']} and {shape.name} both measure {key}")
-        rules[key] = _rule(shape.name, points)
+        rules[key] = shape_rule(shape.name, {p.tokens: p.results for p in points})
     if not rules:
         raise ValueError("the run holds no shape")
     s = run.settings
@@ -101,27 +141,40 @@ def rule_table(run: BenchRun) -> dict:
         "device": run.environment.device,
         "commit": run.environment.commit,
         "method": (
-            f"median of the modular forward (prepare, experts, finalize) on fixed routing, "
-            f"{LOAD} load: CUDA events, L2 flushed, {s.warmup} warm-up calls, {s.min_iters}-"
-            f"{s.max_iters} iterations, about {s.budget_s * 1e3:g} ms per point (bench/timing.py); "
-            f"`moe-serve bench auto-table` of a `moe-serve bench kernels` run of "
-            f"{run.environment.created}"
+            f"medians, {LOAD} load: served_us of the whole-layer forward from router logits, "
+            f"replayed from a CUDA graph of that many tokens for the backends in `captured`, "
+            f"uncaptured for the others; times_us of the modular forward (prepare, experts, "
+            f"finalize) on fixed routing, uncaptured. CUDA events, L2 flushed, {s.warmup} "
+            f"warm-up calls, {s.min_iters}-{s.max_iters} iterations, about "
+            f"{s.budget_s * 1e3:g} ms per point (bench/timing.py); `moe-serve bench auto-table` "
+            f"of a `moe-serve bench kernels` run of {run.environment.created}"
         ),
         "rules": rules,
     }
 
 
+def _times(rows: dict[str, dict[str, float]], marked: frozenset[str] = frozenset()) -> list[str]:
+    """A markdown table of median us by token count and backend (`marked` names get a `*`)."""
+    backends = sorted({b for row in rows.values() for b in row})
+    lines = ["| M | " + " | ".join(b + "*" * (b in marked) for b in backends) + " |"]
+    lines.append("|---" * (len(backends) + 1) + "|")
+    for m, row in rows.items():
+        cells = [f"{row[b]:.1f}" if b in row else "-" for b in backends]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def summary(table: dict) -> str:
-    """The table as markdown: per rule, the median times by token count and backend."""
+    """The table as markdown: per rule, auto's plan, the served and the modular median times."""
     lines = [f"# {table['device']} at {table['commit']}: median us per forward"]
     for key, rule in table["rules"].items():
-        backends = sorted({b for row in rule["times_us"].values() for b in row})
         lines += ["", f"## {key}: {rule['shape']} (order: {', '.join(rule['order'])})", ""]
-        lines.append("| M | " + " | ".join(backends) + " |")
-        lines.append("|---" * (len(backends) + 1) + "|")
-        for m, row in rule["times_us"].items():
-            cells = [f"{row[b]:.1f}" if b in row else "-" for b in backends]
-            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        if rule.get("plan"):
+            steps = ", ".join(f"{name} from M={m}" for m, name in rule["plan"])
+            lines += [f"Auto runs {steps}. Served, whole layer (* replayed from a CUDA graph):"]
+            lines += ["", *_times(rule["served_us"], frozenset(rule["captured"])), ""]
+            lines += ["Modular forward, fixed routing, uncaptured:", ""]
+        lines += _times(rule["times_us"])
         lines += [f"- {b} not ranked: {why}" for b, why in rule["failed"].items()]
     return "\n".join(lines) + "\n"
 

@@ -235,7 +235,9 @@ def _add_kernels(sub: argparse._SubParsersAction) -> None:
         "kernels",
         help=what,
         description=f"{what.capitalize()} (copy bandwidth, GEMM peak) on each layer shape and "
-        "token count; writes a result file for `bench plot` and `bench summary`.",
+        "token count: the modular forward and the whole layer uncaptured and, where the backend "
+        "can be captured, the whole layer replayed from a CUDA graph (as served); writes a "
+        "result file for `bench plot`, `bench summary` and `bench auto-table`.",
     )
     p.add_argument(
         "--shapes",
@@ -253,7 +255,9 @@ def _add_kernels(sub: argparse._SubParsersAction) -> None:
         "--backends",
         default="all",
         help="all, or a comma list of experts backends; NAME+invariant: NAME built "
-        "batch-invariant (serve --batch-invariant), e.g. triton,triton+invariant",
+        "batch-invariant (serve --batch-invariant), e.g. triton,triton+invariant; auto: the "
+        "layer --backend auto builds from the rule this run's uniform-load times make, timed "
+        "as built after the others",
     )
     p.add_argument(
         "--loads", type=_loads, default=list(Load), help="router loads (default uniform,skewed)"
@@ -333,8 +337,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "auto-table",
         help="write the rule table --backend auto follows, from a kernel result file",
         description="Write the rule table --backend auto follows (per layer shape: every "
-        "backend's median time at each token count of the uniform load, and their order) from "
-        "a `moe-serve bench kernels` result, and its markdown summary beside it.",
+        "backend's median time at each token count of the uniform load as served, the whole "
+        "layer captured in a CUDA graph where the backend captures, and auto's plan: which "
+        "backend runs at which token count) from a `moe-serve bench kernels` result, and its "
+        "markdown summary beside it.",
     )
     p.add_argument("file", type=Path, help="a `bench kernels` result with the uniform load")
     p.add_argument("--out", type=Path, help="default kernels/tuned/auto_<gpu>.json (+ .md)")

@@ -5,7 +5,10 @@ Per shape: weights are drawn on the device (bench.random_layer), router logits f
 first M rows, so the first `check_rows` rows are the same at every M and the reference backend's
 output for them is computed once. Each backend is built once per shape; at every point its
 output is checked against that reference *before* it is timed, then it is timed with routing
-excluded and included, and freed before the next backend is built.
+excluded and included and, where it can be captured, as served: the whole layer replayed from
+a CUDA graph of exactly that many tokens (checked too); it is freed before the next backend is
+built. `auto` among the backends: after the others, the layer `--backend auto` builds from the
+rule these timings make (bench/auto_table.py), timed the same way.
 
 Reference rule: the `reference*` backends dequantise every hit expert to float32 on each call
 (hundreds of milliseconds at full size), so they are timed only up to `reference_max_tokens`
@@ -29,11 +32,13 @@ import torch
 from tqdm import tqdm
 
 from bench import ceilings as measured
+from bench.auto_table import shape_rule
 from bench.environment import capture
 from bench.random_layer import random_layer
 from bench.roofline import Ceilings, Work, bound, count_work
 from bench.router_loads import Load, router_logits
 from bench.schema import (
+    AUTO_ROW,
     BackendResult,
     BenchRun,
     CeilingsResult,
@@ -47,9 +52,10 @@ from bench.timing import Timer, TimingPlan
 from kernels.accuracy import relative_error, tolerance
 from kernels.config import MoEConfig
 from kernels.layer import LayerWeights, MoELayer, build_layer
+from kernels.layer_graphs import LayerGraphs, can_capture
 from kernels.registry import experts_backends
 from kernels.routing import route
-from kernels.selection import select
+from kernels.selection import Rule, RuleTable, rule_key, select
 from kernels.tensors import ForwardInputs, Routing
 
 log = logging.getLogger(__name__)
@@ -147,31 +153,56 @@ def make_inputs(cfg: MoEConfig, weights: LayerWeights, config: KernelBenchConfig
     return ShapeInputs(hidden, logits, routing, expected)
 
 
+def time_captured(
+    layer: MoELayer, hidden: torch.Tensor, logits: torch.Tensor, timer: Timer
+) -> tuple[torch.Tensor | None, dict]:
+    """The layer as served: captured in a CUDA graph of exactly hidden's rows and replayed.
+    Returns the replay's output (None where it cannot be captured) and BackendResult fields."""
+    support = can_capture(layer, hidden.device)
+    if not support:
+        return None, {"not_captured": support.reason}
+    m, with_logits = hidden.shape[0], layer.router.weight is None
+    try:
+        graphs = LayerGraphs(layer, hidden.device, m, with_logits)
+        out = graphs.forward(ForwardInputs(hidden, logits if with_logits else None)).output
+        output = out.output.clone()
+        return output, {"captured": timer.measure(lambda: graphs.replay(m))}
+    except Exception as err:  # a capture that fails is a result: the layer is served uncaptured
+        log.warning("%s could not be captured at %d tokens: %s", layer.kernel.experts.name, m, err)
+        return None, {"not_captured": f"capture failed: {type(err).__name__}: {err}"}
+
+
 def check_and_time(
-    layer: MoELayer, inputs: ShapeInputs, load: Load, m: int, timer: Timer
+    layer: MoELayer, inputs: ShapeInputs, load: Load, m: int, timer: Timer, name: str = ""
 ) -> BackendResult:
-    """Check the backend against the reference, then time it (a wrong one too, marked wrong).
+    """Check the backend against the reference, then time it (a wrong one too, marked wrong):
+    uncaptured, then as served (captured where it can be; its replay is checked too).
 
     The checked output starts as NaN, so a row the backend never writes fails the check even
     where the allocator hands back memory that still holds an earlier, correct output.
     """
     hidden, logits, routing = inputs.at(load, m)
-    name = bench_name(layer)
+    name = name or bench_name(layer)
     expected = inputs.expected[load][:m]
-    out = layer.kernel.forward(hidden, routing, out=torch.full_like(hidden, float("nan")))
-    err = relative_error(out[: expected.shape[0]], expected)
-    if not torch.isfinite(out).all():
-        err = float("inf")
-    ok = err <= tolerance(layer.cfg, checked_rows_of_larger_batch=True)
+    limit = tolerance(layer.cfg, checked_rows_of_larger_batch=True)
+
+    def error(out: torch.Tensor) -> float:
+        finite = torch.isfinite(out).all()
+        return relative_error(out[: expected.shape[0]], expected) if finite else float("inf")
+
+    err = error(layer.kernel.forward(hidden, routing, out=torch.full_like(hidden, float("nan"))))
+    fields = {
+        "routing_excluded": timer.measure(lambda: layer.kernel.forward(hidden, routing)),
+        "routing_included": timer.measure(lambda: layer.forward(ForwardInputs(hidden, logits))),
+    }
+    replayed, captured = time_captured(layer, hidden, logits, timer)
+    if replayed is not None:
+        captured["captured_rel_error"] = error(replayed)
+    ok = err <= limit and captured.get("captured_rel_error", 0.0) <= limit
     if not ok:
-        log.warning("%s is wrong at %d tokens (%s): relative error %.3g", name, m, load, err)
-    return BackendResult(
-        backend=name,
-        routing_excluded=timer.measure(lambda: layer.kernel.forward(hidden, routing)),
-        routing_included=timer.measure(lambda: layer.forward(ForwardInputs(hidden, logits))),
-        rel_error=err,
-        correct=ok,
-    )
+        log.warning("%s is wrong at %d tokens (%s): relative error %.3g, captured %s",
+                    name, m, load, err, captured.get("captured_rel_error"))  # fmt: skip
+    return BackendResult(backend=name, rel_error=err, correct=ok, **fields, **captured)
 
 
 @dataclass(frozen=True)
@@ -188,10 +219,14 @@ def score_point(
     results: list[BackendResult],
     auto: str | None,
 ) -> Point:
-    """Roofline, fractions of the ceilings and ratios to the best correct backend."""
+    """Roofline, fractions of the ceilings and ratios to the best correct backend (auto's own
+    row is never the best: it runs one of the others)."""
     limit = bound(work, ceilings)
-    correct = [r for r in results if r.routing_excluded is not None and r.correct]
-    best = min(correct, key=lambda r: r.routing_excluded.median_us, default=None)
+    correct = [r for r in results if r.correct and r.backend != AUTO_ROW]
+    timed = [r for r in correct if r.routing_excluded is not None]
+    best = min(timed, key=lambda r: r.routing_excluded.median_us, default=None)
+    served = [r for r in correct if r.served() is not None]
+    best_served = min(served, key=lambda r: r.served().median_us, default=None)
     scored = []
     for r in results:
         if r.routing_excluded is not None:
@@ -207,6 +242,10 @@ def score_point(
             )
         scored.append(r)
     auto_ratio = next((r.ratio_to_best for r in scored if r.backend == auto), None)
+    auto_row = next((r for r in scored if r.backend == auto and r.served() is not None), None)
+    auto_served_ratio = None
+    if auto_row is not None and best_served is not None:
+        auto_served_ratio = auto_row.served().median_us / best_served.served().median_us
     return Point(
         shape=key.shape,
         load=str(key.load),
@@ -220,6 +259,8 @@ def score_point(
         bound_by=limit.bound_by,
         best=best.backend if best else None,
         auto_ratio=auto_ratio,
+        best_served=best_served.backend if best_served else None,
+        auto_served_ratio=auto_served_ratio,
         results=scored,
     )
 
@@ -246,7 +287,7 @@ class KernelBench:
     def _backends(self) -> list[str]:
         known = experts_backends()
         wanted = self.config.backends or tuple(known)
-        unknown = [b for b in wanted if b.removesuffix(INVARIANT) not in known]
+        unknown = [b for b in wanted if b.removesuffix(INVARIANT) not in {*known, AUTO_ROW}]
         if unknown:
             raise ValueError(f"unknown backend(s) {unknown}; registered: {', '.join(known)}")
         return list(wanted)
@@ -256,9 +297,13 @@ class KernelBench:
         return deadline is not None and time.monotonic() - self.started > deadline
 
     def _time_backend(
-        self, layer: MoELayer, inputs: ShapeInputs, results: dict[PointKey, list[BackendResult]]
+        self,
+        layer: MoELayer,
+        inputs: ShapeInputs,
+        results: dict[PointKey, list[BackendResult]],
+        name: str = "",
     ) -> None:
-        name = bench_name(layer)
+        name = name or bench_name(layer)
         for key in results:
             if (
                 name.removesuffix(INVARIANT) in REFERENCE_BACKENDS
@@ -270,12 +315,40 @@ class KernelBench:
                 results[key].append(BackendResult(backend=name, error=error))
                 continue
             try:
-                results[key].append(check_and_time(layer, inputs, key.load, key.tokens, self.timer))
+                point = check_and_time(layer, inputs, key.load, key.tokens, self.timer, name)
+                results[key].append(point)
             except Exception as err:  # a failing backend is a result, not the end of the run
                 log.warning("%s failed at %s: %s", name, key, err)
                 results[key].append(
                     BackendResult(backend=name, error=f"{type(err).__name__}: {err}")
                 )
+
+    def _time_auto(
+        self,
+        name: str,
+        cfg: MoEConfig,
+        weights: LayerWeights,
+        inputs: ShapeInputs,
+        results: dict[PointKey, list[BackendResult]],
+    ) -> tuple[str | None, str]:
+        """Time the layer auto builds from this run's rule for the shape, as the row AUTO_ROW:
+        (the backend it built, why it could not be built)."""
+        rows = {k.tokens: r for k, r in results.items() if k.load == Load.UNIFORM}
+        if not rows:
+            return None, "auto's rule comes from the uniform load: run with it"
+        env, key = self.env, rule_key(cfg)
+        try:
+            rule = Rule.from_json(key, shape_rule(name, rows))
+            table = RuleTable(env.device, env.commit, "this run", {key: rule})
+            layer, selection = build_layer(cfg, weights, self.config.device, rules=table)
+        except Exception as err:  # no rule, or no backend: recorded with its reason
+            return None, f"{type(err).__name__}: {err}"
+        log.info("%s: auto runs %s (%s)", name, selection.experts.name, selection.reason)
+        self._time_backend(layer, inputs, results, AUTO_ROW)
+        built = selection.experts.name
+        del layer
+        _free_device_memory()
+        return built, ""
 
     def bench_shape(self, name: str, ceilings: CeilingsResult) -> tuple[ShapeResult, list[Point]]:
         cfg, device = SHAPES[name], self.config.device
@@ -285,7 +358,7 @@ class KernelBench:
         results: dict[PointKey, list[BackendResult]] = {key: [] for key in keys}
         not_run = {}
         backends = experts_backends()
-        for backend in tqdm(self.backends, desc=name, disable=None):
+        for backend in tqdm([b for b in self.backends if b != AUTO_ROW], desc=name, disable=None):
             base = backend.removesuffix(INVARIANT)
             invariant = base != backend
             support = backends[base].supports(cfg, device)
@@ -310,12 +383,18 @@ class KernelBench:
             auto = select(cfg, device).experts.name
         except ValueError:
             auto = None
+        ranked_by = auto
+        if AUTO_ROW in self.backends:
+            auto, why = self._time_auto(name, cfg, weights, inputs, results)
+            ranked_by = AUTO_ROW
+            if why:
+                not_run[AUTO_ROW] = why
         limits = Ceilings(ceilings.copy_bytes_per_s, ceilings.gemm_flops_per_s[precision(cfg)])
         points = []
         for key in keys:
             _, _, routing = inputs.at(key.load, key.tokens)
             work = count_work(cfg, weights.experts, routing.topk_ids)
-            points.append(score_point(key, work, limits, results[key], auto))
+            points.append(score_point(key, work, limits, results[key], ranked_by))
         shape = ShapeResult(
             name=name,
             num_experts=cfg.num_experts,

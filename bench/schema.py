@@ -6,6 +6,14 @@ full layer forward; `routing_excluded` times `ModularKernel.forward(hidden, rout
 routing computed beforehand, `routing_included` times `MoELayer.forward` from router logits.
 Derived figures (`achieved_fraction`, `ratio_to_best`, ...) are computed from the
 routing-excluded median, the figure the roofline bounds.
+
+Served mode, as the service runs a layer: `captured` times the whole-layer forward (routing from
+the router logits, experts) replayed from a CUDA graph of exactly that many tokens
+(kernels/layer_graphs.py), for backends that can be captured; the others are served uncaptured,
+so their served time is `routing_included` and `not_captured` says why. `auto`'s rule table
+ranks backends by served time (bench/auto_table.py). The row `auto` (`--backends ...,auto`) is
+the layer `--backend auto` builds from the rule this run's uniform-load timings make for the
+shape, timed as built; the shape's `auto` names what it built.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 SCHEMA_VERSION = 1
+AUTO_ROW = "auto"  # the backend name of auto's own row
 
 
 class _Model(BaseModel):
@@ -60,7 +69,7 @@ class ShapeResult(_Model):
     dtype: str
     precision: str  # key into CeilingsResult.gemm_flops_per_s
     weight_bytes: int  # all experts' weights, scales and biases
-    auto: str | None  # the backend `auto` picks for this layer on this device
+    auto: str | None  # the backend `auto` picks (with an AUTO_ROW: the one it built) here
     not_run: dict[str, str] = Field(default_factory=dict)  # backend -> why it was not timed
 
 
@@ -77,10 +86,17 @@ class BackendResult(_Model):
     rel_error: float | None = None  # ||out - reference|| / ||reference|| on the checked rows
     correct: bool = False  # rel_error within the scheme's tolerance (see bench.kernel_bench)
     error: str | None = None  # why this backend failed at this point
+    captured: Timing | None = None  # the whole-layer forward replayed from a CUDA graph
+    captured_rel_error: float | None = None  # the replay's rel_error (in `correct` too)
+    not_captured: str | None = None  # why `captured` is None (the backend syncs, CPU, ...)
     achieved_fraction: float | None = None  # roofline time / median
     bandwidth_fraction: float | None = None  # (bytes / median) / copy bandwidth
     compute_fraction: float | None = None  # (flops / median) / GEMM peak
     ratio_to_best: float | None = None  # median / best correct backend's median (>= 1)
+
+    def served(self) -> Timing | None:
+        """The whole-layer forward as served: captured where the backend captures."""
+        return self.captured or self.routing_included
 
 
 class Point(_Model):
@@ -96,6 +112,8 @@ class Point(_Model):
     bound_by: Literal["memory", "compute"]
     best: str | None  # fastest correct backend
     auto_ratio: float | None  # auto's backend median / best median, when auto's ran here
+    best_served: str | None = None  # fastest correct backend as served (BackendResult.served)
+    auto_served_ratio: float | None = None  # auto's served median / best_served's
     results: list[BackendResult]
 
 

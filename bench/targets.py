@@ -4,7 +4,8 @@
 - prefill: at M >= 4096 the best backend reaches >= 65% of the measured dense GEMM peak;
 - triton: our Triton backends are at least as fast as the best external library (DeepGEMM,
   triton_kernels) wherever both ran;
-- auto: the backend `auto` picks is within 3% of the fastest at every point.
+- auto: the backend `auto` picks (its own row where the run timed one) is within 3% of the
+  fastest at every point, as served (whole layer, captured where the backend captures).
 Only correct results (within the scheme's tolerance) count.
 """
 
@@ -70,8 +71,9 @@ def check_targets(run: BenchRun) -> list[TargetCheck]:
         external = _median(p, lambda b: b.startswith(EXTERNAL_PREFIXES))
         if ours is not None and external is not None:
             triton.append((p, external / ours))
-        if p.auto_ratio is not None:
-            auto.append((p, p.auto_ratio))
+        ratio = p.auto_ratio if p.auto_served_ratio is None else p.auto_served_ratio
+        if ratio is not None:
+            auto.append((p, ratio))
     return [
         _check(
             f"decode (M <= {DECODE_MAX_TOKENS}): best >= {DECODE_BANDWIDTH:.0%} of copy bandwidth",
@@ -92,7 +94,7 @@ def check_targets(run: BenchRun) -> list[TargetCheck]:
             worse_is_high=False,
         ),
         _check(
-            f"auto within {AUTO_SLACK - 1:.0%} of the fastest (ratio shown)",
+            f"auto within {AUTO_SLACK - 1:.0%} of the fastest as served (ratio shown)",
             auto,
             lambda v: v <= AUTO_SLACK,
             worse_is_high=True,

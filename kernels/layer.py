@@ -13,7 +13,7 @@ from kernels.config import ActivationSpec, MoEConfig
 from kernels.input_checks import check_shapes
 from kernels.modular import DEFAULT_CHUNK_TOKENS, ModularKernel
 from kernels.routing import route
-from kernels.selection import Selection, select
+from kernels.selection import RuleTable, Selection, select
 from kernels.stages import PrepareFinalize
 from kernels.tensors import ExpertWeights, ForwardInputs, Routing
 from kernels.workspace import Workspace
@@ -198,6 +198,7 @@ def build_layer(
     expert_map: torch.Tensor | None = None,
     prepare_finalize: PrepareFinalize | None = None,
     batch_invariant: bool = False,
+    rules: RuleTable | None = None,
 ) -> tuple[MoELayer, Selection]:
     """Pick a backend for the layer on `device` and compose its modular kernel.
 
@@ -207,8 +208,9 @@ def build_layer(
     expert id to its local id (-1: another rank's), the backend is chosen among those that take
     an expert_map, and `prepare_finalize` is the collective stage (default: naive-ep's).
     `batch_invariant`: each row's output independent of its batch, among the backends that can.
+    `rules`: the table `auto` follows instead of this GPU's (the kernel benchmark's own).
     """
-    choice = select(cfg, device, backend, expert_map is not None, batch_invariant)
+    choice = select(cfg, device, backend, expert_map is not None, batch_invariant, rules)
     experts = (
         choice.experts(cfg, weights.experts, batch_invariant=True)
         if batch_invariant

@@ -4,24 +4,36 @@
 
 A rule table (`kernels/tuned/auto_<gpu>.json`, written by `moe-serve bench auto-table` from a
 `moe-serve bench kernels` run: bench/auto_table.py) holds, per GPU, for each
-`<scheme>/<shape class>` key the median times of every backend at a few token counts, the order
-they rank in (geometric mean of their times over those counts) and, for fp8-block, the token
-count from which DeepGEMM beats our Triton experts. A layer with a rule takes the first
-available backend of its order; any other layer takes the first available backend of
-`AUTO_ORDER`. The reason says which.
+`<scheme>/<shape class>` key every backend's median time at a few token counts in two modes:
+served (`served_us`: the whole-layer forward, router and routing included, replayed from a CUDA
+graph where the backend captures, uncaptured where it cannot; `captured` names the former) and
+the modular forward uncaptured on fixed routing (`times_us`, its geometric-mean `order` and,
+for fp8-block, the token count from which DeepGEMM beats our Triton experts). From the served
+times it records the `plan`: per token count, which backend runs.
+
+A layer with a served rule runs its plan (`token_plan`): one backend where one is within 3% of
+the fastest at every measured count, else the pair of backends closest to the fastest, each
+call running the one measured fastest at the nearest measured count at or below its own
+(kernels/experts/token_switch.py). Where a backend of the plan cannot run here the plan is
+made again among those that can, and the reason says so. A rule without served times (an older
+table) takes the first available backend of its order; any other layer the first available
+backend of `AUTO_ORDER`. The reason says which.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass, field
+from itertools import combinations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.config import MoEConfig
+from kernels.experts.token_switch import TokenSwitchExperts
 from kernels.registry import experts_backends, prepare_finalize_backends
 from kernels.stages import Support
 from kernels.tensors import Format
@@ -47,6 +59,14 @@ AUTO_ORDER: tuple[str, ...] = (
 )
 
 
+# switches by token count itself (its threshold from this table): never a member of a plan
+COMPOSED = frozenset({"triton-or-deep-gemm"})
+SWITCH_MARGIN = 1.03  # a backend within 3% of the fastest at every measured count runs alone
+MAX_BACKENDS = 2  # backends one layer holds under auto (a member may keep its own weight layout)
+
+Plan = tuple[tuple[int, str], ...]  # (from this many tokens, backend), ascending, from 1
+
+
 def shape_class(cfg: MoEConfig) -> str:
     return "large" if cfg.hidden_size * cfg.intermediate_size >= LARGE_LAYER else "small"
 
@@ -63,6 +83,23 @@ class Rule:
     # from here on deep-gemm beats triton; None: measured, never; 0: not measured (no triton
     # timings), so deep-gemm runs every size, as vLLM's TritonOrDeepGemm does where it applies
     deep_gemm_min_tokens: int | None = 0
+    # served mode: tokens -> backend -> median us of the whole-layer forward, replayed from a
+    # CUDA graph for the backends in `captured`, uncaptured for the others; empty in old tables
+    served_us: dict[str, dict[str, float]] = field(default_factory=dict)
+    captured: frozenset[str] = frozenset()
+    plan: Plan = ()  # what auto runs when every backend of it is available
+
+    @classmethod
+    def from_json(cls, key: str, body: dict) -> Rule:
+        return cls(
+            key,
+            tuple(body["order"]),
+            body["times_us"],
+            body.get("deep_gemm_min_tokens", 0),
+            body.get("served_us", {}),
+            frozenset(body.get("captured", ())),
+            tuple((int(m), name) for m, name in body.get("plan", ())),
+        )
 
 
 @dataclass(frozen=True)
@@ -75,13 +112,48 @@ class RuleTable:
     @classmethod
     def from_json(cls, path: Path) -> RuleTable:
         raw = json.loads(path.read_text())
-        rules = {
-            key: Rule(
-                key, tuple(body["order"]), body["times_us"], body.get("deep_gemm_min_tokens", 0)
-            )
-            for key, body in raw["rules"].items()
-        }
+        rules = {key: Rule.from_json(key, body) for key, body in raw["rules"].items()}
         return cls(raw["device"], raw["commit"], path.name, rules)
+
+
+def token_plan(
+    served_us: dict[str, dict[str, float]],
+    candidates: list[str],
+    captured: frozenset[str],
+    composable: frozenset[str],
+) -> Plan:
+    """What auto runs, from served times: () when no candidate was timed at every count.
+
+    Options are each candidate alone and each pair of `composable` (standard-format) ones that
+    both capture or both do not (a layer's CUDA graphs hold the whole layer or none of it); a
+    pair runs, at each count, the member faster there. An option's ratio at a count is its time
+    over the fastest of every backend timed there. Where an option is within SWITCH_MARGIN at
+    every count the fewest backends win, then the smallest geometric mean of the ratios;
+    otherwise the smallest worst ratio, then the geometric mean.
+    """
+    counts = sorted(served_us, key=int)
+    timed = sorted(n for n in candidates if counts and all(n in served_us[m] for m in counts))
+    if not timed:
+        return ()
+    fastest = {m: min(served_us[m].values()) for m in counts}
+    pairs = combinations([n for n in timed if n in composable], 2)
+    options = [(n,) for n in timed] + [p for p in pairs if (p[0] in captured) == (p[1] in captured)]
+
+    def picks(members: tuple[str, ...]) -> list[str]:
+        return [min(members, key=lambda n, m=m: served_us[m][n]) for m in counts]
+
+    def score(members: tuple[str, ...]) -> tuple:
+        ratios = [served_us[m][n] / fastest[m] for m, n in zip(counts, picks(members), strict=True)]
+        worst, geomean = max(ratios), math.exp(sum(map(math.log, ratios)) / len(ratios))
+        if worst <= SWITCH_MARGIN:
+            return (0, len(members), geomean, worst, members)
+        return (1, worst, geomean, len(members), members)
+
+    steps: list[tuple[int, str]] = []
+    for m, name in zip(counts, picks(min(options, key=score)), strict=True):
+        if not steps or steps[-1][1] != name:
+            steps.append((int(m), name))
+    return ((1, steps[0][1]), *steps[1:])  # below the smallest count measured: its backend
 
 
 @functools.cache
@@ -97,8 +169,11 @@ def rule_table(device: torch.device) -> RuleTable | None:
     return next((t for t in _tables() if t.device == name), None)
 
 
-def rule_for(cfg: MoEConfig, device: torch.device) -> tuple[Rule | None, RuleTable | None]:
-    table = rule_table(device)
+def rule_for(
+    cfg: MoEConfig, device: torch.device, rules: RuleTable | None = None
+) -> tuple[Rule | None, RuleTable | None]:
+    """This layer's rule, from `rules` or else the table measured on this GPU."""
+    table = rules or rule_table(device)
     return (None if table is None else table.rules.get(rule_key(cfg))), table
 
 
@@ -106,13 +181,60 @@ def rule_for(cfg: MoEConfig, device: torch.device) -> tuple[Rule | None, RuleTab
 class Choice:
     name: str
     reason: str
+    plan: Plan = ()  # two or more steps: the backends switch by token count
+
+
+def _planned(
+    rule: Rule, table: RuleTable, available: list[str], rejected: dict[str, str], switch: bool
+) -> Choice | None:
+    """The rule's plan, or one made again among `available` where a backend of it is not
+    (`switch=False`: one backend at every size)."""
+    source = (
+        f"rule {rule.key} of {table.source} (measured on {table.device} at commit {table.commit})"
+    )
+    plan, why = rule.plan, ""
+    missing = [name for name in dict.fromkeys(n for _, n in plan) if name not in available]
+    if missing or not plan or (len(plan) > 1 and not switch):
+        backends = experts_backends()
+        composable = frozenset(
+            n
+            for n in available
+            if switch and n in backends and backends[n].format == Format.STANDARD
+        )
+        candidates = [n for n in available if n not in COMPOSED]
+        plan = token_plan(rule.served_us, candidates, rule.captured, composable)
+        if not plan:
+            return None
+        notes = [f"{n} cannot run here ({rejected.get(n, 'not registered')})" for n in missing]
+        notes += [] if switch else ["one backend at every size is asked for"]
+        if notes:
+            why = f"; {'; '.join(notes)}, so the plan was made again among the available backends"
+    counts = ",".join(rule.served_us)
+    served = "served (a whole-layer CUDA graph where the backend captures)"
+    if len(plan) == 1:
+        reason = f"auto: {source}: one backend at every size, by the {served} times of M={counts}"
+        return Choice(plan[0][1], reason + why)
+    steps = ", ".join(f"{name} from M={m}" for m, name in plan)
+    reason = f"auto: {source}: per token count, the fastest {served} of M={counts}: {steps}"
+    return Choice(plan[0][1], reason + why, plan)
 
 
 def auto_choice(
-    cfg: MoEConfig, device: torch.device, available: list[str], fallback: tuple[str, ...]
+    cfg: MoEConfig,
+    device: torch.device,
+    available: list[str],
+    fallback: tuple[str, ...],
+    rejected: dict[str, str] | None = None,
+    per_tokens: bool = True,
+    rules: RuleTable | None = None,
 ) -> Choice | None:
-    """The backend `auto` runs, among `available` (those that support the layer here)."""
-    rule, table = rule_for(cfg, device)
+    """The backend `auto` runs, among `available` (those that support the layer here; the
+    others are in `rejected`, with why). `per_tokens=False`: one backend, never a switch."""
+    rule, table = rule_for(cfg, device, rules)
+    if rule is not None and rule.served_us:
+        choice = _planned(rule, table, available, rejected or {}, per_tokens)
+        if choice is not None:
+            return choice
     if rule is not None:
         for name in rule.order:
             if name in available:
@@ -164,12 +286,14 @@ def select(
     requested: str = "auto",
     expert_parallel: bool = False,
     batch_invariant: bool = False,
+    rules: RuleTable | None = None,
 ) -> Selection:
     """Choose the experts backend for one layer on `device`.
 
     `requested` is a backend name (forced: an error if it cannot run the layer) or "auto".
     `expert_parallel`: this rank holds a slice of the experts; the backend pairs with naive-ep.
-    `batch_invariant`: only backends that can run each row independently of its batch.
+    `batch_invariant`: only backends that can run each row independently of its batch (and one
+    backend at every token count). `rules`: auto's table instead of this GPU's (benchmarks).
     """
     if expert_parallel and batch_invariant:
         raise ValueError(
@@ -196,9 +320,11 @@ def select(
         pf = _prepare_finalize_for(cls, device, expert_parallel)
         return Selection(cls, pf, "forced by --backend", rejected)
     available = [name for name in backends if name not in rejected]
-    choice = auto_choice(cfg, device, available, AUTO_ORDER)
+    choice = auto_choice(cfg, device, available, AUTO_ORDER, rejected, not batch_invariant, rules)
     if choice is not None:
         cls = backends[choice.name]
+        if choice.plan:
+            cls = TokenSwitchExperts.over(tuple((m, backends[n]) for m, n in choice.plan))
         pf = _prepare_finalize_for(cls, device, expert_parallel)
         return Selection(cls, pf, choice.reason, rejected)
     details = "; ".join(f"{n}: {r}" for n, r in rejected.items())

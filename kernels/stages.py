@@ -144,6 +144,11 @@ class Experts(ABC):
         """Named buffers apply() takes from the workspace for a chunk of `num_tokens` tokens."""
         return {}
 
+    def by_tokens(self) -> tuple[tuple[int, str], ...]:
+        """Which backend runs a call, by token count: (from this many tokens, backend name),
+        ascending (`/backends`). One step, unless the stage switches by token count."""
+        return ((1, self.name),)
+
     @abstractmethod
     def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
         """STANDARD: [M, K] if reduces_topk else [M, k, K] (zero rows for ids of -1).

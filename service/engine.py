@@ -61,6 +61,11 @@ class ServedLayer:
         return self.selection.experts.name
 
     @property
+    def by_tokens(self) -> tuple[tuple[int, str], ...]:
+        """(from this many tokens, the experts backend that runs), ascending."""
+        return self.layer.kernel.experts.by_tokens()
+
+    @property
     def has_router(self) -> bool:
         return self.layer.router.weight is not None
 

@@ -55,6 +55,18 @@ class ForwardResponse(BaseModel):
     topk_weights: list[list[float]] | None = Field(None, description="[tokens, top_k] weights")
 
 
+class TokenRange(BaseModel):
+    from_tokens: int = Field(description="this backend runs forwards of this many tokens or more")
+    backend: str
+
+
+BY_TOKENS = (
+    "which experts backend runs a forward, by its token count: each entry up to the next one's "
+    "from_tokens (one entry unless the backend switches by token count: auto per token count, "
+    "triton-or-deep-gemm); a CUDA-graph bucket runs the entry of its size"
+)
+
+
 class LayerInfo(BaseModel):
     """The layer's MoEConfig (`MoEConfig.as_json`, as in manifest.json), top_k and serving facts."""
 
@@ -74,6 +86,7 @@ class LayerInfo(BaseModel):
     device_bytes: int
     shared_experts: bool
     backend: str
+    by_tokens: list[TokenRange] = Field(description=BY_TOKENS)
     batch_invariant: bool = Field(
         description="each row's output is independent of its batch (--batch-invariant)"
     )
@@ -101,6 +114,7 @@ class LayerBackend(BaseModel):
     prepare_finalize: str
     reason: str = Field(description="why this pair: forced by --backend, or the auto rule")
     rejected: dict[str, str] = Field(description="other experts backends and why not")
+    by_tokens: list[TokenRange] = Field(description=BY_TOKENS)
     workspace_bytes: int = Field(description="scratch memory, shared by all layers")
     batch_invariant: bool = Field(
         description="each row's output is independent of its batch (--batch-invariant)"

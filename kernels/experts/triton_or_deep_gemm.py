@@ -68,6 +68,13 @@ class TritonOrDeepGemmExperts(Experts):
     def uses_deep_gemm(self, num_tokens: int) -> bool:
         return self.min_tokens is not None and num_tokens >= self.min_tokens
 
+    def by_tokens(self) -> tuple[tuple[int, str], ...]:
+        if self.min_tokens is None:
+            return ((1, self.small.name),)
+        if self.min_tokens <= 1:
+            return ((1, self.deep_gemm.name),)
+        return ((1, self.small.name), (self.min_tokens, self.deep_gemm.name))
+
     def workspace_shapes(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         shapes = self.small.workspace_shapes(num_tokens)  # smaller calls of a chunk run it
         if self.uses_deep_gemm(num_tokens):

@@ -18,6 +18,7 @@ from service.schemas import (
     LayerBackend,
     LayerInfo,
     LayersResponse,
+    TokenRange,
 )
 
 router = APIRouter(tags=["introspection"])
@@ -35,6 +36,10 @@ def device_info(device: torch.device) -> DeviceInfo:
     )
 
 
+def by_tokens(served: ServedLayer) -> list[TokenRange]:
+    return [TokenRange(from_tokens=m, backend=name) for m, name in served.by_tokens]
+
+
 def layer_info(served: ServedLayer) -> LayerInfo:
     cfg = served.config
     return LayerInfo(
@@ -44,6 +49,7 @@ def layer_info(served: ServedLayer) -> LayerInfo:
         device_bytes=served.device_bytes,
         shared_experts=served.layer.shared is not None,
         backend=served.backend,
+        by_tokens=by_tokens(served),
         batch_invariant=served.layer.batch_invariant,
     )
 
@@ -78,6 +84,7 @@ async def backends(engine: EngineDep) -> BackendsResponse:
             prepare_finalize=served.selection.prepare_finalize.name,
             reason=served.selection.reason,
             rejected=served.selection.rejected,
+            by_tokens=by_tokens(served),
             workspace_bytes=served.layer.kernel.workspace.nbytes,
             batch_invariant=served.layer.batch_invariant,
             graph_buckets=served.graphs.captured_buckets() if served.graphs is not None else [],

@@ -9,7 +9,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from bench.auto_table import crossover_tokens, rank_backends, rule_table
+from bench.auto_table import crossover_tokens, rank_backends, rule_table, summary
 from bench.kernel_bench import KernelBench, KernelBenchConfig, write_run
 from bench.router_loads import Load
 from bench.schema import Point
@@ -140,3 +140,50 @@ def test_a_run_without_the_uniform_load_is_refused_naming_it(
     write_run(skewed_only, tmp_path / "skewed.json")
     assert main(["bench", "auto-table", str(tmp_path / "skewed.json")]) == 2
     assert "shape tiny has no uniform-load points" in caplog.text
+
+
+def _served(point: Point, served_us: dict[str, tuple[float, bool]]) -> Point:
+    """`point` with one correct result per backend, served in `us` (captured or not)."""
+    template = point.results[0]
+    results = []
+    for backend, (us, captured) in served_us.items():
+        timing = template.routing_included.model_copy(update={"median_us": us})
+        update = {"backend": backend, "captured": timing if captured else None}
+        if not captured:
+            update |= {"routing_included": timing, "not_captured": "it syncs with the host"}
+        results.append(template.model_copy(update=update))
+    return point.model_copy(update={"results": results})
+
+
+def test_the_plan_and_the_fastest_per_count_come_from_the_served_timings() -> None:
+    # uncaptured, oai-triton loses at M=1 (the library's Python); captured it wins from 4 on
+    measured = {
+        1: {"triton": (90.0, True), "oai-triton": (180.0, True), "triton-batched": (50.0, False)},
+        4: {"triton": (120.0, True), "oai-triton": (100.0, True), "triton-batched": (900, False)},
+        16: {"triton": (400.0, True), "oai-triton": (200.0, True), "triton-batched": (900, False)},
+    }
+    uniform = [p for p in sample_run().points if p.load == "uniform"]
+    run = sample_run([_served(p, measured[p.tokens]) for p in uniform])
+    rule = rule_table(run)["rules"]["none/small"]
+    assert rule["fastest"] == {"1": "triton-batched", "4": "oai-triton", "16": "oai-triton"}
+    assert rule["captured"] == ["oai-triton", "triton"]
+    assert rule["served_us"]["4"] == {"triton": 120.0, "oai-triton": 100.0, "triton-batched": 900}
+    # triton-batched (batched, uncaptured) shares no layer with triton: 1.8x off at M=1 is best
+    assert rule["plan"] == [[1, "triton"], [4, "oai-triton"]]
+    parsed = selection.Rule.from_json("none/small", rule)
+    assert parsed.plan == ((1, "triton"), (4, "oai-triton"))
+    assert "Auto runs triton from M=1, oai-triton from M=4" in summary(rule_table(run))
+
+
+def test_a_backend_captured_at_one_count_but_not_another_is_not_planned() -> None:
+    measured = {
+        1: {"triton": (50.0, True), "oai-triton": (90.0, True)},
+        4: {"triton": (50.0, False), "oai-triton": (90.0, True)},  # triton's capture failed
+        16: {"triton": (50.0, True), "oai-triton": (90.0, True)},
+    }
+    uniform = [p for p in sample_run().points if p.load == "uniform"]
+    rule = rule_table(sample_run([_served(p, measured[p.tokens]) for p in uniform]))["rules"]
+    body = rule["none/small"]
+    assert "triton" not in body["served_us"]["4"]
+    assert body["failed"]["triton"] == "M=4: not captured: it syncs with the host"
+    assert body["plan"] == [[1, "oai-triton"]]

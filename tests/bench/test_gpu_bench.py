@@ -9,10 +9,13 @@ import pytest
 import torch
 
 from bench import shapes
+from bench.auto_table import rule_table
 from bench.kernel_bench import KernelBench, KernelBenchConfig
+from bench.router_loads import Load
 from bench.timing import TimingPlan
 from kernels.config import MoEConfig, RoutingConfig
 from kernels.quant_scheme import QuantConfig, QuantScheme
+from kernels.registry import EXPERTS
 
 pytestmark = pytest.mark.gpu
 
@@ -38,3 +41,35 @@ def test_every_available_backend_is_correct_and_timed_on_a_small_bf16_layer(
             assert r.correct, f"{r.backend} at {point.tokens}: error {r.rel_error}"
             assert 0 < r.routing_excluded.median_us <= r.routing_excluded.p90_us
             assert 0 < r.achieved_fraction <= 1.05  # nothing beats a measured ceiling by much
+
+
+def test_served_timings_are_captured_where_a_backend_captures_and_auto_is_timed_as_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    small = MoEConfig(16, 512, 256, RoutingConfig(top_k=4), quant=QuantConfig("fp8-block"))
+    monkeypatch.setitem(shapes.SHAPES, "small", small)
+    cuda = torch.device("cuda")
+    backends = [
+        b for b in ("triton", "triton-batched", "deep-gemm") if EXPERTS[b].supports(small, cuda)
+    ]
+    config = KernelBenchConfig(
+        shapes=("small",),
+        tokens=(1, 33),
+        device=cuda,
+        backends=(*backends, "auto"),
+        loads=(Load.UNIFORM,),
+        plan=TimingPlan(warmup=2, min_iters=5, max_iters=10, budget_s=0.01),
+    )
+    run = KernelBench(config, tmp_path / "gpu.json").run()
+    assert run.shapes[0].auto is not None, run.shapes[0].not_run
+    for point in run.points:
+        rows = {r.backend: r for r in point.results}
+        assert rows["triton"].correct and rows["triton"].captured.median_us > 0
+        assert rows["triton"].captured_rel_error < 0.05
+        if "triton-batched" in rows:
+            assert rows["triton-batched"].captured is None
+            assert "cannot be captured" in rows["triton-batched"].not_captured
+        assert rows["auto"].correct and rows["auto"].served() is not None
+        assert point.auto_served_ratio is not None and point.best_served != "auto"
+    rule = rule_table(run)["rules"]["fp8-block/small"]
+    assert rule["plan"] and "triton" in rule["captured"]

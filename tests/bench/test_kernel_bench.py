@@ -229,3 +229,33 @@ def test_invariant_entries_time_the_backend_built_batch_invariant_beside_itself(
     assert set(results) == {"reference", "reference+invariant"}
     assert results["reference+invariant"].correct
     assert "index_add_" in run.shapes[0].not_run["reference-batched+invariant"]
+
+
+def test_kernel_bench_times_auto_as_built_from_the_runs_own_rule(tmp_path: Path) -> None:
+    config = KernelBenchConfig(
+        shapes=("tiny",),
+        tokens=(1, 3),
+        device=CPU,
+        backends=("reference", "reference-batched", "auto"),
+        loads=(Load.UNIFORM, Load.SKEWED),
+        plan=QUICK,
+    )
+    run = KernelBench(config, tmp_path / "run.json").run()
+    (shape,) = run.shapes
+    assert shape.auto in ("reference", "reference-batched")  # one of the backends, as built
+    for point in run.points:
+        rows = {r.backend: r for r in point.results}
+        assert rows["auto"].correct and point.best != "auto" and point.best_served != "auto"
+        assert point.auto_served_ratio == pytest.approx(
+            rows["auto"].routing_included.median_us / rows[point.best_served].served().median_us
+        )
+        # the CPU serves uncaptured, and says why
+        assert rows["reference"].captured is None
+        assert rows["reference"].not_captured == "CUDA graphs need a CUDA device"
+    skewed_only = KernelBenchConfig(
+        shapes=("tiny",), tokens=(2,), device=CPU, backends=("reference", "auto"),
+        loads=(Load.SKEWED,), plan=QUICK,
+    )  # fmt: skip
+    run = KernelBench(skewed_only, tmp_path / "skewed.json").run()
+    assert "uniform load" in run.shapes[0].not_run["auto"]
+    assert {r.backend for r in run.points[0].results} == {"reference"}

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import ClassVar
 
 import pytest
 import safetensors.torch
 import torch
 from fastapi.testclient import TestClient
 
+from kernels import registry, selection
+from kernels.experts.reference import ReferenceExperts
 from service.app import create_app, warm_up_tokens
 from service.engine import Engine
 from service.settings import Settings
@@ -322,3 +325,37 @@ def test_the_batcher_and_every_layer_kernel_share_max_batch_tokens(make_client) 
     runtime = make_client(max_batch_tokens=48).app.state.runtime
     assert runtime.batcher.policy.max_batch_tokens == 48
     assert {served.layer.kernel.chunk_tokens for served in runtime.engine.layers.values()} == {48}
+
+
+class _SecondReference(ReferenceExperts):
+    name: ClassVar[str] = "test-second"
+
+
+def test_backends_and_layers_say_which_backend_runs_at_which_token_count(
+    make_client, client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    one = [{"from_tokens": 1, "backend": "reference"}]
+    assert client.get("/backends").json()["layers"][0]["by_tokens"] == one
+    assert client.get(f"/v1/layers/{TINY}").json()["by_tokens"] == one
+    # a measured table whose plan switches to a second CPU backend from 8 tokens
+    monkeypatch.setitem(registry.EXPERTS, "test-second", _SecondReference)
+    served = {
+        "1": {"reference": 1.0, "test-second": 2.0},
+        "8": {"reference": 2.0, "test-second": 1.0},
+    }
+    plan = ((1, "reference"), (8, "test-second"))
+    rules = {
+        key: selection.Rule(key, ("reference",), served, None, served, frozenset(), plan)
+        for key in ("none/small", "none/large")
+    }
+    table = selection.RuleTable("cpu", "abc1234", "auto_cpu.json", rules)
+    monkeypatch.setattr(selection, "rule_table", lambda device: table)
+    switching = make_client()
+    layer = switching.get("/backends").json()["layers"][0]
+    assert layer["experts"] == "reference<8<=test-second"
+    assert "reference from M=1, test-second from M=8" in layer["reason"]
+    two = [{"from_tokens": 1, "backend": "reference"}, {"from_tokens": 8, "backend": "test-second"}]
+    assert layer["by_tokens"] == two
+    assert switching.get(f"/v1/layers/{TINY}").json()["by_tokens"] == two
+    forward = switching.post(f"/v1/layers/{TINY}/forward", json={"hidden_states": [[0.1] * H] * 9})
+    assert forward.status_code == 200, forward.text
