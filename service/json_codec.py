@@ -26,6 +26,8 @@ from service.schemas import ForwardRequest
 T = TypeVar("T")
 
 _NUMBERS = frozenset({float, int})
+# every byte of a JSON number, and the brackets, commas and whitespace between them
+_ARRAY_BYTES = b"0123456789+-.eE[], \t\n\r"
 # JSON work runs on these threads, off the event loop. Two bound how many bodies are decoded at
 # once (each costs a few times its size in memory) and how many threads sit in a C parser
 # holding the GIL, which the event loop needs to answer /health.
@@ -72,24 +74,47 @@ def _first_non_number(value: list, index: tuple[int, ...]) -> tuple[tuple[int, .
     return ()
 
 
-def _to_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
-    """A nested JSON array of numbers -> a tensor of its shape in `dtype`."""
+def arrays_hold_only_numbers(body: bytes, value: Any) -> bool:
+    """Whether every item of every array in `value`, the parsed JSON object `body`, is a number
+    or an array, found without visiting the items (a tenth of the type checks' time).
+
+    Deleted from the text, the bytes of numbers, brackets, commas and whitespace leave of an
+    array only its other items (strings, true, false, null, objects); of the rest of the object
+    they leave what they leave of its compact form with every array emptied, never less (the
+    body may escape more). So the two are equal exactly when the arrays hold nothing else, or
+    differ and the caller checks each item."""
+    if not isinstance(value, dict):
+        return False
+    skeleton = orjson.dumps({k: [] if isinstance(v, list) else v for k, v in value.items()})
+    return body.translate(None, _ARRAY_BYTES) == skeleton.translate(None, _ARRAY_BYTES)
+
+
+def _to_tensor(
+    name: str, value: Any, dtype: torch.dtype, numbers_only: bool = False
+) -> torch.Tensor:
+    """A nested JSON array of numbers -> a tensor of its shape in `dtype`. `numbers_only`:
+    `arrays_hold_only_numbers` found no other items (an array where a number belongs is still
+    named here)."""
     if not isinstance(value, list):
         raise BadInput(f"{name} must be an array of numbers")
     # set(map(type, ...)) runs in C: a type check per number, without a Python loop over them
-    if not all(set(map(type, numbers)) <= _NUMBERS for numbers in _innermost(value)):
+    if not numbers_only and not all(
+        set(map(type, numbers)) <= _NUMBERS for numbers in _innermost(value)
+    ):
         index, item = _first_non_number(value, ())
         raise BadInput(f"{_where(name, index)} is {orjson.dumps(item).decode()}; expected a number")
     try:
         array = np.array(value, dtype=np.float64)
-    except ValueError:  # nested lists of unequal lengths
+    except ValueError:  # nested lists of unequal lengths, or an array among numbers
+        if numbers_only:
+            return _to_tensor(name, value, dtype)
         raise BadInput(f"{name} is ragged: its nested arrays have unequal lengths") from None
     return torch.from_numpy(array).to(dtype)
 
 
-def rows_to_tensor(name: str, value: Any) -> torch.Tensor:
+def rows_to_tensor(name: str, value: Any, numbers_only: bool = False) -> torch.Tensor:
     """A JSON array of rows of numbers -> float32 [T, C]; refuses empty, ragged and non-number
-    arrays, naming the row or the element."""
+    arrays, naming the row or the element. `numbers_only`: as `_to_tensor`'s."""
     if not isinstance(value, list) or not all(isinstance(row, list) for row in value):
         raise BadInput(f"{name} must be a [tokens, columns] array of numbers")
     if not value or not value[0]:
@@ -98,7 +123,7 @@ def rows_to_tensor(name: str, value: Any) -> torch.Tensor:
     for i, row in enumerate(value):
         if len(row) != width:
             raise BadInput(f"{name} is ragged: row 0 has {width} values, row {i} has {len(row)}")
-    return _to_tensor(name, value, torch.float32)
+    return _to_tensor(name, value, torch.float32, numbers_only)
 
 
 def array_to_tensor(name: str, value: Any, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -133,9 +158,10 @@ def decode_forward(body: bytes) -> JsonForward:
     if not isinstance(routing, bool):
         got = orjson.dumps(routing).decode()
         raise BadInput(f"return_routing must be true or false, got {got}")
+    numbers_only = arrays_hold_only_numbers(body, value)
     return JsonForward(
-        rows_to_tensor("hidden_states", value["hidden_states"]),
-        None if logits is None else rows_to_tensor("router_logits", logits),
+        rows_to_tensor("hidden_states", value["hidden_states"], numbers_only),
+        None if logits is None else rows_to_tensor("router_logits", logits, numbers_only),
         routing,
     )
 
