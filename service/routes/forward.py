@@ -136,15 +136,7 @@ async def forward(
     media = _media_type(request)
     options = schedule_options(priority, timeout)
     if media == JSON:
-        # Parsing and printing thousands of floats takes tens of ms: off the event loop.
-        started = time.perf_counter()
-        inputs, want_routing = await json_codec.off_loop(_decode_json, served, body)
-        metrics.observe_stage(name, "decode", time.perf_counter() - started)
-        result = await submit_while_connected(request, batcher, name, inputs, options)
-        started = time.perf_counter()
-        reply = await json_codec.off_loop(_encode_json, served, result, want_routing)
-        metrics.observe_stage(name, "encode", time.perf_counter() - started)
-        return Response(reply, media_type=JSON)
+        return await forward_json(request, served, batcher, metrics, body, options)
     if media == BINARY:
         return await forward_binary(
             request, served, batcher, metrics, body, options, return_routing
@@ -154,6 +146,26 @@ async def forward(
     )
 
 
+async def forward_json(
+    request: Request,
+    served: ServedLayer,
+    batcher: DynamicBatcher,
+    metrics: Metrics,
+    body: bytes,
+    options: RequestOptions,
+) -> Response:
+    """A JSON body -> the JSON reply (also run by service/fast_path.py)."""
+    # Parsing and printing thousands of floats takes tens of ms: off the event loop.
+    started = time.perf_counter()
+    inputs, want_routing = await json_codec.off_loop(_decode_json, served, body)
+    metrics.observe_stage(served.name, "decode", time.perf_counter() - started)
+    result = await submit_while_connected(request, batcher, served.name, inputs, options)
+    started = time.perf_counter()
+    reply = await json_codec.off_loop(_encode_json, served, result, want_routing)
+    metrics.observe_stage(served.name, "encode", time.perf_counter() - started)
+    return Response(reply, media_type=JSON)
+
+
 async def forward_binary(
     request: Request,
     served: ServedLayer,
@@ -161,7 +173,7 @@ async def forward_binary(
     metrics: Metrics,
     body: bytes,
     options: RequestOptions,
-    return_routing: bool,
+    return_routing: bool = False,
 ) -> Response:
     """A safetensors body -> the reply blob (also run by service/fast_path.py)."""
     gone = partial(client_gone, request.receive)
