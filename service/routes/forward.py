@@ -28,6 +28,7 @@ from service.engine import ServedLayer
 from service.errors import BadInput, ServiceError, UnsupportedMediaType
 from service.examples import DEMO_LOGITS, DEMO_ROWS
 from service.inputs import check_inputs
+from service.json_numbers import off_loop
 from service.metrics import Metrics
 from service.schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
 from service.server import client_gone
@@ -157,11 +158,11 @@ async def forward_json(
     """A JSON body -> the JSON reply (also run by service/fast_path.py)."""
     # Parsing and printing thousands of floats takes tens of ms: off the event loop.
     started = time.perf_counter()
-    inputs, want_routing = await json_codec.off_loop(_decode_json, served, body)
+    inputs, want_routing = await off_loop(_decode_json, served, body)
     metrics.observe_stage(served.name, "decode", time.perf_counter() - started)
     result = await submit_while_connected(request, batcher, served.name, inputs, options)
     started = time.perf_counter()
-    reply = await json_codec.off_loop(_encode_json, served, result, want_routing)
+    reply = await off_loop(_encode_json, served, result, want_routing)
     metrics.observe_stage(served.name, "encode", time.perf_counter() - started)
     return Response(reply, media_type=JSON)
 

@@ -8,13 +8,9 @@ import pytest
 import torch
 
 from service.errors import BadInput
-from service.json_codec import (
-    array_to_tensor,
-    arrays_hold_only_numbers,
-    decode_forward,
-    dumps,
-    rows_to_tensor,
-)
+from service.json_codec import array_to_tensor, decode_forward, dumps, rows_to_tensor
+from service.json_numbers import FORWARD_FIELDS, arrays_hold_only_numbers
+from service.schemas import ForwardRequest
 
 
 @pytest.mark.parametrize(
@@ -123,3 +119,7 @@ def test_decode_forward_equals_the_item_checked_decode() -> None:
     decoded = decode_forward(body)
     assert torch.equal(decoded.hidden_states, rows_to_tensor("h", rows))
     assert torch.equal(decoded.router_logits, rows_to_tensor("l", rows))
+
+
+def test_the_forward_fields_are_the_schemas() -> None:
+    assert list(FORWARD_FIELDS) == list(ForwardRequest.model_fields)
