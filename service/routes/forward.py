@@ -198,7 +198,8 @@ async def serve_blob(
     inputs = await run_sized(len(body), lambda: _decode_blob(served, body))
     metrics.observe_stage(name, "decode", time.perf_counter() - started)
     result = await submit_unless(batcher, name, inputs, options, gone)
-    return await _encode_timed(served, metrics, result, inputs, return_routing)
+    wire = inputs.hidden_states.dtype
+    return await _encode_timed(served, metrics, result, wire, return_routing)
 
 
 async def serve_blob_into(
@@ -210,9 +211,12 @@ async def serve_blob_into(
     pinned: bool,
     values_checked: bool,
     gone: Callable[[], Awaitable[None]],
+    layer_dtype: bool = False,
 ) -> int:
     """A safetensors body -> its reply blob written into `reply`; the reply's size. `pinned`:
-    both lie in memory registered with CUDA; `values_checked`: every value was found finite.
+    both lie in memory registered with CUDA; `values_checked`: every value was found finite;
+    `layer_dtype`: the output in the layer's dtype, not the request's (a front end writes it as
+    JSON in that dtype's shortest form).
 
     Where the engine runs batches on a GPU and the request's dtype is the layer's, the body is
     copied to the device from where it lies and the output from the device straight into
@@ -226,7 +230,8 @@ async def serve_blob_into(
     options = RequestOptions()
     if not (pinned and batcher.engine.enqueues and hidden.dtype == served.config.dtype):
         result = await submit_unless(batcher, name, inputs, options, gone)
-        parts = await _encode_timed(served, metrics, result, inputs, False)
+        wire = served.config.dtype if layer_dtype else hidden.dtype
+        parts = await _encode_timed(served, metrics, result, wire, False)
         size = sum(map(len, parts))
         _check_fits(size, len(reply))
         await run_sized(size, lambda: _copy_parts(parts, reply))
@@ -247,11 +252,10 @@ async def _encode_timed(
     served: ServedLayer,
     metrics: Metrics,
     result: LayerOutput,
-    inputs: ForwardInputs,
+    wire: torch.dtype,
     return_routing: bool,
 ) -> list[bytes | memoryview]:
     started = time.perf_counter()
-    wire = inputs.hidden_states.dtype
     parts = await run_sized(
         result.output.numel() * wire.itemsize,
         lambda: _encode_blob(served, result, wire, return_routing),
