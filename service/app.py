@@ -19,7 +19,7 @@ from service.deps import Runtime
 from service.engine import Engine, LayerSource
 from service.ep import EPEngine
 from service.errors import install_handlers
-from service.fast_path import BinaryForwardFastPath, forward_route
+from service.fast_path import ForwardFastPath, forward_route
 from service.front_ends import FrontEnds
 from service.grpc_server import start_grpc_server
 from service.metrics import Metrics
@@ -172,7 +172,7 @@ def create_app(
         app.include_router(module.router)
     # innermost: the tracing middleware and RequestMiddleware wrap it as they wrap the routes
     route = forward_route(forward.router.routes)
-    app.add_middleware(BinaryForwardFastPath, runtime=runtime, route=route)
+    app.add_middleware(ForwardFastPath, runtime=runtime, route=route)
     tracing.instrument_app(app)
     token = settings.api_token_bytes()
     if token is not None:

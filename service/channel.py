@@ -3,12 +3,13 @@
 Frames are a 4-byte little-endian length, then a JSON object. A front end sends
 `{"hello": arena path, "size": bytes}` once (the engine maps its arena and answers
 `{"hello": "ok"}`), then per binary forward `{"forward": id, "layer", "offset", "body_bytes",
-"reply_capacity", "finite"}` (the body lies in the arena at that region; `finite`: the front end
-found every value finite, so the engine need not read them), `{"cancel": id}` when its client
-goes away, and `{"done": route, "status", "seconds"}` once a request is answered (the engine
-keeps every metric). The engine answers each forward exactly once, `{"reply": id, "status",
-"bytes"}` with the reply blob in the region's reply part, or with `"error"` and `"headers"`;
-until then the region is the engine's.
+"reply_capacity", "finite", "layer_dtype"}` (the body lies in the arena at that region; `finite`:
+the front end found every value finite, so the engine need not read them; `layer_dtype`, sent
+for a JSON forward: the reply's output in the layer's dtype, not the body's), `{"cancel": id}`
+when its client goes away, and `{"done": route, "status", "seconds"}` once a request is answered
+(the engine keeps every metric). The engine answers each forward exactly once, `{"reply": id,
+"status", "bytes"}` with the reply blob in the region's reply part, or with `"error"` and
+`"headers"`; until then the region is the engine's.
 """
 
 from __future__ import annotations
@@ -84,7 +85,12 @@ class EngineClient:
             await self._reading
 
     async def forward(
-        self, layer: str, region: Region, finite: bool, gone: Callable[[], Awaitable]
+        self,
+        layer: str,
+        region: Region,
+        finite: bool,
+        gone: Callable[[], Awaitable],
+        layer_dtype: bool = False,
     ) -> Reply:
         """The engine's answer to the body in `region`; `gone()` returning first withdraws it.
         The region is the engine's until it answers: the caller frees it after reading the
@@ -93,6 +99,8 @@ class EngineClient:
         answer = asyncio.get_running_loop().create_future()
         self._pending[rid] = answer
         frame = {"forward": rid, "layer": layer, "offset": region.offset, "finite": finite}
+        if layer_dtype:
+            frame["layer_dtype"] = True
         write_frame(self._writer, frame | _sizes(region))
         watch = asyncio.ensure_future(gone())
         try:

@@ -86,6 +86,7 @@ class ChannelServer:
                 bool(pinned),
                 frame.get("finite", False),
                 gone.wait,
+                frame.get("layer_dtype", False),
             )
             reply |= {"status": 200, "bytes": size}
         except ServiceError as err:

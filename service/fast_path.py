@@ -1,12 +1,12 @@
-"""The binary forward without FastAPI's routing and dependency solving.
+"""The plain forward (binary or JSON) without FastAPI's routing and dependency solving.
 
-A plain binary forward (`service/binary_forward.py`) is the request a client library sends in a
-loop; FastAPI's routing, dependency solving and request wrapping cost about as much host time as
-its decode, checks and encode together (0.4 ms of 0.8 ms on a 2-core CI machine, py-spy). This
-middleware runs the route's own work (`routes.forward.forward_binary`, the same body reading,
-checks, batcher entry and reply) for exactly those requests; everything else, that route with a
-query string or JSON included, goes on to the app. It sits inside RequestMiddleware, so the
-token, request id, log line and request metrics are the same.
+A plain forward (`service/binary_forward.py`) is the request a client library sends in a loop;
+FastAPI's routing, dependency solving and request wrapping cost about as much host time as a
+binary forward's decode, checks and encode together (0.4 ms of 0.8 ms on a 2-core CI machine,
+py-spy). This middleware runs the route's own work (`routes.forward.forward_binary` and
+`forward_json`, the same body reading, checks, batcher entry and reply) for exactly those
+requests; everything else, that route with a query string included, goes on to the app. It sits
+inside RequestMiddleware, so the token, request id, log line and request metrics are the same.
 """
 
 from __future__ import annotations
@@ -16,31 +16,33 @@ from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.batcher import RequestOptions
-from service.binary_forward import FORWARD_PATH, plain_binary_forward
+from service.binary_forward import BINARY, FORWARD_PATH, plain_forward
 from service.deps import Runtime, get_body, ready
 from service.errors import ServiceError, error_response
-from service.routes.forward import forward_binary
+from service.routes.forward import forward_binary, forward_json
 
 
-class BinaryForwardFastPath:
+class ForwardFastPath:
     def __init__(self, app: ASGIApp, runtime: Runtime, route: BaseRoute) -> None:
         self.app = app
         self.runtime = runtime
         self.route = route  # the forward route it stands in for (the request metrics' label)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        name = plain_binary_forward(scope)
-        if name is None:
+        plain = plain_forward(scope)
+        if plain is None:
             await self.app(scope, receive, send)
             return
+        name, media = plain
         scope["route"] = self.route
         request = Request(scope, receive)
         try:
             body = await get_body(request, self.runtime)  # in the route's dependency order
             runtime = ready(self.runtime)
             served = runtime.engine.get(name)
-            response = await forward_binary(
-                request, served, runtime.batcher, runtime.metrics, body, RequestOptions(), False
+            run = forward_binary if media == BINARY else forward_json
+            response = await run(
+                request, served, runtime.batcher, runtime.metrics, body, RequestOptions()
             )
         except ServiceError as err:
             response = error_response(err.status, err.message, err.headers)

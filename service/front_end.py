@@ -11,8 +11,13 @@ socket (the kernel spreads connections over them) and do the per-byte work in pa
   (`service/channel.py`); the engine decodes it in place, batches it with every other front
   end's requests and writes the reply blob back into the arena (on a GPU the body is copied to
   the device and the output back into the arena with no host copy);
-- every other request (JSON, KServe v2, probes, metrics, admin) is relayed unchanged to the
-  engine's own HTTP server on a Unix socket, as is a binary forward the arena cannot hold.
+- a plain JSON forward is decoded here (`service/json_numbers.py`, the engine's own strict
+  decode) into a float32 blob in the arena and sent as a binary forward answered in the layer's
+  dtype, whose output is written here as the JSON the engine writes: the engine does no JSON
+  work and the request no second HTTP hop;
+- every other request (KServe v2, probes, metrics, admin, a JSON forward with return_routing)
+  is relayed unchanged to the engine's own HTTP server on a Unix socket, as is a body the arena
+  cannot hold.
 
 It imports no torch: it starts in a fraction of a second and is restarted if it dies.
 """
@@ -31,17 +36,19 @@ from functools import partial
 from pathlib import Path
 
 import httpx
+import numpy as np
 import uvicorn
 from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from service import logs
-from service.binary_forward import BINARY, FORWARD_PATH, plain_binary_forward
+from service.binary_forward import BINARY, FORWARD_PATH, JSON, plain_forward
 from service.body_arena import BodyArena, Region
 from service.body_values import FiniteCheck
 from service.channel import EngineClient, Reply
-from service.errors import ShuttingDown, error_response
+from service.errors import BadInput, ShuttingDown, error_response
+from service.json_numbers import ForwardArrays, decode_forward_arrays, dumps, off_loop
 from service.middleware import (
     OPEN_PATHS,
     UNAUTHORIZED,
@@ -49,6 +56,7 @@ from service.middleware import (
     new_request_id,
     over_capacity,
 )
+from service.safetensors_header import read_header
 from service.server import OVER_CAPACITY, bounded_protocol, client_gone
 
 log = logging.getLogger("service.front_end")  # also when run as __main__
@@ -72,6 +80,7 @@ class FrontEndConfig:
     api_token: str | None
     max_connections: int
     read_timeout_s: float
+    max_json_bytes: int  # a larger JSON forward is relayed (the engine answers 413)
     drain_timeout_s: float
     log_level: str
     log_format: str
@@ -128,26 +137,39 @@ class FrontEnd:
             await error_response(cut.status, cut.message, cut.headers)(scope, receive, send)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        plain = plain_forward(scope)
         if scope.get(OVER_CAPACITY) and scope["path"] not in OPEN_PATHS:
             await over_capacity(self.config.max_connections)(scope, receive, send)
-        elif (name := plain_binary_forward(scope)) is not None and (
-            region := self._region_for(scope)
-        ):
-            await self._forward(scope, receive, send, name, region)
+        elif plain and plain[1] == BINARY and (region := self._region_for(scope)):
+            await self._forward(scope, receive, send, plain[0], region)
+        elif plain and plain[1] == JSON and (size := self._json_size(scope)):
+            await self._forward_json(scope, receive, send, plain[0], size)
         else:
             await self._relay(scope, receive, send)
 
-    def _region_for(self, scope: Scope) -> Region | None:
-        """A region of the arena for the body, or None: relayed instead (no Content-Length,
-        compressed, too large, the arena full, or the channel not up)."""
+    def _body_size(self, scope: Scope) -> int | None:
+        """The body's size when the channel can take it, or None: relayed instead (no
+        Content-Length, compressed, or the channel not up)."""
         headers = Headers(scope=scope)
         size = headers.get("content-length", "")
         plain = headers.get("content-encoding", "identity").strip().lower() == "identity"
         if not (self.arena and self.engine.connected and plain and size.isdigit()):
             return None
-        if int(size) > ARENA_BYTES // 4:
+        return int(size)
+
+    def _region_for(self, scope: Scope) -> Region | None:
+        """A region of the arena for the body, or None: relayed instead (see `_body_size`; too
+        large, or the arena full)."""
+        size = self._body_size(scope)
+        if size is None or size > ARENA_BYTES // 4:
             return None
-        return self.arena.allocate(int(size))
+        return self.arena.allocate(size)
+
+    def _json_size(self, scope: Scope) -> int | None:
+        """A JSON body's size when it is decoded here, or None: relayed (see `_body_size`; over
+        MOE_SERVE_MAX_JSON_BYTES, which the engine answers with 413)."""
+        size = self._body_size(scope)
+        return size if size is not None and size <= self.config.max_json_bytes else None
 
     async def _forward(
         self, scope: Scope, receive: Receive, send: Send, name: str, region: Region
@@ -187,6 +209,61 @@ class FrontEnd:
             seconds = time.perf_counter() - started
             self.engine.done(FORWARD_PATH, status, seconds)
             log.info("POST %s -> %d in %.1f ms", scope["path"], status, seconds * 1e3)
+            logs.request_id.reset(reset)
+
+    async def _forward_json(
+        self, scope: Scope, receive: Receive, send: Send, name: str, size: int
+    ) -> None:
+        """A JSON forward run as a binary one (the module's docstring); relayed with its body
+        when it asks for the routing or its blob finds no room in the arena."""
+        headers = Headers(scope=scope)
+        rid = new_request_id(headers.get("x-request-id", ""))
+        reset = logs.request_id.set(rid)
+        started = time.perf_counter()
+        status, region, ours = 0, None, True
+        body = bytearray(size)
+        try:
+            if self.token is not None and not bearer_matches(
+                headers.get("authorization", ""), self.token
+            ):
+                reply = Reply(401, error=UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
+            elif (reply := await self._read_body(receive, memoryview(body))) is None:
+                try:
+                    arrays = await off_loop(decode_forward_arrays, body)
+                except BadInput as err:
+                    arrays, reply = None, Reply(err.status, error=err.message)
+                if arrays and not arrays.return_routing:
+                    region = self.arena.allocate(_blob_bytes(arrays))
+                if reply is None and region is None:
+                    status = -1  # relayed: the engine answers, logs and counts it
+                    await self._relay(scope, _replay(bytes(body), receive), send)
+                    return
+            if reply is None:
+                finite = _write_blob(arrays, self.arena.body(region), self.finite)
+                ours = False
+                gone = partial(client_gone, receive)
+                reply = await self.engine.forward(name, region, finite, gone, layer_dtype=True)
+                ours = True
+            status = reply.status
+            if status == 200:
+                blob = self.arena.reply(region, reply.nbytes)
+                text = await off_loop(_json_reply, blob)
+                response = Response(text, media_type=JSON, headers={"X-Request-ID": rid})
+            else:
+                response = error_response(status, reply.error, reply.headers)
+                response.headers["X-Request-ID"] = rid
+            await response(scope, receive, send)
+        except asyncio.CancelledError:
+            status = status or ShuttingDown.status  # __call__ answers
+            raise
+        finally:
+            if ours and region is not None:
+                self.arena.free(region)
+            if status >= 0:
+                status = status or 500
+                seconds = time.perf_counter() - started
+                self.engine.done(FORWARD_PATH, status, seconds)
+                log.info("POST %s -> %d in %.1f ms", scope["path"], status, seconds * 1e3)
             logs.request_id.reset(reset)
 
     async def _read_body(self, receive: Receive, into: memoryview) -> Reply | None:
@@ -274,6 +351,81 @@ class FrontEnd:
     def _engine_lost(self) -> None:
         log.warning("the engine process closed the channel: this front end stops")
         self.on_engine_lost()
+
+
+def _blob_head(arrays: ForwardArrays) -> bytes:
+    """The safetensors header of the float32 blob of `arrays` (hidden_states, router_logits)."""
+    header, offset = {}, 0
+    for name in ("hidden_states", "router_logits"):
+        array = getattr(arrays, name)
+        if array is not None:
+            end = offset + array.size * 4
+            header[name] = {
+                "dtype": "F32",
+                "shape": list(array.shape),
+                "data_offsets": [offset, end],
+            }
+            offset = end
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return len(head).to_bytes(8, "little") + head
+
+
+def _blob_bytes(arrays: ForwardArrays) -> int:
+    logits = 0 if arrays.router_logits is None else arrays.router_logits.size
+    return len(_blob_head(arrays)) + 4 * (arrays.hidden_states.size + logits)
+
+
+def _write_blob(arrays: ForwardArrays, into: memoryview, finite: FiniteCheck) -> bool:
+    """`arrays` as a float32 safetensors blob into `into`, rounded as the engine rounds a JSON
+    body; whether every value is finite (a number beyond float32 is not: the engine names it)."""
+    head = _blob_head(arrays)
+    into[: len(head)] = head
+    at = len(head)
+    for array in (arrays.hidden_states, arrays.router_logits):
+        if array is not None:
+            with np.errstate(over="ignore"):  # beyond float32: inf, as torch casts it
+                np.frombuffer(into, np.float32, array.size, at).reshape(array.shape)[...] = array
+            at += array.size * 4
+    return finite(into)
+
+
+def _json_reply(blob: memoryview) -> bytes:
+    """A reply blob (output [T, H] in the layer's dtype) -> the JSON the engine writes for a
+    JSON forward (routes.forward._encode_json): numbers in the dtype's shortest form."""
+    header = read_header(blob)
+    (entry,) = header.entries
+    at = header.data_start + entry.begin
+    if entry.dtype == "BF16":  # numpy has no bfloat16: its float32 twin holds it exactly
+        bits = np.frombuffer(blob, np.uint16, entry.numel, at).astype(np.uint32) << 16
+        output = bits.view(np.float32)
+    else:
+        output = np.frombuffer(blob, _NUMPY_DTYPES[entry.dtype], entry.numel, at)
+    meta = header.metadata
+    reply = {
+        "output": output.reshape(entry.shape),
+        "layer": meta["layer"],
+        "tokens": int(meta["tokens"]),
+        "backend": meta["backend"],
+    }
+    return dumps(reply)
+
+
+_NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16}
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """`receive` that first gives the body already read, whole."""
+    given = False
+
+    async def again() -> Message:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return again
 
 
 def _target(scope: Scope) -> str:

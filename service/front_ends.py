@@ -48,6 +48,7 @@ class FrontEnds:
             api_token=None if token is None else token.get_secret_value(),
             max_connections=settings.max_connections,
             read_timeout_s=settings.read_timeout_s,
+            max_json_bytes=settings.max_json_bytes,
             drain_timeout_s=settings.drain_timeout_s,
             log_level=settings.log_level,
             log_format=settings.log_format,

@@ -1,109 +1,31 @@
-"""JSON bodies <-> tensors, in bounded memory and with strict numbers.
+"""JSON bodies <-> tensors: the arrays of `service/json_numbers.py` made tensors, and tensors
+written as JSON.
 
-orjson parses the body (it refuses NaN, Infinity and numbers beyond float64); each array of
-numbers becomes one numpy array, then one tensor, with no per-element Python work beyond a type
-check (a JSON `true` or `"0.5"` where a number belongs is refused, naming where, not read as
-1.0 or 0.5). Outputs are written by orjson straight from numpy, in the shortest decimal form of
-their dtype. Decoding a body costs a few times its size in transient memory (pydantic models of
-nested lists cost tens of times, and hold the GIL for as long).
+Outputs are written by orjson straight from numpy, in the shortest decimal form of their dtype.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
-import orjson
 import torch
 
 from service.errors import BadInput
-from service.schemas import ForwardRequest
-
-T = TypeVar("T")
-
-_NUMBERS = frozenset({float, int})
-# JSON work runs on these threads, off the event loop. Two bound how many bodies are decoded at
-# once (each costs a few times its size in memory) and how many threads sit in a C parser
-# holding the GIL, which the event loop needs to answer /health.
-_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moe-json")
+from service.json_numbers import decode_forward_arrays, rows_to_array, to_array
+from service.json_numbers import dumps as dumps_arrays
 
 
-async def off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` on a JSON thread."""
-    return await asyncio.get_running_loop().run_in_executor(_THREADS, fn, *args)
-
-
-def parse(body: bytes, what: str = "body") -> Any:
-    """The JSON value of `body`; BadInput naming `what` and the position when it is not JSON."""
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as err:
-        raise BadInput(f"{what} is not valid JSON: {err}") from None
-
-
-def _where(name: str, index: tuple[int, ...]) -> str:
-    return name + "".join(f"[{i}]" for i in index)
-
-
-def _innermost(value: list) -> Iterator[list]:
-    """The innermost lists of the nested list `value`: those that do not hold only lists."""
-    if value and all(isinstance(item, list) for item in value):
-        for item in value:
-            yield from _innermost(item)
-    else:
-        yield value
-
-
-def _first_non_number(value: list, index: tuple[int, ...]) -> tuple[tuple[int, ...], Any]:
-    """Where the first item that is not a number sits in a list `_innermost` yields, and it."""
-    if value and all(isinstance(item, list) for item in value):
-        for i, item in enumerate(value):
-            found = _first_non_number(item, (*index, i))
-            if found:
-                return found
-        return ()
-    for i, item in enumerate(value):
-        if type(item) not in _NUMBERS:
-            return (*index, i), item
-    return ()
-
-
-def _to_tensor(name: str, value: Any, dtype: torch.dtype) -> torch.Tensor:
-    """A nested JSON array of numbers -> a tensor of its shape in `dtype`."""
-    if not isinstance(value, list):
-        raise BadInput(f"{name} must be an array of numbers")
-    # set(map(type, ...)) runs in C: a type check per number, without a Python loop over them
-    if not all(set(map(type, numbers)) <= _NUMBERS for numbers in _innermost(value)):
-        index, item = _first_non_number(value, ())
-        raise BadInput(f"{_where(name, index)} is {orjson.dumps(item).decode()}; expected a number")
-    try:
-        array = np.array(value, dtype=np.float64)
-    except ValueError:  # nested lists of unequal lengths
-        raise BadInput(f"{name} is ragged: its nested arrays have unequal lengths") from None
-    return torch.from_numpy(array).to(dtype)
-
-
-def rows_to_tensor(name: str, value: Any) -> torch.Tensor:
+def rows_to_tensor(name: str, value: Any, numbers_only: bool = False) -> torch.Tensor:
     """A JSON array of rows of numbers -> float32 [T, C]; refuses empty, ragged and non-number
-    arrays, naming the row or the element."""
-    if not isinstance(value, list) or not all(isinstance(row, list) for row in value):
-        raise BadInput(f"{name} must be a [tokens, columns] array of numbers")
-    if not value or not value[0]:
-        raise BadInput(f"{name} is empty; expected a [tokens, columns] array of numbers")
-    width = len(value[0])
-    for i, row in enumerate(value):
-        if len(row) != width:
-            raise BadInput(f"{name} is ragged: row 0 has {width} values, row {i} has {len(row)}")
-    return _to_tensor(name, value, torch.float32)
+    arrays, naming the row or the element (json_numbers.rows_to_array)."""
+    return torch.from_numpy(rows_to_array(name, value, numbers_only)).to(torch.float32)
 
 
 def array_to_tensor(name: str, value: Any, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     """A JSON array of numbers, flat or nested, -> a tensor of `shape` and `dtype`."""
-    tensor = _to_tensor(name, value, dtype)
+    tensor = torch.from_numpy(to_array(name, value)).to(dtype)
     if tensor.numel() != int(np.prod(shape)):
         raise BadInput(f"{name}: {tensor.numel()} values do not fill shape {shape}")
     return tensor.reshape(shape)
@@ -120,29 +42,18 @@ class JsonForward:
 
 def decode_forward(body: bytes) -> JsonForward:
     """A /v1 forward's JSON body -> its tensors; BadInput naming the field or element."""
-    value = parse(body)
-    if not isinstance(value, dict):
-        raise BadInput("body must be a JSON object with hidden_states")
-    unknown = sorted(set(value) - set(ForwardRequest.model_fields))
-    if unknown:
-        raise BadInput(f"unknown fields {unknown}; expected {list(ForwardRequest.model_fields)}")
-    if "hidden_states" not in value:
-        raise BadInput("hidden_states is missing")
-    logits = value.get("router_logits")
-    routing = value.get("return_routing", False)
-    if not isinstance(routing, bool):
-        got = orjson.dumps(routing).decode()
-        raise BadInput(f"return_routing must be true or false, got {got}")
+    arrays = decode_forward_arrays(body)
+    logits = arrays.router_logits
     return JsonForward(
-        rows_to_tensor("hidden_states", value["hidden_states"]),
-        None if logits is None else rows_to_tensor("router_logits", logits),
-        routing,
+        torch.from_numpy(arrays.hidden_states).to(torch.float32),
+        None if logits is None else torch.from_numpy(logits).to(torch.float32),
+        arrays.return_routing,
     )
 
 
 def dumps(value: Any) -> bytes:
     """`value` as JSON; tensors and numpy arrays inside are written from their buffers."""
-    return orjson.dumps(value, default=_tensor_default, option=orjson.OPT_SERIALIZE_NUMPY)
+    return dumps_arrays(value, _tensor_default)
 
 
 def _tensor_default(value: Any) -> Any:

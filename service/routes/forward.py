@@ -28,6 +28,7 @@ from service.engine import ServedLayer
 from service.errors import BadInput, ServiceError, UnsupportedMediaType
 from service.examples import DEMO_LOGITS, DEMO_ROWS
 from service.inputs import check_inputs
+from service.json_numbers import off_loop
 from service.metrics import Metrics
 from service.schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
 from service.server import client_gone
@@ -136,15 +137,7 @@ async def forward(
     media = _media_type(request)
     options = schedule_options(priority, timeout)
     if media == JSON:
-        # Parsing and printing thousands of floats takes tens of ms: off the event loop.
-        started = time.perf_counter()
-        inputs, want_routing = await json_codec.off_loop(_decode_json, served, body)
-        metrics.observe_stage(name, "decode", time.perf_counter() - started)
-        result = await submit_while_connected(request, batcher, name, inputs, options)
-        started = time.perf_counter()
-        reply = await json_codec.off_loop(_encode_json, served, result, want_routing)
-        metrics.observe_stage(name, "encode", time.perf_counter() - started)
-        return Response(reply, media_type=JSON)
+        return await forward_json(request, served, batcher, metrics, body, options)
     if media == BINARY:
         return await forward_binary(
             request, served, batcher, metrics, body, options, return_routing
@@ -154,6 +147,26 @@ async def forward(
     )
 
 
+async def forward_json(
+    request: Request,
+    served: ServedLayer,
+    batcher: DynamicBatcher,
+    metrics: Metrics,
+    body: bytes,
+    options: RequestOptions,
+) -> Response:
+    """A JSON body -> the JSON reply (also run by service/fast_path.py)."""
+    # Parsing and printing thousands of floats takes tens of ms: off the event loop.
+    started = time.perf_counter()
+    inputs, want_routing = await off_loop(_decode_json, served, body)
+    metrics.observe_stage(served.name, "decode", time.perf_counter() - started)
+    result = await submit_while_connected(request, batcher, served.name, inputs, options)
+    started = time.perf_counter()
+    reply = await off_loop(_encode_json, served, result, want_routing)
+    metrics.observe_stage(served.name, "encode", time.perf_counter() - started)
+    return Response(reply, media_type=JSON)
+
+
 async def forward_binary(
     request: Request,
     served: ServedLayer,
@@ -161,7 +174,7 @@ async def forward_binary(
     metrics: Metrics,
     body: bytes,
     options: RequestOptions,
-    return_routing: bool,
+    return_routing: bool = False,
 ) -> Response:
     """A safetensors body -> the reply blob (also run by service/fast_path.py)."""
     gone = partial(client_gone, request.receive)
@@ -185,7 +198,8 @@ async def serve_blob(
     inputs = await run_sized(len(body), lambda: _decode_blob(served, body))
     metrics.observe_stage(name, "decode", time.perf_counter() - started)
     result = await submit_unless(batcher, name, inputs, options, gone)
-    return await _encode_timed(served, metrics, result, inputs, return_routing)
+    wire = inputs.hidden_states.dtype
+    return await _encode_timed(served, metrics, result, wire, return_routing)
 
 
 async def serve_blob_into(
@@ -197,9 +211,12 @@ async def serve_blob_into(
     pinned: bool,
     values_checked: bool,
     gone: Callable[[], Awaitable[None]],
+    layer_dtype: bool = False,
 ) -> int:
     """A safetensors body -> its reply blob written into `reply`; the reply's size. `pinned`:
-    both lie in memory registered with CUDA; `values_checked`: every value was found finite.
+    both lie in memory registered with CUDA; `values_checked`: every value was found finite;
+    `layer_dtype`: the output in the layer's dtype, not the request's (a front end writes it as
+    JSON in that dtype's shortest form).
 
     Where the engine runs batches on a GPU and the request's dtype is the layer's, the body is
     copied to the device from where it lies and the output from the device straight into
@@ -213,7 +230,8 @@ async def serve_blob_into(
     options = RequestOptions()
     if not (pinned and batcher.engine.enqueues and hidden.dtype == served.config.dtype):
         result = await submit_unless(batcher, name, inputs, options, gone)
-        parts = await _encode_timed(served, metrics, result, inputs, False)
+        wire = served.config.dtype if layer_dtype else hidden.dtype
+        parts = await _encode_timed(served, metrics, result, wire, False)
         size = sum(map(len, parts))
         _check_fits(size, len(reply))
         await run_sized(size, lambda: _copy_parts(parts, reply))
@@ -234,11 +252,10 @@ async def _encode_timed(
     served: ServedLayer,
     metrics: Metrics,
     result: LayerOutput,
-    inputs: ForwardInputs,
+    wire: torch.dtype,
     return_routing: bool,
 ) -> list[bytes | memoryview]:
     started = time.perf_counter()
-    wire = inputs.hidden_states.dtype
     parts = await run_sized(
         result.output.numel() * wire.itemsize,
         lambda: _encode_blob(served, result, wire, return_routing),

@@ -1,4 +1,4 @@
-"""The binary forward without FastAPI's routing (service/fast_path.py) answers as the route does."""
+"""The plain forwards without FastAPI's routing (service/fast_path.py) answer as the route does."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from fastapi.testclient import TestClient
 
 from service import fast_path
 from service.app import create_app
-from service.binary_forward import plain_binary_forward
+from service.binary_forward import BINARY as BINARY_MEDIA
+from service.binary_forward import JSON, plain_binary_forward, plain_forward
 from service.settings import Settings
 from tests.service.layers import TINY, H, gated_loader
 
@@ -35,6 +36,20 @@ def taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return await real(request, *args, **kwargs)
 
     monkeypatch.setattr(fast_path, "forward_binary", spy)
+    return seen
+
+
+@pytest.fixture
+def taken_json(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Paths of the JSON requests the fast path answered."""
+    seen: list[str] = []
+    real = fast_path.forward_json
+
+    async def spy(request, *args, **kwargs):
+        seen.append(request.url.path)
+        return await real(request, *args, **kwargs)
+
+    monkeypatch.setattr(fast_path, "forward_json", spy)
     return seen
 
 
@@ -101,3 +116,42 @@ def test_only_plain_binary_posts_to_the_forward_route_are_taken() -> None:
     assert not plain_binary_forward(scope(method="GET"))
     assert not plain_binary_forward(scope(path="/v1/layers/a/b/forward"))
     assert not plain_binary_forward(scope(path=f"{ROUTE}/x"))
+
+
+def test_a_plain_json_forward_takes_the_fast_path_and_equals_the_route(
+    client: TestClient, taken_json: list[str]
+) -> None:
+    rows = torch.randn(3, H, generator=torch.Generator().manual_seed(0)).tolist()
+    body = {"hidden_states": rows, "return_routing": True}
+    fast = client.post(ROUTE, json=body)
+    routed = client.post(f"{ROUTE}?priority=0", json=body)  # via FastAPI
+    assert taken_json == [ROUTE]
+    assert (fast.status_code, routed.status_code) == (200, 200)
+    assert fast.headers["content-type"] == routed.headers["content-type"]
+    assert fast.content == routed.content
+    assert "X-Request-ID" in fast.headers
+    assert client.post(ROUTE, json={"hidden_states": [[1.0, True]]}).json() == {
+        "error": "hidden_states[0][1] is true; expected a number"
+    }
+    counted = 'moe_serve_requests_total{route="/v1/layers/{name}/forward",status="200"} 2.0'
+    assert counted in client.get("/metrics").text
+
+
+def test_a_json_body_over_its_limit_gets_413_on_the_fast_path(make_client) -> None:
+    client = make_client(max_json_bytes=1024)
+    rows = torch.zeros(64, H).tolist()
+    r = client.post(ROUTE, json={"hidden_states": rows})
+    assert r.status_code == 413
+    assert "MOE_SERVE_MAX_JSON_BYTES" in r.json()["error"]
+
+
+def test_plain_forwards_are_named_with_their_media_type() -> None:
+    def scope(query=b"", media=b"application/json"):
+        return {"type": "http", "method": "POST", "path": ROUTE, "query_string": query,
+                "headers": [(b"content-type", media)]}  # fmt: skip
+
+    assert plain_forward(scope()) == (TINY, JSON)
+    assert plain_forward(scope(media=b"Application/JSON; charset=utf-8")) == (TINY, JSON)
+    assert plain_forward(scope(media=b"application/octet-stream")) == (TINY, BINARY_MEDIA)
+    assert plain_forward(scope(query=b"return_routing=true")) is None
+    assert plain_forward(scope(media=b"text/plain")) is None

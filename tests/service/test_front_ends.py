@@ -1,6 +1,7 @@
-"""`--http-workers`: front-end processes that lay binary forwards in shared memory for the engine
-process and relay everything else; replies equal the one-process service's, metrics are the
-engine's, a dead front end comes back, and nothing the arena holds is handed out twice."""
+"""`--http-workers`: front-end processes that lay binary forwards (and JSON ones, decoded) in
+shared memory for the engine process and relay everything else; replies equal the one-process
+service's, metrics are the engine's, a dead front end comes back, and nothing the arena holds
+is handed out twice."""
 
 from __future__ import annotations
 
@@ -15,7 +16,11 @@ import httpx
 import pytest
 import torch
 
+from service import json_codec
 from service.body_arena import BLOCK_BYTES, REPLY_HEADER_BYTES, BodyArena
+from service.body_values import FiniteCheck
+from service.front_end import _blob_bytes, _json_reply, _write_blob
+from service.json_numbers import decode_forward_arrays
 from service.settings import Settings
 from service.wire import decode_safetensors, encode_safetensors
 from tests.service.layers import NO_ROUTER, TINY, H, reference_forward, running_front_ends
@@ -186,3 +191,82 @@ def test_the_arena_never_hands_out_a_region_twice(tmp_path: Path) -> None:
     arena.close()
     arena.unlink()
     assert not arena.path.exists()
+
+
+def test_json_forwards_are_decoded_by_the_front_end_and_equal_the_engines_reply(
+    front_ends, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = _url(front_ends)
+    gen = torch.Generator().manual_seed(1)
+    bodies = [
+        (TINY, {"hidden_states": torch.randn(t, H, generator=gen).tolist()}) for t in (1, 3, 64)
+    ]
+    x = torch.randn(2, H, generator=gen)
+    logits = torch.randn(2, 4, generator=gen)
+    bodies.append((NO_ROUTER, {"hidden_states": x.tolist(), "router_logits": logits.tolist()}))
+    with caplog.at_level(logging.INFO, logger="service.middleware"):
+        plain = [httpx.post(f"{url}/v1/layers/{n}/forward", json=b) for n, b in bodies]
+    assert "/forward" not in caplog.text  # answered through the channel, not relayed
+    for (name, body), reply in zip(bodies, plain, strict=True):
+        # ?priority=0: relayed, so the engine decodes and writes the JSON itself
+        relayed = httpx.post(f"{url}/v1/layers/{name}/forward?priority=0", json=body)
+        assert (reply.status_code, relayed.status_code) == (200, 200), reply.text
+        assert reply.headers["content-type"] == relayed.headers["content-type"]
+        assert reply.content == relayed.content
+        assert reply.headers["X-Request-ID"]
+    expected = reference_forward(NO_ROUTER, x, logits)
+    torch.testing.assert_close(torch.tensor(plain[-1].json()["output"]), expected)
+
+
+@pytest.mark.parametrize(
+    ("layer", "body", "status", "message"),
+    [
+        (TINY, b'{"hidden_states": [[1.0, true]]}', 400, "hidden_states[0][1] is true"),
+        (TINY, b'{"hidden_states": [[1.0, 2.0]', 400, "body is not valid JSON"),
+        (TINY, b'{"hidden": [[1.0]]}', 400, "unknown fields ['hidden']"),
+        (TINY, b'{"hidden_states": [[1.0, 2.0]]}', 400, f"hidden_size is {H}"),
+        (TINY, f'{{"hidden_states": [{[1e39] * H}]}}'.encode(), 400, "NaN or Inf"),
+        ("nope", b'{"hidden_states": [[1.0]]}', 404, "no layer named 'nope'"),
+    ],
+    ids=["true", "cut", "unknown-field", "width", "beyond-float32", "no-layer"],
+)
+def test_bad_json_forwards_get_the_engines_error(front_ends, layer, body, status, message):
+    url = f"{_url(front_ends)}/v1/layers/{layer}/forward"
+    reply = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
+    relayed = httpx.post(
+        f"{url}?priority=0", content=body, headers={"Content-Type": "application/json"}
+    )
+    assert reply.status_code == status
+    assert message in reply.json()["error"]
+    assert reply.json() == relayed.json()
+    assert reply.headers["X-Request-ID"]
+
+
+def test_a_json_forward_asking_for_the_routing_is_relayed_with_its_body(front_ends) -> None:
+    url = _url(front_ends)
+    body = {"hidden_states": torch.randn(3, H).tolist(), "return_routing": True}
+    reply = httpx.post(f"{url}/v1/layers/{TINY}/forward", json=body)
+    assert reply.status_code == 200, reply.text
+    assert set(reply.json()) >= {"output", "topk_ids", "topk_weights"}
+
+
+def test_a_json_body_becomes_the_float32_blob_the_engine_would_decode() -> None:
+    x, logits = torch.randn(3, 5).double(), torch.randn(3, 2).double()
+    body = json_codec.dumps({"hidden_states": x, "router_logits": logits})
+    arrays = decode_forward_arrays(body)
+    blob = bytearray(_blob_bytes(arrays))
+    assert _write_blob(arrays, memoryview(blob), FiniteCheck())
+    tensors = decode_safetensors(bytes(blob))
+    decoded = json_codec.decode_forward(body)
+    assert torch.equal(tensors["hidden_states"], decoded.hidden_states)
+    assert torch.equal(tensors["router_logits"], decoded.router_logits)
+    beyond = decode_forward_arrays(b'{"hidden_states": [[1e39, 1.0]]}')
+    assert not _write_blob(beyond, memoryview(bytearray(_blob_bytes(beyond))), FiniteCheck())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_a_reply_blob_is_written_as_the_engines_json(dtype: torch.dtype) -> None:
+    out = torch.randn(3, 7, generator=torch.Generator().manual_seed(0)).to(dtype)
+    blob = encode_safetensors({"output": out}, {"layer": "x", "backend": "b", "tokens": "3"})
+    expected = json_codec.dumps({"output": out, "layer": "x", "tokens": 3, "backend": "b"})
+    assert _json_reply(memoryview(blob)) == expected

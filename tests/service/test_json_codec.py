@@ -9,6 +9,8 @@ import torch
 
 from service.errors import BadInput
 from service.json_codec import array_to_tensor, decode_forward, dumps, rows_to_tensor
+from service.json_numbers import FORWARD_FIELDS, arrays_hold_only_numbers
+from service.schemas import ForwardRequest
 
 
 @pytest.mark.parametrize(
@@ -64,3 +66,60 @@ def test_outputs_are_written_exactly_in_their_dtype(dtype: torch.dtype) -> None:
     t = torch.randn(3, 5, generator=torch.Generator().manual_seed(0)).to(dtype)
     back = torch.tensor(orjson.loads(dumps({"output": t}))["output"], dtype=torch.float64)
     assert torch.equal(back.to(dtype), t)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"hidden_states": [[1, -2.5e-3], [3E+2, 0]]}',
+        b'{ "hidden_states" :\n[[1,2]\t, [3,4]], "return_routing": true, "router_logits": null }',
+        b'{"router_logits": [[0.5]], "hidden_states": [[1]], "return_routing": false}',
+    ],
+)
+def test_arrays_of_only_numbers_are_found_without_visiting_them(body: bytes) -> None:
+    assert arrays_hold_only_numbers(body, orjson.loads(body))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"hidden_states": [[1, "2"]]}',
+        b'{"hidden_states": [[1, "e"]]}',  # a string of number bytes still leaves its quotes
+        b'{"hidden_states": [[1, true]]}',
+        b'{"hidden_states": [[1, null]]}',
+        b'{"hidden_states": [[1, {}]]}',
+        b'{"hidden_states": [[1, 2]], "router_logits": [[false]]}',
+        b'{"hidden_states": [[1, 2]], "return_routing": [true]}',
+        b'{"hidden\\u005fstates": [[1, 2]]}',  # an escaped key: the items are checked instead
+        b'{"hidden_states": [[1]], "hidden_states": [[2]]}',  # a repeated key
+        b"[[1, 2]]",
+    ],
+)
+def test_anything_else_in_or_around_the_arrays_sends_them_to_the_item_checks(body: bytes) -> None:
+    assert not arrays_hold_only_numbers(body, orjson.loads(body))
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b'{"hidden_states": [[1, [2]]]}', r"hidden_states\[0\]\[1\] is \[2\]; expected a number"),
+        (b'{"hidden_states": [[1, 2]], "router_logits": [[1, "x"]]}', "router_logits"),
+        (b'{"hidden_states": [[1, true]], "return_routing": true}', "is true; expected a number"),
+    ],
+)
+def test_decode_forward_names_what_is_not_a_number(body: bytes, message: str) -> None:
+    with pytest.raises(BadInput, match=message):
+        decode_forward(body)
+
+
+def test_decode_forward_equals_the_item_checked_decode() -> None:
+    rows = torch.randn(5, 7, generator=torch.Generator().manual_seed(0)).tolist()
+    rows[1][2] = 3  # ints too
+    body = orjson.dumps({"hidden_states": rows, "router_logits": rows})
+    decoded = decode_forward(body)
+    assert torch.equal(decoded.hidden_states, rows_to_tensor("h", rows))
+    assert torch.equal(decoded.router_logits, rows_to_tensor("l", rows))
+
+
+def test_the_forward_fields_are_the_schemas() -> None:
+    assert list(FORWARD_FIELDS) == list(ForwardRequest.model_fields)
