@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
 import torch
 
 from kernels.layer import LayerOutput, expert_tokens
@@ -127,6 +128,38 @@ def _runs(sizes: Sequence[int], alone: Sequence[bool]) -> list[_Run]:
 _EVENTS = ("h2d_start", "h2d_end", "forward_start", "forward_end", "d2h_start", "d2h_end")
 
 
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of `t`'s memory as integers of its element size (numpy has no bfloat16)."""
+    return t.view(_INT_OF_SIZE[t.element_size()]).numpy()
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class _HostRows:
+    """Copies of rows of a slot's pinned result buffers, as new tensors."""
+
+    def __init__(
+        self, output: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, stats: torch.Tensor
+    ) -> None:
+        self._dtype = output.dtype
+        self._output, self._ids, self._weights = _bits(output), ids.numpy(), weights.numpy()
+        self._stats = stats.numpy()
+
+    def output(self, rows: slice) -> torch.Tensor:
+        return torch.from_numpy(self._output[rows].copy()).view(self._dtype)
+
+    def ids(self, rows: slice) -> torch.Tensor:
+        return torch.from_numpy(self._ids[rows].copy())
+
+    def weights(self, rows: slice) -> torch.Tensor:
+        return torch.from_numpy(self._weights[rows].copy())
+
+    def stats(self) -> tuple[torch.Tensor, bool]:
+        """Tokens per expert [E] and whether every output value was finite."""
+        return torch.from_numpy(self._stats[:-1].copy()), bool(self._stats[-1])
+
+
 class _Slot:
     """Pinned host and device buffers for one batch of up to `capacity` tokens of one layer.
 
@@ -160,6 +193,7 @@ class _Slot:
         self.topk_weights = pair((capacity, k), torch.float32)
         self.stats = pair((e + 1,), torch.int64)  # tokens per expert, then 1 if finite
         self.events = {name: torch.cuda.Event(enable_timing=True) for name in _EVENTS}
+        self.host = _HostRows(self.output[0], self.topk_ids[0], self.topk_weights[0], self.stats[0])
 
     def results(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """(host, device) buffers of what a forward returns per row."""
@@ -340,26 +374,23 @@ class _InFlight:
         slot = self.slot
         try:
             slot.events["d2h_end"].synchronize()  # the batch's one host sync
-            m = sum(self.sizes)
-            host = LayerOutput(
-                slot.output[0][:m], Routing(slot.topk_ids[0][:m], slot.topk_weights[0][:m])
-            )
-            # copies: the pinned buffers serve the batch after next
-            outputs = [
-                LayerOutput(
-                    part.output.clone() if target is None else target,
-                    Routing(part.routing.topk_ids.clone(), part.routing.topk_weights.clone()),
-                )
-                for part, target in zip(split_rows(host, self.sizes), self.into, strict=True)
-            ]
+            # Copies of each part's rows (the pinned buffers serve the batch after next), taken
+            # through numpy: a torch slice or clone costs several times a numpy one, and a batch
+            # makes a few per part on the path of every request.
+            host = slot.host
+            outputs, begin = [], 0
+            for size, target in zip(self.sizes, self.into, strict=True):
+                rows = slice(begin, begin + size)
+                begin += size
+                output = target if target is not None else host.output(rows)
+                outputs.append(LayerOutput(output, Routing(host.ids(rows), host.weights(rows))))
             times = StageTimes(
                 forward_s=slot.seconds("forward_start", "forward_end"),
                 stage_s=self.stage_s,
                 h2d_s=slot.seconds("h2d_start", "h2d_end"),
                 d2h_s=slot.seconds("d2h_start", "d2h_end"),
             )
-            stats = slot.stats[0]
-            e = self.served.config.num_experts
-            return BatchResult(outputs, stats[:e].clone(), times, bool(stats[e]))
+            counts, finite = host.stats()
+            return BatchResult(outputs, counts, times, finite)
         finally:
             self.pipeline._release(self.served, slot)
