@@ -117,6 +117,9 @@ class Metrics:
         # layer -> its expert counters, looked up once: a batch of DeepSeek-V3 (E=256) would
         # otherwise make hundreds of label lookups on the event loop
         self._expert_series: dict[str, list[Counter]] = {}
+        # (route, status) -> its request counter and latency histogram, looked up once: every
+        # request records both on the event loop (a labels() lookup takes microseconds)
+        self._request_series: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
 
     def add_layer(self, layer: str, num_experts: int) -> None:
         """Start the layer's series at 0, so a cold expert shows up as 0 rather than missing."""
@@ -161,6 +164,15 @@ class Metrics:
         series = [self.expert_tokens.labels(layer, str(e)) for e in range(num_experts)]
         self._expert_series[layer] = series
         return series
+
+    def observe_request(self, route: str, status: str, seconds: float) -> None:
+        """One request answered: moe_serve_requests and moe_serve_request_seconds."""
+        series = self._request_series.get((route, status))
+        if series is None:
+            series = self.requests.labels(route, status), self.request_seconds.labels(route)
+            self._request_series[route, status] = series
+        series[0].inc()
+        series[1].observe(seconds)
 
     def observe_stage(self, layer: str, stage: str, seconds: float) -> None:
         self.stage_seconds.labels(layer, stage).observe(seconds)
