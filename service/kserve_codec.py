@@ -124,7 +124,8 @@ def tensor_type(t: InferInput) -> tuple[torch.dtype, list[int]]:
 
 def tensor_from_bytes(t: InferInput, raw: bytes | memoryview) -> torch.Tensor:
     """Raw little-endian row-major bytes -> t's tensor (a copy: `raw` may be shared memory)."""
-    dtype, shape, expected = _dtype(t), _shape(t), byte_size(t)
+    dtype, shape = tensor_type(t)
+    expected = math.prod(shape) * dtype.itemsize
     if len(raw) != expected:
         raise BadInput(
             f"input {t.name}: {len(raw)} binary bytes for shape {shape} {t.datatype} "
