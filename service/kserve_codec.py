@@ -162,7 +162,7 @@ def decode_request(
         request = InferRequest.model_validate_json(body[:split])
     except ValidationError as err:
         raise BadInput(f"inference request: {describe_validation_error(err, 'body')}") from None
-    binary, offset, tensors = body[split:], 0, {}
+    binary, offset, tensors = memoryview(body)[split:], 0, {}  # slices without copies
     check_input_names(request)
     for t in request.inputs:
         if SHM_REGION in t.parameters:  # read from the region later (service/inference.py)
@@ -223,7 +223,7 @@ def encode_response(
     json_bytes = header.model_dump_json(exclude_none=True).encode()
     if not blobs:
         return Encoded(json_bytes, None)
-    return Encoded(json_bytes + b"".join(blobs), len(json_bytes))
+    return Encoded(b"".join([json_bytes, *blobs]), len(json_bytes))  # one copy of the blobs
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
