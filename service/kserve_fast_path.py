@@ -1,13 +1,13 @@
 """KServe v2 inference over HTTP without FastAPI's routing and dependency solving.
 
 `POST /v2/models/{name}/infer` (and `/versions/{version}/infer`) is the request tritonclient
-sends in a loop; FastAPI's routing, dependency solving and exception middleware took 0.3 ms of
-the 0.6 ms an infer request spent in the server outside `inference.infer` (one token, system
-shared memory, a 2-core CI machine). As service/fast_path.py does for the binary forward, this
-middleware runs the routes' own work (`routes.kserve._infer`: the same body reading, decoding,
-inference and reply) for exactly those requests; every other request goes on to the app. It sits
-inside RequestMiddleware and the tracing middleware, so the token, request id, log line, request
-metrics and request span are the same.
+sends in a loop; FastAPI's routing, dependency solving and exception middleware took 0.15 ms
+of the 0.55-0.65 ms a one-token infer request spent in the server outside `inference.infer`
+(binary or system shared memory, a 2-core CI machine). As service/fast_path.py does for the
+binary forward, this middleware runs the routes' own work (`routes.kserve.infer_response`: the
+same body reading, decoding, inference and reply) for exactly those requests; every other
+request goes on to the app. It sits inside RequestMiddleware and the tracing middleware, so the
+token, request id, log line, request metrics and request span are the same.
 """
 
 from __future__ import annotations
