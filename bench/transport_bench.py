@@ -14,8 +14,11 @@ after a warm-up; a request's latency runs from sending it to its reply (with sha
 output is in the region by then: it is read after the timed requests and must equal the binary
 HTTP output). Beside each: the server's mean forward time over that transport's requests (its
 metrics: CUDA events around the captured forward as served) and, once per layer, the bare
-captured forward (/bench/bare). Writes DIR/transport-bench.json and .md and prints the tables,
-the targets last: CUDA shared memory p50 <= the server's forward + 0.2 ms.
+captured forward (/bench/bare). Where the time goes comes from the server's own numbers over the
+same requests: its infer handler (moe_serve_request_seconds), `inference.infer` (the model's
+statistics) and the forward; the client and wire floor is a call that does no work (gRPC
+ServerLive, HTTP /v2/health/live). Writes DIR/transport-bench.json and .md and prints the
+tables, the targets last: CUDA shared memory p50 <= the server's forward + 0.2 ms.
 """
 
 from __future__ import annotations
@@ -57,17 +60,46 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _forward_seconds(url: str, layer: str) -> tuple[float, float]:
-    """(sum, count) of the server's moe_serve_forward_seconds for `layer`."""
-    total = count = 0.0
+ROUTES = {"http": "/v2/models/{name}/infer", "grpc": "grpc ModelInfer"}  # metrics' route label
+
+
+@dataclass(frozen=True)
+class ServerTimes:
+    """Cumulative (seconds, count) pairs the server reports: its forwards of the layer
+    (moe_serve_forward_seconds), each transport's infer handler (moe_serve_request_seconds),
+    and the layer's requests from the statistics' start to end of `inference.infer`."""
+
+    forward: tuple[float, float]
+    handler: dict[str, tuple[float, float]]  # by "http" / "grpc"
+    infer: tuple[float, float]
+
+
+def _server_times(url: str, layer: str) -> ServerTimes:
+    sums: dict[str, float] = {}
     for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("moe_serve_forward_seconds_") and f'layer="{layer}"' in line:
-            value = float(line.rsplit(" ", 1)[1])
-            if line.startswith("moe_serve_forward_seconds_sum"):
-                total += value
-            elif line.startswith("moe_serve_forward_seconds_count"):
-                count += value
-    return total, count
+        forward = line.startswith("moe_serve_forward_seconds_") and f'layer="{layer}"' in line
+        handler = line.startswith("moe_serve_request_seconds_")
+        if forward or handler:
+            key = line.split("{", 1)[0] + (
+                "" if forward else line.split('route="', 1)[1].split('"', 1)[0]
+            )
+            sums[key] = sums.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+
+    def pair(metric: str, route: str = "") -> tuple[float, float]:
+        return sums.get(f"{metric}_sum{route}", 0.0), sums.get(f"{metric}_count{route}", 0.0)
+
+    stats = httpx.get(f"{url}/v2/models/{layer}/stats").json()["model_stats"][0]
+    success = stats["inference_stats"]["success"]
+    return ServerTimes(
+        forward=pair("moe_serve_forward_seconds"),
+        handler={kind: pair("moe_serve_request_seconds", r) for kind, r in ROUTES.items()},
+        infer=(success["ns"] / 1e9, success["count"]),
+    )
+
+
+def _mean_ms(before: tuple[float, float], after: tuple[float, float]) -> float | None:
+    count = after[1] - before[1]
+    return (after[0] - before[0]) / count * 1e3 if count else None
 
 
 @dataclass(frozen=True)
@@ -84,6 +116,25 @@ def _time(transport: Transport, requests: int) -> tuple[list[float], np.ndarray]
         out = transport.send()
         latencies.append(time.perf_counter() - started)
     return latencies, out if transport.read is None else transport.read()
+
+
+def _floors(http_addr: str, grpc_addr: str, requests: int) -> dict[str, dict[str, float]]:
+    """The client and transport floor: p50 and mean of a trivial call that does no work on the
+    server (gRPC ServerLive, HTTP GET /v2/health/live), one at a time as the others."""
+    import tritonclient.grpc as grpcclient
+
+    with (
+        grpcclient.InferenceServerClient(grpc_addr) as grpc,
+        httpx.Client(base_url=f"http://{http_addr}") as http,
+    ):
+        calls = {"grpc": grpc.is_server_live, "http": lambda: http.get("/v2/health/live")}
+        floors = {}
+        for name, call in calls.items():
+            for _ in range(WARM_UP):
+                call()
+            ms = np.array(_time(Transport(call), requests)[0]) * 1e3
+            floors[name] = {"p50_ms": float(np.percentile(ms, 50)), "mean_ms": float(ms.mean())}
+    return floors
 
 
 class HttpKServe:
@@ -226,23 +277,24 @@ def run_layer(layer: str, out_dir: Path, tokens: int, requests: int, device: str
             for name, transport in _transports(*addresses, layer, x, cleanup).items():
                 for _ in range(WARM_UP):
                     transport.send()
-                before = _forward_seconds(url, layer)
+                before = _server_times(url, layer)
                 latencies, out = _time(transport, requests)
-                after = _forward_seconds(url, layer)
+                after = _server_times(url, layer)
                 reference = out if reference is None else reference
-                forwards = after[1] - before[1]
                 ms = np.array(latencies) * 1e3
+                kind = name.split("-", 1)[0]  # http or grpc
                 results[name] = {
                     "p50_ms": float(np.percentile(ms, 50)),
                     "p90_ms": float(np.percentile(ms, 90)),
                     "mean_ms": float(ms.mean()),
                     "requests_per_s": float(len(ms) / (ms.sum() / 1e3)),
-                    "server_forward_ms": (after[0] - before[0]) / forwards * 1e3
-                    if forwards
-                    else None,
+                    "server_forward_ms": _mean_ms(before.forward, after.forward),
+                    "server_handler_ms": _mean_ms(before.handler[kind], after.handler[kind]),
+                    "server_infer_ms": _mean_ms(before.infer, after.infer),
                     "matches_http_binary": bool(np.array_equal(out, reference)),
                 }
                 log.info("%s %-16s %s", layer, name, results[name])
+            floor = _floors(*addresses, requests)
             bare = httpx.post(f"{url}/bench/bare", json={"tokens": [tokens]}, timeout=600).json()
         finally:
             for free in cleanup:
@@ -253,6 +305,7 @@ def run_layer(layer: str, out_dir: Path, tokens: int, requests: int, device: str
         "bare_forward_ms": bare[0]["median_us"] / 1e3,
         "bare_graphs": bare[0]["graphs"],
         "transports": results,
+        "floor": floor,
     }
 
 
@@ -310,6 +363,40 @@ def render(report: dict) -> str:
                 f"| {layer} | {name} | {_ms(f['p50_ms'])} | {_ms(f['p90_ms'])} "
                 f"| {_ms(f['mean_ms'])} | {f['requests_per_s']:,.0f} | {_ms(forward)} "
                 f"| {_ms(over)} | {'yes' if f['matches_http_binary'] else 'NO'} |"
+            )
+    lines += [
+        "",
+        "Where a request's time goes (means, ms): the client and the wire (latency - the "
+        "server's infer handler, moe_serve_request_seconds), the handler outside "
+        "`inference.infer` (decode, encode, the transport's request plumbing), `infer` outside "
+        "the forward (input checks, the batcher's queue and thread hops, staging and copies), "
+        "and the forward:",
+        "",
+        "| layer | transport | mean | client + wire | handler - infer | infer - forward "
+        "| forward |",
+        "|" + " --- |" * 7,
+    ]
+    for layer, result in report["layers"].items():
+        for name, f in result.get("transports", {}).items():
+            handler, infer = f.get("server_handler_ms"), f.get("server_infer_ms")
+            forward = f["server_forward_ms"]
+            parts = [
+                None if handler is None else f["mean_ms"] - handler,
+                None if None in (handler, infer) else handler - infer,
+                None if None in (infer, forward) else infer - forward,
+            ]
+            lines.append(
+                f"| {layer} | {name} | {_ms(f['mean_ms'])} | "
+                + " | ".join(map(_ms, parts))
+                + f" | {_ms(forward)} |"
+            )
+    lines += ["", "The client and wire floor, a call that does no work (p50 / mean ms):", ""]
+    for layer, result in report["layers"].items():
+        if "floor" in result:
+            grpc, http = result["floor"]["grpc"], result["floor"]["http"]
+            lines.append(
+                f"- {layer}: gRPC ServerLive {grpc['p50_ms']:.3f} / {grpc['mean_ms']:.3f}, "
+                f"HTTP GET /v2/health/live {http['p50_ms']:.3f} / {http['mean_ms']:.3f}"
             )
     lines += ["", "Bare captured forward (/bench/bare, CUDA events, back to back):", ""]
     for layer, result in report["layers"].items():

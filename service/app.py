@@ -22,6 +22,7 @@ from service.errors import install_handlers
 from service.fast_path import ForwardFastPath, forward_route
 from service.front_ends import FrontEnds
 from service.grpc_server import start_grpc_server
+from service.kserve_fast_path import KServeInferFastPath
 from service.metrics import Metrics
 from service.middleware import OPEN_PATHS, RequestMiddleware
 from service.repository import Repository
@@ -170,9 +171,10 @@ def create_app(
     routers = (health, metrics, introspect, forward, kserve, shared_memory, repository, placement)
     for module in routers:
         app.include_router(module.router)
-    # innermost: the tracing middleware and RequestMiddleware wrap it as they wrap the routes
+    # innermost: the tracing middleware and RequestMiddleware wrap them as they wrap the routes
     route = forward_route(forward.router.routes)
     app.add_middleware(ForwardFastPath, runtime=runtime, route=route)
+    app.add_middleware(KServeInferFastPath, runtime=runtime, routes=kserve.router.routes)
     tracing.instrument_app(app)
     token = settings.api_token_bytes()
     if token is not None:

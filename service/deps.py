@@ -193,22 +193,34 @@ async def submit_unless(
 ) -> LayerOutput:
     """batcher.submit, withdrawn if `gone()` returns first (the client went away); a
     withdrawn request whose buffers the device uses (`output_into`, inputs on a GPU or in
-    pinned memory) returns once the device is done with them."""
-    work = asyncio.ensure_future(batcher.submit(name, inputs, options, output_into))
+    pinned memory) returns once the device is done with them.
+
+    The submit runs in the caller's task, which the watch of `gone()` cancels: one task per
+    request, not two and an asyncio.wait (35 us of every request on the event loop)."""
+    task = asyncio.current_task()
+    running, went_away = True, False
+
+    def withdraw(watch: asyncio.Future[None]) -> None:
+        nonlocal went_away
+        if running and not watch.cancelled():
+            went_away = True
+            task.cancel()
+
     watch = asyncio.ensure_future(gone())
+    watch.add_done_callback(withdraw)
     try:
-        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        withdrawn = not work.done()  # the client went away (or this handler is cancelled)
-        if withdrawn:
-            work.cancel()
-            await asyncio.wait((work,))  # at once unless the device still uses its buffers
-    if withdrawn:
+        # cancelled by `withdraw`, submit takes the waiting rows out of the queue and returns
+        # once the device is done with the request's buffers
+        return await batcher.submit(name, inputs, options, output_into)
+    except asyncio.CancelledError:
+        if not went_away or task.uncancel():  # cancelled from elsewhere (the shutdown drain)
+            raise
         raise ClientDisconnected(
             f"the client went away; its request to layer {name!r} was withdrawn"
-        )
-    return work.result()
+        ) from None
+    finally:
+        running = False
+        watch.cancel()
 
 
 EngineDep = Annotated[Engine, Depends(get_engine)]

@@ -92,7 +92,7 @@ def decode_infer(message: pb.ModelInferRequest) -> tuple[InferRequest, dict[str,
             f"{len(raw)} raw_input_contents for {len(in_memory)} inputs not in shared memory"
         )
     tensors: dict[str, torch.Tensor] = {}
-    contents = {t.name: t.contents for t in message.inputs}
+    contents = {} if raw else {t.name: t.contents for t in message.inputs}
     for i, meta in enumerate(in_memory):
         if meta.name in tensors:
             raise BadInput(f"input {meta.name} is given twice")

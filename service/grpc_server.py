@@ -38,8 +38,15 @@ caller: ContextVar[str | None] = ContextVar("caller", default=None)
 Handler = Callable[["InferenceServicer", Request, grpc.aio.ServicerContext], Awaitable[Reply]]
 
 
-def _metadata(context: grpc.aio.ServicerContext, key: str) -> str:
-    return next((v for k, v in context.invocation_metadata() or () if k == key), "")
+def _metadata(context: grpc.aio.ServicerContext) -> tuple[str, str]:
+    """The call's (x-request-id, authorization) metadata, "" where absent: one pass."""
+    request_id = authorization = ""
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id" and not request_id:
+            request_id = value
+        elif key == "authorization" and not authorization:
+            authorization = value
+    return request_id, authorization
 
 
 def rpc(*, open_to_all: bool = False) -> Callable[[Method], Handler]:
@@ -53,8 +60,8 @@ def rpc(*, open_to_all: bool = False) -> Callable[[Method], Handler]:
         async def handler(
             self: InferenceServicer, request: Request, context: grpc.aio.ServicerContext
         ) -> Reply:
-            reset = logs.request_id.set(new_request_id(_metadata(context, "x-request-id")))
-            authorization = _metadata(context, "authorization")
+            request_id, authorization = _metadata(context)
+            reset = logs.request_id.set(new_request_id(request_id))
             caller.set(None if self.token is None else owner_of(authorization))
             started = time.perf_counter()
             code = grpc.StatusCode.OK
@@ -71,8 +78,7 @@ def rpc(*, open_to_all: bool = False) -> Callable[[Method], Handler]:
                 await context.abort(code, f"internal error; request id {logs.request_id.get()}")
             finally:
                 seconds = time.perf_counter() - started
-                self.runtime.metrics.requests.labels(route, code.name).inc()
-                self.runtime.metrics.request_seconds.labels(route).observe(seconds)
+                self.runtime.metrics.observe_request(route, code.name, seconds)
                 log.info("%s -> %s in %.1f ms", route, code.name, seconds * 1e3)
                 logs.request_id.reset(reset)
 

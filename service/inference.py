@@ -28,9 +28,6 @@ from service.kserve_codec import (
     ModelMetadata,
     ServerMetadata,
     TensorMetadata,
-    byte_size,
-    tensor_bytes,
-    tensor_from_bytes,
     tensor_type,
 )
 from service.routes.forward import TENSOR_NAMES, schedule_options
@@ -121,7 +118,7 @@ async def infer(
             if into is None:  # a system region
                 output = result.output.to(hidden.dtype)
                 shm = runtime.shared_memory
-                shm.write(f"output {OUTPUT}", place, tensor_bytes(output), owner)
+                shm.write(f"output {OUTPUT}", place, output, owner)
             return InferenceResult({}, [_placed(place, hidden)])
     finally:
         for region in held:  # the batcher returns once no device copy uses them
@@ -154,7 +151,7 @@ def _read_shared_memory(
         shm, (dtype, shape) = runtime.shared_memory, tensor_type(t)
         view = shm.view(what, place, dtype, shape, owner, True, held)
         if view is None:
-            view = tensor_from_bytes(t, shm.read(what, place, byte_size(t), owner))
+            view = shm.read(what, place, dtype, shape, owner)
         tensors[t.name] = view
     return tensors
 

@@ -124,7 +124,8 @@ def tensor_type(t: InferInput) -> tuple[torch.dtype, list[int]]:
 
 def tensor_from_bytes(t: InferInput, raw: bytes | memoryview) -> torch.Tensor:
     """Raw little-endian row-major bytes -> t's tensor (a copy: `raw` may be shared memory)."""
-    dtype, shape, expected = _dtype(t), _shape(t), byte_size(t)
+    dtype, shape = tensor_type(t)
+    expected = math.prod(shape) * dtype.itemsize
     if len(raw) != expected:
         raise BadInput(
             f"input {t.name}: {len(raw)} binary bytes for shape {shape} {t.datatype} "
@@ -161,7 +162,7 @@ def decode_request(
         request = InferRequest.model_validate_json(body[:split])
     except ValidationError as err:
         raise BadInput(f"inference request: {describe_validation_error(err, 'body')}") from None
-    binary, offset, tensors = body[split:], 0, {}
+    binary, offset, tensors = memoryview(body)[split:], 0, {}  # slices without copies
     check_input_names(request)
     for t in request.inputs:
         if SHM_REGION in t.parameters:  # read from the region later (service/inference.py)
@@ -222,7 +223,7 @@ def encode_response(
     json_bytes = header.model_dump_json(exclude_none=True).encode()
     if not blobs:
         return Encoded(json_bytes, None)
-    return Encoded(json_bytes + b"".join(blobs), len(json_bytes))
+    return Encoded(b"".join([json_bytes, *blobs]), len(json_bytes))  # one copy of the blobs
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:

@@ -114,6 +114,9 @@ class Metrics:
             "1 while expert parallelism serves on fewer ranks than it started with, or is down",
             registry=r,
         )
+        # (route, status) -> its request counter and latency histogram, looked up once: every
+        # request records both on the event loop (a labels() lookup takes microseconds)
+        self._request_series: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
 
     def add_layer(self, layer: str, num_experts: int) -> None:
         """Start the layer's series at 0, so a cold expert shows up as 0 rather than missing."""
@@ -150,6 +153,15 @@ class Metrics:
             if seconds is not None:
                 self.stage_seconds.labels(layer, stage).observe(seconds)
         self.expert_tokens.add(layer, expert_tokens.numpy())
+
+    def observe_request(self, route: str, status: str, seconds: float) -> None:
+        """One request answered: moe_serve_requests and moe_serve_request_seconds."""
+        series = self._request_series.get((route, status))
+        if series is None:
+            series = self.requests.labels(route, status), self.request_seconds.labels(route)
+            self._request_series[route, status] = series
+        series[0].inc()
+        series[1].observe(seconds)
 
     def observe_stage(self, layer: str, stage: str, seconds: float) -> None:
         self.stage_seconds.labels(layer, stage).observe(seconds)

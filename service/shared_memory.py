@@ -131,16 +131,25 @@ class SystemRegion(Region):
         finally:
             os.close(fd)
 
-    def read(self, offset: int, size: int) -> bytes:
-        """The `size` bytes at `offset`."""
-        start = self.offset + offset
-        return self._map[start : start + size] if size else b""
+    def _bytes(self, offset: int, size: int) -> torch.Tensor:
+        """The `size` bytes at `offset` as a uint8 tensor viewing the mapping (it holds the
+        mapping open while it lives: use it at once)."""
+        return torch.frombuffer(
+            self._map, dtype=torch.uint8, count=size, offset=self.offset + offset
+        )
 
-    def write(self, offset: int, data: bytes) -> None:
-        """Write `data` at `offset`; visible to the client when this returns."""
-        start = self.offset + offset
-        if data:
-            self._map[start : start + len(data)] = data
+    def read(self, offset: int, size: int) -> torch.Tensor:
+        """A copy of the `size` bytes at `offset` (uint8): one copy, straight from the region."""
+        if not size:
+            return torch.empty(0, dtype=torch.uint8)
+        return self._bytes(offset, size).clone()
+
+    def write(self, offset: int, data: torch.Tensor) -> None:
+        """Write a CPU tensor's bytes at `offset` (one copy, straight into the region); visible
+        to the client when this returns."""
+        if data.numel():
+            raw = data.contiguous().flatten().view(torch.uint8)
+            self._bytes(offset, raw.numel()).copy_(raw)
 
     def close(self) -> None:
         if self._map is not None:
@@ -414,14 +423,23 @@ class SharedMemory:
         held.append(region)
         return view
 
-    def read(self, tensor: str, place: TensorPlace, size: int, owner: str | None) -> bytes:
-        """The `size` bytes at `place` in a system region; `size` must be the place's byte size."""
+    def read(
+        self,
+        tensor: str,
+        place: TensorPlace,
+        dtype: torch.dtype,
+        shape: Sequence[int],
+        owner: str | None,
+    ) -> torch.Tensor:
+        """A copy of the `dtype` tensor of `shape` at `place` in a system region, whose byte
+        size must be the tensor's."""
         region = self._region_of(tensor, place, owner, "system")
-        region.check(tensor, place, size, exact=True)
-        return region.read(place.offset, size)
+        region.check(tensor, place, math.prod(shape) * dtype.itemsize, exact=True)
+        return region.read(place.offset, place.byte_size).view(dtype).reshape(shape)
 
-    def write(self, tensor: str, place: TensorPlace, data: bytes, owner: str | None) -> None:
-        """Write `data` at `place` in a system region, which must hold at least len(data) bytes."""
+    def write(self, tensor: str, place: TensorPlace, data: torch.Tensor, owner: str | None) -> None:
+        """Write a CPU tensor at `place` in a system region, which must hold at least its
+        bytes."""
         region = self._region_of(tensor, place, owner, "system")
-        region.check(tensor, place, len(data), exact=False)
+        region.check(tensor, place, data.numel() * data.itemsize, exact=False)
         region.write(place.offset, data)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from prometheus_client.core import GaugeMetricFamily, UnknownMetricFamily
@@ -89,20 +88,45 @@ class ModelStatistics:
         }
 
 
-@dataclass
 class RequestTimer:
-    """One request's phases as `Statistics.request` measures them."""
+    """One request of a model, timed as `Statistics.request` describes. A class rather than a
+    generator context manager: this runs on every request, on the event loop."""
 
-    started: float = field(default_factory=time.perf_counter)
-    submitted: float | None = None  # inputs ready, handed to the batcher
-    answered: float | None = None  # the batcher's result is back
-    tokens: int = 0
+    __slots__ = ("answered", "lock", "model", "started", "submitted", "tokens")
+
+    def __init__(self, model: ModelStatistics, lock: threading.Lock) -> None:
+        self.model, self.lock = model, lock
+        self.started = 0.0
+        self.submitted: float | None = None  # inputs ready, handed to the batcher
+        self.answered: float | None = None  # the batcher's result is back
+        self.tokens = 0
 
     def submit(self, tokens: int) -> None:
         self.submitted, self.tokens = time.perf_counter(), tokens
 
     def answer(self) -> None:
         self.answered = time.perf_counter()
+
+    def __enter__(self) -> RequestTimer:
+        model = self.model
+        with self.lock:
+            model.pending += 1
+            model.last_inference_ms = int(time.time() * 1e3)
+        self.started = time.perf_counter()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        ended, model = time.perf_counter(), self.model
+        with self.lock:
+            model.pending -= 1
+            if kind is not None:
+                model.fail.add(ended - self.started)
+                return
+            model.success.add(ended - self.started)
+            model.inference_count += self.tokens
+            if self.submitted is not None and self.answered is not None:
+                model.compute_input.add(self.submitted - self.started)
+                model.compute_output.add(ended - self.answered)
 
 
 class Statistics:
@@ -121,30 +145,13 @@ class Statistics:
         with self.lock:
             self.models.pop(name, None)
 
-    @contextmanager
-    def request(self, name: str) -> Iterator[RequestTimer]:
-        """Time one inference request of model `name`: an exception out of the block is a
-        failure. compute_input is the time before `submit`, compute_output after `answer`."""
-        timer = RequestTimer()
+    def request(self, name: str) -> RequestTimer:
+        """Time one inference request of model `name` (`with statistics.request(name) as
+        timer`): an exception out of the block is a failure. compute_input is the time before
+        `timer.submit`, compute_output after `timer.answer`."""
         with self.lock:
             model = self.models.setdefault(name, ModelStatistics())
-            model.pending += 1
-            model.last_inference_ms = int(time.time() * 1e3)
-        try:
-            yield timer
-        except BaseException:
-            with self.lock:
-                model.pending -= 1
-                model.fail.add(time.perf_counter() - timer.started)
-            raise
-        ended = time.perf_counter()
-        with self.lock:
-            model.pending -= 1
-            model.success.add(ended - timer.started)
-            model.inference_count += timer.tokens
-            if timer.submitted is not None and timer.answered is not None:
-                model.compute_input.add(timer.submitted - timer.started)
-                model.compute_output.add(ended - timer.answered)
+        return RequestTimer(model, self.lock)
 
     def record_execution(
         self, name: str, tokens: int, seconds: float, queued_s: Sequence[float]

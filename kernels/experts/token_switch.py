@@ -4,9 +4,9 @@ call's (kernels/selection.py makes the plan from the rule table's served timings
 
 Members are built on the layer's weights; a member that converts them at build keeps its own
 copy as it does alone (oai-triton's swizzled layout, deep-gemm's float32 scales), so a switch
-holds the weight memory of its larger member. A member that wants fp8 input where the other does not gets it
-quantised here, and one that leaves the top-k sum to finalize is reduced here, so the switch
-always returns [M, K]. The choice is made on the host from the call's shape, so a whole-layer
+holds the weight memory of its larger member. A member that wants fp8 input where the other does
+not gets it quantised here, and one that leaves the top-k sum to finalize is reduced here, so the
+switch always returns [M, K]. The choice is made on the host from the call's shape, so a whole-layer
 CUDA graph captured at a bucket replays the member of the bucket's token count; the switch is
 capturable when both members are.
 """

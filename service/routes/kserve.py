@@ -142,9 +142,10 @@ _INFER_OPENAPI = {
 }
 
 
-async def _infer(
+async def infer_response(
     name: str, version: str, request: Request, body: bytes, runtime: Runtime
 ) -> Response:
+    """The reply to an infer request (both routes, and service/kserve_fast_path.py)."""
     infer_request, tensors = decode_request(body, _header_length(request))
     owner = caller(request, runtime)
     result = await inference.infer(
@@ -169,7 +170,7 @@ async def _infer(
     openapi_extra=_INFER_OPENAPI,
 )
 async def infer(name: str, request: Request, body: BodyDep, runtime: RuntimeDep) -> Response:
-    return await _infer(name, "", request, body, runtime)
+    return await infer_response(name, "", request, body, runtime)
 
 
 @router.post(
@@ -181,4 +182,4 @@ async def infer(name: str, request: Request, body: BodyDep, runtime: RuntimeDep)
 async def version_infer(
     name: str, version: str, request: Request, body: BodyDep, runtime: RuntimeDep
 ) -> Response:
-    return await _infer(name, version, request, body, runtime)
+    return await infer_response(name, version, request, body, runtime)

@@ -25,6 +25,12 @@ def test_transport_bench_times_every_transport_and_writes_json(tmp_path: Path) -
         assert result["matches_http_binary"], name
         assert 0 < result["p50_ms"] <= result["p90_ms"], name
         assert result["server_forward_ms"] > 0, name
+        # the server's own times nest: handler > infer > forward, and the client's latency
+        # holds the handler
+        assert result["mean_ms"] > result["server_handler_ms"] > result["server_infer_ms"], name
+        assert result["server_infer_ms"] > result["server_forward_ms"], name
+    assert set(demo["floor"]) == {"grpc", "http"}
+    assert all(floor["p50_ms"] > 0 for floor in demo["floor"].values())
     assert demo["bare_forward_ms"] > 0
     assert [c.met for c in report["checks"]] == [None, None]  # no CUDA regions on the CPU
     markdown = (tmp_path / "transport-bench.md").read_text()
@@ -76,3 +82,31 @@ def test_cuda_shared_memory_target_is_p50_within_0_2_ms_of_the_server_forward() 
     )
     assert "- demo: FAILED: RuntimeError" in markdown
     assert markdown.rstrip().splitlines()[-3].endswith("| NO |")  # grpc on deepseek-v3
+
+
+def test_the_split_table_shows_client_handler_batcher_and_forward_and_the_floor() -> None:
+    figures = _figures(4.0, 1.0) | {"server_handler_ms": 3.0, "server_infer_ms": 2.5}
+    report = {
+        "device": "H100",
+        "commit": "abc",
+        "tokens": 64,
+        "requests": 300,
+        "layers": {
+            "demo": {
+                "seconds_to_ready": 5.0,
+                "bare_forward_ms": 0.9,
+                "bare_graphs": True,
+                "transports": {"grpc": figures},
+                "floor": {
+                    "grpc": {"p50_ms": 0.3, "mean_ms": 0.35},
+                    "http": {"p50_ms": 0.5, "mean_ms": 0.55},
+                },
+            }
+        },
+        "checks": [],
+    }
+    markdown = render(report)
+    assert "| demo | grpc | 4.000 | 1.000 | 0.500 | 1.500 | 1.000 |" in markdown
+    assert "- demo: gRPC ServerLive 0.300 / 0.350, HTTP GET /v2/health/live 0.500 / 0.550" in (
+        markdown
+    )

@@ -194,6 +194,30 @@ def test_a_client_that_disconnects_has_its_queued_rows_dropped() -> None:
     assert engine.batch_sizes == [8]
 
 
+def test_a_request_cancelled_from_elsewhere_stays_cancelled_and_leaves_the_queue() -> None:
+    """The drain at shutdown cancels a request still waiting: a cancellation (the middleware
+    answers 503 to it), not a disconnect, and its rows do not run."""
+    engine = OrderEngine()
+    busy, cut = rows(8, 0), rows(6, 1)
+
+    async def body(batcher):
+        first = await _busy(batcher, engine, busy)
+        waiting = asyncio.create_task(
+            submit_while_connected(
+                _LeavingClient(None), batcher, TINY, ForwardInputs(cut), RequestOptions()
+            )
+        )
+        await asyncio.sleep(SETTLE_S)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        engine.gate.set()
+        return await first
+
+    run(engine, BatchPolicy(8, 0.0, 16), body)
+    assert engine.batch_sizes == [8]
+
+
 def test_a_connected_client_gets_its_answer() -> None:
     engine = OrderEngine()
     x = rows(3, 0)
