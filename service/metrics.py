@@ -117,6 +117,8 @@ class Metrics:
         # layer -> its expert counters, looked up once: a batch of DeepSeek-V3 (E=256) would
         # otherwise make hundreds of label lookups on the event loop
         self._expert_series: dict[str, list[Counter]] = {}
+        # labelled series looked up once, for what is observed per request
+        self._series: dict[tuple, Counter | Histogram] = {}
 
     def add_layer(self, layer: str, num_experts: int) -> None:
         """Start the layer's series at 0, so a cold expert shows up as 0 rather than missing."""
@@ -163,4 +165,15 @@ class Metrics:
         return series
 
     def observe_stage(self, layer: str, stage: str, seconds: float) -> None:
-        self.stage_seconds.labels(layer, stage).observe(seconds)
+        self._labelled(self.stage_seconds, layer, stage).observe(seconds)
+
+    def observe_request(self, route: str, status: str, seconds: float) -> None:
+        self._labelled(self.requests, route, status).inc()
+        self._labelled(self.request_seconds, route).observe(seconds)
+
+    def _labelled(self, metric: Counter | Histogram, *labels: str) -> Counter | Histogram:
+        key = (id(metric), *labels)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = metric.labels(*labels)
+        return series
