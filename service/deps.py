@@ -195,20 +195,20 @@ async def submit_unless(
     withdrawn request whose buffers the device uses (`output_into`, inputs on a GPU or in
     pinned memory) returns once the device is done with them."""
     work = asyncio.ensure_future(batcher.submit(name, inputs, options, output_into))
-    watch = asyncio.ensure_future(gone())
+    watch = asyncio.ensure_future(gone())  # no task when gone() returns a future
+    watch.add_done_callback(lambda _: work.cancel())  # no-op once the work is done
     try:
-        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        # Cancelling this task cancels `work` too, and the CancelledError arrives once `work`
+        # has ended (with its buffers free), as it does when `gone()` withdraws it.
+        return await work
+    except asyncio.CancelledError:
+        if watch.done() and not watch.cancelled() and not asyncio.current_task().cancelling():
+            raise ClientDisconnected(
+                f"the client went away; its request to layer {name!r} was withdrawn"
+            ) from None
+        raise
     finally:
         watch.cancel()
-        withdrawn = not work.done()  # the client went away (or this handler is cancelled)
-        if withdrawn:
-            work.cancel()
-            await asyncio.wait((work,))  # at once unless the device still uses its buffers
-    if withdrawn:
-        raise ClientDisconnected(
-            f"the client went away; its request to layer {name!r} was withdrawn"
-        )
-    return work.result()
 
 
 EngineDep = Annotated[Engine, Depends(get_engine)]

@@ -119,6 +119,31 @@ def test_a_withdrawn_request_returns_only_once_its_batch_is_done_with_the_buffer
     assert engine.writes + order == ["wrote", "returned"]
 
 
+def test_a_cancelled_caller_is_cancelled_only_once_its_batch_is_done_with_the_buffer() -> None:
+    engine = EnqueuingEngine()
+    engine.gate.clear()
+    x = _rows(4, seed=2)
+    buffer = torch.zeros(4, H)
+    order: list[str] = []
+
+    async def body(batcher: DynamicBatcher):
+        gone = asyncio.get_running_loop().create_future()  # the channel's kind: never set here
+        work = asyncio.create_task(
+            submit_unless(batcher, TINY, ForwardInputs(x), RequestOptions(), lambda: gone, buffer)
+        )
+        await asyncio.to_thread(engine.launched.wait, WAIT_S)
+        work.cancel()  # the caller itself is cancelled (a shutdown), not withdrawn
+        await asyncio.sleep(0.05)
+        assert not work.done(), "returned while the device still writes the buffer"
+        engine.gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await work
+        order.append("returned")
+
+    _run(engine, body)
+    assert engine.writes + order == ["wrote", "returned"]
+
+
 def test_an_engine_that_runs_batches_itself_copies_each_piece_into_the_buffer() -> None:
     """On the CPU engine the batcher writes each piece's rows into `output_into`, cast to its
     dtype (a client's region may hold another dtype than the layer's)."""
