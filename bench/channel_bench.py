@@ -132,8 +132,16 @@ def _run(main, loop: str) -> None:
 
 
 async def _engine(args: argparse.Namespace) -> dict:
+    pin, unpin = channel_server._pin, channel_server._unpin
     channel_server._pin = lambda _arena: 1  # as if CUDA registered the arena
     channel_server._unpin = lambda _arena: None
+    try:
+        return await _measure(args)
+    finally:
+        channel_server._pin, channel_server._unpin = pin, unpin
+
+
+async def _measure(args: argparse.Namespace) -> dict:
     served = _Served(LAYER, MoEConfig(256, args.hidden, 2048, RoutingConfig(top_k=8)))
     metrics = Metrics()
     metrics.add_layer(LAYER, served.config.num_experts)
@@ -155,17 +163,21 @@ async def _engine(args: argparse.Namespace) -> dict:
         ]
         for p in processes:
             p.start()
-        while batcher.answered < args.clients:  # every front end up and answered
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(WARM_UP_S)
-        answered, cpu, wall = batcher.answered, time.process_time(), time.perf_counter()
-        await asyncio.sleep(args.seconds)
-        answered = batcher.answered - answered
-        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-        for p in processes:
-            p.kill()
-            p.join()
-        await server.close()
+        try:
+            while batcher.answered < args.clients:  # every front end up and answered
+                if not all(p.is_alive() for p in processes):
+                    raise RuntimeError("a front-end process exited (its error is above)")
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(WARM_UP_S)
+            answered, cpu, wall = batcher.answered, time.process_time(), time.perf_counter()
+            await asyncio.sleep(args.seconds)
+            answered = batcher.answered - answered
+            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        finally:
+            for p in processes:
+                p.kill()
+                p.join()
+            await server.close()
     return {
         "front_ends": args.front_ends,
         "clients": args.clients,
@@ -175,7 +187,7 @@ async def _engine(args: argparse.Namespace) -> dict:
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--front-ends", type=int, default=4, help="front-end processes")
     parser.add_argument("--clients", type=int, default=64, help="forwards in flight in all")
@@ -183,14 +195,22 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="rows per request")
     parser.add_argument("--hidden", type=int, default=7168, help="H (DeepSeek-V3: 7168)")
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """One timed window: requests/s, engine CPU microseconds per request and busy fraction."""
     holder: dict = {}
 
     async def run() -> None:
         holder.update(await _engine(args))
 
     _run(run(), args.loop)
-    r = holder
+    return holder
+
+
+def main() -> None:
+    r = measure(parse_args())
     print(  # noqa: T201
         f"{r['front_ends']} front ends, {r['clients']} in flight: "
         f"{r['requests_per_s']:,.0f} req/s, engine CPU {r['engine_cpu_us_per_request']:.1f} "
