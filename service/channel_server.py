@@ -135,7 +135,7 @@ class _FrontEndLink:
                 arena.arena.reply(region),
                 bool(pinned),
                 finite,
-                lambda: gone,
+                gone,
             )
             self.out.send(REPLY, REPLY_FIELDS.pack(rid, 200, size))
         except ServiceError as err:
@@ -147,7 +147,7 @@ class _FrontEndLink:
 
 
 def _withdraw(gone: asyncio.Future) -> None:
-    if not gone.done():  # done: withdrawn already, or past the queue (submit_unless cancels it)
+    if not gone.done():  # once: a CANCEL may come, then the front end's connection end
         gone.set_result(None)
 
 

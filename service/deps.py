@@ -195,20 +195,57 @@ async def submit_unless(
     withdrawn request whose buffers the device uses (`output_into`, inputs on a GPU or in
     pinned memory) returns once the device is done with them."""
     work = asyncio.ensure_future(batcher.submit(name, inputs, options, output_into))
-    watch = asyncio.ensure_future(gone())  # no task when gone() returns a future
-    watch.add_done_callback(lambda _: work.cancel())  # no-op once the work is done
+    watch = asyncio.ensure_future(gone())
     try:
-        # Cancelling this task cancels `work` too, and the CancelledError arrives once `work`
-        # has ended (with its buffers free), as it does when `gone()` withdraws it.
-        return await work
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        withdrawn = not work.done()  # the client went away (or this handler is cancelled)
+        if withdrawn:
+            work.cancel()
+            await asyncio.wait((work,))  # at once unless the device still uses its buffers
+    if withdrawn:
+        raise ClientDisconnected(
+            f"the client went away; its request to layer {name!r} was withdrawn"
+        )
+    return work.result()
+
+
+async def submit_unless_withdrawn(
+    batcher: DynamicBatcher,
+    name: str,
+    inputs: ForwardInputs,
+    options: RequestOptions,
+    withdrawn: asyncio.Future,
+    output_into: torch.Tensor | None = None,
+) -> LayerOutput:
+    """submit_unless in the caller's own task: once `withdrawn` is done, that task is cancelled
+    while it waits in batcher.submit (which then returns once the device is done with the
+    request's buffers) and ClientDisconnected raised; a task cancelled from elsewhere stays
+    cancelled. The front ends' channel runs a task per forward; a second task, a watcher and
+    asyncio.wait per forward cost the engine's event loop about 10 us more
+    (bench/channel_bench.py)."""
+    task = asyncio.current_task()
+    submitting, cancelled_here = True, False
+
+    def withdraw(_: asyncio.Future) -> None:
+        nonlocal cancelled_here
+        if submitting and not cancelled_here:
+            cancelled_here = True
+            task.cancel()
+
+    withdrawn.add_done_callback(withdraw)
+    try:
+        return await batcher.submit(name, inputs, options, output_into)
     except asyncio.CancelledError:
-        if watch.done() and not watch.cancelled() and not asyncio.current_task().cancelling():
+        if cancelled_here and task.uncancel() == 0:
             raise ClientDisconnected(
                 f"the client went away; its request to layer {name!r} was withdrawn"
             ) from None
         raise
     finally:
-        watch.cancel()
+        submitting = False
+        withdrawn.remove_done_callback(withdraw)
 
 
 EngineDep = Annotated[Engine, Depends(get_engine)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from functools import lru_cache, partial
@@ -22,6 +23,7 @@ from service.deps import (
     EngineDep,
     MetricsDep,
     submit_unless,
+    submit_unless_withdrawn,
     submit_while_connected,
 )
 from service.engine import ServedLayer
@@ -196,10 +198,11 @@ async def serve_blob_into(
     reply: memoryview,
     pinned: bool,
     values_checked: bool,
-    gone: Callable[[], Awaitable[None]],
+    withdrawn: asyncio.Future,
 ) -> int:
     """A safetensors body -> its reply blob written into `reply`; the reply's size. `pinned`:
-    both lie in memory registered with CUDA; `values_checked`: every value was found finite.
+    both lie in memory registered with CUDA; `values_checked`: every value was found finite;
+    `withdrawn` done: the client went away (see submit_unless_withdrawn).
 
     Where the engine runs batches on a GPU and the request's dtype is the layer's, the body is
     copied to the device from where it lies and the output from the device straight into
@@ -212,7 +215,7 @@ async def serve_blob_into(
     hidden = inputs.hidden_states
     options = RequestOptions()
     if not (pinned and batcher.engine.enqueues and hidden.dtype == served.config.dtype):
-        result = await submit_unless(batcher, name, inputs, options, gone)
+        result = await submit_unless_withdrawn(batcher, name, inputs, options, withdrawn)
         parts = await _encode_timed(served, metrics, result, inputs, False)
         size = sum(map(len, parts))
         _check_fits(size, len(reply))
@@ -224,7 +227,8 @@ async def serve_blob_into(
     _check_fits(size, len(reply))
     reply[: len(head)] = head
     output = torch.frombuffer(reply, dtype=hidden.dtype, count=hidden.numel(), offset=len(head))
-    await submit_unless(batcher, name, inputs, options, gone, output.view(tokens, width))
+    output = output.view(tokens, width)  # [T, H], after the header
+    await submit_unless_withdrawn(batcher, name, inputs, options, withdrawn, output)
     return size
 
 
