@@ -4,7 +4,7 @@ through a socket.
 
 The front end creates the arena (a file under /dev/shm) and allocates a region per request: the
 body first, then room for the reply. The engine maps the same file, reads the body in place and
-writes the reply after it; only a small frame naming the region goes over the socket. A region
+writes the reply after it; only a small record naming the region goes over the socket. A region
 belongs to the front end until it hands it over, then to the engine until the engine answers:
 neither writes what the other may be reading.
 """

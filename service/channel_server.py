@@ -5,6 +5,7 @@ that reached this process over HTTP, the reply blob written back into the arena.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,22 @@ from pathlib import Path
 import torch
 
 from service.body_arena import BodyArena, Region
-from service.channel import read_frame, write_frame
+from service.channel import (
+    CANCEL,
+    CANCEL_FIELDS,
+    DONE,
+    DONE_FIELDS,
+    ERROR,
+    FORWARD,
+    FORWARD_FIELDS,
+    HELLO,
+    REPLY,
+    REPLY_FIELDS,
+    RecordReader,
+    RecordWriter,
+    error_payload,
+    hello,
+)
 from service.deps import Runtime, ready
 from service.errors import ServiceError
 from service.routes.forward import serve_blob_into
@@ -36,44 +52,86 @@ class ChannelServer:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        hello = await read_frame(reader)
+        records, out = RecordReader(reader), RecordWriter(writer)
+        got: list | None = []
+        while got == []:
+            got = await records.read()
+        if got is None or got[0][0] != HELLO:
+            out.close()
+            return
         try:
-            arena = BodyArena.attach(Path(hello["hello"]), hello["size"])
+            request = json.loads(got[0][1])
+            arena = BodyArena.attach(Path(request["hello"]), request["size"])
         except (TypeError, KeyError, ValueError, OSError) as err:
             log.error("a front end's arena could not be mapped: %s", err)
-            write_frame(writer, {"hello": f"refused: {err}"})
-            writer.close()
+            out.send(HELLO, hello({"hello": f"refused: {err}"}))
+            out.close()
             return
-        write_frame(writer, {"hello": "ok"})
-        mapped = _Arena(arena)
-        running: dict[int, tuple[asyncio.Task, asyncio.Event]] = {}
+        out.send(HELLO, hello({"hello": "ok"}))
+        link = _FrontEndLink(self.runtime, _Arena(arena), out)
+        got = got[1:]
         try:
-            while (frame := await read_frame(reader)) is not None:
-                if "forward" in frame:
-                    rid, gone = frame["forward"], asyncio.Event()
-                    task = asyncio.create_task(self._forward(frame, mapped, gone, writer))
-                    running[rid] = (task, gone)
-                    task.add_done_callback(lambda _, rid=rid: running.pop(rid, None))
-                elif "cancel" in frame and frame["cancel"] in running:
-                    running[frame["cancel"]][1].set()
-                elif "done" in frame:
-                    self._count(frame)
+            while got is not None:
+                link.handle(got)
+                got = await records.read()
         finally:
-            for _, gone in running.values():  # the front end is gone: so are its clients
-                gone.set()
-            await asyncio.gather(*(task for task, _ in running.values()))
-            writer.close()
-            _unpin(mapped)  # no forward of this front end is left on the device
+            await link.withdraw_all()  # the front end is gone: so are its clients
+            out.close()
+            _unpin(link.arena)  # no forward of this front end is left on the device
             arena.close()
 
+
+class _FrontEndLink:
+    """One front end's forwards in the engine: a task each, withdrawn by its CANCEL."""
+
+    def __init__(self, runtime: Runtime, arena: _Arena, out: RecordWriter) -> None:
+        self.runtime = runtime
+        self.arena = arena
+        self.out = out
+        # id -> the forward's task and the future whose result withdraws it
+        self.running: dict[int, tuple[asyncio.Task, asyncio.Future]] = {}
+
+    def handle(self, records: list[tuple[int, bytes]]) -> None:
+        for kind, payload in records:
+            if kind == FORWARD:
+                rid, offset, body_bytes, reply_capacity, finite, layer_dtype = (
+                    FORWARD_FIELDS.unpack_from(payload)
+                )
+                layer = payload[FORWARD_FIELDS.size :].decode()
+                region = Region(offset, body_bytes, reply_capacity)
+                gone = asyncio.get_running_loop().create_future()
+                task = asyncio.create_task(
+                    self._forward(rid, layer, region, finite, layer_dtype, gone)
+                )
+                self.running[rid] = (task, gone)
+                task.add_done_callback(lambda _, rid=rid: self.running.pop(rid, None))
+            elif kind == CANCEL:
+                (rid,) = CANCEL_FIELDS.unpack(payload)
+                if rid in self.running:
+                    _withdraw(self.running[rid][1])
+            elif kind == DONE:  # a request the front end answered itself
+                status, seconds = DONE_FIELDS.unpack_from(payload)
+                route = payload[DONE_FIELDS.size :].decode()
+                self.runtime.metrics.observe_request(route, str(status), seconds)
+
+    async def withdraw_all(self) -> None:
+        for _, gone in self.running.values():
+            _withdraw(gone)
+        await asyncio.gather(*(task for task, _ in self.running.values()))
+
     async def _forward(
-        self, frame: dict, arena: _Arena, gone: asyncio.Event, writer: asyncio.StreamWriter
+        self,
+        rid: int,
+        layer: str,
+        region: Region,
+        finite: bool,
+        layer_dtype: bool,
+        gone: asyncio.Future,
     ) -> None:
-        region = Region(frame["offset"], frame["body_bytes"], frame["reply_capacity"])
-        reply: dict = {"reply": frame["forward"]}
+        arena = self.arena
         try:
             runtime = ready(self.runtime)
-            served = runtime.engine.get(frame["layer"])
+            served = runtime.engine.get(layer)
             if runtime.engine.enqueues and arena.pinning is None:  # once per arena
                 arena.pinning = asyncio.ensure_future(asyncio.to_thread(_pin, arena.arena))
             pinned = arena.pinning is not None and await asyncio.shield(arena.pinning)
@@ -84,24 +142,22 @@ class ChannelServer:
                 arena.arena.body(region),
                 arena.arena.reply(region),
                 bool(pinned),
-                frame.get("finite", False),
-                gone.wait,
-                frame.get("layer_dtype", False),
+                finite,
+                gone,
+                layer_dtype,
             )
-            reply |= {"status": 200, "bytes": size}
+            self.out.send(REPLY, REPLY_FIELDS.pack(rid, 200, size))
         except ServiceError as err:
-            reply |= {"status": err.status, "error": err.message, "headers": err.headers}
+            self.out.send(ERROR, error_payload(rid, err.status, err.message, err.headers))
         except Exception:
             log.exception("unhandled error in a forward from a front end")
-            reply |= {"status": 500, "error": "internal error (logged by the engine process)"}
-        write_frame(writer, reply)
+            error = "internal error (logged by the engine process)"
+            self.out.send(ERROR, error_payload(rid, 500, error, {}))
 
-    def _count(self, frame: dict) -> None:
-        """The request metrics of a request a front end answered itself."""
-        metrics = self.runtime.metrics
-        route = frame["done"]
-        metrics.requests.labels(route, str(frame["status"])).inc()
-        metrics.request_seconds.labels(route).observe(frame["seconds"])
+
+def _withdraw(gone: asyncio.Future) -> None:
+    if not gone.done():  # once: a CANCEL may come, then the front end's connection end
+        gone.set_result(None)
 
 
 @dataclass

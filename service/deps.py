@@ -193,34 +193,48 @@ async def submit_unless(
 ) -> LayerOutput:
     """batcher.submit, withdrawn if `gone()` returns first (the client went away); a
     withdrawn request whose buffers the device uses (`output_into`, inputs on a GPU or in
-    pinned memory) returns once the device is done with them.
+    pinned memory) returns once the device is done with them."""
+    watch = asyncio.ensure_future(gone())
+    try:
+        return await submit_unless_withdrawn(batcher, name, inputs, options, watch, output_into)
+    finally:
+        watch.cancel()
 
-    The submit runs in the caller's task, which the watch of `gone()` cancels: one task per
-    request, not two and an asyncio.wait (35 us of every request on the event loop)."""
+
+async def submit_unless_withdrawn(
+    batcher: DynamicBatcher,
+    name: str,
+    inputs: ForwardInputs,
+    options: RequestOptions,
+    withdrawn: asyncio.Future,
+    output_into: torch.Tensor | None = None,
+) -> LayerOutput:
+    """batcher.submit in the caller's own task: once `withdrawn` is done, that task is cancelled
+    while it waits in batcher.submit (which then returns once the device is done with the
+    request's buffers) and ClientDisconnected raised; a task cancelled from elsewhere stays
+    cancelled. One task per request: a second task, a watcher and asyncio.wait per request cost
+    the event loop 10 to 35 us more (bench/channel_bench.py, py-spy)."""
     task = asyncio.current_task()
-    running, went_away = True, False
+    submitting, cancelled_here = True, False
 
-    def withdraw(watch: asyncio.Future[None]) -> None:
-        nonlocal went_away
-        if running and not watch.cancelled():
-            went_away = True
+    def withdraw(_: asyncio.Future) -> None:
+        nonlocal cancelled_here
+        if submitting and not cancelled_here:
+            cancelled_here = True
             task.cancel()
 
-    watch = asyncio.ensure_future(gone())
-    watch.add_done_callback(withdraw)
+    withdrawn.add_done_callback(withdraw)
     try:
-        # cancelled by `withdraw`, submit takes the waiting rows out of the queue and returns
-        # once the device is done with the request's buffers
         return await batcher.submit(name, inputs, options, output_into)
     except asyncio.CancelledError:
-        if not went_away or task.uncancel():  # cancelled from elsewhere (the shutdown drain)
-            raise
-        raise ClientDisconnected(
-            f"the client went away; its request to layer {name!r} was withdrawn"
-        ) from None
+        if cancelled_here and task.uncancel() == 0:
+            raise ClientDisconnected(
+                f"the client went away; its request to layer {name!r} was withdrawn"
+            ) from None
+        raise
     finally:
-        running = False
-        watch.cancel()
+        submitting = False
+        withdrawn.remove_done_callback(withdraw)
 
 
 EngineDep = Annotated[Engine, Depends(get_engine)]

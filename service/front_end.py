@@ -7,7 +7,7 @@ socket (the kernel spreads connections over them) and do the per-byte work in pa
 
 - a plain binary forward (`service/binary_forward.py`) is checked here (connections, token,
   every value finite: `service/body_values.py`), its body read straight into this process's
-  arena (`service/body_arena.py`) and handed to the engine as a small frame
+  arena (`service/body_arena.py`) and handed to the engine as a small record
   (`service/channel.py`); the engine decodes it in place, batches it with every other front
   end's requests and writes the reply blob back into the arena (on a GPU the body is copied to
   the device and the output back into the arena with no host copy);

@@ -114,9 +114,8 @@ class Metrics:
             "1 while expert parallelism serves on fewer ranks than it started with, or is down",
             registry=r,
         )
-        # (route, status) -> its request counter and latency histogram, looked up once: every
-        # request records both on the event loop (a labels() lookup takes microseconds)
-        self._request_series: dict[tuple[str, str], tuple[Counter, Histogram]] = {}
+        # labelled series looked up once, for what is observed per request
+        self._series: dict[tuple, Counter | Histogram] = {}
 
     def add_layer(self, layer: str, num_experts: int) -> None:
         """Start the layer's series at 0, so a cold expert shows up as 0 rather than missing."""
@@ -154,17 +153,19 @@ class Metrics:
                 self.stage_seconds.labels(layer, stage).observe(seconds)
         self.expert_tokens.add(layer, expert_tokens.numpy())
 
-    def observe_request(self, route: str, status: str, seconds: float) -> None:
-        """One request answered: moe_serve_requests and moe_serve_request_seconds."""
-        series = self._request_series.get((route, status))
-        if series is None:
-            series = self.requests.labels(route, status), self.request_seconds.labels(route)
-            self._request_series[route, status] = series
-        series[0].inc()
-        series[1].observe(seconds)
-
     def observe_stage(self, layer: str, stage: str, seconds: float) -> None:
-        self.stage_seconds.labels(layer, stage).observe(seconds)
+        self._labelled(self.stage_seconds, layer, stage).observe(seconds)
+
+    def observe_request(self, route: str, status: str, seconds: float) -> None:
+        self._labelled(self.requests, route, status).inc()
+        self._labelled(self.request_seconds, route).observe(seconds)
+
+    def _labelled(self, metric: Counter | Histogram, *labels: str) -> Counter | Histogram:
+        key = (id(metric), *labels)
+        series = self._series.get(key)
+        if series is None:
+            series = self._series[key] = metric.labels(*labels)
+        return series
 
 
 class ExpertTokens(Collector):

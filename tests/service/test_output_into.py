@@ -15,7 +15,7 @@ import torch
 
 from kernels.tensors import ForwardInputs
 from service.batcher import BatchPolicy, DynamicBatcher, RequestOptions
-from service.deps import submit_unless
+from service.deps import submit_unless, submit_unless_withdrawn
 from service.engine import Engine
 from service.errors import ClientDisconnected
 from service.pipeline import BatchResult
@@ -117,6 +117,61 @@ def test_a_withdrawn_request_returns_only_once_its_batch_is_done_with_the_buffer
 
     _run(engine, body)
     assert engine.writes + order == ["wrote", "returned"]
+
+
+@pytest.mark.parametrize("how", ["withdrawn", "cancelled"])
+def test_submit_unless_withdrawn_returns_only_once_its_batch_is_done_with_the_buffer(
+    how: str,
+) -> None:
+    """The front ends' channel: the caller's own task is cancelled to withdraw; a withdrawn
+    request raises ClientDisconnected, a caller cancelled from elsewhere stays cancelled, both
+    only once the device is done with the buffer."""
+    engine = EnqueuingEngine()
+    engine.gate.clear()  # the batch stays "on the device"
+    x = _rows(4, seed=2)
+    buffer = torch.zeros(4, H)
+    order: list[str] = []
+
+    async def body(batcher: DynamicBatcher):
+        withdrawn = asyncio.get_running_loop().create_future()
+        work = asyncio.create_task(
+            submit_unless_withdrawn(
+                batcher, TINY, ForwardInputs(x), RequestOptions(), withdrawn, buffer
+            )
+        )
+        await asyncio.to_thread(engine.launched.wait, WAIT_S)
+        if how == "withdrawn":
+            withdrawn.set_result(None)  # the client leaves while its rows are on the device
+        else:
+            work.cancel()  # the caller itself is cancelled (a shutdown)
+        await asyncio.sleep(0.05)
+        assert not work.done(), "returned while the device still writes the buffer"
+        engine.gate.set()
+        raised = ClientDisconnected if how == "withdrawn" else asyncio.CancelledError
+        with pytest.raises(raised):
+            await work
+        order.append("returned")
+
+    _run(engine, body)
+    assert engine.writes + order == ["wrote", "returned"]
+
+
+def test_submit_unless_withdrawn_after_its_rows_finished_keeps_the_result() -> None:
+    engine = EnqueuingEngine()
+    x = _rows(3, seed=4)
+    buffer = torch.zeros(3, H)
+
+    async def body(batcher: DynamicBatcher):
+        withdrawn = asyncio.get_running_loop().create_future()
+        out = await submit_unless_withdrawn(
+            batcher, TINY, ForwardInputs(x), RequestOptions(), withdrawn, buffer
+        )
+        withdrawn.set_result(None)  # too late: nothing is cancelled
+        await asyncio.sleep(0.01)
+        return out
+
+    out = _run(engine, body)
+    torch.testing.assert_close(out.output, reference_forward(TINY, x))
 
 
 def test_an_engine_that_runs_batches_itself_copies_each_piece_into_the_buffer() -> None:

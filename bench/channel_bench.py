@@ -1,0 +1,226 @@
+"""The engine's end of the front-end channel (`--http-workers`) under load, on the CPU: what one
+binary forward costs the engine process's event loop, apart from the batcher and the device.
+
+    python -m bench.channel_bench [--front-ends 4] [--clients 64] [--seconds 5] [--tokens 64]
+        [--hidden 7168] [--loop uvloop|asyncio]
+
+The engine side runs in this process: the real ChannelServer (service/channel_server.py) and
+serve_blob_into, in front of a stub batcher that answers every request submitted in one turn of
+the event loop on the next, together (as a finished batch does), and with each arena taken as
+registered with CUDA (a GPU engine's direct path: the reply's header written in place, the
+output left to the device). `--front-ends` processes hold `--clients` forwards in flight
+between them through the real EngineClient (service/channel.py), as the HTTP front ends do
+(a forward, its answer, a "done" report); the bodies (`--tokens` bf16 rows of `--hidden`, values
+found finite) are laid once in each process's arena and reused. Prints the requests per second
+the engine answered and its CPU time per request (all its threads, over the timed window).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kernels.config import MoEConfig, RoutingConfig
+from service import channel_server
+from service.binary_forward import FORWARD_PATH
+from service.body_arena import BodyArena, shm_dir
+from service.channel import EngineClient
+from service.channel_server import ChannelServer
+from service.deps import Runtime
+from service.errors import UnknownLayer
+from service.front_end import ARENA_BYTES
+from service.metrics import Metrics
+from service.settings import Settings
+
+LAYER = "deepseek-v3"
+WARM_UP_S = 1.0
+
+
+@dataclass(frozen=True)
+class _Served:
+    """What serve_blob_into reads of a served layer."""
+
+    name: str
+    config: MoEConfig
+    backend: str = "stub"
+    has_router: bool = True
+
+
+class _Engine:
+    enqueues = True  # the GPU engine's direct path
+
+    def __init__(self, served: _Served) -> None:
+        self.layers = {served.name: served}
+
+    def get(self, name: str) -> _Served:
+        if name not in self.layers:
+            raise UnknownLayer(f"no layer named {name!r}")
+        return self.layers[name]
+
+
+class _AnswerNextTurn:
+    """A batcher whose every request submitted in one turn of the loop is answered on the next."""
+
+    def __init__(self, engine: _Engine) -> None:
+        self.engine = engine
+        self.answered = 0
+        self._waiting: list[asyncio.Future] = []
+
+    async def submit(self, name, inputs, options=None, output_into=None) -> None:  # noqa: ARG002
+        self.engine.get(name)
+        future = asyncio.get_running_loop().create_future()
+        if not self._waiting:
+            asyncio.get_running_loop().call_soon(self._answer)
+        self._waiting.append(future)
+        await future
+
+    def _answer(self) -> None:
+        for future in self._waiting:
+            if not future.done():
+                future.set_result(None)
+        self.answered += len(self._waiting)
+        self._waiting = []
+
+
+def _body(tokens: int, hidden: int) -> bytes:
+    """A safetensors blob of zeros: hidden_states [tokens, hidden] in bf16 (built torch-free)."""
+    nbytes = tokens * hidden * 2
+    entry = {"dtype": "BF16", "shape": [tokens, hidden], "data_offsets": [0, nbytes]}
+    header = json.dumps({"hidden_states": entry}).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + bytes(nbytes)
+
+
+def _front_end(path: str, in_flight: int, body: bytes, loop: str) -> None:
+    """One front-end process: `in_flight` forwards always under way, until it is killed."""
+
+    async def run() -> None:
+        arena = BodyArena.create(shm_dir(), ARENA_BYTES)
+        client = EngineClient(Path(path), arena, on_lost=lambda: None)
+        await client.connect()
+        arena.unlink()
+        regions = [arena.allocate(len(body)) for _ in range(in_flight)]
+        if None in regions:
+            raise SystemExit(f"{in_flight} bodies do not fit an arena: add front ends")
+        never = asyncio.Event()
+
+        async def client_loop(region) -> None:
+            arena.body(region)[:] = body
+            while True:
+                started = time.perf_counter()
+                reply = await client.forward(LAYER, region, True, never.wait)
+                client.done(FORWARD_PATH, reply.status, time.perf_counter() - started)
+
+        await asyncio.gather(*map(client_loop, regions))
+
+    _run(run(), loop)
+
+
+def _run(main, loop: str) -> None:
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.run(main)
+    else:
+        asyncio.run(main)
+
+
+async def _engine(args: argparse.Namespace) -> dict:
+    pin, unpin = channel_server._pin, channel_server._unpin
+    channel_server._pin = lambda _arena: 1  # as if CUDA registered the arena
+    channel_server._unpin = lambda _arena: None
+    try:
+        return await _measure(args)
+    finally:
+        channel_server._pin, channel_server._unpin = pin, unpin
+
+
+async def _measure(args: argparse.Namespace) -> dict:
+    served = _Served(LAYER, MoEConfig(256, args.hidden, 2048, RoutingConfig(top_k=8)))
+    metrics = Metrics()
+    metrics.add_layer(LAYER, served.config.num_experts)
+    engine = _Engine(served)
+    batcher = _AnswerNextTurn(engine)
+    runtime = Runtime(Settings(device="cpu"), metrics, engine, batcher, not_ready=None)
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "channel.sock"
+        server = ChannelServer(runtime, path)
+        await server.start()
+        spawn = multiprocessing.get_context("spawn")
+        body = _body(args.tokens, args.hidden)
+        shares = [args.clients // args.front_ends] * args.front_ends
+        for i in range(args.clients % args.front_ends):
+            shares[i] += 1
+        processes = [
+            spawn.Process(target=_front_end, args=(str(path), n, body, args.loop), daemon=True)
+            for n in shares
+        ]
+        for p in processes:
+            p.start()
+        try:
+            while batcher.answered < args.clients:  # every front end up and answered
+                if not all(p.is_alive() for p in processes):
+                    raise RuntimeError("a front-end process exited (its error is above)")
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(WARM_UP_S)
+            answered, cpu, wall = batcher.answered, time.process_time(), time.perf_counter()
+            await asyncio.sleep(args.seconds)
+            answered = batcher.answered - answered
+            cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        finally:
+            for p in processes:
+                p.kill()
+                p.join()
+            await server.close()
+            # each front end's connection ends (its forwards withdrawn, its arena unmapped)
+            # before the stand-ins for CUDA registration are put back
+            others = asyncio.all_tasks() - {asyncio.current_task()}
+            await asyncio.wait(others, timeout=10)
+    return {
+        "front_ends": args.front_ends,
+        "clients": args.clients,
+        "requests_per_s": answered / wall,
+        "engine_cpu_us_per_request": cpu / answered * 1e6,
+        "engine_cpu_busy": cpu / wall,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--front-ends", type=int, default=4, help="front-end processes")
+    parser.add_argument("--clients", type=int, default=64, help="forwards in flight in all")
+    parser.add_argument("--seconds", type=float, default=5.0, help="timed window")
+    parser.add_argument("--tokens", type=int, default=64, help="rows per request")
+    parser.add_argument("--hidden", type=int, default=7168, help="H (DeepSeek-V3: 7168)")
+    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    return parser.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """One timed window: requests/s, engine CPU microseconds per request and busy fraction."""
+    holder: dict = {}
+
+    async def run() -> None:
+        holder.update(await _engine(args))
+
+    _run(run(), args.loop)
+    return holder
+
+
+def main() -> None:
+    r = measure(parse_args())
+    print(  # noqa: T201
+        f"{r['front_ends']} front ends, {r['clients']} in flight: "
+        f"{r['requests_per_s']:,.0f} req/s, engine CPU {r['engine_cpu_us_per_request']:.1f} "
+        f"us/request ({r['engine_cpu_busy']:.0%} of a core)"
+    )
+
+
+if __name__ == "__main__":
+    main()

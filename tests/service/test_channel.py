@@ -1,0 +1,196 @@
+"""The front-end channel in one process: EngineClient (a front end's end) against ChannelServer on
+a real CPU engine and batcher. Replies match the reference, errors keep their status and
+headers, a withdrawn forward leaves the queue and is answered 499, a front end that goes away
+takes its queued forwards with it, DONE records reach the metrics, and records cut anywhere by
+the socket's reads arrive whole."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import torch
+
+from service.batcher import BatchPolicy, DynamicBatcher
+from service.body_arena import BLOCK_BYTES, BodyArena
+from service.channel import (
+    DONE,
+    DONE_FIELDS,
+    FORWARD,
+    EngineClient,
+    RecordReader,
+    RecordWriter,
+)
+from service.channel_server import ChannelServer
+from service.deps import Runtime
+from service.metrics import Metrics
+from service.settings import Settings
+from service.wire import decode_safetensors, encode_safetensors
+from tests.service.layers import TINY, H, reference_forward, tiny_layers
+from tests.service.test_batcher import WAIT_S, RecordingEngine, rows
+
+FORWARD_ROUTE = "/v1/layers/{name}/forward"
+
+
+def run(policy: BatchPolicy, body: Callable[..., Awaitable]) -> object:
+    """body(engine, metrics, client) with a channel served on a fresh engine and batcher."""
+
+    async def main():
+        engine = RecordingEngine(tiny_layers())
+        metrics = Metrics()
+        batcher = DynamicBatcher(engine, policy, metrics)
+        batcher.start()
+        runtime = Runtime(Settings(device="cpu"), metrics, engine, batcher, not_ready=None)
+        with tempfile.TemporaryDirectory() as directory:
+            server = ChannelServer(runtime, Path(directory) / "channel.sock")
+            await server.start()
+            arena = BodyArena.create(Path(directory), 64 * BLOCK_BYTES)
+            client = EngineClient(server.path, arena, on_lost=lambda: None)
+            await client.connect()
+            try:
+                return await asyncio.wait_for(body(engine, metrics, client), WAIT_S)
+            finally:
+                engine.gate.set()
+                await client.close()
+                await server.close()
+                await batcher.close()
+                arena.close()
+
+    return asyncio.run(main())
+
+
+def _lay(client, x: torch.Tensor):
+    body = encode_safetensors({"hidden_states": x}, {})
+    region = client.arena.allocate(len(body))
+    client.arena.body(region)[:] = body
+    return region
+
+
+def _never() -> Awaitable:
+    return asyncio.Event().wait()
+
+
+def test_forwards_match_the_reference_and_their_done_records_are_counted() -> None:
+    inputs = [rows(t, seed) for seed, t in enumerate([1, 3, 17, 64, 2])]
+
+    async def body(_engine, metrics, client):
+        regions = [_lay(client, x) for x in inputs]
+        replies = await asyncio.gather(*(client.forward(TINY, r, True, _never) for r in regions))
+        for status in (200, 200, 499):
+            client.done(FORWARD_ROUTE, status, 0.002)
+        outputs = [
+            decode_safetensors(bytes(client.arena.reply(region, reply.nbytes)))["output"]
+            for region, reply in zip(regions, replies, strict=True)
+        ]
+        await client.forward("nope", regions[0], True, _never)  # answered after the DONEs
+        return replies, outputs, metrics.registry
+
+    replies, outputs, registry = run(BatchPolicy(64, 0.01, 16), body)
+    for x, reply, out in zip(inputs, replies, outputs, strict=True):
+        assert reply.status == 200
+        torch.testing.assert_close(out, reference_forward(TINY, x), rtol=1e-5, atol=1e-5)
+    labels = {"route": FORWARD_ROUTE}
+    assert registry.get_sample_value("moe_serve_requests_total", labels | {"status": "200"}) == 2
+    assert registry.get_sample_value("moe_serve_requests_total", labels | {"status": "499"}) == 1
+    assert registry.get_sample_value("moe_serve_request_seconds_count", labels) == 3
+
+
+def test_errors_keep_their_status_message_and_headers() -> None:
+    async def body(engine, _metrics, client):
+        unknown = await client.forward("nope", _lay(client, rows(1, 0)), True, _never)
+        bad = await client.forward(TINY, _lay(client, torch.randn(2, H + 1)), True, _never)
+        engine.gate.clear()  # the first forward holds the engine; max_queue 1: the next is 429
+        held = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(1, 1)), True, _never))
+        await asyncio.sleep(0.1)
+        full = await client.forward(TINY, _lay(client, rows(1, 2)), True, _never)
+        engine.gate.set()
+        return unknown, bad, full, await held
+
+    unknown, bad, full, held = run(BatchPolicy(64, 0.0, 1), body)
+    assert (unknown.status, unknown.headers) == (404, {})
+    assert "no layer named 'nope'" in unknown.error
+    assert bad.status == 400 and "hidden_states" in bad.error
+    assert full.status == 429 and full.headers == {"Retry-After": "1"}
+    assert "already has 1 requests queued" in full.error
+    assert held.status == 200
+
+
+def test_a_withdrawn_forward_leaves_the_queue_and_is_answered_499() -> None:
+    async def body(engine, _metrics, client):
+        engine.gate.clear()
+        running = asyncio.ensure_future(
+            client.forward(TINY, _lay(client, rows(3, 0)), True, _never)
+        )
+        await asyncio.sleep(0.1)  # in the engine's forward (CPU: one at a time)
+        gone = asyncio.Event()
+        queued = asyncio.ensure_future(
+            client.forward(TINY, _lay(client, rows(5, 1)), True, gone.wait)
+        )
+        await asyncio.sleep(0.1)
+        gone.set()  # the client went away: CANCEL
+        withdrawn = await queued
+        engine.gate.set()
+        return withdrawn, await running, engine.batch_sizes
+
+    withdrawn, running, batch_sizes = run(BatchPolicy(64, 0.0, 16), body)
+    assert withdrawn.status == 499 and "withdrawn" in withdrawn.error
+    assert running.status == 200
+    assert batch_sizes == [3]  # the withdrawn rows never ran
+
+
+def test_a_front_end_that_goes_away_takes_its_queued_forwards_with_it() -> None:
+    async def body(engine, _metrics, client):
+        engine.gate.clear()
+        running = asyncio.ensure_future(
+            client.forward(TINY, _lay(client, rows(3, 0)), True, _never)
+        )
+        await asyncio.sleep(0.1)
+        queued = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(5, 1)), True, _never))
+        await asyncio.sleep(0.1)
+        await client.close()  # the engine sees the socket close
+        replies = await asyncio.gather(running, queued)
+        engine.gate.set()
+        for _ in range(100):  # the running forward finishes, unheard
+            if engine.batch_sizes:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        return replies, engine.batch_sizes
+
+    replies, batch_sizes = run(BatchPolicy(64, 0.0, 16), body)
+    assert [r.status for r in replies] == [503, 503]  # ENGINE_GONE, as the front end sees it
+    assert batch_sizes == [3]
+
+
+def test_records_cut_anywhere_by_reads_arrive_whole() -> None:
+    sent = [(FORWARD, b"x" * 40 + TINY.encode()), (DONE, DONE_FIELDS.pack(200, 0.5) + b"/r")]
+    sent *= 3
+
+    async def main():
+        wire = bytearray()
+
+        class Sink:
+            def write(self, data) -> None:
+                wire.extend(data)
+
+            def is_closing(self) -> bool:
+                return False
+
+        out = RecordWriter(Sink())
+        for kind, payload in sent:
+            out.send(kind, payload)
+        out.flush()
+        reader = asyncio.StreamReader()
+        records = RecordReader(reader)
+        got = []
+        for i in range(len(wire)):  # a byte per read
+            reader.feed_data(wire[i : i + 1])
+            got += await records.read()
+        reader.feed_eof()
+        return got, await records.read()
+
+    got, at_eof = asyncio.run(main())
+    assert got == sent
+    assert at_eof is None
