@@ -137,3 +137,17 @@ def test_bytes_that_are_not_http_get_a_json_400(server, garbage: bytes) -> None:
     assert head.startswith(b"HTTP/1.1 400 ")
     assert b"content-type: application/json" in head
     assert json.loads(body) == {"error": "Invalid HTTP request received."}
+
+
+def test_a_body_gathers_up_to_the_buffer_before_reading_pauses() -> None:
+    """uvicorn pauses reading past its module's HIGH_WATER_LIMIT, read at each body chunk: the
+    served protocols raise it (a 917 KB body would otherwise cross the event loop 14 times)."""
+    from uvicorn.protocols.http import h11_impl, httptools_impl
+
+    from service.server import BODY_BUFFER_BYTES, bounded_protocol
+
+    bounded_protocol(8, 1.0)
+    assert "HIGH_WATER_LIMIT" in httptools_impl.HttpToolsProtocol.on_body.__code__.co_names
+    assert "HIGH_WATER_LIMIT" in h11_impl.H11Protocol.handle_events.__code__.co_names
+    assert httptools_impl.HIGH_WATER_LIMIT == h11_impl.HIGH_WATER_LIMIT == BODY_BUFFER_BYTES
+    assert BODY_BUFFER_BYTES >= 1 << 20  # a 64-token DeepSeek-V3 body (917 KB) in one go
