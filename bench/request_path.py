@@ -82,6 +82,7 @@ async def time_levels(runtime, tokens: list[int]) -> list[dict]:
     cfg, name = served.config, served.name
     cuda = engine.device.type == "cuda"
     generator = torch.Generator().manual_seed(2)
+    never = asyncio.get_running_loop().create_future()  # serve_blob_into's client stays
     rows = []
     for t in tokens:
         hidden = torch.randn(t, cfg.hidden_size, generator=generator).to(cfg.dtype)
@@ -120,7 +121,7 @@ async def time_levels(runtime, tokens: list[int]) -> list[dict]:
             view[: len(blob)] = blob
             body, reply = view[: len(blob)], view[len(blob) :]
             levels["blob-into"] = lambda b=body, r=reply: serve_blob_into(
-                served, batcher, metrics, b, r, True, True, _never
+                served, batcher, metrics, b, r, True, True, never
             )
         for level, call in levels.items():
             median, p90 = await _timed(call)
