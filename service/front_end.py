@@ -181,11 +181,10 @@ class FrontEnd:
         status, ours = 0, True  # 0: no answer yet; ours: the region is not the engine's
 
         try:
-            if self.token is not None and not bearer_matches(
-                headers.get("authorization", ""), self.token
-            ):
-                reply = Reply(401, error=UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
-            elif (reply := await self._read_body(receive, self.arena.body(region))) is None:
+            reply = self._unauthorized(headers) or await self._read_body(
+                receive, self.arena.body(region)
+            )
+            if reply is None:
                 finite = self.finite(self.arena.body(region))
                 ours = False
                 gone = partial(client_gone, receive)
@@ -196,8 +195,7 @@ class FrontEnd:
                 blob = bytes(self.arena.reply(region, reply.nbytes))
                 response = Response(blob, media_type=BINARY, headers={"X-Request-ID": rid})
             else:
-                response = error_response(status, reply.error, reply.headers)
-                response.headers["X-Request-ID"] = rid
+                response = _error_response(reply, rid)
             await response(scope, receive, send)
         except asyncio.CancelledError:
             status = status or ShuttingDown.status  # __call__ answers
@@ -205,10 +203,7 @@ class FrontEnd:
         finally:
             if ours:
                 self.arena.free(region)
-            status = status or 500
-            seconds = time.perf_counter() - started
-            self.engine.done(FORWARD_PATH, status, seconds)
-            log.info("POST %s -> %d in %.1f ms", scope["path"], status, seconds * 1e3)
+            self._answered(scope, status, started)
             logs.request_id.reset(reset)
 
     async def _forward_json(
@@ -223,11 +218,8 @@ class FrontEnd:
         status, region, ours = 0, None, True
         body = bytearray(size)
         try:
-            if self.token is not None and not bearer_matches(
-                headers.get("authorization", ""), self.token
-            ):
-                reply = Reply(401, error=UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
-            elif (reply := await self._read_body(receive, memoryview(body))) is None:
+            reply = self._unauthorized(headers) or await self._read_body(receive, memoryview(body))
+            if reply is None:
                 try:
                     arrays = await off_loop(decode_forward_arrays, body)
                 except BadInput as err:
@@ -250,8 +242,7 @@ class FrontEnd:
                 text = await off_loop(_json_reply, blob)
                 response = Response(text, media_type=JSON, headers={"X-Request-ID": rid})
             else:
-                response = error_response(status, reply.error, reply.headers)
-                response.headers["X-Request-ID"] = rid
+                response = _error_response(reply, rid)
             await response(scope, receive, send)
         except asyncio.CancelledError:
             status = status or ShuttingDown.status  # __call__ answers
@@ -260,11 +251,22 @@ class FrontEnd:
             if ours and region is not None:
                 self.arena.free(region)
             if status >= 0:
-                status = status or 500
-                seconds = time.perf_counter() - started
-                self.engine.done(FORWARD_PATH, status, seconds)
-                log.info("POST %s -> %d in %.1f ms", scope["path"], status, seconds * 1e3)
+                self._answered(scope, status, started)
             logs.request_id.reset(reset)
+
+    def _unauthorized(self, headers: Headers) -> Reply | None:
+        """The 401 for a request without the API token's bearer, or None."""
+        if self.token is None or bearer_matches(headers.get("authorization", ""), self.token):
+            return None
+        return Reply(401, error=UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
+
+    def _answered(self, scope: Scope, status: int, started: float) -> None:
+        """A forward answered here, counted and logged as the engine does (status 0: it failed
+        before an answer, a 500)."""
+        status = status or 500
+        seconds = time.perf_counter() - started
+        self.engine.done(FORWARD_PATH, status, seconds)
+        log.info("POST %s -> %d in %.1f ms", scope["path"], status, seconds * 1e3)
 
     async def _read_body(self, receive: Receive, into: memoryview) -> Reply | None:
         """The body into `into` (its Content-Length), or the reply when it did not come."""
@@ -351,6 +353,12 @@ class FrontEnd:
     def _engine_lost(self) -> None:
         log.warning("the engine process closed the channel: this front end stops")
         self.on_engine_lost()
+
+
+def _error_response(reply: Reply, rid: str) -> Response:
+    response = error_response(reply.status, reply.error, reply.headers)
+    response.headers["X-Request-ID"] = rid
+    return response
 
 
 def _blob_head(arrays: ForwardArrays) -> bytes:
