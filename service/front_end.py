@@ -30,7 +30,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -175,41 +176,28 @@ class FrontEnd:
         self, scope: Scope, receive: Receive, send: Send, name: str, region: Region
     ) -> None:
         headers = Headers(scope=scope)
-        rid = new_request_id(headers.get("x-request-id", ""))
-        reset = logs.request_id.set(rid)
-        started = time.perf_counter()
-        status, ours = 0, True  # 0: no answer yet; ours: the region is not the engine's
-
-        try:
-            if self.token is not None and not bearer_matches(
-                headers.get("authorization", ""), self.token
-            ):
-                reply = Reply(401, error=UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
-            elif (reply := await self._read_body(receive, self.arena.body(region))) is None:
-                finite = self.finite(self.arena.body(region))
-                ours = False
-                gone = partial(client_gone, receive)
-                reply = await self.engine.forward(name, region, finite, gone)
-                ours = True
-            status = reply.status
-            if status == 200:
-                blob = bytes(self.arena.reply(region, reply.nbytes))
-                response = Response(blob, media_type=BINARY, headers={"X-Request-ID": rid})
-            else:
-                response = error_response(status, reply.error, reply.headers)
-                response.headers["X-Request-ID"] = rid
-            await response(scope, receive, send)
-        except asyncio.CancelledError:
-            status = status or ShuttingDown.status  # __call__ answers
-            raise
-        finally:
-            if ours:
-                self.arena.free(region)
-            status = status or 500
-            seconds = time.perf_counter() - started
-            self.engine.done(FORWARD_PATH, status, seconds)
-            log.info("POST %s -> %d in %.1f ms", scope["path"], status, seconds * 1e3)
-            logs.request_id.reset(reset)
+        ours = True  # the region is not the engine's
+        with _answering(self.engine, scope, headers) as answer:
+            try:
+                reply = self._unauthorized(headers) or await self._read_body(
+                    receive, self.arena.body(region)
+                )
+                if reply is None:
+                    finite = self.finite(self.arena.body(region))
+                    ours = False
+                    gone = partial(client_gone, receive)
+                    reply = await self.engine.forward(name, region, finite, gone)
+                    ours = True
+                answer.status = reply.status
+                if reply.status == 200:
+                    blob = bytes(self.arena.reply(region, reply.nbytes))
+                    response = Response(blob, media_type=BINARY, headers=answer.headers)
+                else:
+                    response = _error_response(reply, answer.headers)
+                await response(scope, receive, send)
+            finally:
+                if ours:
+                    self.arena.free(region)
 
     async def _forward_json(
         self, scope: Scope, receive: Receive, send: Send, name: str, size: int
@@ -217,54 +205,46 @@ class FrontEnd:
         """A JSON forward run as a binary one (the module's docstring); relayed with its body
         when it asks for the routing or its blob finds no room in the arena."""
         headers = Headers(scope=scope)
-        rid = new_request_id(headers.get("x-request-id", ""))
-        reset = logs.request_id.set(rid)
-        started = time.perf_counter()
-        status, region, ours = 0, None, True
+        region, ours = None, True
         body = bytearray(size)
-        try:
-            if self.token is not None and not bearer_matches(
-                headers.get("authorization", ""), self.token
-            ):
-                reply = Reply(401, error=UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
-            elif (reply := await self._read_body(receive, memoryview(body))) is None:
-                try:
-                    arrays = await off_loop(decode_forward_arrays, body)
-                except BadInput as err:
-                    arrays, reply = None, Reply(err.status, error=err.message)
-                if arrays and not arrays.return_routing:
-                    region = self.arena.allocate(_blob_bytes(arrays))
-                if reply is None and region is None:
-                    status = -1  # relayed: the engine answers, logs and counts it
-                    await self._relay(scope, _replay(bytes(body), receive), send)
-                    return
-            if reply is None:
-                finite = _write_blob(arrays, self.arena.body(region), self.finite)
-                ours = False
-                gone = partial(client_gone, receive)
-                reply = await self.engine.forward(name, region, finite, gone, layer_dtype=True)
-                ours = True
-            status = reply.status
-            if status == 200:
-                blob = self.arena.reply(region, reply.nbytes)
-                text = await off_loop(_json_reply, blob)
-                response = Response(text, media_type=JSON, headers={"X-Request-ID": rid})
-            else:
-                response = error_response(status, reply.error, reply.headers)
-                response.headers["X-Request-ID"] = rid
-            await response(scope, receive, send)
-        except asyncio.CancelledError:
-            status = status or ShuttingDown.status  # __call__ answers
-            raise
-        finally:
-            if ours and region is not None:
-                self.arena.free(region)
-            if status >= 0:
-                status = status or 500
-                seconds = time.perf_counter() - started
-                self.engine.done(FORWARD_PATH, status, seconds)
-                log.info("POST %s -> %d in %.1f ms", scope["path"], status, seconds * 1e3)
-            logs.request_id.reset(reset)
+        with _answering(self.engine, scope, headers) as answer:
+            try:
+                reply = self._unauthorized(headers) or await self._read_body(
+                    receive, memoryview(body)
+                )
+                if reply is None:
+                    try:
+                        arrays = await off_loop(decode_forward_arrays, body)
+                    except BadInput as err:
+                        arrays, reply = None, Reply(err.status, error=err.message)
+                    if arrays and not arrays.return_routing:
+                        region = self.arena.allocate(_blob_bytes(arrays))
+                    if reply is None and region is None:
+                        answer.status = RELAYED
+                        await self._relay(scope, _replay(bytes(body), receive), send)
+                        return
+                if reply is None:
+                    finite = _write_blob(arrays, self.arena.body(region), self.finite)
+                    ours = False
+                    gone = partial(client_gone, receive)
+                    reply = await self.engine.forward(name, region, finite, gone, layer_dtype=True)
+                    ours = True
+                answer.status = reply.status
+                if reply.status == 200:
+                    text = await off_loop(_json_reply, self.arena.reply(region, reply.nbytes))
+                    response = Response(text, media_type=JSON, headers=answer.headers)
+                else:
+                    response = _error_response(reply, answer.headers)
+                await response(scope, receive, send)
+            finally:
+                if ours and region is not None:
+                    self.arena.free(region)
+
+    def _unauthorized(self, headers: Headers) -> Reply | None:
+        """The 401 for a request without the API token's bearer, or None."""
+        if self.token is None or bearer_matches(headers.get("authorization", ""), self.token):
+            return None
+        return Reply(401, error=UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
 
     async def _read_body(self, receive: Receive, into: memoryview) -> Reply | None:
         """The body into `into` (its Content-Length), or the reply when it did not come."""
@@ -351,6 +331,49 @@ class FrontEnd:
     def _engine_lost(self) -> None:
         log.warning("the engine process closed the channel: this front end stops")
         self.on_engine_lost()
+
+
+RELAYED = -1  # an _Answer's status: the engine answers, logs and counts it
+
+
+@dataclass
+class _Answer:
+    """A forward answered here: its request id and, once known, its status (0: none yet)."""
+
+    rid: str
+    status: int = 0
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-Request-ID": self.rid}
+
+
+@contextmanager
+def _answering(engine: EngineClient, scope: Scope, headers: Headers) -> Iterator[_Answer]:
+    """A forward answered by this front end: its request id set for the log lines while it runs,
+    then counted by `engine` and logged as the engine does (no status yet: 500, or cancelled:
+    the 503 __call__ sends), unless relayed."""
+    answer = _Answer(new_request_id(headers.get("x-request-id", "")))
+    reset = logs.request_id.set(answer.rid)
+    started = time.perf_counter()
+    try:
+        yield answer
+    except asyncio.CancelledError:
+        answer.status = answer.status or ShuttingDown.status
+        raise
+    finally:
+        if answer.status != RELAYED:
+            status = answer.status or 500
+            seconds = time.perf_counter() - started
+            engine.done(FORWARD_PATH, status, seconds)
+            log.info("POST %s -> %d in %.1f ms", scope["path"], status, seconds * 1e3)
+        logs.request_id.reset(reset)
+
+
+def _error_response(reply: Reply, headers: dict[str, str]) -> Response:
+    response = error_response(reply.status, reply.error, reply.headers)
+    response.headers.update(headers)
+    return response
 
 
 def _blob_head(arrays: ForwardArrays) -> bytes:

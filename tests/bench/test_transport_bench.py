@@ -44,13 +44,14 @@ def _figures(p50_ms: float, forward_ms: float) -> dict:
             "server_forward_ms": forward_ms, "matches_http_binary": True}  # fmt: skip
 
 
+def _report(layers: dict) -> dict:
+    """A report of `layers` as bench.transport_bench.run writes it (300 requests of 64 tokens)."""
+    return {"device": "H100", "commit": "abc", "tokens": 64, "requests": 300, "layers": layers}
+
+
 def test_cuda_shared_memory_target_is_p50_within_0_2_ms_of_the_server_forward() -> None:
-    report = {
-        "device": "H100",
-        "commit": "abc",
-        "tokens": 64,
-        "requests": 300,
-        "layers": {
+    report = _report(
+        {
             "deepseek-v3": {
                 "seconds_to_ready": 60.0,
                 "bare_forward_ms": 3.7,
@@ -62,8 +63,8 @@ def test_cuda_shared_memory_target_is_p50_within_0_2_ms_of_the_server_forward() 
                 },
             },
             "demo": {"error": "RuntimeError: exited with 1 before ready"},
-        },
-    }
+        }
+    )
     found = checks(report)
     assert found == [
         Check("deepseek-v3: http-cuda-shm p50 <= server forward + 0.2 ms",
@@ -86,12 +87,8 @@ def test_cuda_shared_memory_target_is_p50_within_0_2_ms_of_the_server_forward() 
 
 def test_the_split_table_shows_client_handler_batcher_and_forward_and_the_floor() -> None:
     figures = _figures(4.0, 1.0) | {"server_handler_ms": 3.0, "server_infer_ms": 2.5}
-    report = {
-        "device": "H100",
-        "commit": "abc",
-        "tokens": 64,
-        "requests": 300,
-        "layers": {
+    report = _report(
+        {
             "demo": {
                 "seconds_to_ready": 5.0,
                 "bare_forward_ms": 0.9,
@@ -102,9 +99,8 @@ def test_the_split_table_shows_client_handler_batcher_and_forward_and_the_floor(
                     "http": {"p50_ms": 0.5, "mean_ms": 0.55},
                 },
             }
-        },
-        "checks": [],
-    }
+        }
+    ) | {"checks": []}
     markdown = render(report)
     assert "| demo | grpc | 4.000 | 1.000 | 0.500 | 1.500 | 1.000 |" in markdown
     assert "- demo: gRPC ServerLive 0.300 / 0.350, HTTP GET /v2/health/live 0.500 / 0.550" in (

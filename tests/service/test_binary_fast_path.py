@@ -25,32 +25,29 @@ def _blob(rows: int = 3, seed: int = 0) -> bytes:
     return safetensors.torch.save({"hidden_states": hidden})
 
 
-@pytest.fixture
-def taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Paths of the requests the fast path answered."""
+def _paths_answered_by(monkeypatch: pytest.MonkeyPatch, handler: str) -> list[str]:
+    """Paths of the requests `fast_path.<handler>` answered."""
     seen: list[str] = []
-    real = fast_path.forward_binary
+    real = getattr(fast_path, handler)
 
     async def spy(request, *args, **kwargs):
         seen.append(request.url.path)
         return await real(request, *args, **kwargs)
 
-    monkeypatch.setattr(fast_path, "forward_binary", spy)
+    monkeypatch.setattr(fast_path, handler, spy)
     return seen
+
+
+@pytest.fixture
+def taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Paths of the requests the fast path answered."""
+    return _paths_answered_by(monkeypatch, "forward_binary")
 
 
 @pytest.fixture
 def taken_json(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Paths of the JSON requests the fast path answered."""
-    seen: list[str] = []
-    real = fast_path.forward_json
-
-    async def spy(request, *args, **kwargs):
-        seen.append(request.url.path)
-        return await real(request, *args, **kwargs)
-
-    monkeypatch.setattr(fast_path, "forward_json", spy)
-    return seen
+    return _paths_answered_by(monkeypatch, "forward_json")
 
 
 def test_a_plain_binary_forward_takes_the_fast_path_and_equals_the_route(

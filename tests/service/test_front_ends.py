@@ -5,21 +5,25 @@ is handed out twice."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
 import torch
+from starlette.datastructures import Headers
 
-from service import json_codec
+from service import json_codec, logs
 from service.body_arena import BLOCK_BYTES, REPLY_HEADER_BYTES, BodyArena
 from service.body_values import FiniteCheck
-from service.front_end import _blob_bytes, _json_reply, _write_blob
+from service.front_end import RELAYED, _answering, _blob_bytes, _json_reply, _write_blob
 from service.json_numbers import decode_forward_arrays
 from service.settings import Settings
 from service.wire import decode_safetensors, encode_safetensors
@@ -270,3 +274,33 @@ def test_a_reply_blob_is_written_as_the_engines_json(dtype: torch.dtype) -> None
     blob = encode_safetensors({"output": out}, {"layer": "x", "backend": "b", "tokens": "3"})
     expected = json_codec.dumps({"output": out, "layer": "x", "tokens": 3, "backend": "b"})
     assert _json_reply(memoryview(blob)) == expected
+
+
+@pytest.mark.parametrize(
+    ("status", "raised", "counted"),
+    [
+        (200, None, [200]),
+        (0, RuntimeError, [500]),  # failed before an answer
+        (0, asyncio.CancelledError, [503]),  # cut by a shutdown: __call__ sends the 503
+        (200, asyncio.CancelledError, [200]),  # cut while the answer was sent
+        (RELAYED, None, []),  # the engine counts it
+    ],
+    ids=["answered", "failed", "cancelled", "cancelled-answering", "relayed"],
+)
+def test_a_forward_answered_by_the_front_end_is_counted_once_with_its_status(
+    status: int, raised: type[BaseException] | None, counted: list[int]
+) -> None:
+    done: list[int] = []
+    engine = SimpleNamespace(done=lambda _route, status, _seconds: done.append(status))
+    scope = {"type": "http", "path": "/forward", "headers": [(b"x-request-id", b"rid-1")]}
+    before = logs.request_id.get()
+    with (
+        pytest.raises(raised) if raised else contextlib.nullcontext(),
+        _answering(engine, scope, Headers(scope=scope)) as answer,
+    ):
+        assert (answer.rid, logs.request_id.get()) == ("rid-1", "rid-1")
+        answer.status = status
+        if raised:
+            raise raised
+    assert done == counted
+    assert logs.request_id.get() == before

@@ -94,7 +94,12 @@ def test_the_output_is_the_callers_buffer_filled_with_the_layers_output(
     assert out.routing.topk_ids.shape == (7, 2)
 
 
-def test_a_withdrawn_request_returns_only_once_its_batch_is_done_with_the_buffer() -> None:
+@pytest.mark.parametrize("how", ["gone", "withdrawn", "cancelled"])
+def test_a_withdrawn_request_returns_only_once_its_batch_is_done_with_the_buffer(how: str) -> None:
+    """The client leaves while its rows are on the device: a route's `gone()` returns
+    (submit_unless) or the front ends' channel completes `withdrawn` (submit_unless_withdrawn,
+    in the caller's own task); both raise ClientDisconnected, and a caller cancelled from
+    elsewhere stays cancelled, all only once the device is done with the buffer."""
     engine = EnqueuingEngine()
     engine.gate.clear()  # the batch stays "on the device"
     x = _rows(4, seed=2)
@@ -103,51 +108,24 @@ def test_a_withdrawn_request_returns_only_once_its_batch_is_done_with_the_buffer
 
     async def body(batcher: DynamicBatcher):
         gone = asyncio.Event()
-        work = asyncio.create_task(
-            submit_unless(batcher, TINY, ForwardInputs(x), RequestOptions(), gone.wait, buffer)
-        )
-        await asyncio.to_thread(engine.launched.wait, WAIT_S)
-        gone.set()  # the client leaves while its rows are on the device
-        await asyncio.sleep(0.05)
-        assert not work.done(), "returned while the device still writes the buffer"
-        engine.gate.set()
-        with pytest.raises(ClientDisconnected):
-            await work
-        order.append("returned")
-
-    _run(engine, body)
-    assert engine.writes + order == ["wrote", "returned"]
-
-
-@pytest.mark.parametrize("how", ["withdrawn", "cancelled"])
-def test_submit_unless_withdrawn_returns_only_once_its_batch_is_done_with_the_buffer(
-    how: str,
-) -> None:
-    """The front ends' channel: the caller's own task is cancelled to withdraw; a withdrawn
-    request raises ClientDisconnected, a caller cancelled from elsewhere stays cancelled, both
-    only once the device is done with the buffer."""
-    engine = EnqueuingEngine()
-    engine.gate.clear()  # the batch stays "on the device"
-    x = _rows(4, seed=2)
-    buffer = torch.zeros(4, H)
-    order: list[str] = []
-
-    async def body(batcher: DynamicBatcher):
         withdrawn = asyncio.get_running_loop().create_future()
+        inputs, options = ForwardInputs(x), RequestOptions()
         work = asyncio.create_task(
-            submit_unless_withdrawn(
-                batcher, TINY, ForwardInputs(x), RequestOptions(), withdrawn, buffer
-            )
+            submit_unless(batcher, TINY, inputs, options, gone.wait, buffer)
+            if how == "gone"
+            else submit_unless_withdrawn(batcher, TINY, inputs, options, withdrawn, buffer)
         )
         await asyncio.to_thread(engine.launched.wait, WAIT_S)
-        if how == "withdrawn":
-            withdrawn.set_result(None)  # the client leaves while its rows are on the device
+        if how == "gone":
+            gone.set()  # the client leaves while its rows are on the device
+        elif how == "withdrawn":
+            withdrawn.set_result(None)  # likewise, told by the front end's CANCEL record
         else:
             work.cancel()  # the caller itself is cancelled (a shutdown)
         await asyncio.sleep(0.05)
         assert not work.done(), "returned while the device still writes the buffer"
         engine.gate.set()
-        raised = ClientDisconnected if how == "withdrawn" else asyncio.CancelledError
+        raised = asyncio.CancelledError if how == "cancelled" else ClientDisconnected
         with pytest.raises(raised):
             await work
         order.append("returned")
