@@ -256,12 +256,19 @@ def _free_port() -> int:
 
 
 @contextmanager
-def process(command: list[str], log_path: Path, ready: Callable[[], bool], timeout_s: float):
-    """Run `command` in its own process group until the block ends; yields seconds to ready."""
+def process(
+    command: list[str],
+    log_path: Path,
+    ready: Callable[[], bool],
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+):
+    """Run `command` in its own process group (with `env`, else this process's environment)
+    until the block ends; yields seconds to ready."""
     started = time.monotonic()
     with log_path.open("ab") as log_file:
         proc = subprocess.Popen(
-            command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+            command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
     try:
         while not ready():

@@ -1,0 +1,176 @@
+"""A one-client request's timeline across the client, the front-end processes and the engine:
+when, after the client starts sending, each function of the server's path is entered (`>`) and
+left (`<`), medians over the requests (issue 16, target 1).
+
+    python -m bench.request_timeline --out DIR [--layers demo,deepseek-v3] [--tokens 1,64]
+        [--front-ends 8] [--requests 200]
+
+Each layer is served by bench/service_server.py in one process and behind `--front-ends`
+processes, with bench/timeline_site/ on PYTHONPATH: its sitecustomize wraps the path's
+functions in every server process to stamp the shared monotonic clock (the list of points is
+there). A lean keep-alive client sends one bf16 binary request at a time (1 ms apart) and stamps
+the same clock: `~sent` (its sendall returned), `~first byte`, `~done`. Where bench/request_path.py
+times each level alone, this shows the gaps between them (thread hops, process hops, the event
+loop's turns). The stamps cost a few microseconds each: compare timelines with each other, and
+latencies with the service benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import httpx
+import safetensors.torch
+import torch
+
+from bench.service_bench import _free_port, http_ready, process
+
+SITE = Path(__file__).parent / "timeline_site"
+_WARMUP = 20
+_GAP_S = 0.001
+
+
+def _client(port: int, path: str, body: bytes, count: int) -> list[tuple[int, int, int, int]]:
+    """`count` requests -> (start, sent, first byte, done) perf_counter_ns of each."""
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    message, times = head + body, []
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(count):
+            start = time.perf_counter_ns()
+            sock.sendall(message)
+            sent = time.perf_counter_ns()
+            data = sock.recv(1 << 20)
+            first = time.perf_counter_ns()
+            while b"\r\n\r\n" not in data:
+                data += sock.recv(1 << 20)
+            head_bytes, rest = data.split(b"\r\n\r\n", 1)
+            if not head_bytes.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError(f"the server answered {head_bytes[:200]!r}")
+            length = next(
+                int(line.split(b":")[1])
+                for line in head_bytes.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+            while len(rest) < length:
+                rest += sock.recv(1 << 20)
+            times.append((start, sent, first, time.perf_counter_ns()))
+            time.sleep(_GAP_S)
+    return times
+
+
+def _read_stamps(directory: Path) -> tuple[list[tuple[int, str]], set[str]]:
+    stamps, missing = [], set()
+    for path in directory.glob("stamps-*.txt"):
+        for line in path.read_text().splitlines():
+            ns, label = line.split()
+            if label.startswith("missing:"):
+                missing.add(label.removeprefix("missing:"))
+            else:
+                stamps.append((int(ns), label))
+    return sorted(stamps), missing
+
+
+def timeline(times: list[tuple[int, int, int, int]], stamps: list[tuple[int, str]]) -> list[dict]:
+    """Per label, the median of its first stamp's offset from each request's start (us)."""
+    offsets: dict[str, list[float]] = defaultdict(list)
+    at = 0
+    for start, sent, first, done in times[_WARMUP:]:
+        while at < len(stamps) and stamps[at][0] < start:
+            at += 1
+        seen: dict[str, int] = {}
+        for ns, label in stamps[at:]:
+            if ns > done:
+                break
+            seen.setdefault(label, ns)
+        client = {"~sent": sent, "~first byte": first, "~done": done}
+        for label, ns in (seen | client).items():
+            offsets[label].append((ns - start) / 1e3)
+    rows = [
+        {"label": label, "median_us": statistics.median(v), "requests": len(v)}
+        for label, v in offsets.items()
+    ]
+    return sorted(rows, key=lambda row: row["median_us"])
+
+
+def measure(
+    layer: str, tokens: list[int], front_ends: int, requests: int, work: Path, logs: Path
+) -> tuple[list[dict], set[str]]:
+    results, missing = [], set()
+    for workers in sorted({0, front_ends}):
+        stamps_dir = work / f"{layer}-{workers}"
+        stamps_dir.mkdir()
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        command = [sys.executable, "-m", "bench.service_server", "--layer", layer,
+                   "--port", str(port), "--http-workers", str(workers)]  # fmt: skip
+        if layer != "demo":
+            command += ["--shared-intermediate", "2048"]
+        path = os.pathsep.join(filter(None, [str(SITE), os.getcwd(), os.environ.get("PYTHONPATH")]))
+        env = os.environ | {"MOE_SERVE_TIMELINE_DIR": str(stamps_dir), "PYTHONPATH": path}
+        log = logs / f"timeline-{layer}-{workers}.log"
+        with process(command, log, http_ready(url), 600, env=env):
+            hidden = httpx.get(f"{url}/v1/layers/{layer}").json()["hidden_size"]
+            for t in tokens:
+                body = safetensors.torch.save({"hidden_states": torch.randn(t, hidden).bfloat16()})
+                for stamps_file in stamps_dir.glob("stamps-*.txt"):
+                    stamps_file.write_text("")
+                times = _client(port, f"/v1/layers/{layer}/forward", body, requests + _WARMUP)
+                stamps, gone = _read_stamps(stamps_dir)
+                missing |= gone
+                results.append({"layer": layer, "front_ends": workers, "tokens": t,
+                                "timeline": timeline(times, stamps)})  # fmt: skip
+    return results, missing
+
+
+def render(results: list[dict], missing: set[str]) -> str:
+    lines = []
+    for run in results:
+        lines += [f"## {run['layer']}, {run['tokens']} tokens, {run['front_ends']} front ends", "",
+                  "| us after the client starts sending | point |", "| ---: | --- |"]  # fmt: skip
+        lines += [f"| {row['median_us']:,.0f} | {row['label']} |" for row in run["timeline"]]
+        lines.append("")
+    if missing:
+        lines.append(f"Points not found (renamed?): {', '.join(sorted(missing))}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", default="demo,deepseek-v3")
+    parser.add_argument("--tokens", default="1,64")
+    parser.add_argument("--front-ends", type=int, default=8, help="0: one process only")
+    parser.add_argument("--requests", type=int, default=200, help="timed, after 20 warm-up")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    results, missing = [], set()
+    with tempfile.TemporaryDirectory() as tmp:
+        for layer in args.layers.split(","):
+            runs, gone = measure(layer, tokens, args.front_ends, args.requests, Path(tmp), args.out)
+            results += runs
+            missing |= gone
+    (args.out / "timeline.json").write_text(
+        json.dumps({"runs": results, "missing": sorted(missing)}, indent=1)
+    )
+    text = render(results, missing)
+    (args.out / "timeline.md").write_text(text)
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

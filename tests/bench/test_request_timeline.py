@@ -1,0 +1,34 @@
+"""bench/request_timeline.py on the CPU: every point of the path is stamped, in the path's order,
+in one process and behind a front end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import request_timeline
+
+
+def _order(run: dict) -> list[str]:
+    return [row["label"] for row in run["timeline"]]
+
+
+def test_a_request_is_stamped_at_every_point_in_order(tmp_path: Path) -> None:
+    argv = ["--out", str(tmp_path), "--layers", "demo", "--tokens", "2", "--front-ends", "1",
+            "--requests", "10"]  # fmt: skip
+    assert request_timeline.main(argv) == 0
+    report = json.loads((tmp_path / "timeline.json").read_text())
+    assert report["missing"] == []  # a renamed function would show here
+    alone, behind = report["runs"]
+    assert (alone["front_ends"], behind["front_ends"]) == (0, 1)
+    path = ["~sent", "engine:http_begin>", "engine:middleware>", "engine:fast_path>",
+            "engine:decode>", "engine:submit>", "engine:launch>", "engine:submit<",
+            "engine:encode>", "engine:http_send>", "~done"]  # fmt: skip
+    assert [label for label in _order(alone) if label in path] == path
+    via_front_end = ["fe:http_begin>", "fe:fe_forward>", "fe:fe_read_body>",
+                     "fe:fe_finite_check>", "fe:fe_engine>", "engine:channel_forward>",
+                     "engine:submit>", "engine:channel_forward<", "fe:fe_engine<",
+                     "fe:http_send>", "~done"]  # fmt: skip
+    assert [label for label in _order(behind) if label in via_front_end] == via_front_end
+    assert all(row["requests"] == 10 for row in alone["timeline"] + behind["timeline"])
+    assert "| point |" in (tmp_path / "timeline.md").read_text()
