@@ -149,17 +149,28 @@ def _bodies(hidden_size: int, tokens: list[int], where: Path) -> dict[int, Path]
     return files
 
 
-def measure_layer(
-    layer: str, tokens: list[int], work: Path, logs: Path, shared: int | None
-) -> list[dict]:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options this benchmark and bench/request_timeline.py share."""
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", default="demo,deepseek-v3")
+    parser.add_argument("--tokens", default="1,64")
+    parser.add_argument("--shared-intermediate", type=int, default=2048,
+                        help="shared expert of random (non-demo) layers")  # fmt: skip
+
+
+def server_command(layer: str, port: int, front_ends: int, shared: int) -> list[str]:
+    """bench/service_server.py serving `layer` (the demo layer has no shared expert to add)."""
+    command = [sys.executable, "-m", "bench.service_server", "--layer", layer,
+               "--port", str(port), "--http-workers", str(front_ends)]  # fmt: skip
+    return command if layer == "demo" else [*command, "--shared-intermediate", str(shared)]
+
+
+def measure_layer(layer: str, tokens: list[int], work: Path, logs: Path, shared: int) -> list[dict]:
     rows: list[dict] = []
     for workers in (0, FRONT_ENDS):
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
-        command = [sys.executable, "-m", "bench.service_server", "--layer", layer,
-                   "--port", str(port), "--http-workers", str(workers)]  # fmt: skip
-        if shared:
-            command += ["--shared-intermediate", str(shared)]
+        command = server_command(layer, port, workers, shared)
         with process(command, logs / f"{layer}-{workers}.log", http_ready(url), 600):
             hidden = httpx.get(f"{url}/v1/layers/{layer}").json()["hidden_size"]
             bodies = _bodies(hidden, tokens, work)
@@ -202,18 +213,14 @@ def render(results: dict[str, list[dict]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--layers", default="demo,deepseek-v3")
-    parser.add_argument("--tokens", default="1,64")
-    parser.add_argument("--shared-intermediate", type=int, default=2048,
-                        help="shared expert of random (non-demo) layers")  # fmt: skip
+    add_arguments(parser)
     args = parser.parse_args(argv)
     tokens = [int(t) for t in args.tokens.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for layer in args.layers.split(","):
-            shared = None if layer == "demo" else args.shared_intermediate
+            shared = args.shared_intermediate
             results[layer] = measure_layer(layer, tokens, Path(tmp), args.out, shared)
             (args.out / "request-path.json").write_text(json.dumps(results, indent=1))
     text = render(results)

@@ -32,6 +32,7 @@ import httpx
 import safetensors.torch
 import torch
 
+from bench.request_path import add_arguments, server_command
 from bench.service_bench import _free_port, http_ready, process
 
 SITE = Path(__file__).parent / "timeline_site"
@@ -106,28 +107,27 @@ def timeline(times: list[tuple[int, int, int, int]], stamps: list[tuple[int, str
 
 
 def measure(
-    layer: str, tokens: list[int], front_ends: int, requests: int, work: Path, logs: Path
+    layer: str, tokens: list[int], args: argparse.Namespace, work: Path
 ) -> tuple[list[dict], set[str]]:
     results, missing = [], set()
-    for workers in sorted({0, front_ends}):
+    for workers in sorted({0, args.front_ends}):
         stamps_dir = work / f"{layer}-{workers}"
         stamps_dir.mkdir()
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
-        command = [sys.executable, "-m", "bench.service_server", "--layer", layer,
-                   "--port", str(port), "--http-workers", str(workers)]  # fmt: skip
-        if layer != "demo":
-            command += ["--shared-intermediate", "2048"]
-        path = os.pathsep.join(filter(None, [str(SITE), os.getcwd(), os.environ.get("PYTHONPATH")]))
-        env = os.environ | {"MOE_SERVE_TIMELINE_DIR": str(stamps_dir), "PYTHONPATH": path}
-        log = logs / f"timeline-{layer}-{workers}.log"
+        command = server_command(layer, port, workers, args.shared_intermediate)
+        python_path = [str(SITE), os.getcwd(), os.environ.get("PYTHONPATH")]
+        env = os.environ | {"MOE_SERVE_TIMELINE_DIR": str(stamps_dir),
+                            "PYTHONPATH": os.pathsep.join(filter(None, python_path))}  # fmt: skip
+        log = args.out / f"timeline-{layer}-{workers}.log"
         with process(command, log, http_ready(url), 600, env=env):
             hidden = httpx.get(f"{url}/v1/layers/{layer}").json()["hidden_size"]
             for t in tokens:
                 body = safetensors.torch.save({"hidden_states": torch.randn(t, hidden).bfloat16()})
                 for stamps_file in stamps_dir.glob("stamps-*.txt"):
                     stamps_file.write_text("")
-                times = _client(port, f"/v1/layers/{layer}/forward", body, requests + _WARMUP)
+                forward = f"/v1/layers/{layer}/forward"
+                times = _client(port, forward, body, args.requests + _WARMUP)
                 stamps, gone = _read_stamps(stamps_dir)
                 missing |= gone
                 results.append({"layer": layer, "front_ends": workers, "tokens": t,
@@ -149,9 +149,7 @@ def render(results: list[dict], missing: set[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--layers", default="demo,deepseek-v3")
-    parser.add_argument("--tokens", default="1,64")
+    add_arguments(parser)
     parser.add_argument("--front-ends", type=int, default=8, help="0: one process only")
     parser.add_argument("--requests", type=int, default=200, help="timed, after 20 warm-up")
     args = parser.parse_args(argv)
@@ -160,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     results, missing = [], set()
     with tempfile.TemporaryDirectory() as tmp:
         for layer in args.layers.split(","):
-            runs, gone = measure(layer, tokens, args.front_ends, args.requests, Path(tmp), args.out)
+            runs, gone = measure(layer, tokens, args, Path(tmp))
             results += runs
             missing |= gone
     (args.out / "timeline.json").write_text(
