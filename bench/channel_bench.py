@@ -114,7 +114,7 @@ def _front_end(path: str, in_flight: int, body: bytes, loop: str) -> None:
             arena.body(region)[:] = body
             while True:
                 started = time.perf_counter()
-                reply = await client.forward(LAYER, region, True, never.wait)
+                reply = await client.forward(LAYER, region, never.wait)
                 client.done(FORWARD_PATH, reply.status, time.perf_counter() - started)
 
         await asyncio.gather(*map(client_loop, regions))

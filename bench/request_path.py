@@ -121,7 +121,7 @@ async def time_levels(runtime, tokens: list[int]) -> list[dict]:
             view[: len(blob)] = blob
             body, reply = view[: len(blob)], view[len(blob) :]
             levels["blob-into"] = lambda b=body, r=reply: serve_blob_into(
-                served, batcher, metrics, b, r, True, True, never
+                served, batcher, metrics, b, r, True, never
             )
         for level, call in levels.items():
             median, p90 = await _timed(call)

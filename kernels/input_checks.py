@@ -1,11 +1,13 @@
 """Every check of a forward's inputs against its layer, each message written once.
 
-The service runs both checks on each request before it is batched (a bad request gets a 400
-naming the tensor and never reaches a batch); `MoELayer.forward` runs the shape check on every
-forward. The value check reads every element (a device sync on a GPU), so only the service
-runs it, on the request (on the CPU; on a GPU when it came through CUDA shared memory). Inputs
-are checked in their own dtype (only the range check converts the hidden states, to the layer's
-dtype, to see what it makes of them).
+`MoELayer.forward` runs the shape check on every forward, and the service on each request
+before it is batched (a request of the wrong shape gets a 400 naming the tensor and never
+reaches a batch). The value check reads every element, so the service does not run it on every
+request: each batch computes one flag on its staged inputs (`finite_flag`, on the device inside
+the layer's graph; service/pipeline.py), and only when the flag is down does the service run
+`check_values` on that batch's requests, to fail those at fault with a 400 naming the value.
+Inputs are checked in their own dtype (only the range check converts the hidden states, to the
+layer's dtype, to see what it makes of them).
 """
 
 from __future__ import annotations
@@ -85,19 +87,22 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool((t.contiguous().view(bits).numpy() & exponent).max() != exponent)
 
 
-def check_values(
-    inputs: ForwardInputs, layer_dtype: torch.dtype, finite_known: bool = False
-) -> None:
+def finite_flag(inputs: ForwardInputs) -> torch.Tensor:
+    """[] bool on the inputs' device: whether every value of the inputs is finite. No host sync
+    (the service reads it with the batch's results)."""
+    flag = torch.isfinite(inputs.hidden_states).all()
+    if inputs.router_logits is not None:
+        flag = flag & torch.isfinite(inputs.router_logits).all()
+    return flag
+
+
+def check_values(inputs: ForwardInputs, layer_dtype: torch.dtype) -> None:
     """Every value of the inputs (tensors that passed `check_shapes`, on the CPU or a GPU) is
     finite, and the hidden states fit `layer_dtype`, which the layer casts them to (1e5 is a
-    float32 but no float16). Reads every element, so the service runs it on the request, not the
-    layer on the device. `finite_known`: the values were already found finite; only the range
-    is checked."""
-    if inputs.hidden_states.device.type != "cpu" and _all_fit_on_device(inputs, layer_dtype):
-        return  # one reduction and one sync; otherwise the checks below name what is wrong
+    float32 but no float16); the error names the first value that is not."""
     tensors = {"hidden_states": inputs.hidden_states, "router_logits": inputs.router_logits}
     for name, t in tensors.items():
-        if t is not None and not finite_known and not all_finite(t):
+        if t is not None and not all_finite(t):
             row, col = (~torch.isfinite(t)).nonzero()[0].tolist()
             raise InputError(f"{name} holds NaN or Inf (first at row {row}, column {col})")
     hidden = inputs.hidden_states
@@ -111,12 +116,3 @@ def check_values(
             f"hidden_states holds {hidden[row, col].item():g} at row {row}, column {col}: beyond "
             f"the largest {dtype} value of this layer ({torch.finfo(layer_dtype).max:g})"
         )
-
-
-def _all_fit_on_device(inputs: ForwardInputs, layer_dtype: torch.dtype) -> bool:
-    """Whether check_values passes, in one flag read from the device: the hidden states cast to
-    the layer's dtype are finite (NaN and Inf stay so in the cast) and so are the logits."""
-    flags = [torch.isfinite(inputs.hidden_states.to(layer_dtype)).all()]
-    if inputs.router_logits is not None:
-        flags.append(torch.isfinite(inputs.router_logits).all().to(flags[0].device))
-    return bool(torch.stack(flags).all())

@@ -5,8 +5,9 @@ token bucket, so a forward costs one graph launch however many kernels the backe
                               its static outputs [:m]
 
 A graph also zeroes the padded rows m..bucket of its input (they may hold an earlier batch),
-counts the tokens per expert over the valid rows and checks the valid output rows finite, so
-that a served batch is one launch between its copies in and out (service/pipeline.py). The
+counts the tokens per expert over the valid rows and checks the valid input and output rows
+finite, so that a served batch is one launch between its copies in and out (service/pipeline.py;
+the service checks a request's values on the host only when its batch's input flag is down). The
 padded rows' topk_ids are set to -1 on the device, so experts that can skip a pair
 (`supports_expert_map`) spend nothing on them; other experts compute them and they are dropped.
 
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.arith import round_up
+from kernels.input_checks import finite_flag
 from kernels.layer import LayerOutput, MoELayer, expert_tokens, mask_rows
 from kernels.stages import YES, Support
 from kernels.tensors import ForwardInputs, Routing
@@ -72,7 +74,8 @@ class GraphOutput:
     output: LayerOutput  # output [m, H], routing [m, k]
     expert_tokens: torch.Tensor  # [E] int64 pairs per expert over the m valid rows
     finite: torch.Tensor  # [] int64: 1 if every valid output value is finite, else 0
-    stats: torch.Tensor  # [E + 1] int64: both of the above in one buffer (one copy out)
+    inputs_finite: torch.Tensor  # [] int64: 1 if every valid input value is finite, else 0
+    stats: torch.Tensor  # [E + 2] int64: the three above in one buffer (one copy out)
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ class GraphInputs:
 class _Captured:
     graph: torch.cuda.CUDAGraph
     output: LayerOutput  # [bucket, ...]
-    stats: torch.Tensor  # [E + 1] int64: tokens per expert, then 1 if the output is finite
+    stats: torch.Tensor  # [E + 2] int64: tokens per expert, output finite, inputs finite
 
 
 class LayerGraphs:
@@ -162,7 +165,8 @@ class LayerGraphs:
         valid_ids = mask_rows(out.routing.topk_ids, static.valid_rows)  # experts may not skip
         counts = expert_tokens(valid_ids, self.layer.cfg.num_experts)
         finite = (torch.isfinite(out.output).all(dim=1) | padded).all()
-        return out, torch.cat([counts, finite.view(1).to(torch.int64)])
+        flags = torch.stack([finite, finite_flag(ForwardInputs(hidden, logits))]).to(torch.int64)
+        return out, torch.cat([counts, flags])
 
     def _capture(self, copy: int, bucket: int) -> _Captured:
         self.inputs[copy].valid_rows.fill_(bucket)
@@ -190,7 +194,8 @@ class LayerGraphs:
         out, e = captured.output, self.layer.cfg.num_experts
         routing = Routing(out.routing.topk_ids[:m], out.routing.topk_weights[:m])
         stats = captured.stats
-        return GraphOutput(LayerOutput(out.output[:m], routing), stats[:e], stats[e], stats)
+        output = LayerOutput(out.output[:m], routing)
+        return GraphOutput(output, stats[:e], stats[e], stats[e + 1], stats)
 
     def forward(self, inputs: ForwardInputs, copy: int = 0) -> GraphOutput:
         """inputs [m, H] (+ logits [m, E]) on the device, m <= max_tokens -> the replay's

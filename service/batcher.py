@@ -33,12 +33,14 @@ from typing import TypeVar
 
 import torch
 
+from kernels.input_checks import InputError, check_values
 from kernels.layer import LayerOutput
 from kernels.quant_scheme import ActQuant
 from kernels.tensors import ForwardInputs, Routing
 from service import tracing
 from service.engine import Engine, ServedLayer
 from service.errors import (
+    BadInput,
     DeadlineExceeded,
     ForwardFailed,
     NonFiniteOutput,
@@ -48,7 +50,7 @@ from service.errors import (
     UnknownLayer,
 )
 from service.metrics import Metrics
-from service.pipeline import BatchResult, Pending
+from service.pipeline import BatchResult
 from service.wire import OFF_LOOP_BYTES
 
 log = logging.getLogger(__name__)
@@ -441,18 +443,18 @@ class DynamicBatcher:
             self._fail(name, batch, err)
             return False
         started = _Started(tracing.now_ns(), queued_s)
-        task = asyncio.create_task(self._finish(name, batch, pending, started))
+        # the completer waits for it from now on, not from the task's first turn
+        done = loop.run_in_executor(self._completer, pending.result)
+        task = asyncio.create_task(self._finish(name, batch, done, started))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
         return True
 
     async def _finish(
-        self, name: str, batch: list[_Piece], pending: Pending, started: _Started
+        self, name: str, batch: list[_Piece], done: asyncio.Future[BatchResult], started: _Started
     ) -> None:
         try:
-            result: BatchResult = await asyncio.get_running_loop().run_in_executor(
-                self._completer, pending.result
-            )
+            result = await done
         except Exception as err:
             self._fail(name, batch, err)
             return
@@ -463,7 +465,10 @@ class DynamicBatcher:
         backend = self.engine.get(name).backend
         pieces = [dataclasses.replace(piece.request.trace, tokens=piece.rows) for piece in batch]
         tracing.record_forward(name, backend, pieces, started.ns, tracing.now_ns())
+        dtype = self.engine.get(name).config.dtype
         for piece, out in zip(batch, result.outputs, strict=True):
+            if not result.inputs_finite and _fail_bad_values(piece, dtype):
+                continue
             if not result.finite and _fail_nonfinite(name, piece, out):
                 continue
             piece.request.finish_piece(piece.start, out)
@@ -473,7 +478,7 @@ class DynamicBatcher:
         self.metrics.record_batch(
             name, backend, tokens, result.expert_tokens, result.times, started.queued_s
         )
-        if not result.finite:
+        if not result.finite and result.inputs_finite:
             self.metrics.nonfinite_forwards.labels(name).inc()
 
     def _fail(self, name: str, batch: list[_Piece], err: Exception) -> None:
@@ -492,6 +497,21 @@ class DynamicBatcher:
         for piece in batch:
             if not piece.request.future.done():
                 piece.request.future.set_exception(failure)
+
+
+def _fail_bad_values(piece: _Piece, layer_dtype: torch.dtype) -> bool:
+    """Fail the piece's request with a 400 naming its first value that is NaN, Inf or beyond
+    the layer's dtype (a host look at the request, only for a batch whose input flag is down);
+    whether it did. Its rows ran, but their output is never served."""
+    request = piece.request
+    if request.future.done():  # failed by another of its pieces
+        return True
+    try:
+        check_values(request.inputs, layer_dtype)
+    except InputError as err:
+        request.future.set_exception(BadInput(str(err)))
+        return True
+    return False
 
 
 def _fail_nonfinite(name: str, piece: _Piece, out: LayerOutput) -> bool:

@@ -7,9 +7,8 @@ in one write, and each read hands over every whole record it brought.
 
 A front end sends HELLO once, JSON `{"hello": arena path, "size": bytes}` (the engine maps its
 arena and answers HELLO `{"hello": "ok"}`), then per binary forward FORWARD (id, offset,
-body_bytes, reply_capacity, finite, layer_dtype, then the layer's name: the body lies in the
-arena at that region; `finite`: the front end found every value finite, so the engine need
-not read them; `layer_dtype`, set for a JSON forward: the reply's output in the layer's dtype,
+body_bytes, reply_capacity, layer_dtype, then the layer's name: the body lies in the arena at
+that region; `layer_dtype`, set for a JSON forward: the reply's output in the layer's dtype,
 not the body's), CANCEL (id) when its client goes away, and DONE (status, seconds, then the
 route) once a request is answered (the engine keeps every metric). The engine answers each
 forward exactly once: REPLY (id, status, bytes) with the reply blob in the region's reply part,
@@ -33,8 +32,8 @@ log = logging.getLogger(__name__)
 
 HELLO, FORWARD, CANCEL, DONE, REPLY, ERROR = b"HFCDRE"  # record kinds
 _HEAD = struct.Struct("<BI")  # kind, payload bytes
-# id, offset, body_bytes, reply_capacity, finite, layer_dtype; then the name
-FORWARD_FIELDS = struct.Struct("<QQQQ??")
+# id, offset, body_bytes, reply_capacity, layer_dtype; then the name
+FORWARD_FIELDS = struct.Struct("<QQQQ?")
 CANCEL_FIELDS = struct.Struct("<Q")  # id
 DONE_FIELDS = struct.Struct("<Hd")  # status, seconds; then the route
 REPLY_FIELDS = struct.Struct("<QHQ")  # id, status, reply bytes
@@ -154,7 +153,6 @@ class EngineClient:
         self,
         layer: str,
         region: Region,
-        finite: bool,
         gone: Callable[[], Awaitable],
         layer_dtype: bool = False,
     ) -> Reply:
@@ -164,7 +162,7 @@ class EngineClient:
         rid = next(self._ids)
         answer = asyncio.get_running_loop().create_future()
         self._pending[rid] = answer
-        fields = (rid, region.offset, region.body_bytes, region.reply_capacity, finite, layer_dtype)
+        fields = (rid, region.offset, region.body_bytes, region.reply_capacity, layer_dtype)
         self._out.send(FORWARD, FORWARD_FIELDS.pack(*fields) + layer.encode())
         watch = asyncio.ensure_future(gone())
         try:

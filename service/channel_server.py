@@ -94,15 +94,13 @@ class _FrontEndLink:
     def handle(self, records: list[tuple[int, bytes]]) -> None:
         for kind, payload in records:
             if kind == FORWARD:
-                rid, offset, body_bytes, reply_capacity, finite, layer_dtype = (
-                    FORWARD_FIELDS.unpack_from(payload)
+                rid, offset, body_bytes, reply_capacity, layer_dtype = FORWARD_FIELDS.unpack_from(
+                    payload
                 )
                 layer = payload[FORWARD_FIELDS.size :].decode()
                 region = Region(offset, body_bytes, reply_capacity)
                 gone = asyncio.get_running_loop().create_future()
-                task = asyncio.create_task(
-                    self._forward(rid, layer, region, finite, layer_dtype, gone)
-                )
+                task = asyncio.create_task(self._forward(rid, layer, region, layer_dtype, gone))
                 self.running[rid] = (task, gone)
                 task.add_done_callback(lambda _, rid=rid: self.running.pop(rid, None))
             elif kind == CANCEL:
@@ -124,7 +122,6 @@ class _FrontEndLink:
         rid: int,
         layer: str,
         region: Region,
-        finite: bool,
         layer_dtype: bool,
         gone: asyncio.Future,
     ) -> None:
@@ -142,7 +139,6 @@ class _FrontEndLink:
                 arena.arena.body(region),
                 arena.arena.reply(region),
                 bool(pinned),
-                finite,
                 gone,
                 layer_dtype,
             )

@@ -14,9 +14,11 @@ from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from kernels.arith import round_up
 from kernels.layer import LayerOutput
 from kernels.tensors import ForwardInputs
 from service.batcher import DynamicBatcher, RequestOptions
+from service.body_arena import BLOCK_BYTES, REPLY_HEADER_BYTES
 from service.engine import Engine
 from service.errors import (
     BadInput,
@@ -118,28 +120,80 @@ def _body_limit(request: Request, settings: Settings) -> tuple[int, str]:
 async def get_body(request: Request, runtime: RuntimeDep) -> bytes:
     """The request body (gzip/deflate undone), refused with 413 once it passes its limit."""
     limit, what = _body_limit(request, runtime.settings)
+    _refuse_declared_over(request, limit, what)
+    chunks: list[bytes] = []
+    await _read_chunks(request, runtime.settings, limit, what, chunks.append)
+    encoding = request.headers.get("content-encoding", "identity")
+    return _decode(b"".join(chunks), encoding, limit, what)
+
+
+@dataclass(frozen=True)
+class PinnedBody:
+    """A request body read into pinned host memory with room after it for the reply: a GPU
+    engine copies the body to the device and the output back from where they lie."""
+
+    body: memoryview
+    reply: memoryview
+
+
+PINNED_BODY_MAX = 64 << 20  # larger bodies are read as bytes: the pinned cache keeps its blocks
+
+
+async def get_pinned_body(request: Request, runtime: Runtime) -> PinnedBody | None:
+    """The body of a plain binary forward into pinned memory (torch's caching host allocator:
+    a block is reused once the device is done with it), or None where it is read as bytes
+    (`get_body`): no Content-Length, compressed, or over PINNED_BODY_MAX."""
+    declared = request.headers.get("content-length", "")
+    plain = request.headers.get("content-encoding", "identity").strip().lower() == "identity"
+    if not (plain and declared.isdigit() and int(declared) <= PINNED_BODY_MAX):
+        return None
+    limit, what = _body_limit(request, runtime.settings)
+    _refuse_declared_over(request, limit, what)
+    size = int(declared)
+    room = round_up(size, BLOCK_BYTES)
+    memory = torch.empty(room + size + REPLY_HEADER_BYTES, dtype=torch.uint8, pin_memory=True)
+    view = memoryview(memory.numpy())
+    at = 0
+
+    def take(chunk: bytes) -> None:
+        nonlocal at
+        if at + len(chunk) > size:  # the HTTP server stops at Content-Length: never here
+            raise BadInput(f"the body is longer than its Content-Length ({size} bytes)")
+        view[at : at + len(chunk)] = chunk
+        at += len(chunk)
+
+    await _read_chunks(request, runtime.settings, limit, what, take)
+    return PinnedBody(view[:at], view[room:])
+
+
+def _refuse_declared_over(request: Request, limit: int, what: str) -> None:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds {what}")
-    chunks, size = [], 0
-    timeout_s = runtime.settings.read_timeout_s
+
+
+async def _read_chunks(
+    request: Request, settings: Settings, limit: int, what: str, take: Callable[[bytes], None]
+) -> None:
+    """Each chunk of the body to `take`; 413 past `limit`, 408 when it stalls, 499 (client
+    gone) when the connection closes first."""
+    size = 0
     try:
-        async with asyncio.timeout(timeout_s):  # a client that stalls mid-body holds nothing long
+        async with asyncio.timeout(settings.read_timeout_s):  # a stalled client holds nothing long
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
                     raise PayloadTooLarge(f"request body exceeds {what}")
-                chunks.append(chunk)
+                take(chunk)
     except TimeoutError:
         raise RequestTimeout(
-            f"the request body did not arrive within {timeout_s:g} s ({size} bytes came)"
+            f"the request body did not arrive within {settings.read_timeout_s:g} s "
+            f"({size} bytes came)"
         ) from None
     except ClientDisconnect:
         raise ClientDisconnected(
             f"the client closed the connection after {size} bytes of the body"
         ) from None
-    encoding = request.headers.get("content-encoding", "identity")
-    return _decode(b"".join(chunks), encoding, limit, what)
 
 
 def _decode(body: bytes, encoding: str, limit: int, what: str) -> bytes:

@@ -19,6 +19,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from kernels.config import MoEConfig
+from kernels.input_checks import all_finite
 from kernels.layer import LayerOutput, LayerWeights, MoELayer, build_layer, expert_tokens
 from kernels.layer_graphs import LayerGraphs, can_capture
 from kernels.modular import DEFAULT_CHUNK_TOKENS
@@ -257,6 +258,8 @@ class Engine:
             None if logits[0] is None else torch.cat([t.cpu() for t in logits]).float(),
         )
         started = time.perf_counter()
+        tensors = (inputs.hidden_states, inputs.router_logits)
+        inputs_finite = all(all_finite(t) for t in tensors if t is not None)
         try:
             whole, finite = self.forward(served.name, inputs), True
         except NonFiniteRows as err:
@@ -265,7 +268,8 @@ class Engine:
         counts = expert_tokens(whole.routing.topk_ids, cfg.num_experts)
         sizes = [p.hidden_states.shape[0] for p in parts]
         outputs = split_rows(whole, sizes)
-        return Finished(BatchResult(outputs, counts, StageTimes(seconds), finite))
+        times = StageTimes(seconds)
+        return Finished(BatchResult(outputs, counts, times, finite, inputs_finite))
 
     def warm_up(self, token_counts: Sequence[int], names: Sequence[str] | None = None) -> None:
         """Capture every layer's (or those named) CUDA graphs, then run each at every one of

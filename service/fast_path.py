@@ -17,9 +17,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.batcher import RequestOptions
 from service.binary_forward import BINARY, FORWARD_PATH, plain_forward
-from service.deps import Runtime, get_body, ready
+from service.deps import Runtime, get_body, get_pinned_body, ready
 from service.errors import ServiceError, error_response
-from service.routes.forward import forward_binary, forward_json
+from service.routes.forward import forward_binary, forward_json, forward_pinned
 
 
 class ForwardFastPath:
@@ -37,13 +37,19 @@ class ForwardFastPath:
         scope["route"] = self.route
         request = Request(scope, receive)
         try:
-            body = await get_body(request, self.runtime)  # in the route's dependency order
+            engine, pinned = self.runtime.engine, None
+            if media == BINARY and engine is not None and engine.enqueues:
+                pinned = await get_pinned_body(request, self.runtime)
+            if pinned is None:
+                body = await get_body(request, self.runtime)  # in the route's dependency order
             runtime = ready(self.runtime)
             served = runtime.engine.get(name)
-            run = forward_binary if media == BINARY else forward_json
-            response = await run(
-                request, served, runtime.batcher, runtime.metrics, body, RequestOptions()
-            )
+            batcher, metrics = runtime.batcher, runtime.metrics
+            if pinned is not None:
+                response = await forward_pinned(request, served, batcher, metrics, pinned)
+            else:
+                run = forward_binary if media == BINARY else forward_json
+                response = await run(request, served, batcher, metrics, body, RequestOptions())
         except ServiceError as err:
             response = error_response(err.status, err.message, err.headers)
         await response(scope, receive, send)

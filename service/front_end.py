@@ -5,12 +5,11 @@ Under load one Python process cannot receive, decode and answer requests as fast
 them (its event loop held 99.5% of the GIL on the H100 host). N front ends share the public
 socket (the kernel spreads connections over them) and do the per-byte work in parallel:
 
-- a plain binary forward (`service/binary_forward.py`) is checked here (connections, token,
-  every value finite: `service/body_values.py`), its body read straight into this process's
-  arena (`service/body_arena.py`) and handed to the engine as a small record
-  (`service/channel.py`); the engine decodes it in place, batches it with every other front
-  end's requests and writes the reply blob back into the arena (on a GPU the body is copied to
-  the device and the output back into the arena with no host copy);
+- a plain binary forward (`service/binary_forward.py`) is checked here (connections, token),
+  its body read straight into this process's arena (`service/body_arena.py`) and handed to the
+  engine as a small record (`service/channel.py`); the engine decodes it in place, batches it
+  with every other front end's requests and writes the reply blob back into the arena (on a
+  GPU the body is copied to the device and the output back into the arena with no host copy);
 - a plain JSON forward is decoded here (`service/json_numbers.py`, the engine's own strict
   decode) into a float32 blob in the arena and sent as a binary forward answered in the layer's
   dtype, whose output is written here as the JSON the engine writes: the engine does no JSON
@@ -46,7 +45,6 @@ from starlette.types import Message, Receive, Scope, Send
 from service import logs
 from service.binary_forward import BINARY, FORWARD_PATH, JSON, plain_forward
 from service.body_arena import BodyArena, Region
-from service.body_values import FiniteCheck
 from service.channel import EngineClient, Reply
 from service.errors import BadInput, ShuttingDown, error_response
 from service.json_numbers import ForwardArrays, decode_forward_arrays, dumps, off_loop
@@ -107,7 +105,6 @@ class FrontEnd:
                       config.arena_dir, err.strerror)  # fmt: skip
             self.arena = None
         self.engine = EngineClient(Path(config.engine_channel), self.arena, self._engine_lost)
-        self.finite = FiniteCheck()
         self.on_engine_lost = lambda: None  # main() stops the server: nothing left to serve
         transport = httpx.AsyncHTTPTransport(
             uds=config.engine_http, limits=httpx.Limits(max_connections=config.max_connections)
@@ -183,10 +180,9 @@ class FrontEnd:
                     receive, self.arena.body(region)
                 )
                 if reply is None:
-                    finite = self.finite(self.arena.body(region))
                     ours = False
                     gone = partial(client_gone, receive)
-                    reply = await self.engine.forward(name, region, finite, gone)
+                    reply = await self.engine.forward(name, region, gone)
                     ours = True
                 answer.status = reply.status
                 if reply.status == 200:
@@ -224,10 +220,10 @@ class FrontEnd:
                         await self._relay(scope, _replay(bytes(body), receive), send)
                         return
                 if reply is None:
-                    finite = _write_blob(arrays, self.arena.body(region), self.finite)
+                    _write_blob(arrays, self.arena.body(region))
                     ours = False
                     gone = partial(client_gone, receive)
-                    reply = await self.engine.forward(name, region, finite, gone, layer_dtype=True)
+                    reply = await self.engine.forward(name, region, gone, layer_dtype=True)
                     ours = True
                 answer.status = reply.status
                 if reply.status == 200:
@@ -399,9 +395,9 @@ def _blob_bytes(arrays: ForwardArrays) -> int:
     return len(_blob_head(arrays)) + 4 * (arrays.hidden_states.size + logits)
 
 
-def _write_blob(arrays: ForwardArrays, into: memoryview, finite: FiniteCheck) -> bool:
+def _write_blob(arrays: ForwardArrays, into: memoryview) -> None:
     """`arrays` as a float32 safetensors blob into `into`, rounded as the engine rounds a JSON
-    body; whether every value is finite (a number beyond float32 is not: the engine names it)."""
+    body (a number beyond float32 becomes Inf, which the engine names)."""
     head = _blob_head(arrays)
     into[: len(head)] = head
     at = len(head)
@@ -410,7 +406,6 @@ def _write_blob(arrays: ForwardArrays, into: memoryview, finite: FiniteCheck) ->
             with np.errstate(over="ignore"):  # beyond float32: inf, as torch casts it
                 np.frombuffer(into, np.float32, array.size, at).reshape(array.shape)[...] = array
             at += array.size * 4
-    return finite(into)
 
 
 def _json_reply(blob: memoryview) -> bytes:

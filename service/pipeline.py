@@ -6,9 +6,9 @@ three at 64 clients, H100, DeepSeek-V3-sized layer behind 8 front ends).
     launcher thread:  parts -> the slot's pinned buffer (cast to the layer's dtype, the one host
                       copy) -> copy-in stream: H2D, straight into the slot's copy of the
                       layer's graph inputs -> compute stream: one graph replay (padding,
-                      forward, expert counts, finite check; the eager forward where the layer
-                      has no graphs) -> copy-out stream: D2H of the output, the routing and the
-                      counts -> returns at once
+                      forward, expert counts, finite checks of inputs and output; the eager
+                      forward where the layer has no graphs) -> copy-out stream: D2H of the
+                      output, the routing and the counts -> returns at once
     completer thread: waits for the batch's last event -> per-part results -> frees the slot
 
 Each layer owns DEPTH slots (pinned host and device buffers, reused batch after batch, each with
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from kernels.input_checks import finite_flag
 from kernels.layer import LayerOutput, expert_tokens
 from kernels.tensors import ForwardInputs, Routing
 
@@ -54,6 +55,9 @@ class BatchResult:
     # every output value is finite: one reduction where the forward ran, copied out with the
     # output; only when False are the parts' rows looked at (service.batcher)
     finite: bool
+    # every input value is finite (the batch as staged, in the layer's dtype, so also within its
+    # range); only when False are the parts' values checked on the host (service.batcher)
+    inputs_finite: bool
 
 
 class Pending(Protocol):
@@ -155,9 +159,13 @@ class _HostRows:
     def weights(self, rows: slice) -> torch.Tensor:
         return torch.from_numpy(self._weights[rows].copy())
 
-    def stats(self) -> tuple[torch.Tensor, bool]:
-        """Tokens per expert [E] and whether every output value was finite."""
-        return torch.from_numpy(self._stats[:-1].copy()), bool(self._stats[-1])
+    def stats(self) -> tuple[torch.Tensor, bool, bool]:
+        """Tokens per expert [E], whether every output and every input value was finite."""
+        return (
+            torch.from_numpy(self._stats[:-2].copy()),
+            bool(self._stats[-2]),
+            bool(self._stats[-1]),
+        )
 
 
 class _Slot:
@@ -191,7 +199,7 @@ class _Slot:
         self.output = pair((capacity, h), cfg.dtype)
         self.topk_ids = pair((capacity, k), torch.int32)
         self.topk_weights = pair((capacity, k), torch.float32)
-        self.stats = pair((e + 1,), torch.int64)  # tokens per expert, then 1 if finite
+        self.stats = pair((e + 2,), torch.int64)  # tokens per expert, output, inputs finite
         self.events = {name: torch.cuda.Event(enable_timing=True) for name in _EVENTS}
         self.host = _HostRows(self.output[0], self.topk_ids[0], self.topk_weights[0], self.stats[0])
 
@@ -316,7 +324,7 @@ class DevicePipeline:
             torch.cuda.set_stream(self.compute)
             self.compute.wait_event(ev["h2d_end"])
             ev["forward_start"].record(self.compute)
-            if replays:  # one launch: padding, forward, counts and the finite check
+            if replays:  # one launch: padding, forward, counts and the finite checks
                 replay = graphs.replay(m, slot.copy)
                 out, stats = replay.output, replay.stats
             else:
@@ -346,6 +354,7 @@ class DevicePipeline:
         stats = slot.stats[1]
         stats[:e].copy_(expert_tokens(out.routing.topk_ids, e))
         stats[e].copy_(torch.isfinite(out.output).all())
+        stats[e + 1].copy_(finite_flag(ForwardInputs(slot.hidden[1][:m], logits)))
         values = (out.output, out.routing.topk_ids, out.routing.topk_weights)
         for (_, dev), value in zip(slot.results(), values, strict=True):
             dev[:m].copy_(value)
@@ -390,7 +399,7 @@ class _InFlight:
                 h2d_s=slot.seconds("h2d_start", "h2d_end"),
                 d2h_s=slot.seconds("d2h_start", "d2h_end"),
             )
-            counts, finite = host.stats()
-            return BatchResult(outputs, counts, times, finite)
+            counts, finite, inputs_finite = host.stats()
+            return BatchResult(outputs, counts, times, finite, inputs_finite)
         finally:
             self.pipeline._release(self.served, slot)

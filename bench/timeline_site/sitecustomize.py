@@ -28,7 +28,6 @@ _FRONT_END_MAIN = [
     ("__main__", "FrontEnd._read_body", "fe_read_body"),
 ]
 _FRONT_END = [
-    ("service.body_values", "FiniteCheck.__call__", "fe_finite_check"),
     ("service.channel", "EngineClient.forward", "fe_engine"),
 ]
 _ENGINE = [
@@ -38,6 +37,11 @@ _ENGINE = [
     ("service.routes.forward", "_decode_blob", "decode"),
     ("service.batcher", "DynamicBatcher.submit", "submit"),
     ("service.batcher", "DynamicBatcher._launch", "launch"),
+    ("service.engine", "Engine.start", "engine_start"),
+    ("service.pipeline", "_gather", "gather"),
+    ("service.pipeline", "DevicePipeline._enqueue", "enqueue"),
+    ("kernels.layer_graphs", "LayerGraphs.replay", "replay"),
+    ("service.batcher", "DynamicBatcher._finish", "finish"),
     ("service.pipeline", "_InFlight.result", "result"),
     ("service.routes.forward", "_encode_blob", "encode"),
 ]

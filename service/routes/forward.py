@@ -22,6 +22,7 @@ from service.deps import (
     BodyDep,
     EngineDep,
     MetricsDep,
+    PinnedBody,
     submit_unless,
     submit_unless_withdrawn,
     submit_while_connected,
@@ -184,6 +185,26 @@ async def forward_binary(
     return BlobResponse(parts)
 
 
+async def forward_pinned(
+    request: Request,
+    served: ServedLayer,
+    batcher: DynamicBatcher,
+    metrics: Metrics,
+    pinned: PinnedBody,
+) -> Response:
+    """A safetensors body in pinned memory -> the reply written after it (service/fast_path.py
+    on a GPU engine): the body goes to the device and the output comes back with no host copy
+    where the request's dtype is the layer's."""
+    watch = asyncio.ensure_future(client_gone(request.receive))
+    try:
+        size = await serve_blob_into(
+            served, batcher, metrics, pinned.body, pinned.reply, True, watch
+        )
+    finally:
+        watch.cancel()
+    return BlobResponse([pinned.reply[:size]])  # its memoryview holds the pinned block till sent
+
+
 async def serve_blob(
     served: ServedLayer,
     batcher: DynamicBatcher,
@@ -211,15 +232,13 @@ async def serve_blob_into(
     body: memoryview,
     reply: memoryview,
     pinned: bool,
-    values_checked: bool,
     withdrawn: asyncio.Future,
     layer_dtype: bool = False,
 ) -> int:
     """A safetensors body -> its reply blob written into `reply`; the reply's size. `pinned`:
-    both lie in memory registered with CUDA; `values_checked`: every value was found finite;
-    `withdrawn` done: the client went away (see submit_unless_withdrawn); `layer_dtype`: the
-    output in the layer's dtype, not the request's (a front end writes it as JSON in that
-    dtype's shortest form).
+    both lie in memory registered with CUDA; `withdrawn` done: the client went away (see
+    submit_unless_withdrawn); `layer_dtype`: the output in the layer's dtype, not the request's
+    (a front end writes it as JSON in that dtype's shortest form).
 
     Where the engine runs batches on a GPU and the request's dtype is the layer's, the body is
     copied to the device from where it lies and the output from the device straight into
@@ -227,7 +246,7 @@ async def serve_blob_into(
     in."""
     name = served.name
     started = time.perf_counter()
-    inputs = await run_sized(len(body), lambda: _decode_blob(served, body, values_checked))
+    inputs = await run_sized(len(body), lambda: _decode_blob(served, body))
     metrics.observe_stage(name, "decode", time.perf_counter() - started)
     hidden = inputs.hidden_states
     options = RequestOptions()
@@ -301,12 +320,9 @@ def schedule_options(priority: int, timeout_us: int) -> RequestOptions:
     return RequestOptions(priority, timeout_us / 1e6 if timeout_us else None)
 
 
-def _decode_blob(
-    served: ServedLayer, body: bytes | memoryview, values_checked: bool = False
-) -> ForwardInputs:
+def _decode_blob(served: ServedLayer, body: bytes | memoryview) -> ForwardInputs:
     tensors = _load_blob(body)
-    hidden, logits = tensors["hidden_states"], tensors.get("router_logits")
-    return check_inputs(served, hidden, logits, values_checked)
+    return check_inputs(served, tensors["hidden_states"], tensors.get("router_logits"))
 
 
 def _encode_blob(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.config import MoEConfig
-from kernels.input_checks import InputError, _all_fit_on_device, check_values
+from kernels.input_checks import InputError, check_values, finite_flag
 from kernels.layer import LayerWeights, MoELayer, RouterWeights, build_layer
 from kernels.random_weights import random_expert_weights
 from kernels.tensors import ForwardInputs
@@ -93,16 +93,18 @@ def test_value_check_refuses_hidden_states_the_layer_dtype_cannot_hold(
         (torch.float32, 3.4e38, None, True),
     ],
 )
-def test_the_one_flag_check_of_device_inputs_agrees_with_the_named_checks(
+def test_the_flag_of_a_staged_batch_agrees_with_the_named_checks(
     layer_dtype: torch.dtype, hidden_value: float, logit_value: float | None, fits: bool
 ) -> None:
-    """_all_fit_on_device runs on any device: here it is checked against check_values on the
-    CPU, which a GPU request falls back to when the flag says no."""
+    """finite_flag runs on the batch as staged (hidden states cast to the layer's dtype; on any
+    device, here the CPU): it is down exactly when check_values, which the service then runs on
+    the wire inputs, names a value."""
     hidden = torch.zeros(3, 64)
     hidden[2, 5] = hidden_value
     logits = None if logit_value is None else torch.full((3, 4), logit_value)
     inputs = ForwardInputs(hidden, logits)
-    assert _all_fit_on_device(inputs, layer_dtype) is fits
+    staged = ForwardInputs(hidden.to(layer_dtype), logits)
+    assert bool(finite_flag(staged)) is fits
     if fits:
         check_values(inputs, layer_dtype)
     else:

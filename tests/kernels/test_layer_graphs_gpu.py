@@ -128,8 +128,8 @@ def test_graphs_with_client_logits_route_by_them() -> None:
 
 def test_each_copy_replays_its_own_inputs_and_checks_its_valid_rows_finite() -> None:
     """Two copies staged before either replays (as the service's two slots are) answer as their
-    own batches alone; a NaN in a valid row clears `finite`, one in a padded row does not (the
-    graph zeroes padding)."""
+    own batches alone; a NaN in a valid row clears `finite` and `inputs_finite`, one in a padded
+    row does not (the graph zeroes padding)."""
     cfg = LAYERS["demo-like"]
     weights = random_layer(cfg, CUDA, seed=6, router=True)
     layer, _ = build_layer(cfg, weights, CUDA, "triton")
@@ -147,10 +147,12 @@ def test_each_copy_replays_its_own_inputs_and_checks_its_valid_rows_finite() -> 
             eager = layer.forward(ForwardInputs(x))
             assert torch.equal(replay.output.routing.topk_ids, eager.routing.topk_ids)
             assert relative_error(replay.output.output, eager.output) < TOLERANCE["demo-like"]
-            assert int(replay.finite) == 1
+            assert (int(replay.finite), int(replay.inputs_finite)) == (1, 1)
             expected = expert_tokens(eager.routing.topk_ids, cfg.num_experts)
             assert torch.equal(replay.expert_tokens, expected)
         poisoned = batches[0].clone()
         poisoned[2, 7] = float("nan")
-        assert int(graphs.forward(ForwardInputs(poisoned), copy=1).finite) == 0
-        assert int(graphs.forward(ForwardInputs(batches[0]), copy=1).finite) == 1
+        flagged = graphs.forward(ForwardInputs(poisoned), copy=1)
+        assert (int(flagged.finite), int(flagged.inputs_finite)) == (0, 0)
+        clean = graphs.forward(ForwardInputs(batches[0]), copy=1)
+        assert (int(clean.finite), int(clean.inputs_finite)) == (1, 1)

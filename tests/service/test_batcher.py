@@ -16,7 +16,7 @@ from kernels.random_weights import random_expert_weights
 from kernels.tensors import ForwardInputs
 from service.batcher import BatchPolicy, DynamicBatcher
 from service.engine import Engine
-from service.errors import ForwardFailed, NonFiniteOutput, NotReady, Overloaded
+from service.errors import BadInput, ForwardFailed, NonFiniteOutput, NotReady, Overloaded
 from service.metrics import Metrics
 from tests.service.layers import TINY, E, H, TinyLayer, reference_forward, tiny_layers
 
@@ -215,6 +215,46 @@ def test_rows_whose_output_overflows_fail_only_their_request_and_are_counted() -
     )
     torch.testing.assert_close(good.output, reference_forward(TINY, fine))
     assert metrics.nonfinite_forwards.labels(TINY)._value.get() == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (float("nan"), "hidden_states holds NaN or Inf (first at row 3, column 5)"),
+        (float("-inf"), "hidden_states holds NaN or Inf (first at row 3, column 5)"),
+    ],
+)
+def test_a_request_with_a_nonfinite_value_gets_its_400_and_its_batch_is_served(
+    value: float, message: str
+) -> None:
+    """Values are checked with the batch (its flag), not before it: the request at fault is
+    refused naming its value, whichever chunk holds it, and its batch-mates are answered."""
+    engine = RecordingEngine(tiny_layers())
+    metrics = Metrics()
+    bad_rows = rows(6, 0)
+    bad_rows[3, 5] = value
+    fine = rows(2, 1)
+
+    async def main():
+        batcher = DynamicBatcher(engine, BatchPolicy(4, 0.05, 16), metrics)
+        batcher.start()
+        try:
+            return await asyncio.wait_for(
+                asyncio.gather(
+                    batcher.submit(TINY, ForwardInputs(fine)),
+                    batcher.submit(TINY, ForwardInputs(bad_rows)),
+                    return_exceptions=True,
+                ),
+                WAIT_S,
+            )
+        finally:
+            await batcher.close()
+
+    good, bad = asyncio.run(main())
+    assert isinstance(bad, BadInput)
+    assert (bad.status, bad.message) == (400, message)
+    torch.testing.assert_close(good.output, reference_forward(TINY, fine))
+    assert metrics.nonfinite_forwards.labels(TINY)._value.get() == 0  # the input's fault
 
 
 def test_a_chunked_request_names_its_own_row() -> None:

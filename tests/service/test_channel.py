@@ -77,14 +77,14 @@ def test_forwards_match_the_reference_and_their_done_records_are_counted() -> No
 
     async def body(_engine, metrics, client):
         regions = [_lay(client, x) for x in inputs]
-        replies = await asyncio.gather(*(client.forward(TINY, r, True, _never) for r in regions))
+        replies = await asyncio.gather(*(client.forward(TINY, r, _never) for r in regions))
         for status in (200, 200, 499):
             client.done(FORWARD_ROUTE, status, 0.002)
         outputs = [
             decode_safetensors(bytes(client.arena.reply(region, reply.nbytes)))["output"]
             for region, reply in zip(regions, replies, strict=True)
         ]
-        await client.forward("nope", regions[0], True, _never)  # answered after the DONEs
+        await client.forward("nope", regions[0], _never)  # answered after the DONEs
         return replies, outputs, metrics.registry
 
     replies, outputs, registry = run(BatchPolicy(64, 0.01, 16), body)
@@ -99,12 +99,12 @@ def test_forwards_match_the_reference_and_their_done_records_are_counted() -> No
 
 def test_errors_keep_their_status_message_and_headers() -> None:
     async def body(engine, _metrics, client):
-        unknown = await client.forward("nope", _lay(client, rows(1, 0)), True, _never)
-        bad = await client.forward(TINY, _lay(client, torch.randn(2, H + 1)), True, _never)
+        unknown = await client.forward("nope", _lay(client, rows(1, 0)), _never)
+        bad = await client.forward(TINY, _lay(client, torch.randn(2, H + 1)), _never)
         engine.gate.clear()  # the first forward holds the engine; max_queue 1: the next is 429
-        held = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(1, 1)), True, _never))
+        held = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(1, 1)), _never))
         await asyncio.sleep(0.1)
-        full = await client.forward(TINY, _lay(client, rows(1, 2)), True, _never)
+        full = await client.forward(TINY, _lay(client, rows(1, 2)), _never)
         engine.gate.set()
         return unknown, bad, full, await held
 
@@ -120,14 +120,10 @@ def test_errors_keep_their_status_message_and_headers() -> None:
 def test_a_withdrawn_forward_leaves_the_queue_and_is_answered_499() -> None:
     async def body(engine, _metrics, client):
         engine.gate.clear()
-        running = asyncio.ensure_future(
-            client.forward(TINY, _lay(client, rows(3, 0)), True, _never)
-        )
+        running = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(3, 0)), _never))
         await asyncio.sleep(0.1)  # in the engine's forward (CPU: one at a time)
         gone = asyncio.Event()
-        queued = asyncio.ensure_future(
-            client.forward(TINY, _lay(client, rows(5, 1)), True, gone.wait)
-        )
+        queued = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(5, 1)), gone.wait))
         await asyncio.sleep(0.1)
         gone.set()  # the client went away: CANCEL
         withdrawn = await queued
@@ -143,11 +139,9 @@ def test_a_withdrawn_forward_leaves_the_queue_and_is_answered_499() -> None:
 def test_a_front_end_that_goes_away_takes_its_queued_forwards_with_it() -> None:
     async def body(engine, _metrics, client):
         engine.gate.clear()
-        running = asyncio.ensure_future(
-            client.forward(TINY, _lay(client, rows(3, 0)), True, _never)
-        )
+        running = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(3, 0)), _never))
         await asyncio.sleep(0.1)
-        queued = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(5, 1)), True, _never))
+        queued = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(5, 1)), _never))
         await asyncio.sleep(0.1)
         await client.close()  # the engine sees the socket close
         replies = await asyncio.gather(running, queued)

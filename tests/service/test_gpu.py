@@ -134,3 +134,29 @@ def test_an_output_that_overflows_on_the_gpu_answers_422_and_the_layer_still_ser
     assert 'moe_serve_nonfinite_forwards_total{layer="demo"}' in client.get("/metrics").text
     ok = client.post("/v1/layers/demo/forward", json={"hidden_states": [[0.01] * 256]})
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("tensor", ["hidden_states", "router_logits"])
+def test_a_nonfinite_input_on_the_gpu_answers_400_naming_it_and_the_layer_still_serves(
+    gpu_client, tensor: str
+) -> None:
+    """Values are checked on the device with the batch (the graph's input flag for hidden states
+    alone; the eager forward's with client logits): the request gets the 400 naming its value."""
+    client, _ = gpu_client
+    hidden = torch.randn(5, 256).bfloat16()
+    tensors = {"hidden_states": hidden, "router_logits": torch.randn(5, 8)}
+    tensors[tensor][3, 2] = float("inf")
+    r = client.post(
+        "/v1/layers/demo/forward",
+        content=safetensors.torch.save(tensors),
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"] == f"{tensor} holds NaN or Inf (first at row 3, column 2)"
+    fine = torch.randn(3, 256).bfloat16()
+    ok = client.post(
+        "/v1/layers/demo/forward",
+        content=safetensors.torch.save({"hidden_states": fine}),
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    assert ok.status_code == 200, ok.text

@@ -64,7 +64,7 @@ class EnqueuingEngine(Engine):
                         out = type(out)(target, out.routing)
                     outputs.append(out)
                 engine.writes.append("wrote")
-                return BatchResult(outputs, done.expert_tokens, done.times, True)
+                return BatchResult(outputs, done.expert_tokens, done.times, True, True)
 
         return Later()
 
