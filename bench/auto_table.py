@@ -7,8 +7,8 @@ failed or were wrong are never ranked):
 - `served_us`: each backend's median time as the service runs it, at every token count: the
   whole-layer forward replayed from a CUDA graph where the backend captures (`captured` names
   those), uncaptured where it cannot; `fastest`: the fastest there per count; `plan`: what auto
-  runs, per token count (`selection.token_plan`: one backend within 3% of the fastest at every
-  count, else the pair closest to it);
+  runs, per token count (`selection.token_plan`: the backend closest to the fastest alone, or
+  a pair switching once where that lowers the worst ratio to the fastest by more than 1%);
 - `times_us`: the modular forward uncaptured on fixed routing, its `order` (backends timed at
   every count, by geometric mean) and, where both ran, the token count from which DeepGEMM
   beats our Triton experts for good (`triton-or-deep-gemm` switches there).
@@ -164,6 +164,17 @@ def _times(rows: dict[str, dict[str, float]], marked: frozenset[str] = frozenset
     return lines
 
 
+def _plan_ratios(rule: dict) -> str:
+    """Per count, the served time of the backend the plan runs there over the fastest: computed
+    from the table's timings, not auto's own (`bench kernels --backends ...,auto` times that)."""
+    ratios = []
+    for m, row in rule["served_us"].items():
+        name = [n for start, n in rule["plan"] if start <= int(m)][-1]
+        ratios.append(f"M={m} {row[name] / min(row.values()):.3f}")
+    what = "the served time of the backend it runs over the fastest (computed from the times"
+    return f"{what} below, auto not timed): {', '.join(ratios)}"
+
+
 def summary(table: dict) -> str:
     """The table as markdown: per rule, auto's plan, the served and the modular median times."""
     lines = [f"# {table['device']} at {table['commit']}: median us per forward"]
@@ -171,7 +182,8 @@ def summary(table: dict) -> str:
         lines += ["", f"## {key}: {rule['shape']} (order: {', '.join(rule['order'])})", ""]
         if rule.get("plan"):
             steps = ", ".join(f"{name} from M={m}" for m, name in rule["plan"])
-            lines += [f"Auto runs {steps}. Served, whole layer (* replayed from a CUDA graph):"]
+            lines += [f"Auto runs {steps}; {_plan_ratios(rule)}.", ""]
+            lines += ["Served, whole layer (* replayed from a CUDA graph):"]
             lines += ["", *_times(rule["served_us"], frozenset(rule["captured"])), ""]
             lines += ["Modular forward, fixed routing, uncaptured:", ""]
         lines += _times(rule["times_us"])

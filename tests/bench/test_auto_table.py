@@ -173,6 +173,7 @@ def test_the_plan_and_the_fastest_per_count_come_from_the_served_timings() -> No
     parsed = selection.Rule.from_json("none/small", rule)
     assert parsed.plan == ((1, "triton"), (4, "oai-triton"))
     assert "Auto runs triton from M=1, oai-triton from M=4" in summary(rule_table(run))
+    assert "auto not timed): M=1 1.800, M=4 1.000, M=16 1.000." in summary(rule_table(run))
 
 
 def test_a_backend_captured_at_one_count_but_not_another_is_not_planned() -> None:

@@ -46,9 +46,9 @@ def test_the_plan_runs_the_fastest_per_count_from_the_first_count_it_wins() -> N
     assert _plan() == ((1, "triton"), (64, "oai-triton"))
 
 
-def test_one_backend_within_three_percent_everywhere_runs_alone() -> None:
+def test_one_backend_fastest_everywhere_runs_alone() -> None:
     close = {m: t | {"oai-triton": t["triton"] * 1.03} for m, t in SERVED.items()}
-    assert _plan(close) == ((1, "triton"),)  # no second layout for a 3% gain
+    assert _plan(close) == ((1, "triton"),)
     assert _plan(candidates=["oai-triton"]) == ((1, "oai-triton"),)
 
 
@@ -80,6 +80,44 @@ def test_with_more_than_two_winners_the_closest_pair_runs() -> None:
     abc = frozenset("abc")
     plan = selection.token_plan(three, ["a", "b", "c"], abc, abc)
     assert plan == ((1, "a"), (16, "b"))  # (a, b) is 2.7x off at 64; (a, c) or (b, c): 3x
+
+
+# served times (us): a and b tie at every count; each test slows one of them down somewhere
+TIE = {"1": {"a": 100.0, "b": 100.0}, "16": {"a": 200.0, "b": 200.0},
+       "256": {"a": 400.0, "b": 400.0}, "4096": {"a": 800.0, "b": 800.0}}  # fmt: skip
+AB = frozenset({"a", "b"})
+
+
+def _slower(times: dict, name: str, factors: dict[str, float]) -> dict:
+    return {m: t | {name: t[name] * factors.get(m, 1.0)} for m, t in times.items()}
+
+
+def test_a_backend_two_percent_off_at_one_count_gets_a_second_backend_there() -> None:
+    # a alone is 2% off at 256, b alone 2% off below it: the pair meets each count's fastest
+    served = _slower(_slower(TIE, "a", {"256": 1.02}), "b", {"1": 1.02, "16": 1.02})
+    assert selection.token_plan(served, ["a", "b"], AB, AB) == ((1, "a"), (256, "b"))
+    # b 2% off nowhere: it runs alone, no second layout
+    assert selection.token_plan(_slower(TIE, "a", {"256": 1.02}), ["a", "b"], AB, AB) == ((1, "b"),)
+
+
+def test_a_backend_within_half_a_percent_everywhere_runs_alone() -> None:
+    served = _slower(_slower(TIE, "a", {"256": 1.005}), "b", {"1": 1.005, "16": 1.005})
+    assert selection.token_plan(served, ["a", "b"], AB, AB) == ((1, "a"),)
+
+
+def test_a_pair_must_gain_more_than_the_margin_over_the_best_alone() -> None:
+    # c, timed at 4096 only (no option), is 5% faster there than a; b gains 0.5% on a there
+    served = _slower(_slower(TIE, "a", {"4096": 1.05}), "b", {"1": 1.06, "4096": 1.045})
+    served["4096"]["c"] = 800.0
+    assert selection.token_plan(served, ["a", "b", "c"], AB, AB) == ((1, "a"),)
+    served["4096"]["b"] = 800.0 * 1.02  # a gain of 3%: worth a second backend
+    assert selection.token_plan(served, ["a", "b", "c"], AB, AB) == ((1, "a"), (4096, "b"))
+
+
+def test_a_pair_switches_once_even_where_close_times_alternate() -> None:
+    # fastest per count: a, b, a, b, by 0.2-0.3% in the middle: the pair switches once
+    served = _slower(_slower(TIE, "a", {"16": 1.002, "4096": 1.05}), "b", {"1": 1.05, "256": 1.003})
+    assert selection.token_plan(served, ["a", "b"], AB, AB) == ((1, "a"), (4096, "b"))
 
 
 def _rule(plan: selection.Plan = ((1, "triton"), (64, "oai-triton"))) -> selection.Rule:

@@ -21,18 +21,20 @@ from tests.kernels.external_cases import layer_inputs, layer_weights, reference_
 pytestmark = pytest.mark.gpu
 
 CUDA = torch.device("cuda")
-PAIRS = {  # the pairs a measured H100 table can plan for these schemes
-    "deepseek-v3-small": ("triton", "deep-gemm"),
-    "gpt-oss-small": ("triton", "oai-triton"),
-    "gpt-oss-bf16-small": ("oai-triton", "triton"),
-}
+PAIRS = [  # the pairs a measured H100 table can plan for these schemes: (shape, (first, second))
+    ("deepseek-v3-small", ("triton", "deep-gemm")),
+    ("gpt-oss-small", ("triton", "oai-triton")),
+    ("gpt-oss-bf16-small", ("oai-triton", "triton")),
+    ("gpt-oss-bf16-small", ("triton", "oai-triton-unfused")),  # Mixtral's (bf16) from 256
+]
+IDS = [f"{name}:{first}<{second}" for name, (first, second) in PAIRS]
 SWITCH_AT = 16
 MAX_TOKENS = 96  # buckets 1, 2, 4, ..., 64, 96
 
 
-def _layer(name: str) -> MoELayer:
-    """The layer auto builds on `name` from a table planning its pair, switching at 16."""
-    cfg, (first, second) = SHAPES[name], PAIRS[name]
+def _layer(name: str, pair: tuple[str, str]) -> MoELayer:
+    """The layer auto builds on `name` from a table planning `pair`, switching at 16."""
+    cfg, (first, second) = SHAPES[name], pair
     for backend in (first, second):
         support = experts_backends()[backend].supports(cfg, CUDA)
         if not support:
@@ -51,23 +53,25 @@ def _layer(name: str) -> MoELayer:
 
 @pytest.mark.parametrize(("m", "crowded"), [(1, False), (15, False), (16, False), (17, False),
                                             (333, False), (1, True), (333, True)])  # fmt: skip
-@pytest.mark.parametrize("name", list(PAIRS))
+@pytest.mark.parametrize(("name", "pair"), PAIRS, ids=IDS)
 def test_the_switch_matches_the_reference_either_side_of_its_step(
-    name: str, m: int, crowded: bool
+    name: str, pair: tuple[str, str], m: int, crowded: bool
 ) -> None:
-    layer = _layer(name)
+    layer = _layer(name, pair)
     hidden, _, routing = layer_inputs(name, m, crowded)
     with torch.inference_mode():
         out = layer.kernel.forward(hidden, routing)
     err = relative_error(out, reference_output(name, m, crowded))
     ran = layer.kernel.experts.last_ran
-    assert ran == PAIRS[name][m >= SWITCH_AT]
+    assert ran == pair[m >= SWITCH_AT]
     assert err < tolerance(SHAPES[name]), f"{name} M={m} ({ran}): {err:.3g}"
 
 
-@pytest.mark.parametrize("name", list(PAIRS))
-def test_graphs_replay_equal_to_the_uncaptured_forward_at_every_bucket(name: str) -> None:
-    cfg, layer = SHAPES[name], _layer(name)
+@pytest.mark.parametrize(("name", "pair"), PAIRS, ids=IDS)
+def test_graphs_replay_equal_to_the_uncaptured_forward_at_every_bucket(
+    name: str, pair: tuple[str, str]
+) -> None:
+    cfg, layer = SHAPES[name], _layer(name, pair)
     assert can_capture(layer, CUDA)
     graphs = LayerGraphs(layer, CUDA, MAX_TOKENS, with_logits=True)
     buckets = token_buckets(MAX_TOKENS)
@@ -80,7 +84,7 @@ def test_graphs_replay_equal_to_the_uncaptured_forward_at_every_bucket(name: str
             eager = layer.forward(ForwardInputs(hidden, logits))
             replay = graphs.forward(ForwardInputs(hidden, logits)).output
             bucket = graphs.bucket(m)
-            where = f"{name} m={m} (bucket {bucket}: {PAIRS[name][bucket >= SWITCH_AT]})"
+            where = f"{name} m={m} (bucket {bucket}: {pair[bucket >= SWITCH_AT]})"
             assert torch.equal(replay.routing.topk_ids, eager.routing.topk_ids), where
             error = relative_error(replay.output, eager.output)
             assert error < tolerance(cfg), f"{where}: {error:.3g}"
