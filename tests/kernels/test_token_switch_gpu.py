@@ -68,7 +68,7 @@ def test_the_switch_matches_the_reference_either_side_of_its_step(
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_graphs_replay_equal_to_the_uncaptured_forward_at_every_bucket(name: str) -> None:
     cfg, layer = SHAPES[name], _layer(name)
-    assert can_capture(layer, CUDA)
+    assert can_capture(layer, CUDA, MAX_TOKENS)
     graphs = LayerGraphs(layer, CUDA, MAX_TOKENS, with_logits=True)
     buckets = token_buckets(MAX_TOKENS)
     sizes = sorted({1, SWITCH_AT - 1, SWITCH_AT, MAX_TOKENS} | {b + 1 for b in buckets[:-1]})
