@@ -23,7 +23,7 @@ from kernels.workspace import Workspace
 # The largest forward whose capacity is its token count. 256 covers the decode buckets (up to
 # 64 tokens) and the next few graph buckets (kernels.layer_graphs.token_buckets); at 256 a
 # DeepSeek-V3 layer (E=256, H=7168) holds 0.47 GB of fp8 batched input and deep-gemm-batched
-# 1.4 GB more (its input and bf16 output buffers), against about 0.7 GB at 64 tokens, where
+# 1.4 GB more (its input and bf16 output buffers), against about 0.8 GB at 64 tokens, where
 # DeepGEMM's 128-row alignment already sets the size.
 SYNC_FREE_TOKENS = 256
 
