@@ -1,7 +1,7 @@
 """Each external backend against its library called alone on the same inputs (issue 17, target 3:
 within 1.15x at every M).
 
-    python3 -m bench.external_alone --out DIR [--tokens 1,16,64,512,4096]
+    python3 -m bench.external_alone --out DIR [--tokens 1,16,64,512,4096] [--backends a,b]
 
 Per shape (DeepSeek-V3 for the DeepGEMM backends, gpt-oss for the triton_kernels ones) and token
 count, on one routing: the backend's modular forward (prepare, experts, finalize; routing
@@ -33,6 +33,7 @@ from kernels.arith import ceil_div, round_up
 from kernels.experts.deep_gemm import MASKED_M_ALIGNMENT
 from kernels.experts.oai_triton import ogs_routing
 from kernels.layer import build_layer
+from kernels.layer_graphs import kernel_can_capture
 from kernels.quant_scheme import FP8_BLOCK, ActQuant
 from kernels.quantize import quantize_activation
 from kernels.routing import route
@@ -153,7 +154,7 @@ def time_point(timer: Timer, kernel, hidden: torch.Tensor, routing: Routing) -> 
         kernel.forward(hidden, routing, workspace=private)
 
     alone = library_alone(kernel.experts, hidden, routing)
-    capturable = kernel.prepare_finalize.graph_capturable and kernel.experts.graph_capturable
+    capturable = kernel_can_capture(kernel, hidden.shape[0])
     row = {}
     for mode, capture in (("eager", False), ("captured", True)):
         row[f"{mode}_us"] = _time(timer, forward, capture) if capturable or not capture else None
@@ -163,10 +164,14 @@ def time_point(timer: Timer, kernel, hidden: torch.Tensor, routing: Routing) -> 
     return row
 
 
-def run(tokens: tuple[int, ...], plan: TimingPlan) -> list[dict]:
+def run(tokens: tuple[int, ...], plan: TimingPlan, only: frozenset[str]) -> list[dict]:
+    """The backends of BACKENDS named in `only`, at every token count."""
     timer = Timer(CUDA, plan)
     rows = []
-    for shape, backends in BACKENDS.items():
+    for shape, names in BACKENDS.items():
+        backends = [b for b in names if b in only]
+        if not backends:
+            continue
         cfg = SHAPES[shape]
         weights = random_layer(cfg, CUDA, seed=0)
         max_m = max(tokens)
@@ -215,11 +220,21 @@ def main() -> None:
     parser.add_argument(
         "--tokens", default="1,16,64,512,4096", help="token counts, comma-separated"
     )
+    known = [b for backends in BACKENDS.values() for b in backends]
+    parser.add_argument(
+        "--backends",
+        default=",".join(known),
+        help=f"backends to time, comma-separated (of {', '.join(known)})",
+    )
     args = parser.parse_args()
+    only = frozenset(args.backends.split(","))
+    if only - set(known):
+        parser.error(f"unknown backends {sorted(only - set(known))}; known: {', '.join(known)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     tokens = tuple(int(t) for t in args.tokens.split(","))
+    plan = TimingPlan(warmup=3, min_iters=5, max_iters=50, budget_s=0.15)
     with torch.inference_mode():
-        rows = run(tokens, TimingPlan(warmup=3, min_iters=5, max_iters=50, budget_s=0.15))
+        rows = run(tokens, plan, only)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "external_alone.json").write_text(json.dumps(rows, indent=1))
     text = table(rows)

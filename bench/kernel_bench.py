@@ -158,7 +158,7 @@ def time_captured(
 ) -> tuple[torch.Tensor | None, dict]:
     """The layer as served: captured in a CUDA graph of exactly hidden's rows and replayed.
     Returns the replay's output (None where it cannot be captured) and BackendResult fields."""
-    support = can_capture(layer, hidden.device)
+    support = can_capture(layer, hidden.device, hidden.shape[0])
     if not support:
         return None, {"not_captured": support.reason}
     m, with_logits = hidden.shape[0], layer.router.weight is None

@@ -32,6 +32,7 @@ import torch
 from kernels.arith import round_up
 from kernels.input_checks import finite_flag
 from kernels.layer import LayerOutput, MoELayer, expert_tokens, mask_rows
+from kernels.modular import ModularKernel
 from kernels.stages import YES, Support
 from kernels.tensors import ForwardInputs, Routing
 from kernels.workspace import Workspace
@@ -56,14 +57,27 @@ def token_buckets(max_tokens: int) -> tuple[int, ...]:
     return (*buckets, max_tokens)
 
 
-def can_capture(layer: MoELayer, device: torch.device) -> Support:
-    """Whether `layer` may run from whole-layer graphs on `device`, and why not."""
-    if device.type != "cuda":
-        return Support(False, "CUDA graphs need a CUDA device")
-    for stage in (layer.kernel.prepare_finalize, layer.kernel.experts):
+def kernel_can_capture(kernel: ModularKernel, max_tokens: int) -> Support:
+    """Whether `kernel`'s forwards of up to `max_tokens` tokens make no host sync, and why not."""
+    for stage in (kernel.prepare_finalize, kernel.experts):
         if not stage.graph_capturable:
             return Support(False, f"{stage.name} cannot be captured (it syncs with the host)")
+    limit = kernel.prepare_finalize.max_capture_tokens
+    if limit is not None and max_tokens > limit:
+        return Support(
+            False,
+            f"{kernel.prepare_finalize.name} syncs with the host above {limit} tokens "
+            f"(graphs up to {max_tokens} asked for)",
+        )
     return YES
+
+
+def can_capture(layer: MoELayer, device: torch.device, max_tokens: int) -> Support:
+    """Whether `layer` may run from whole-layer graphs of up to `max_tokens` tokens on `device`,
+    and why not."""
+    if device.type != "cuda":
+        return Support(False, "CUDA graphs need a CUDA device")
+    return kernel_can_capture(layer.kernel, max_tokens)
 
 
 @dataclass(frozen=True)

@@ -99,8 +99,7 @@ class Experts(ABC):
         if cls.format != Format.STANDARD:
             return Support(
                 False,
-                "the batched format's finalize sums each token's rows with index_add_ (atomic "
-                "adds on CUDA), in an order that varies",
+                "the batched format's rows per expert and its experts' tiles follow the batch size",
             )
         if not cls.has_invariant_mode:
             return Support(False, "no batch-invariant mode: its kernels change with the batch size")
@@ -159,6 +158,7 @@ class PrepareFinalize(ABC):
     name: ClassVar[str]
     format: ClassVar[Format]
     graph_capturable: ClassVar[bool] = False  # as Experts.graph_capturable, for both ends
+    max_capture_tokens: ClassVar[int | None] = None  # capturable up to this many tokens; None: any
 
     @classmethod
     def supports(cls, device: torch.device) -> Support:  # noqa: ARG003

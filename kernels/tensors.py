@@ -81,8 +81,8 @@ class Dispatched:
 
     STANDARD: `hidden` [M, K] and `topk_ids` [M, k] in *local* expert ids, -1 where the expert
     lives on another rank. BATCHED: `hidden` [E_local, max_tokens, K], only the first
-    `tokens_per_expert[e]` rows of expert e valid, and `source` [E_local, max_tokens] giving the
-    flat (token * k + slot) pair each row came from (-1 for padding), for finalize.
+    `tokens_per_expert[e]` rows of expert e valid, and `slots` [M, k] giving the row each
+    (token, slot) pair took within its expert's block (-1 where topk_ids is -1), for finalize.
     """
 
     hidden: torch.Tensor
@@ -91,7 +91,7 @@ class Dispatched:
     topk_ids: torch.Tensor  # [M, k] local ids
     topk_weights: torch.Tensor  # [M, k] float32; ones when applied on the input
     tokens_per_expert: torch.Tensor | None = None  # [E_local] int32, BATCHED only
-    source: torch.Tensor | None = None  # [E_local, max_tokens] int64, BATCHED only
+    slots: torch.Tensor | None = None  # [M, k] int64, BATCHED only
 
     @property
     def num_tokens(self) -> int:

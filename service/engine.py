@@ -130,7 +130,7 @@ class Engine:
         layer, selection = self.build(source)
         graphs = None
         if self.captures:
-            support = can_capture(layer, self.device)
+            support = can_capture(layer, self.device, self.chunk_tokens)
             if support:  # captured at warm-up; routed layers take no client logits in graphs
                 with_logits = layer.router.weight is None
                 graphs = LayerGraphs(

@@ -486,7 +486,7 @@ class EPEngine(Engine):
         """Capture a switched layer's graphs on every rank (between two forwards: holds the
         lock); a layer that cannot be captured runs eagerly."""
         served = self.get(name)
-        if not (self.captures and can_capture(served.layer, self.device)):
+        if not (self.captures and can_capture(served.layer, self.device, self.chunk_tokens)):
             return
         with_logits = served.layer.router.weight is None
         graphs = LayerGraphs(served.layer, self.device, self.chunk_tokens, with_logits)

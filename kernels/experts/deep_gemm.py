@@ -6,7 +6,9 @@ scales times FP8 activations with 1x128 group scales, through DeepGEMM's m-group
   sized for the worst case, so no host sync and the forward can be captured in a CUDA graph);
   after GEMM2 each token's k rows are weighed and summed (+ bias) in one pass.
 - `deep-gemm-batched` (batched format, decode): the *masked* GEMM over [E, max_m, K], computing
-  only the first tokens_per_expert[e] rows of each expert.
+  only the first tokens_per_expert[e] rows of each expert; the counts stay on the device and
+  max_m follows the batched prepare's host-decided capacity, so it makes no host sync either
+  (captured up to kernels.prepare_finalize.batched.SYNC_FREE_TOKENS tokens).
 
 Both: GEMM1 -> one Triton pass (`_triton/act_quant.py`: + bias, activation, fp8 1x128
 quantisation rounded as the reference's quantiser, scales written MN-major as DeepGEMM's TMA
@@ -186,10 +188,11 @@ def _mn_major(ws: Workspace, name: str, rows: int, k: int, batch: int = 0) -> to
 
 
 class DeepGemmBatchedExperts(DeepGemmBase):
-    """Batched format through the masked m-grouped GEMM (decode)."""
+    """Batched format through the masked m-grouped GEMM (decode), no host sync."""
 
     name: ClassVar[str] = "deep-gemm-batched"
     format: ClassVar[Format] = Format.BATCHED
+    graph_capturable: ClassVar[bool] = True  # counts on the device; shapes from the host's M
 
     def masked_gemm(self, a: tuple, w: tuple, out: torch.Tensor, counts: torch.Tensor,
                     expected_m: int) -> None:  # fmt: skip

@@ -181,6 +181,7 @@ class TritonExperts(_TritonBase):
 class TritonBatchedExperts(_TritonBase):
     name: ClassVar[str] = "triton-batched"
     format: ClassVar[Format] = Format.BATCHED
+    graph_capturable: ClassVar[bool] = True  # blocks past an expert's count exit on the device
 
     def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
         cfg = self.cfg

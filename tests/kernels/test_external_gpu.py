@@ -15,6 +15,7 @@ from kernels.accuracy import relative_error, tolerance
 from kernels.config import Activation, ActivationSpec
 from kernels.experts.reference import ReferenceExperts
 from kernels.layer_graphs import FINE_FROM, token_buckets
+from kernels.prepare_finalize.batched import SYNC_FREE_TOKENS
 from kernels.tensors import Routing
 from tests.kernels.external_cases import layer_inputs, layer_weights, modular, reference_output
 
@@ -110,6 +111,8 @@ DECODE_BUCKETS = token_buckets(FINE_FROM)  # 1, 2, 4, ..., 64
     ("name", "backend"),
     [
         ("deepseek-v3", "deep-gemm"),
+        ("deepseek-v3", "deep-gemm-batched"),
+        ("deepseek-v3", "triton-batched"),
         ("deepseek-v3", "triton-or-deep-gemm"),
         ("gpt-oss", "oai-triton"),
         ("gpt-oss", "oai-triton-unfused"),
@@ -139,10 +142,30 @@ def test_no_forward_up_to_the_largest_decode_bucket_syncs_with_the_host(
         assert err < tolerance(cfg), f"M={m}: {err:.3g}"
 
 
+@pytest.mark.parametrize("backend", ["deep-gemm-batched", "triton-batched"])
+def test_batched_forward_filling_its_capacity_makes_no_host_sync(backend: str) -> None:
+    """The batched prepare's largest sync-free forward with every token on the same k experts:
+    those experts' counts equal the capacity (M rows each), the rest are empty."""
+    name, m = "deepseek-v3-small", SYNC_FREE_TOKENS
+    cfg = SHAPES[name]
+    kernel = modular(selection.select(cfg, CUDA, backend).experts(cfg, layer_weights(name)))
+    hidden, _, routing = layer_inputs(name, m, crowded=True)
+    kernel.forward(hidden, routing)  # JIT compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = kernel.forward(hidden, routing)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    err = relative_error(out, reference_output(name, m, crowded=True))
+    assert err < tolerance(cfg), f"{err:.3g}"
+
+
 @pytest.mark.parametrize("m", [1, 333])
-def test_deep_gemm_skips_pairs_of_other_ranks_and_empty_experts(m: int) -> None:
+@pytest.mark.parametrize("backend", ["deep-gemm", "deep-gemm-batched"])
+def test_deep_gemm_skips_pairs_of_other_ranks_and_empty_experts(backend: str, m: int) -> None:
     """Expert-parallel ids (-1: another rank's expert) and experts nobody picked: the psum
-    layout gives them no rows, and their slots add nothing."""
+    layout (the batched prepare) gives them no rows, and their slots add nothing."""
     name = "deepseek-v3-small"
     cfg = SHAPES[name]
     weights = layer_weights(name)
@@ -152,6 +175,6 @@ def test_deep_gemm_skips_pairs_of_other_ranks_and_empty_experts(m: int) -> None:
     ids[:, 0] = torch.where(ids[:, 0] >= 0, 1, -1)  # expert 1 crowded, 0, 3, 6... empty
     routing = Routing(ids, routing.topk_weights)
     expected = modular(ReferenceExperts(cfg, weights)).forward(hidden, routing).float()
-    experts = selection.select(cfg, CUDA, "deep-gemm").experts(cfg, weights)
+    experts = selection.select(cfg, CUDA, backend).experts(cfg, weights)
     err = relative_error(modular(experts).forward(hidden, routing), expected)
     assert err < tolerance(cfg), f"{err:.3g}"

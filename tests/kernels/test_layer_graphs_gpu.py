@@ -73,7 +73,7 @@ def test_graph_replay_equals_the_uncaptured_forward_at_every_bucket(
     shared = SHARED if layer_name == "deepseek-like" else None
     weights = random_layer(cfg, CUDA, seed=3, router=True, shared_intermediate=shared)
     layer, _ = build_layer(cfg, weights, CUDA, backend)
-    assert can_capture(layer, CUDA)
+    assert can_capture(layer, CUDA, MAX_TOKENS)
     graphs = LayerGraphs(layer, CUDA, MAX_TOKENS, with_logits=False)
     with torch.inference_mode():
         graphs.capture()

@@ -64,7 +64,7 @@ def test_a_backend_not_timed_at_every_count_is_no_option() -> None:
 
 
 def test_a_captured_and_an_uncaptured_backend_never_share_a_layer() -> None:
-    # triton-batched cannot be captured: paired with triton every bucket would run uncaptured
+    # triton-batched, not in CAPTURED here: paired with triton every bucket would run uncaptured
     fast_prefill = SERVED | {"4096": {"triton": 8000.0, "triton-batched": 3000.0}}
     composable = STANDARD | {"triton-batched"}
     plan = selection.token_plan(fast_prefill, ["triton", "triton-batched"], CAPTURED, composable)

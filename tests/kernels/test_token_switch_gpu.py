@@ -72,7 +72,7 @@ def test_graphs_replay_equal_to_the_uncaptured_forward_at_every_bucket(
     name: str, pair: tuple[str, str]
 ) -> None:
     cfg, layer = SHAPES[name], _layer(name, pair)
-    assert can_capture(layer, CUDA)
+    assert can_capture(layer, CUDA, MAX_TOKENS)
     graphs = LayerGraphs(layer, CUDA, MAX_TOKENS, with_logits=True)
     buckets = token_buckets(MAX_TOKENS)
     sizes = sorted({1, SWITCH_AT - 1, SWITCH_AT, MAX_TOKENS} | {b + 1 for b in buckets[:-1]})

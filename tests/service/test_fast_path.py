@@ -124,7 +124,7 @@ def test_token_buckets_double_to_64_then_grow_by_a_quarter_in_steps_of_64() -> N
 def test_a_cpu_layer_is_not_captured_and_says_why() -> None:
     (tiny, _) = tiny_layers()
     layer, _ = build_layer(tiny.config, tiny.weights, CPU, "reference")
-    support = can_capture(layer, CPU)
+    support = can_capture(layer, CPU, 1)
     assert not support and "CUDA" in support.reason
 
 
