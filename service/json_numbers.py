@@ -12,9 +12,11 @@ times, and hold the GIL for as long).
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, TypeVar
 
 import numpy as np
@@ -137,7 +139,29 @@ def rows_to_array(name: str, value: Any, numbers_only: bool = False) -> np.ndarr
     for i, row in enumerate(value):
         if len(row) != width:
             raise BadInput(f"{name} is ragged: row 0 has {width} values, row {i} has {len(row)}")
-    return to_array(name, value, numbers_only)
+    if not numbers_only:
+        return to_array(name, value)
+    try:
+        return _packed_rows(value, width)
+    except struct.error:  # an array among the numbers: to_array names it
+        return to_array(name, value)
+
+
+@lru_cache(maxsize=64)
+def _row_format(width: int) -> struct.Struct:
+    return struct.Struct(f"{width}d")
+
+
+def _packed_rows(rows: list[list], width: int) -> np.ndarray:
+    """Rows of `width` numbers (ints and floats) -> float64 [T, width] through struct, a C loop
+    over each row's numbers (PyFloat_AsDouble, as numpy converts them): a third of the time of
+    numpy's conversion of nested lists, which finds their shape first. struct.error when a row
+    holds anything else (which would be an array here)."""
+    row = _row_format(width)
+    packed = bytearray(len(rows) * row.size)
+    for i, numbers in enumerate(rows):
+        row.pack_into(packed, i * row.size, *numbers)
+    return np.frombuffer(packed, np.float64).reshape(len(rows), width)
 
 
 @dataclass(frozen=True)
