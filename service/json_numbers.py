@@ -35,9 +35,9 @@ _ARRAY_BYTES = b"0123456789+-.eE[], \t\n\r"
 # are decoded at once (each costs a few times its size in memory) and how many threads sit in a
 # C parser holding the GIL, which the event loop needs to answer /health.
 _THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moe-json")
-# JSON work on up to this many bytes (a 64-token demo request, 200 KB, decodes in about 1 ms on a
-# CI core) runs on the event loop: the thread's two hops cost 0.2-0.4 ms per request there, and
-# the work is a few C calls (orjson, numpy's list conversion) that hold the GIL, so a thread
+# JSON work on up to this many bytes (a 64-token demo request, 200 KB, decodes in about 0.8 ms on
+# a CI core) runs on the event loop: a thread's two hops cost 0.2-0.4 ms per request there, and
+# the work is mostly a few C calls (orjson's parse and print) that hold the GIL, so a thread
 # freed the loop only between them. A DeepSeek-V3-sized body (64 tokens, 5.5 MB) goes to a thread.
 ON_LOOP_BYTES = 512 << 10
 # what a number costs as JSON text at most, about: float32's shortest form (up to 15 bytes,
