@@ -237,7 +237,7 @@ class FrontEnd:
                     ours = True
                 answer.status = reply.status
                 if reply.status == 200:
-                    blob = self.arena.reply(region, reply.nbytes)  # output [T, H], as hidden
+                    blob = self.arena.reply(region, reply.nbytes)  # output [T, H], as hidden_states
                     text = await run_sized(
                         arrays.hidden_states.size * NUMBER_BYTES, _json_reply, blob
                     )
