@@ -3,12 +3,13 @@ when, after the client starts sending, each function of the server's path is ent
 left (`<`), medians over the requests (issue 16, target 1).
 
     python -m bench.request_timeline --out DIR [--layers demo,deepseek-v3] [--tokens 1,64]
-        [--front-ends 8] [--requests 200]
+        [--front-ends 8] [--requests 200] [--body binary|json]
 
 Each layer is served by bench/service_server.py in one process and behind `--front-ends`
 processes, with bench/timeline_site/ on PYTHONPATH: its sitecustomize wraps the path's
 functions in every server process to stamp the shared monotonic clock (the list of points is
-there). A lean keep-alive client sends one bf16 binary request at a time (1 ms apart) and stamps
+there). A lean keep-alive client sends one bf16 request at a time (binary, or JSON with
+`--body json`; 1 ms apart) and stamps
 the same clock: `~sent` (its sendall returned), `~first byte`, `~done`. Where bench/request_path.py
 times each level alone, this shows the gaps between them (thread hops, process hops, the event
 loop's turns). The stamps cost a few microseconds each: compare timelines with each other, and
@@ -40,10 +41,12 @@ _WARMUP = 20
 _GAP_S = 0.001
 
 
-def _client(port: int, path: str, body: bytes, count: int) -> list[tuple[int, int, int, int]]:
+def _client(
+    port: int, path: str, body: bytes, media: str, count: int
+) -> list[tuple[int, int, int, int]]:
     """`count` requests -> (start, sent, first byte, done) perf_counter_ns of each."""
     head = (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/octet-stream\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {media}\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode()
     message, times = head + body, []
@@ -106,6 +109,14 @@ def timeline(times: list[tuple[int, int, int, int]], stamps: list[tuple[int, str
     return sorted(rows, key=lambda row: row["median_us"])
 
 
+def _body(hidden: torch.Tensor, kind: str) -> tuple[bytes, str]:
+    """`hidden` [T, H] bf16 as a forward's body of `kind` (binary or json) and its media type;
+    JSON as the service benchmark writes it (bench/service_bench.py: Python's json module)."""
+    if kind == "json":
+        return json.dumps({"hidden_states": hidden.float().tolist()}).encode(), "application/json"
+    return safetensors.torch.save({"hidden_states": hidden}), "application/octet-stream"
+
+
 def measure(
     layer: str, tokens: list[int], args: argparse.Namespace, work: Path
 ) -> tuple[list[dict], set[str]]:
@@ -123,14 +134,15 @@ def measure(
         with process(command, log, http_ready(url), 600, env=env):
             hidden = httpx.get(f"{url}/v1/layers/{layer}").json()["hidden_size"]
             for t in tokens:
-                body = safetensors.torch.save({"hidden_states": torch.randn(t, hidden).bfloat16()})
+                body, media = _body(torch.randn(t, hidden).bfloat16(), args.body)
                 for stamps_file in stamps_dir.glob("stamps-*.txt"):
                     stamps_file.write_text("")
                 forward = f"/v1/layers/{layer}/forward"
-                times = _client(port, forward, body, args.requests + _WARMUP)
+                times = _client(port, forward, body, media, args.requests + _WARMUP)
                 stamps, gone = _read_stamps(stamps_dir)
                 missing |= gone
                 results.append({"layer": layer, "front_ends": workers, "tokens": t,
+                                "body": args.body,
                                 "timeline": timeline(times, stamps)})  # fmt: skip
     return results, missing
 
@@ -138,7 +150,10 @@ def measure(
 def render(results: list[dict], missing: set[str]) -> str:
     lines = []
     for run in results:
-        lines += [f"## {run['layer']}, {run['tokens']} tokens, {run['front_ends']} front ends", "",
+        title = (
+            f"{run['layer']}, {run['tokens']} tokens, {run['body']}, {run['front_ends']} front ends"
+        )
+        lines += [f"## {title}", "",
                   "| us after the client starts sending | point |", "| ---: | --- |"]  # fmt: skip
         lines += [f"| {row['median_us']:,.0f} | {row['label']} |" for row in run["timeline"]]
         lines.append("")
@@ -152,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     parser.add_argument("--front-ends", type=int, default=8, help="0: one process only")
     parser.add_argument("--requests", type=int, default=200, help="timed, after 20 warm-up")
+    parser.add_argument("--body", choices=("binary", "json"), default="binary",
+                        help="the requests' body: bf16 safetensors or JSON")  # fmt: skip
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     tokens = [int(t) for t in args.tokens.split(",")]

@@ -47,7 +47,13 @@ from service.binary_forward import BINARY, FORWARD_PATH, JSON, plain_forward
 from service.body_arena import BodyArena, Region
 from service.channel import EngineClient, Reply
 from service.errors import BadInput, ShuttingDown, error_response
-from service.json_numbers import ForwardArrays, decode_forward_arrays, dumps, off_loop
+from service.json_numbers import (
+    NUMBER_BYTES,
+    ForwardArrays,
+    decode_forward_arrays,
+    dumps,
+    run_sized,
+)
 from service.middleware import (
     OPEN_PATHS,
     UNAUTHORIZED,
@@ -210,7 +216,7 @@ class FrontEnd:
                 )
                 if reply is None:
                     try:
-                        arrays = await off_loop(decode_forward_arrays, body)
+                        arrays = await run_sized(size, decode_forward_arrays, body)
                     except BadInput as err:
                         arrays, reply = None, Reply(err.status, error=err.message)
                     if arrays and not arrays.return_routing:
@@ -227,7 +233,10 @@ class FrontEnd:
                     ours = True
                 answer.status = reply.status
                 if reply.status == 200:
-                    text = await off_loop(_json_reply, self.arena.reply(region, reply.nbytes))
+                    blob = self.arena.reply(region, reply.nbytes)  # output [T, H], as hidden_states
+                    text = await run_sized(
+                        arrays.hidden_states.size * NUMBER_BYTES, _json_reply, blob
+                    )
                     response = Response(text, media_type=JSON, headers=answer.headers)
                 else:
                     response = _error_response(reply, answer.headers)

@@ -26,6 +26,10 @@ _HTTP = [
 _FRONT_END_MAIN = [
     ("__main__", "FrontEnd._forward", "fe_forward"),
     ("__main__", "FrontEnd._read_body", "fe_read_body"),
+    ("__main__", "FrontEnd._forward_json", "fe_forward_json"),
+    ("__main__", "decode_forward_arrays", "fe_decode_json"),
+    ("__main__", "_write_blob", "fe_write_blob"),
+    ("__main__", "_json_reply", "fe_encode_json"),
 ]
 _FRONT_END = [
     ("service.channel", "EngineClient.forward", "fe_engine"),
@@ -44,6 +48,8 @@ _ENGINE = [
     ("service.batcher", "DynamicBatcher._finish", "finish"),
     ("service.pipeline", "_InFlight.result", "result"),
     ("service.routes.forward", "_encode_blob", "encode"),
+    ("service.routes.forward", "_decode_json", "decode_json"),
+    ("service.routes.forward", "_encode_json", "encode_json"),
 ]
 
 

@@ -14,7 +14,7 @@ from starlette.types import Receive, Scope, Send
 
 from kernels.layer import LayerOutput
 from kernels.tensors import ForwardInputs
-from service import json_codec
+from service import json_codec, json_numbers
 from service.batcher import DynamicBatcher, RequestOptions
 from service.binary_forward import BINARY, FORWARD_PATH, JSON
 from service.deps import (
@@ -31,7 +31,6 @@ from service.engine import ServedLayer
 from service.errors import BadInput, ServiceError, UnsupportedMediaType
 from service.examples import DEMO_LOGITS, DEMO_ROWS
 from service.inputs import check_inputs
-from service.json_numbers import off_loop
 from service.metrics import Metrics
 from service.schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
 from service.server import client_gone
@@ -159,13 +158,16 @@ async def forward_json(
     options: RequestOptions,
 ) -> Response:
     """A JSON body -> the JSON reply (also run by service/fast_path.py)."""
-    # Parsing and printing thousands of floats takes tens of ms: off the event loop.
+    # A large body's numbers take tens of ms to parse and print: off the event loop.
     started = time.perf_counter()
-    inputs, want_routing = await off_loop(_decode_json, served, body)
+    inputs, want_routing = await json_numbers.run_sized(len(body), _decode_json, served, body)
     metrics.observe_stage(served.name, "decode", time.perf_counter() - started)
     result = await submit_while_connected(request, batcher, served.name, inputs, options)
     started = time.perf_counter()
-    reply = await off_loop(_encode_json, served, result, want_routing)
+    numbers = result.output.numel() + (2 * result.routing.topk_ids.numel() if want_routing else 0)
+    reply = await json_numbers.run_sized(
+        numbers * json_numbers.NUMBER_BYTES, _encode_json, served, result, want_routing
+    )
     metrics.observe_stage(served.name, "encode", time.perf_counter() - started)
     return Response(reply, media_type=JSON)
 

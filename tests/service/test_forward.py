@@ -15,6 +15,7 @@ from kernels.config import MoEConfig, RoutingConfig
 from kernels.layer import LayerWeights, RouterWeights
 from kernels.random_weights import random_expert_weights
 from kernels.routing import route
+from service import json_numbers
 from service.app import create_app
 from service.settings import Settings
 from tests.service.conftest import wait_ready
@@ -61,6 +62,39 @@ def test_json_forward_routes_by_the_given_logits_and_returns_routing(client: Tes
     assert torch.equal(torch.tensor(body["topk_ids"], dtype=torch.int32), expected.topk_ids)
     torch.testing.assert_close(torch.tensor(body["topk_weights"]), expected.topk_weights)
     torch.testing.assert_close(torch.tensor(body["output"]), reference_forward(TINY, x, logits))
+
+
+@pytest.mark.parametrize(
+    ("limit_at", "over", "threaded"),
+    [
+        ("body", 0, {"_encode_json"}),  # the body at the limit: decoded on the event loop
+        ("body", 1, {"_decode_json", "_encode_json"}),  # a byte over: on a JSON thread
+        ("reply", 0, set()),  # the reply's JSON at the limit: written on the event loop
+        ("reply", 1, {"_encode_json"}),
+    ],
+    ids=["body at the limit", "body over it", "reply at the limit", "reply over it"],
+)
+def test_json_work_on_either_side_of_the_on_loop_limit_gets_the_same_reply(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch, limit_at: str, over: int, threaded: set
+) -> None:
+    # numbers of a few bytes: the body is smaller than the reply is taken to be
+    x = (torch.randint(-8, 8, (5, H), generator=torch.Generator().manual_seed(0)) / 4).tolist()
+    body = json.dumps({"hidden_states": x}).encode()
+    sizes = {"body": len(body), "reply": 5 * H * json_numbers.NUMBER_BYTES}
+    assert sizes["body"] < sizes["reply"] - 1
+    expected = client.post(URL, content=body, headers={"Content-Type": JSON_TYPE})
+    ran, off_loop = set(), json_numbers.off_loop
+
+    async def spy(fn, *args):
+        ran.add(fn.__name__)
+        return await off_loop(fn, *args)
+
+    monkeypatch.setattr(json_numbers, "off_loop", spy)
+    monkeypatch.setattr(json_numbers, "ON_LOOP_BYTES", sizes[limit_at] - over)
+    r = client.post(URL, content=body, headers={"Content-Type": JSON_TYPE})
+    assert (r.status_code, expected.status_code) == (200, 200), r.text
+    assert r.content == expected.content
+    assert ran == threaded
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
@@ -184,6 +218,17 @@ BAD_JSON = {
 
 @pytest.mark.parametrize("case", BAD_JSON, ids=str)
 def test_bad_json_returns_4xx_naming_the_problem(client: TestClient, case: str) -> None:
+    body, status, message = BAD_JSON[case]
+    r = client.post(URL, json=body)
+    assert r.status_code == status, r.text
+    assert message in r.json()["error"]
+
+
+@pytest.mark.parametrize("case", BAD_JSON, ids=str)
+def test_bad_json_decoded_on_a_json_thread_gets_the_same_4xx(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    monkeypatch.setattr(json_numbers, "ON_LOOP_BYTES", 0)  # every body goes to a thread
     body, status, message = BAD_JSON[case]
     r = client.post(URL, json=body)
     assert r.status_code == status, r.text

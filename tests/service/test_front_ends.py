@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -23,7 +24,7 @@ from starlette.datastructures import Headers
 from service import json_codec, logs
 from service.body_arena import BLOCK_BYTES, REPLY_HEADER_BYTES, BodyArena
 from service.front_end import RELAYED, _answering, _blob_bytes, _json_reply, _write_blob
-from service.json_numbers import decode_forward_arrays
+from service.json_numbers import NUMBER_BYTES, ON_LOOP_BYTES, decode_forward_arrays
 from service.settings import Settings
 from service.wire import decode_safetensors, encode_safetensors
 from tests.service.layers import NO_ROUTER, TINY, H, reference_forward, running_front_ends
@@ -219,6 +220,42 @@ def test_json_forwards_are_decoded_by_the_front_end_and_equal_the_engines_reply(
         assert reply.headers["X-Request-ID"]
     expected = reference_forward(NO_ROUTER, x, logits)
     torch.testing.assert_close(torch.tensor(plain[-1].json()["output"]), expected)
+
+
+def _short_rows(tokens: int) -> list[list[float]]:
+    """[tokens, H] numbers of a few bytes each as JSON (-2.0 to 1.75 in quarters)."""
+    gen = torch.Generator().manual_seed(tokens)
+    return (torch.randint(-8, 8, (tokens, H), generator=gen) / 4).tolist()
+
+
+REPLY_AT_LIMIT = ON_LOOP_BYTES // (H * NUMBER_BYTES)  # tokens whose reply is taken to fill it
+
+
+@pytest.mark.parametrize(
+    ("tokens", "pad_to"),
+    [
+        (3, ON_LOOP_BYTES),  # the body at the limit: decoded on the event loop
+        (3, ON_LOOP_BYTES + 1),  # a byte over: on a JSON thread
+        (REPLY_AT_LIMIT, 0),  # the reply's JSON at the limit: written on the event loop
+        (REPLY_AT_LIMIT + 1, 0),
+    ],
+    ids=["body at the limit", "body over it", "reply at the limit", "reply over it"],
+)
+def test_json_forwards_on_either_side_of_the_on_loop_limit_equal_the_engines_reply(
+    front_ends, tokens: int, pad_to: int
+) -> None:
+    rows = _short_rows(tokens)
+    text = json.dumps({"hidden_states": rows}).encode()
+    assert len(text) <= ON_LOOP_BYTES  # the body itself is decoded on the loop unless padded
+    text += b" " * max(0, pad_to - len(text))  # JSON's whitespace: the same numbers
+    url = f"{_url(front_ends)}/v1/layers/{TINY}/forward"
+    headers = {"Content-Type": "application/json"}
+    reply = httpx.post(url, content=text, headers=headers)
+    relayed = httpx.post(f"{url}?priority=0", content=text, headers=headers)  # the engine's
+    assert (reply.status_code, relayed.status_code) == (200, 200), reply.text
+    assert reply.content == relayed.content
+    expected = reference_forward(TINY, torch.tensor(rows))
+    torch.testing.assert_close(torch.tensor(reply.json()["output"]), expected)
 
 
 @pytest.mark.parametrize(

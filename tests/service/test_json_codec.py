@@ -3,13 +3,14 @@ in their dtype's shortest form."""
 
 from __future__ import annotations
 
+import numpy as np
 import orjson
 import pytest
 import torch
 
 from service.errors import BadInput
 from service.json_codec import array_to_tensor, decode_forward, dumps, rows_to_tensor
-from service.json_numbers import FORWARD_FIELDS, arrays_hold_only_numbers
+from service.json_numbers import FORWARD_FIELDS, arrays_hold_only_numbers, rows_to_array
 from service.schemas import ForwardRequest
 
 
@@ -119,6 +120,32 @@ def test_decode_forward_equals_the_item_checked_decode() -> None:
     decoded = decode_forward(body)
     assert torch.equal(decoded.hidden_states, rows_to_tensor("h", rows))
     assert torch.equal(decoded.router_logits, rows_to_tensor("l", rows))
+
+
+AWKWARD_NUMBERS = [0, -0.0, 3, -7, 2**53 + 1, 2**63 + 1, 18446744073709551615, 5e-324, 1e-45,
+                   1.5e-39, 1e39, -1.7976931348623157e308, 0.1, 1 / 3]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [AWKWARD_NUMBERS],
+        [[x] for x in AWKWARD_NUMBERS],
+        orjson.loads(orjson.dumps(torch.randn(37, 129, dtype=torch.float64).tolist())),
+    ],
+    ids=["one row", "one column", "37x129"],
+)
+def test_rows_of_only_numbers_convert_bit_for_bit_as_numpy_converts_them(rows) -> None:
+    # numbers_only takes the packed path; numpy's conversion of the nested lists is its twin
+    packed = rows_to_array("h", rows, numbers_only=True)
+    expected = np.array(rows, dtype=np.float64)
+    assert packed.shape == expected.shape
+    assert packed.tobytes() == expected.tobytes()
+
+
+def test_an_array_among_numbers_found_only_by_the_packed_path_is_named() -> None:
+    with pytest.raises(BadInput, match=r"h\[1\]\[2\] is \[5\]; expected a number"):
+        rows_to_array("h", [[1, 2, 3], [4, 5, [5]]], numbers_only=True)
 
 
 def test_the_forward_fields_are_the_schemas() -> None:
