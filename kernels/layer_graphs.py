@@ -115,6 +115,8 @@ class LayerGraphs:
 
     `with_logits`: the graphs take router logits from the client ([bucket, E] float32 input)
     instead of computing them with the stored router; a layer has one kind or the other.
+    `input_rows`: static inputs of at least this many rows, for a caller that also runs larger
+    batches from them eagerly (service/pipeline.py's slots, above a backend's capture limit).
     """
 
     def __init__(
@@ -124,13 +126,14 @@ class LayerGraphs:
         max_tokens: int,
         with_logits: bool,
         copies: int = 1,
+        input_rows: int = 0,
     ) -> None:
         cfg = layer.cfg
         self.layer = layer
         self.device = device
         self.with_logits = with_logits
         self.buckets = token_buckets(max_tokens)
-        top = self.buckets[-1]
+        top = max(self.buckets[-1], input_rows)  # the static inputs' rows
 
         def static_inputs() -> GraphInputs:
             logits = None

@@ -130,11 +130,15 @@ class Engine:
         layer, selection = self.build(source)
         graphs = None
         if self.captures:
-            support = can_capture(layer, self.device, self.chunk_tokens)
+            # a backend that syncs above some size (the batched formats) is captured up to it
+            # and runs eagerly above
+            limit = layer.kernel.prepare_finalize.max_capture_tokens or self.chunk_tokens
+            graph_tokens = min(self.chunk_tokens, limit)
+            support = can_capture(layer, self.device, graph_tokens)
             if support:  # captured at warm-up; routed layers take no client logits in graphs
                 with_logits = layer.router.weight is None
                 graphs = LayerGraphs(
-                    layer, self.device, self.chunk_tokens, with_logits, copies=DEPTH
+                    layer, self.device, graph_tokens, with_logits, DEPTH, self.chunk_tokens
                 )
             else:
                 log.info("layer %s runs without CUDA graphs: %s", source.name, support.reason)

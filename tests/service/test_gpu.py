@@ -16,6 +16,7 @@ from kernels.layer import build_layer
 from kernels.layer_graphs import token_buckets
 from kernels.tensors import ForwardInputs
 from service.app import create_app
+from service.engine import Engine
 from service.settings import Settings
 from tests.service.conftest import wait_ready
 from weights.load import load_layer
@@ -160,3 +161,21 @@ def test_a_nonfinite_input_on_the_gpu_answers_400_naming_it_and_the_layer_still_
         headers={"Content-Type": "application/octet-stream"},
     )
     assert ok.status_code == 200, ok.text
+
+
+def test_a_backend_captured_up_to_its_limit_runs_larger_batches_eagerly(gpu_client) -> None:
+    """triton-batched syncs with the host above 256 tokens: its graphs stop there, and a larger
+    batch runs eagerly from the same slots, equal to the reference either side."""
+    _, cache = gpu_client
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    engine = Engine(cuda, backend="triton-batched", chunk_tokens=320)
+    served = engine.add(load_layer(cache / "demo", cuda))
+    assert served.graphs is not None and served.graphs.max_tokens == 256
+    engine.warm_up([1])
+    loaded = load_layer(cache / "demo", cpu)
+    reference, _ = build_layer(loaded.config, loaded.weights, cpu, "reference")
+    for tokens in (3, 256, 300):
+        hidden = torch.randn(tokens, loaded.config.hidden_size).bfloat16()
+        out = engine.start("demo", [ForwardInputs(hidden)]).result().outputs[0].output
+        expected = reference.forward(ForwardInputs(hidden)).output
+        assert relative_error(out, expected) < TOLERANCE["demo"], tokens
