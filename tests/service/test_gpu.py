@@ -179,3 +179,24 @@ def test_a_backend_captured_up_to_its_limit_runs_larger_batches_eagerly(gpu_clie
         out = engine.start("demo", [ForwardInputs(hidden)]).result().outputs[0].output
         expected = reference.forward(ForwardInputs(hidden)).output
         assert relative_error(out, expected) < TOLERANCE["demo"], tokens
+
+
+def test_small_and_large_parts_of_one_batch_each_get_their_rows(gpu_client) -> None:
+    """Small pinned parts go through the slot's buffers, large ones straight to and from the
+    device, pageable ones are staged: in one batch each part's output (into its own buffer
+    where it gave one) matches the same rows run alone."""
+    _, cache = gpu_client
+    cuda = torch.device("cuda")
+    engine = Engine(cuda, chunk_tokens=1024)
+    engine.add(load_layer(cache / "demo", cuda))
+    engine.warm_up([1])
+    sizes = [3, 600, 5, 2]  # 600 rows of bf16 H=256: over the in-place threshold
+    hidden = [torch.randn(t, 256).bfloat16() for t in sizes]
+    parts = [h.pin_memory() if i < 3 else h for i, h in enumerate(hidden)]
+    into = [torch.empty_like(h).pin_memory() if i in (0, 1) else None for i, h in enumerate(hidden)]
+    result = engine.start("demo", [ForwardInputs(p) for p in parts], into).result()
+    for i, (h, out) in enumerate(zip(hidden, result.outputs, strict=True)):
+        alone = engine.start("demo", [ForwardInputs(h)]).result().outputs[0].output
+        assert relative_error(out.output, alone) < TOLERANCE["demo"], i  # tiles differ by M
+        if into[i] is not None:
+            assert out.output.data_ptr() == into[i].data_ptr(), i
