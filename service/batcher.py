@@ -131,7 +131,7 @@ class _Request:
     def finish_piece(self, start: int, out: LayerOutput) -> None:
         """One forward's rows of this request; the request completes with its last piece."""
         into = self.output_into
-        if into is not None:
+        if into is not None and out.output is not into:  # a piece, or not written there
             rows = into[start : start + out.output.shape[0]]
             if rows.data_ptr() != out.output.data_ptr():  # the engine did not write it there
                 rows.copy_(out.output)
@@ -162,15 +162,24 @@ class _Piece:
     start: int  # first row of the request in this forward
     rows: int
 
+    @property
+    def whole(self) -> bool:
+        """The piece is its whole request (no views to make: a torch slice costs microseconds)."""
+        return self.rows == self.request.tokens
+
     def inputs(self) -> ForwardInputs:
         x = self.request.inputs
+        if self.whole:
+            return x
         rows = slice(self.start, self.start + self.rows)
         logits = x.router_logits
         return ForwardInputs(x.hidden_states[rows], None if logits is None else logits[rows])
 
     def output_into(self) -> torch.Tensor | None:
         into = self.request.output_into
-        return None if into is None else into[self.start : self.start + self.rows]
+        if into is None or self.whole:
+            return into
+        return into[self.start : self.start + self.rows]
 
     def ended(self) -> None:
         """Its forward finished or failed: the device no longer touches its rows."""
