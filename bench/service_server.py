@@ -43,6 +43,7 @@ from service import logs
 from service.app import LayerLoader, create_app
 from service.engine import LayerSource, ServedLayer
 from service.front_ends import FrontEnds
+from service.interpreter import collect_less
 from service.server import listen, server_config
 from service.settings import Settings
 
@@ -180,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.layer != DEMO and args.layer not in SHAPES:
         parser.error(f"unknown layer {args.layer!r}")
     settings = build_settings(args)
+    collect_less()  # as `moe-serve serve` does
     if args.http_workers:  # as `moe-serve serve --http-workers N` runs
         front_ends = FrontEnds(settings, listen("127.0.0.1", args.port))
         app = build_app(settings, args, front_ends)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import sys
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +48,7 @@ from service.errors import (
     ShuttingDown,
     UnknownLayer,
 )
+from service.interpreter import switch_gil_often
 from service.metrics import Metrics
 from service.pipeline import BatchResult
 from service.wire import OFF_LOOP_BYTES
@@ -56,11 +56,6 @@ from service.wire import OFF_LOOP_BYTES
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = "1"
-# How long a thread that wants the GIL waits before the holder must let go (Python's default is
-# 5 ms). The launcher and completer threads hand every batch to and from the device; behind an
-# event loop that is busy with requests they waited up to the default for the GIL, and the GPU
-# idled meanwhile.
-GIL_SWITCH_S = 0.0005
 DRAIN_POLL_S = 0.005  # how often remove_layer looks whether a layer's requests are done
 T = TypeVar("T")
 DEFAULT_PRIORITY = 0  # as KServe/Triton: 0 (or none) is the default level, after every other
@@ -240,7 +235,7 @@ class DynamicBatcher:
         self._launching = asyncio.Lock()
         self._closing = False
         if engine.enqueues:  # process-wide: this process serves the device
-            sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
+            switch_gil_often()
 
     def start(self) -> None:
         self._tasks = [

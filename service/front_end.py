@@ -47,6 +47,7 @@ from service.binary_forward import BINARY, FORWARD_PATH, JSON, plain_forward
 from service.body_arena import BodyArena, Region
 from service.channel import EngineClient, Reply
 from service.errors import BadInput, ShuttingDown, error_response
+from service.interpreter import collect_less
 from service.json_numbers import (
     NUMBER_BYTES,
     ForwardArrays,
@@ -327,6 +328,7 @@ class FrontEnd:
                 return
             finally:
                 self.arena.unlink()  # both processes have it mapped (or it failed)
+        collect_less()
         await send({"type": "lifespan.startup.complete"})
         await receive()  # lifespan.shutdown
         await self.engine.close()

@@ -107,10 +107,10 @@ class _Run:
     alone: bool
 
 
-# A part smaller than this goes through the slot's pinned buffers even where it could be copied
-# to and from the device in place: a host copy of it costs less than a copy of its own on each
-# stream, and than asking CUDA whether its memory is pinned (py-spy, H100 host: 8 front ends of
-# 64-token demo requests spent a fifth of the engine's loop on those per-part calls).
+# A part smaller than this is staged in the slot's pinned buffer even where it could be copied
+# to the device in place: a host copy of it costs less than a copy of its own and than asking
+# CUDA whether its memory is pinned (py-spy, H100 host: 8 front ends of 64-token demo requests
+# spent a tenth of the engine's loop on those per-part calls).
 DIRECT_BYTES = 256 << 10
 
 
@@ -122,12 +122,6 @@ def _copied_in_place(part: ForwardInputs, dtype: torch.dtype) -> bool:
         return True
     large = hidden.shape[0] * hidden.shape[1] * hidden.element_size() >= DIRECT_BYTES
     return large and hidden.dtype == dtype and hidden.is_pinned()
-
-
-def _written_in_place(into: torch.Tensor | None) -> bool:
-    """Whether a part's output is copied from the device straight into its `into` (see
-    _copied_in_place); otherwise through the slot's pinned buffer, then on the host."""
-    return into is not None and (into.is_cuda or into.numel() * into.element_size() >= DIRECT_BYTES)
 
 
 def _runs(sizes: Sequence[int], alone: Sequence[bool]) -> list[_Run]:
@@ -168,10 +162,6 @@ class _HostRows:
 
     def output(self, rows: slice) -> torch.Tensor:
         return torch.from_numpy(self._output[rows].copy()).view(self._dtype)
-
-    def output_into(self, rows: slice, into: torch.Tensor) -> None:
-        """The rows into `into` (host memory in the layer's dtype)."""
-        _bits(into)[...] = self._output[rows]
 
     def ids(self, rows: slice) -> torch.Tensor:
         return torch.from_numpy(self._ids[rows].copy())
@@ -280,8 +270,7 @@ class DevicePipeline:
         CUDA shared memory) or a large one in pinned memory in the layer's dtype is copied to
         the device from where it lies; the others through the slot's pinned buffer. A part with
         an `into` tensor (pinned host memory in the layer's dtype, or GPU memory) gets its
-        output rows there: from the device straight where it is on a GPU or large, else from the
-        slot's buffer as the result is taken. Both must stay untouched until the result is in."""
+        output rows copied straight there. Both must stay untouched until the result is in."""
         sizes = [p.hidden_states.shape[0] for p in parts]
         m = sum(sizes)
         with_logits = parts[0].router_logits is not None
@@ -305,16 +294,15 @@ class DevicePipeline:
                 h2d.append((rows, slot.hidden[0][rows], logits))
             slot.valid_rows.fill_(m)
             stage_s = time.perf_counter() - started
-            in_place = [_written_in_place(t) for t in into]
             d2h = [  # (rows, their target: a part's own `into`, else the slot's buffer)
                 (run, into[run.parts[0]] if run.alone else slot.output[0][run.begin : run.end])
-                for run in _runs(sizes, in_place)
+                for run in _runs(sizes, [t is not None for t in into])
             ]
             self._enqueue(served, slot, m, with_logits, h2d, d2h)
         except BaseException:
             self._release(served, slot)
             raise
-        return _InFlight(self, served, slot, sizes, stage_s, into, in_place)
+        return _InFlight(self, served, slot, sizes, stage_s, into)
 
     def _enqueue(
         self,
@@ -393,7 +381,6 @@ class _InFlight:
         sizes: list[int],
         stage_s: float,
         into: list[torch.Tensor | None],
-        in_place: list[bool],
     ) -> None:
         self.pipeline = pipeline
         self.served = served
@@ -401,7 +388,6 @@ class _InFlight:
         self.sizes = sizes
         self.stage_s = stage_s
         self.into = into
-        self.in_place = in_place  # whose `into` the device wrote
 
     def result(self) -> BatchResult:
         slot = self.slot
@@ -412,15 +398,10 @@ class _InFlight:
             # makes a few per part on the path of every request.
             host = slot.host
             outputs, begin = [], 0
-            for size, target, in_place in zip(self.sizes, self.into, self.in_place, strict=True):
+            for size, target in zip(self.sizes, self.into, strict=True):
                 rows = slice(begin, begin + size)
                 begin += size
-                if target is None:
-                    output = host.output(rows)
-                else:
-                    if not in_place:
-                        host.output_into(rows, target)
-                    output = target
+                output = target if target is not None else host.output(rows)
                 outputs.append(LayerOutput(output, Routing(host.ids(rows), host.weights(rows))))
             times = StageTimes(
                 forward_s=slot.seconds("forward_start", "forward_end"),

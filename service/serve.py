@@ -16,6 +16,7 @@ from service import logs, tracing
 from service.app import create_app
 from service.ep_layers import initial_placement, rank_device
 from service.front_ends import FrontEnds
+from service.interpreter import collect_less
 from service.server import listen, server_config
 from service.settings import Settings
 from weights.demo import demo_configs
@@ -159,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         sockets = [listener]
     # a start that fails after the checks above (a layer's data, the device) ends the process
     app.state.runtime.on_start_failure = lambda: setattr(server, "should_exit", True)
+    collect_less()
     server.run(sockets=sockets)
     return 1 if app.state.runtime.start_failed else 0
 

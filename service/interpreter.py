@@ -1,0 +1,34 @@
+"""Process-wide interpreter settings of a serving process (the engine process, a front end).
+
+The garbage collector: a request allocates a few hundred Python objects (tasks, futures,
+dataclasses, tensor wrappers), so with CPython's default thresholds (700, 10, 10) a young
+collection ran every few requests, and every tenth of those walked again the middle
+generation. `gc.freeze()` once the process has started moves everything alive then (modules,
+torch's and FastAPI's objects: millions) out of every later collection, and higher thresholds
+make collections rarer. Measured on the H100 host (demo layer, 256 clients of 64-token
+requests, 8 front ends, the same tree with and without): 5,730 against 4,540 req/s, means of
+four runs of 4 s.
+
+The GIL's switch interval, in a process that runs batches on a GPU: the launcher and completer
+threads hand every batch to and from the device, and behind an event loop busy with requests
+they waited up to Python's default 5 ms for the GIL while the GPU idled.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+
+GC_THRESHOLDS = (50_000, 50, 100)
+GIL_SWITCH_S = 0.0005
+
+
+def collect_less() -> None:
+    """Once in a serving process, as it starts to serve: not in a library call or a test
+    process, where what is alive at the call would never be collected."""
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
+def switch_gil_often() -> None:
+    sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
