@@ -2,12 +2,15 @@
 
 The garbage collector: a request allocates a few hundred Python objects (tasks, futures,
 dataclasses, tensor wrappers), so with CPython's default thresholds (700, 10, 10) a young
-collection ran every few requests, and every tenth of those walked again the middle
-generation. `gc.freeze()` once the process has started moves everything alive then (modules,
-torch's and FastAPI's objects: millions) out of every later collection, and higher thresholds
-make collections rarer. Measured on the H100 host (demo layer, 256 clients of 64-token
-requests, 8 front ends, the same tree with and without): 5,730 against 4,540 req/s, means of
-four runs of 4 s.
+collection ran every few requests, and the full ones walked the millions of objects torch and
+FastAPI leave at import. `gc.freeze()` once the process has started moves everything alive then
+out of every later collection, and somewhat higher thresholds make collections rarer (much
+higher ones make each young collection a pause of its own). Measured on the H100 host, demo
+layer, 256 clients of 64-token requests behind 8 front ends, means of 4 s runs in one device
+call each: nothing 4,540 req/s against freeze and (50,000, 50, 100) 5,730 (four runs each); in
+a later call freeze alone 4,940, freeze and (50,000, 50, 100) 4,580, freeze and (5,000, 20,
+20) 5,430 req/s, with the lowest p99 (two runs each). The host's speed varies between calls by
+a quarter: compare within one.
 
 The GIL's switch interval, in a process that runs batches on a GPU: the launcher and completer
 threads hand every batch to and from the device, and behind an event loop busy with requests
@@ -19,7 +22,7 @@ from __future__ import annotations
 import gc
 import sys
 
-GC_THRESHOLDS = (50_000, 50, 100)
+GC_THRESHOLDS = (5_000, 20, 20)
 GIL_SWITCH_S = 0.0005
 
 
