@@ -183,6 +183,23 @@ def test_close_drains_queued_requests_then_refuses_new_ones() -> None:
     torch.testing.assert_close(result.output, reference_forward(TINY, x))
 
 
+def submit_together(
+    engine: Engine, policy: BatchPolicy, metrics: Metrics, *hidden: torch.Tensor
+) -> list[object]:
+    """Each of `hidden` submitted at once to layer TINY; its output or what it raised."""
+
+    async def main():
+        batcher = DynamicBatcher(engine, policy, metrics)
+        batcher.start()
+        try:
+            submits = [batcher.submit(TINY, ForwardInputs(h)) for h in hidden]
+            return await asyncio.wait_for(asyncio.gather(*submits, return_exceptions=True), WAIT_S)
+        finally:
+            await batcher.close()
+
+    return asyncio.run(main())
+
+
 def test_rows_whose_output_overflows_fail_only_their_request_and_are_counted() -> None:
     engine = RecordingEngine(tiny_layers())
     metrics = Metrics()
@@ -190,22 +207,7 @@ def test_rows_whose_output_overflows_fail_only_their_request_and_are_counted() -
     overflowing[2, 5] = 1e30  # finite, but the experts' products overflow float32
     fine = rows(2, 1)
 
-    async def main():
-        batcher = DynamicBatcher(engine, BatchPolicy(64, 0.05, 16), metrics)
-        batcher.start()
-        try:
-            return await asyncio.wait_for(
-                asyncio.gather(
-                    batcher.submit(TINY, ForwardInputs(overflowing)),
-                    batcher.submit(TINY, ForwardInputs(fine)),
-                    return_exceptions=True,
-                ),
-                WAIT_S,
-            )
-        finally:
-            await batcher.close()
-
-    bad, good = asyncio.run(main())
+    bad, good = submit_together(engine, BatchPolicy(64, 0.05, 16), metrics, overflowing, fine)
     assert engine.batch_sizes == [5]  # one forward for both
     assert isinstance(bad, NonFiniteOutput)
     assert bad.status == 422
@@ -235,22 +237,7 @@ def test_a_request_with_a_nonfinite_value_gets_its_400_and_its_batch_is_served(
     bad_rows[3, 5] = value
     fine = rows(2, 1)
 
-    async def main():
-        batcher = DynamicBatcher(engine, BatchPolicy(4, 0.05, 16), metrics)
-        batcher.start()
-        try:
-            return await asyncio.wait_for(
-                asyncio.gather(
-                    batcher.submit(TINY, ForwardInputs(fine)),
-                    batcher.submit(TINY, ForwardInputs(bad_rows)),
-                    return_exceptions=True,
-                ),
-                WAIT_S,
-            )
-        finally:
-            await batcher.close()
-
-    good, bad = asyncio.run(main())
+    good, bad = submit_together(engine, BatchPolicy(4, 0.05, 16), metrics, fine, bad_rows)
     assert isinstance(bad, BadInput)
     assert (bad.status, bad.message) == (400, message)
     torch.testing.assert_close(good.output, reference_forward(TINY, fine))
