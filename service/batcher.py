@@ -99,7 +99,9 @@ class _Request:
     output_into: torch.Tensor | None = None
     taken: int = 0  # rows handed to forwards so far
     running: int = 0  # pieces launched and not finished
-    settled: asyncio.Event = field(default_factory=asyncio.Event)  # set while running is 0
+    # made only for a caller that must wait for `running` to reach 0 (one event per request
+    # was a measurable share of the engine's loop under load); set once it has
+    settled: asyncio.Event | None = None
     pieces_taken: int = 0  # forwards it has rows in
     pieces: list[tuple[int, LayerOutput]] = field(default_factory=list)  # (first row, rows)
     done_rows: int = 0
@@ -180,7 +182,7 @@ class _Piece:
         """Its forward finished or failed: the device no longer touches its rows."""
         request = self.request
         request.running -= 1
-        if not request.running:
+        if not request.running and request.settled is not None:
             request.settled.set()
 
 
@@ -289,7 +291,6 @@ class DynamicBatcher:
             tracing.current_context(), tracing.now_ns(), inputs.hidden_states.shape[0]
         )
         request = _Request(inputs, options, loop.time(), loop.create_future(), trace, output_into)
-        request.settled.set()
         q.requests += 1
         q.levels.setdefault(options.level, deque()).append(request)
         q.tokens += request.tokens
@@ -309,6 +310,7 @@ class DynamicBatcher:
             if request.running and request.lends_memory():
                 # the device may still read its inputs or write `output_into`: the caller
                 # must not reuse them before
+                request.settled = asyncio.Event()
                 await asyncio.shield(request.settled.wait())
 
     def _drop(self, name: str, q: _LayerQueue, request: _Request) -> None:
@@ -414,7 +416,6 @@ class DynamicBatcher:
                 request.taken += rows
                 request.pieces_taken += 1
                 request.running += 1
-                request.settled.clear()
                 q.tokens -= rows
                 if not request.waiting:
                     line.remove(request)
