@@ -84,6 +84,11 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_repository(self) -> Settings:
+        if self.port and self.port == self.grpc_port:
+            raise ValueError(
+                f"port and grpc_port are both {self.port}: HTTP and gRPC need a port each "
+                "(gRPC's default is 8001, as Triton's; grpc_port 0 turns gRPC off)"
+            )
         if self.model_repository is not None and self.ep > 1:
             raise ValueError("model_repository cannot be used with expert parallelism (ep > 1)")
         if self.batch_invariant and self.ep > 1:

@@ -135,6 +135,14 @@ def test_serve_warns_when_listening_beyond_loopback_without_a_token(
     assert ("with no MOE_SERVE_API_TOKEN: open to all" in caplog.text) is warned
 
 
+def test_serve_refuses_one_port_for_http_and_grpc(monkeypatch, caplog) -> None:
+    """Both servers bound the port and requests went to either (found serving on --port 8001)."""
+    monkeypatch.setattr("service.serve.uvicorn.Server.run", lambda *args: None)  # never serves
+    monkeypatch.setattr("service.serve.collect_less", lambda: None)
+    assert main(["serve", "--port", "8001", "--grpc-port", "8001", "--device", "cpu"]) == 2
+    assert "port and grpc_port are both 8001" in caplog.text
+
+
 def test_serve_refuses_a_bad_option_value_naming_it(caplog) -> None:
     assert main(["serve", "--port", "70000"]) == 2
     assert "port: Input should be less than or equal to 65535" in caplog.text
