@@ -96,15 +96,18 @@ def finite_flag(inputs: ForwardInputs) -> torch.Tensor:
     return flag
 
 
-def check_values(inputs: ForwardInputs, layer_dtype: torch.dtype) -> None:
+def check_values(inputs: ForwardInputs, layer_dtype: torch.dtype, first_row: int = 0) -> None:
     """Every value of the inputs (tensors that passed `check_shapes`, on the CPU or a GPU) is
     finite, and the hidden states fit `layer_dtype`, which the layer casts them to (1e5 is a
-    float32 but no float16); the error names the first value that is not."""
+    float32 but no float16); the error names the first value that is not, counting rows from
+    `first_row` (the inputs are rows of a larger request from there)."""
     tensors = {"hidden_states": inputs.hidden_states, "router_logits": inputs.router_logits}
     for name, t in tensors.items():
         if t is not None and not all_finite(t):
             row, col = (~torch.isfinite(t)).nonzero()[0].tolist()
-            raise InputError(f"{name} holds NaN or Inf (first at row {row}, column {col})")
+            raise InputError(
+                f"{name} holds NaN or Inf (first at row {first_row + row}, column {col})"
+            )
     hidden = inputs.hidden_states
     if torch.finfo(layer_dtype).max >= torch.finfo(hidden.dtype).max:
         return
@@ -113,6 +116,7 @@ def check_values(inputs: ForwardInputs, layer_dtype: torch.dtype) -> None:
         row, col = (~torch.isfinite(cast)).nonzero()[0].tolist()
         dtype = str(layer_dtype).removeprefix("torch.")
         raise InputError(
-            f"hidden_states holds {hidden[row, col].item():g} at row {row}, column {col}: beyond "
-            f"the largest {dtype} value of this layer ({torch.finfo(layer_dtype).max:g})"
+            f"hidden_states holds {hidden[row, col].item():g} at row {first_row + row}, column "
+            f"{col}: beyond the largest {dtype} value of this layer "
+            f"({torch.finfo(layer_dtype).max:g})"
         )

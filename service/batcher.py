@@ -505,14 +505,15 @@ class DynamicBatcher:
 
 
 def _fail_bad_values(piece: _Piece, layer_dtype: torch.dtype) -> bool:
-    """Fail the piece's request with a 400 naming its first value that is NaN, Inf or beyond
-    the layer's dtype (a host look at the request, only for a batch whose input flag is down);
-    whether it did. Its rows ran, but their output is never served."""
+    """Fail the piece's request with a 400 naming its piece's first value that is NaN, Inf or
+    beyond the layer's dtype (a host look at the piece's rows, at most a batch of them, only for
+    a batch whose input flag is down); whether it did. Its rows ran, but their output is never
+    served."""
     request = piece.request
     if request.future.done():  # failed by another of its pieces
         return True
     try:
-        check_values(request.inputs, layer_dtype)
+        check_values(piece.inputs(), layer_dtype, first_row=piece.start)
     except InputError as err:
         request.future.set_exception(BadInput(str(err)))
         return True
