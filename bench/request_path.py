@@ -42,7 +42,7 @@ from bench.load_gen import run_one_client
 from bench.service_bench import _free_port, _tcp_ready, http_ready, process
 from kernels.tensors import ForwardInputs
 from service.batcher import RequestOptions
-from service.routes.forward import serve_blob, serve_blob_into
+from service.routes.forward import LayerCall, serve_blob, serve_blob_into
 
 _BUDGET_S = 0.5  # timed work per level and token count
 _MIN_CALLS, _MAX_CALLS, _WARMUP = 30, 2000, 10
@@ -80,6 +80,7 @@ async def time_levels(runtime, tokens: list[int]) -> list[dict]:
     engine, batcher, metrics = runtime.engine, runtime.batcher, runtime.metrics
     served = next(iter(engine.layers.values()))
     cfg, name = served.config, served.name
+    layer_call = LayerCall(served, batcher, metrics)
     cuda = engine.device.type == "cuda"
     generator = torch.Generator().manual_seed(2)
     never = asyncio.get_running_loop().create_future()  # serve_blob_into's client stays
@@ -112,16 +113,14 @@ async def time_levels(runtime, tokens: list[int]) -> list[dict]:
             levels["batcher-pinned"] = lambda p=pinned, o=into: batcher.submit(
                 name, p, output_into=o
             )
-        levels["blob"] = lambda b=blob: serve_blob(
-            served, batcher, metrics, b, RequestOptions(), False, _never
-        )
+        levels["blob"] = lambda b=blob: serve_blob(layer_call, b, RequestOptions(), False, _never)
         if cuda and logits is None:
             arena = torch.empty(2 * len(blob) + (64 << 10), dtype=torch.uint8).pin_memory()
             view = memoryview(arena.numpy())
             view[: len(blob)] = blob
             body, reply = view[: len(blob)], view[len(blob) :]
             levels["blob-into"] = lambda b=body, r=reply: serve_blob_into(
-                served, batcher, metrics, b, r, True, never
+                layer_call, b, r, True, never
             )
         for level, call in levels.items():
             median, p90 = await _timed(call)

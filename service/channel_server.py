@@ -1,6 +1,7 @@
 """The engine's end of the front-end channel (`service/channel.py`): binary forwards whose bodies
-the front-end processes laid in their arenas, run through the same `serve_blob` as a forward
-that reached this process over HTTP, the reply blob written back into the arena."""
+the front-end processes laid in their arenas, run through `serve_blob_into` (the decode, batcher
+and reply of a forward that reached this process over HTTP), the reply blob written back into
+the arena."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from service.channel import (
 )
 from service.deps import Runtime, ready
 from service.errors import ServiceError
-from service.routes.forward import serve_blob_into
+from service.routes.forward import LayerCall, serve_blob_into
 
 log = logging.getLogger(__name__)
 
@@ -128,14 +129,12 @@ class _FrontEndLink:
         arena = self.arena
         try:
             runtime = ready(self.runtime)
-            served = runtime.engine.get(layer)
+            call = LayerCall.of(runtime, layer)
             if runtime.engine.enqueues and arena.pinning is None:  # once per arena
                 arena.pinning = asyncio.ensure_future(asyncio.to_thread(_pin, arena.arena))
             pinned = arena.pinning is not None and await asyncio.shield(arena.pinning)
             size = await serve_blob_into(
-                served,
-                runtime.batcher,
-                runtime.metrics,
+                call,
                 arena.arena.body(region),
                 arena.arena.reply(region),
                 bool(pinned),

@@ -19,7 +19,7 @@ from service.batcher import RequestOptions
 from service.binary_forward import BINARY, FORWARD_PATH, plain_forward
 from service.deps import Runtime, get_body, get_pinned_body, ready
 from service.errors import ServiceError, error_response
-from service.routes.forward import forward_binary, forward_json, forward_pinned
+from service.routes.forward import LayerCall, forward_binary, forward_json, forward_pinned
 
 
 class ForwardFastPath:
@@ -42,14 +42,12 @@ class ForwardFastPath:
                 pinned = await get_pinned_body(request, self.runtime)
             if pinned is None:
                 body = await get_body(request, self.runtime)  # in the route's dependency order
-            runtime = ready(self.runtime)
-            served = runtime.engine.get(name)
-            batcher, metrics = runtime.batcher, runtime.metrics
+            call = LayerCall.of(ready(self.runtime), name)
             if pinned is not None:
-                response = await forward_pinned(request, served, batcher, metrics, pinned)
+                response = await forward_pinned(request, call, pinned)
             else:
                 run = forward_binary if media == BINARY else forward_json
-                response = await run(request, served, batcher, metrics, body, RequestOptions())
+                response = await run(request, call, body, RequestOptions())
         except ServiceError as err:
             response = error_response(err.status, err.message, err.headers)
         await response(scope, receive, send)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Annotated
 
@@ -23,6 +24,7 @@ from service.deps import (
     EngineDep,
     MetricsDep,
     PinnedBody,
+    Runtime,
     submit_unless,
     submit_unless_withdrawn,
     submit_while_connected,
@@ -135,34 +137,43 @@ async def forward(
     follow KServe/Triton's schedule policy: a request still queued after `timeout`
     microseconds gets 503 and none of it runs.
     """
-    served = engine.get(name)
+    call = LayerCall(engine.get(name), batcher, metrics)
     media = _media_type(request)
     options = schedule_options(priority, timeout)
     if media == JSON:
-        return await forward_json(request, served, batcher, metrics, body, options)
+        return await forward_json(request, call, body, options)
     if media == BINARY:
-        return await forward_binary(
-            request, served, batcher, metrics, body, options, return_routing
-        )
+        return await forward_binary(request, call, body, options, return_routing)
     raise UnsupportedMediaType(
         f"content type {media or '(none)'!r} is not accepted; send {JSON} or {BINARY}"
     )
 
 
+@dataclass(frozen=True)
+class LayerCall:
+    """What one forward of a layer goes through: the layer, the batcher that runs it, the
+    metrics that count it."""
+
+    served: ServedLayer
+    batcher: DynamicBatcher
+    metrics: Metrics
+
+    @classmethod
+    def of(cls, runtime: Runtime, name: str) -> LayerCall:
+        """Layer `name` of a ready runtime (UnknownLayer, 404, if it has none)."""
+        return cls(runtime.engine.get(name), runtime.batcher, runtime.metrics)
+
+
 async def forward_json(
-    request: Request,
-    served: ServedLayer,
-    batcher: DynamicBatcher,
-    metrics: Metrics,
-    body: bytes,
-    options: RequestOptions,
+    request: Request, call: LayerCall, body: bytes, options: RequestOptions
 ) -> Response:
     """A JSON body -> the JSON reply (also run by service/fast_path.py)."""
+    served, metrics = call.served, call.metrics
     # A large body's numbers take tens of ms to parse and print: off the event loop.
     started = time.perf_counter()
     inputs, want_routing = await json_numbers.run_sized(len(body), _decode_json, served, body)
     metrics.observe_stage(served.name, "decode", time.perf_counter() - started)
-    result = await submit_while_connected(request, batcher, served.name, inputs, options)
+    result = await submit_while_connected(request, call.batcher, served.name, inputs, options)
     started = time.perf_counter()
     numbers = result.output.numel() + (2 * result.routing.topk_ids.numel() if want_routing else 0)
     reply = await json_numbers.run_sized(
@@ -174,63 +185,48 @@ async def forward_json(
 
 async def forward_binary(
     request: Request,
-    served: ServedLayer,
-    batcher: DynamicBatcher,
-    metrics: Metrics,
+    call: LayerCall,
     body: bytes,
     options: RequestOptions,
     return_routing: bool = False,
 ) -> Response:
     """A safetensors body -> the reply blob (also run by service/fast_path.py)."""
     gone = partial(client_gone, request.receive)
-    parts = await serve_blob(served, batcher, metrics, body, options, return_routing, gone)
+    parts = await serve_blob(call, body, options, return_routing, gone)
     return BlobResponse(parts)
 
 
-async def forward_pinned(
-    request: Request,
-    served: ServedLayer,
-    batcher: DynamicBatcher,
-    metrics: Metrics,
-    pinned: PinnedBody,
-) -> Response:
+async def forward_pinned(request: Request, call: LayerCall, pinned: PinnedBody) -> Response:
     """A safetensors body in pinned memory -> the reply written after it (service/fast_path.py
     on a GPU engine): the body goes to the device and the output comes back with no host copy
     where the request's dtype is the layer's."""
     watch = asyncio.ensure_future(client_gone(request.receive))
     try:
-        size = await serve_blob_into(
-            served, batcher, metrics, pinned.body, pinned.reply, True, watch
-        )
+        size = await serve_blob_into(call, pinned.body, pinned.reply, True, watch)
     finally:
         watch.cancel()
     return BlobResponse([pinned.reply[:size]])  # its memoryview holds the pinned block till sent
 
 
 async def serve_blob(
-    served: ServedLayer,
-    batcher: DynamicBatcher,
-    metrics: Metrics,
+    call: LayerCall,
     body: bytes | memoryview,
     options: RequestOptions,
     return_routing: bool,
     gone: Callable[[], Awaitable[None]],
 ) -> list[bytes | memoryview]:
-    """A safetensors body -> the reply blob's pieces; withdrawn if `gone()` returns first.
-    Every binary forward runs this: HTTP in this process, and from the front-end processes."""
+    """A safetensors body -> the reply blob's pieces; withdrawn if `gone()` returns first."""
+    served, metrics = call.served, call.metrics
     name = served.name
     started = time.perf_counter()
     inputs = await run_sized(len(body), lambda: _decode_blob(served, body))
     metrics.observe_stage(name, "decode", time.perf_counter() - started)
-    result = await submit_unless(batcher, name, inputs, options, gone)
-    wire = inputs.hidden_states.dtype
-    return await _encode_timed(served, metrics, result, wire, return_routing)
+    result = await submit_unless(call.batcher, name, inputs, options, gone)
+    return await _encode_timed(call, result, inputs.hidden_states.dtype, return_routing)
 
 
 async def serve_blob_into(
-    served: ServedLayer,
-    batcher: DynamicBatcher,
-    metrics: Metrics,
+    call: LayerCall,
     body: memoryview,
     reply: memoryview,
     pinned: bool,
@@ -246,6 +242,7 @@ async def serve_blob_into(
     copied to the device from where it lies and the output from the device straight into
     `reply` (only the small header is written here); elsewhere the reply is encoded and copied
     in."""
+    served, batcher, metrics = call.served, call.batcher, call.metrics
     name = served.name
     started = time.perf_counter()
     inputs = await run_sized(len(body), lambda: _decode_blob(served, body))
@@ -255,7 +252,7 @@ async def serve_blob_into(
     if not (pinned and batcher.engine.enqueues and hidden.dtype == served.config.dtype):
         result = await submit_unless_withdrawn(batcher, name, inputs, options, withdrawn)
         wire = served.config.dtype if layer_dtype else hidden.dtype
-        parts = await _encode_timed(served, metrics, result, wire, False)
+        parts = await _encode_timed(call, result, wire, False)
         size = sum(map(len, parts))
         _check_fits(size, len(reply))
         await run_sized(size, lambda: _copy_parts(parts, reply))
@@ -272,18 +269,14 @@ async def serve_blob_into(
 
 
 async def _encode_timed(
-    served: ServedLayer,
-    metrics: Metrics,
-    result: LayerOutput,
-    wire: torch.dtype,
-    return_routing: bool,
+    call: LayerCall, result: LayerOutput, wire: torch.dtype, return_routing: bool
 ) -> list[bytes | memoryview]:
     started = time.perf_counter()
     parts = await run_sized(
         result.output.numel() * wire.itemsize,
-        lambda: _encode_blob(served, result, wire, return_routing),
+        lambda: _encode_blob(call.served, result, wire, return_routing),
     )
-    metrics.observe_stage(served.name, "encode", time.perf_counter() - started)
+    call.metrics.observe_stage(call.served.name, "encode", time.perf_counter() - started)
     return parts
 
 
