@@ -188,15 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         uvicorn.Server(server_config(app, settings, str(front_ends.http_path))).run()
         return 0
     app = build_app(settings, args, None)
-    uvicorn.run(
-        app,
-        host="127.0.0.1",
-        port=args.port,
-        http=args.http,
-        loop=args.loop,
-        log_config=None,
-        access_log=False,
-    )
+    config = server_config(app, settings)  # as `moe-serve serve` runs it
+    if (args.http, args.loop) != ("auto", "auto"):  # the benchmark's variant on another stack
+        config = uvicorn.Config(app, http=args.http, loop=args.loop, log_config=None)
+    uvicorn.Server(config).run(sockets=[listen("127.0.0.1", args.port)])
     return 0
 
 

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 
 from service import __version__, docs, tracing
 from service.batcher import BatchPolicy, DynamicBatcher
-from service.deps import Runtime
+from service.deps import Runtime, pinned_body_sink
 from service.engine import Engine, LayerSource
 from service.ep import EPEngine
 from service.errors import install_handlers
@@ -167,6 +167,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.runtime = runtime
+    app.state.body_sink = pinned_body_sink(runtime)  # the server's connections read into it
     install_handlers(app)
     routers = (health, metrics, introspect, forward, kserve, shared_memory, repository, placement)
     for module in routers:

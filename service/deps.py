@@ -12,13 +12,17 @@ from typing import TYPE_CHECKING, Annotated, TypeVar
 import torch
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
+from starlette.types import Scope
 
 from kernels.arith import round_up
 from kernels.layer import LayerOutput
 from kernels.tensors import ForwardInputs
 from service.batcher import DynamicBatcher, RequestOptions
+from service.binary_forward import plain_binary_forward
 from service.body_arena import BLOCK_BYTES, REPLY_HEADER_BYTES
+from service.direct_body import DIRECT_BODY, BodySink, BodyTarget, DirectBody
 from service.engine import Engine
 from service.errors import (
     BadInput,
@@ -31,6 +35,7 @@ from service.errors import (
 )
 from service.kserve_codec import HEADER_LENGTH
 from service.metrics import Metrics
+from service.middleware import bearer_matches
 from service.server import client_gone
 from service.settings import Settings
 from service.shared_memory import SharedMemory
@@ -142,31 +147,41 @@ class PinnedBody:
 PINNED_BODY_MIN, PINNED_BODY_MAX = 256 << 10, 64 << 20
 
 
+def pinned_body_sink(runtime: Runtime) -> BodySink:
+    """Where the connection reads a plain binary forward's body in one process on a GPU: pinned
+    host memory (torch's caching host allocator: a block is reused once the device is done with
+    it) with room after it for the reply; None (the app reads it as bytes) for every other
+    request, a body the app will refuse (over its limit, compressed, without the token), or a
+    size outside PINNED_BODY_MIN/MAX."""
+    settings = runtime.settings
+    token = settings.api_token_bytes()
+
+    def target(scope: Scope, size: int) -> BodyTarget[PinnedBody] | None:
+        engine = runtime.engine
+        if engine is None or not engine.enqueues or not PINNED_BODY_MIN <= size <= PINNED_BODY_MAX:
+            return None
+        if size > settings.max_body_bytes or plain_binary_forward(scope) is None:
+            return None
+        headers = Headers(scope=scope)
+        if headers.get("content-encoding", "identity").strip().lower() != "identity":
+            return None
+        if token is not None and not bearer_matches(headers.get("authorization", ""), token):
+            return None
+        room = round_up(size, BLOCK_BYTES)
+        memory = torch.empty(room + size + REPLY_HEADER_BYTES, dtype=torch.uint8, pin_memory=True)
+        view = memoryview(memory.numpy())
+        return BodyTarget(view[:size], PinnedBody(view[:size], view[room:]))
+
+    return target
+
+
 async def get_pinned_body(request: Request, runtime: Runtime) -> PinnedBody | None:
-    """The body of a plain binary forward into pinned memory (torch's caching host allocator:
-    a block is reused once the device is done with it), or None where it is read as bytes
-    (`get_body`): no Content-Length, compressed, or its size outside PINNED_BODY_MIN/MAX."""
-    declared = request.headers.get("content-length", "")
-    plain = request.headers.get("content-encoding", "identity").strip().lower() == "identity"
-    if not (plain and declared.isdigit() and PINNED_BODY_MIN <= int(declared) <= PINNED_BODY_MAX):
+    """The body the connection read into pinned memory (`pinned_body_sink`), or None where it
+    did not: the app reads it as bytes (`get_body`)."""
+    direct: DirectBody[PinnedBody] | None = request.scope.get(DIRECT_BODY)
+    if direct is None:
         return None
-    limit, what = _body_limit(request, runtime.settings)
-    _refuse_declared_over(request, limit, what)
-    size = int(declared)
-    room = round_up(size, BLOCK_BYTES)
-    memory = torch.empty(room + size + REPLY_HEADER_BYTES, dtype=torch.uint8, pin_memory=True)
-    view = memoryview(memory.numpy())
-    at = 0
-
-    def take(chunk: bytes) -> None:
-        nonlocal at
-        if at + len(chunk) > size:  # the HTTP server stops at Content-Length: never here
-            raise BadInput(f"the body is longer than its Content-Length ({size} bytes)")
-        view[at : at + len(chunk)] = chunk
-        at += len(chunk)
-
-    await _read_chunks(request, runtime.settings, limit, what, take)
-    return PinnedBody(view[:at], view[room:])
+    return await direct.read(runtime.settings.read_timeout_s)
 
 
 def _refuse_declared_over(request: Request, limit: int, what: str) -> None:

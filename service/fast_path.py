@@ -37,9 +37,7 @@ class ForwardFastPath:
         scope["route"] = self.route
         request = Request(scope, receive)
         try:
-            engine, pinned = self.runtime.engine, None
-            if media == BINARY and engine is not None and engine.enqueues:
-                pinned = await get_pinned_body(request, self.runtime)
+            pinned = await get_pinned_body(request, self.runtime)
             if pinned is None:
                 body = await get_body(request, self.runtime)  # in the route's dependency order
             call = LayerCall.of(ready(self.runtime), name)

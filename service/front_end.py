@@ -43,10 +43,11 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from service import logs
-from service.binary_forward import BINARY, FORWARD_PATH, JSON, plain_forward
+from service.binary_forward import BINARY, FORWARD_PATH, JSON, plain_binary_forward, plain_forward
 from service.body_arena import BodyArena, Region
 from service.channel import EngineClient, Reply
-from service.errors import BadInput, ShuttingDown, error_response
+from service.direct_body import DIRECT_BODY, BodyTarget, DirectBody
+from service.errors import BadInput, ServiceError, ShuttingDown, error_response
 from service.interpreter import collect_less
 from service.json_numbers import (
     NUMBER_BYTES,
@@ -145,8 +146,8 @@ class FrontEnd:
         plain = plain_forward(scope)
         if scope.get(OVER_CAPACITY) and scope["path"] not in OPEN_PATHS:
             await over_capacity(self.config.max_connections)(scope, receive, send)
-        elif plain and plain[1] == BINARY and (region := self._region_for(scope)):
-            await self._forward(scope, receive, send, plain[0], region)
+        elif plain and plain[1] == BINARY and (direct := scope.get(DIRECT_BODY)):
+            await self._forward(scope, receive, send, plain[0], direct)
         elif plain and plain[1] == JSON and (size := self._json_size(scope)):
             await self._forward_json(scope, receive, send, plain[0], size)
         else:
@@ -162,13 +163,17 @@ class FrontEnd:
             return None
         return int(size)
 
-    def _region_for(self, scope: Scope) -> Region | None:
-        """A region of the arena for the body, or None: relayed instead (see `_body_size`; too
-        large, or the arena full)."""
-        size = self._body_size(scope)
-        if size is None or size > ARENA_BYTES // 4:
+    def body_target(self, scope: Scope, size: int) -> BodyTarget[Region] | None:
+        """The connection reads a plain binary forward's body into a region of the arena
+        (`service/direct_body.py`); None: relayed instead (see `_body_size`; without the token,
+        too large, or the arena full)."""
+        headers = Headers(scope=scope)
+        if plain_binary_forward(scope) is None or self._unauthorized(headers) is not None:
             return None
-        return self.arena.allocate(size)
+        if self._body_size(scope) != size or size > ARENA_BYTES // 4:
+            return None
+        region = self.arena.allocate(size)
+        return None if region is None else BodyTarget(self.arena.body(region), region)
 
     def _json_size(self, scope: Scope) -> int | None:
         """A JSON body's size when it is decoded here, or None: relayed (see `_body_size`; over
@@ -177,15 +182,18 @@ class FrontEnd:
         return size if size is not None and size <= self.config.max_json_bytes else None
 
     async def _forward(
-        self, scope: Scope, receive: Receive, send: Send, name: str, region: Region
+        self, scope: Scope, receive: Receive, send: Send, name: str, direct: DirectBody[Region]
     ) -> None:
         headers = Headers(scope=scope)
+        region = direct.target.holder
         ours = True  # the region is not the engine's
         with _answering(self.engine, scope, headers) as answer:
             try:
-                reply = self._unauthorized(headers) or await self._read_body(
-                    receive, self.arena.body(region)
-                )
+                try:
+                    await direct.read(self.config.read_timeout_s)
+                    reply = None
+                except ServiceError as err:  # 408, 499
+                    reply = Reply(err.status, error=err.message, headers=err.headers)
                 if reply is None:
                     ours = False
                     gone = partial(client_gone, receive)
@@ -200,6 +208,7 @@ class FrontEnd:
                 await response(scope, receive, send)
             finally:
                 if ours:
+                    direct.discard()  # the connection writes no more of the body into it
                     self.arena.free(region)
 
     async def _forward_json(
@@ -480,7 +489,7 @@ def main() -> None:
             log_config=None,
             lifespan="on",
             timeout_graceful_shutdown=config.drain_timeout_s,
-            http=bounded_protocol(config.max_connections, config.read_timeout_s),
+            http=bounded_protocol(config.max_connections, config.read_timeout_s, app.body_target),
         )
     )
     app.on_engine_lost = lambda: setattr(server, "should_exit", True)

@@ -9,7 +9,8 @@ HTTP protocol (which also answers bytes that are not HTTP in the service's JSON 
 
 It also lets a body gather up to BODY_BUFFER_BYTES before it pauses reading the socket (uvicorn
 pauses past 64 KB until the app takes what came: a 917 KB DeepSeek-V3 request crossed the event
-loop 14 times on its way in, about 0.9 ms of one request's latency on the H100 host).
+loop 14 times on its way in, about 0.9 ms of one request's latency on the H100 host), and, given
+a `BodySink`, reads the bodies it takes straight into their memory (`service/direct_body.py`).
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ import asyncio
 import json
 import logging
 import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import uvicorn
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http import h11_impl, httptools_impl
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+from service.direct_body import BodySink, BufferedConnection, DirectBodyProtocol
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -61,23 +65,30 @@ def server_config(app: FastAPI, settings: Settings, uds: str | None = None) -> u
         uds=uds,
         log_config=None,  # keep the handlers service.logs installed
         timeout_graceful_shutdown=settings.drain_timeout_s,
-        http=bounded_protocol(connections, settings.read_timeout_s),
+        http=bounded_protocol(connections, settings.read_timeout_s, app.state.body_sink),
     )
 
 
-def bounded_protocol(max_connections: int, read_timeout_s: float) -> type[asyncio.Protocol]:
-    """uvicorn's HTTP protocol (h11, or httptools when installed) with both bounds."""
+def bounded_protocol(
+    max_connections: int, read_timeout_s: float, body_sink: BodySink | None = None
+) -> Callable[..., asyncio.BaseProtocol]:
+    """uvicorn's HTTP protocol (h11, or httptools when installed) with both bounds, reading the
+    bodies `body_sink` takes straight into place (with httptools only); uvicorn calls it with
+    its keyword arguments for each connection."""
     # uvicorn has no setting for it: its protocols read the module's constant at each body chunk
     for protocol in (h11_impl, httptools_impl):
         protocol.HIGH_WATER_LIMIT = BODY_BUFFER_BYTES
+    direct = body_sink is not None and AutoHTTPProtocol is httptools_impl.HttpToolsProtocol
+    base = DirectBodyProtocol if direct else AutoHTTPProtocol
 
-    class BoundedHTTPProtocol(AutoHTTPProtocol):
+    class BoundedHTTPProtocol(base):
         _head_deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             if len(self.connections) > max_connections:
                 self.app = _flag_over_capacity(self.app)
+                self.body_sink = _no_target  # its requests get a 503, their bodies no memory
             self._await_head()
 
         def on_response_complete(self) -> None:
@@ -113,13 +124,20 @@ def bounded_protocol(max_connections: int, read_timeout_s: float) -> type[asynci
                 log.info("closing a connection: no request head within %g s", read_timeout_s)
                 self.transport.close()
 
-    return BoundedHTTPProtocol
+    if not direct:
+        return BoundedHTTPProtocol
+    BoundedHTTPProtocol.body_sink = staticmethod(body_sink)
+    return lambda **kwargs: BufferedConnection(BoundedHTTPProtocol(**kwargs))
 
 
 async def client_gone(receive: Receive) -> None:
     """Returns once the client has gone (its body must have been read already)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def _no_target(scope: Scope, size: int) -> None:  # noqa: ARG001 (a BodySink)
+    return None
 
 
 def _flag_over_capacity(app: object) -> object:

@@ -32,11 +32,13 @@ _FRONT_END_MAIN = [
     ("__main__", "_json_reply", "fe_encode_json"),
 ]
 _FRONT_END = [
+    ("service.direct_body", "DirectBody.read", "body_read"),  # its body in place
     ("service.channel", "EngineClient.forward", "fe_engine"),
 ]
 _ENGINE = [
     ("service.middleware", "RequestMiddleware.__call__", "middleware"),
     ("service.fast_path", "ForwardFastPath.__call__", "fast_path"),
+    ("service.direct_body", "DirectBody.read", "body_read"),
     ("service.channel_server", "_FrontEndLink._forward", "channel_forward"),
     ("service.routes.forward", "_decode_blob", "decode"),
     ("service.batcher", "DynamicBatcher.submit", "submit"),

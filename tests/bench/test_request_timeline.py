@@ -25,7 +25,7 @@ def test_a_request_is_stamped_at_every_point_in_order(tmp_path: Path) -> None:
             "engine:decode>", "engine:submit>", "engine:launch>", "engine:submit<",
             "engine:encode>", "engine:http_send>", "~done"]  # fmt: skip
     assert [label for label in _order(alone) if label in path] == path
-    via_front_end = ["fe:http_begin>", "fe:fe_forward>", "fe:fe_read_body>",
+    via_front_end = ["fe:http_begin>", "fe:fe_forward>", "fe:body_read>",
                      "fe:fe_engine>", "engine:channel_forward>",
                      "engine:submit>", "engine:channel_forward<", "fe:fe_engine<",
                      "fe:http_send>", "~done"]  # fmt: skip

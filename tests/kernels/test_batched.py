@@ -74,6 +74,7 @@ def test_every_pair_takes_the_next_row_of_its_expert_in_token_order(
 @pytest.mark.parametrize("m", [1, 37, SYNC_FREE_TOKENS + 5])
 @pytest.mark.parametrize("ep", [False, True])
 def test_forward_matches_the_loop_on_both_sides_of_the_bound(m: int, ep: bool) -> None:
+    torch.manual_seed(m)  # not the suite's order: a lone token can be all ambiguous
     expert_map = contiguous_expert_map(6, rank=0, world_size=2) if ep else None
     weights = random_expert_weights(CFG, seed=m)
     local = weights if expert_map is None else weights.select(torch.arange(3))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import safetensors.torch
 import torch
@@ -19,6 +20,7 @@ from service.app import create_app
 from service.engine import Engine
 from service.settings import Settings
 from tests.service.conftest import wait_ready
+from tests.service.layers import running_server
 from weights.load import load_layer
 
 pytestmark = pytest.mark.gpu
@@ -200,3 +202,45 @@ def test_small_and_large_parts_of_one_batch_each_get_their_rows(gpu_client) -> N
         assert relative_error(out.output, alone) < TOLERANCE["demo"], i  # tiles differ by M
         if into[i] is not None:
             assert out.output.data_ptr() == into[i].data_ptr(), i
+
+
+def test_large_binary_bodies_read_into_pinned_memory_by_a_real_server_match_the_reference(
+    gpu_client,
+) -> None:
+    """One process on a GPU: the connection reads a body of 256 KiB or more straight into
+    pinned memory (service/direct_body.py) and the reply is written after it from the device."""
+    _, cache = gpu_client
+    loaded = load_layer(cache / "demo", torch.device("cpu"))
+    reference, _ = build_layer(loaded.config, loaded.weights, torch.device("cpu"), "reference")
+    app = create_app(Settings(device="cuda", cache_dir=cache, max_batch_tokens=1024))
+    sink, taken = app.state.body_sink, []
+
+    def counting_sink(scope, size):  # a BodySink
+        target = sink(scope, size)
+        taken.append(target is not None)
+        return target
+
+    app.state.body_sink = counting_sink
+    inputs = [torch.randn(t, loaded.config.hidden_size).bfloat16() for t in (600, 3, 1000, 600)]
+    with running_server(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        wait_ready(http.get, GPU_READY_TIMEOUT_S)
+        for hidden in inputs:
+            r = http.post(
+                "/v1/layers/demo/forward",
+                content=safetensors.torch.save({"hidden_states": hidden}),
+                headers={"Content-Type": "application/octet-stream"},
+            )
+            assert r.status_code == 200, r.text
+            out = safetensors.torch.load(r.content)["output"]
+            expected = reference.forward(ForwardInputs(hidden)).output
+            assert relative_error(out, expected) < TOLERANCE["demo"]
+        bad = inputs[0].clone()
+        bad[7, 11] = float("nan")
+        r = http.post(
+            "/v1/layers/demo/forward",
+            content=safetensors.torch.save({"hidden_states": bad}),
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == "hidden_states holds NaN or Inf (first at row 7, column 11)"
+    assert taken == [True, False, True, True, True]  # 3 rows: under PINNED_BODY_MIN
