@@ -50,7 +50,7 @@ from service.errors import (
 )
 from service.interpreter import switch_gil_often
 from service.metrics import Metrics
-from service.pipeline import BatchResult
+from service.pipeline import BatchResult, Pending
 from service.wire import OFF_LOOP_BYTES
 
 log = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ class DynamicBatcher:
         self._completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-complete")
         self._queues = {name: _new_queue(served) for name, served in engine.layers.items()}
         self._tasks: list[asyncio.Task[None]] = []
-        self._running: set[asyncio.Task[None]] = set()  # batches in flight
+        self._running: set[asyncio.Future[None]] = set()  # batches in flight
         self._in_flight = asyncio.Semaphore(engine.max_in_flight)
         self._launching = asyncio.Lock()
         self._closing = False
@@ -448,28 +448,44 @@ class DynamicBatcher:
             self._fail(name, batch, err)
             return False
         started = _Started(tracing.now_ns(), queued_s)
-        # the completer waits for it from now on, not from the task's first turn
-        done = loop.run_in_executor(self._completer, pending.result)
-        task = asyncio.create_task(self._finish(name, batch, done, started))
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
+        answered = loop.create_future()  # once its requests have their rows (`close` waits)
+        self._running.add(answered)
+        answered.add_done_callback(self._running.discard)
+        self._completer.submit(self._complete, loop, name, batch, pending, started, answered)
         return True
 
-    async def _finish(
-        self, name: str, batch: list[_Piece], done: asyncio.Future[BatchResult], started: _Started
+    def _complete(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        name: str,
+        batch: list[_Piece],
+        pending: Pending,
+        started: _Started,
+        answered: asyncio.Future[None],
     ) -> None:
+        """On the completer thread: wait for the batch, then hand it to the loop as one callback
+        (no task to wake: a task and an executor future cost the reply two more turns)."""
         try:
-            result = await done
+            result: BatchResult | Exception = pending.result()
         except Exception as err:
-            self._fail(name, batch, err)
+            result = err
+        loop.call_soon_threadsafe(self._finish, name, batch, result, started, answered)
+
+    def _finish(
+        self,
+        name: str,
+        batch: list[_Piece],
+        result: BatchResult | Exception,
+        started: _Started,
+        answered: asyncio.Future[None],
+    ) -> None:
+        self._in_flight.release()
+        for piece in batch:
+            piece.ended()
+        answered.set_result(None)
+        if isinstance(result, Exception):
+            self._fail(name, batch, result)
             return
-        finally:
-            self._in_flight.release()
-            for piece in batch:
-                piece.ended()
-        backend = self.engine.get(name).backend
-        pieces = [dataclasses.replace(piece.request.trace, tokens=piece.rows) for piece in batch]
-        tracing.record_forward(name, backend, pieces, started.ns, tracing.now_ns())
         dtype = self.engine.get(name).config.dtype
         for piece, out in zip(batch, result.outputs, strict=True):
             if not result.inputs_finite and _fail_bad_values(piece, dtype):
@@ -477,8 +493,17 @@ class DynamicBatcher:
             if not result.finite and _fail_nonfinite(name, piece, out):
                 continue
             piece.request.finish_piece(piece.start, out)
-        # the requests answer first: the metrics below are off their path
-        await asyncio.sleep(0)
+        # the requests answer first (their tasks are woken before this): the metrics and the
+        # trace are off their path
+        loop = asyncio.get_running_loop()
+        loop.call_soon(self._record, name, batch, result, started, tracing.now_ns())
+
+    def _record(
+        self, name: str, batch: list[_Piece], result: BatchResult, started: _Started, end_ns: int
+    ) -> None:
+        backend = self.engine.get(name).backend
+        pieces = [dataclasses.replace(piece.request.trace, tokens=piece.rows) for piece in batch]
+        tracing.record_forward(name, backend, pieces, started.ns, end_ns)
         tokens = sum(piece.rows for piece in batch)
         self.metrics.record_batch(
             name, backend, tokens, result.expert_tokens, result.times, started.queued_s
