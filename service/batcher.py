@@ -294,7 +294,7 @@ class DynamicBatcher:
         q.requests += 1
         q.levels.setdefault(options.level, deque()).append(request)
         q.tokens += request.tokens
-        self.metrics.queue_depth.labels(name).set(q.waiting())
+        self.metrics.series(self.metrics.queue_depth, name).set(q.waiting())
         expiry = None
         if options.timeout_s is not None:
             expiry = loop.call_at(request.arrived + options.timeout_s, self._expire, q, request)
@@ -317,7 +317,7 @@ class DynamicBatcher:
         """Rows still waiting leave the queue (rows running finish, unheard)."""
         if request in q.levels.get(request.options.level, ()):
             q.remove(request)
-            self.metrics.queue_depth.labels(name).set(q.waiting())
+            self.metrics.series(self.metrics.queue_depth, name).set(q.waiting())
 
     def _expire(self, q: _LayerQueue, request: _Request) -> None:
         if request.taken or request.future.done():
@@ -376,7 +376,7 @@ class DynamicBatcher:
                     except TimeoutError:
                         break
                 batch = self._take(q)
-                self.metrics.queue_depth.labels(name).set(q.waiting())
+                self.metrics.series(self.metrics.queue_depth, name).set(q.waiting())
                 if batch:
                     launched = await self._launch(name, batch)
             finally:
@@ -429,7 +429,7 @@ class DynamicBatcher:
         for piece, waited in zip(batch, queued_s, strict=True):
             if piece.start == 0:
                 self.metrics.observe_stage(name, "queue", waited)
-        self.metrics.batch_requests.labels(name).observe(len(batch))
+        self.metrics.series(self.metrics.batch_requests, name).observe(len(batch))
         parts = [piece.inputs() for piece in batch]
         into = [piece.output_into() for piece in batch]
         nbytes = sum(p.hidden_states.numel() * p.hidden_states.element_size() for p in parts)
@@ -486,27 +486,29 @@ class DynamicBatcher:
         if isinstance(result, Exception):
             self._fail(name, batch, result)
             return
-        dtype = self.engine.get(name).config.dtype
+        served = self.engine.get(name)
+        # before the requests answer: a request's span records children only until it ends
+        pieces = [dataclasses.replace(piece.request.trace, tokens=piece.rows) for piece in batch]
+        tracing.record_forward(name, served.backend, pieces, started.ns, tracing.now_ns())
+        dtype = served.config.dtype
         for piece, out in zip(batch, result.outputs, strict=True):
             if not result.inputs_finite and _fail_bad_values(piece, dtype):
                 continue
             if not result.finite and _fail_nonfinite(name, piece, out):
                 continue
             piece.request.finish_piece(piece.start, out)
-        # the requests answer first (their tasks are woken before this): the metrics and the
-        # trace are off their path
-        loop = asyncio.get_running_loop()
-        loop.call_soon(self._record, name, batch, result, started, tracing.now_ns())
+        # the requests answer first (their tasks are woken before this): the metrics are off
+        # their path
+        tokens = sum(piece.rows for piece in batch)
+        asyncio.get_running_loop().call_soon(
+            self._record, name, served.backend, tokens, result, started.queued_s
+        )
 
     def _record(
-        self, name: str, batch: list[_Piece], result: BatchResult, started: _Started, end_ns: int
+        self, name: str, backend: str, tokens: int, result: BatchResult, queued_s: list[float]
     ) -> None:
-        backend = self.engine.get(name).backend
-        pieces = [dataclasses.replace(piece.request.trace, tokens=piece.rows) for piece in batch]
-        tracing.record_forward(name, backend, pieces, started.ns, end_ns)
-        tokens = sum(piece.rows for piece in batch)
         self.metrics.record_batch(
-            name, backend, tokens, result.expert_tokens, result.times, started.queued_s
+            name, backend, tokens, result.expert_tokens, result.times, queued_s
         )
         if not result.finite and result.inputs_finite:
             self.metrics.nonfinite_forwards.labels(name).inc()

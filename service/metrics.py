@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 from service.pipeline import StageTimes
 from service.statistics import Statistics, StatisticsCollector
 
+Metric = Counter | Gauge | Histogram
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 # stages take from microseconds (a decode, a copy) to seconds (a queue under load)
 _STAGE_BUCKETS_S = (
@@ -144,23 +145,25 @@ class Metrics:
         """One forward batch: its time per stage, its size and where its tokens went;
         queued_s: how long each request piece in the batch waited for it."""
         self.statistics.record_execution(layer, tokens, times.forward_s, queued_s)
-        self.forward_seconds.labels(layer, backend).observe(times.forward_s)
-        self.batch_tokens.labels(layer).observe(tokens)
-        self.tokens.labels(layer).inc(tokens)
+        self.series(self.forward_seconds, layer, backend).observe(times.forward_s)
+        self.series(self.batch_tokens, layer).observe(tokens)
+        self.series(self.tokens, layer).inc(tokens)
         for stage in ("stage", "h2d", "forward", "d2h"):
             seconds = getattr(times, f"{stage}_s")
             if seconds is not None:
-                self.stage_seconds.labels(layer, stage).observe(seconds)
+                self.series(self.stage_seconds, layer, stage).observe(seconds)
         self.expert_tokens.add(layer, expert_tokens.numpy())
 
     def observe_stage(self, layer: str, stage: str, seconds: float) -> None:
-        self._labelled(self.stage_seconds, layer, stage).observe(seconds)
+        self.series(self.stage_seconds, layer, stage).observe(seconds)
 
     def observe_request(self, route: str, status: str, seconds: float) -> None:
-        self._labelled(self.requests, route, status).inc()
-        self._labelled(self.request_seconds, route).observe(seconds)
+        self.series(self.requests, route, status).inc()
+        self.series(self.request_seconds, route).observe(seconds)
 
-    def _labelled(self, metric: Counter | Histogram, *labels: str) -> Counter | Histogram:
+    def series(self, metric: Metric, *labels: str) -> Metric:
+        """`metric.labels(*labels)`, kept: prometheus_client takes a lock and builds the key on
+        every call, a few microseconds each on the request path."""
         key = (id(metric), *labels)
         series = self._series.get(key)
         if series is None:

@@ -100,8 +100,12 @@ def safetensors_parts(
     """Tensors (CPU) -> a safetensors blob as its pieces: the header, then each tensor's bytes
     as a view of the tensor (which the view keeps alive). Sent as they are, nothing is copied."""
     head = safetensors_head({n: (t.dtype, list(t.shape)) for n, t in tensors.items()}, metadata)
-    data = [memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()) for t in tensors.values()]
-    return [head, *data]
+    return [head, *map(tensor_bytes, tensors.values())]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes, as a view that keeps it alive (a copy only if not contiguous)."""
+    return memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
 
 
 def encode_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:

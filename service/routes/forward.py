@@ -36,7 +36,13 @@ from service.inputs import check_inputs
 from service.metrics import Metrics
 from service.schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
 from service.server import client_gone
-from service.wire import decode_safetensors, run_sized, safetensors_head, safetensors_parts
+from service.wire import (
+    decode_safetensors,
+    run_sized,
+    safetensors_head,
+    safetensors_parts,
+    tensor_bytes,
+)
 
 router = APIRouter(tags=["forward"])
 
@@ -323,10 +329,13 @@ def _decode_blob(served: ServedLayer, body: bytes | memoryview) -> ForwardInputs
 def _encode_blob(
     served: ServedLayer, result: LayerOutput, wire: torch.dtype, routing: bool
 ) -> list[bytes | memoryview]:
-    out = {"output": result.output.to(wire)}  # the request's dtype (no copy when it is the layer's)
-    if routing:
-        out |= {"topk_ids": result.routing.topk_ids, "topk_weights": result.routing.topk_weights}
-    return safetensors_parts(out, _reply_metadata(served.name, served.backend, len(result.output)))
+    output = result.output.to(wire)  # the request's dtype (no copy when it is the layer's)
+    if not routing:  # the usual reply: its header made once per shape
+        head = _reply_head(served.name, served.backend, wire, *output.shape)
+        return [head, tensor_bytes(output)]
+    out = {"output": output}
+    out |= {"topk_ids": result.routing.topk_ids, "topk_weights": result.routing.topk_weights}
+    return safetensors_parts(out, _reply_metadata(served.name, served.backend, len(output)))
 
 
 def _reply_metadata(layer: str, backend: str, tokens: int) -> dict[str, str]:
