@@ -432,7 +432,13 @@ class DynamicBatcher:
         self.metrics.series(self.metrics.batch_requests, name).observe(len(batch))
         parts = [piece.inputs() for piece in batch]
         into = [piece.output_into() for piece in batch]
-        nbytes = sum(p.hidden_states.numel() * p.hidden_states.element_size() for p in parts)
+        # bytes the launch copies on the host: rows on a GPU (a CUDA shared-memory region) are
+        # copied by the device (a 64-token DeepSeek-V3 fp32 region took a thread hop for none)
+        nbytes = sum(
+            p.hidden_states.numel() * p.hidden_states.element_size()
+            for p in parts
+            if not p.hidden_states.is_cuda
+        )
         try:
             async with self._launching:  # one launch at a time: the streams take them in order
                 if self.engine.enqueues and nbytes <= OFF_LOOP_BYTES:
