@@ -22,7 +22,6 @@ the hop); a completer thread waits for each batch's device work to finish.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections import deque
 from collections.abc import Callable
@@ -93,7 +92,7 @@ class _Request:
     options: RequestOptions
     arrived: float  # event-loop time
     future: asyncio.Future[LayerOutput]
-    trace: tracing.Piece  # its trace context, for the queue and forward spans
+    trace: tracing.Arrival  # its trace context, for the queue and forward spans
     # [T, H] pinned host rows the output is copied straight into (its wire dtype is the
     # layer's), or None: the output comes back as new tensors
     output_into: torch.Tensor | None = None
@@ -287,9 +286,7 @@ class DynamicBatcher:
             )
         options = options or RequestOptions()
         loop = asyncio.get_running_loop()
-        trace = tracing.Piece(
-            tracing.current_context(), tracing.now_ns(), inputs.hidden_states.shape[0]
-        )
+        trace = tracing.Arrival(tracing.current_context(), tracing.now_ns())
         request = _Request(inputs, options, loop.time(), loop.create_future(), trace, output_into)
         q.requests += 1
         q.levels.setdefault(options.level, deque()).append(request)
@@ -494,7 +491,7 @@ class DynamicBatcher:
             return
         served = self.engine.get(name)
         # before the requests answer: a request's span records children only until it ends
-        pieces = [dataclasses.replace(piece.request.trace, tokens=piece.rows) for piece in batch]
+        pieces = [(piece.request.trace, piece.rows) for piece in batch]
         tracing.record_forward(name, served.backend, pieces, started.ns, tracing.now_ns())
         dtype = served.config.dtype
         for piece, out in zip(batch, result.outputs, strict=True):

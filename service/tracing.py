@@ -100,12 +100,11 @@ def grpc_interceptors() -> list[Any]:
 
 
 @dataclass(frozen=True)
-class Piece:
-    """A request piece as the batcher ran it, for its queue and forward spans."""
+class Arrival:
+    """A request as the batcher took it in, for its pieces' queue and forward spans."""
 
     context: otel_context.Context  # the request's, captured when it was submitted
     arrived_ns: int  # time.time_ns()
-    tokens: int
 
 
 def current_context() -> otel_context.Context:
@@ -117,23 +116,29 @@ def now_ns() -> int:
 
 
 def record_forward(
-    layer: str, backend: str, pieces: Sequence[Piece], started_ns: int, ended_ns: int
+    layer: str,
+    backend: str,
+    pieces: Sequence[tuple[Arrival, int]],
+    started_ns: int,
+    ended_ns: int,
 ) -> None:
-    """Each piece's `queue` span (arrival to forward) and `forward` span, in its request."""
-    batch_tokens = sum(p.tokens for p in pieces)
-    for piece in pieces:
-        if not trace.get_current_span(piece.context).is_recording():
+    """Each piece's (its request's arrival, its rows) `queue` span (arrival to forward) and
+    `forward` span, in its request."""
+    batch_tokens = sum(rows for _, rows in pieces)
+    for arrival, rows in pieces:
+        if not trace.get_current_span(arrival.context).is_recording():
             continue  # no trace for this request
-        queue = tracer.start_span("queue", context=piece.context, start_time=piece.arrived_ns)
+        context = arrival.context
+        queue = tracer.start_span("queue", context=context, start_time=arrival.arrived_ns)
         queue.end(end_time=started_ns)
         forward = tracer.start_span(
             "forward",
-            context=piece.context,
+            context=context,
             start_time=started_ns,
             attributes={
                 "moe.layer": layer,
                 "moe.backend": backend,
-                "moe.tokens": piece.tokens,
+                "moe.tokens": rows,
                 "moe.batch_tokens": batch_tokens,
             },
         )
