@@ -215,11 +215,15 @@ def _new_queue(served: ServedLayer) -> _LayerQueue:
 
 
 @dataclass(frozen=True)
-class _Started:
-    """When a batch was launched (for its trace spans) and how long each piece had waited."""
+class _Launched:
+    """A batch on the device: its layer and pieces, when it was launched (its trace spans), how
+    long each piece had waited, and the future `close` waits on (done once it is answered)."""
 
+    name: str
+    pieces: list[_Piece]
     ns: int
     queued_s: list[float]
+    answered: asyncio.Future[None]
 
 
 class DynamicBatcher:
@@ -450,21 +454,14 @@ class DynamicBatcher:
                 piece.ended()
             self._fail(name, batch, err)
             return False
-        started = _Started(tracing.now_ns(), queued_s)
-        answered = loop.create_future()  # once its requests have their rows (`close` waits)
-        self._running.add(answered)
-        answered.add_done_callback(self._running.discard)
-        self._completer.submit(self._complete, loop, name, batch, pending, started, answered)
+        launched = _Launched(name, batch, tracing.now_ns(), queued_s, loop.create_future())
+        self._running.add(launched.answered)
+        launched.answered.add_done_callback(self._running.discard)
+        self._completer.submit(self._complete, loop, launched, pending)
         return True
 
     def _complete(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        name: str,
-        batch: list[_Piece],
-        pending: Pending,
-        started: _Started,
-        answered: asyncio.Future[None],
+        self, loop: asyncio.AbstractEventLoop, launched: _Launched, pending: Pending
     ) -> None:
         """On the completer thread: wait for the batch, then hand it to the loop as one callback
         (no task to wake: a task and an executor future cost the reply two more turns)."""
@@ -472,27 +469,21 @@ class DynamicBatcher:
             result: BatchResult | Exception = pending.result()
         except Exception as err:
             result = err
-        loop.call_soon_threadsafe(self._finish, name, batch, result, started, answered)
+        loop.call_soon_threadsafe(self._finish, launched, result)
 
-    def _finish(
-        self,
-        name: str,
-        batch: list[_Piece],
-        result: BatchResult | Exception,
-        started: _Started,
-        answered: asyncio.Future[None],
-    ) -> None:
+    def _finish(self, launched: _Launched, result: BatchResult | Exception) -> None:
+        name, batch = launched.name, launched.pieces
         self._in_flight.release()
         for piece in batch:
             piece.ended()
-        answered.set_result(None)
+        launched.answered.set_result(None)
         if isinstance(result, Exception):
             self._fail(name, batch, result)
             return
         served = self.engine.get(name)
         # before the requests answer: a request's span records children only until it ends
         pieces = [(piece.request.trace, piece.rows) for piece in batch]
-        tracing.record_forward(name, served.backend, pieces, started.ns, tracing.now_ns())
+        tracing.record_forward(name, served.backend, pieces, launched.ns, tracing.now_ns())
         dtype = served.config.dtype
         for piece, out in zip(batch, result.outputs, strict=True):
             if not result.inputs_finite and _fail_bad_values(piece, dtype):
@@ -502,16 +493,13 @@ class DynamicBatcher:
             piece.request.finish_piece(piece.start, out)
         # the requests answer first (their tasks are woken before this): the metrics are off
         # their path
-        tokens = sum(piece.rows for piece in batch)
-        asyncio.get_running_loop().call_soon(
-            self._record, name, served.backend, tokens, result, started.queued_s
-        )
+        asyncio.get_running_loop().call_soon(self._record, launched, served.backend, result)
 
-    def _record(
-        self, name: str, backend: str, tokens: int, result: BatchResult, queued_s: list[float]
-    ) -> None:
+    def _record(self, launched: _Launched, backend: str, result: BatchResult) -> None:
+        name = launched.name
+        tokens = sum(piece.rows for piece in launched.pieces)
         self.metrics.record_batch(
-            name, backend, tokens, result.expert_tokens, result.times, queued_s
+            name, backend, tokens, result.expert_tokens, result.times, launched.queued_s
         )
         if not result.finite and result.inputs_finite:
             self.metrics.nonfinite_forwards.labels(name).inc()

@@ -29,8 +29,9 @@ from service.errors import (
     ClientDisconnected,
     NotReady,
     PayloadTooLarge,
-    RequestTimeout,
     UnsupportedMediaType,
+    body_cut,
+    body_stalled,
     describe_validation_error,
 )
 from service.kserve_codec import HEADER_LENGTH
@@ -125,9 +126,22 @@ def _body_limit(request: Request, settings: Settings) -> tuple[int, str]:
 async def get_body(request: Request, runtime: RuntimeDep) -> bytes:
     """The request body (gzip/deflate undone), refused with 413 once it passes its limit."""
     limit, what = _body_limit(request, runtime.settings)
-    _refuse_declared_over(request, limit, what)
-    chunks: list[bytes] = []
-    await _read_chunks(request, runtime.settings, limit, what, chunks.append)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds {what}")
+    chunks, size = [], 0
+    timeout_s = runtime.settings.read_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):  # a client that stalls mid-body holds nothing long
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body exceeds {what}")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise body_stalled(timeout_s, size) from None
+    except ClientDisconnect:
+        raise body_cut(size) from None
     encoding = request.headers.get("content-encoding", "identity")
     return _decode(b"".join(chunks), encoding, limit, what)
 
@@ -170,7 +184,8 @@ def pinned_body_sink(runtime: Runtime) -> BodySink:
         room = round_up(size, BLOCK_BYTES)
         memory = torch.empty(room + size + REPLY_HEADER_BYTES, dtype=torch.uint8, pin_memory=True)
         view = memoryview(memory.numpy())
-        return BodyTarget(view[:size], PinnedBody(view[:size], view[room:]))
+        pinned = PinnedBody(view[:size], view[room:])
+        return BodyTarget(pinned.body, pinned)
 
     return target
 
@@ -182,36 +197,6 @@ async def get_pinned_body(request: Request, runtime: Runtime) -> PinnedBody | No
     if direct is None:
         return None
     return await direct.read(runtime.settings.read_timeout_s)
-
-
-def _refuse_declared_over(request: Request, limit: int, what: str) -> None:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes exceeds {what}")
-
-
-async def _read_chunks(
-    request: Request, settings: Settings, limit: int, what: str, take: Callable[[bytes], None]
-) -> None:
-    """Each chunk of the body to `take`; 413 past `limit`, 408 when it stalls, 499 (client
-    gone) when the connection closes first."""
-    size = 0
-    try:
-        async with asyncio.timeout(settings.read_timeout_s):  # a stalled client holds nothing long
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLarge(f"request body exceeds {what}")
-                take(chunk)
-    except TimeoutError:
-        raise RequestTimeout(
-            f"the request body did not arrive within {settings.read_timeout_s:g} s "
-            f"({size} bytes came)"
-        ) from None
-    except ClientDisconnect:
-        raise ClientDisconnected(
-            f"the client closed the connection after {size} bytes of the body"
-        ) from None
 
 
 def _decode(body: bytes, encoding: str, limit: int, what: str) -> bytes:

@@ -24,7 +24,7 @@ import httptools
 from starlette.types import Scope
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.errors import ClientDisconnected, RequestTimeout
+from service.errors import body_cut, body_stalled
 
 DIRECT_BODY = "moe_serve.direct_body"  # scope key: the request's DirectBody
 _SCRATCH_BYTES = 256 << 10  # what the event loop reads at once for everything else (uvloop's)
@@ -84,13 +84,9 @@ class DirectBody(Generic[Holder]):
                 complete = await asyncio.shield(self._arrived)
         except TimeoutError:
             self.discard()
-            raise RequestTimeout(
-                f"the request body did not arrive within {timeout_s:g} s ({self.at} bytes came)"
-            ) from None
+            raise body_stalled(timeout_s, self.at) from None
         if not complete:
-            raise ClientDisconnected(
-                f"the client closed the connection after {self.at} bytes of the body"
-            )
+            raise body_cut(self.at)
         return self.target.holder
 
     def discard(self) -> None:

@@ -61,6 +61,16 @@ class ClientDisconnected(ServiceError):
     status = 499
 
 
+def body_stalled(timeout_s: float, arrived: int) -> RequestTimeout:
+    return RequestTimeout(
+        f"the request body did not arrive within {timeout_s:g} s ({arrived} bytes came)"
+    )
+
+
+def body_cut(arrived: int) -> ClientDisconnected:
+    return ClientDisconnected(f"the client closed the connection after {arrived} bytes of the body")
+
+
 class UnknownRegion(ServiceError):
     status = 404
 

@@ -47,7 +47,14 @@ from service.binary_forward import BINARY, FORWARD_PATH, JSON, plain_binary_forw
 from service.body_arena import BodyArena, Region
 from service.channel import EngineClient, Reply
 from service.direct_body import DIRECT_BODY, BodyTarget, DirectBody
-from service.errors import BadInput, ServiceError, ShuttingDown, error_response
+from service.errors import (
+    BadInput,
+    ServiceError,
+    ShuttingDown,
+    body_cut,
+    body_stalled,
+    error_response,
+)
 from service.interpreter import collect_less
 from service.json_numbers import (
     NUMBER_BYTES,
@@ -193,7 +200,7 @@ class FrontEnd:
                     await direct.read(self.config.read_timeout_s)
                     reply = None
                 except ServiceError as err:  # 408, 499
-                    reply = Reply(err.status, error=err.message, headers=err.headers)
+                    reply = _reply_of(err)
                 if reply is None:
                     ours = False
                     gone = partial(client_gone, receive)
@@ -270,15 +277,13 @@ class FrontEnd:
                 while more:
                     message = await receive()
                     if message["type"] == "http.disconnect":
-                        gone = f"the client closed the connection after {at} bytes of the body"
-                        return Reply(499, error=gone)
+                        return _reply_of(body_cut(at))
                     chunk = message.get("body", b"")
                     into[at : at + len(chunk)] = chunk
                     at += len(chunk)
                     more = message.get("more_body", False)
         except TimeoutError:
-            late = f"the request body did not arrive within {timeout_s:g} s ({at} bytes came)"
-            return Reply(408, error=late)
+            return _reply_of(body_stalled(timeout_s, at))
         return None
 
     async def _relay(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -384,6 +389,10 @@ def _answering(engine: EngineClient, scope: Scope, headers: Headers) -> Iterator
             engine.done(FORWARD_PATH, status, seconds)
             log.info("POST %s -> %d in %.1f ms", scope["path"], status, seconds * 1e3)
         logs.request_id.reset(reset)
+
+
+def _reply_of(err: ServiceError) -> Reply:
+    return Reply(err.status, error=err.message, headers=err.headers)
 
 
 def _error_response(reply: Reply, headers: dict[str, str]) -> Response:
