@@ -94,7 +94,9 @@ class FrontEndConfig:
     api_token: str | None
     max_connections: int
     read_timeout_s: float
-    max_json_bytes: int  # a larger JSON forward is relayed (the engine answers 413)
+    # a larger JSON forward is relayed: the engine answers 413 beyond MOE_SERVE_MAX_JSON_BYTES and
+    # on a GPU reads a large one there (service/json_device.py, ten times quicker than here)
+    json_here_bytes: int
     drain_timeout_s: float
     log_level: str
     log_format: str
@@ -183,10 +185,10 @@ class FrontEnd:
         return None if region is None else BodyTarget(self.arena.body(region), region)
 
     def _json_size(self, scope: Scope) -> int | None:
-        """A JSON body's size when it is decoded here, or None: relayed (see `_body_size`; over
-        MOE_SERVE_MAX_JSON_BYTES, which the engine answers with 413)."""
+        """A JSON body's size when it is decoded here, or None: relayed (see `_body_size` and
+        FrontEndConfig.json_here_bytes)."""
         size = self._body_size(scope)
-        return size if size is not None and size <= self.config.max_json_bytes else None
+        return size if size is not None and size <= self.config.json_here_bytes else None
 
     async def _forward(
         self, scope: Scope, receive: Receive, send: Send, name: str, direct: DirectBody[Region]

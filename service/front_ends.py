@@ -21,6 +21,7 @@ from pathlib import Path
 
 from prometheus_client import Counter
 
+from service import json_device
 from service.body_arena import shm_dir
 from service.channel_server import ChannelServer
 from service.deps import Runtime
@@ -48,7 +49,7 @@ class FrontEnds:
             api_token=None if token is None else token.get_secret_value(),
             max_connections=settings.max_connections,
             read_timeout_s=settings.read_timeout_s,
-            max_json_bytes=settings.max_json_bytes,
+            json_here_bytes=json_here_bytes(settings),
             drain_timeout_s=settings.drain_timeout_s,
             log_level=settings.log_level,
             log_format=settings.log_format,
@@ -106,3 +107,11 @@ class FrontEnds:
             restarts.inc()
             if time.monotonic() - started < _QUICK_DEATH_S:
                 await asyncio.sleep(_RESTART_PAUSE_S)
+
+
+def json_here_bytes(settings: Settings) -> int:
+    """The largest JSON forward a front end decodes itself: on a GPU engine the rest goes to the
+    engine, which reads large bodies on the device (service/json_device.py)."""
+    if settings.torch_device().type == "cuda":
+        return min(settings.max_json_bytes, json_device.HOST_UP_TO_BYTES)
+    return settings.max_json_bytes

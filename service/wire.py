@@ -50,6 +50,13 @@ _TORCH_DTYPES = {
 warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
 
 
+def byte_view(body: bytes | bytearray | memoryview) -> torch.Tensor:
+    """uint8 [len(body)] viewing `body`'s bytes (no copy)."""
+    if not len(body):  # frombuffer refuses an empty buffer
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(body, dtype=torch.uint8)
+
+
 def decode_safetensors(body: bytes | memoryview) -> dict[str, torch.Tensor]:
     """A safetensors blob -> its tensors, views of `body`; ValueError saying what is wrong
     (service.safetensors_header checks the blob as the library does)."""

@@ -15,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 
 from kernels.layer import LayerOutput
 from kernels.tensors import ForwardInputs
-from service import json_codec, json_numbers
+from service import json_codec, json_device, json_numbers
 from service.batcher import DynamicBatcher, RequestOptions
 from service.binary_forward import BINARY, FORWARD_PATH, JSON
 from service.deps import (
@@ -173,13 +173,21 @@ class LayerCall:
 async def forward_json(
     request: Request, call: LayerCall, body: bytes, options: RequestOptions
 ) -> Response:
-    """A JSON body -> the JSON reply (also run by service/fast_path.py)."""
+    """A JSON body -> the JSON reply (also run by service/fast_path.py). On a GPU engine a large
+    body is parsed, and its 16-bit output printed, on the device (service/json_device.py)."""
     served, metrics = call.served, call.metrics
-    # A large body's numbers take tens of ms to parse and print: off the event loop.
+    device = call.batcher.engine.device
+    if device.type != "cuda" or not json_device.worth_it(len(body)):
+        device = None
+    # A large body's numbers take tens of ms to parse and print on the host: off the event loop.
     started = time.perf_counter()
-    inputs, want_routing = await json_numbers.run_sized(len(body), _decode_json, served, body)
+    inputs, want_routing = await json_numbers.run_sized(
+        len(body), _decode_json, served, body, device
+    )
     metrics.observe_stage(served.name, "decode", time.perf_counter() - started)
-    result = await submit_while_connected(request, call.batcher, served.name, inputs, options)
+    hidden = inputs.hidden_states
+    into = torch.empty_like(hidden, dtype=served.config.dtype) if hidden.is_cuda else None
+    result = await submit_while_connected(request, call.batcher, served.name, inputs, options, into)
     started = time.perf_counter()
     numbers = result.output.numel() + (2 * result.routing.topk_ids.numel() if want_routing else 0)
     reply = await json_numbers.run_sized(
@@ -351,20 +359,27 @@ def _reply_head(layer: str, backend: str, dtype: torch.dtype, tokens: int, width
     )
 
 
-def _decode_json(served: ServedLayer, body: bytes) -> tuple[ForwardInputs, bool]:
+def _decode_json(
+    served: ServedLayer, body: bytes, device: torch.device | None
+) -> tuple[ForwardInputs, bool]:
+    """`device`: parse there where json_device can (the host path decodes the rest, and names
+    what is wrong)."""
+    parsed = None if device is None else json_device.decode_forward(body, device)
+    if parsed is not None:
+        return check_inputs(served, parsed.hidden_states, None), parsed.return_routing
     decoded = json_codec.decode_forward(body)
     inputs = check_inputs(served, decoded.hidden_states, decoded.router_logits)
     return inputs, decoded.return_routing
 
 
 def _encode_json(served: ServedLayer, result: LayerOutput, routing: bool) -> bytes:
-    """The reply as ForwardResponse describes it, written from the tensors' buffers."""
-    reply = {
-        "output": result.output,
-        "layer": served.name,
-        "tokens": result.output.shape[0],
-        "backend": served.backend,
-    }
+    """The reply as ForwardResponse describes it, written from the tensors' buffers (a 16-bit
+    output still on the device printed there)."""
+    output = result.output
+    rest = {"layer": served.name, "tokens": output.shape[0], "backend": served.backend}
     if routing:
-        reply |= {"topk_ids": result.routing.topk_ids, "topk_weights": result.routing.topk_weights}
-    return json_codec.dumps(reply)
+        rest |= {"topk_ids": result.routing.topk_ids, "topk_weights": result.routing.topk_weights}
+    size = output.numel() * json_numbers.NUMBER_BYTES
+    if output.is_cuda and output.element_size() == 2 and json_device.worth_it(size):
+        return json_device.print_reply(output, rest)
+    return json_codec.dumps({"output": output} | rest)

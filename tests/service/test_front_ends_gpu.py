@@ -5,6 +5,7 @@ another (cast, then copied), and a NaN body is still a 400."""
 
 from __future__ import annotations
 
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,6 +18,7 @@ from kernels.config import MoEConfig, RoutingConfig
 from kernels.layer import LayerWeights, RouterWeights, build_layer
 from kernels.random_weights import random_expert_weights
 from kernels.tensors import ForwardInputs
+from service import json_device
 from service.settings import Settings
 from service.wire import decode_safetensors, encode_safetensors
 from tests.service.layers import INTER, TOP_K, E, H, TinyLayer, running_front_ends
@@ -103,3 +105,24 @@ def test_a_nan_body_is_refused_by_name(url: str) -> None:
     reply = httpx.post(f"{url}/v1/layers/bf16/forward", content=blob, headers=BINARY)
     assert reply.status_code == 400
     assert "row 2, column 5" in reply.text
+
+
+@pytest.mark.parametrize("tokens", [3, 900], ids=["decoded-by-the-front-end", "relayed"])
+def test_json_forwards_match_the_reference_on_either_side_of_the_relay_size(
+    url: str, tokens: int
+) -> None:
+    """A large JSON body goes to the engine, which reads it and prints its output on the GPU
+    (service/json_device.py; in pieces here: MAX_BATCH rows at a time)."""
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens)).bfloat16()
+    body = json.dumps({"hidden_states": x.float().tolist()}).encode()
+    assert json_device.worth_it(len(body)) == (tokens > 3)
+    reply = httpx.post(
+        f"{url}/v1/layers/bf16/forward",
+        content=body,
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
+    assert reply.status_code == 200, reply.text
+    out = torch.tensor(reply.json()["output"])
+    assert out.shape == x.shape
+    assert relative_error(out, _reference("bf16", x).float()) < 2e-2

@@ -3,6 +3,7 @@ device, and forwards over HTTP match the reference backend."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from kernels.accuracy import BY_DTYPE, SERVED_FP8_LAYER, relative_error
 from kernels.layer import build_layer
 from kernels.layer_graphs import token_buckets
 from kernels.tensors import ForwardInputs
+from service import json_device
 from service.app import create_app
 from service.engine import Engine
 from service.settings import Settings
@@ -244,3 +246,56 @@ def test_large_binary_bodies_read_into_pinned_memory_by_a_real_server_match_the_
         assert r.status_code == 400, r.text
         assert r.json()["error"] == "hidden_states holds NaN or Inf (first at row 7, column 11)"
     assert taken == [True, False, True, True, True]  # 3 rows: under PINNED_BODY_MIN
+
+
+def test_large_json_forwards_are_parsed_and_printed_on_the_gpu_as_the_host_would(
+    gpu_client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """service/json_device.py serves large JSON bodies: the reply is the one the
+    binary forward gets; what it does not read gets the host path's 400."""
+    client, _ = gpu_client
+    calls = {"parsed": 0, "printed": 0}
+    parse, print_reply = json_device.decode_forward, json_device.print_reply
+
+    def counted(key, fn):
+        def run(*args):
+            calls[key] += 1
+            return fn(*args)
+
+        return run
+
+    monkeypatch.setattr(json_device, "decode_forward", counted("parsed", parse))
+    monkeypatch.setattr(json_device, "print_reply", counted("printed", print_reply))
+    for tokens in (200, 300):
+        hidden = torch.randn(tokens, 256).bfloat16()
+        binary = client.post(
+            "/v1/layers/demo/forward",
+            content=safetensors.torch.save({"hidden_states": hidden}),
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        body = json.dumps({"hidden_states": hidden.float().tolist(), "return_routing": True})
+        assert json_device.worth_it(len(body))
+        r = client.post(
+            "/v1/layers/demo/forward",
+            content=body,
+            headers={"Content-Type": "application/json"},
+        )
+        assert r.status_code == 200, r.text
+        expected = safetensors.torch.load(binary.content)["output"].float()
+        assert torch.equal(torch.tensor(r.json()["output"]), expected)
+        assert len(r.json()["topk_ids"]) == tokens
+    assert calls == {"parsed": 2, "printed": 2}
+    rows = torch.randn(200, 256).tolist()
+    rows[0][1], rows[2][3] = 1e39, 12345.0
+    text = json.dumps({"hidden_states": rows})
+    for broken, error in (
+        (text.replace("12345.0", "012345.0"), "body is not valid JSON"),
+        (text, "hidden_states holds NaN or Inf (first at row 0, column 1)"),
+    ):
+        r = client.post(
+            "/v1/layers/demo/forward",
+            content=broken,
+            headers={"Content-Type": "application/json"},
+        )
+        assert r.status_code == 400, r.text
+        assert error in r.json()["error"]

@@ -1,0 +1,340 @@
+"""JSON rows of numbers read and written by the GPU: a /v1 forward's JSON body parsed where its
+numbers go, and its 16-bit output printed there.
+
+A DeepSeek-V3-sized JSON forward (64 tokens, 5.5 MB of text in, 4.8 MB out) spent tens of ms in
+orjson on one host core, half a million Python floats each way (`service/json_numbers.py`). Here
+the body's bytes go to the device as they are, and about a hundred torch ops over them
+check the text and compute every number at once; the output's text comes from a table of the
+65,536 values a 16-bit dtype has, written by the same orjson call the host path makes.
+
+Both paths give the same result, and the host path stays the one that explains: anything these
+ops do not accept (another layout of the body, a token that is not a JSON number, ragged or empty
+rows, a number with more than 18 significant digits or an exponent beyond 10^±44) returns None
+and the caller decodes on the host, which names the problem. Numbers are read as the host path
+reads them, to the nearest float64 and then to float32: exactly so (Clinger's fast path) for up to
+15 significant digits and a power of ten within 10^±22, which covers every float32 or bfloat16
+printed in its shortest form; longer or larger ones take one more float64 rounding, which can
+move the float32 only for a number within 2^-29 of a float32 rounding boundary.
+
+The ops run on the caller's thread, on their own CUDA stream, with a few small copies to the host
+(the tokens' and events' positions, the verdict and the shape): the result is complete on the
+device when they return. On the CPU the same ops run the tests.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from service import json_codec, json_numbers
+from service.wire import byte_view
+
+# byte classes; the number characters are contiguous (DIGIT..EXP)
+OTHER, SPACE, OPEN, CLOSE, COMMA, DIGIT, MINUS, PLUS, DOT, EXP = range(10)
+_CLASSES = {
+    SPACE: b" \t\n\r",
+    OPEN: b"[",
+    CLOSE: b"]",
+    COMMA: b",",
+    DIGIT: b"0123456789",
+    MINUS: b"-",
+    PLUS: b"+",
+    DOT: b".",
+    EXP: b"eE",
+}
+# event kinds of the array's structure (a number counts at its first character)
+_NONE, _NUMBER, _OPEN, _CLOSE, _COMMA = range(5)
+MAX_DIGITS = 18  # significant digits of a mantissa: int64 holds 10^18 - 1
+MAX_TOKEN_BYTES = 40  # a number's text (float64's longest shortest form is 24 bytes)
+MAX_EXACT_POWER = 22  # 10^22 is the largest power of ten a float64 holds exactly
+_WS = rb"[ \t\n\r]*"
+_ROUTING = rb'"return_routing"' + _WS + rb":" + _WS + rb"(true|false)"
+# a /v1 forward body: hidden_states and at most return_routing, before or after it
+_HEAD = re.compile(
+    _WS + rb"\{" + _WS + rb"(?:" + _ROUTING + _WS + rb"," + _WS + rb")?"
+    rb'"hidden_states"' + _WS + rb":" + _WS
+)
+_TAIL = re.compile(rb"\]" + _WS + rb"(?:," + _WS + _ROUTING + _WS + rb")?\}" + _WS + rb"\Z")
+_TAIL_BYTES = 64
+
+
+# JSON work on up to this many bytes of text stays on the host. The ops here cost about 3.5 ms of
+# launches on the H100's host whatever the size, and little more: a 90 KB body read in 0.7 ms on
+# the host and 3.7 ms here, a 5.5 MB one (64 DeepSeek-V3 tokens) in 55 and 6 ms; printing 4.8 MB
+# took 18 and 1.8 ms. They cross about where JSON work leaves the event loop (a thread then
+# waits for the device, not the loop).
+HOST_UP_TO_BYTES = json_numbers.ON_LOOP_BYTES
+
+
+def worth_it(nbytes: int) -> bool:
+    """Whether JSON work on about `nbytes` of text is done on a GPU."""
+    return nbytes > HOST_UP_TO_BYTES
+
+
+@dataclass(frozen=True)
+class DeviceForward:
+    """A /v1 forward's JSON body, parsed on the device."""
+
+    hidden_states: torch.Tensor  # [T, H] float32, on the device
+    return_routing: bool
+
+
+def forward_span(body: bytes | bytearray) -> tuple[slice, bool] | None:
+    """Where hidden_states' array lies in a /v1 forward body holding only it and, before or after
+    it, return_routing; and return_routing. None for any other body."""
+    head = _HEAD.match(body)
+    if head is None:
+        return None
+    tail_from = max(head.end(), len(body) - _TAIL_BYTES)
+    tail = _TAIL.search(body, tail_from)
+    if tail is None or (head.group(1) and tail.group(1)):  # return_routing twice
+        return None
+    routing = (head.group(1) or tail.group(1) or b"false") == b"true"
+    return slice(head.end(), tail.start() + 1), routing
+
+
+def decode_forward(body: bytes | bytearray, device: torch.device) -> DeviceForward | None:
+    """A /v1 forward's JSON body -> hidden_states on `device`; None where the host path must
+    decode it (see the module's docstring)."""
+    span = forward_span(body)
+    if span is None:
+        return None
+    where, routing = span
+    text = byte_view(memoryview(body)[where])
+    with _on_stream(device):
+        rows = parse_rows(text.to(device))
+    return None if rows is None else DeviceForward(rows, routing)
+
+
+def print_rows(values: torch.Tensor) -> memoryview:
+    """[T, W] of a 16-bit float dtype, on any device -> the JSON text `[[..], ..]` the host path
+    writes for it (`json_codec.dumps`: orjson, each value in its shortest form), in host memory.
+
+    Each value's text comes from the dtype's table; each lands at the offset the lengths before
+    it sum to, with the row's brackets and the commas between."""
+    rows, width = values.shape
+    dev = values.device
+    chars, lengths = _number_table(values.dtype, dev)
+    index = values.reshape(-1).view(torch.int16).int() & 0xFFFF
+    n = index.numel()
+    length = lengths[index]
+    column = torch.arange(n, device=dev) % width
+    # "[" before a row; "," or "]" after a number; "," or "]" after a row
+    size = length + 1 + (column == 0) + (column == width - 1)
+    end = 1 + size.cumsum(0)
+    first = end - size + (column == 0)  # a number's first byte
+    out = torch.empty(2 + n * (chars.shape[1] + 3), dtype=torch.uint8, device=dev)
+    spare = out.numel() - 1  # where the table's padding goes
+    at = first[:, None] + torch.arange(chars.shape[1], device=dev)
+    out[torch.where(at < (first + length)[:, None], at, spare)] = chars[index]
+    ends = (first + length).view(rows, width)
+    out[0] = ord("[")
+    out[(end - size).view(rows, width)[:, 0]] = ord("[")
+    out[ends.reshape(-1)] = ord(",")
+    out[ends[:, -1]] = ord("]")
+    between = torch.full((rows,), ord(","), dtype=torch.uint8, device=dev)
+    between[-1] = ord("]")
+    out[ends[:, -1] + 1] = between
+    text = out[: int(end[-1])]
+    host = torch.empty(text.numel(), dtype=torch.uint8, pin_memory=dev.type == "cuda")
+    host.copy_(text)
+    return memoryview(host.numpy())
+
+
+def print_reply(output: torch.Tensor, rest: dict) -> bytes:
+    """The JSON object {"output": output, **rest} as `json_codec.dumps` writes it, `output`
+    (16-bit, on the device) printed by `print_rows`."""
+    with _on_stream(output.device):
+        rows = print_rows(output)
+    return b"".join([b'{"output":', rows, b",", json_codec.dumps(rest)[1:]])
+
+
+@lru_cache(maxsize=8)
+def _number_table(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each of the 65,536 values of a 16-bit dtype as `json_codec.dumps` writes it: uint8 text
+    [65536, longest] (zero padded) and int64 lengths, indexed by the value's bits."""
+    bits = torch.arange(1 << 16, dtype=torch.int32)
+    values = torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(dtype)
+    texts = json_codec.dumps(values)[1:-1].split(b",")
+    longest = max(map(len, texts))
+    chars = torch.zeros(len(texts), longest, dtype=torch.uint8)
+    padded = b"".join(t.ljust(longest, b"\0") for t in texts)
+    chars.copy_(torch.frombuffer(bytearray(padded), dtype=torch.uint8).view(len(texts), longest))
+    lengths = torch.tensor([len(t) for t in texts], dtype=torch.int64)
+    return chars.to(device), lengths.to(device)
+
+
+def parse_rows(text: torch.Tensor) -> torch.Tensor | None:
+    """uint8 text of a JSON array of rows of numbers, `[[1, -2.5e3], [0, 4]]`, on any device ->
+    float32 [rows, columns] there; None where it is not one (any other byte or layout, a token
+    that is not a JSON number, ragged or empty rows) or holds a number this parser leaves to the
+    host (more than MAX_DIGITS significant digits, a power of ten beyond 10^±44, a token of more
+    than MAX_TOKEN_BYTES)."""
+    dev = text.device
+    c = _class_table(dev)[text.int()]
+    number = (c >= DIGIT) & (c <= EXP)
+    digit, minus, plus, dot, exp = (c == k for k in (DIGIT, MINUS, PLUS, DOT, EXP))
+    before, after = _before(c, SPACE), _after(c, SPACE)
+    starts = number & ~_before(number, False)
+    first = starts.nonzero().squeeze(1)  # each token's first byte
+    last = (number & ~_after(number, False)).nonzero().squeeze(1)  # and its last
+    if first.numel() == 0:
+        return None
+    token = (starts.cumsum(0, dtype=torch.int32) - 1).clamp(min=0)  # a number byte's token
+    start_of = first[token]
+
+    def so_far(mask: torch.Tensor) -> torch.Tensor:
+        """How many bytes of `mask` each byte's token holds up to it, it included."""
+        inclusive = mask.cumsum(0, dtype=torch.int32)
+        return inclusive - (inclusive - mask.int())[start_of]
+
+    def per_token(mask: torch.Tensor) -> torch.Tensor:
+        """How many bytes of `mask` each token holds."""
+        inclusive = mask.cumsum(0, dtype=torch.int32)
+        return inclusive[last] - inclusive[first] + mask[first].int()
+
+    # JSON's number grammar, -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?, byte by byte
+    exps, dots = so_far(exp), so_far(dot)
+    signed_exponent = (after == DIGIT) | (after == MINUS) | (after == PLUS)
+    integer_start = digit & (starts | (_before(starts, False) & (before == MINUS)))
+    bad = (
+        (c == OTHER)
+        | (minus & ~((after == DIGIT) & (starts | (before == EXP))))
+        | (plus & ~((after == DIGIT) & (before == EXP)))
+        | (dot & ~((before == DIGIT) & (after == DIGIT) & (exps == 0) & (dots == 1)))
+        | (exp & ~((before == DIGIT) & signed_exponent & (exps == 1)))
+        | (integer_start & (text == ord("0")) & (after == DIGIT))
+    ).any()
+    # each digit times 10 to the count of its part's digits after it in its token
+    mantissa, exponent = digit & (exps == 0), digit & (exps > 0)
+    mantissa_left = per_token(mantissa)[token] - so_far(mantissa)
+    exponent_left = per_token(exponent)[token] - so_far(exponent)
+    significant = mantissa & (so_far(mantissa & (text != ord("0"))) > 0)
+    pow10 = _powers_of_ten(dev)
+    value = (text - ord("0")).long()
+    longest = int((last - first).max()) + 1
+    if longest > MAX_TOKEN_BYTES:
+        return None
+    # a token's sums over the bytes it spans (int64: a sum over all bytes could overflow)
+    span = first[:, None] + torch.arange(longest, device=dev)
+    inside = span <= last[:, None]
+    span = span.clamp(max=text.numel() - 1)
+
+    def token_sum(part: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
+        terms = value * pow10[left.clamp(0, MAX_DIGITS)] * part
+        return (terms[span] * inside).sum(1)
+
+    m = token_sum(mantissa, mantissa_left)
+    e = token_sum(exponent, exponent_left)
+    e = torch.where(per_token(minus & (before == EXP)) > 0, -e, e)
+    power = e - per_token(mantissa & (dots > 0))  # less the fraction's digits
+    numbers = _scaled(m.double(), power)
+    # "-0" is an integer (0, as orjson reads it); "-0.0" a float (-0.0)
+    negative = (per_token(minus & starts) > 0) & ((m != 0) | (per_token(dot | exp) > 0))
+    numbers = torch.where(negative, -numbers, numbers)
+    unsupported = (
+        (significant & (mantissa_left >= MAX_DIGITS)).any()
+        | (exponent & (exponent_left > 2)).any()
+        | (power.abs() > 2 * MAX_EXACT_POWER).any()
+    )
+
+    # the structure, [[n, ...], ...]: each event (a bracket, a comma, a number's first byte)
+    # checked against the event before it and the nesting depth after it
+    opened = (c == OPEN).cumsum(0, dtype=torch.int32)
+    depth = opened - (c == CLOSE).cumsum(0, dtype=torch.int32)
+    kind = torch.where(starts, _NUMBER, _event_kinds(dev)[c.int()])
+    events = (kind != _NONE).nonzero().squeeze(1)
+    kind, depth = kind[events], depth[events]
+    previous = _before(kind, _NONE)
+    is_last = torch.arange(len(kind), device=dev) == len(kind) - 1
+    after_open_or_comma = (previous == _OPEN) | (previous == _COMMA)
+    allowed = torch.where(
+        kind == _NUMBER,
+        (depth == 2) & after_open_or_comma,
+        torch.where(
+            kind == _COMMA,
+            ((depth == 2) & (previous == _NUMBER)) | ((depth == 1) & (previous == _CLOSE)),
+            torch.where(
+                kind == _OPEN,
+                ((previous == _NONE) & (depth == 1)) | ((depth == 2) & after_open_or_comma),
+                ((depth == 1) & (previous == _NUMBER))
+                | ((depth == 0) & (previous == _CLOSE) & is_last),
+            ),
+        ),
+    )
+    # rows of one width: the numbers before the r-th row's end are r times the first row's
+    row_end = (kind == _CLOSE) & (depth == 1)
+    numbers_so_far = (kind == _NUMBER).cumsum(0)
+    width = numbers_so_far[row_end.int().argmax()]
+    ragged = (row_end & (numbers_so_far != row_end.cumsum(0) * width)).any()
+    closed = (kind[-1] == _CLOSE) & (depth[-1] == 0)
+    failed = bad | ~allowed.all() | ragged | ~closed
+    rows = row_end.sum()
+    verdict = torch.stack([failed.long(), unsupported.long(), rows, width]).tolist()
+    failed, left_to_host, rows, width = verdict
+    if failed or left_to_host:
+        return None
+    return numbers.view(rows, width).float()
+
+
+def _scaled(m: torch.Tensor, power: torch.Tensor) -> torch.Tensor:
+    """m * 10^power in float64: one correctly rounded operation for |power| <= 22 (m exact, as
+    it is below 2^53), two beyond."""
+    exact = _exact_powers_of_ten(m.device)
+    near = power.clamp(-MAX_EXACT_POWER, MAX_EXACT_POWER)
+    far = (power - near).clamp(-MAX_EXACT_POWER, MAX_EXACT_POWER)
+    out = torch.where(near >= 0, m * exact[near.abs()], m / exact[near.abs()])
+    return torch.where(far >= 0, out * exact[far.abs()], out / exact[far.abs()])
+
+
+def _on_stream(device: torch.device) -> AbstractContextManager:
+    """The codec's own CUDA stream on a GPU (its work does not queue behind the layer's)."""
+    return torch.cuda.stream(_stream(device)) if device.type == "cuda" else nullcontext()
+
+
+@lru_cache(maxsize=8)
+def _stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def _before(x: torch.Tensor, fill: int | bool) -> torch.Tensor:
+    """x[i - 1] at i; `fill` at 0."""
+    return torch.cat([x.new_full((1,), fill), x[:-1]])
+
+
+def _after(x: torch.Tensor, fill: int | bool) -> torch.Tensor:
+    """x[i + 1] at i; `fill` at the end."""
+    return torch.cat([x[1:], x.new_full((1,), fill)])
+
+
+@lru_cache(maxsize=8)
+def _class_table(device: torch.device) -> torch.Tensor:
+    table = torch.full((256,), OTHER, dtype=torch.uint8)
+    for k, members in _CLASSES.items():
+        table[list(members)] = k
+    return table.to(device)
+
+
+@lru_cache(maxsize=8)
+def _event_kinds(device: torch.device) -> torch.Tensor:
+    """Byte class -> event kind (numbers are found by their first byte instead)."""
+    kinds = torch.full((EXP + 1,), _NONE, dtype=torch.uint8)
+    kinds[[OPEN, CLOSE, COMMA]] = torch.tensor([_OPEN, _CLOSE, _COMMA], dtype=torch.uint8)
+    return kinds.to(device)
+
+
+@lru_cache(maxsize=8)
+def _powers_of_ten(device: torch.device) -> torch.Tensor:
+    """10^0 .. 10^MAX_DIGITS, int64."""
+    return torch.tensor([10**k for k in range(MAX_DIGITS + 1)]).to(device)
+
+
+@lru_cache(maxsize=8)
+def _exact_powers_of_ten(device: torch.device) -> torch.Tensor:
+    """10^0 .. 10^22, float64 (each exact)."""
+    powers = [10.0**k for k in range(MAX_EXACT_POWER + 1)]
+    return torch.tensor(powers, dtype=torch.float64).to(device)

@@ -1,0 +1,236 @@
+"""service/json_device.py against the host path (service/json_codec.py): the same numbers read,
+the same text written, and every body it does not take left to the host, which explains it. The
+torch ops run on the CPU here; tests/service/test_gpu.py serves JSON through them on a GPU."""
+
+import json
+import random
+
+import numpy as np
+import orjson
+import pytest
+import torch
+
+from service import json_codec, json_device
+from service.errors import BadInput
+
+CPU = torch.device("cpu")
+
+
+def host(body: bytes) -> torch.Tensor:
+    return json_codec.decode_forward(body).hidden_states
+
+
+def device(body: bytes) -> torch.Tensor | None:
+    parsed = json_device.decode_forward(body, CPU)
+    return None if parsed is None else parsed.hidden_states
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (-0.0 is not 0.0)."""
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def body_of(text: str) -> bytes:
+    return b'{"hidden_states": ' + text.encode() + b"}"
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        torch.randn(7, 33, generator=torch.Generator().manual_seed(0)).bfloat16().float().tolist(),
+        torch.randn(
+            3, 5, generator=torch.Generator().manual_seed(1)
+        ).tolist(),  # float32's 17 digits
+        np.random.default_rng(2).standard_normal((4, 9)).tolist(),  # float64's
+        (np.random.default_rng(3).standard_normal((2, 50)) * 1e-7).tolist(),  # 1e-08 and so
+        (np.random.default_rng(4).standard_normal((2, 50)) * 1e12).tolist(),
+        [[0, -0.0, 0.0, 1, -1, 10, 100, 1e22, 1e-22, 123456789012345678]],
+        [[3.4028234663852886e38, -1.2e-38, 3.4e38]],
+        [[5]],
+    ],
+    ids=[
+        "bf16",
+        "float32",
+        "float64",
+        "small",
+        "large",
+        "integers-and-zeros",
+        "float32-edges",
+        "1x1",
+    ],
+)
+def test_json_dumps_bodies_read_as_the_host_reads_them(rows: list) -> None:
+    for text in (json.dumps(rows), json.dumps(rows, indent=2), orjson.dumps(rows).decode()):
+        body = body_of(text)
+        got = device(body)
+        assert got is not None, text[:80]
+        assert same(got, host(body))
+
+
+def test_hand_written_numbers() -> None:
+    text = "[[1e5, 1E+2, 2.5e-3, -0, -0.0, 0e0, 1.5E-05, 0.000123, 10.25, -7e+01 ,\t3\n]]"
+    assert same(device(body_of(text)), host(body_of(text)))
+
+
+def test_an_orjson_float32_reply_reads_back_exactly() -> None:
+    values = torch.randn(16, 300, generator=torch.Generator().manual_seed(5))
+    text = json_codec.dumps(values).decode()
+    assert same(device(body_of(text)), values)
+
+
+@pytest.mark.parametrize(
+    ("body", "routing"),
+    [
+        (b'{"hidden_states": [[1, 2]]}', False),
+        (b' {\n "hidden_states" :[[1,2]] , "return_routing": true }\n', True),
+        (b'{"return_routing": false, "hidden_states": [[1, 2]]}', False),
+        (b'{"return_routing":true,"hidden_states":[[1,2]]}', True),
+    ],
+)
+def test_forward_span_finds_the_rows_and_return_routing(body: bytes, routing: bool) -> None:
+    span = json_device.forward_span(body)
+    assert span is not None
+    assert orjson.loads(body[span[0]]) == [[1, 2]]
+    assert span[1] is routing
+    parsed = json_device.decode_forward(body, CPU)
+    assert parsed.return_routing is routing and parsed.hidden_states.tolist() == [[1.0, 2.0]]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"hidden_states": [[1]], "router_logits": [[1, 2]]}',
+        b'{"router_logits": [[1]], "hidden_states": [[1]]}',
+        b'{"return_routing": true, "hidden_states": [[1]], "return_routing": false}',
+        b'{"hidden_states": [[1]], "return_routing": 1}',
+        b'{"hidden_states": [[1]]',
+        b'{"hidden_states": [[1]]} {}',
+        b'["hidden_states", [[1]]]',
+    ],
+)
+def test_other_bodies_are_left_to_the_host(body: bytes) -> None:
+    assert json_device.decode_forward(body, CPU) is None
+
+
+INVALID = [
+    "[[01]]",
+    "[[-01.5]]",
+    "[[1.]]",
+    "[[.5]]",
+    "[[-]]",
+    "[[1e]]",
+    "[[1e+]]",
+    "[[+1]]",
+    "[[1.2.3]]",
+    "[[1e5e5]]",
+    "[[1e5.3]]",
+    "[[--1]]",
+    "[[1-2]]",
+    "[[1 2]]",
+    "[[1,,2]]",
+    "[[1,2,]]",
+    "[[1],]",
+    "[[1],[2]",
+    "[[1]]]",
+    "[[1],[2,3]]",
+    "[[]]",
+    "[]",
+    "[1, 2]",
+    "[[1], 2]",
+    "[[1] [2]]",
+    "[[NaN]]",
+    "[[Infinity]]",
+    "[[true]]",
+    "[[null]]",
+    '[["1"]]',
+    "[[0x10]]",
+    "[[1]],",
+    "",
+]
+
+
+@pytest.mark.parametrize("text", INVALID)
+def test_what_is_not_json_rows_is_left_to_the_host_which_names_it(text: str) -> None:
+    body = body_of(text)
+    assert device(body) is None
+    with pytest.raises(BadInput):
+        host(body)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[[0.1234567890123456789]]",  # 19 significant digits
+        "[[1e-50]]",
+        "[[1e400]]",  # beyond float64: the host refuses it
+        "[[1e0001]]",  # a four-digit exponent
+        "[[1.1754943508222875e-38]]",  # float32's smallest normal, in float64's 17 digits
+        "[[[1]]]",  # three dimensions (the layer's shape check refuses them)
+    ],
+)
+def test_what_the_fast_reading_does_not_take_is_left_to_the_host(text: str) -> None:
+    assert device(body_of(text)) is None
+
+
+def test_leading_zeros_do_not_count_as_digits() -> None:
+    text = "[[0.00012345678901234567, -0.000000000000000000001]]"
+    assert same(device(body_of(text)), host(body_of(text)))
+
+
+def test_mutated_bodies_are_read_as_the_host_reads_them_or_left_to_it() -> None:
+    """Random edits with JSON's number and structure bytes: where the device reads a body, the
+    host reads the same numbers from it."""
+    rng = random.Random(6)
+    base = json.dumps(
+        torch.randn(3, 4, generator=torch.Generator().manual_seed(7)).bfloat16().float().tolist()
+    )
+    alphabet = "0123456789-+.eE[], "
+    taken = 0
+    for _ in range(600):
+        text = list(base)
+        for _ in range(rng.randint(1, 3)):
+            i = rng.randrange(len(text))
+            edit = rng.choice(("insert", "delete", "replace"))
+            if edit == "insert":
+                text.insert(i, rng.choice(alphabet))
+            elif edit == "delete":
+                del text[i]
+            else:
+                text[i] = rng.choice(alphabet)
+        body = body_of("".join(text))
+        got = device(body)
+        if got is not None:
+            taken += 1
+            assert same(got, host(body)), body
+    assert taken > 50  # the edits leave many bodies valid
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_16_bit_value_is_printed_as_the_host_prints_it(dtype: torch.dtype) -> None:
+    bits = torch.arange(1 << 16, dtype=torch.int32)
+    values = torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(dtype)
+    finite = values[torch.isfinite(values.float())]
+    for shape in ((256, -1), (-1, 7), (1, -1)):
+        n = finite.numel() // 7 * 7 if shape == (-1, 7) else finite.numel()
+        rows = finite[:n].reshape(shape)
+        assert bytes(json_device.print_rows(rows)) == json_codec.dumps(rows)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 5), (4, 1), (3, 64)])
+def test_printed_rows_of_awkward_shapes(shape: tuple[int, int]) -> None:
+    rows = torch.randn(shape, generator=torch.Generator().manual_seed(8)).bfloat16()
+    assert bytes(json_device.print_rows(rows)) == json_codec.dumps(rows)
+
+
+def test_a_reply_is_the_host_path_s_reply() -> None:
+    output = torch.randn(2, 3, generator=torch.Generator().manual_seed(9)).bfloat16()
+    rest = {
+        "layer": "demo",
+        "tokens": 2,
+        "backend": "torch",
+        "topk_ids": torch.tensor([[1, 0], [2, 3]], dtype=torch.int32),
+        "topk_weights": torch.tensor([[0.75, 0.25], [0.5, 0.5]]),
+    }
+    reply = json_device.print_reply(output, rest)
+    assert reply == json_codec.dumps({"output": output} | rest)
+    assert orjson.loads(reply)["topk_ids"] == [[1, 0], [2, 3]]
