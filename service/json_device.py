@@ -23,6 +23,7 @@ device when they return. On the CPU the same ops run the tests.
 
 from __future__ import annotations
 
+import logging
 import re
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import torch
 from service import json_codec, json_numbers
 from service.wire import byte_view
 
+log = logging.getLogger(__name__)
 # byte classes; the number characters are contiguous (DIGIT..EXP)
 OTHER, SPACE, OPEN, CLOSE, COMMA, DIGIT, MINUS, PLUS, DOT, EXP = range(10)
 _CLASSES = {
@@ -99,14 +101,19 @@ def forward_span(body: bytes | bytearray) -> tuple[slice, bool] | None:
 
 def decode_forward(body: bytes | bytearray, device: torch.device) -> DeviceForward | None:
     """A /v1 forward's JSON body -> hidden_states on `device`; None where the host path must
-    decode it (see the module's docstring)."""
+    decode it (see the module's docstring), or the device has no memory left for the ops'
+    temporaries."""
     span = forward_span(body)
     if span is None:
         return None
     where, routing = span
     text = byte_view(memoryview(body)[where])
-    with _on_stream(device):
-        rows = parse_rows(text.to(device))
+    try:
+        with _on_stream(device):
+            rows = parse_rows(text.to(device))
+    except torch.OutOfMemoryError:
+        log.warning("no device memory to read a %d-byte JSON body: read on the host", len(body))
+        return None
     return None if rows is None else DeviceForward(rows, routing)
 
 
@@ -147,9 +154,14 @@ def print_rows(values: torch.Tensor) -> memoryview:
 
 def print_reply(output: torch.Tensor, rest: dict) -> bytes:
     """The JSON object {"output": output, **rest} as `json_codec.dumps` writes it, `output`
-    (16-bit, on the device) printed by `print_rows`."""
-    with _on_stream(output.device):
-        rows = print_rows(output)
+    (16-bit, on the device) printed by `print_rows` (by orjson when the device has no memory
+    left for it)."""
+    try:
+        with _on_stream(output.device):
+            rows = print_rows(output)
+    except torch.OutOfMemoryError:
+        log.warning("no device memory to print a %s output: printed on the host", output.shape)
+        return json_codec.dumps({"output": output} | rest)
     return b"".join([b'{"output":', rows, b",", json_codec.dumps(rest)[1:]])
 
 

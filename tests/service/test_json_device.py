@@ -234,3 +234,15 @@ def test_a_reply_is_the_host_path_s_reply() -> None:
     reply = json_device.print_reply(output, rest)
     assert reply == json_codec.dumps({"output": output} | rest)
     assert orjson.loads(reply)["topk_ids"] == [[1, 0], [2, 3]]
+
+
+def test_without_device_memory_the_host_reads_and_prints(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_memory(*_):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(json_device, "parse_rows", no_memory)
+    monkeypatch.setattr(json_device, "print_rows", no_memory)
+    assert device(body_of("[[1, 2]]")) is None
+    output = torch.ones(1, 2, dtype=torch.bfloat16)
+    reply = json_device.print_reply(output, {"layer": "demo"})
+    assert reply == json_codec.dumps({"output": output, "layer": "demo"})
