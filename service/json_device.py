@@ -3,8 +3,9 @@ numbers go, and its 16-bit output printed there.
 
 A DeepSeek-V3-sized JSON forward (64 tokens, 5.5 MB of text in, 4.8 MB out) spent tens of ms in
 orjson on one host core, half a million Python floats each way (`service/json_numbers.py`). Here
-the body's bytes go to the device as they are, and about a hundred torch ops over them
-check the text and compute every number at once; the output's text comes from a table of the
+the body's bytes go to the device as they are: one Triton kernel reads every number
+(`service/json_device_kernel.py`; `read_numbers` does the same with torch ops, on the CPU and as
+its reference) and torch ops check the layout; the output's text comes from a table of the
 65,536 values a 16-bit dtype has, written by the same orjson call the host path makes.
 
 Both paths give the same result, and the host path stays the one that explains: anything these
@@ -50,9 +51,6 @@ _CLASSES = {
 }
 # event kinds of the array's structure (a number counts at its first character)
 _NONE, _NUMBER, _OPEN, _CLOSE, _COMMA = range(5)
-MAX_DIGITS = 18  # significant digits of a mantissa: int64 holds 10^18 - 1
-MAX_TOKEN_BYTES = 40  # a number's text (float64's longest shortest form is 24 bytes)
-MAX_EXACT_POWER = 22  # 10^22 is the largest power of ten a float64 holds exactly
 _WS = rb"[ \t\n\r]*"
 _ROUTING = rb'"return_routing"' + _WS + rb":" + _WS + rb"(true|false)"
 # a /v1 forward body: hidden_states and at most return_routing, before or after it
@@ -75,6 +73,19 @@ HOST_UP_TO_BYTES = json_numbers.ON_LOOP_BYTES
 def worth_it(nbytes: int) -> bool:
     """Whether JSON work on about `nbytes` of text is done on a GPU."""
     return nbytes > HOST_UP_TO_BYTES
+
+
+@dataclass(frozen=True)
+class NumberLimits:
+    """The numbers read on the device; the host reads a body holding any other."""
+
+    token_bytes: int = 40  # float64's longest shortest form is 24 bytes
+    significant_digits: int = 18  # int64 holds 10^18 - 1
+    exponent_digits: int = 3
+    exact_power: int = 22  # float64 holds 10^22 exactly, not 10^23; 10^±44 in two steps at most
+
+
+LIMITS = NumberLimits()
 
 
 @dataclass(frozen=True)
@@ -183,76 +194,27 @@ def _number_table(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tenso
 def parse_rows(text: torch.Tensor) -> torch.Tensor | None:
     """uint8 text of a JSON array of rows of numbers, `[[1, -2.5e3], [0, 4]]`, on any device ->
     float32 [rows, columns] there; None where it is not one (any other byte or layout, a token
-    that is not a JSON number, ragged or empty rows) or holds a number this parser leaves to the
-    host (more than MAX_DIGITS significant digits, a power of ten beyond 10^±44, a token of more
-    than MAX_TOKEN_BYTES)."""
+    that is not a JSON number, ragged or empty rows) or holds a number beyond LIMITS.
+
+    The numbers are read by one Triton kernel on a GPU (`service/json_device_kernel.py`), by
+    torch ops elsewhere (`read_numbers`, the kernel's reference); the layout by torch ops."""
     dev = text.device
     c = _class_table(dev)[text.int()]
     number = (c >= DIGIT) & (c <= EXP)
-    digit, minus, plus, dot, exp = (c == k for k in (DIGIT, MINUS, PLUS, DOT, EXP))
-    before, after = _before(c, SPACE), _after(c, SPACE)
     starts = number & ~_before(number, False)
-    first = starts.nonzero().squeeze(1)  # each token's first byte
-    last = (number & ~_after(number, False)).nonzero().squeeze(1)  # and its last
+    first = starts.nonzero().squeeze(1)  # each number's first byte
     if first.numel() == 0:
         return None
-    token = (starts.cumsum(0, dtype=torch.int32) - 1).clamp(min=0)  # a number byte's token
-    start_of = first[token]
+    if dev.type == "cuda":
+        from service.json_device_kernel import read_numbers as read_on_gpu  # Triton: GPUs only
 
-    def so_far(mask: torch.Tensor) -> torch.Tensor:
-        """How many bytes of `mask` each byte's token holds up to it, it included."""
-        inclusive = mask.cumsum(0, dtype=torch.int32)
-        return inclusive - (inclusive - mask.int())[start_of]
-
-    def per_token(mask: torch.Tensor) -> torch.Tensor:
-        """How many bytes of `mask` each token holds."""
-        inclusive = mask.cumsum(0, dtype=torch.int32)
-        return inclusive[last] - inclusive[first] + mask[first].int()
-
-    # JSON's number grammar, -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?, byte by byte
-    exps, dots = so_far(exp), so_far(dot)
-    signed_exponent = (after == DIGIT) | (after == MINUS) | (after == PLUS)
-    integer_start = digit & (starts | (_before(starts, False) & (before == MINUS)))
-    bad = (
-        (c == OTHER)
-        | (minus & ~((after == DIGIT) & (starts | (before == EXP))))
-        | (plus & ~((after == DIGIT) & (before == EXP)))
-        | (dot & ~((before == DIGIT) & (after == DIGIT) & (exps == 0) & (dots == 1)))
-        | (exp & ~((before == DIGIT) & signed_exponent & (exps == 1)))
-        | (integer_start & (text == ord("0")) & (after == DIGIT))
-    ).any()
-    # each digit times 10 to the count of its part's digits after it in its token
-    mantissa, exponent = digit & (exps == 0), digit & (exps > 0)
-    mantissa_left = per_token(mantissa)[token] - so_far(mantissa)
-    exponent_left = per_token(exponent)[token] - so_far(exponent)
-    significant = mantissa & (so_far(mantissa & (text != ord("0"))) > 0)
-    pow10 = _powers_of_ten(dev)
-    value = (text - ord("0")).long()
-    longest = int((last - first).max()) + 1
-    if longest > MAX_TOKEN_BYTES:
-        return None
-    # a token's sums over the bytes it spans (int64: a sum over all bytes could overflow)
-    span = first[:, None] + torch.arange(longest, device=dev)
-    inside = span <= last[:, None]
-    span = span.clamp(max=text.numel() - 1)
-
-    def token_sum(part: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
-        terms = value * pow10[left.clamp(0, MAX_DIGITS)] * part
-        return (terms[span] * inside).sum(1)
-
-    m = token_sum(mantissa, mantissa_left)
-    e = token_sum(exponent, exponent_left)
-    e = torch.where(per_token(minus & (before == EXP)) > 0, -e, e)
-    power = e - per_token(mantissa & (dots > 0))  # less the fraction's digits
-    numbers = _scaled(m.double(), power)
-    # "-0" is an integer (0, as orjson reads it); "-0.0" a float (-0.0)
-    negative = (per_token(minus & starts) > 0) & ((m != 0) | (per_token(dot | exp) > 0))
-    numbers = torch.where(negative, -numbers, numbers)
-    unsupported = (
-        (significant & (mantissa_left >= MAX_DIGITS)).any()
-        | (exponent & (exponent_left > 2)).any()
-        | (power.abs() > 2 * MAX_EXACT_POWER).any()
-    )
+        value, status = read_on_gpu(text, LIMITS)
+        numbers, rejected = value[first], (status == 2).any()
+    else:
+        read = read_numbers(text, c, starts, first)
+        if read is None:
+            return None
+        numbers, rejected = read
 
     # the structure, [[n, ...], ...]: each event (a bracket, a comma, a number's first byte)
     # checked against the event before it and the nesting depth after it
@@ -284,21 +246,88 @@ def parse_rows(text: torch.Tensor) -> torch.Tensor | None:
     width = numbers_so_far[row_end.int().argmax()]
     ragged = (row_end & (numbers_so_far != row_end.cumsum(0) * width)).any()
     closed = (kind[-1] == _CLOSE) & (depth[-1] == 0)
-    failed = bad | ~allowed.all() | ragged | ~closed
-    rows = row_end.sum()
-    verdict = torch.stack([failed.long(), unsupported.long(), rows, width]).tolist()
-    failed, left_to_host, rows, width = verdict
-    if failed or left_to_host:
+    failed = rejected | (c == OTHER).any() | ~allowed.all() | ragged | ~closed
+    verdict = torch.stack([failed.long(), row_end.sum(), width]).tolist()
+    failed, rows, width = verdict
+    return None if failed else numbers.view(rows, width)
+
+
+def read_numbers(
+    text: torch.Tensor, c: torch.Tensor, starts: torch.Tensor, first: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The numbers of `text` (byte classes `c`; `starts`: the bytes that start one, at `first`)
+    -> (float32 [numbers], whether one is not JSON or beyond LIMITS), or None for a number of
+    more than LIMITS.token_bytes. Torch ops over every byte at once."""
+    dev = text.device
+    number = (c >= DIGIT) & (c <= EXP)
+    digit, minus, plus, dot, exp = (c == k for k in (DIGIT, MINUS, PLUS, DOT, EXP))
+    before, after = _before(c, SPACE), _after(c, SPACE)
+    last = (number & ~_after(number, False)).nonzero().squeeze(1)  # each number's last byte
+    token = (starts.cumsum(0, dtype=torch.int32) - 1).clamp(min=0)  # a number byte's token
+    start_of = first[token]
+
+    def so_far(mask: torch.Tensor) -> torch.Tensor:
+        """How many bytes of `mask` each byte's token holds up to it, it included."""
+        inclusive = mask.cumsum(0, dtype=torch.int32)
+        return inclusive - (inclusive - mask.int())[start_of]
+
+    def per_token(mask: torch.Tensor) -> torch.Tensor:
+        """How many bytes of `mask` each token holds."""
+        inclusive = mask.cumsum(0, dtype=torch.int32)
+        return inclusive[last] - inclusive[first] + mask[first].int()
+
+    # JSON's number grammar, -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?, byte by byte
+    exps, dots = so_far(exp), so_far(dot)
+    signed_exponent = (after == DIGIT) | (after == MINUS) | (after == PLUS)
+    integer_start = digit & (starts | (_before(starts, False) & (before == MINUS)))
+    bad = (
+        (minus & ~((after == DIGIT) & (starts | (before == EXP))))
+        | (plus & ~((after == DIGIT) & (before == EXP)))
+        | (dot & ~((before == DIGIT) & (after == DIGIT) & (exps == 0) & (dots == 1)))
+        | (exp & ~((before == DIGIT) & signed_exponent & (exps == 1)))
+        | (integer_start & (text == ord("0")) & (after == DIGIT))
+    ).any()
+    # each digit times 10 to the count of its part's digits after it in its token
+    mantissa, exponent = digit & (exps == 0), digit & (exps > 0)
+    mantissa_left = per_token(mantissa)[token] - so_far(mantissa)
+    exponent_left = per_token(exponent)[token] - so_far(exponent)
+    significant = mantissa & (so_far(mantissa & (text != ord("0"))) > 0)
+    pow10 = _powers_of_ten(dev)
+    value = (text - ord("0")).long()
+    longest = int((last - first).max()) + 1
+    if longest > LIMITS.token_bytes:
         return None
-    return numbers.view(rows, width).float()
+    # a token's sums over the bytes it spans (int64: a sum over all bytes could overflow)
+    span = first[:, None] + torch.arange(longest, device=dev)
+    inside = span <= last[:, None]
+    span = span.clamp(max=text.numel() - 1)
+
+    def token_sum(part: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
+        terms = value * pow10[left.clamp(0, LIMITS.significant_digits)] * part
+        return (terms[span] * inside).sum(1)
+
+    m = token_sum(mantissa, mantissa_left)
+    e = token_sum(exponent, exponent_left)
+    e = torch.where(per_token(minus & (before == EXP)) > 0, -e, e)
+    power = e - per_token(mantissa & (dots > 0))  # less the fraction's digits
+    numbers = _scaled(m.double(), power)
+    # "-0" is an integer (0, as orjson reads it); "-0.0" a float (-0.0)
+    negative = (per_token(minus & starts) > 0) & ((m != 0) | (per_token(dot | exp) > 0))
+    numbers = torch.where(negative, -numbers, numbers)
+    beyond = (
+        (significant & (mantissa_left >= LIMITS.significant_digits)).any()
+        | (exponent & (exponent_left >= LIMITS.exponent_digits)).any()
+        | (power.abs() > 2 * LIMITS.exact_power).any()
+    )
+    return numbers.float(), bad | beyond
 
 
 def _scaled(m: torch.Tensor, power: torch.Tensor) -> torch.Tensor:
     """m * 10^power in float64: one correctly rounded operation for |power| <= 22 (m exact, as
     it is below 2^53), two beyond."""
     exact = _exact_powers_of_ten(m.device)
-    near = power.clamp(-MAX_EXACT_POWER, MAX_EXACT_POWER)
-    far = (power - near).clamp(-MAX_EXACT_POWER, MAX_EXACT_POWER)
+    near = power.clamp(-LIMITS.exact_power, LIMITS.exact_power)
+    far = (power - near).clamp(-LIMITS.exact_power, LIMITS.exact_power)
     out = torch.where(near >= 0, m * exact[near.abs()], m / exact[near.abs()])
     return torch.where(far >= 0, out * exact[far.abs()], out / exact[far.abs()])
 
@@ -341,12 +370,12 @@ def _event_kinds(device: torch.device) -> torch.Tensor:
 
 @lru_cache(maxsize=8)
 def _powers_of_ten(device: torch.device) -> torch.Tensor:
-    """10^0 .. 10^MAX_DIGITS, int64."""
-    return torch.tensor([10**k for k in range(MAX_DIGITS + 1)]).to(device)
+    """10^0 .. 10^LIMITS.significant_digits, int64."""
+    return torch.tensor([10**k for k in range(LIMITS.significant_digits + 1)]).to(device)
 
 
 @lru_cache(maxsize=8)
 def _exact_powers_of_ten(device: torch.device) -> torch.Tensor:
     """10^0 .. 10^22, float64 (each exact)."""
-    powers = [10.0**k for k in range(MAX_EXACT_POWER + 1)]
+    powers = [10.0**k for k in range(LIMITS.exact_power + 1)]
     return torch.tensor(powers, dtype=torch.float64).to(device)

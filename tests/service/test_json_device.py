@@ -1,6 +1,7 @@
 """service/json_device.py against the host path (service/json_codec.py): the same numbers read,
 the same text written, and every body it does not take left to the host, which explains it. The
-torch ops run on the CPU here; tests/service/test_gpu.py serves JSON through them on a GPU."""
+torch ops run on the CPU here, the Triton kernel in the interpreter against them; the gpu-marked
+test and tests/service/test_gpu.py read bodies with the kernel on a GPU."""
 
 import json
 import random
@@ -246,3 +247,78 @@ def test_without_device_memory_the_host_reads_and_prints(monkeypatch: pytest.Mon
     output = torch.ones(1, 2, dtype=torch.bfloat16)
     reply = json_device.print_reply(output, {"layer": "demo"})
     assert reply == json_codec.dumps({"output": output, "layer": "demo"})
+
+
+def _classes(text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    c = json_device._class_table(text.device)[text.int()]
+    number = (c >= json_device.DIGIT) & (c <= json_device.EXP)
+    starts = number & ~json_device._before(number, False)
+    return c, starts, starts.nonzero().squeeze(1)
+
+
+def _mutations(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    base = json.dumps([[0.5, -1e-05, 2e3, -0.0], [1, 0.125, -7.25e-3, 12]])
+    out = []
+    for _ in range(count):
+        text = list(base)
+        for _ in range(rng.randint(1, 3)):
+            i = rng.randrange(len(text))
+            text[i : i + rng.randint(0, 1)] = rng.choice("0123456789-+.eE, ")
+        out.append("".join(text))
+    return out
+
+
+KERNEL_CASES = [
+    "[[1e5, 1E+2, 2.5e-3, -0, -0.0, 0e0, 1.5E-05, 0.000123, 10.25, -7e+01 ,\t3\n]]",
+    json.dumps(torch.randn(4, 9, generator=torch.Generator().manual_seed(10)).tolist()),
+    json.dumps((np.random.default_rng(11).standard_normal((2, 8)) * 1e-30).tolist()),
+    "[[0.1234567890123456789, 123456789012345678, 1e-44, 1e-45, 9e44, 1e0001, 1e999]]",
+    "[[" + "1" * 40 + ", " + "1" * 41 + "]]",
+    *INVALID[:-1],
+]
+
+
+def test_the_kernel_reads_numbers_as_the_torch_ops_do() -> None:
+    """service/json_device_kernel.py (run by the interpreter here, on the GPU in
+    test_gpu.py) against `json_device.read_numbers`: the same numbers, the same refusals."""
+    from service.json_device_kernel import read_numbers as read_by_kernel
+
+    for text in KERNEL_CASES + _mutations(30, 12):
+        raw = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+        c, starts, first = _classes(raw)
+        if first.numel() == 0:
+            continue
+        value, status = read_by_kernel(raw, json_device.LIMITS)
+        assert bool((status[~starts] == 0).all()) and bool((status[first] > 0).all())
+        torch_read = json_device.read_numbers(raw, c, starts, first)
+        if torch_read is None:  # a number of more than LIMITS.token_bytes
+            assert bool((status == 2).any()), text
+            continue
+        numbers, rejected = torch_read
+        assert bool((status == 2).any()) == bool(rejected), text
+        read = status[first] == 1
+        assert same(value[first][read], numbers[read]), text
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_bodies_are_read_as_the_host_reads_them() -> None:
+    """The kernel's path (parse_rows on a GPU) on mutated bodies and a million random values of
+    every magnitude from 1e-20 to 1e20, float64's 17 digits and float32's."""
+    cuda = torch.device("cuda")
+    rng = np.random.default_rng(14)
+    values = [
+        rng.choice([-1, 1], 400_000) * 10 ** rng.uniform(-20, 20, 400_000),
+        rng.standard_normal(400_000),
+        rng.standard_normal(400_000).astype(np.float32).astype(np.float64),
+    ]
+    bodies = [body_of(t) for t in KERNEL_CASES + _mutations(2000, 13)]
+    bodies += [body_of(json.dumps(v.reshape(400, 1000).tolist())) for v in values]
+    taken = 0
+    for body in bodies:
+        parsed = json_device.decode_forward(body, cuda)
+        if parsed is not None:
+            taken += 1
+            assert same(parsed.hidden_states.cpu(), host(body)), body[:200]
+    assert taken > 300
+    assert all(json_device.decode_forward(b, cuda) is not None for b in bodies[-3:])
