@@ -208,8 +208,8 @@ def parse_rows(text: torch.Tensor) -> torch.Tensor | None:
     if dev.type == "cuda":
         from service.json_device_kernel import read_numbers as read_on_gpu  # Triton: GPUs only
 
-        value, status = read_on_gpu(text, LIMITS)
-        numbers, rejected = value[first], (status == 2).any()
+        numbers, status = read_on_gpu(text, first, LIMITS)
+        rejected = (status == 2).any()
     else:
         read = read_numbers(text, c, starts, first)
         if read is None:

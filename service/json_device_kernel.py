@@ -1,7 +1,8 @@
-"""The numbers of a JSON text read by one Triton kernel: each byte that starts a number runs
-JSON's number grammar over the bytes that follow as a small state machine and computes the
-value, as `json_device._read_numbers` does with about a hundred torch ops (that version runs the
-CPU tests and is this one's reference on a GPU; their launches were most of a body's time)."""
+"""The numbers of a JSON text read by one Triton kernel: for each number (its first byte found
+by the caller) a small state machine runs JSON's number grammar over the bytes that follow and
+computes the value, as `json_device.read_numbers` does with about a hundred torch ops (that
+version runs on the CPU and is this one's reference; their launches were most of a body's
+time on a GPU)."""
 
 from __future__ import annotations
 
@@ -41,12 +42,6 @@ def _is_exp(ch):
 
 
 @triton.jit
-def _is_number_byte(ch):
-    digit = (ch >= ZERO_CHAR) & (ch <= NINE_CHAR)
-    return digit | (ch == MINUS_CHAR) | (ch == PLUS_CHAR) | (ch == DOT_CHAR) | _is_exp(ch)
-
-
-@triton.jit
 def _scale(x, power, MAX_POWER: tl.constexpr):
     """x * 10^power (|power| <= MAX_POWER, whose powers of ten float64 holds exactly): one
     correctly rounded operation (float64 division is IEEE's; div_rn is float32's only)."""
@@ -59,8 +54,10 @@ def _scale(x, power, MAX_POWER: tl.constexpr):
 @triton.jit
 def _read_numbers_kernel(
     text_ptr,
+    first_ptr,
     value_ptr,
     status_ptr,
+    numbers,
     n,
     MAX_BYTES: tl.constexpr,
     MAX_SIGNIFICANT: tl.constexpr,
@@ -68,12 +65,10 @@ def _read_numbers_kernel(
     MAX_POWER: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offs < n
-    ch = tl.load(text_ptr + offs, mask=inside, other=32).to(tl.int32)
-    prev = tl.load(text_ptr + offs - 1, mask=inside & (offs > 0), other=32).to(tl.int32)
-    start = inside & _is_number_byte(ch) & ~_is_number_byte(prev)
-    state = tl.where(start, BEGIN, DONE)  # DONE: nothing to read here
+    token = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = token < numbers
+    offs = tl.load(first_ptr + token, mask=inside, other=0)  # the number's first byte
+    state = tl.where(inside, BEGIN, DONE)  # DONE: nothing to read
     m = tl.zeros((BLOCK,), tl.int64)
     significant = tl.zeros((BLOCK,), tl.int32)
     fraction = tl.zeros((BLOCK,), tl.int32)
@@ -139,24 +134,28 @@ def _read_numbers_kernel(
     value = _scale(_scale(m.to(tl.float64), near, MAX_POWER), far, MAX_POWER)
     # "-0" is an integer (0, as orjson reads it); "-0.0" a float (-0.0)
     value = tl.where(negative & ((m != 0) | is_float), -value, value)
-    # 0: no number starts here; 1: read; 2: the host must read it (not JSON, or beyond the above)
-    status = tl.where(start, tl.where((state == DONE) & ~too_much, 1, 2), 0)
-    tl.store(value_ptr + offs, value.to(tl.float32), mask=inside)
-    tl.store(status_ptr + offs, status.to(tl.int8), mask=inside)
+    # 1: read; 2: the host must read it (not JSON, or beyond the above)
+    status = tl.where((state == DONE) & ~too_much, 1, 2)
+    tl.store(value_ptr + token, value.to(tl.float32), mask=inside)
+    tl.store(status_ptr + token, status.to(tl.int8), mask=inside)
 
 
-def read_numbers(text: torch.Tensor, limits: NumberLimits) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 text on a GPU -> (float32 value, int8 status) per byte: status 1 where a number that
-    was read starts, 2 where one starts that the host must read (not JSON, or beyond `limits`),
-    0 elsewhere."""
-    n = text.numel()
-    value = torch.empty(n, dtype=torch.float32, device=text.device)
-    status = torch.empty(n, dtype=torch.int8, device=text.device)
-    _read_numbers_kernel[(triton.cdiv(n, _BLOCK),)](
+def read_numbers(
+    text: torch.Tensor, first: torch.Tensor, limits: NumberLimits
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 text on a GPU and the first byte of each number in it (int64) -> float32 values
+    and int8 statuses, one per number: 1 read, 2 the host must read it (not JSON, or beyond
+    `limits`)."""
+    count = first.numel()
+    value = torch.empty(count, dtype=torch.float32, device=text.device)
+    status = torch.empty(count, dtype=torch.int8, device=text.device)
+    _read_numbers_kernel[(triton.cdiv(count, _BLOCK),)](
         text,
+        first,
         value,
         status,
-        n,
+        count,
+        text.numel(),
         MAX_BYTES=limits.token_bytes,
         MAX_SIGNIFICANT=limits.significant_digits,
         MAX_EXP_DIGITS=limits.exponent_digits,
