@@ -132,8 +132,9 @@ def _read_numbers_kernel(
     near = tl.minimum(tl.maximum(power, -MAX_POWER), MAX_POWER)
     far = tl.minimum(tl.maximum(power - near, -MAX_POWER), MAX_POWER)
     value = _scale(_scale(m.to(tl.float64), near, MAX_POWER), far, MAX_POWER)
-    # "-0" is an integer (0, as orjson reads it); "-0.0" a float (-0.0)
-    value = tl.where(negative & ((m != 0) | is_float), -value, value)
+    # "-0" is an integer (0, as orjson reads it); "-0.0" a float (-0.0: times -1, as Triton's
+    # unary minus is 0 - x, +0.0 for a zero)
+    value = tl.where(negative & ((m != 0) | is_float), value * -1.0, value)
     # 1: read; 2: the host must read it (not JSON, or beyond the above)
     status = tl.where((state == DONE) & ~too_much, 1, 2)
     tl.store(value_ptr + token, value.to(tl.float32), mask=inside)
