@@ -313,7 +313,7 @@ def test_on_a_gpu_bodies_are_read_as_the_host_reads_them() -> None:
         rng.standard_normal(400_000),
         rng.standard_normal(400_000).astype(np.float32).astype(np.float64),
     ]
-    bodies = [body_of(t) for t in KERNEL_CASES + _mutations(2000, 13)]
+    bodies = [body_of(t) for t in KERNEL_CASES + _mutations(500, 13)]
     bodies += [body_of(json.dumps(v.reshape(400, 1000).tolist())) for v in values]
     taken = 0
     for body in bodies:
@@ -321,5 +321,5 @@ def test_on_a_gpu_bodies_are_read_as_the_host_reads_them() -> None:
         if parsed is not None:
             taken += 1
             assert same(parsed.hidden_states.cpu(), host(body)), body[:200]
-    assert taken > 300
+    assert taken > 80
     assert all(json_device.decode_forward(b, cuda) is not None for b in bodies[-3:])
