@@ -95,7 +95,7 @@ class FrontEndConfig:
     max_connections: int
     read_timeout_s: float
     # a larger JSON forward is relayed: the engine answers 413 beyond MOE_SERVE_MAX_JSON_BYTES and
-    # on a GPU reads a large one there (service/json_device.py, ten times quicker than here)
+    # on a GPU reads a large one on the device (service/json_device.py; bench.json_bench)
     json_here_bytes: int
     drain_timeout_s: float
     log_level: str

@@ -62,11 +62,11 @@ _TAIL = re.compile(rb"\]" + _WS + rb"(?:," + _WS + _ROUTING + _WS + rb")?\}" + _
 _TAIL_BYTES = 64
 
 
-# JSON work on up to this many bytes of text stays on the host. The ops here cost about 3.5 ms of
-# launches on the H100's host whatever the size, and little more: a 90 KB body read in 0.7 ms on
-# the host and 3.7 ms here, a 5.5 MB one (64 DeepSeek-V3 tokens) in 55 and 6 ms; printing 4.8 MB
-# took 18 and 1.8 ms. They cross about where JSON work leaves the event loop (a thread then
-# waits for the device, not the loop).
+# JSON work on up to this many bytes of text stays on the host. On the H100 (bench.json_bench,
+# bench/results/json-h100-2026-11-25.md) a 90 KB body read in 0.73 ms with orjson and 1.79 ms
+# here (launches and copies, whatever the size), a 200 KB one in 1.76 and 1.82 ms, a 5.5 MB one
+# (64 DeepSeek-V3 tokens) in 64.0 and 3.1 ms; printing 4.8 MB took 15.2 and 1.7 ms. They cross
+# about where JSON work leaves the event loop (a thread then waits for the device, not the loop).
 HOST_UP_TO_BYTES = json_numbers.ON_LOOP_BYTES
 
 

@@ -351,7 +351,7 @@ def test_a_forward_answered_by_the_front_end_is_counted_once_with_its_status(
 def test_front_ends_leave_large_json_bodies_to_a_gpu_engine(
     monkeypatch: pytest.MonkeyPatch, device: str, expected: int
 ) -> None:
-    """On a GPU the engine reads them ten times quicker (service/json_device.py); on a CPU a
+    """On a GPU the engine reads them on the device (service/json_device.py); on a CPU a
     front end decodes every JSON forward up to MOE_SERVE_MAX_JSON_BYTES itself."""
     monkeypatch.setattr(Settings, "torch_device", lambda _: torch.device(device))
     assert json_here_bytes(Settings(max_json_bytes=8 << 20)) == expected
