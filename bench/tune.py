@@ -2,8 +2,9 @@
 them as a tuned file, which kernels/experts/_triton/tiles.py then prefers over its heuristic.
 
 For each token-count bucket M it times the experts (align, both GEMMs, top-k sum; L2 flushed,
-median of CUDA-event timings) with a small set of candidates around the heuristic and keeps the
-fastest. Resumable: buckets already in --out are kept, and the file is rewritten after each one.
+median of CUDA-event timings) in three rounds, each around the best so far: a small set of
+candidates around the heuristic (both GEMMs alike), GEMM2's own tile, then the program order.
+Resumable: buckets already in --out are kept, and the file is rewritten after each one.
 """
 
 from __future__ import annotations
@@ -14,17 +15,25 @@ import logging
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.config import MoEConfig, RoutingConfig
 from kernels.quant_scheme import QuantConfig, QuantScheme
 
+if TYPE_CHECKING:
+    from kernels.experts._triton.tiles import LayerTiles
+    from kernels.tensors import Dispatched
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TOKENS = (1, 16, 64, 512, 4096)
 # (block_n, block_k, num_warps) tried for each GEMM; stages follow from shared memory
 _GEMM_CHOICES = ((64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 64, 4))
+# GEMM2 alone also tries wide tiles: its K (I) is short and it keeps one accumulator
+_GEMM2_CHOICES = (*_GEMM_CHOICES, (256, 64, 8), (256, 128, 8))
+_GROUP_M_CHOICES = (0, 8, 32)  # GemmTile.group_m, both GEMMs alike
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,30 @@ def candidates(cfg: MoEConfig, num_tokens: int) -> list:
     return found
 
 
+def gemm2_choices(cfg: MoEConfig, best: LayerTiles) -> list[LayerTiles]:
+    """Round two: the best tiles with each GEMM2 choice."""
+    from kernels.experts._triton.grouped_gemm import GemmTile
+    from kernels.experts._triton.tiles import nested_block_k, stages_for
+
+    elem = 1 if cfg.quant.spec.act_quant else cfg.dtype.itemsize
+    found = []
+    for block_n, block_k, warps in _GEMM2_CHOICES:
+        if nested_block_k(cfg, block_k) != block_k:
+            continue
+        stages = stages_for(best.block_m, block_n, block_k, 1, elem)
+        gemm2 = GemmTile(block_n, block_k, warps, stages, best.gemm2.group_m)
+        found.append(replace(best, gemm2=gemm2))
+    return found
+
+
+def order_choices(best: LayerTiles) -> list[LayerTiles]:
+    """Round three: the best tiles in each program order."""
+    return [
+        replace(best, gemm1=replace(best.gemm1, group_m=g), gemm2=replace(best.gemm2, group_m=g))
+        for g in _GROUP_M_CHOICES
+    ]
+
+
 def _write_atomically(path: Path, body: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(body, indent=1) + "\n")
@@ -100,34 +133,42 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
     timer = Timer(device, TimingPlan(warmup=2, min_iters=5, max_iters=30, budget_s=0.05))
     ws = Workspace(device)
     spec = DispatchSpec(cfg.quant.spec.act_quant, cfg.num_experts)
-    work = [(m, tile) for m in todo for tile in candidates(cfg, m)]
     body["search"] = (
-        f"per bucket: the heuristic, and {len(_GEMM_CHOICES)} (block_n, block_k, warps) x 2 "
-        "block_m (the heuristic's and twice it); median of CUDA-event timings, L2 flushed; "
+        f"per bucket, three rounds around the best so far: the heuristic and "
+        f"{len(_GEMM_CHOICES)} (block_n, block_k, warps) x 2 block_m (the heuristic's and twice "
+        f"it) for both GEMMs; GEMM2 alone over {len(_GEMM2_CHOICES)}; program order (group_m "
+        f"{', '.join(map(str, _GROUP_M_CHOICES))}); median of CUDA-event timings, L2 flushed; "
         "uniform random routing"
     )
-    with tqdm(total=len(work), desc=f"tune {key.filename()}", unit="cfg") as bar:
+    with tqdm(desc=f"tune {key.filename()}", unit="cfg") as bar:
+
+        def time_each(tiles: list[LayerTiles], m: int, x: Dispatched, timed: dict) -> None:
+            """Time each tile not yet in `timed` (tile -> median us) on the dispatched x."""
+            for tile in tiles:
+                if tile in timed:
+                    continue
+                experts = TritonExperts(cfg, weights, fixed_tiles=tile)
+                bar.update()
+                try:
+                    timed[tile] = timer.measure(lambda e=experts: e.apply(x, ws)).median_us
+                except Exception as err:  # a candidate the compiler rejects is skipped
+                    log.warning("M=%d: %s failed: %s", m, tile, str(err).splitlines()[-1])
+
         for m in todo:
             hidden = torch.randn(m, cfg.hidden_size, device=device).to(cfg.dtype)
             routing = route(torch.randn(m, cfg.num_experts, device=device), cfg.routing)
             x = NoEP().prepare(hidden, routing, spec, ws)
-            best = None
-            for tile in candidates(cfg, m):
-                experts = TritonExperts(cfg, weights, fixed_tiles=tile)
-                bar.update()
-                try:
-                    us = timer.measure(lambda e=experts, x=x: e.apply(x, ws)).median_us
-                except Exception as err:  # a candidate the compiler rejects is skipped
-                    log.warning("M=%d: %s failed: %s", m, tile, str(err).splitlines()[-1])
-                    continue
-                if best is None or us < best[1]:
-                    best = (tile, us)
-            if best is None:
+            timed: dict[LayerTiles, float] = {}
+            time_each(candidates(cfg, m), m, x, timed)
+            if not timed:
                 log.error("M=%d: no candidate ran; the bucket is left to the heuristic", m)
                 continue
-            body["buckets"][str(m)] = best[0].to_json() | {"us": round(best[1], 2)}
+            time_each(gemm2_choices(cfg, min(timed, key=timed.get)), m, x, timed)
+            time_each(order_choices(min(timed, key=timed.get)), m, x, timed)
+            best = min(timed, key=timed.get)
+            body["buckets"][str(m)] = best.to_json() | {"us": round(timed[best], 2)}
             _write_atomically(request.out, body)
-            log.info("M=%d: %s (%.1f us)", m, best[0], best[1])
+            log.info("M=%d: %s (%.1f us)", m, best, timed[best])
     return body
 
 

@@ -27,7 +27,13 @@ from kernels.random_weights import random_expert_weights
 from kernels.routing import contiguous_expert_map
 from kernels.tensors import Format
 from kernels.workspace import Workspace
-from tests.kernels.triton_cases import ALL_SCHEMES, Case, random_routing, triton_vs_reference
+from tests.kernels.triton_cases import (
+    ALL_SCHEMES,
+    Case,
+    random_routing,
+    run_triton,
+    triton_vs_reference,
+)
 
 CPU = torch.device("cpu")  # selection and align; the kernels run on the `device` fixture
 FORMATS = (Format.STANDARD, Format.BATCHED)
@@ -267,6 +273,20 @@ def test_tune_candidates_include_the_heuristic_and_respect_the_fp8_block() -> No
     assert all(128 % t.gemm1.block_k == 0 and 128 % t.gemm2.block_k == 0 for t in found)
 
 
+def test_tune_later_rounds_vary_gemm2_alone_then_the_program_order_of_both() -> None:
+    from bench.tune import gemm2_choices, order_choices
+
+    cfg = Case(QuantScheme.FP8_BLOCK).config()
+    best = tiles.heuristic_tiles(cfg, 64)
+    second = gemm2_choices(cfg, best)
+    assert {t.gemm2.block_n for t in second} >= {64, 128, 256}
+    assert all(t.gemm1 == best.gemm1 and t.block_m == best.block_m for t in second)
+    assert all(128 % t.gemm2.block_k == 0 for t in second)
+    third = order_choices(second[-1])
+    assert sorted(t.gemm1.group_m for t in third) == sorted(t.gemm2.group_m for t in third)
+    assert len({t.gemm1.group_m for t in third}) == len(third) == 3
+
+
 def test_tune_shape_accepts_names_and_four_integers_and_names_the_format_on_error() -> None:
     import argparse
 
@@ -296,6 +316,23 @@ def test_tune_refuses_to_run_without_a_gpu() -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     assert main(["tune", "--shape", "8,64,96,2"]) == 2
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scheme", [QuantScheme.NONE, QuantScheme.FP8_BLOCK])
+def test_every_program_order_computes_the_same_bits(
+    scheme: QuantScheme, fmt: Format, device: torch.device
+) -> None:
+    """Row blocks first (group_m 0) or swizzled in groups that divide the blocks or not: each
+    program computes its own tile, so the order changes nothing but speed."""
+    cfg = Case(scheme, torch.float16, num_experts=8, hidden=256, intermediate=160).config()
+    routing = random_routing(37, cfg.num_experts, cfg.top_k, seed=5, only=3)
+    outs = []
+    for group_m in (0, 3, 32):
+        tile = GemmTile(64, 64, 4, 2, group_m)
+        outs.append(run_triton(cfg, routing, device, fmt, tiles.LayerTiles(16, tile, tile)))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert triton_vs_reference(cfg, routing, device, fmt) < tolerance(cfg)
 
 
 # ---- fp8-block with partial last blocks (H, I not multiples of 128) -------------------------

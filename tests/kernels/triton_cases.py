@@ -3,6 +3,7 @@ side-by-side run against the reference backend (bounds: kernels/accuracy.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,16 +66,16 @@ def random_routing(
     return Routing(ids.reshape(m, top_k).to(torch.int32), weights / weights.sum(1, keepdim=True))
 
 
-def triton_vs_reference(
+def _forward(
     cfg: MoEConfig,
     routing: Routing,
     device: torch.device,
-    fmt: Format = Format.STANDARD,
-    expert_map: torch.Tensor | None = None,
-    seed: int = 0,
-    tiles: LayerTiles | None = None,
-) -> float:
-    """Relative error of the Triton experts in `fmt` against the reference, same inputs."""
+    fmt: Format,
+    expert_map: torch.Tensor | None,
+    seed: int,
+    tiles: LayerTiles | None,
+) -> tuple[torch.Tensor, Callable[[], torch.Tensor]]:
+    """The Triton experts' output in `fmt` on seeded inputs, and the reference's on the same."""
     weights = random_expert_weights(cfg, seed).to(device)
     m = routing.topk_ids.shape[0]
     g = torch.Generator().manual_seed(seed + 1)
@@ -89,4 +90,25 @@ def triton_vs_reference(
     ref = ModularKernel(NoEP(), ReferenceExperts(cfg, local.to(device)), Workspace(device), emap)
     out = fast.forward(hidden, routing)
     assert out.dtype == cfg.dtype and out.shape == hidden.shape
-    return relative_error(out.cpu(), ref.forward(hidden, routing).cpu())
+    return out, lambda: ref.forward(hidden, routing)
+
+
+def run_triton(
+    cfg: MoEConfig, routing: Routing, device: torch.device, fmt: Format, tiles: LayerTiles
+) -> torch.Tensor:
+    """The Triton experts' output in `fmt` with these tiles (seeded inputs, on the CPU)."""
+    return _forward(cfg, routing, device, fmt, None, 0, tiles)[0].cpu()
+
+
+def triton_vs_reference(
+    cfg: MoEConfig,
+    routing: Routing,
+    device: torch.device,
+    fmt: Format = Format.STANDARD,
+    expert_map: torch.Tensor | None = None,
+    seed: int = 0,
+    tiles: LayerTiles | None = None,
+) -> float:
+    """Relative error of the Triton experts in `fmt` against the reference, same inputs."""
+    out, reference = _forward(cfg, routing, device, fmt, expert_map, seed, tiles)
+    return relative_error(out.cpu(), reference().cpu())

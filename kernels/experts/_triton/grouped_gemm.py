@@ -89,14 +89,19 @@ class GemmTile:
     block_k: int
     num_warps: int
     num_stages: int
+    group_m: int = 0  # program order: 0 row blocks fastest, else swizzled in groups of this
 
 
 @triton.jit
-def _load_tile(ptrs, mask, AS_FP8: tl.constexpr):
-    """tl.load with zeros where masked. fp8 tensors arrive as their bytes (uint8) and are
-    reinterpreted here: neither the interpreter nor every compiler can fill fp8 lanes."""
-    tile = tl.load(ptrs, mask=mask, other=0)
-    if AS_FP8:
+def _load_tile(ptrs, mask, MASKED: tl.constexpr, AS_BYTES: tl.constexpr):
+    """tl.load, with zeros where masked when MASKED. fp8 tensors that need it arrive as their
+    bytes (uint8) and are reinterpreted here: neither the interpreter nor the compiler can fill
+    fp8 lanes. Only there: the round trip through registers costs the pipeline ~20% at prefill."""
+    if MASKED:  # noqa: SIM108 (compile-time branch: only one side is built)
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    if AS_BYTES:
         tile = tile.to(tl.float8e4nv, bitcast=True)
     return tile
 
@@ -122,16 +127,15 @@ def _group_scale(raw, KIND: tl.constexpr):
 
 @triton.jit
 def _packed_tile(
-    w_ptr, s_ptr, n_rows, n_mask, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
-    KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+    w_ptr, s_ptr, n_rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
+    KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
 ):  # fmt: skip
     """int4 / mxfp4: [BLOCK_K, BLOCK_N] float32 from [BLOCK_K / 2, BLOCK_N] bytes and the group
     scales; a tile lies within one group or covers whole groups (checked by the launcher)."""
     BLOCK_N: tl.constexpr = n_rows.shape[0]
     offs_h = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    mask = (offs_h < k // 2)[:, None] & n_mask[None, :]
-    byte = tl.load(w_ptr + n_rows[None, :] * stride_wn + offs_h[:, None] * stride_wk, mask=mask,
-                   other=0)  # fmt: skip
+    byte = _load_tile(w_ptr + n_rows[None, :] * stride_wn + offs_h[:, None] * stride_wk,
+                      (offs_h < k // 2)[:, None], MASK_K, False)  # fmt: skip
     pairs = tl.join(byte & 0xF, byte >> 4)  # [BLOCK_K / 2, BLOCK_N, 2]: element 2j low
     nibble = tl.reshape(tl.permute(pairs, (0, 2, 1)), (BLOCK_K, BLOCK_N))
     if KIND == W_INT4_GROUP:  # noqa: SIM108 (compile-time branch: only one side is built)
@@ -139,13 +143,12 @@ def _packed_tile(
     else:
         w = _e2m1_to_float(nibble)
     if GROUP >= BLOCK_K:
-        raw = tl.load(s_ptr + n_rows * stride_sn + (k0 // GROUP) * stride_sk, mask=n_mask, other=0)
+        raw = tl.load(s_ptr + n_rows * stride_sn + (k0 // GROUP) * stride_sk)
         w = w * _group_scale(raw, KIND)[None, :]
     else:
         offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        g_mask = (offs_g < k // GROUP)[:, None] & n_mask[None, :]
-        raw = tl.load(s_ptr + n_rows[None, :] * stride_sn + offs_g[:, None] * stride_sk,
-                      mask=g_mask, other=0)  # fmt: skip
+        raw = _load_tile(s_ptr + n_rows[None, :] * stride_sn + offs_g[:, None] * stride_sk,
+                         (offs_g < k // GROUP)[:, None], MASK_K, False)  # fmt: skip
         scale = _group_scale(raw, KIND)  # [BLOCK_K / GROUP, BLOCK_N]
         w = tl.reshape(w, (BLOCK_K // GROUP, GROUP, BLOCK_N)) * scale[:, None, :]
         w = tl.reshape(w, (BLOCK_K, BLOCK_N))
@@ -154,35 +157,36 @@ def _packed_tile(
 
 @triton.jit
 def _weight_tile(
-    w_ptr, s_ptr, n_rows, n_mask, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
-    KIND: tl.constexpr, GROUP: tl.constexpr, W_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    w_ptr, s_ptr, n_rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
+    KIND: tl.constexpr, GROUP: tl.constexpr, W_FP8: tl.constexpr, FP8_BYTES: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_K, BLOCK_N] dot operand of this expert's rows `n_rows`: as stored (16-bit, fp8),
     converted (int8) or dequantised (int4, mxfp4)."""
     if KIND == W_INT4_GROUP or KIND == W_MXFP4:  # noqa: SIM109 (Triton has no `in` on tuples)
-        w = _packed_tile(w_ptr, s_ptr, n_rows, n_mask, k0, k, stride_wn, stride_wk, stride_sn,
-                         stride_sk, KIND, GROUP, BLOCK_K)  # fmt: skip
+        w = _packed_tile(w_ptr, s_ptr, n_rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
+                         KIND, GROUP, BLOCK_K, MASK_K)  # fmt: skip
         return w.to(DOT_DTYPE)
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    mask = (offs_k < k)[:, None] & n_mask[None, :]
-    w = _load_tile(w_ptr + n_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk, mask, W_FP8)
+    w = _load_tile(w_ptr + n_rows[None, :] * stride_wn + offs_k[:, None] * stride_wk,
+                   (offs_k < k)[:, None], MASK_K, W_FP8 and FP8_BYTES)  # fmt: skip
     if not W_FP8:  # int8 (w8a16) converts; 16/32-bit already match the activations
         w = w.to(DOT_DTYPE)
     return w
 
 
 @triton.jit
-def _block_scales(
-    a_s_ptr, a_rows, stride_asm, s_ptr, n_blocks, n_mask, stride_sn, stride_sk, k0,
-    GROUP: tl.constexpr,
-):  # fmt: skip
-    """fp8-block: ([BLOCK_M] activation group scales, [BLOCK_N] weight tile scales) at k0;
-    `n_blocks`: each output row's row-block of the scale."""
+def _block_scaled(part, a_s_ptr, a_rows, stride_asm, s_ptr, n_blocks, stride_sn, stride_sk, k0,
+                  GROUP: tl.constexpr, ONE_BLOCK: tl.constexpr):  # fmt: skip
+    """fp8-block: the dot of one K step times its activation group scales [BLOCK_M] and weight
+    tile scales: `n_blocks` is the scale's row-block of each output column [BLOCK_N], or, when
+    ONE_BLOCK, the one row-block of the whole tile (a scalar: one load instead of BLOCK_N)."""
     kb = k0 // GROUP
     a_s = tl.load(a_s_ptr + a_rows * stride_asm + kb)
-    b_s = tl.load(s_ptr + n_blocks * stride_sn + kb * stride_sk, mask=n_mask, other=0)
-    return a_s, b_s
+    b_s = tl.load(s_ptr + n_blocks * stride_sn + kb * stride_sk)
+    if ONE_BLOCK:
+        return part * a_s[:, None] * b_s
+    return part * a_s[:, None] * b_s[None, :]
 
 
 @triton.jit
@@ -200,6 +204,20 @@ def _after_k_scales(acc, a_s_ptr, a_rows, stride_asm, s_ptr, n_rows, ACT_SCALE, 
 
 
 @triton.jit
+def _tile_of(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
+    """Program -> (row block, column block). GROUP_M 0: row blocks fastest, so the row blocks of
+    one expert (adjacent) read each weight tile together. Else GROUP_M row blocks at a time
+    sweep every column block before the next group starts: the group's input rows are reused
+    across columns while in L2 (which pays depends on the shape: `GemmTile.group_m`)."""
+    if GROUP_M == 0:
+        return pid % num_m_blocks, pid // num_m_blocks
+    per_group = GROUP_M * num_n_blocks
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr,
     a_s_ptr,
@@ -213,6 +231,7 @@ def _grouped_gemm_kernel(
     row_weights_ptr,
     num_pairs,
     max_tokens,
+    num_m_blocks,
     a_div,
     n_out,
     k,
@@ -238,18 +257,21 @@ def _grouped_gemm_kernel(
     GATE_STEP: tl.constexpr,  # weight row of gate n: n * GATE_STEP; of up n: that + up_offset
     # fp8-block scale row-block of gate n: n // GROUP (split) or 2n // GROUP (interleaved); of
     # up n: up_block_offset + n // GROUP (split: gate and up are blocked apart) or (2n+1) // GROUP
+    ONE_BLOCK: tl.constexpr,  # fp8-block, split: a column tile lies within one scale row-block
     HAS_BIAS: tl.constexpr,
     HAS_ROW_WEIGHTS: tl.constexpr,
-    A_FP8: tl.constexpr,  # fp8 tensors come as uint8 views (see _load_tile)
+    A_FP8: tl.constexpr,
     W_FP8: tl.constexpr,
+    FP8_BYTES: tl.constexpr,  # fp8 tensors come as uint8 views (see _load_tile)
+    MASK_K: tl.constexpr,  # K is not a multiple of BLOCK_K: loads mask the last K tile
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _tile_of(tl.program_id(0), num_m_blocks, tl.cdiv(n_out, BLOCK_N), GROUP_M)
     offs_m = tl.arange(0, BLOCK_M)
     if BATCHED:
         blocks_per_expert = tl.cdiv(max_tokens, BLOCK_M)
@@ -275,51 +297,52 @@ def _grouped_gemm_kernel(
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < n_out
-    gate_rows = offs_n * GATE_STEP
+    # loads wrap past the last column (stores are masked), so only a K tail needs masks
+    gate_rows = (offs_n % n_out) * GATE_STEP
     up_rows = gate_rows + up_offset
-    gate_blocks = gate_rows // GROUP
-    up_blocks = up_rows // GROUP if GATE_STEP == 2 else up_block_offset + offs_n // GROUP
+    if ONE_BLOCK:
+        gate_blocks = pid_n * BLOCK_N // GROUP
+        up_blocks = up_block_offset + gate_blocks
+    else:
+        gate_blocks = gate_rows // GROUP
+        up_blocks = up_rows // GROUP if GATE_STEP == 2 else up_block_offset + offs_n // GROUP
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < k
-        a = _load_tile(
-            a_ptr + a_rows[:, None] * stride_am + offs_k[None, :],
-            row_mask[:, None] & k_mask[None, :],
-            A_FP8,
-        )
+        # rows past the valid ones are masked: in decode most of a block is padding
+        a_mask = row_mask[:, None] & (offs_k < k)[None, :] if MASK_K else row_mask[:, None]
+        a = _load_tile(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], a_mask, True,
+                       A_FP8 and FP8_BYTES)  # fmt: skip
         b = _weight_tile(
-            w_ptr, s_ptr, gate_rows, n_mask, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
-            KIND, GROUP, W_FP8, DOT_DTYPE, BLOCK_K,
+            w_ptr, s_ptr, gate_rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
+            KIND, GROUP, W_FP8, FP8_BYTES, DOT_DTYPE, BLOCK_K, MASK_K,
         )  # fmt: skip
         part = tl.dot(a, b, input_precision=DOT_PRECISION)
         if KIND == W_FP8_BLOCK:
-            a_s, b_s = _block_scales(a_s_ptr, a_rows, stride_asm, s_ptr, gate_blocks, n_mask,
-                                     stride_sn, stride_sk, k0, GROUP)  # fmt: skip
-            part = part * a_s[:, None] * b_s[None, :]
+            part = _block_scaled(part, a_s_ptr, a_rows, stride_asm, s_ptr, gate_blocks,
+                                 stride_sn, stride_sk, k0, GROUP, ONE_BLOCK)  # fmt: skip
         acc += part
         if ACTIVATION != NO_ACTIVATION:
             b = _weight_tile(
-                w_ptr, s_ptr, up_rows, n_mask, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
-                KIND, GROUP, W_FP8, DOT_DTYPE, BLOCK_K,
+                w_ptr, s_ptr, up_rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
+                KIND, GROUP, W_FP8, FP8_BYTES, DOT_DTYPE, BLOCK_K, MASK_K,
             )  # fmt: skip
             part = tl.dot(a, b, input_precision=DOT_PRECISION)
             if KIND == W_FP8_BLOCK:
-                a_s, b_s = _block_scales(a_s_ptr, a_rows, stride_asm, s_ptr, up_blocks, n_mask,
-                                         stride_sn, stride_sk, k0, GROUP)  # fmt: skip
-                part = part * a_s[:, None] * b_s[None, :]
+                part = _block_scaled(part, a_s_ptr, a_rows, stride_asm, s_ptr, up_blocks,
+                                     stride_sn, stride_sk, k0, GROUP, ONE_BLOCK)  # fmt: skip
             acc_up += part
 
     acc = _after_k_scales(acc, a_s_ptr, a_rows, stride_asm, s_ptr, gate_rows, ACT_SCALE, KIND,
                           stride_sn)  # fmt: skip
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + expert * stride_be + gate_rows, mask=n_mask, other=0)[None, :]
+        acc += tl.load(bias_ptr + expert * stride_be + gate_rows)[None, :]
     if ACTIVATION != NO_ACTIVATION:
         up = _after_k_scales(acc_up, a_s_ptr, a_rows, stride_asm, s_ptr, up_rows, ACT_SCALE,
                              KIND, stride_sn)  # fmt: skip
         if HAS_BIAS:
-            up += tl.load(bias_ptr + expert * stride_be + up_rows, mask=n_mask, other=0)[None, :]
+            up += tl.load(bias_ptr + expert * stride_be + up_rows)[None, :]
         if ACTIVATION == SILU:
             acc = acc * tl.sigmoid(acc) * up
         elif ACTIVATION == GELU:
@@ -391,11 +414,15 @@ def grouped_gemm(
     if grid_m == 0:
         return
     s_e, s_n, s_k = _scale_strides(w)
-    grid = (grid_m, triton.cdiv(n_out, tile.block_n))
+    mask_k = w.k % tile.block_k != 0
+    # fp8 goes as bytes where a load is masked or on the interpreter (see _load_tile)
+    fp8_bytes = mask_k or not a.data.is_cuda
+    operand = _bytes_if_fp8 if fp8_bytes else (lambda t: t)
+    grid = (grid_m * triton.cdiv(n_out, tile.block_n),)
     _grouped_gemm_kernel[grid](
-        _bytes_if_fp8(a.data), a.scale, _bytes_if_fp8(w.data), w.scale, w.bias, out,
+        operand(a.data), a.scale, operand(w.data), w.scale, w.bias, out,
         row_ids, block_expert, tokens_per_expert, epilogue.row_weights,
-        num_pairs, max_tokens, a.pairs_per_row, n_out, w.k,
+        num_pairs, max_tokens, grid_m, a.pairs_per_row, n_out, w.k,
         1 if interleaved else n_out,
         triton.cdiv(n_out, group) if gated else 0,
         a.data.stride(0), a.scale.stride(0) if a.scale is not None and a.scale.dim() == 2 else 0,
@@ -408,12 +435,16 @@ def grouped_gemm(
         GROUP=group,
         ACTIVATION=ACTIVATION[spec.kind if gated else None],
         GATE_STEP=2 if interleaved else 1,
+        ONE_BLOCK=kind == WeightKind.FP8_BLOCK and not interleaved and group % tile.block_n == 0,
         HAS_BIAS=w.bias is not None,
         HAS_ROW_WEIGHTS=epilogue.row_weights is not None,
         A_FP8=a.data.dtype == FP8,
         W_FP8=w.data.dtype == FP8,
+        FP8_BYTES=fp8_bytes,
+        MASK_K=mask_k,
         DOT_DTYPE=_dot_dtype(a.data),
         DOT_PRECISION="ieee" if a.data.dtype == torch.float32 else "tf32",
+        GROUP_M=tile.group_m,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
     )  # fmt: skip

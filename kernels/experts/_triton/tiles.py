@@ -110,8 +110,12 @@ def heuristic_tiles(cfg: MoEConfig, num_tokens: int) -> LayerTiles:
     elem = 1 if cfg.quant.spec.act_quant else cfg.dtype.itemsize
     # GEMM1 keeps gate and up accumulators: halve its N tile at BLOCK_M 128 to stay in registers
     n1 = block_n // 2 if block_m == 128 else block_n
-    gemm1 = GemmTile(n1, block_k, warps, stages_for(block_m, n1, block_k, 2, elem))
-    gemm2 = GemmTile(block_n, block_k, warps, stages_for(block_m, block_n, block_k, 1, elem))
+    # prefill: row blocks swizzled in groups of 8 (measured on the H100 at 4096 tokens: 0.82x to
+    # 0.92x the time of row blocks first on DeepSeek-V3, Qwen3, Mixtral; equal in decode)
+    group_m = 8 if rows_per_expert > 64 else 0
+    gemm1 = GemmTile(n1, block_k, warps, stages_for(block_m, n1, block_k, 2, elem), group_m)
+    gemm2 = GemmTile(block_n, block_k, warps, stages_for(block_m, block_n, block_k, 1, elem),
+                     group_m)  # fmt: skip
     return LayerTiles(block_m, gemm1, gemm2)
 
 
