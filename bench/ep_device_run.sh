@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Issue 20's GPU run in one device call on two GPUs (nvidia-h100-x2 / nvidia-h200-x2), from the
+# project root:
+#     source .deps/device-env.sh; bash bench/ep_device_run.sh OUT_DIR
+# 1. `python3 -m bench.ep_service` (DeepSeek-V3-sized layer, service mode, EP 2 against one GPU,
+#    backend EP_BACKEND, default triton) -> OUT_DIR/ep_service.{md,json}, OUT_DIR/ep-bench.log;
+#    its 11 GB layer directory is written under a temporary directory, not OUT_DIR;
+# 2. `tests/service/test_ep_gpu.py` (serve --ep 2 over NCCL with graphs, a killed rank)
+#    -> OUT_DIR/ep-service-tests.log;
+# 3. `tests/kernels/test_naive_ep.py -m gpu` (every expert-map backend over two GPUs against one)
+#    in the time left of EP_RUN_SECONDS (default 560) -> OUT_DIR/ep-kernel-tests.log.
+# Each step has its own time limit; ranks a killed step left behind are killed before the next.
+set -uo pipefail
+out=${1:?usage: bench/ep_device_run.sh OUT_DIR}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+# KINDS.md: NVLink multicast stays off, also in every process this starts
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+total=${EP_RUN_SECONDS:-560}
+{ nvidia-smi; nvidia-smi topo -m; git log -1 --format=%H 2>/dev/null; } >"$out/environment.txt" 2>&1
+
+leftovers() {  # ranks of a step its timeout killed (spawned children outlive a SIGKILLed parent)
+  pkill -9 -f "multiprocessing.spawn" 2>/dev/null
+  sleep 1
+}
+
+work=$(mktemp -d)
+timeout -k 5 "${EP_BENCH_SECONDS:-270}" python3 -m bench.ep_service --out "$work" \
+  --backend "${EP_BACKEND:-triton}" --seconds 2 >"$out/ep-bench.log" 2>&1
+echo "bench.ep_service exited with $? after $SECONDS s" >>"$out/ep-bench.log"
+cp "$work"/ep_service.md "$work"/ep_service.json "$out"/ 2>/dev/null
+rm -rf "$work"
+leftovers
+
+timeout -k 5 "${EP_SERVICE_TEST_SECONDS:-150}" python3 -m pytest -v -m gpu -p no:cacheprovider \
+  tests/service/test_ep_gpu.py >"$out/ep-service-tests.log" 2>&1
+echo "service EP tests exited with $? after $SECONDS s" >>"$out/ep-service-tests.log"
+leftovers
+
+left=$((total - SECONDS))
+if [ "$left" -gt 30 ]; then
+  timeout -k 5 "$left" python3 -m pytest -v -m gpu -p no:cacheprovider \
+    tests/kernels/test_naive_ep.py -o log_cli=true --log-cli-level=INFO \
+    >"$out/ep-kernel-tests.log" 2>&1
+  echo "kernel EP tests exited with $? after $SECONDS s" >>"$out/ep-kernel-tests.log"
+  leftovers
+else
+  echo "kernel EP tests skipped: no time left ($SECONDS s)" >"$out/ep-kernel-tests.log"
+fi
+
+for log in ep-service-tests ep-kernel-tests; do
+  echo "== $log"
+  grep -E "FAILED|ERROR|passed|failed|exited|skipped" "$out/$log.log" | grep -v PASSED | tail -n 12
+done
+echo "== bench.ep_service"
+grep -E "Traceback|Error|exited" "$out/ep-bench.log" | tail -n 6
+cat "$out/ep_service.md" 2>/dev/null || tail -n 30 "$out/ep-bench.log"
