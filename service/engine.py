@@ -137,8 +137,15 @@ class Engine:
             support = can_capture(layer, self.device, graph_tokens)
             if support:  # captured at warm-up; routed layers take no client logits in graphs
                 with_logits = layer.router.weight is None
+                # one copy per batch in flight (each pipeline slot replays its own); an engine
+                # whose ranks capture alongside (expert parallelism) captures exactly one
                 graphs = LayerGraphs(
-                    layer, self.device, graph_tokens, with_logits, DEPTH, self.chunk_tokens
+                    layer,
+                    self.device,
+                    graph_tokens,
+                    with_logits,
+                    self.max_in_flight,
+                    self.chunk_tokens,
                 )
             else:
                 log.info("layer %s runs without CUDA graphs: %s", source.name, support.reason)
