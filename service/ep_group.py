@@ -19,17 +19,23 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger(__name__)
+
 HEARTBEAT_S = 0.5
+# The longest a caller waits for NCCL's abort of a generation's communicators (see
+# Generation.abort); it goes on in the background past that.
+ABORT_WAIT_S = 5.0
 WAIT_POLL_S = 50e-6  # gloo: how often a wait on a collective checks for an abort
 KEEP_COMMANDS = 256  # commands kept in the store (every live rank reads one before the next)
 
@@ -76,10 +82,33 @@ class Generation:
     group: dist.ProcessGroup
     aborted: threading.Event  # set once a member is known dead: stop waiting on collectives
     poll: bool  # gloo: waits poll `aborted` (its abort does not wake a blocked wait)
+    # held from the first abort on
+    _aborting: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def abort(self) -> None:
-        """Make collectives of this group return: NCCL aborts them; gloo waits see `aborted`."""
+        """Make collectives of this group return: NCCL aborts them; gloo waits see `aborted`.
+        The first call aborts, later ones return at once. NCCL's abort of communicators whose
+        collectives were captured in CUDA graphs took its whole timeout (60 s) on 2 x H200,
+        on healthy ranks too (pytorch/pytorch#115388 reports the like for
+        destroy_process_group): it runs on a thread of its own, waited for ABORT_WAIT_S at
+        most, so no shutdown or regroup waits for it."""
         self.aborted.set()
+        if not self._aborting.acquire(blocking=False):
+            return
+        aborting = threading.Thread(
+            target=self._abort_group, name=f"moe-serve-ep-abort-{self.number}", daemon=True
+        )
+        aborting.start()
+        aborting.join(ABORT_WAIT_S)
+        if aborting.is_alive():
+            log.warning(
+                "the expert-parallel group of generation %d is still aborting after %.0f s; "
+                "going on without it",
+                self.number,
+                ABORT_WAIT_S,
+            )
+
+    def _abort_group(self) -> None:
         with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
             self.group.abort()
 

@@ -235,8 +235,9 @@ def run_rank(rank: int, rv: Rendezvous, device: torch.device) -> None:
         raise
     state.serve(Commands(store))
     stop.set()
-    if state.gen is not None:  # the retired ones were aborted when they retired
-        state.gen.abort()
+    # No abort of the healthy group on the way out: leave() ends the process without its
+    # destructors, and NCCL's abort of communicators used in CUDA graphs hung for its whole
+    # 60 s timeout there (2 x H200), holding up rank 0's close.
 
 
 def worker_main(rank: int, rv: Rendezvous, device: str) -> None:

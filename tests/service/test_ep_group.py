@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from service import ep_group
 from service.ep_group import KEEP_COMMANDS, Commands, Rendezvous, connect, make_group
 
 
@@ -56,3 +58,29 @@ def test_an_aborted_generation_stops_a_gloo_wait_that_would_never_end(stores) ->
         gen.wait(work)
     for g in (gen, *gens):
         g.abort()
+
+
+class _StuckGroup:
+    """A process group whose abort blocks, as NCCL's did on 2 x H200 after CUDA graphs."""
+
+    def __init__(self) -> None:
+        self.aborts = 0
+        self.release = threading.Event()
+
+    def abort(self) -> None:
+        self.aborts += 1
+        self.release.wait(30)
+
+
+def test_an_abort_that_hangs_holds_its_caller_for_abort_wait_s_at_most_and_runs_once(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(ep_group, "ABORT_WAIT_S", 0.2)
+    stuck = _StuckGroup()
+    gen = ep_group.Generation(3, (0, 1), stuck, threading.Event(), poll=False)
+    started = time.monotonic()
+    gen.abort()
+    gen.abort()  # a second caller (the heartbeat, the watch thread) returns at once
+    assert time.monotonic() - started < 2.0
+    assert gen.aborted.is_set() and stuck.aborts == 1
+    stuck.release.set()
