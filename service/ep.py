@@ -84,6 +84,47 @@ class _Layer:
     rebalance: str = "none"  # none | staging | done | failed: <why>
 
 
+class _HostBuffers:
+    """Host memory rank 0 reuses forward after forward, one buffer per name, grown to the
+    largest batch: pinned on a GPU, so that the batch's copies in and out are DMAs with no
+    host buffer made per forward (with a new 58 MB pageable tensor each way, a 4096-token
+    DeepSeek-V3 forward took 94 ms against 5 ms for its collective forward, 2 x H200). The
+    same code runs on the CPU with plain buffers."""
+
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def like(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A host view with `t`'s shape and dtype, valid until the next call for `name`."""
+        buf = self._buffers.get(name)
+        fits = (
+            buf is not None
+            and buf.dtype == t.dtype
+            and buf.shape[1:] == t.shape[1:]
+            and buf.shape[0] >= t.shape[0]
+        )
+        if not fits:
+            buf = self._buffers[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pinned)
+        return buf[: t.shape[0]]
+
+    def to_device(
+        self, name: str, t: torch.Tensor | None, device: torch.device
+    ) -> torch.Tensor | None:
+        """`t` (host) on `device`, copied through the buffer `name` (no host wait)."""
+        if t is None:
+            return None
+        host = self.like(name, t)
+        host.copy_(t)
+        return host.to(device, non_blocking=True)
+
+    def to_host(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """`t` (device) copied into the buffer `name`; read it after the device is synchronised."""
+        host = self.like(name, t)
+        host.copy_(t, non_blocking=True)
+        return host
+
+
 @dataclass
 class _Liveness:
     """Heartbeats of ranks on other hosts: the last counter seen and when it changed."""
@@ -117,6 +158,7 @@ class EPEngine(Engine):
         self._liveness = _Liveness()
         self._rebalance_seq = 0
         self._staged: dict[str, tuple[int, ServedLayer, Placement]] = {}
+        self._host = _HostBuffers(pinned=self.device.type == "cuda")  # under _lock
         self.rendezvous = Rendezvous.for_rank0(self.world_size)
         self.store = ep_group.connect(self.rendezvous, 0, JOIN_TIMEOUT_S)
         self.commands = Commands(self.store)
@@ -248,10 +290,10 @@ class EPEngine(Engine):
         graphs = served.graphs
         bucket = None if graphs is None else graphs.bucket(tokens)
         self.commands.post(op="forward", layer=name, tokens=tokens, bucket=bucket)
-        logits = inputs.router_logits
+        host = self._host
         on_device = ForwardInputs(
-            inputs.hidden_states.to(self.device),
-            None if logits is None else logits.to(self.device),
+            host.to_device("hidden", inputs.hidden_states, self.device),
+            host.to_device("logits", inputs.router_logits, self.device),
         )
         with torch.inference_mode():
             if graphs is None:
@@ -260,20 +302,29 @@ class EPEngine(Engine):
                 result = graphs.forward(on_device).output
             ids = result.routing.topk_ids
             per_rank = rank_tokens(ids, state.owners, len(self.members))
-            # one small vector, copied back behind the output (no sync of its own)
             stats = torch.cat(
                 [
                     balancedness(per_rank).reshape(1).double(),
                     torch.isfinite(result.output).all().reshape(1).double(),
                     expert_tokens(ids, served.config.num_experts).double(),
                 ]
-            ).to("cpu", non_blocking=True)
-            output = LayerOutput(
-                result.output.cpu(),
-                Routing(ids.cpu(), result.routing.topk_weights.cpu()),
             )
+            copied = LayerOutput(
+                host.to_host("output", result.output),
+                Routing(
+                    host.to_host("ids", ids), host.to_host("weights", result.routing.topk_weights)
+                ),
+            )
+            stats = host.to_host("stats", stats)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the forward's one host sync
         if gen.aborted.is_set():  # NCCL: an aborted collective returns, its data unfinished
             raise RuntimeError("the group was aborted during the forward: a rank died")
+        # the host buffers serve the next forward: the batch keeps copies
+        output = LayerOutput(
+            copied.output.clone(),
+            Routing(copied.routing.topk_ids.clone(), copied.routing.topk_weights.clone()),
+        )
         state.balancedness = float(stats[0])
         state.counts += stats[2:]
         if self.metrics is not None:

@@ -77,6 +77,19 @@ def test_two_rank_service_answers_like_the_single_process_layer(
         assert (got - expected).norm() / expected.norm() < 1e-2
 
 
+def test_rank0_forwards_keep_their_own_outputs_while_its_host_buffers_serve_the_next(
+    ep_client: Callable[..., TestClient], demo_cache: Path
+) -> None:
+    engine = ep_client().app.state.runtime.engine
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randn(rows, 256, generator=gen) for rows in (5, 37, 37, 1)]
+    outputs = [engine.forward("demo", ForwardInputs(hidden)).output for hidden in batches]
+    for hidden, got in zip(batches, outputs, strict=True):
+        expected = _single_process(demo_cache, "demo", hidden)
+        assert got.shape == expected.shape
+        assert (got.float() - expected).norm() / expected.norm() < 1e-2
+
+
 def test_backends_show_naive_ep_and_the_experts_per_rank(
     ep_client: Callable[..., TestClient],
 ) -> None:
