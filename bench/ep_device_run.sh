@@ -32,7 +32,10 @@ cp "$work"/ep_service.md "$work"/ep_service.json "$out"/ 2>/dev/null
 rm -rf "$work"
 leftovers
 
-timeout -k 5 "${EP_SERVICE_TEST_SECONDS:-150}" python3 -m pytest -v -m gpu -p no:cacheprovider \
+service_s=${EP_SERVICE_TEST_SECONDS:-150}
+# progress as it goes, and every thread's stack 10 s before the step's limit: a hang shows where
+timeout -k 5 "$service_s" python3 -m pytest -v -m gpu -p no:cacheprovider \
+  -o log_cli=true --log-cli-level=INFO -o faulthandler_timeout=$((service_s - 10)) \
   tests/service/test_ep_gpu.py >"$out/ep-service-tests.log" 2>&1
 echo "service EP tests exited with $? after $SECONDS s" >>"$out/ep-service-tests.log"
 leftovers

@@ -99,6 +99,48 @@ def run_engine(
     return rows
 
 
+def write_report(
+    args: argparse.Namespace,
+    backend: str,
+    gpu: str,
+    one_gpu: list[dict],
+    ep_rows: list[dict],
+    balance: float,
+) -> str:
+    """OUT/ep_service.json and .md; returns the table."""
+    table = [
+        "M | 1 GPU tokens/s | EP tokens/s | speedup | target | ms/batch 1 GPU | ms/batch EP "
+        "| rel err vs 1 GPU",
+        "--- | --- | --- | --- | --- | --- | --- | ---",
+    ]
+    results = []
+    for one, many in zip(one_gpu, ep_rows, strict=True):
+        m, speedup = one["M"], many["tokens_per_s"] / one["tokens_per_s"]
+        err = relative_error(many.pop("first_output"), one.pop("first_output"))
+        target = TARGETS.get(m)
+        verdict = (
+            "" if target is None else f">= {target} {'met' if speedup >= target else 'MISSED'}"
+        )
+        table.append(
+            f"{m} | {one['tokens_per_s']:.0f} | {many['tokens_per_s']:.0f} | {speedup:.2f}x | "
+            f"{verdict} | {one['ms_per_batch']:.2f} | {many['ms_per_batch']:.2f} | {err:.1e}"
+        )
+        results.append({"one_gpu": one, "ep": many, "speedup": speedup, "rel_err": err})
+    report = {
+        "shape": args.shape,
+        "ep": args.ep,
+        "redundant": args.redundant,
+        "backend": backend,
+        "gpu": gpu,
+        "last_balancedness": balance,
+        "points": results,
+    }
+    (args.out / "ep_service.json").write_text(json.dumps(report, indent=2))
+    text = f"{args.shape}, {backend}, EP {args.ep} vs 1 GPU ({gpu})\n\n" + "\n".join(table)
+    (args.out / "ep_service.md").write_text(text + "\n")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m bench.ep_service", description=__doc__)
     p.add_argument("--out", type=Path, required=True)
@@ -140,41 +182,10 @@ def main(argv: list[str] | None = None) -> int:
             ep.add(source)
         ep_rows = run_engine(ep, args.shape, tokens, hidden, args.seconds)
         balance = ep.placement(args.shape)["balancedness"]
+        gpu = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
+        text = write_report(args, backend, gpu, one_gpu, ep_rows, balance)  # before any close
     finally:
         ep.close()
-
-    table = [
-        "M | 1 GPU tokens/s | EP tokens/s | speedup | target | ms/batch 1 GPU | ms/batch EP "
-        "| rel err vs 1 GPU",
-        "--- | --- | --- | --- | --- | --- | --- | ---",
-    ]
-    results = []
-    for one, many in zip(one_gpu, ep_rows, strict=True):
-        m, speedup = one["M"], many["tokens_per_s"] / one["tokens_per_s"]
-        err = relative_error(many.pop("first_output"), one.pop("first_output"))
-        target = TARGETS.get(m)
-        verdict = (
-            "" if target is None else f">= {target} {'met' if speedup >= target else 'MISSED'}"
-        )
-        table.append(
-            f"{m} | {one['tokens_per_s']:.0f} | {many['tokens_per_s']:.0f} | {speedup:.2f}x | "
-            f"{verdict} | {one['ms_per_batch']:.2f} | {many['ms_per_batch']:.2f} | {err:.1e}"
-        )
-        results.append({"one_gpu": one, "ep": many, "speedup": speedup, "rel_err": err})
-    report = {
-        "shape": args.shape,
-        "ep": args.ep,
-        "redundant": args.redundant,
-        "backend": backend,
-        "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
-        "last_balancedness": balance,
-        "points": results,
-    }
-    (args.out / "ep_service.json").write_text(json.dumps(report, indent=2))
-    text = f"{args.shape}, {backend}, EP {args.ep} vs 1 GPU ({report['gpu']})\n\n" + "\n".join(
-        table
-    )
-    (args.out / "ep_service.md").write_text(text + "\n")
     sys.stdout.write(text + "\n")
     return 0
 
