@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 import os
+import platform
+
+# Before numpy loads OpenBLAS (torch imports numpy): on a machine without a GPU, Triton's
+# interpreter computes tl.dot with numpy's matmul, and OpenBLAS's Haswell kernel (chosen on AVX2
+# hosts without AVX-512, such as CI's AMD EPYC) rounds a row differently by its position in the
+# tile, which a GPU does not: the batch-invariance tests then fail on the CPU alone. The
+# Sandybridge kernel computes every row alike.
+if platform.machine() in ("x86_64", "AMD64"):
+    os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
 
 import torch
 

@@ -52,8 +52,12 @@ def _assert_same(kernel, twin) -> None:
     differ = qk != qt
     got, want = qk[differ].view(FP8).float(), qt[differ].view(FP8).float()
     assert torch.all((got - want).abs() <= want.abs() / 8 + 2.0**-9)
-    assert torch.all(got != want)  # never +0.0 against -0.0: bytes differ only with values
-    assert differ.float().mean() < 1e-3
+    # Bytes differ only with values, or as a zero's sign: where erf saturates at -1, the twin's
+    # GELU (torch's vectorised CPU code on an AVX2 host without AVX-512) returns +0.0 where
+    # IEEE arithmetic, CUDA and the kernel give -0.0. Rounding keeps the sign of zero bit for
+    # bit: test_round_to_e4m3_is_torchs_cast_bit_for_bit.
+    assert torch.all((got != want) | (want == 0))
+    assert (got != want).sum() < 1e-3 * qk.numel()  # values one step apart: rare
 
 
 @triton.jit
