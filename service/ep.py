@@ -291,11 +291,11 @@ class EPEngine(Engine):
         bucket = None if graphs is None else graphs.bucket(tokens)
         self.commands.post(op="forward", layer=name, tokens=tokens, bucket=bucket)
         host = self._host
-        on_device = ForwardInputs(
-            host.to_device("hidden", inputs.hidden_states, self.device),
-            host.to_device("logits", inputs.router_logits, self.device),
-        )
-        with torch.inference_mode():
+        with torch.inference_mode():  # every use of the host buffers: they are inference tensors
+            on_device = ForwardInputs(
+                host.to_device("hidden", inputs.hidden_states, self.device),
+                host.to_device("logits", inputs.router_logits, self.device),
+            )
             if graphs is None:
                 result = served.layer.forward(on_device)
             else:  # every other rank replays the same bucket's graph
