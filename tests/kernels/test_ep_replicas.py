@@ -9,8 +9,6 @@ rank 0 bringing all tokens, and rank 0 saves the outputs; each test compares one
 from __future__ import annotations
 
 import contextlib
-import socket
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -19,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from kernels.accuracy import relative_error
 from kernels.config import MoEConfig, RoutingConfig
@@ -33,6 +30,7 @@ from kernels.random_weights import random_expert_weights
 from kernels.routing import route, to_local_ids
 from kernels.tensors import Routing
 from kernels.workspace import Workspace
+from tests.kernels.ranks import run_ranks
 
 WORLD = 3
 TIMEOUT_S = 20
@@ -159,24 +157,10 @@ def _host_reads(stage: NaiveEP) -> Iterator[list[str]]:
             delattr(stage, method)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ep_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
     files = tmp_path_factory.mktemp("ep_replicas")
-    ctx = mp.start_processes(
-        _run_rank, args=(_free_port(), files), nprocs=WORLD, start_method="spawn", join=False
-    )
-    deadline = time.monotonic() + 3 * TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the gloo ranks did not finish in time")
+    run_ranks(_run_rank, (files,), WORLD, 3 * TIMEOUT_S)
     return files
 
 

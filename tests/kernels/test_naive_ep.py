@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -20,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bench.random_layer import random_layer
 from bench.shapes import SHAPES
@@ -38,6 +36,7 @@ from kernels.random_weights import random_expert_weights
 from kernels.routing import contiguous_expert_map, route
 from kernels.tensors import Routing
 from kernels.workspace import Workspace
+from tests.kernels.ranks import run_ranks
 from weights.placement_file import read_expert_counts, read_placement
 
 log = logging.getLogger(__name__)
@@ -156,12 +155,6 @@ def _ep_kernel(name: str, rank: int, files: Path) -> ModularKernel:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ep_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     files = tmp_path_factory.mktemp("naive_ep")
@@ -169,15 +162,7 @@ def ep_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if case.placement is not None:
             ranks = [list(ids) for ids in case.placement]
             (files / f"{name}.json").write_text(json.dumps({"ranks": ranks}))
-    ctx = mp.start_processes(
-        _run_rank, args=(_free_port(), files), nprocs=WORLD, start_method="spawn", join=False
-    )
-    deadline = time.monotonic() + 3 * TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the gloo ranks did not finish in time")
+    run_ranks(_run_rank, (files,), WORLD, 3 * TIMEOUT_S)
     return files
 
 
@@ -528,15 +513,7 @@ def _table(rows: list[dict]) -> str:
 
 
 def _run_two_ranks(run: GpuRun, files: Path, timeout_s: float) -> list[dict]:
-    ctx = mp.start_processes(
-        _gpu_rank, args=(_free_port(), files, run), nprocs=WORLD, start_method="spawn", join=False
-    )
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the two ranks did not finish in {timeout_s} s")
+    run_ranks(_gpu_rank, (files, run), WORLD, timeout_s)
     return json.loads((files / "gpu_rows.json").read_text())
 
 
