@@ -17,7 +17,7 @@ export PYTHONUNBUFFERED=1
 # KINDS.md: NVLink multicast stays off, also in every process this starts
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 total=${EP_RUN_SECONDS:-560}
-{ nvidia-smi; nvidia-smi topo -m; git log -1 --format=%H 2>/dev/null; } >"$out/environment.txt" 2>&1
+{ nvidia-smi; nvidia-smi topo -m; } >"$out/environment.txt" 2>&1  # the device copy has no reliable git history
 
 leftovers() {  # ranks of a step its timeout killed (spawned children outlive a SIGKILLed parent)
   pkill -9 -f "multiprocessing.spawn" 2>/dev/null
