@@ -442,7 +442,8 @@ class DynamicBatcher:
         )
         try:
             async with self._launching:  # one launch at a time: the streams take them in order
-                if self.engine.enqueues and nbytes <= OFF_LOOP_BYTES:
+                quick = self.engine.enqueues and not self.engine.start_may_wait
+                if quick and nbytes <= OFF_LOOP_BYTES:
                     # staging a small batch and enqueueing it takes less than a thread hop
                     pending = self.engine.start(name, parts, into)
                 else:

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 import torch
 
@@ -81,10 +81,6 @@ class NonFiniteRows(Exception):
 
 
 class Engine:
-    # False: `start` runs each batch synchronously through `forward` (expert parallelism's
-    # forward is a collective that every rank joins)
-    pipelined: ClassVar[bool] = True
-
     def __init__(
         self,
         device: torch.device,
@@ -102,11 +98,7 @@ class Engine:
         self.layers: dict[str, ServedLayer] = {}
         self.failure: str | None = None  # why this engine can serve no more; None while it can
         self.on_failure: Callable[[str], None] = lambda _reason: None  # the app turns unready
-        self.pipeline = (
-            DevicePipeline(device, chunk_tokens)
-            if self.pipelined and device.type == "cuda"
-            else None
-        )
+        self.pipeline = DevicePipeline(device, chunk_tokens) if device.type == "cuda" else None
 
     @property
     def enqueues(self) -> bool:
@@ -123,32 +115,19 @@ class Engine:
         """Batches `start` may have running at once."""
         return DEPTH if self.enqueues else 1
 
+    @property
+    def start_may_wait(self) -> bool:
+        """Whether `start` may wait for something other than its own copies (expert
+        parallelism: a regroup or a capture in progress); the batcher then never calls it on
+        the event loop."""
+        return False
+
     def add(self, source: LayerSource) -> ServedLayer:
         """Build `source`'s modular kernel on the device (backend chosen per layer)."""
         if source.name in self.layers:
             raise ValueError(f"two layers are named {source.name!r}; layer names must be unique")
         layer, selection = self.build(source)
-        graphs = None
-        if self.captures:
-            # a backend that syncs above some size (the batched formats) is captured up to it
-            # and runs eagerly above
-            limit = layer.kernel.prepare_finalize.max_capture_tokens or self.chunk_tokens
-            graph_tokens = min(self.chunk_tokens, limit)
-            support = can_capture(layer, self.device, graph_tokens)
-            if support:  # captured at warm-up; routed layers take no client logits in graphs
-                with_logits = layer.router.weight is None
-                # one copy per batch in flight (each pipeline slot replays its own); an engine
-                # whose ranks capture alongside (expert parallelism) captures exactly one
-                graphs = LayerGraphs(
-                    layer,
-                    self.device,
-                    graph_tokens,
-                    with_logits,
-                    self.max_in_flight,
-                    self.chunk_tokens,
-                )
-            else:
-                log.info("layer %s runs without CUDA graphs: %s", source.name, support.reason)
+        graphs = self.layer_graphs(source.name, layer) if self.captures else None
         served = ServedLayer(
             source.name, source.config, layer, selection, source.weights.nbytes(), graphs
         )
@@ -161,6 +140,23 @@ class Engine:
             selection.reason,
         )
         return served
+
+    def layer_graphs(self, name: str, layer: MoELayer) -> LayerGraphs | None:
+        """Uncaptured graphs for `layer` (captured at warm-up), or None where its backend
+        cannot be captured. A backend that syncs above some size (the batched formats) is
+        captured up to it and runs eagerly above."""
+        limit = layer.kernel.prepare_finalize.max_capture_tokens or self.chunk_tokens
+        graph_tokens = min(self.chunk_tokens, limit)
+        support = can_capture(layer, self.device, graph_tokens)
+        if not support:
+            log.info("layer %s runs without CUDA graphs: %s", name, support.reason)
+            return None
+        # routed layers take no client logits in graphs; one copy per batch in flight (each
+        # pipeline slot replays its own)
+        with_logits = layer.router.weight is None
+        return LayerGraphs(
+            layer, self.device, graph_tokens, with_logits, self.max_in_flight, self.chunk_tokens
+        )
 
     def load(self, source: LayerSource, token_counts: Sequence[int]) -> ServedLayer:
         """Add layer `source`, or replace the one of its name, warmed up at `token_counts`.

@@ -8,16 +8,19 @@
 Each forward is one naive-ep collective in its sender mode: rank 0 posts the layer and the token
 count M (service/ep_group.py), broadcasts the packed rows and gets the sum over ranks back
 (reduce). Every rank knows M from the command, so the forward runs on fixed shapes: no host sync
-on any rank. Each rank reads only its own experts from the layer directory.
+on any rank. Each rank reads only its own experts from the layer directory. On GPUs rank 0 runs
+batches through the same device pipeline as one GPU (service/pipeline.py: copies overlapped with
+the forward before, up to three batches in flight, graph copies per slot), posting each forward
+as it is enqueued; the other ranks replay the same bucket and copy, in the same order.
 
 Replicas: a placement may hold an expert on several ranks (--ep-placement, --ep-redundant); its
-pairs split between the copies by token index. Rank 0 measures each step's load per rank on the
-device and reads it with the batch's one host sync (moe_serve_ep_balancedness).
+pairs split between the copies by token index. Rank 0 computes each step's load per rank from the
+batch's routing once it is back on the host (moe_serve_ep_balancedness).
 
 A rank that dies (its process exits, or it stops its heartbeat) breaks the group. If each of its
 experts has a copy on a live rank, the survivors form a new group and keep serving with the
-replica maps rewritten (degraded: /ready says why, moe_serve_ep_live_ranks drops); the batch in
-flight is run again on the new group. Otherwise /ready and every request answer 503.
+replica maps rewritten (degraded: /ready says why, moe_serve_ep_live_ranks drops); the batches in
+flight are run again on the new group. Otherwise /ready and every request answer 503.
 
 Rebalance (`rebalance`): every rank loads its experts of the new placement in the background
 while the old one serves, then all switch between two forwards.
@@ -34,7 +37,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -42,7 +44,7 @@ import torch.multiprocessing as mp
 
 from kernels.input_checks import check_shapes
 from kernels.layer import LayerOutput, MoELayer, expert_tokens
-from kernels.layer_graphs import LayerGraphs, can_capture
+from kernels.layer_graphs import LayerGraphs
 from kernels.placement import Placement, balancedness, rank_tokens
 from kernels.prepare_finalize.naive_ep import NaiveEP
 from kernels.selection import Selection
@@ -63,6 +65,7 @@ from service.ep_layers import (
 )
 from service.ep_worker import worker_main
 from service.errors import NotReady
+from service.pipeline import BatchResult, Pending
 from service.settings import Settings
 from weights.load import load_layer, read_manifest
 
@@ -78,51 +81,10 @@ class _Layer:
 
     plan: LayerPlan
     placement: Placement
-    owners: torch.Tensor  # owner_map over the live group, on the device
+    owners: torch.Tensor  # owner_map over the live group (CPU)
     counts: torch.Tensor  # tokens per expert since the last placement switch (CPU float64)
     balancedness: float = 1.0  # of the last step
     rebalance: str = "none"  # none | staging | done | failed: <why>
-
-
-class _HostBuffers:
-    """Host memory rank 0 reuses forward after forward, one buffer per name, grown to the
-    largest batch: pinned on a GPU, so that the batch's copies in and out are DMAs with no
-    host buffer made per forward (with a new 58 MB pageable tensor each way, a 4096-token
-    DeepSeek-V3 forward took 94 ms against 5 ms for its collective forward, 2 x H200). The
-    same code runs on the CPU with plain buffers."""
-
-    def __init__(self, pinned: bool) -> None:
-        self.pinned = pinned
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def like(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """A host view with `t`'s shape and dtype, valid until the next call for `name`."""
-        buf = self._buffers.get(name)
-        fits = (
-            buf is not None
-            and buf.dtype == t.dtype
-            and buf.shape[1:] == t.shape[1:]
-            and buf.shape[0] >= t.shape[0]
-        )
-        if not fits:
-            buf = self._buffers[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pinned)
-        return buf[: t.shape[0]]
-
-    def to_device(
-        self, name: str, t: torch.Tensor | None, device: torch.device
-    ) -> torch.Tensor | None:
-        """`t` (host) on `device`, copied through the buffer `name` (no host wait)."""
-        if t is None:
-            return None
-        host = self.like(name, t)
-        host.copy_(t)
-        return host.to(device, non_blocking=True)
-
-    def to_host(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """`t` (device) copied into the buffer `name`; read it after the device is synchronised."""
-        host = self.like(name, t)
-        host.copy_(t, non_blocking=True)
-        return host
 
 
 @dataclass
@@ -135,8 +97,6 @@ class _Liveness:
 class EPEngine(Engine):
     """The engine of rank 0: starts or awaits the other ranks, and has them join every forward."""
 
-    pipelined: ClassVar[bool] = False  # each forward is a collective: run batches one by one
-
     def __init__(
         self, settings: Settings, paths: Sequence[Path], metrics: object | None = None
     ) -> None:
@@ -148,6 +108,8 @@ class EPEngine(Engine):
             cuda_graphs=settings.cuda_graphs,
         )
         self.metrics = metrics  # service.metrics.Metrics: the EP gauges
+        if self.pipeline is not None:
+            self.pipeline.on_forward = self._announce
         self.degraded: str | None = None  # why fewer ranks serve than started; None: all do
         self.on_degraded: Callable[[str], None] = lambda _reason: None
         self._closing = False
@@ -158,7 +120,6 @@ class EPEngine(Engine):
         self._liveness = _Liveness()
         self._rebalance_seq = 0
         self._staged: dict[str, tuple[int, ServedLayer, Placement]] = {}
-        self._host = _HostBuffers(pinned=self.device.type == "cuda")  # under _lock
         self.rendezvous = Rendezvous.for_rank0(self.world_size)
         self.store = ep_group.connect(self.rendezvous, 0, JOIN_TIMEOUT_S)
         self.commands = Commands(self.store)
@@ -214,15 +175,14 @@ class EPEngine(Engine):
         return loaded
 
     def _layer_state(self, plan: LayerPlan, placement: Placement) -> _Layer:
-        owners = placement.surviving(self.members).owner_map().to(self.device)
+        owners = placement.surviving(self.members).owner_map()
         return _Layer(
             plan, placement, owners, torch.zeros(placement.num_experts, dtype=torch.float64)
         )
 
     @property
-    def captures(self) -> bool:
-        """On GPUs every rank captures each layer's buckets together (NCCL in the graphs)."""
-        return self.cuda_graphs and self.device.type == "cuda"
+    def start_may_wait(self) -> bool:
+        return True  # for a regroup, or a capture after a rebalance (seconds)
 
     def warm_up(self, token_counts: Sequence[int], names: Sequence[str] | None = None) -> None:
         """Every rank captures with rank 0, layer by layer, bucket by bucket (the eager run
@@ -230,8 +190,15 @@ class EPEngine(Engine):
         for name in list(self.layers) if names is None else names:
             graphs = self.layers[name].graphs
             if graphs is not None:
-                self.commands.post(op="capture", layer=name, buckets=list(graphs.buckets))
+                self._post_capture(name, graphs)
         super().warm_up(token_counts, names)
+
+    def _post_capture(self, name: str, graphs: LayerGraphs) -> None:
+        """Every other rank captures as rank 0 is about to: each copy of each bucket, largest
+        bucket first, an eager forward (a collective) before each capture."""
+        self.commands.post(
+            op="capture", layer=name, buckets=list(graphs.buckets), copies=graphs.copies
+        )
 
     def build(self, source: LayerSource) -> tuple[MoELayer, Selection]:
         placement = self._layers[source.name].placement
@@ -266,8 +233,55 @@ class EPEngine(Engine):
             time.sleep(_POLL_S if pending else 0)
 
     # ---- forward ----------------------------------------------------------------------------
+    #
+    # On GPUs each batch goes through the device pipeline like one GPU's (copies overlapped, up
+    # to DEPTH batches in flight, one graph replay each): as a batch's forward is enqueued,
+    # rank 0 posts it (`_announce`), under the lock, so every rank runs the forwards in the
+    # order of rank 0's compute stream. A forward whose group was aborted meanwhile (a rank
+    # died) returns unfinished data: its batch runs again once the survivors have regrouped
+    # (`_EPBatch`). On the CPU (gloo) `start` runs each batch through `forward`.
+
+    def start(
+        self,
+        name: str,
+        parts: Sequence[ForwardInputs],
+        into: Sequence[torch.Tensor | None] | None = None,
+    ) -> Pending:
+        if self.pipeline is None:
+            return super().start(name, parts, into)
+        with self._lock:
+            gen = self.gen
+            pending = super().start(name, parts, into)
+        return _EPBatch(self, name, parts, into, gen, pending)
+
+    def _announce(
+        self, served: ServedLayer, tokens: int, bucket: int | None, copy: int | None
+    ) -> None:
+        """The device pipeline enqueues this forward on rank 0 now: the others run it too."""
+        self.commands.post(op="forward", layer=served.name, tokens=tokens, bucket=bucket, copy=copy)
+
+    def _rerun(self, batch: _EPBatch) -> BatchResult:
+        """A batch whose group was aborted under it: once the survivors have regrouped (or
+        here, if nobody has yet), it runs again on theirs; NotReady when none can serve."""
+        with self._lock:
+            if self.gen is batch.gen and self.failure is None:
+                reason = f"a forward of layer {batch.name!r} was aborted: a rank died"
+                self._recover(reason, wait_s=HEARTBEAT_TIMEOUT_S)
+        log.warning("layer %s: the batch runs again on ranks %s", batch.name, self.members)
+        return self.start(batch.name, batch.parts, batch.into).result()
+
+    def _count(self, name: str, ids: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
+        """A forward's load: the placement's counts and the balancedness gauge (host)."""
+        state = self._layers[name]
+        per_rank = rank_tokens(ids, state.owners, len(self.members))
+        state.balancedness = float(balancedness(per_rank))
+        state.counts += tokens_per_expert
+        if self.metrics is not None:
+            self.metrics.ep_balancedness.labels(name).set(state.balancedness)
 
     def forward(self, name: str, inputs: ForwardInputs) -> LayerOutput:
+        """One batch, synchronously: the CPU (gloo) path; retried on the survivors' group
+        after a rank dies."""
         with self._lock:
             if self.failure is not None:
                 raise NotReady(f"expert parallelism is down: {self.failure}")
@@ -284,52 +298,26 @@ class EPEngine(Engine):
                 log.warning("layer %s: the batch runs again on ranks %s", name, self.members)
 
     def _forward_once(self, name: str, inputs: ForwardInputs) -> LayerOutput:
-        served, state, gen = self.get(name), self._layers[name], self.gen
+        served, gen = self.get(name), self.gen
         check_shapes(served.config, inputs, has_router=served.has_router)  # before ranks start
         tokens = inputs.hidden_states.shape[0]
-        graphs = served.graphs
-        bucket = None if graphs is None else graphs.bucket(tokens)
-        self.commands.post(op="forward", layer=name, tokens=tokens, bucket=bucket)
-        host = self._host
-        with torch.inference_mode():  # every use of the host buffers: they are inference tensors
+        self.commands.post(op="forward", layer=name, tokens=tokens, bucket=None, copy=None)
+        with torch.inference_mode():
             on_device = ForwardInputs(
-                host.to_device("hidden", inputs.hidden_states, self.device),
-                host.to_device("logits", inputs.router_logits, self.device),
+                inputs.hidden_states.to(self.device),
+                None if inputs.router_logits is None else inputs.router_logits.to(self.device),
             )
-            if graphs is None:
-                result = served.layer.forward(on_device)
-            else:  # every other rank replays the same bucket's graph
-                result = graphs.forward(on_device).output
-            ids = result.routing.topk_ids
-            per_rank = rank_tokens(ids, state.owners, len(self.members))
-            stats = torch.cat(
-                [
-                    balancedness(per_rank).reshape(1).double(),
-                    torch.isfinite(result.output).all().reshape(1).double(),
-                    expert_tokens(ids, served.config.num_experts).double(),
-                ]
-            )
-            copied = LayerOutput(
-                host.to_host("output", result.output),
-                Routing(
-                    host.to_host("ids", ids), host.to_host("weights", result.routing.topk_weights)
-                ),
-            )
-            stats = host.to_host("stats", stats)
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # the forward's one host sync
-        if gen.aborted.is_set():  # NCCL: an aborted collective returns, its data unfinished
+            result = served.layer.forward(on_device)
+            finite = bool(torch.isfinite(result.output).all())
+        if gen.aborted.is_set():  # an aborted collective returns, its data unfinished
             raise RuntimeError("the group was aborted during the forward: a rank died")
-        # the host buffers serve the next forward: the batch keeps copies
+        routing = result.routing
         output = LayerOutput(
-            copied.output.clone(),
-            Routing(copied.routing.topk_ids.clone(), copied.routing.topk_weights.clone()),
+            result.output.cpu(), Routing(routing.topk_ids.cpu(), routing.topk_weights.cpu())
         )
-        state.balancedness = float(stats[0])
-        state.counts += stats[2:]
-        if self.metrics is not None:
-            self.metrics.ep_balancedness.labels(name).set(state.balancedness)
-        if not stats[1]:
+        ids = output.routing.topk_ids
+        self._count(name, ids, expert_tokens(ids, served.config.num_experts))
+        if not finite:
             raise NonFiniteRows(name, output)
         return output
 
@@ -401,7 +389,7 @@ class EPEngine(Engine):
             survivors = state.placement.surviving(live)
             served = self.get(name)
             regroup_kernel(served.layer.kernel, survivors, 0, self.gen)
-            state.owners = survivors.owner_map().to(self.device)
+            state.owners = survivors.owner_map()
             # graphs hold the old group's communicator: degraded ranks run eagerly
             self.layers[name] = dataclasses.replace(served, graphs=None)
 
@@ -537,11 +525,10 @@ class EPEngine(Engine):
         """Capture a switched layer's graphs on every rank (between two forwards: holds the
         lock); a layer that cannot be captured runs eagerly."""
         served = self.get(name)
-        if not (self.captures and can_capture(served.layer, self.device, self.chunk_tokens)):
+        graphs = self.layer_graphs(name, served.layer) if self.captures else None
+        if graphs is None:
             return
-        with_logits = served.layer.router.weight is None
-        graphs = LayerGraphs(served.layer, self.device, self.chunk_tokens, with_logits)
-        self.commands.post(op="capture", layer=name, buckets=list(graphs.buckets))
+        self._post_capture(name, graphs)
         with torch.inference_mode():
             graphs.capture()
         self.layers[name] = dataclasses.replace(served, graphs=graphs)
@@ -575,6 +562,30 @@ class EPEngine(Engine):
             if worker.is_alive():
                 worker.kill()
         if self.gen is not None:  # the retired ones were aborted when they retired
-            self.gen.abort()
+            if self.failure is not None:
+                self.gen.abort()  # a rank may still wait in one of its collectives
+            # else no abort: every rank has left it, and NCCL's abort of a healthy group whose
+            # collectives were captured in CUDA graphs outlasted any wait (2 x H200: still
+            # aborting 5 s on); its communicators go with the process
             NaiveEP.outside_groups -= 1
             self.gen = None
+
+
+@dataclass(frozen=True)
+class _EPBatch:
+    """A batch in rank 0's device pipeline and the group it was launched on."""
+
+    engine: EPEngine
+    name: str
+    parts: Sequence[ForwardInputs]  # kept until the result is in: a rerun needs them
+    into: Sequence[torch.Tensor | None] | None
+    gen: Generation
+    pending: Pending
+
+    def result(self) -> BatchResult:
+        result = self.pending.result()
+        if self.gen.aborted.is_set():  # NCCL: an aborted collective returns, its data unfinished
+            return self.engine._rerun(self)
+        ids = torch.cat([out.routing.topk_ids for out in result.outputs])
+        self.engine._count(self.name, ids, result.expert_tokens)
+        return result

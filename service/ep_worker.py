@@ -43,7 +43,8 @@ class _RankLayer:
     hidden: torch.Tensor  # [chunk_tokens, H] placeholders the broadcast overwrites
     routing: Routing
     staged: dict[int, tuple[ModularKernel, Placement] | None] = field(default_factory=dict)
-    graphs: dict[int, torch.cuda.CUDAGraph] = field(default_factory=dict)  # bucket -> graph
+    # bucket -> one graph per copy of rank 0's (each of its pipeline slots replays its own)
+    graphs: dict[int, list[torch.cuda.CUDAGraph]] = field(default_factory=dict)
 
     def forward(self, tokens: int, workspace: Workspace | None = None) -> None:
         rows = slice(0, tokens)
@@ -51,22 +52,25 @@ class _RankLayer:
         routing = Routing(r.topk_ids[rows], r.topk_weights[rows])
         self.kernel.forward(self.hidden[rows], routing, workspace=workspace)
 
-    def capture(self, buckets: Sequence[int], device: torch.device) -> None:
-        """As kernels.layer_graphs captures rank 0's: largest bucket first, each after an eager
-        run on a side stream (a collective with rank 0's), experts' buffers in the graph pool."""
+    def capture(self, buckets: Sequence[int], copies: int, device: torch.device) -> None:
+        """As kernels.layer_graphs captures rank 0's: largest bucket first, each of its copies
+        after an eager run on a side stream (a collective with rank 0's), experts' buffers in
+        the graph pool. The copies share this rank's buffers: its forwards run one by one."""
         pool = torch.cuda.graph_pool_handle()
         self.graphs.clear()
         with torch.cuda.device(device):
             for bucket in sorted(buckets, reverse=True):
-                side = torch.cuda.Stream(device)
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    self.forward(bucket, Workspace(device))
-                torch.cuda.current_stream(device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    self.forward(bucket, Workspace(device))
-                self.graphs[bucket] = graph
+                self.graphs[bucket] = []
+                for _ in range(copies):
+                    side = torch.cuda.Stream(device)
+                    side.wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(side):
+                        self.forward(bucket, Workspace(device))
+                    torch.cuda.current_stream(device).wait_stream(side)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                        self.forward(bucket, Workspace(device))
+                    self.graphs[bucket].append(graph)
 
 
 class _Rank:
@@ -130,14 +134,14 @@ class _Rank:
 
     def _forward(self, command: dict) -> None:
         layer = self.layers[command["layer"]]
-        graph = layer.graphs.get(command.get("bucket"))
-        if graph is not None:
-            graph.replay()  # rank 0 replays the same bucket's
-        else:  # rank 0's graph pads to the bucket: as many rows
-            layer.forward(command.get("bucket") or command["tokens"])
+        bucket = command["bucket"]
+        if bucket is None:  # rank 0 runs its eager forward: as many rows
+            layer.forward(command["tokens"])
+        else:  # rank 0 replays this copy of the bucket's graph
+            layer.graphs[bucket][command["copy"]].replay()
 
     def _capture(self, command: dict) -> None:
-        self.layers[command["layer"]].capture(command["buckets"], self.device)
+        self.layers[command["layer"]].capture(command["buckets"], command["copies"], self.device)
 
     def _regroup(self, command: dict) -> None:
         self.members = command["members"]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -240,6 +240,10 @@ class DevicePipeline:
         self.copy_out = torch.cuda.Stream(device)
         self.default = torch.cuda.default_stream(device)
         self._slots: dict[str, _Slots] = {}
+        # Called as each batch's forward is enqueued, in order, with (layer, rows, the graph
+        # bucket replayed or None for the eager forward, the slot's graph copy): expert
+        # parallelism tells its other ranks to run the same forward (service/ep.py)
+        self.on_forward: Callable[[ServedLayer, int, int | None, int | None], None] | None = None
 
     def _slot(self, served: ServedLayer, tokens: int) -> _Slot:
         slots = self._slots.get(served.name)
@@ -331,6 +335,8 @@ class DevicePipeline:
                 graphs.inputs[slot.copy].valid_rows.copy_(slot.valid_rows, non_blocking=True)
             ev["h2d_end"].record(self.copy_in)
 
+            if self.on_forward is not None:
+                self.on_forward(served, m, graphs.bucket(m) if replays else None, slot.copy)
             torch.cuda.set_stream(self.compute)
             self.compute.wait_event(ev["h2d_end"])
             ev["forward_start"].record(self.compute)

@@ -4,11 +4,13 @@
 # One process per file because tests of different files share CUDA state in one process (a
 # graph of one test freed while another captures): `pytest -n 3` mixed them and failed where
 # every file passes on its own. Prints a line per file and the failures; the logs go to
-# OUT_DIR/gpu-logs.tgz. Exit status 1 if any file failed.
+# OUT_DIR/gpu-logs.tgz. Exit status 1 if any file failed. GPU_SUITE_SKIP: an extended regex of
+# test files to leave out (those bench/ep_device_run.sh has just run, say).
 set -uo pipefail
 out=${1:?usage: tests/gpu_suite.sh OUT_DIR}
 logs=$(mktemp -d)
-files=$(grep -rlE "mark\.gpu|needs_gpu" tests --include='test_*.py' | grep -v '^tests/deploy/' | sort)
+files=$(grep -rlE "mark\.gpu|needs_gpu" tests --include='test_*.py' | grep -v '^tests/deploy/' \
+  | grep -vE "${GPU_SUITE_SKIP:-^$}" | sort)
 run_file() {
   local name; name=$(echo "$1" | tr / _)
   timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider -rf "$1" >"$logs/$name.log" 2>&1

@@ -1,5 +1,6 @@
 """`serve --ep 2` on two GPUs (NCCL, CUDA graphs): answers like one process, every replica set
-up on both ranks, and keeps answering on rank 0 alone once rank 1 is killed.
+up on both ranks, and keeps answering on rank 0 alone once rank 1 is killed (the first request
+right after the kill, launched on the broken group, included).
 
 Run on nvidia-h200-x2:
     source .deps/device-env.sh; python3 -m pytest -q -m gpu tests/service/test_ep_gpu.py
@@ -55,6 +56,7 @@ def test_two_gpus_with_graphs_answer_like_one_process_and_survive_a_lost_replica
         for tokens in (1, 37, 300):
             _check(client, tmp_path, tokens)
         engine.workers[0].kill()
+        _check(client, tmp_path, 37)  # launched on the broken group: run again on the survivor
         deadline = time.monotonic() + 60
         while not client.get("/ready").json().get("degraded"):
             assert time.monotonic() < deadline, client.get("/ready").text
