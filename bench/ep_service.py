@@ -26,6 +26,7 @@ import logging
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ from kernels.accuracy import relative_error
 from kernels.tensors import ForwardInputs
 from service.engine import Engine
 from service.ep import EPEngine
+from service.ep_group import leave
 from service.settings import Settings
 from weights.load import load_layer
 from weights.manifest import Manifest, Source
@@ -59,34 +61,46 @@ def write_random_layer(shape: str, out: Path, device: torch.device) -> Path:
     return path
 
 
-def _inputs(m: int, hidden: int, count: int = 4) -> list[ForwardInputs]:
+def _inputs(m: int, hidden: int, pinned: bool, count: int = 4) -> list[ForwardInputs]:
     gen = torch.Generator().manual_seed(m)
-    return [
-        ForwardInputs(torch.randn(m, hidden, generator=gen).to(torch.bfloat16))
-        for _ in range(count)
-    ]
+    rows = [torch.randn(m, hidden, generator=gen).to(torch.bfloat16) for _ in range(count)]
+    return [ForwardInputs(r.pin_memory() if pinned else r) for r in rows]
 
 
-def throughput(engine: Engine, name: str, m: int, hidden: int, seconds: float) -> dict:
-    """Tokens per second over about `seconds`, up to max_in_flight batches at once."""
-    batches = _inputs(m, hidden)
+def throughput(
+    engine: Engine, name: str, m: int, hidden: int, seconds: float, pinned: bool
+) -> dict:
+    """Tokens per second over about `seconds`, up to max_in_flight batches at once, each
+    waited for on a completer thread as service.batcher does. `pinned`: rows in pinned memory
+    and outputs copied into pinned memory, as binary requests are read and answered
+    (service/deps.py); else plain host tensors in and the output copied out of the slot."""
+    batches = _inputs(m, hidden, pinned)
     first = engine.start(name, [batches[0]]).result().outputs[0].output
+    # an output buffer per batch in flight, and one for the batch being started
+    outputs = [
+        torch.empty(m, hidden, dtype=torch.bfloat16, pin_memory=True) if pinned else None
+        for _ in range(engine.max_in_flight + 1)
+    ]
     pending: collections.deque = collections.deque()
     sent = done = 0
     forward_s, stage_s = [], []
-    started = time.perf_counter()
-    while (feeding := time.perf_counter() - started < seconds) or pending:
-        if feeding and len(pending) < engine.max_in_flight:
-            pending.append(engine.start(name, [batches[sent % len(batches)]]))
-            sent += 1
-            continue
-        times = pending.popleft().result().times
-        forward_s.append(times.forward_s)
-        stage_s.append(times.stage_s)
-        done += 1
-    elapsed = time.perf_counter() - started
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="complete") as completer:
+        started = time.perf_counter()
+        while (feeding := time.perf_counter() - started < seconds) or pending:
+            if feeding and len(pending) < engine.max_in_flight:
+                into = [outputs[sent % len(outputs)]]
+                batch = engine.start(name, [batches[sent % len(batches)]], into)
+                pending.append(completer.submit(batch.result))
+                sent += 1
+                continue
+            times = pending.popleft().result().times
+            forward_s.append(times.forward_s)
+            stage_s.append(times.stage_s)
+            done += 1
+        elapsed = time.perf_counter() - started
     return {
         "M": m,
+        "inputs": "pinned" if pinned else "pageable",
         "batches": done,
         "ms_per_batch": elapsed / done * 1e3,
         "tokens_per_s": done * m / elapsed,
@@ -98,13 +112,27 @@ def throughput(engine: Engine, name: str, m: int, hidden: int, seconds: float) -
 
 
 def run_engine(
-    engine: Engine, name: str, tokens: list[int], hidden: int, seconds: float
+    engine: Engine,
+    name: str,
+    tokens: list[int],
+    hidden: int,
+    seconds: float,
+    kinds: list[bool],
 ) -> list[dict]:
+    """A row per kind of inputs (pinned or not) and token count."""
     engine.warm_up(tokens)
     rows = []
-    for m in tokens:
-        rows.append(throughput(engine, name, m, hidden, seconds))
-        log.info("%s M=%d: %.0f tokens/s", type(engine).__name__, m, rows[-1]["tokens_per_s"])
+    for pinned in kinds:
+        for m in tokens:
+            row = throughput(engine, name, m, hidden, seconds, pinned)
+            rows.append(row)
+            log.info(
+                "%s %s M=%d: %.0f tokens/s",
+                type(engine).__name__,
+                row["inputs"],
+                m,
+                row["tokens_per_s"],
+            )
     return rows
 
 
@@ -118,9 +146,9 @@ def write_report(
 ) -> str:
     """OUT/ep_service.json and .md; returns the table."""
     table = [
-        "M | 1 GPU tokens/s | EP tokens/s | speedup | target | ms/batch 1 GPU | ms/batch EP "
-        "| forward ms 1 GPU | forward ms EP | rel err vs 1 GPU",
-        "--- | --- | --- | --- | --- | --- | --- | --- | --- | ---",
+        "inputs | M | 1 GPU tokens/s | EP tokens/s | speedup | target | ms/batch 1 GPU "
+        "| ms/batch EP | forward ms 1 GPU | forward ms EP | rel err vs 1 GPU",
+        "--- | --- | --- | --- | --- | --- | --- | --- | --- | --- | ---",
     ]
     results = []
     for one, many in zip(one_gpu, ep_rows, strict=True):
@@ -131,7 +159,8 @@ def write_report(
             "" if target is None else f">= {target} {'met' if speedup >= target else 'MISSED'}"
         )
         table.append(
-            f"{m} | {one['tokens_per_s']:.0f} | {many['tokens_per_s']:.0f} | {speedup:.2f}x | "
+            f"{one['inputs']} | {m} | {one['tokens_per_s']:.0f} | {many['tokens_per_s']:.0f} | "
+            f"{speedup:.2f}x | "
             f"{verdict} | {one['ms_per_batch']:.2f} | {many['ms_per_batch']:.2f} | "
             f"{one['forward_ms_p50']:.2f} | {many['forward_ms_p50']:.2f} | {err:.1e}"
         )
@@ -161,9 +190,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redundant", type=int, default=0, help="--ep-redundant for the EP engine")
     p.add_argument("--device", default="cuda", help="cuda; cpu (gloo) only checks the script")
     p.add_argument("--seconds", type=float, default=SECONDS_PER_POINT, help="per point")
+    p.add_argument(
+        "--inputs",
+        default="pageable,pinned",
+        help="rows in plain host memory, in pinned memory (outputs into pinned memory, as "
+        "binary requests), or both; cpu: pageable only",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     tokens = [int(t) for t in args.tokens.split(",")]
+    kinds = [
+        kind == "pinned"
+        for kind in args.inputs.split(",")
+        if args.device == "cuda" or kind == "pageable"
+    ]
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     path = write_random_layer(args.shape, args.out, device)
@@ -172,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
 
     single = Engine(device, args.backend, top)
     served = single.add(load_layer(path, single.device))
-    one_gpu = run_engine(single, args.shape, tokens, hidden, args.seconds)
+    one_gpu = run_engine(single, args.shape, tokens, hidden, args.seconds, kinds)
     backend = served.backend
     del single, served
     if device.type == "cuda":
@@ -190,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for source in ep.load():
             ep.add(source)
-        ep_rows = run_engine(ep, args.shape, tokens, hidden, args.seconds)
+        ep_rows = run_engine(ep, args.shape, tokens, hidden, args.seconds, kinds)
         balance = ep.placement(args.shape)["balancedness"]
         gpu = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
         text = write_report(args, backend, gpu, one_gpu, ep_rows, balance)  # before any close
@@ -199,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         ep.close()
         log.info("EPEngine.close took %.1f s", time.perf_counter() - closing)
     sys.stdout.write(text + "\n")
+    if device.type == "cuda":
+        leave(0)  # NCCL's abort of the group at the interpreter's exit waits 60 s, then hangs
     return 0
 
 

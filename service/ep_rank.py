@@ -15,8 +15,8 @@ import os
 import torch
 
 from kernels.stages import resolve_device
-from service.ep_group import Rendezvous
-from service.ep_worker import leave, run_rank
+from service.ep_group import Rendezvous, leave
+from service.ep_worker import run_rank
 
 log = logging.getLogger(__name__)
 

@@ -5,13 +5,10 @@ started on another host (`moe-serve ep-rank`, `run_rank`)."""
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -22,7 +19,7 @@ from kernels.tensors import Routing
 from kernels.workspace import Workspace
 from service import ep_group
 from service.engine import LayerSource
-from service.ep_group import Commands, Generation, Rendezvous
+from service.ep_group import Commands, Generation, Rendezvous, leave
 from service.ep_layers import (
     COLLECTIVE_TIMEOUT_S,
     JOIN_TIMEOUT_S,
@@ -253,12 +250,3 @@ def worker_main(rank: int, rv: Rendezvous, device: str) -> None:
         log.exception("rank %d failed", rank)
         leave(1)
     leave(0)
-
-
-def leave(status: int) -> NoReturn:
-    """Exit without running destructors: torch's process groups and store clients, torn down
-    at interpreter exit with their threads still running, call std::terminate."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)

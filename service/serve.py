@@ -14,6 +14,7 @@ from kernels.registry import experts_backends
 from kernels.selection import select
 from service import logs, tracing
 from service.app import create_app
+from service.ep_group import leave
 from service.ep_layers import initial_placement, rank_device
 from service.front_ends import FrontEnds
 from service.interpreter import collect_less
@@ -162,7 +163,10 @@ def run(args: argparse.Namespace) -> int:
     app.state.runtime.on_start_failure = lambda: setattr(server, "should_exit", True)
     collect_less()
     server.run(sockets=sockets)
-    return 1 if app.state.runtime.start_failed else 0
+    status = 1 if app.state.runtime.start_failed else 0
+    if settings.ep > 1 and settings.torch_device().type == "cuda":
+        leave(status)  # past NCCL's abort of the groups at the interpreter's exit (it hangs)
+    return status
 
 
 class _FrontedServer(uvicorn.Server):
