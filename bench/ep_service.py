@@ -169,6 +169,7 @@ def write_report(
         "shape": args.shape,
         "ep": args.ep,
         "redundant": args.redundant,
+        "placement": None if args.placement is None else json.loads(args.placement.read_text()),
         "backend": backend,
         "gpu": gpu,
         "last_balancedness": balance,
@@ -188,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--backend", default="auto")
     p.add_argument("--redundant", type=int, default=0, help="--ep-redundant for the EP engine")
+    p.add_argument(
+        "--placement",
+        type=Path,
+        default=None,
+        help="--ep-placement for the EP engine (JSON: experts per rank); default even slices",
+    )
     p.add_argument("--device", default="cuda", help="cuda; cpu (gloo) only checks the script")
     p.add_argument("--seconds", type=float, default=SECONDS_PER_POINT, help="per point")
     p.add_argument(
@@ -222,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         device=args.device,
         ep=args.ep,
         ep_redundant=args.redundant,
+        ep_placement=args.placement,
         weights=(path,),
         backend=backend,
         max_batch_tokens=top,
