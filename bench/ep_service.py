@@ -1,6 +1,7 @@
 """Expert parallelism in service mode against one GPU (issue 20's targets), without HTTP.
 
     python3 -m bench.ep_service --out OUT [--shape deepseek-v3] [--tokens 64,512,4096] [--ep 2]
+        [--inputs pageable,pinned] [--placement FILE] [--redundant N] [--backend NAME]
 
 Writes a random layer of the shape (router and DeepSeek-V3's shared expert included) as a layer
 directory under OUT, then for each engine, one after the other on the same GPUs:
@@ -8,7 +9,8 @@ directory under OUT, then for each engine, one after the other on the same GPUs:
 - "EP N": service.ep.EPEngine over cuda:0..N-1, as `serve --ep N` runs it (rank 0 brings
   every batch; the others replay the same graph bucket);
 each warmed up at every token count, then fed batches of M tokens (bf16 on the host, as the
-batcher hands them over) for about SECONDS_PER_POINT, up to the engine's batches in flight.
+batcher hands them over: in plain memory, or pinned with the outputs copied into pinned memory
+as for binary requests) for about SECONDS_PER_POINT, up to the engine's batches in flight.
 Throughput is tokens per second of wall time from `start` to each result on the host; "forward
 ms" is the median of a batch's forward on rank 0's compute stream (CUDA events; the collectives'
 waits for the other ranks included); the rest of a batch's time is the host's and the copies'.
