@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from kernels.layer import build_layer
 from kernels.tensors import ForwardInputs
 from service.app import create_app
 from service.cli import main
+from service.ep import _EPBatch
 from service.settings import Settings
 from tests.service.conftest import wait_ready
 from weights.demo import ensure_demo_layers
@@ -77,17 +79,45 @@ def test_two_rank_service_answers_like_the_single_process_layer(
         assert (got - expected).norm() / expected.norm() < 1e-2
 
 
-def test_rank0_forwards_keep_their_own_outputs_while_its_host_buffers_serve_the_next(
-    ep_client: Callable[..., TestClient], demo_cache: Path
+def _replicated(tmp_path: Path) -> Path:
+    """Every demo expert on both ranks: rank 0 can serve alone."""
+    placement = tmp_path / "placement.json"
+    placement.write_text(json.dumps({"ranks": [list(range(8)), list(range(8))]}))
+    return placement
+
+
+def test_a_batch_in_flight_counts_its_load_from_the_routing_it_brings_back(
+    ep_client: Callable[..., TestClient], tmp_path: Path
 ) -> None:
-    engine = ep_client().app.state.runtime.engine
-    gen = torch.Generator().manual_seed(5)
-    batches = [torch.randn(rows, 256, generator=gen) for rows in (5, 37, 37, 1)]
-    outputs = [engine.forward("demo", ForwardInputs(hidden)).output for hidden in batches]
-    for hidden, got in zip(batches, outputs, strict=True):
-        expected = _single_process(demo_cache, "demo", hidden)
-        assert got.shape == expected.shape
-        assert (got.float() - expected).norm() / expected.norm() < 1e-2
+    engine = ep_client(ep_placement=_replicated(tmp_path)).app.state.runtime.engine
+    parts = [ForwardInputs(torch.randn(5, 256)), ForwardInputs(torch.randn(4, 256))]
+    pending = engine.start("demo", parts)  # the CPU's synchronous forward counted it already
+    before = sum(engine.placement("demo")["expert_tokens"])
+    result = _EPBatch(engine, "demo", parts, None, engine.gen, pending).result()
+    assert result is pending.result()  # no rerun: the group is whole
+    placement = engine.placement("demo")
+    assert sum(placement["expert_tokens"]) == before + 2 * (5 + 4)  # 9 tokens, top-2
+    # every expert on both ranks: token t's pairs go to rank t mod 2, 10 pairs against 8
+    assert placement["balancedness"] == pytest.approx(9 / 10)
+
+
+def test_a_batch_whose_group_was_aborted_under_it_runs_again_on_the_survivors(
+    ep_client: Callable[..., TestClient], demo_cache: Path, tmp_path: Path
+) -> None:
+    engine = ep_client(ep_placement=_replicated(tmp_path)).app.state.runtime.engine
+    hidden = torch.randn(9, 256, generator=torch.Generator().manual_seed(9))
+    parts = [ForwardInputs(hidden)]
+    launched_on = engine.gen
+    stale = engine.start("demo", parts)  # on the GPU: its forward still running when...
+    engine.workers[0].kill()  # ...rank 1 dies, and the group is aborted (NCCL: data unfinished)
+    engine.workers[0].join()
+    launched_on.abort()
+    result = _EPBatch(engine, "demo", parts, None, launched_on, stale).result()
+    assert engine.gen is not launched_on and engine.members == [0]
+    assert "rank 1 exited" in engine.degraded
+    expected = _single_process(demo_cache, "demo", hidden)
+    got = result.outputs[0].output.float()
+    assert (got - expected).norm() / expected.norm() < 1e-2
 
 
 def test_backends_show_naive_ep_and_the_experts_per_rank(
