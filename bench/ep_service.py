@@ -14,7 +14,9 @@ as for binary requests) for about SECONDS_PER_POINT, up to the engine's batches 
 Throughput is tokens per second of wall time from `start` to each result on the host; "forward
 ms" is the median of a batch's forward on rank 0's compute stream (CUDA events; the collectives'
 waits for the other ranks included); the rest of a batch's time is the host's and the copies'.
-The EP outputs are compared with one GPU's (same backend; only the summation order differs).
+The EP outputs are compared with one GPU's (same backend; only the summation order differs), the
+first batch's routing must be the same, and every batch's routing ids must be experts' ids
+("bad routing batches" counts those that were not).
 
 OUT/ep_service.json holds every figure, OUT/ep_service.md the table with the targets.
 """
@@ -77,7 +79,8 @@ def throughput(
     and outputs copied into pinned memory, as binary requests are read and answered
     (service/deps.py); else plain host tensors in and the output copied out of the slot."""
     batches = _inputs(m, hidden, pinned)
-    first = engine.start(name, [batches[0]]).result().outputs[0].output
+    first = engine.start(name, [batches[0]]).result().outputs[0]
+    num_experts = engine.get(name).config.num_experts
     # an output buffer per batch in flight, and one for the batch being started
     outputs = [
         torch.empty(m, hidden, dtype=torch.bfloat16, pin_memory=True) if pinned else None
@@ -86,6 +89,7 @@ def throughput(
     pending: collections.deque = collections.deque()
     sent = done = 0
     forward_s, stage_s = [], []
+    bad_routing = 0  # batches whose routing came back holding an id that is no expert's
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="complete") as completer:
         started = time.perf_counter()
         while (feeding := time.perf_counter() - started < seconds) or pending:
@@ -95,7 +99,10 @@ def throughput(
                 pending.append(completer.submit(batch.result))
                 sent += 1
                 continue
-            times = pending.popleft().result().times
+            result = pending.popleft().result()
+            ids = result.outputs[0].routing.topk_ids
+            bad_routing += int(ids.min() < 0 or ids.max() >= num_experts)
+            times = result.times
             forward_s.append(times.forward_s)
             stage_s.append(times.stage_s)
             done += 1
@@ -109,7 +116,9 @@ def throughput(
         # rank 0's compute stream, from CUDA events (collectives' waits included)
         "forward_ms_p50": statistics.median(forward_s) * 1e3,
         "stage_ms_p50": statistics.median(stage_s) * 1e3,  # host: the batch into pinned memory
-        "first_output": first.float(),
+        "bad_routing_batches": bad_routing,
+        "first_output": first.output.float(),
+        "first_ids": first.routing.topk_ids,
     }
 
 
@@ -149,13 +158,15 @@ def write_report(
     """OUT/ep_service.json and .md; returns the table."""
     table = [
         "inputs | M | 1 GPU tokens/s | EP tokens/s | speedup | target | ms/batch 1 GPU "
-        "| ms/batch EP | forward ms 1 GPU | forward ms EP | rel err vs 1 GPU",
-        "--- | --- | --- | --- | --- | --- | --- | --- | --- | --- | ---",
+        "| ms/batch EP | forward ms 1 GPU | forward ms EP | rel err vs 1 GPU | same routing "
+        "| bad routing batches 1 GPU / EP",
+        "--- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | ---",
     ]
     results = []
     for one, many in zip(one_gpu, ep_rows, strict=True):
         m, speedup = one["M"], many["tokens_per_s"] / one["tokens_per_s"]
         err = relative_error(many.pop("first_output"), one.pop("first_output"))
+        same_routing = torch.equal(many.pop("first_ids"), one.pop("first_ids"))
         target = TARGETS.get(m)
         verdict = (
             "" if target is None else f">= {target} {'met' if speedup >= target else 'MISSED'}"
@@ -164,9 +175,19 @@ def write_report(
             f"{one['inputs']} | {m} | {one['tokens_per_s']:.0f} | {many['tokens_per_s']:.0f} | "
             f"{speedup:.2f}x | "
             f"{verdict} | {one['ms_per_batch']:.2f} | {many['ms_per_batch']:.2f} | "
-            f"{one['forward_ms_p50']:.2f} | {many['forward_ms_p50']:.2f} | {err:.1e}"
+            f"{one['forward_ms_p50']:.2f} | {many['forward_ms_p50']:.2f} | {err:.1e} | "
+            f"{'yes' if same_routing else 'NO'} | "
+            f"{one['bad_routing_batches']} / {many['bad_routing_batches']}"
         )
-        results.append({"one_gpu": one, "ep": many, "speedup": speedup, "rel_err": err})
+        results.append(
+            {
+                "one_gpu": one,
+                "ep": many,
+                "speedup": speedup,
+                "rel_err": err,
+                "same_routing": same_routing,
+            }
+        )
     report = {
         "shape": args.shape,
         "ep": args.ep,

@@ -12,9 +12,15 @@ padded rows' topk_ids are set to -1 on the device, so experts that can skip a pa
 (`supports_expert_map`) spend nothing on them; other experts compute them and they are dropped.
 
 `copies` independent sets of graphs (each with its own static inputs and outputs) let a batch
-be copied into one set while the previous batch computes in another. Every graph of a layer
-shares one memory pool: forwards run one at a time on one stream, so each graph's temporaries
-reuse the others' (captured largest first). The experts' buffers come from a private workspace
+be copied into one set while the previous batch computes in another. Each copy has a memory
+pool of its own, shared by its buckets' graphs (captured largest first, so the smaller ones
+reuse its memory). A graph captured into a pool may keep its outputs where an earlier graph of
+that pool had temporaries, so replaying the earlier one overwrites them: safe within a copy,
+whose outputs are read before the copy's next replay, not across copies, whose outputs are
+copied out while the next copy's graph runs (service/pipeline.py). With one pool for every
+copy, a DeepSeek-V3-sized deep-gemm layer's routing ids came back under pipelining holding what
+reads as bf16 values (2 x H200, bench/results/ep-h200x2-2026-11-27-pipelined.md): the likely
+cause, not yet confirmed on a GPU. The experts' buffers come from a private workspace
 allocated inside the capture, never from the shared Workspace, whose buffers move when another
 layer grows them. A batch-invariant layer's valid rows are untouched by the padding: its router
 and shared-expert GEMMs run one fixed tile, its experts skip the padded pairs
@@ -144,7 +150,7 @@ class LayerGraphs:
 
         self.copies = copies
         self.inputs = [static_inputs() for _ in range(copies)]
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pools = [torch.cuda.graph_pool_handle() for _ in range(copies)]
         self._graphs: list[dict[int, _Captured]] = [{} for _ in range(copies)]
 
     @property
@@ -194,7 +200,7 @@ class LayerGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the device worker's other threads may wait on events meanwhile
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pools[copy], capture_error_mode="thread_local"):
             output, stats = self._run(copy, bucket)
         return _Captured(graph, output, stats)
 

@@ -156,3 +156,35 @@ def test_each_copy_replays_its_own_inputs_and_checks_its_valid_rows_finite() -> 
         assert (int(flagged.finite), int(flagged.inputs_finite)) == (0, 0)
         clean = graphs.forward(ForwardInputs(batches[0]), copy=1)
         assert (int(clean.finite), int(clean.inputs_finite)) == (1, 1)
+
+
+@pytest.mark.parametrize("backend", CAPTURABLE)
+def test_a_copys_outputs_survive_the_other_copies_replays(backend: str) -> None:
+    """As the service's pipeline runs them: each copy replays while the previous copies'
+    outputs wait to be copied out. The last copy captured is replayed first and read last, at
+    the largest bucket and one past a smaller one (in a pool shared by every copy its outputs
+    could lie where the other copies keep temporaries)."""
+    cfg = LAYERS["deepseek-like"]
+    support = experts_backends()[backend].supports(cfg, CUDA)
+    if not support:
+        pytest.skip(f"{backend} does not run deepseek-like: {support.reason}")
+    weights = random_layer(cfg, CUDA, seed=7, router=True, shared_intermediate=SHARED)
+    layer, _ = build_layer(cfg, weights, CUDA, backend)
+    graphs = LayerGraphs(layer, CUDA, MAX_TOKENS, with_logits=False, copies=3)
+    with torch.inference_mode():
+        graphs.capture()
+        for rows in (MAX_TOKENS, 33):
+            batches = [
+                torch.randn(rows, cfg.hidden_size, device=CUDA).to(cfg.dtype) for _ in range(3)
+            ]
+            for copy, x in enumerate(batches):
+                graphs.inputs[copy].hidden[:rows].copy_(x)
+                graphs.inputs[copy].valid_rows.fill_(rows)
+            replays = {copy: graphs.replay(rows, copy) for copy in (2, 0, 1)}
+            for copy, x in enumerate(batches):
+                eager = layer.forward(ForwardInputs(x))
+                got = replays[copy].output
+                where = f"{backend} copy {copy} rows {rows}"
+                assert torch.equal(got.routing.topk_ids, eager.routing.topk_ids), where
+                error = relative_error(got.output, eager.output)
+                assert error < TOLERANCE["deepseek-like"], f"{where}: {error:.2e}"
