@@ -16,7 +16,7 @@ ms" is the median of a batch's forward on rank 0's compute stream (CUDA events; 
 waits for the other ranks included); the rest of a batch's time is the host's and the copies'.
 The EP outputs are compared with one GPU's (same backend; only the summation order differs), the
 first batch's routing must be the same, and every batch's routing ids must be experts' ids
-("bad routing batches" counts those that were not).
+("bad routing batches" counts those the engine refused for that: service.pipeline.BadRouting).
 
 OUT/ep_service.json holds every figure, OUT/ep_service.md the table with the targets.
 """
@@ -42,6 +42,7 @@ from kernels.tensors import ForwardInputs
 from service.engine import Engine
 from service.ep import EPEngine
 from service.ep_group import leave
+from service.pipeline import BadRouting
 from service.settings import Settings
 from weights.load import load_layer
 from weights.manifest import Manifest, Source
@@ -80,7 +81,6 @@ def throughput(
     (service/deps.py); else plain host tensors in and the output copied out of the slot."""
     batches = _inputs(m, hidden, pinned)
     first = engine.start(name, [batches[0]]).result().outputs[0]
-    num_experts = engine.get(name).config.num_experts
     # an output buffer per batch in flight, and one for the batch being started
     outputs = [
         torch.empty(m, hidden, dtype=torch.bfloat16, pin_memory=True) if pinned else None
@@ -89,7 +89,7 @@ def throughput(
     pending: collections.deque = collections.deque()
     sent = done = 0
     forward_s, stage_s = [], []
-    bad_routing = 0  # batches whose routing came back holding an id that is no expert's
+    bad_routing = 0  # batches refused for routing ids that name no expert (service.pipeline)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="complete") as completer:
         started = time.perf_counter()
         while (feeding := time.perf_counter() - started < seconds) or pending:
@@ -99,14 +99,17 @@ def throughput(
                 pending.append(completer.submit(batch.result))
                 sent += 1
                 continue
-            result = pending.popleft().result()
-            ids = result.outputs[0].routing.topk_ids
-            bad_routing += int(ids.min() < 0 or ids.max() >= num_experts)
-            times = result.times
+            try:
+                times = pending.popleft().result().times
+            except BadRouting:
+                bad_routing += 1
+                continue
             forward_s.append(times.forward_s)
             stage_s.append(times.stage_s)
             done += 1
         elapsed = time.perf_counter() - started
+    if not done:
+        raise RuntimeError(f"M={m}: all {bad_routing} batches came back with bad routing")
     return {
         "M": m,
         "inputs": "pinned" if pinned else "pageable",

@@ -60,6 +60,10 @@ class BatchResult:
     inputs_finite: bool
 
 
+class BadRouting(RuntimeError):
+    """A batch's results came back damaged: none of it is served (a 500 for its requests)."""
+
+
 class Pending(Protocol):
     def result(self) -> BatchResult:
         """Block until the batch is done; raises what its forward raised."""
@@ -168,6 +172,20 @@ class _HostRows:
 
     def weights(self, rows: slice) -> torch.Tensor:
         return torch.from_numpy(self._weights[rows].copy())
+
+    def check_routing(self, rows: int, num_experts: int) -> None:
+        """BadRouting unless every routing id of the first `rows` rows names an expert: the
+        graph counted its tokens per expert from the same ids, so one that does not was
+        overwritten on its way out (as a pool shared across graph copies did), and nothing of
+        the batch is served."""
+        ids = self._ids[:rows]
+        if ids.size and (ids.min() < 0 or ids.max() >= num_experts):
+            bad = ids[(ids < 0) | (ids >= num_experts)]
+            raise BadRouting(
+                f"the forward brought back routing ids that name no expert of {num_experts} "
+                f"({bad.size} of {ids.size}, e.g. {int(bad[0])}): its results were overwritten "
+                "on the device"
+            )
 
     def stats(self) -> tuple[torch.Tensor, bool, bool]:
         """Tokens per expert [E], whether every output and every input value was finite."""
@@ -403,6 +421,7 @@ class _InFlight:
             # through numpy: a torch slice or clone costs several times a numpy one, and a batch
             # makes a few per part on the path of every request.
             host = slot.host
+            host.check_routing(sum(self.sizes), self.served.config.num_experts)
             outputs, begin = [], 0
             for size, target in zip(self.sizes, self.into, strict=True):
                 rows = slice(begin, begin + size)
