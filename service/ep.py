@@ -583,7 +583,12 @@ class _EPBatch:
     pending: Pending
 
     def result(self) -> BatchResult:
-        result = self.pending.result()
+        try:
+            result = self.pending.result()
+        except Exception:
+            if not self.gen.aborted.is_set():
+                raise
+            return self.engine._rerun(self)  # whatever went wrong, the group broke under it
         if self.gen.aborted.is_set():  # NCCL: an aborted collective returns, its data unfinished
             return self.engine._rerun(self)
         ids = torch.cat([out.routing.topk_ids for out in result.outputs])
