@@ -22,6 +22,7 @@ from kernels.tensors import ForwardInputs
 from service.app import create_app
 from service.cli import main
 from service.ep import _EPBatch
+from service.pipeline import BadRouting
 from service.settings import Settings
 from tests.service.conftest import wait_ready
 from weights.demo import ensure_demo_layers
@@ -101,14 +102,24 @@ def test_a_batch_in_flight_counts_its_load_from_the_routing_it_brings_back(
     assert placement["balancedness"] == pytest.approx(9 / 10)
 
 
+class _Broken:
+    """A batch whose result raises, as one can once its group is aborted."""
+
+    def result(self) -> None:
+        raise BadRouting("the forward brought back routing ids that name no expert")
+
+
+@pytest.mark.parametrize("came_back", ["unfinished", "raising"])
 def test_a_batch_whose_group_was_aborted_under_it_runs_again_on_the_survivors(
-    ep_client: Callable[..., TestClient], demo_cache: Path, tmp_path: Path
+    ep_client: Callable[..., TestClient], demo_cache: Path, tmp_path: Path, came_back: str
 ) -> None:
     engine = ep_client(ep_placement=_replicated(tmp_path)).app.state.runtime.engine
     hidden = torch.randn(9, 256, generator=torch.Generator().manual_seed(9))
     parts = [ForwardInputs(hidden)]
     launched_on = engine.gen
     stale = engine.start("demo", parts)  # on the GPU: its forward still running when...
+    if came_back == "raising":
+        stale = _Broken()
     engine.workers[0].kill()  # ...rank 1 dies, and the group is aborted (NCCL: data unfinished)
     engine.workers[0].join()
     launched_on.abort()
