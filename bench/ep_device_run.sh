@@ -2,9 +2,10 @@
 # Issue 20's GPU run in one device call on two GPUs (nvidia-h100-x2 / nvidia-h200-x2), from the
 # project root:
 #     source .deps/device-env.sh; bash bench/ep_device_run.sh OUT_DIR
-# 1. `python3 -m bench.ep_service` (DeepSeek-V3-sized layer, service mode, EP 2 against one GPU,
-#    backend EP_BACKEND, default triton) -> OUT_DIR/ep_service.{md,json}, OUT_DIR/ep-bench.log;
-#    its 11 GB layer directory is written under a temporary directory, not OUT_DIR;
+# 1. `python3 -m bench.ep_service` (DeepSeek-V3-sized layer, service mode, EP 2 against one GPU)
+#    once per backend of EP_BACKENDS (default "triton deep-gemm"), each within EP_BENCH_SECONDS
+#    (180) -> OUT_DIR/ep_service-BACKEND.{md,json}, OUT_DIR/ep-bench-BACKEND.log; its 11 GB
+#    layer directory is written under a temporary directory, not OUT_DIR;
 # 2. `tests/service/test_ep_gpu.py` (serve --ep 2 over NCCL with graphs, a killed rank)
 #    -> OUT_DIR/ep-service-tests.log;
 # 3. `tests/kernels/test_naive_ep.py -m gpu` (every expert-map backend over two GPUs against one)
@@ -24,13 +25,16 @@ leftovers() {  # ranks of a step its timeout killed (spawned children outlive a 
   sleep 1
 }
 
-work=$(mktemp -d)
-timeout -k 5 "${EP_BENCH_SECONDS:-270}" python3 -m bench.ep_service --out "$work" \
-  --backend "${EP_BACKEND:-triton}" --seconds 2 >"$out/ep-bench.log" 2>&1
-echo "bench.ep_service exited with $? after $SECONDS s" >>"$out/ep-bench.log"
-cp "$work"/ep_service.md "$work"/ep_service.json "$out"/ 2>/dev/null
-rm -rf "$work"
-leftovers
+for backend in ${EP_BACKENDS:-triton deep-gemm}; do
+  work=$(mktemp -d)
+  timeout -k 5 "${EP_BENCH_SECONDS:-180}" python3 -m bench.ep_service --out "$work" \
+    --backend "$backend" --seconds 2 >"$out/ep-bench-$backend.log" 2>&1
+  echo "bench.ep_service exited with $? after $SECONDS s" >>"$out/ep-bench-$backend.log"
+  cp "$work"/ep_service.md "$out/ep_service-$backend.md" 2>/dev/null
+  cp "$work"/ep_service.json "$out/ep_service-$backend.json" 2>/dev/null
+  rm -rf "$work"
+  leftovers
+done
 
 service_s=${EP_SERVICE_TEST_SECONDS:-150}
 # progress as it goes, and every thread's stack 10 s before the step's limit: a hang shows where
@@ -55,6 +59,8 @@ for log in ep-service-tests ep-kernel-tests; do
   echo "== $log"
   grep -E "FAILED|ERROR|passed|failed|exited|skipped" "$out/$log.log" | grep -v PASSED | tail -n 12
 done
-echo "== bench.ep_service"
-grep -E "Traceback|Error|exited" "$out/ep-bench.log" | tail -n 6
-cat "$out/ep_service.md" 2>/dev/null || tail -n 30 "$out/ep-bench.log"
+for backend in ${EP_BACKENDS:-triton deep-gemm}; do
+  echo "== bench.ep_service --backend $backend"
+  grep -E "Traceback|Error|exited" "$out/ep-bench-$backend.log" | tail -n 6
+  cat "$out/ep_service-$backend.md" 2>/dev/null || tail -n 30 "$out/ep-bench-$backend.log"
+done
