@@ -194,7 +194,8 @@ def leave(status: int) -> NoReturn:
     """Exit without running destructors: torch's process groups and store clients, torn down
     at interpreter exit with their threads still running, call std::terminate, and NCCL's
     abort of a group whose collectives were captured in CUDA graphs waited its whole 60 s
-    timeout there and then hung (2 x H200). Every rank's process ends through here."""
+    timeout there and then hung (2 x H200). Ranks 1..N-1 always end through here, rank 0's
+    process on GPUs (`serve --ep`, bench.ep_service)."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
