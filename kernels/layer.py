@@ -1,4 +1,4 @@
-"""A whole MoE block: router -> routed experts (modular kernel) -> + shared experts."""
+"""A whole MoE block: router -> routed experts + shared experts (the modular kernel runs both)."""
 
 from __future__ import annotations
 
@@ -165,9 +165,15 @@ class MoELayer:
         routing = self.route(logits)
         if valid_rows is not None and self.kernel.experts.supports_expert_map:
             routing = Routing(mask_rows(routing.topk_ids, valid_rows), routing.topk_weights)
-        out = self.kernel.forward(hidden.to(cfg.dtype), routing, workspace=workspace)
+        shared = None
         if self.shared is not None:
-            out = (out.float() + self.shared.forward(hidden, invariant)).to(cfg.dtype)
+
+            def shared(rows: slice) -> torch.Tensor:
+                return self.shared.forward(hidden[rows], invariant)
+
+        out = self.kernel.forward(
+            hidden.to(cfg.dtype), routing, workspace=workspace, shared=shared
+        )
         return LayerOutput(out, routing)
 
     @property

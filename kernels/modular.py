@@ -1,14 +1,23 @@
 """The modular kernel: one PrepareFinalize composed with one Experts.
 
-    routing -> prepare (quantise, dispatch) -> experts (GEMM1 -> act -> GEMM2) -> finalize
+    routing -> prepare (quantise, dispatch) -> experts (GEMM1 -> act -> GEMM2) -> [shared
+    experts] -> finalize -> + shared experts' output
 
 Built once per layer. It checks the two stages agree on the activation format, reserves the
 experts' workspaces for `chunk_tokens` up front, and splits larger inputs into chunks of that
 size when the experts allow it. The service passes its --max-batch-tokens, so a batch is never
 split and the workspace holds exactly the largest batch.
+
+A layer's shared experts run between the experts and the finalize, as vLLM's modular kernel runs
+them: where the finalize waits for other ranks (naive-ep reduces every rank's partial sums onto
+the sender), the sender's shared experts are done by then instead of after it, so a placement
+that gives the sender fewer routed experts takes them off the step's critical path. Their output
+is added after the finalize, to the routed output rounded to the layer's dtype, as before.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -55,10 +64,12 @@ class ModularKernel:
         routing: Routing,
         out: torch.Tensor | None = None,
         workspace: Workspace | None = None,
+        shared: Callable[[slice], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """hidden [M, K] + routing -> [M, K] in hidden's dtype (written into `out` if given).
 
-        `workspace` replaces the kernel's own for this call (CUDA graphs own their buffers)."""
+        `workspace` replaces the kernel's own for this call (CUDA graphs own their buffers).
+        `shared(rows)`: the shared experts' float32 output for those rows, added to theirs."""
         out = torch.empty_like(hidden) if out is None else out
         ws = self.workspace if workspace is None else workspace
         m = self.prepare_finalize.planned_tokens(hidden)  # rows past this rank's end are empty
@@ -71,5 +82,8 @@ class ModularKernel:
             reduce = not self.experts.reduces_topk
             if reduce and self.experts.batch_invariant:  # standard format: [M, k, K]
                 y, reduce = fixed_order_topk_sum(y, x.topk_ids, x.topk_weights), False
+            extra = None if shared is None else shared(rows)
             self.prepare_finalize.finalize(y, x, out[rows], reduce=reduce)
+            if extra is not None:
+                out[rows] = out[rows].float() + extra
         return out

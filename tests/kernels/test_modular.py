@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import pytest
@@ -174,3 +175,40 @@ def test_bad_layer_config_is_refused(kwargs: dict, message: str) -> None:
 def test_unknown_quant_scheme_lists_the_valid_ones() -> None:
     with pytest.raises(ValueError, match="fp8-block"):
         QuantConfig("fp4")
+
+
+class _OrderedNoEP(NoEP):
+    """NoEP recording when its finalize runs."""
+
+    def __init__(self, events: list[str]) -> None:
+        super().__init__()
+        self.events = events
+
+    def finalize(self, expert_out, x, out, reduce) -> None:
+        self.events.append("finalize")
+        super().finalize(expert_out, x, out, reduce)
+
+
+@pytest.mark.parametrize("m", [1, 7, 150])  # 150: three chunks of 64
+def test_shared_experts_run_before_the_finalize_and_add_to_the_rounded_output(
+    tiny_config: MoEConfig, m: int
+) -> None:
+    """Before the finalize, where naive-ep's sender waits for the other ranks; their output is
+    added to the routed output rounded to the layer's dtype, each chunk's to its own rows."""
+    cfg = dataclasses.replace(tiny_config, dtype=torch.bfloat16)
+    events: list[str] = []
+    experts = ReferenceExperts(cfg, random_expert_weights(cfg))
+    kernel = ModularKernel(_OrderedNoEP(events), experts, Workspace("cpu"), chunk_tokens=64)
+    hidden = torch.randn(m, 64).bfloat16()
+    routing = route(torch.randn(m, 4), cfg.routing)
+    extra = torch.randn(m, 64)
+
+    def shared(rows: slice) -> torch.Tensor:
+        events.append("shared")
+        return extra[rows]
+
+    out = kernel.forward(hidden, routing, shared=shared)
+    chunks = -(-m // 64)
+    assert events == ["shared", "finalize"] * chunks
+    routed = kernel.forward(hidden, routing)
+    assert torch.equal(out, (routed.float() + extra).bfloat16())
