@@ -171,9 +171,7 @@ class MoELayer:
             def shared(rows: slice) -> torch.Tensor:
                 return self.shared.forward(hidden[rows], invariant)
 
-        out = self.kernel.forward(
-            hidden.to(cfg.dtype), routing, workspace=workspace, shared=shared
-        )
+        out = self.kernel.forward(hidden.to(cfg.dtype), routing, workspace=workspace, shared=shared)
         return LayerOutput(out, routing)
 
     @property
