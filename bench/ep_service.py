@@ -2,6 +2,7 @@
 
     python3 -m bench.ep_service --out OUT [--shape deepseek-v3] [--tokens 64,512,4096] [--ep 2]
         [--inputs pageable,pinned] [--placement FILE] [--redundant N] [--backend NAME]
+        [--profile]
 
 Writes a random layer of the shape (router and DeepSeek-V3's shared expert included) as a layer
 directory under OUT, then for each engine, one after the other on the same GPUs:
@@ -19,6 +20,10 @@ first batch's routing must be the same, and every batch's routing ids must be ex
 ("bad routing batches" counts those the engine refused for that: service.pipeline.BadRouting).
 
 OUT/ep_service.json holds every figure, OUT/ep_service.md the table with the targets.
+`--profile`: then OUT/profile-1gpu.txt and OUT/profile-ep.txt, rank 0's GPU kernels (those
+replayed from the graphs included) over PROFILED_BATCHES batches of the largest M, by total
+time: where a forward's time goes (the collectives' kernels include their waits for the
+other ranks).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ log = logging.getLogger(__name__)
 SECONDS_PER_POINT = 3.0
 TARGETS = {4096: 1.8, 512: 1.5, 64: 1.0}  # EP throughput over one GPU's, at M tokens
 SHARED_INTERMEDIATE = 2048  # DeepSeek-V3's shared expert
+PROFILED_BATCHES = 10
 
 
 def write_random_layer(shape: str, out: Path, device: torch.device) -> Path:
@@ -123,6 +129,22 @@ def throughput(
         "first_output": first.output.float(),
         "first_ids": first.routing.topk_ids,
     }
+
+
+def profile_kernels(engine: Engine, name: str, m: int, hidden: int, path: Path) -> None:
+    """Rank 0's GPU kernels over PROFILED_BATCHES batches of `m` pinned rows, one at a time,
+    by total time -> `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = engine.device.type == "cuda"
+    inputs = _inputs(m, hidden, pinned=on_gpu, count=1)
+    engine.start(name, inputs).result()
+    activity, sort = ("CUDA", "cuda_time_total") if on_gpu else ("CPU", "cpu_time_total")
+    with profile(activities=[getattr(ProfilerActivity, activity)]) as prof:
+        for _ in range(PROFILED_BATCHES):
+            engine.start(name, inputs).result()
+    table = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=90)
+    path.write_text(f"{PROFILED_BATCHES} batches of M={m} on {type(engine).__name__}\n{table}\n")
 
 
 def run_engine(
@@ -229,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         help="rows in plain host memory, in pinned memory (outputs into pinned memory, as "
         "binary requests), or both; cpu: pageable only",
     )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also OUT/profile-{1gpu,ep}.txt: rank 0's GPU kernels at the largest M, by time",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -246,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     single = Engine(device, args.backend, top)
     served = single.add(load_layer(path, single.device))
     one_gpu = run_engine(single, args.shape, tokens, hidden, args.seconds, kinds)
+    if args.profile:
+        profile_kernels(single, args.shape, top, hidden, args.out / "profile-1gpu.txt")
     backend = served.backend
     del single, served
     if device.type == "cuda":
@@ -265,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         for source in ep.load():
             ep.add(source)
         ep_rows = run_engine(ep, args.shape, tokens, hidden, args.seconds, kinds)
+        if args.profile:
+            profile_kernels(ep, args.shape, top, hidden, args.out / "profile-ep.txt")
         balance = ep.placement(args.shape)["balancedness"]
         gpu = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
         text = write_report(args, backend, gpu, one_gpu, ep_rows, balance)  # before any close

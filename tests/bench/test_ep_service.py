@@ -11,9 +11,12 @@ from bench import ep_service
 def test_the_ep_service_benchmark_writes_its_table_and_matches_one_process(tmp_path: Path) -> None:
     argv = ["--out", str(tmp_path), "--device", "cpu", "--shape", "deepseek-v3-small"]
     argv += ["--tokens", "1,5", "--backend", "reference", "--seconds", "0.2", "--redundant", "2"]
+    argv += ["--profile"]
     assert ep_service.main(argv) == 0
     report = json.loads((tmp_path / "ep_service.json").read_text())
     assert [p["one_gpu"]["M"] for p in report["points"]] == [1, 5]
     assert all(p["rel_err"] < 1e-2 and p["ep"]["batches"] > 0 for p in report["points"])
     assert 0 < report["last_balancedness"] <= 1
     assert "speedup" in (tmp_path / "ep_service.md").read_text()
+    for engine in ("1gpu", "ep"):  # rank 0's kernels (here the CPU's ops) at the largest M
+        assert "batches of M=5" in (tmp_path / f"profile-{engine}.txt").read_text()

@@ -55,3 +55,27 @@ def make_client() -> Iterator[Callable[..., TestClient]]:
 @pytest.fixture
 def client(make_client: Callable[..., TestClient]) -> TestClient:
     return make_client()
+
+
+_ENDS_THROUGH_LEAVE = pytest.StashKey[bool]()
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+@pytest.fixture
+def ends_through_leave(request: pytest.FixtureRequest) -> None:
+    """For a test that forms NCCL groups in this process (rank 0 of `serve --ep` on GPUs): torch's
+    groups, torn down at the interpreter's exit, call std::terminate (status 134 after a passing
+    test, 2 x H200), so pytest's process ends as the service's rank 0 does, through
+    ep_group.leave, once its summary is out."""
+    request.config.stash[_ENDS_THROUGH_LEAVE] = True
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if config.stash.get(_ENDS_THROUGH_LEAVE, False):
+        from service.ep_group import leave
+
+        leave(config.stash.get(_EXIT_STATUS, 1))

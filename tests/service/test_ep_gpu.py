@@ -38,7 +38,7 @@ def _check(client: TestClient, cache: Path, tokens: int) -> None:
 
 
 def test_two_gpus_with_graphs_answer_like_one_process_and_survive_a_lost_replica_rank(
-    tmp_path: Path,
+    tmp_path: Path, ends_through_leave: None
 ) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs (nvidia-h200-x2), found {torch.cuda.device_count()}")
