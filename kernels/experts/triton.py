@@ -117,13 +117,18 @@ class _TritonBase(Experts):
         y: torch.Tensor,  # [R, H]
         tiles: LayerTiles,
         row_weights: torch.Tensor | None,  # [R] float32, standard format only
+        pair_ids: torch.Tensor | None = None,  # [R] local expert ids, -1 not here; standard only
     ) -> None:
         """GEMM1 + activation into h, quantise h if the scheme does, GEMM2 into y."""
         how = self.fp8_quant
         if how == ActQuant.TENSOR:
             h.zero_()  # rows no pair writes must not raise the one tensor-wide scale
+            pair_ids = None  # its one scale is over every row
         grouped_gemm(a, self.w13, h, rows, Epilogue(gate_up=self.cfg.activation), tiles.gemm1)
-        second = Activations(h) if how is None else Activations(*quantize_rows(h, how), how)
+        if how is None:
+            second = Activations(h)
+        else:  # only the rows of pairs GEMM1 wrote: no GEMM reads the others
+            second = Activations(*quantize_rows(h, how, pair_ids), how)
         grouped_gemm(second, self.w2, y, rows, Epilogue(row_weights=row_weights), tiles.gemm2)
 
 
@@ -174,7 +179,10 @@ class TritonExperts(_TritonBase):
         a = Activations(hidden, scale, how, pairs_per_row=k)
         row_weights = x.topk_weights.float().flatten().contiguous()  # [P]
         pair_out = buf["triton_pair_out"]
-        self._gemms(a, aligned, buf["triton_intermediate"], pair_out, tiles, row_weights)
+        self._gemms(
+            a, aligned, buf["triton_intermediate"], pair_out, tiles, row_weights,
+            x.topk_ids.flatten(),
+        )  # fmt: skip
         return topk_sum(pair_out, x.topk_ids, buf["triton_out"])
 
 

@@ -17,12 +17,14 @@ from kernels.config import Activation, GateUp
 from kernels.experts._triton import tiles
 from kernels.experts._triton.align import align_pairs, align_pairs_torch, aligned_capacity
 from kernels.experts._triton.grouped_gemm import GemmTile
+from kernels.experts._triton.quantize import quantize_into
 from kernels.experts.deep_gemm import DeepGemmExperts
 from kernels.experts.triton import TritonBatchedExperts, TritonExperts
 from kernels.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
 from kernels.modular import ModularKernel
 from kernels.prepare_finalize.no_ep import NoEP
-from kernels.quant_scheme import QuantScheme
+from kernels.quant_scheme import FP8, ActQuant, QuantScheme
+from kernels.quantize import quantize_activation
 from kernels.random_weights import random_expert_weights
 from kernels.routing import contiguous_expert_map
 from kernels.tensors import Format
@@ -368,3 +370,39 @@ def test_deep_gemm_alone_refuses_partial_fp8_blocks_saying_why() -> None:
     for cls in (DeepGemmExperts, TritonOrDeepGemmExperts):
         support = cls.check_config(cfg)
         assert not support and "hidden_size=200 is not a multiple of 128" in support.reason
+
+
+@pytest.mark.parametrize("how", list(ActQuant))
+@pytest.mark.parametrize(("rows", "k"), [(1, 300), (6, 2048), (5, 1100)])
+def test_the_quantiser_writes_the_twins_values_on_the_rows_here_only(
+    device: torch.device, how: ActQuant, rows: int, k: int
+) -> None:
+    """Odd rows (a pair of another rank's expert, -1) are skipped: their q and scale keep what
+    the buffers held. The rows quantised are the torch twin's bit for bit on a GPU. In the
+    interpreter the scale is the GPU's amax * float32(1 / 448), an ulp from the CPU twin's
+    division, so a q may be its neighbour, and the fp8 cast drops a mantissa carry (126.6
+    becomes 64: quantize.py's docstring), half the twin's value there."""
+    x = torch.randn(rows, k, device=device) * torch.rand(rows, 1, device=device) * 10
+    here = None
+    kept = torch.ones(rows, dtype=torch.bool)
+    if how != ActQuant.TENSOR:  # one scale over every row: nothing to skip
+        here = torch.tensor([-1 if r % 2 else 0 for r in range(rows)], device=device)
+        kept = here.cpu() >= 0
+    q_ref, scale_ref = quantize_activation(x, how)
+    q = torch.full((rows, k), 0x7F, dtype=torch.uint8, device=device)
+    scale = torch.full_like(scale_ref, -1.0)
+    quantize_into(x, q, scale, how, here)
+    q, scale, q_ref, scale_ref = q.cpu(), scale.cpu(), q_ref.cpu(), scale_ref.cpu()
+    exact = device.type == "cuda"
+    if how != ActQuant.TENSOR:
+        assert (scale[~kept] == -1.0).all() and (q[~kept] == 0x7F).all()
+        scale, scale_ref = scale[kept], scale_ref[kept]
+    torch.testing.assert_close(scale, scale_ref, rtol=0 if exact else 2**-23, atol=0)
+    codes, codes_ref = q[kept], q_ref[kept].view(torch.uint8)
+    differ = codes != codes_ref
+    if exact:
+        assert not differ.any()
+        return
+    got, want = codes[differ].view(FP8).float(), codes_ref[differ].view(FP8).float()
+    neighbours = (codes[differ].int() - codes_ref[differ].int()).abs() == 1
+    assert (neighbours | (got * 2 == want)).all()
