@@ -12,11 +12,17 @@ layer's dtype, to see what it makes of them).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kernels.config import DTYPES, MoEConfig
 from kernels.nonfinite import NONFINITE_MASKS
+from kernels.stages import HAS_TRITON
 from kernels.tensors import ForwardInputs
+
+if HAS_TRITON:
+    from kernels.row_kernels import nonfinite_into
 
 _DTYPE_NAMES = f"{', '.join(list(DTYPES)[:-1])} or {list(DTYPES)[-1]}"
 
@@ -87,12 +93,31 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool((t.contiguous().view(bits).numpy() & exponent).max() != exponent)
 
 
+def all_finite_on_device(t: torch.Tensor, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[] bool on t's device, no host sync: whether rows [0, valid_rows) of t (rows on its
+    first axis; all of them when valid_rows, a 0-d int64 tensor on the device, is None) hold no
+    NaN or Inf. On a GPU one Triton pass over the bits (kernels/row_kernels.py)."""
+    bits_dtype, mask = NONFINITE_BITS[t.dtype]
+    rows = t.reshape(t.shape[0] if t.dim() else 1, math.prod(t.shape[1:]))
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    bits = rows.view(bits_dtype)
+    if not (t.is_cuda and HAS_TRITON):
+        bad = ((bits & mask) == mask).any(dim=1)
+        if valid_rows is not None:
+            bad &= torch.arange(bad.shape[0], device=t.device) < valid_rows
+        return ~bad.any()
+    flag = torch.zeros(1, dtype=torch.int32, device=t.device)
+    nonfinite_into(bits, mask, flag, valid_rows)
+    return flag[0] == 0
+
+
 def finite_flag(inputs: ForwardInputs) -> torch.Tensor:
     """[] bool on the inputs' device: whether every value of the inputs is finite. No host sync
     (the service reads it with the batch's results)."""
-    flag = torch.isfinite(inputs.hidden_states).all()
+    flag = all_finite_on_device(inputs.hidden_states)
     if inputs.router_logits is not None:
-        flag = flag & torch.isfinite(inputs.router_logits).all()
+        flag = flag & all_finite_on_device(inputs.router_logits)
     return flag
 
 

@@ -36,12 +36,15 @@ from dataclasses import dataclass
 import torch
 
 from kernels.arith import round_up
-from kernels.input_checks import finite_flag
+from kernels.input_checks import all_finite_on_device, finite_flag
 from kernels.layer import LayerOutput, MoELayer, expert_tokens, mask_rows
 from kernels.modular import ModularKernel
-from kernels.stages import YES, Support
+from kernels.stages import HAS_TRITON, YES, Support
 from kernels.tensors import ForwardInputs, Routing
 from kernels.workspace import Workspace
+
+if HAS_TRITON:
+    from kernels.row_kernels import zero_rows_from
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,15 @@ def token_buckets(max_tokens: int) -> tuple[int, ...]:
         else:
             size = round_up(size * 5 // 4, FINE_FROM)
     return (*buckets, max_tokens)
+
+
+def zero_padding(rows: torch.Tensor, valid_rows: torch.Tensor) -> torch.Tensor:
+    """rows [bucket, C] with rows from valid_rows (0-d, on the device) on zeroed, in place; on a
+    GPU only those rows are touched (kernels/row_kernels.py)."""
+    if HAS_TRITON and rows.is_cuda:
+        return zero_rows_from(rows, valid_rows)
+    padded = torch.arange(rows.shape[0], device=rows.device) >= valid_rows
+    return rows.masked_fill_(padded[:, None], 0)
 
 
 def kernel_can_capture(kernel: ModularKernel, max_tokens: int) -> Support:
@@ -176,18 +188,17 @@ class LayerGraphs:
 
     def _run(self, copy: int, bucket: int) -> tuple[LayerOutput, torch.Tensor]:
         static = self.inputs[copy]
-        padded = torch.arange(bucket, device=self.device) >= static.valid_rows  # [bucket]
-        hidden = static.hidden[:bucket].masked_fill_(padded[:, None], 0)
+        hidden = zero_padding(static.hidden[:bucket], static.valid_rows)
         logits = None
         if static.logits is not None:
-            logits = static.logits[:bucket].masked_fill_(padded[:, None], 0)
+            logits = zero_padding(static.logits[:bucket], static.valid_rows)
         private = Workspace(self.device)  # allocated in the graph's pool while capturing
         out = self.layer.forward(
             ForwardInputs(hidden, logits), valid_rows=static.valid_rows, workspace=private
         )
         valid_ids = mask_rows(out.routing.topk_ids, static.valid_rows)  # experts may not skip
         counts = expert_tokens(valid_ids, self.layer.cfg.num_experts)
-        finite = (torch.isfinite(out.output).all(dim=1) | padded).all()
+        finite = all_finite_on_device(out.output, static.valid_rows)
         flags = torch.stack([finite, finite_flag(ForwardInputs(hidden, logits))]).to(torch.int64)
         return out, torch.cat([counts, flags])
 

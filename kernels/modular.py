@@ -84,6 +84,6 @@ class ModularKernel:
                 y, reduce = fixed_order_topk_sum(y, x.topk_ids, x.topk_weights), False
             extra = None if shared is None else shared(rows)
             self.prepare_finalize.finalize(y, x, out[rows], reduce=reduce)
-            if extra is not None:
-                out[rows] = out[rows].float() + extra
+            if extra is not None:  # one pass: bf16 + f32 adds in float32, rounds once
+                out[rows].add_(extra)
         return out

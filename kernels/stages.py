@@ -9,6 +9,7 @@ output by its router weight and sums over top-k: the experts when `reduces_topk`
 
 from __future__ import annotations
 
+import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -47,6 +48,10 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {name!r} was asked for but no CUDA GPU is visible")
     return device
+
+
+# triton ships with CUDA builds of torch; without it the Triton paths say why they cannot run
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def cuda_capability(device: torch.device) -> tuple[int, int] | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from fastapi import FastAPI
 
-from service import __version__, docs, tracing
+from service import __version__, docs, json_device, tracing
 from service.batcher import BatchPolicy, DynamicBatcher
 from service.deps import Runtime, pinned_body_sink
 from service.engine import Engine, LayerSource
@@ -90,6 +90,7 @@ def _build_engine(settings: Settings, loader: LayerLoader, metrics: Metrics) -> 
     if not engine.layers and settings.model_repository is None:
         raise ValueError("no layers to serve")
     engine.warm_up(warm_up_tokens(settings.max_batch_tokens, device))
+    json_device.warm_up(engine.device, {served.config.dtype for served in engine.layers.values()})
     return engine
 
 

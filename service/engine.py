@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from kernels.config import MoEConfig
-from kernels.input_checks import all_finite
+from kernels.input_checks import all_finite, all_finite_on_device
 from kernels.layer import LayerOutput, LayerWeights, MoELayer, build_layer, expert_tokens
 from kernels.layer_graphs import LayerGraphs, can_capture
 from kernels.modular import DEFAULT_CHUNK_TOKENS
@@ -216,7 +216,7 @@ class Engine:
             with torch.inference_mode():
                 result = served.layer.forward(on_device)
                 # one reduction on the device, read once the output has come back below
-                finite = torch.isfinite(result.output).all()
+                finite = all_finite_on_device(result.output)
         except torch.AcceleratorError as err:
             raise self._device_failed(err) from err
         routing = result.routing

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kernels.input_checks import check_shapes
+from kernels.input_checks import all_finite_on_device, check_shapes
 from kernels.layer import LayerOutput, MoELayer, expert_tokens
 from kernels.layer_graphs import LayerGraphs
 from kernels.placement import Placement, balancedness, rank_tokens
@@ -308,7 +308,7 @@ class EPEngine(Engine):
                 None if inputs.router_logits is None else inputs.router_logits.to(self.device),
             )
             result = served.layer.forward(on_device)
-            finite = bool(torch.isfinite(result.output).all())
+            finite = bool(all_finite_on_device(result.output))
         if gen.aborted.is_set():  # an aborted collective returns, its data unfinished
             raise RuntimeError("the group was aborted during the forward: a rank died")
         routing = result.routing

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import lru_cache
@@ -126,6 +127,20 @@ def decode_forward(body: bytes | bytearray, device: torch.device) -> DeviceForwa
         log.warning("no device memory to read a %d-byte JSON body: read on the host", len(body))
         return None
     return None if rows is None else DeviceForward(rows, routing)
+
+
+def warm_up(device: torch.device, dtypes: Iterable[torch.dtype]) -> None:
+    """Compile the number-reading kernel and build the print tables of the 16-bit `dtypes` on
+    `device` at start-up, so that the first large JSON request does not pay for them (a Triton
+    compile takes seconds, longer on a loaded host)."""
+    if device.type != "cuda":
+        return
+    parsed = decode_forward(b'{"hidden_states": [[1.5, -2e-3], [0, 12.25E+1]]}', device)
+    if parsed is None or parsed.hidden_states.tolist() != [[1.5, -2e-3], [0.0, 122.5]]:
+        raise RuntimeError(f"reading JSON on {device} gave {parsed}: the device path is broken")
+    for dtype in {d for d in dtypes if d.itemsize == 2}:
+        with _on_stream(device):
+            print_rows(torch.zeros(1, 2, dtype=dtype, device=device))
 
 
 def print_rows(values: torch.Tensor) -> memoryview:

@@ -51,7 +51,7 @@ def _scale(x, power, MAX_POWER: tl.constexpr):
     return tl.where(power >= 0, x * p, x / p)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["numbers", "n"])  # one compile, at warm-up, for every body
 def _read_numbers_kernel(
     text_ptr,
     first_ptr,

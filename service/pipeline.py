@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from kernels.input_checks import finite_flag
+from kernels.input_checks import all_finite_on_device, finite_flag
 from kernels.layer import LayerOutput, expert_tokens
 from kernels.tensors import ForwardInputs, Routing
 
@@ -387,7 +387,7 @@ class DevicePipeline:
         e = served.config.num_experts
         stats = slot.stats[1]
         stats[:e].copy_(expert_tokens(out.routing.topk_ids, e))
-        stats[e].copy_(torch.isfinite(out.output).all())
+        stats[e].copy_(all_finite_on_device(out.output))
         stats[e + 1].copy_(finite_flag(ForwardInputs(slot.hidden[1][:m], logits)))
         values = (out.output, out.routing.topk_ids, out.routing.topk_weights)
         for (_, dev), value in zip(slot.results(), values, strict=True):

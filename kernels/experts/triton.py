@@ -14,18 +14,16 @@ weight-and-reduce to finalize. Kernel bodies are in kernels/experts/_triton/.
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import ClassVar
 
 import torch
 
 from kernels.config import MoEConfig
 from kernels.quant_scheme import ActQuant, QuantScheme
-from kernels.stages import YES, Experts, Support, cuda_capability
+from kernels.stages import HAS_TRITON, YES, Experts, Support, cuda_capability
 from kernels.tensors import Dispatched, ExpertWeights, Format
 from kernels.workspace import Workspace
 
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 if HAS_TRITON:  # without it the backends stay registered and say why they cannot run
     from kernels.experts._triton.align import AlignedPairs, align_pairs
     from kernels.experts._triton.graphs import MAX_GRAPH_TOKENS, DecodeGraphs

@@ -40,9 +40,8 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from kernels.prepare_finalize.no_ep import dispatch_locally
+from kernels.prepare_finalize.no_ep import dispatch_locally, quantize_input
 from kernels.quant_scheme import ActQuant
-from kernels.quantize import quantize_activation
 from kernels.routing import to_local_ids
 from kernels.stages import YES, DispatchSpec, PrepareFinalize, Support, weighted_topk_sum
 from kernels.tensors import Dispatched, Format, Routing
@@ -138,7 +137,7 @@ class NaiveEP(PrepareFinalize):
         x, ids, weights = gathered[:3]
         scale = gathered[3] if quantise_first else None
         if spec.act_quant == ActQuant.TENSOR:
-            x, scale = quantize_activation(x, spec.act_quant)
+            x, scale = quantize_input(x, spec.act_quant)
         return Dispatched(x, scale, spec.act_quant, to_local_ids(ids, spec.expert_map), weights)
 
     def finalize(

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from kernels.config import MoEConfig
-from kernels.input_checks import InputError, check_values, finite_flag
+from kernels.input_checks import (
+    NONFINITE_BITS,
+    InputError,
+    all_finite_on_device,
+    check_values,
+    finite_flag,
+)
 from kernels.layer import LayerWeights, MoELayer, RouterWeights, build_layer
 from kernels.random_weights import random_expert_weights
 from kernels.tensors import ForwardInputs
@@ -110,3 +116,37 @@ def test_the_flag_of_a_staged_batch_agrees_with_the_named_checks(
     else:
         with pytest.raises(InputError):
             check_values(inputs, layer_dtype)
+
+
+_SHAPES = [(1, 7168), (5, 3), (3, 1500), (0, 64), (7,)]  # one row; narrow; ragged blocks; empty
+_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _poisoned(shape: tuple[int, ...], dtype: torch.dtype, at: tuple[int, ...], bad: float):
+    t = torch.randn(shape)
+    if t.numel():
+        t[at] = bad
+    return t.to(dtype)
+
+
+def _expected(t: torch.Tensor, valid_rows: int) -> bool:
+    return bool(torch.isfinite(t.float()[:valid_rows]).all())
+
+
+@pytest.mark.parametrize("dtype", list(NONFINITE_BITS))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("shape", _SHAPES)
+@pytest.mark.parametrize("valid", [None, 0, 1])  # rows checked: all, none, the first
+@pytest.mark.parametrize("device", _DEVICES)
+def test_the_flag_of_rows_on_the_device_is_down_exactly_for_a_nonfinite_value_among_them(
+    device: str, dtype: torch.dtype, bad: float, shape: tuple[int, ...], valid: int | None
+) -> None:
+    """The served batch's check (its output up to the graph's valid rows): on a GPU the Triton
+    pass over the bits, on the CPU torch's isfinite; both against isfinite on the rows."""
+    rows = shape[0]
+    for at in {(0,) * len(shape), tuple(n - 1 for n in shape)}:  # first and last value
+        t = _poisoned(shape, dtype, at, bad).to(device)
+        valid_rows = None if valid is None else torch.tensor(valid, device=device)
+        got = all_finite_on_device(t, valid_rows)
+        assert got.device == t.device and got.dim() == 0
+        assert bool(got) is _expected(t.cpu(), rows if valid is None else valid), (at, valid)

@@ -323,3 +323,22 @@ def test_on_a_gpu_bodies_are_read_as_the_host_reads_them() -> None:
             assert same(parsed.hidden_states.cpu(), host(body)), body[:200]
     assert taken > 50
     assert all(json_device.decode_forward(b, cuda) is not None for b in bodies[-3:])
+
+
+@pytest.mark.gpu
+def test_after_warm_up_no_body_compiles_the_kernel_again() -> None:
+    """The engine warms the device path at start-up (service/app.py); the kernel is compiled
+    once for every body (no specialisation on the number or byte counts), so the first large
+    request of a served layer finds it compiled."""
+    from service.json_device_kernel import _read_numbers_kernel
+
+    cuda = torch.device("cuda")
+    json_device.warm_up(cuda, [torch.bfloat16, torch.float32])
+    compiled = _read_numbers_kernel.device_caches[torch.cuda.current_device()][0]
+    after_warm_up = len(compiled)
+    assert after_warm_up >= 1
+    for numbers in (1, 16, 17, 1024, 4099):
+        body = body_of(json.dumps([[0.5] * numbers]))
+        assert json_device.decode_forward(body, cuda) is not None
+    assert len(compiled) == after_warm_up
+    assert json_device._number_table.cache_info().currsize >= 1  # bfloat16's print table

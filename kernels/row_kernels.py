@@ -1,0 +1,73 @@
+"""Two passes over a served batch's rows in Triton, each touching only what it must:
+
+- `nonfinite_into`: whether any value is NaN or Inf, the flag every served batch computes on its
+  inputs and on its output (API: `kernels.input_checks.all_finite_on_device`). Each value is
+  read once as bits: a value is NaN or Inf exactly when all its format's mask bits are set
+  (kernels/nonfinite.py). `torch.isfinite(x).all()` runs four elementwise kernels and a
+  reduction: 0.12 ms per 4096 x 7168 bfloat16 tensor on the H200 (profile of 658ea2f).
+- `zero_rows_from`: a CUDA graph's padding rows (from its valid_rows on) set to zero, the
+  others not read or written (a broadcast masked_fill_ read and wrote all of them: 0.08 ms at
+  4096 x 7168).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_MAX_BLOCK = 1024  # columns one step of a program reads
+
+
+@triton.jit
+def _nonfinite_kernel(
+    bits_ptr, flag_ptr, valid_ptr, cols, stride,
+    MASK: tl.constexpr, HAS_VALID: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)
+    here = True
+    if HAS_VALID:  # rows from valid_rows on are a CUDA graph's padding
+        here = row < tl.load(valid_ptr)
+    if here:
+        bad = tl.zeros((BLOCK,), dtype=tl.int32)
+        for c in range(0, cols, BLOCK):
+            offs = c + tl.arange(0, BLOCK)
+            bits = tl.load(bits_ptr + row.to(tl.int64) * stride + offs, mask=offs < cols, other=0)
+            bad = tl.maximum(bad, ((bits & MASK) == MASK).to(tl.int32))
+        if tl.max(bad, axis=0) > 0:
+            tl.store(flag_ptr, 1)
+
+
+def nonfinite_into(
+    bits: torch.Tensor, mask: int, flag: torch.Tensor, valid_rows: torch.Tensor | None
+) -> None:
+    """Sets flag (int32 [1], zeroed by the caller) to 1 where rows [0, valid_rows) of `bits`
+    (a float tensor's [R, C] integer view, unit column stride; all rows if valid_rows is None,
+    else a 0-d int64 tensor on the device) hold a value with every `mask` bit set."""
+    if bits.numel():
+        cols = bits.shape[1]
+        _nonfinite_kernel[(bits.shape[0],)](
+            bits, flag, valid_rows, cols, bits.stride(0),
+            MASK=mask, HAS_VALID=valid_rows is not None,
+            BLOCK=min(_MAX_BLOCK, triton.next_power_of_2(cols)),
+        )  # fmt: skip
+
+
+@triton.jit
+def _zero_rows_kernel(x_ptr, valid_ptr, cols, stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    if row >= tl.load(valid_ptr):
+        for c in range(0, cols, BLOCK):
+            offs = c + tl.arange(0, BLOCK)
+            tl.store(x_ptr + row.to(tl.int64) * stride + offs, 0, mask=offs < cols)
+
+
+def zero_rows_from(x: torch.Tensor, valid_rows: torch.Tensor) -> torch.Tensor:
+    """x [R, C] (unit column stride) with rows from valid_rows (a 0-d int64 tensor on the
+    device) on set to zero, in place; returns x."""
+    if x.numel():
+        cols = x.shape[1]
+        _zero_rows_kernel[(x.shape[0],)](
+            x, valid_rows, cols, x.stride(0), BLOCK=min(_MAX_BLOCK, triton.next_power_of_2(cols))
+        )
+    return x

@@ -1,0 +1,60 @@
+"""kernels/row_kernels.py's Triton kernels on their own: in the interpreter on the CPU,
+compiled on a GPU (the gpu-marked cases). Their callers' tests: test_input_checks.py (the finite
+flag against isfinite) and test_layer_graphs_gpu.py (graphs of padded batches)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.input_checks import NONFINITE_BITS
+from kernels.layer_graphs import zero_padding
+from kernels.row_kernels import nonfinite_into, zero_rows_from
+
+_DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("device", _DEVICES)
+def test_the_triton_finite_kernel_reads_the_bits_of_every_row_before_valid_rows(
+    device: str, dtype: torch.dtype
+) -> None:
+    """The kernel itself (Triton's interpreter on the CPU, compiled on a GPU): a NaN or Inf in
+    a checked row sets the flag, one in a row from valid_rows on does not; finite values of
+    every magnitude (the largest, subnormals, negative zero) never do."""
+    finfo = torch.finfo(dtype)
+    t = torch.tensor([[finfo.max, -finfo.max, finfo.tiny / 2, -0.0]] * 3).to(dtype).to(device)
+    bits_dtype, mask = NONFINITE_BITS[dtype]
+
+    def flag(x: torch.Tensor, valid: int | None) -> int:
+        out = torch.zeros(1, dtype=torch.int32, device=device)
+        valid_rows = None if valid is None else torch.tensor(valid, device=device)
+        nonfinite_into(x.view(bits_dtype), mask, out, valid_rows)
+        return int(out)
+
+    assert flag(t, None) == 0
+    t[2, 1] = float("nan")
+    assert flag(t, None) == 1
+    assert flag(t, 2) == 0
+    assert flag(t, 3) == 1
+
+
+@pytest.mark.parametrize("shape", [(1, 7168), (6, 3), (5, 1500), (0, 64)])
+@pytest.mark.parametrize("valid", [0, 1, 4, 9])
+@pytest.mark.parametrize("device", _DEVICES)
+def test_rows_from_valid_rows_on_are_zeroed_and_the_others_left_as_they_were(
+    device: str, shape: tuple[int, int], valid: int
+) -> None:
+    """A graph's padding rows (from valid_rows on) zeroed in place, the kernel against the
+    masked_fill of the fallback; rows before valid_rows keep their bits, NaN included."""
+    x = torch.randn(shape, dtype=torch.float16).to(device)
+    if x.numel():
+        x[0, 0] = float("nan")
+    before = x.clone()
+    valid_rows = torch.tensor(valid, device=device)
+    assert zero_rows_from(x, valid_rows) is x
+    kept = min(valid, shape[0])
+    assert torch.equal(x[:kept].view(torch.int16), before[:kept].view(torch.int16))
+    assert not x[kept:].view(torch.int16).any()
+    fallback = zero_padding(before.cpu(), valid_rows.cpu())
+    assert torch.equal(x.cpu().view(torch.int16), fallback.view(torch.int16))
