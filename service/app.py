@@ -90,7 +90,8 @@ def _build_engine(settings: Settings, loader: LayerLoader, metrics: Metrics) -> 
     if not engine.layers and settings.model_repository is None:
         raise ValueError("no layers to serve")
     engine.warm_up(warm_up_tokens(settings.max_batch_tokens, device))
-    json_device.warm_up(engine.device, {served.config.dtype for served in engine.layers.values()})
+    if engine.device.type == "cuda":  # where large JSON bodies are read and printed
+        json_device.warm_up(engine.device, {s.config.dtype for s in engine.layers.values()})
     return engine
 
 

@@ -325,6 +325,14 @@ def test_on_a_gpu_bodies_are_read_as_the_host_reads_them() -> None:
     assert all(json_device.decode_forward(b, cuda) is not None for b in bodies[-3:])
 
 
+def test_warm_up_reads_its_body_and_builds_the_print_tables() -> None:
+    """The start-up warm-up's own check passes (the ops run on the CPU here), and it leaves the
+    16-bit dtypes' tables built, not float32's."""
+    json_device._number_table.cache_clear()
+    json_device.warm_up(CPU, [torch.bfloat16, torch.float16, torch.float32])
+    assert json_device._number_table.cache_info().currsize == 2
+
+
 @pytest.mark.gpu
 def test_after_warm_up_no_body_compiles_the_kernel_again() -> None:
     """The engine warms the device path at start-up (service/app.py); the kernel is compiled
