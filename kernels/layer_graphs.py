@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.arith import round_up
+from kernels.graph_capture import capturing
 from kernels.input_checks import all_finite_on_device, finite_flag
 from kernels.layer import LayerOutput, MoELayer, expert_tokens, mask_rows
 from kernels.modular import ModularKernel
@@ -210,8 +211,7 @@ class LayerGraphs:
             self._run(copy, bucket)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the device worker's other threads may wait on events meanwhile
-        with torch.cuda.graph(graph, pool=self.pools[copy], capture_error_mode="thread_local"):
+        with capturing(graph, self.pools[copy]):
             output, stats = self._run(copy, bucket)
         return _Captured(graph, output, stats)
 

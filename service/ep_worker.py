@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from kernels.graph_capture import capturing
 from kernels.modular import ModularKernel
 from kernels.placement import Placement
 from kernels.tensors import Routing
@@ -65,7 +66,7 @@ class _RankLayer:
                         self.forward(bucket, Workspace(device))
                     torch.cuda.current_stream(device).wait_stream(side)
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    with capturing(graph, pool):
                         self.forward(bucket, Workspace(device))
                     self.graphs[bucket].append(graph)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from kernels.graph_capture import capturing
 from kernels.tensors import Dispatched
 
 MAX_GRAPH_TOKENS = 64  # decode: beyond this the GEMMs dwarf the launches
@@ -63,8 +64,6 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        # thread_local: the service's other threads (the completer waiting on events, another
-        # layer's launches) may make CUDA calls meanwhile, which a global capture refuses
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with capturing(graph, self.pool):
             output = self.forward(static)
         return _Captured(graph, static, output)
