@@ -84,14 +84,19 @@ def _build_engine(settings: Settings, loader: LayerLoader, metrics: Metrics) -> 
             batch_invariant=settings.batch_invariant,
         )
         sources = loader(settings, device)
-    for source in sources:
-        served = engine.add(source)
-        metrics.add_layer(served.name, served.config.num_experts)
-    if not engine.layers and settings.model_repository is None:
-        raise ValueError("no layers to serve")
-    engine.warm_up(warm_up_tokens(settings.max_batch_tokens, device))
-    if engine.device.type == "cuda":  # where large JSON bodies are read and printed
-        json_device.warm_up(engine.device, {s.config.dtype for s in engine.layers.values()})
+    try:
+        for source in sources:
+            served = engine.add(source)
+            metrics.add_layer(served.name, served.config.num_experts)
+        if not engine.layers and settings.model_repository is None:
+            raise ValueError("no layers to serve")
+        engine.warm_up(warm_up_tokens(settings.max_batch_tokens, device))
+        if engine.device.type == "cuda":  # where large JSON bodies are read and printed
+            json_device.warm_up(engine.device, {s.config.dtype for s in engine.layers.values()})
+    except BaseException:
+        if isinstance(engine, EPEngine):  # its ranks are up: stop them, or nothing will
+            engine.close()
+        raise
     return engine
 
 

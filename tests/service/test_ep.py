@@ -21,7 +21,7 @@ from kernels.layer import build_layer
 from kernels.tensors import ForwardInputs
 from service.app import create_app
 from service.cli import main
-from service.ep import _EPBatch
+from service.ep import EPEngine, _EPBatch
 from service.pipeline import BadRouting
 from service.settings import Settings
 from tests.service.conftest import wait_ready
@@ -166,6 +166,29 @@ def test_bad_placement_file_keeps_the_service_unready_naming_the_file(
         assert time.monotonic() < deadline, reason
         time.sleep(0.05)
     assert str(placement) in reason and "missing [6, 7]" in reason
+
+
+def test_a_start_that_fails_once_the_ranks_are_up_stops_them(
+    ep_client: Callable[..., TestClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure after the ranks joined (here the warm-up's) leaves the service unready naming
+    it, as any failed start, and the other ranks stopped, not left waiting for commands (on
+    the H200 the EP service test ran past its time limit after such a failure)."""
+    engines: list[EPEngine] = []
+
+    def failing_warm_up(self: EPEngine, *_args: object, **_kwargs: object) -> None:
+        engines.append(self)
+        raise RuntimeError("the warm-up failed")
+
+    monkeypatch.setattr(EPEngine, "warm_up", failing_warm_up)
+    client = ep_client(ready=False)
+    deadline = time.monotonic() + 30
+    while "loading the layers failed" not in (reason := client.get("/ready").json()["reason"]):
+        assert time.monotonic() < deadline, reason
+        time.sleep(0.05)
+    assert "the warm-up failed" in reason
+    (engine,) = engines
+    assert engine.workers and not any(worker.is_alive() for worker in engine.workers)
 
 
 def test_a_dead_rank_turns_ready_and_requests_into_503_without_hanging(
