@@ -23,7 +23,7 @@ OUT/ep_service.json holds every figure, OUT/ep_service.md the table with the tar
 `--profile`: then OUT/profile-1gpu.txt and OUT/profile-ep.txt, rank 0's GPU kernels (those
 replayed from the graphs included) over PROFILED_BATCHES batches of the largest M, by total
 time: where a forward's time goes (the collectives' kernels include their waits for the
-other ranks).
+other ranks); and OUT/profile-ep-rank{r}.txt, the same forwards on each other rank.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from service.engine import Engine
 from service.ep import EPEngine
 from service.ep_group import leave
 from service.pipeline import BadRouting
+from service.profiling import kernel_profiler, kernel_table
 from service.settings import Settings
 from weights.load import load_layer
 from weights.manifest import Manifest, Source
@@ -133,18 +134,21 @@ def throughput(
 
 def profile_kernels(engine: Engine, name: str, m: int, hidden: int, path: Path) -> None:
     """Rank 0's GPU kernels over PROFILED_BATCHES batches of `m` pinned rows, one at a time,
-    by total time -> `path`."""
-    from torch.profiler import ProfilerActivity, profile
-
+    by total time -> `path`; an EP engine's other ranks write theirs beside it
+    (`profile-ep-rank{r}.txt`, on their own host)."""
     on_gpu = engine.device.type == "cuda"
     inputs = _inputs(m, hidden, pinned=on_gpu, count=1)
     engine.start(name, inputs).result()
-    activity, sort = ("CUDA", "cuda_time_total") if on_gpu else ("CPU", "cpu_time_total")
-    with profile(activities=[getattr(ProfilerActivity, activity)]) as prof:
+    header = f"{PROFILED_BATCHES} batches of M={m} on {type(engine).__name__}"
+    ranks = isinstance(engine, EPEngine)
+    if ranks:
+        engine.start_rank_profiles()
+    with kernel_profiler(engine.device) as prof:
         for _ in range(PROFILED_BATCHES):
             engine.start(name, inputs).result()
-    table = prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=90)
-    path.write_text(f"{PROFILED_BATCHES} batches of M={m} on {type(engine).__name__}\n{table}\n")
+    if ranks:
+        engine.stop_rank_profiles(path.parent / "profile-ep-rank{rank}.txt", header)
+    path.write_text(f"{header}\n{kernel_table(prof, engine.device)}\n")
 
 
 def run_engine(

@@ -550,6 +550,17 @@ class EPEngine(Engine):
         if self.failure is None:
             self.commands.post(op="drop", layer=name, id=seq)
 
+    # ---- profiles (bench.ep_service --profile) ------------------------------------------------
+
+    def start_rank_profiles(self) -> None:
+        """The other ranks profile their device's kernels from the next forward on."""
+        self.commands.post(op="profile_start")
+
+    def stop_rank_profiles(self, path: Path, header: str) -> None:
+        """The other ranks stop profiling and each writes its kernel table, under `header`, to
+        `path` with {rank} replaced by its rank (on its own host), before its next command."""
+        self.commands.post(op="profile_stop", path=str(path), header=header)
+
     # ---- stop -------------------------------------------------------------------------------
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ from service.ep_layers import (
     build_ep_kernel,
     regroup_kernel,
 )
+from service.profiling import kernel_profiler, kernel_table
 from weights.load import load_layer
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ class _Rank:
         self.retired: list[Generation] = []  # kept: a broken group is never destroyed
         self.workspace = Workspace(device)
         self.layers: dict[str, _RankLayer] = {}
+        self.profiler: torch.profiler.profile | None = None  # between profile_start and _stop
 
     def load(self) -> None:
         """Load and build every layer, tell rank 0 (which waits for every rank), then join the
@@ -137,6 +139,17 @@ class _Rank:
             layer.forward(command["tokens"])
         else:  # rank 0 replays this copy of the bucket's graph
             layer.graphs[bucket][command["copy"]].replay()
+
+    def _profile_start(self, _command: dict) -> None:
+        self.profiler = kernel_profiler(self.device)
+        self.profiler.start()
+
+    def _profile_stop(self, command: dict) -> None:
+        self.profiler.stop()
+        table = kernel_table(self.profiler, self.device)
+        path = Path(command["path"].format(rank=self.rank))
+        path.write_text(f"{command['header']}, rank {self.rank}\n{table}\n")
+        self.profiler = None
 
     def _capture(self, command: dict) -> None:
         self.layers[command["layer"]].capture(command["buckets"], command["copies"], self.device)
