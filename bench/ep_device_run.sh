@@ -4,13 +4,15 @@
 #     source .deps/device-env.sh; bash bench/ep_device_run.sh OUT_DIR
 # 1. `python3 -m bench.ep_service` (DeepSeek-V3-sized layer, service mode, EP 2 against one GPU)
 #    once per backend of EP_BACKENDS (default "triton deep-gemm"), each within EP_BENCH_SECONDS
-#    (180) -> OUT_DIR/ep_service-BACKEND.{md,json}, OUT_DIR/ep-bench-BACKEND.log; its 11 GB
+#    (180) -> OUT_DIR/ep_service-BACKEND.{md,json}, OUT_DIR/ep-bench-BACKEND.log, every rank's
+#    kernel tables at the largest M in OUT_DIR/profiles-BACKEND.tgz (--profile); its 11 GB
 #    layer directory is written under a temporary directory, not OUT_DIR;
 # 2. `tests/service/test_ep_gpu.py` (serve --ep 2 over NCCL with graphs, a killed rank)
 #    -> OUT_DIR/ep-service-tests.log;
 # 3. `tests/kernels/test_naive_ep.py -m gpu` (every expert-map backend over two GPUs against one)
 #    in the time left of EP_RUN_SECONDS (default 560) -> OUT_DIR/ep-kernel-tests.log.
 # Each step has its own time limit; ranks a killed step left behind are killed before the next.
+# The logs and environment.txt end up in OUT_DIR/ep-logs.tgz; their summaries are printed.
 set -uo pipefail
 out=${1:?usage: bench/ep_device_run.sh OUT_DIR}
 mkdir -p "$out"
@@ -28,10 +30,12 @@ leftovers() {  # ranks of a step its timeout killed (spawned children outlive a 
 for backend in ${EP_BACKENDS:-triton deep-gemm}; do
   work=$(mktemp -d)
   timeout -k 5 "${EP_BENCH_SECONDS:-180}" python3 -m bench.ep_service --out "$work" \
-    --backend "$backend" --seconds 2 >"$out/ep-bench-$backend.log" 2>&1
+    --backend "$backend" --seconds 2 --profile >"$out/ep-bench-$backend.log" 2>&1
   echo "bench.ep_service exited with $? after $SECONDS s" >>"$out/ep-bench-$backend.log"
   cp "$work"/ep_service.md "$out/ep_service-$backend.md" 2>/dev/null
   cp "$work"/ep_service.json "$out/ep_service-$backend.json" 2>/dev/null
+  # every rank's kernel tables, one file (the device tool brings back few files per call)
+  (cd "$work" && ls profile-*.txt >/dev/null 2>&1 && tar czf "$out/profiles-$backend.tgz" profile-*.txt)
   rm -rf "$work"
   leftovers
 done
@@ -64,3 +68,5 @@ for backend in ${EP_BACKENDS:-triton deep-gemm}; do
   grep -E "Traceback|Error|exited" "$out/ep-bench-$backend.log" | tail -n 6
   cat "$out/ep_service-$backend.md" 2>/dev/null || tail -n 30 "$out/ep-bench-$backend.log"
 done
+# the logs in one file: the device tool brings back only a few files per call
+(cd "$out" && tar czf ep-logs.tgz environment.txt ./*.log && rm -f environment.txt ./*.log)
