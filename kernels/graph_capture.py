@@ -14,20 +14,45 @@ launches) may make CUDA calls meanwhile, which a global capture would refuse.
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
 
+class _CollectorHold:
+    """The collector off while any thread captures, as it was once the last capture ends (a
+    layer loaded from the repository captures while another may)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._captures = 0
+        self._was_enabled = False
+
+    def begin(self) -> None:
+        with self._lock:
+            if self._captures == 0:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._captures += 1
+
+    def end(self) -> None:
+        with self._lock:
+            self._captures -= 1
+            if self._captures == 0 and self._was_enabled:
+                gc.enable()
+
+
+_HOLD = _CollectorHold()
+
+
 @contextmanager
 def capturing(graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None = None) -> Iterator[None]:
     """`torch.cuda.graph(graph, pool)` on the current device, the collector off meanwhile."""
-    collecting = gc.isenabled()
-    gc.disable()
+    _HOLD.begin()
     try:
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             yield
     finally:
-        if collecting:
-            gc.enable()
+        _HOLD.end()

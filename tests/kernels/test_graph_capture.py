@@ -43,6 +43,26 @@ def test_the_collector_is_off_during_a_capture_and_as_it_was_after(
         (gc.enable if was else gc.disable)()
 
 
+def test_the_collector_stays_off_until_the_last_of_overlapping_captures_ends(
+    fake_capture: list[bool],
+) -> None:
+    """Two threads' captures overlapping (a repository load beside another layer's): the first
+    to end must not turn the collector back on under the other."""
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        first, second = capturing(object()), capturing(object())
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        assert not gc.isenabled()
+        second.__exit__(None, None, None)
+        assert gc.isenabled()
+        assert fake_capture == [False, False]
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
 @pytest.mark.gpu
 def test_an_unreachable_graph_is_not_collected_while_another_captures() -> None:
     """What broke a layer's capture on the H200: a collection during a capture freed another
