@@ -2,7 +2,8 @@
 # The service benchmark and the fast path's GPU tests in one device call, from the project root:
 #     source .deps/device-env.sh; bash bench/service_device_run.sh OUT_DIR [COMMIT]
 # 1. `moe-serve bench service` (DeepSeek-V3-sized and demo layers, hey, graphs, batching off,
-#    h11+asyncio, the load generator's capacity) -> OUT_DIR/service/{service.json,service.md,*.log}
+#    h11+asyncio, the load generator's capacity) -> OUT_DIR/service/{service.json,service.md,
+#    server-logs.tgz}
 #    (no part starts after SERVICE_BENCH_BUDGET_S, default 300 s);
 # 2. the GPU tests of the fast path in the time left of SERVICE_RUN_SECONDS (default 510 s)
 #    -> OUT_DIR/gpu-tests.log;
@@ -26,6 +27,8 @@ if [ "$left" -gt 30 ]; then
 else
   echo "gpu tests skipped: no time left after the benchmark ($SECONDS s)" >"$out/gpu-tests.log"
 fi
+# At most a few files come back from a device call: the servers' logs travel as one archive.
+(cd "$out/service" && tar czf server-logs.tgz --remove-files ./*.log 2>/dev/null)
 echo "== gpu tests"
 grep -E "FAILED|ERROR|passed|exited|skipped:" "$out/gpu-tests.log" | grep -v PASSED | tail -n 25; grep -c PASSED "$out/gpu-tests.log"
 echo "== bench service ($SECONDS s in all)"
