@@ -17,6 +17,10 @@ served). Call it only while no load runs.
 POST /bench/path {"tokens": [1, 64]} times one request at a time through each level of the
 server's own path, inside this process, by the host clock (bench/request_path.py says which
 level is which), so that a one-client HTTP latency can be split into where its time goes.
+
+POST /bench/forwards returns the forwards run since its last call, by batch size (how many, their
+device time in all, as the server's metrics recorded them), and starts counting afresh: the
+benchmark compares each size with the bare forward of that size.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import argparse
 import asyncio
 import logging
 import sys
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +50,8 @@ from service.app import LayerLoader, create_app
 from service.engine import LayerSource, ServedLayer
 from service.front_ends import FrontEnds
 from service.interpreter import collect_less
+from service.metrics import Metrics
+from service.pipeline import StageTimes
 from service.server import listen, server_config
 from service.settings import Settings
 
@@ -110,6 +118,37 @@ def time_bare(served: ServedLayer, device: torch.device, tokens: list[int]) -> l
     return timings
 
 
+class ForwardSize(BaseModel):
+    tokens: int  # the batch's rows (before any graph bucket's padding)
+    forwards: int
+    seconds: float  # their device time in all
+
+
+class ForwardSizes:
+    """The forwards a server's metrics record, counted by batch size until taken."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._lock = threading.Lock()
+        self._by_tokens: dict[int, tuple[int, float]] = {}
+        record = metrics.record_batch
+
+        def record_batch(
+            layer: str, backend: str, tokens: int, expert_tokens: torch.Tensor,
+            times: StageTimes, queued_s: Sequence[float] = (),
+        ) -> None:  # fmt: skip
+            with self._lock:
+                forwards, seconds = self._by_tokens.get(tokens, (0, 0.0))
+                self._by_tokens[tokens] = (forwards + 1, seconds + times.forward_s)
+            record(layer, backend, tokens, expert_tokens, times, queued_s)
+
+        metrics.record_batch = record_batch  # type: ignore[method-assign]
+
+    def take(self) -> list[ForwardSize]:
+        with self._lock:
+            taken, self._by_tokens = self._by_tokens, {}
+        return [ForwardSize(tokens=t, forwards=n, seconds=s) for t, (n, s) in sorted(taken.items())]
+
+
 bare_router = APIRouter(prefix="/bench", tags=["bench"])
 
 
@@ -126,6 +165,14 @@ async def path(body: BareRequest, request: Request) -> list[PathTiming]:
 
     runtime = request.app.state.runtime
     return [PathTiming(**t) for t in await time_levels(runtime, body.tokens)]
+
+
+@bare_router.post("/forwards")
+async def forwards(request: Request) -> list[ForwardSize]:
+    state = request.app.state
+    if getattr(state, "forward_sizes", None) is None:  # counting starts with the first call
+        state.forward_sizes = ForwardSizes(state.runtime.metrics)
+    return state.forward_sizes.take()
 
 
 @bare_router.post("/bare")

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench.load_gen import Load, hey_binary, parse_hey_csv, run_hey, run_one_client
 from bench.service_bench import (
@@ -113,9 +114,38 @@ def test_level_figures_come_from_the_metrics_difference_over_the_wall_time() -> 
     assert level.server_forward_ms == pytest.approx(450)
     assert level.gpu_busy == pytest.approx(0.9)
     assert level.stage_ms == {"queue": pytest.approx(1.0)}
-    bare = with_bare(level, {256: {"median_us": 400_000.0}})  # bare: 640 tok/s at 256 tokens
-    assert bare.bare_forward_ms == pytest.approx(400)
-    assert bare.tokens_per_s_vs_bare == pytest.approx(3200 / 640)
+
+
+def test_the_bare_forward_is_compared_at_each_batch_size_the_level_formed() -> None:
+    level = _level(
+        **{"moe_serve_forward_seconds_count": 4, "moe_serve_forward_seconds_sum": 1.8,
+           "moe_serve_batch_tokens_sum": 1024}
+    ).model_copy(update={"forward_sizes": {128: (2, 0.6), 384: (2, 1.2)}})  # fmt: skip
+    bare = {128: {"median_us": 250_000.0}, 384: {"median_us": 500_000.0}, 256: {"median_us": 1}}
+    compared = with_bare(level, bare)
+    # the bare forward over the same four batches: 2 x 0.25 + 2 x 0.5 s, not the one at 256
+    assert compared.bare_forward_ms == pytest.approx(375)
+    assert compared.tokens_per_s_vs_bare == pytest.approx(3200 / (1024 / 1.5))
+    # 0.3 s served against 0.25 at 128, 0.6 against 0.5 at 384: the larger excess is the worst
+    assert compared.worst_size == (384, pytest.approx(600), pytest.approx(500))
+    assert with_bare(level, {128: bare[128]}).bare_forward_ms is None  # a size not timed
+
+
+def test_forward_sizes_counts_what_the_metrics_record_until_taken() -> None:
+    from bench.service_server import ForwardSizes
+    from service.metrics import Metrics
+    from service.pipeline import StageTimes
+
+    metrics = Metrics()
+    sizes = ForwardSizes(metrics)
+    no_experts = torch.zeros(4, dtype=torch.int64)
+    for tokens, seconds in ((64, 0.002), (64, 0.004), (1, 0.001)):
+        metrics.record_batch("demo", "triton", tokens, no_experts, StageTimes(seconds))
+    assert [(s.tokens, s.forwards, s.seconds) for s in sizes.take()] == [
+        (1, 1, pytest.approx(0.001)), (64, 2, pytest.approx(0.006))
+    ]  # fmt: skip
+    assert sizes.take() == []
+    assert metrics.registry.get_sample_value("moe_serve_tokens_total", {"layer": "demo"}) == 129
 
 
 def test_a_level_without_forwards_has_no_server_figures() -> None:
@@ -169,6 +199,7 @@ def test_a_short_run_on_the_cpu_fills_every_figure_and_writes_the_tables(tmp_pat
         for lv in levels.values():
             assert lv.ok > 0 and lv.errors == {}, lv
             assert lv.forwards > 0 and lv.gpu_busy > 0 and lv.bare_forward_ms > 0
+            assert sum(n for n, _ in lv.forward_sizes.values()) == lv.forwards
             assert {"queue", "decode", "forward", "encode"} <= set(lv.stage_ms)
     fronted = [c.target for c in result.checks if c.target.startswith("tiny (2 front ends)")]
     assert len(fronted) == len([c for c in result.checks if c.target.startswith("tiny:")])
