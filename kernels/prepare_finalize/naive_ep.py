@@ -149,7 +149,9 @@ class NaiveEP(PrepareFinalize):
             else expert_out.float()
         )  # [M, K] float32, this rank's experts only
         if self.sender is not None:  # the sum lands on the sender; elsewhere out is a placeholder
-            out.copy_(self.reduce_to_sender(partial))
+            summed = self.reduce_to_sender(partial)
+            if self._group().rank() == self.sender:  # no other rank reads its out
+                out.copy_(summed)
             return
         out.copy_(self.reduce_scatter(partial)[: out.shape[0]])
 
