@@ -5,12 +5,14 @@
 # 1. `python3 -m bench.ep_service` (DeepSeek-V3-sized layer, service mode, EP 2 against one GPU)
 #    once per backend of EP_BACKENDS (default "triton deep-gemm"), each within EP_BENCH_SECONDS
 #    (180) -> OUT_DIR/ep_service-BACKEND.{md,json}, OUT_DIR/ep-bench-BACKEND.log, every rank's
-#    kernel tables at the largest M in OUT_DIR/profiles-BACKEND.tgz (--profile); its 11 GB
+#    kernel tables and traces at the largest M in OUT_DIR/profiles-BACKEND.tgz (--profile), the
+#    ranks side by side in OUT_DIR/ep-timeline-BACKEND.md (bench.ep_timeline); its 11 GB
 #    layer directory is written under a temporary directory, not OUT_DIR;
 # 2. `tests/service/test_ep_gpu.py` (serve --ep 2 over NCCL with graphs, a killed rank)
 #    -> OUT_DIR/ep-service-tests.log;
 # 3. `tests/kernels/test_naive_ep.py -m gpu` (every expert-map backend over two GPUs against one)
 #    in the time left of EP_RUN_SECONDS (default 560) -> OUT_DIR/ep-kernel-tests.log.
+# EP_TESTS=0: step 1 alone; EP_BENCH_ARGS: more arguments of bench.ep_service (--tokens 4096).
 # Each step has its own time limit; ranks a killed step left behind are killed before the next.
 # The logs and environment.txt end up in OUT_DIR/ep-logs.tgz; their summaries are printed.
 set -uo pipefail
@@ -30,33 +32,41 @@ leftovers() {  # ranks of a step its timeout killed (spawned children outlive a 
 for backend in ${EP_BACKENDS:-triton deep-gemm}; do
   work=$(mktemp -d)
   timeout -k 5 "${EP_BENCH_SECONDS:-180}" python3 -m bench.ep_service --out "$work" \
-    --backend "$backend" --seconds 2 --profile >"$out/ep-bench-$backend.log" 2>&1
+    --backend "$backend" --seconds 2 --profile ${EP_BENCH_ARGS:-} >"$out/ep-bench-$backend.log" 2>&1
   echo "bench.ep_service exited with $? after $SECONDS s" >>"$out/ep-bench-$backend.log"
   cp "$work"/ep_service.md "$out/ep_service-$backend.md" 2>/dev/null
   cp "$work"/ep_service.json "$out/ep_service-$backend.json" 2>/dev/null
-  # every rank's kernel tables, one file (the device tool brings back few files per call)
-  (cd "$work" && ls profile-*.txt >/dev/null 2>&1 && tar czf "$out/profiles-$backend.tgz" profile-*.txt)
+  # the ranks side by side, and every rank's kernel tables and traces in one file (the device
+  # tool brings back few files per call)
+  python3 -m bench.ep_timeline "$work" >>"$out/ep-bench-$backend.log" 2>&1 \
+    && cp "$work/ep-timeline.md" "$out/ep-timeline-$backend.md"
+  (cd "$work" && ls profile-*.txt >/dev/null 2>&1 \
+    && tar czf "$out/profiles-$backend.tgz" profile-*.txt profile-*.trace.json)
   rm -rf "$work"
   leftovers
 done
 
-service_s=${EP_SERVICE_TEST_SECONDS:-150}
-# progress as it goes, and every thread's stack 10 s before the step's limit: a hang shows where
-timeout -k 5 "$service_s" python3 -m pytest -v -m gpu -p no:cacheprovider \
-  -o log_cli=true --log-cli-level=INFO -o faulthandler_timeout=$((service_s - 10)) \
-  tests/service/test_ep_gpu.py >"$out/ep-service-tests.log" 2>&1
-echo "service EP tests exited with $? after $SECONDS s" >>"$out/ep-service-tests.log"
-leftovers
-
-left=$((total - SECONDS))
-if [ "$left" -gt 30 ]; then
-  timeout -k 5 "$left" python3 -m pytest -v -m gpu -p no:cacheprovider \
-    tests/kernels/test_naive_ep.py -o log_cli=true --log-cli-level=INFO \
-    >"$out/ep-kernel-tests.log" 2>&1
-  echo "kernel EP tests exited with $? after $SECONDS s" >>"$out/ep-kernel-tests.log"
-  leftovers
+if [ "${EP_TESTS:-1}" = 0 ]; then  # the benchmark alone
+  echo "skipped: EP_TESTS=0" | tee "$out/ep-service-tests.log" >"$out/ep-kernel-tests.log"
 else
-  echo "kernel EP tests skipped: no time left ($SECONDS s)" >"$out/ep-kernel-tests.log"
+  service_s=${EP_SERVICE_TEST_SECONDS:-150}
+  # progress as it goes, and every thread's stack 10 s before the step's limit: a hang shows where
+  timeout -k 5 "$service_s" python3 -m pytest -v -m gpu -p no:cacheprovider \
+    -o log_cli=true --log-cli-level=INFO -o faulthandler_timeout=$((service_s - 10)) \
+    tests/service/test_ep_gpu.py >"$out/ep-service-tests.log" 2>&1
+  echo "service EP tests exited with $? after $SECONDS s" >>"$out/ep-service-tests.log"
+  leftovers
+
+  left=$((total - SECONDS))
+  if [ "$left" -gt 30 ]; then
+    timeout -k 5 "$left" python3 -m pytest -v -m gpu -p no:cacheprovider \
+      tests/kernels/test_naive_ep.py -o log_cli=true --log-cli-level=INFO \
+      >"$out/ep-kernel-tests.log" 2>&1
+    echo "kernel EP tests exited with $? after $SECONDS s" >>"$out/ep-kernel-tests.log"
+    leftovers
+  else
+    echo "kernel EP tests skipped: no time left ($SECONDS s)" >"$out/ep-kernel-tests.log"
+  fi
 fi
 
 for log in ep-service-tests ep-kernel-tests; do
@@ -67,6 +77,7 @@ for backend in ${EP_BACKENDS:-triton deep-gemm}; do
   echo "== bench.ep_service --backend $backend"
   grep -E "Traceback|Error|exited" "$out/ep-bench-$backend.log" | tail -n 6
   cat "$out/ep_service-$backend.md" 2>/dev/null || tail -n 30 "$out/ep-bench-$backend.log"
+  cat "$out/ep-timeline-$backend.md" 2>/dev/null
 done
 # the logs in one file: the device tool brings back only a few files per call
 (cd "$out" && tar czf ep-logs.tgz environment.txt ./*.log && rm -f environment.txt ./*.log)

@@ -23,7 +23,8 @@ OUT/ep_service.json holds every figure, OUT/ep_service.md the table with the tar
 `--profile`: then OUT/profile-1gpu.txt and OUT/profile-ep.txt, rank 0's GPU kernels (those
 replayed from the graphs included) over PROFILED_BATCHES batches of the largest M, by total
 time: where a forward's time goes (the collectives' kernels include their waits for the
-other ranks); and OUT/profile-ep-rank{r}.txt, the same forwards on each other rank.
+other ranks); OUT/profile-ep-rank{r}.txt, the same forwards on each other rank; beside each its
+Chrome trace (`.trace.json`), which `python -m bench.ep_timeline OUT` lays side by side.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from service.engine import Engine
 from service.ep import EPEngine
 from service.ep_group import leave
 from service.pipeline import BadRouting
-from service.profiling import kernel_profiler, kernel_table
+from service.profiling import kernel_profiler, write_profile
 from service.settings import Settings
 from weights.load import load_layer
 from weights.manifest import Manifest, Source
@@ -133,9 +134,10 @@ def throughput(
 
 
 def profile_kernels(engine: Engine, name: str, m: int, hidden: int, path: Path) -> None:
-    """Rank 0's GPU kernels over PROFILED_BATCHES batches of `m` pinned rows, one at a time,
-    by total time -> `path`; an EP engine's other ranks write theirs beside it
-    (`profile-ep-rank{r}.txt`, on their own host)."""
+    """Rank 0's GPU kernels over PROFILED_BATCHES batches of `m` pinned rows, kept in flight as
+    the throughput runs keep them, by total time -> `path` and its Chrome trace beside it; an
+    EP engine's other ranks write theirs beside it (`profile-ep-rank{r}.txt`, on their own
+    host), over one batch more: the one rank 0 runs unprofiled while they start profiling."""
     on_gpu = engine.device.type == "cuda"
     inputs = _inputs(m, hidden, pinned=on_gpu, count=1)
     engine.start(name, inputs).result()
@@ -143,12 +145,20 @@ def profile_kernels(engine: Engine, name: str, m: int, hidden: int, path: Path) 
     ranks = isinstance(engine, EPEngine)
     if ranks:
         engine.start_rank_profiles()
-    with kernel_profiler(engine.device) as prof:
+        # ends once every rank has run it, so has started its profiler (which takes seconds):
+        # rank 0's profile then holds no wait for that
+        engine.start(name, inputs).result()
+    with kernel_profiler(engine.device) as prof, ThreadPoolExecutor(1) as completer:
+        pending: collections.deque = collections.deque()
         for _ in range(PROFILED_BATCHES):
-            engine.start(name, inputs).result()
+            if len(pending) == engine.max_in_flight:
+                pending.popleft().result()
+            pending.append(completer.submit(engine.start(name, inputs).result))
+        for batch in pending:
+            batch.result()
     if ranks:
-        engine.stop_rank_profiles(path.parent / "profile-ep-rank{rank}.txt", header)
-    path.write_text(f"{header}\n{kernel_table(prof, engine.device)}\n")
+        engine.stop_rank_profiles(path.parent / "profile-ep-rank{rank}.txt", f"{header} (+1)")
+    write_profile(prof, engine.device, header, path)
 
 
 def run_engine(

@@ -29,7 +29,7 @@ from service.ep_layers import (
     build_ep_kernel,
     regroup_kernel,
 )
-from service.profiling import kernel_profiler, kernel_table
+from service.profiling import kernel_profiler, write_profile
 from weights.load import load_layer
 
 log = logging.getLogger(__name__)
@@ -146,9 +146,8 @@ class _Rank:
 
     def _profile_stop(self, command: dict) -> None:
         self.profiler.stop()
-        table = kernel_table(self.profiler, self.device)
         path = Path(command["path"].format(rank=self.rank))
-        path.write_text(f"{command['header']}, rank {self.rank}\n{table}\n")
+        write_profile(self.profiler, self.device, f"{command['header']}, rank {self.rank}", path)
         self.profiler = None
 
     def _capture(self, command: dict) -> None:

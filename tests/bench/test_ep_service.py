@@ -21,5 +21,9 @@ def test_the_ep_service_benchmark_writes_its_table_and_matches_one_process(tmp_p
     for engine in ("1gpu", "ep"):  # rank 0's kernels (here the CPU's ops) at the largest M
         assert "batches of M=5" in (tmp_path / f"profile-{engine}.txt").read_text()
     rank1 = (tmp_path / "profile-ep-rank1.txt").read_text()  # the same forwards on rank 1
-    assert rank1.startswith(f"{ep_service.PROFILED_BATCHES} batches of M=5 on EPEngine, rank 1\n")
+    header = f"{ep_service.PROFILED_BATCHES} batches of M=5 on EPEngine (+1), rank 1\n"
+    assert rank1.startswith(header)  # and the one that waited for its profiler to start
     assert "aten::" in rank1  # its ops were recorded
+    for trace in ("profile-ep.trace.json", "profile-ep-rank1.trace.json"):
+        events = json.loads((tmp_path / trace).read_text())["traceEvents"]
+        assert any(e.get("name", "").startswith("aten::") for e in events)

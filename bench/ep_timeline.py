@@ -1,0 +1,120 @@
+"""Expert-parallel ranks' forwards side by side, from `bench.ep_service --profile`'s traces.
+
+    python -m bench.ep_timeline DIR  # DIR/profile-ep.trace.json, DIR/profile-ep-rank*.trace.json
+
+Each forward of the sender mode holds one broadcast (rank 0's tokens to every rank) and one
+reduce (every rank's partial sums onto rank 0), and a broadcast ends on every rank at about
+the same moment: that end is each forward's time zero here, on every rank, so that the ranks'
+clocks need not agree. Per rank, medians over the forwards every rank profiled (the other
+ranks profile one forward more, their first, which is left out):
+
+- `first kernel`: the forward's first kernel (its input copy, routing) starts;
+- `broadcast`: its broadcast kernel starts (the rank is ready to send or receive);
+- `reduce`: its reduce kernel starts (its experts are done); `reduce end`;
+- `busy`: kernel time between the broadcast's end and the reduce's start (work, not waiting);
+  where a rank reaches the reduce later than another, that rank is the forward's critical path.
+
+Writes the table to stdout and DIR/ep-timeline.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+POINTS = ("first kernel", "broadcast", "reduce", "reduce end", "busy")
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    start_us: float
+    end_us: float
+
+
+def read_kernels(trace: Path) -> list[Kernel]:
+    """The GPU kernels and copies of a Chrome trace, by start."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    found = [
+        Kernel(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    ]
+    return sorted(found, key=lambda k: k.start_us)
+
+
+def forward_points(kernels: list[Kernel]) -> list[dict[str, float]]:
+    """Per forward (one broadcast, then one reduce), the POINTS in ms from its broadcast's end."""
+    broadcasts = [k for k in kernels if "Broadcast" in k.name]
+    reduces = [k for k in kernels if "Reduce" in k.name and "nccl" in k.name]
+    if len(broadcasts) != len(reduces):
+        raise ValueError(f"{len(broadcasts)} broadcasts but {len(reduces)} reduces in the trace")
+    forwards, previous_end = [], float("-inf")
+    for broadcast, reduce in zip(broadcasts, reduces, strict=True):
+        zero = broadcast.end_us
+        own = [k for k in kernels if previous_end <= k.start_us < reduce.start_us]
+        # copies run on their own streams and overlap other forwards: the forward's first
+        # kernel is its first compute kernel
+        first = min((k.start_us for k in own if "Memcpy" not in k.name), default=zero)
+        busy = sum(
+            k.end_us - k.start_us for k in own if zero <= k.start_us and "Memcpy" not in k.name
+        )
+        forwards.append({
+            "first kernel": (first - zero) / 1e3,
+            "broadcast": (broadcast.start_us - zero) / 1e3,
+            "reduce": (reduce.start_us - zero) / 1e3,
+            "reduce end": (reduce.end_us - zero) / 1e3,
+            "busy": busy / 1e3,
+        })  # fmt: skip
+        previous_end = reduce.end_us
+    return forwards
+
+
+def timeline(traces: dict[str, Path]) -> dict[str, dict[str, float]]:
+    """Rank name -> the median of each point over the forwards every rank profiled."""
+    per_rank = {rank: forward_points(read_kernels(path)) for rank, path in traces.items()}
+    common = min(len(f) for f in per_rank.values())
+    if common == 0:
+        raise ValueError("a trace holds no forward")
+    return {
+        rank: {p: statistics.median(f[p] for f in forwards[-common:]) for p in POINTS}
+        for rank, forwards in per_rank.items()
+    }
+
+
+def render(medians: dict[str, dict[str, float]]) -> str:
+    lines = [
+        "ms from each forward's broadcast end (medians over the forwards every rank profiled)",
+        "",
+        "| rank | " + " | ".join(POINTS) + " |",
+        "|" + " --- |" * (len(POINTS) + 1),
+    ]
+    lines += [
+        f"| {rank} | " + " | ".join(f"{points[p]:.3f}" for p in POINTS) + " |"
+        for rank, points in medians.items()
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir", type=Path, help="bench.ep_service --profile's output directory")
+    args = parser.parse_args(argv)
+    traces = {"rank 0": args.dir / "profile-ep.trace.json"}
+    for path in sorted(args.dir.glob("profile-ep-rank*.trace.json")):
+        traces[f"rank {path.name.removeprefix('profile-ep-rank').split('.')[0]}"] = path
+    missing = [str(p) for p in traces.values() if not p.exists()]
+    if missing or len(traces) < 2:
+        parser.error(f"needs rank 0's and another rank's traces; missing: {missing or 'rank 1+'}")
+    table = render(timeline(traces))
+    (args.dir / "ep-timeline.md").write_text(table)
+    sys.stdout.write(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
