@@ -8,11 +8,14 @@ the same moment: that end is each forward's time zero here, on every rank, so th
 clocks need not agree. Per rank, medians over the forwards every rank profiled (the other
 ranks profile one forward more, their first, which is left out):
 
-- `first kernel`: the forward's first kernel (its input copy, routing) starts;
-- `broadcast`: its broadcast kernel starts (the rank is ready to send or receive);
+- `broadcast`: its broadcast kernel starts (the rank is ready to send or receive; rank 0 routes
+  before it, the others wait there);
 - `reduce`: its reduce kernel starts (its experts are done); `reduce end`;
 - `busy`: kernel time between the broadcast's end and the reduce's start (work, not waiting);
   where a rank reaches the reduce later than another, that rank is the forward's critical path.
+Where a forward's own kernels began is not told: a rank's eager kernels of other batches in
+flight (staging, checks) fall between its graphs, and under the profiler the host, not the
+device, spaces the forwards.
 
 Writes the table to stdout and DIR/ep-timeline.md.
 """
@@ -26,7 +29,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-POINTS = ("first kernel", "broadcast", "reduce", "reduce end", "busy")
+POINTS = ("broadcast", "reduce", "reduce end", "busy")
 
 
 @dataclass(frozen=True)
@@ -53,24 +56,20 @@ def forward_points(kernels: list[Kernel]) -> list[dict[str, float]]:
     reduces = [k for k in kernels if "Reduce" in k.name and "nccl" in k.name]
     if len(broadcasts) != len(reduces):
         raise ValueError(f"{len(broadcasts)} broadcasts but {len(reduces)} reduces in the trace")
-    forwards, previous_end = [], float("-inf")
+    forwards = []
     for broadcast, reduce in zip(broadcasts, reduces, strict=True):
         zero = broadcast.end_us
-        own = [k for k in kernels if previous_end <= k.start_us < reduce.start_us]
-        # copies run on their own streams and overlap other forwards: the forward's first
-        # kernel is its first compute kernel
-        first = min((k.start_us for k in own if "Memcpy" not in k.name), default=zero)
         busy = sum(
-            k.end_us - k.start_us for k in own if zero <= k.start_us and "Memcpy" not in k.name
+            k.end_us - k.start_us
+            for k in kernels
+            if zero <= k.start_us < reduce.start_us and "Memcpy" not in k.name
         )
         forwards.append({
-            "first kernel": (first - zero) / 1e3,
             "broadcast": (broadcast.start_us - zero) / 1e3,
             "reduce": (reduce.start_us - zero) / 1e3,
             "reduce end": (reduce.end_us - zero) / 1e3,
             "busy": busy / 1e3,
         })  # fmt: skip
-        previous_end = reduce.end_us
     return forwards
 
 
