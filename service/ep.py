@@ -558,7 +558,8 @@ class EPEngine(Engine):
 
     def stop_rank_profiles(self, path: Path, header: str) -> None:
         """The other ranks stop profiling and each writes its kernel table, under `header`, to
-        `path` with {rank} replaced by its rank (on its own host), before its next command."""
+        `path` with {rank} replaced by its rank (on its own host), and its Chrome trace beside
+        it (service.profiling.write_profile), before its next command."""
         self.commands.post(op="profile_stop", path=str(path), header=header)
 
     # ---- stop -------------------------------------------------------------------------------
