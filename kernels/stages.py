@@ -5,6 +5,8 @@
 `PrepareFinalize` owns both ends of the data movement (they must agree on the layout, e.g. the
 two halves of a collective). `Experts` owns the math. Exactly one of them weighs each expert's
 output by its router weight and sums over top-k: the experts when `reduces_topk`, else finalize.
+The shared experts' float32 output joins that sum before its one rounding to the layer's dtype:
+experts that reduce top-k add it in their own sum's pass (`SumTarget`), else finalize adds it.
 """
 
 from __future__ import annotations
@@ -58,6 +60,25 @@ def cuda_capability(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
     return torch.cuda.get_device_capability(device)
+
+
+@dataclass(frozen=True)
+class SumTarget:
+    """Where experts that reduce top-k write each token's weighted sum: `out` [M, K], the layer's
+    dtype or float32 (a partial sum other ranks' partial sums are added to), with `extra`
+    (float32 [M, K], the shared experts' output) added in float32 before the one rounding."""
+
+    out: torch.Tensor
+    extra: torch.Tensor | None = None
+
+    def write(self, summed: torch.Tensor) -> torch.Tensor:
+        """summed [M, K] (+ extra) into out in one pass, rounded once; returns out. For a sum
+        made elsewhere (experts without a pass of their own, finalize after a collective)."""
+        if self.extra is not None:
+            torch.add(summed, self.extra, out=self.out)
+        elif summed.data_ptr() != self.out.data_ptr():
+            self.out.copy_(summed)
+        return self.out
 
 
 @dataclass(frozen=True)
@@ -154,9 +175,11 @@ class Experts(ABC):
         return ((1, self.name),)
 
     @abstractmethod
-    def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
+    def apply(self, x: Dispatched, ws: Workspace, into: SumTarget | None = None) -> torch.Tensor:
         """STANDARD: [M, K] if reduces_topk else [M, k, K] (zero rows for ids of -1).
-        BATCHED: [E_local, max_tokens, K] (padding rows unspecified)."""
+        BATCHED: [E_local, max_tokens, K] (padding rows unspecified).
+        `into` (reduces_topk only): write the sum there (+ its extra) and return `into.out`;
+        None: a buffer of the experts' own in the layer's dtype (deep-gemm: float32)."""
 
 
 class PrepareFinalize(ABC):
@@ -182,11 +205,29 @@ class PrepareFinalize(ABC):
     ) -> Dispatched:
         """hidden [M, K] + global routing -> what the experts take, in this stage's format."""
 
+    def sum_target(
+        self,
+        x: Dispatched,  # noqa: ARG002
+        out: torch.Tensor,
+        extra: torch.Tensor | None,
+        ws: Workspace,  # noqa: ARG002
+    ) -> SumTarget:
+        """Where experts that reduce top-k write the sum for `x` (prepare's), given the chunk's
+        output rows `out` and the shared experts' output `extra`; extra left out of the target
+        is finalize's to add. Default: straight into out, extra included (nothing moves)."""
+        return SumTarget(out, extra)
+
     @abstractmethod
     def finalize(
-        self, expert_out: torch.Tensor, x: Dispatched, out: torch.Tensor, reduce: bool
+        self,
+        expert_out: torch.Tensor,
+        x: Dispatched,
+        out: torch.Tensor,
+        reduce: bool,
+        extra: torch.Tensor | None = None,
     ) -> None:
-        """Write the layer output [M, K] into `out`; weigh and sum over top-k when `reduce`."""
+        """Write the layer output [M, K] into `out`; weigh and sum over top-k when `reduce`;
+        add `extra` (float32 [M, K] of this rank's own rows) before rounding to out's dtype."""
 
 
 def weighted_topk_sum(

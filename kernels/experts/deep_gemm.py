@@ -32,7 +32,7 @@ from kernels.experts._triton.act_quant import MaskedRows, PairRows, act_quant
 from kernels.experts._triton.align import aligned_capacity
 from kernels.experts._triton.psum_layout import PsumLayout, gather_rows, psum_layout, weighted_sum
 from kernels.quant_scheme import FP8, FP8_BLOCK, QuantScheme
-from kernels.stages import YES, Experts, Support, cuda_capability
+from kernels.stages import YES, Experts, SumTarget, Support, cuda_capability
 from kernels.tensors import Dispatched, ExpertWeights, Format
 from kernels.workspace import Workspace
 
@@ -154,12 +154,14 @@ class DeepGemmExperts(DeepGemmBase):
             a, w, out, layout.psum, use_psum_layout=True, expected_m_for_psum_layout=expected_m
         )
 
-    def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
+    def apply(self, x: Dispatched, ws: Workspace, into: SumTarget | None = None) -> torch.Tensor:
         cfg = self.cfg
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
-        out = torch.empty(x.num_tokens, hidden, dtype=torch.float32, device=x.hidden.device)
+        if into is None:
+            out = torch.empty(x.num_tokens, hidden, dtype=torch.float32, device=x.hidden.device)
+            into = SumTarget(out)
         if x.num_tokens == 0:
-            return out
+            return into.out
         layout = psum_layout(x.topk_ids, self.weights.num_experts, self.alignment)
         rows = layout.capacity
         # a is dead once GEMM1 ran and GEMM1's output once act_quant ran: each buffer serves
@@ -176,7 +178,9 @@ class DeepGemmExperts(DeepGemmBase):
         act_quant(h13, self.weights.w13_bias, cfg.activation, pairs, q, q_scale)
         y = ws.get("dg_out", (rows, hidden), torch.bfloat16)
         self.grouped_gemm((q, q_scale), self.w2(), y, layout)
-        return weighted_sum(y, self.weights.w2_bias, layout, x.topk_ids, x.topk_weights, out)
+        return weighted_sum(
+            y, self.weights.w2_bias, layout, x.topk_ids, x.topk_weights, into.out, into.extra
+        )
 
 
 def _mn_major(ws: Workspace, name: str, rows: int, k: int, batch: int = 0) -> torch.Tensor:

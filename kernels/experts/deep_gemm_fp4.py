@@ -26,7 +26,7 @@ from kernels.config import MoEConfig
 from kernels.experts.deep_gemm import DeepGemmBase, deep_gemm_environment
 from kernels.quant_scheme import FP8, FP8_BLOCK, MXFP4_GROUP, QuantScheme
 from kernels.quantize import FP8_MAX
-from kernels.stages import YES, Support
+from kernels.stages import YES, SumTarget, Support
 from kernels.tensors import Dispatched, ExpertWeights, Format
 from kernels.workspace import Workspace
 
@@ -152,7 +152,12 @@ class DeepGemmFp4Experts(DeepGemmBase):
             a, w, out, m_indices, recipe_a=ACT_RECIPE, recipe_b=WEIGHT_RECIPE
         )
 
-    def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
+    def apply(self, x: Dispatched, ws: Workspace, into: SumTarget | None = None) -> torch.Tensor:
+        out = self._sum(x, ws)
+        return out if into is None else into.write(out)
+
+    def _sum(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
+        """The weighted top-k sum, float32 [M, H]."""
         m, k = x.topk_ids.shape
         hidden = self.cfg.hidden_size
         out = torch.zeros(m, hidden, dtype=torch.float32, device=x.hidden.device)

@@ -28,7 +28,7 @@ import torch
 from kernels.activations import apply_activation
 from kernels.config import Activation, GateUp, MoEConfig
 from kernels.quant_scheme import QuantScheme
-from kernels.stages import YES, Experts, Support, cuda_capability
+from kernels.stages import YES, Experts, SumTarget, Support, cuda_capability
 from kernels.tensors import Dispatched, ExpertWeights, Format
 from kernels.workspace import Workspace
 
@@ -236,11 +236,18 @@ class _OaiBase(Experts):
             gammas=routing.data.gate_scal,
         )
 
-    def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:  # noqa: ARG002
+    def apply(
+        self,
+        x: Dispatched,
+        ws: Workspace,  # noqa: ARG002
+        into: SumTarget | None = None,
+    ) -> torch.Tensor:
         if x.num_tokens == 0:
-            return torch.zeros_like(x.hidden)
-        routing = ogs_routing(x.topk_ids, x.topk_weights, self.weights.num_experts)
-        return self._experts(x.hidden, routing)
+            out = torch.zeros_like(x.hidden)
+        else:
+            routing = ogs_routing(x.topk_ids, x.topk_weights, self.weights.num_experts)
+            out = self._experts(x.hidden, routing)
+        return out if into is None else into.write(out)
 
 
 class OaiTritonExperts(_OaiBase):

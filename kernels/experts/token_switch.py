@@ -23,7 +23,7 @@ import torch
 
 from kernels.config import MoEConfig
 from kernels.quantize import quantize_activation
-from kernels.stages import Experts, weighted_topk_sum
+from kernels.stages import Experts, SumTarget, weighted_topk_sum
 from kernels.tensors import Dispatched, ExpertWeights, Format
 from kernels.workspace import Workspace
 
@@ -98,12 +98,14 @@ class TokenSwitchExperts(Experts):
                 shapes |= self.members[name].workspace_shapes(min(num_tokens, end - 1))
         return shapes
 
-    def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
+    def apply(self, x: Dispatched, ws: Workspace, into: SumTarget | None = None) -> torch.Tensor:
         member = self.member(x.num_tokens)
         self.last_ran = member.name
         wanted = member.act_quant()
         if x.act_quant != wanted:  # only an unquantised input can reach a member that wants fp8
             hidden, scale = quantize_activation(x.hidden, wanted)
             x = replace(x, hidden=hidden, scale=scale, act_quant=wanted)
-        out = member.apply(x, ws)
-        return out if member.reduces_topk else weighted_topk_sum(out, x.topk_ids, x.topk_weights)
+        if member.reduces_topk:
+            return member.apply(x, ws, into)
+        out = weighted_topk_sum(member.apply(x, ws), x.topk_ids, x.topk_weights)
+        return out if into is None else into.write(out)

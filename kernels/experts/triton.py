@@ -20,7 +20,7 @@ import torch
 
 from kernels.config import MoEConfig
 from kernels.quant_scheme import ActQuant, QuantScheme
-from kernels.stages import HAS_TRITON, YES, Experts, Support, cuda_capability
+from kernels.stages import HAS_TRITON, YES, Experts, SumTarget, Support, cuda_capability
 from kernels.tensors import Dispatched, ExpertWeights, Format
 from kernels.workspace import Workspace
 
@@ -147,13 +147,15 @@ class TritonExperts(_TritonBase):
             "triton_out": ((num_tokens, cfg.hidden_size), cfg.dtype),
         }
 
-    def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
+    def apply(self, x: Dispatched, ws: Workspace, into: SumTarget | None = None) -> torch.Tensor:
         # not inside a whole-layer capture (kernels/layer_graphs.py): graphs do not nest
         capturing = x.hidden.is_cuda and torch.cuda.is_current_stream_capturing()
         if x.hidden.is_cuda and 0 < x.num_tokens <= MAX_GRAPH_TOKENS and not capturing:
-            return self.graphs(x)
+            out = self.graphs(x)  # into a buffer of the graph's own
+            return out if into is None else into.write(out)
         shapes = self.workspace_shapes(x.num_tokens)
-        return self._forward(x, {name: ws.get(name, *spec) for name, spec in shapes.items()})
+        buf = {name: ws.get(name, *spec) for name, spec in shapes.items()}
+        return self._forward(x, buf, into or SumTarget(buf["triton_out"]))
 
     @functools.cached_property
     def graphs(self) -> DecodeGraphs:
@@ -161,12 +163,14 @@ class TritonExperts(_TritonBase):
             shapes = self.workspace_shapes(x.num_tokens).items()
             buf = {name: torch.empty(shape, dtype=dtype, device=x.hidden.device)
                    for name, (shape, dtype) in shapes}  # fmt: skip
-            return self._forward(x, buf)
+            return self._forward(x, buf, SumTarget(buf["triton_out"]))
 
         return DecodeGraphs(forward)
 
-    def _forward(self, x: Dispatched, buf: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The eager forward into the `workspace_shapes` buffers `buf` -> [M, H]."""
+    def _forward(
+        self, x: Dispatched, buf: dict[str, torch.Tensor], into: SumTarget
+    ) -> torch.Tensor:
+        """The eager forward through the `workspace_shapes` buffers `buf` -> into.out [M, H]."""
         m, k = x.topk_ids.shape
         tiles = self.tiles(m, x.hidden.device)
         aligned = align_pairs(x.topk_ids, self.weights.num_experts, tiles.block_m)
@@ -181,7 +185,7 @@ class TritonExperts(_TritonBase):
             a, aligned, buf["triton_intermediate"], pair_out, tiles, row_weights,
             x.topk_ids.flatten(),
         )  # fmt: skip
-        return topk_sum(pair_out, x.topk_ids, buf["triton_out"])
+        return topk_sum(pair_out, x.topk_ids, into.out, into.extra)
 
 
 class TritonBatchedExperts(_TritonBase):

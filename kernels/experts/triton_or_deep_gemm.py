@@ -22,7 +22,7 @@ from kernels.experts.deep_gemm import DeepGemmExperts, check_block_shape, deep_g
 from kernels.experts.reference import ReferenceExperts, dequantize_input
 from kernels.experts.triton import TritonExperts
 from kernels.quant_scheme import QuantScheme
-from kernels.stages import Experts, Support, weighted_topk_sum
+from kernels.stages import Experts, SumTarget, Support, weighted_topk_sum
 from kernels.tensors import Dispatched, ExpertWeights, Format
 from kernels.workspace import Workspace
 
@@ -81,12 +81,14 @@ class TritonOrDeepGemmExperts(Experts):
             shapes |= self.deep_gemm.workspace_shapes(num_tokens)
         return shapes
 
-    def apply(self, x: Dispatched, ws: Workspace) -> torch.Tensor:
+    def apply(self, x: Dispatched, ws: Workspace, into: SumTarget | None = None) -> torch.Tensor:
         experts = self.deep_gemm if self.uses_deep_gemm(x.num_tokens) else self.small
         self.last_ran = experts.name
         if not experts.takes_quantized_input:
             x = replace(
                 x, hidden=dequantize_input(x).to(self.cfg.dtype), scale=None, act_quant=None
             )
-        out = experts.apply(x, ws)
-        return out if experts.reduces_topk else weighted_topk_sum(out, x.topk_ids, x.topk_weights)
+        if experts.reduces_topk:
+            return experts.apply(x, ws, into)
+        out = weighted_topk_sum(experts.apply(x, ws), x.topk_ids, x.topk_weights)
+        return out if into is None else into.write(out)

@@ -16,7 +16,7 @@ import torch
 
 from kernels.prepare_finalize.no_ep import dispatch_locally
 from kernels.quant_scheme import ActQuant
-from kernels.stages import DispatchSpec, PrepareFinalize, weighted_topk_sum
+from kernels.stages import DispatchSpec, PrepareFinalize, SumTarget, weighted_topk_sum
 from kernels.tensors import Dispatched, Format, Routing
 from kernels.workspace import Workspace
 
@@ -89,9 +89,14 @@ class Batched(PrepareFinalize):
         )
 
     def finalize(
-        self, expert_out: torch.Tensor, x: Dispatched, out: torch.Tensor, reduce: bool
+        self,
+        expert_out: torch.Tensor,
+        x: Dispatched,
+        out: torch.Tensor,
+        reduce: bool,
+        extra: torch.Tensor | None = None,
     ) -> None:
         assert reduce, "batched experts leave weight-and-reduce to finalize"
         # each pair's row gathered back ([M, k, K]); another rank's pairs (-1) add nothing
         rows = expert_out[x.topk_ids.long().clamp_min(0), x.slots.clamp_min(0)]
-        out.copy_(weighted_topk_sum(rows, x.topk_ids, x.topk_weights))
+        SumTarget(out, extra).write(weighted_topk_sum(rows, x.topk_ids, x.topk_weights))

@@ -43,7 +43,14 @@ import torch.distributed as dist
 from kernels.prepare_finalize.no_ep import dispatch_locally, quantize_input
 from kernels.quant_scheme import ActQuant
 from kernels.routing import to_local_ids
-from kernels.stages import YES, DispatchSpec, PrepareFinalize, Support, weighted_topk_sum
+from kernels.stages import (
+    YES,
+    DispatchSpec,
+    PrepareFinalize,
+    SumTarget,
+    Support,
+    weighted_topk_sum,
+)
 from kernels.tensors import Dispatched, Format, Routing
 from kernels.workspace import Workspace
 
@@ -140,8 +147,23 @@ class NaiveEP(PrepareFinalize):
             x, scale = quantize_input(x, spec.act_quant)
         return Dispatched(x, scale, spec.act_quant, to_local_ids(ids, spec.expert_map), weights)
 
+    def sum_target(
+        self, x: Dispatched, out: torch.Tensor, extra: torch.Tensor | None, ws: Workspace
+    ) -> SumTarget:
+        """This rank's float32 partial sum over every rank's tokens [M, K], so the ranks' sum
+        rounds once. The sender adds its shared experts' output there, before the reduce: the
+        tail after the reduce is one rounding pass. In the other modes a rank's shared output
+        belongs to its own rows, which only the reduce-scatter brings back: finalize adds it."""
+        partial = ws.get("naive_ep_partial", (x.num_tokens, out.shape[1]), torch.float32)
+        return SumTarget(partial, extra if self.sender is not None else None)
+
     def finalize(
-        self, expert_out: torch.Tensor, x: Dispatched, out: torch.Tensor, reduce: bool
+        self,
+        expert_out: torch.Tensor,
+        x: Dispatched,
+        out: torch.Tensor,
+        reduce: bool,
+        extra: torch.Tensor | None = None,
     ) -> None:
         partial = (
             weighted_topk_sum(expert_out, x.topk_ids, x.topk_weights)
@@ -151,9 +173,9 @@ class NaiveEP(PrepareFinalize):
         if self.sender is not None:  # the sum lands on the sender; elsewhere out is a placeholder
             summed = self.reduce_to_sender(partial)
             if self._group().rank() == self.sender:  # no other rank reads its out
-                out.copy_(summed)
+                SumTarget(out, extra).write(summed)
             return
-        out.copy_(self.reduce_scatter(partial)[: out.shape[0]])
+        SumTarget(out, extra).write(self.reduce_scatter(partial)[: out.shape[0]])
 
     def reduce_to_sender(self, partial: torch.Tensor) -> torch.Tensor:
         """Every rank's partial sums [M, K] -> their sum on the sender (in place)."""

@@ -9,7 +9,13 @@ import torch
 from kernels.quant_scheme import ActQuant
 from kernels.quantize import quantize_activation
 from kernels.routing import to_local_ids
-from kernels.stages import HAS_TRITON, DispatchSpec, PrepareFinalize, weighted_topk_sum
+from kernels.stages import (
+    HAS_TRITON,
+    DispatchSpec,
+    PrepareFinalize,
+    SumTarget,
+    weighted_topk_sum,
+)
 from kernels.tensors import Dispatched, Format, Routing
 from kernels.workspace import Workspace
 
@@ -53,9 +59,12 @@ class NoEP(PrepareFinalize):
         return dispatch_locally(hidden, routing, spec)
 
     def finalize(
-        self, expert_out: torch.Tensor, x: Dispatched, out: torch.Tensor, reduce: bool
+        self,
+        expert_out: torch.Tensor,
+        x: Dispatched,
+        out: torch.Tensor,
+        reduce: bool,
+        extra: torch.Tensor | None = None,
     ) -> None:
-        if reduce:
-            out.copy_(weighted_topk_sum(expert_out, x.topk_ids, x.topk_weights))
-        elif expert_out.data_ptr() != out.data_ptr():
-            out.copy_(expert_out)
+        summed = weighted_topk_sum(expert_out, x.topk_ids, x.topk_weights) if reduce else expert_out
+        SumTarget(out, extra).write(summed)

@@ -184,17 +184,17 @@ class _OrderedNoEP(NoEP):
         super().__init__()
         self.events = events
 
-    def finalize(self, expert_out, x, out, reduce) -> None:
+    def finalize(self, expert_out, x, out, reduce, extra=None) -> None:
         self.events.append("finalize")
-        super().finalize(expert_out, x, out, reduce)
+        super().finalize(expert_out, x, out, reduce, extra)
 
 
 @pytest.mark.parametrize("m", [1, 7, 150])  # 150: three chunks of 64
-def test_shared_experts_run_before_the_finalize_and_add_to_the_rounded_output(
+def test_shared_experts_run_before_the_finalize_and_join_the_sum_before_its_rounding(
     tiny_config: MoEConfig, m: int
 ) -> None:
     """Before the finalize, where naive-ep's sender waits for the other ranks; their output is
-    added to the routed output rounded to the layer's dtype, each chunk's to its own rows."""
+    added to the routed float32 sum, each chunk's to its own rows, and the sum rounds once."""
     cfg = dataclasses.replace(tiny_config, dtype=torch.bfloat16)
     events: list[str] = []
     experts = ReferenceExperts(cfg, random_expert_weights(cfg))
@@ -210,5 +210,5 @@ def test_shared_experts_run_before_the_finalize_and_add_to_the_rounded_output(
     out = kernel.forward(hidden, routing, shared=shared)
     chunks = -(-m // 64)
     assert events == ["shared", "finalize"] * chunks
-    routed = kernel.forward(hidden, routing)
-    assert torch.equal(out, (routed.float() + extra).bfloat16())
+    routed = kernel.forward(hidden, routing, out=torch.empty(m, 64))  # float32: not rounded
+    assert torch.equal(out, (routed + extra).bfloat16())

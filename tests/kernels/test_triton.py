@@ -12,13 +12,14 @@ import json
 import pytest
 import torch
 
-from kernels.accuracy import tolerance
+from kernels.accuracy import relative_error, tolerance
 from kernels.config import Activation, GateUp
 from kernels.experts._triton import tiles
 from kernels.experts._triton.align import align_pairs, align_pairs_torch, aligned_capacity
 from kernels.experts._triton.grouped_gemm import GemmTile
 from kernels.experts._triton.quantize import quantize_into
 from kernels.experts.deep_gemm import DeepGemmExperts
+from kernels.experts.reference import ReferenceExperts
 from kernels.experts.triton import TritonBatchedExperts, TritonExperts
 from kernels.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
 from kernels.modular import ModularKernel
@@ -214,6 +215,36 @@ def test_repeated_forwards_reuse_the_workspace(device: torch.device) -> None:
         routing = type(r)(r.topk_ids.to(device), r.topk_weights.to(device))
         kernel.forward(torch.randn(m, 64, device=device).half(), routing)
     assert ws.allocations == allocated
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])  # float32: an EP partial
+def test_shared_output_joins_the_top_k_sum_before_its_one_rounding(
+    out_dtype: torch.dtype, device: torch.device
+) -> None:
+    """The shared experts' float32 output is added in the top-k sum's own pass, whether the
+    sum is the layer's output or a float32 partial sum: equal to the reference's sum plus it,
+    rounded once, as the finalize of experts that leave the sum to it writes it."""
+    cfg = Case(num_experts=8, top_k=3).config()
+    weights = random_expert_weights(cfg, seed=2).to(device)
+    m = 13
+    r = random_routing(m, 8, 3, seed=9)
+    r.topk_ids[2, 1] = -1  # a pair of another rank's expert
+    routing = type(r)(r.topk_ids.to(device), r.topk_weights.to(device))
+    hidden = torch.randn(m, 64, generator=torch.Generator().manual_seed(1)).half().to(device)
+    extra = torch.randn(m, 64, generator=torch.Generator().manual_seed(3)).to(device) * 4
+
+    def forward(experts_cls: type) -> torch.Tensor:
+        kernel = ModularKernel(NoEP(), experts_cls(cfg, weights), Workspace(device))
+        out = torch.empty(m, 64, dtype=out_dtype, device=device)
+        return kernel.forward(hidden, routing, out=out, shared=lambda rows: extra[rows])
+
+    got, want = forward(TritonExperts), forward(ReferenceExperts)
+    assert got.dtype == out_dtype
+    assert relative_error(got.float(), want.float()) < tolerance(cfg)
+    without = ModularKernel(NoEP(), TritonExperts(cfg, weights), Workspace(device)).forward(
+        hidden, routing, out=torch.empty(m, 64, dtype=out_dtype, device=device)
+    )
+    assert torch.equal(got, (without.float() + extra).to(out_dtype)) == (out_dtype == torch.float32)
 
 
 # ---- selection and tiles -------------------------------------------------------------------

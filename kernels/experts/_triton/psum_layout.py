@@ -161,9 +161,9 @@ def gather_rows(
 
 @triton.jit
 def _weighted_sum_kernel(
-    y_ptr, bias_ptr, pair_row_ptr, ids_ptr, w_ptr, out_ptr, hidden,
-    stride_y, stride_b, stride_out,
-    TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr,
+    y_ptr, bias_ptr, pair_row_ptr, ids_ptr, w_ptr, extra_ptr, out_ptr, hidden,
+    stride_y, stride_b, stride_extra, stride_out,
+    TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -178,23 +178,27 @@ def _weighted_sum_kernel(
                 expert = tl.load(ids_ptr + pair).to(tl.int64)
                 y += tl.load(bias_ptr + expert * stride_b + cols, mask=mask, other=0).to(tl.float32)
             acc += tl.load(w_ptr + pair).to(tl.float32) * y
+    if HAS_EXTRA:
+        acc += tl.load(extra_ptr + token * stride_extra + cols, mask=mask, other=0)
     tl.store(out_ptr + token * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def weighted_sum(
     y: torch.Tensor, bias: torch.Tensor | None, layout: PsumLayout, topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor, out: torch.Tensor,
+    topk_weights: torch.Tensor, out: torch.Tensor, extra: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """y [capacity, H] (GEMM2's rows) -> out [M, H] = sum over slots of w * (y[row] + bias[e]),
-    in float32, slot by slot; pairs of other ranks add nothing."""
+    """y [capacity, H] (GEMM2's rows) -> out [M, H] = sum over slots of w * (y[row] + bias[e])
+    (+ extra float32 [M, H]), in float32, slot by slot, rounded once to out's dtype; pairs of
+    other ranks add nothing."""
     m, k = topk_ids.shape
     hidden = out.shape[1]
     if m == 0:
         return out
     grid = (m, triton.cdiv(hidden, _BLOCK_H))
     _weighted_sum_kernel[grid](
-        y, bias, layout.pair_row, topk_ids.contiguous(), topk_weights.contiguous(), out, hidden,
-        y.stride(0), 0 if bias is None else bias.stride(0), out.stride(0),
-        TOP_K=k, HAS_BIAS=bias is not None, BLOCK_H=_BLOCK_H,
+        y, bias, layout.pair_row, topk_ids.contiguous(), topk_weights.contiguous(), extra, out,
+        hidden, y.stride(0), 0 if bias is None else bias.stride(0),
+        0 if extra is None else extra.stride(0), out.stride(0),
+        TOP_K=k, HAS_BIAS=bias is not None, HAS_EXTRA=extra is not None, BLOCK_H=_BLOCK_H,
     )  # fmt: skip
     return out
