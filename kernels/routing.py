@@ -10,7 +10,11 @@ import torch
 
 from kernels.arith import ceil_div
 from kernels.config import GroupScore, RoutingConfig, Scoring
+from kernels.stages import HAS_TRITON
 from kernels.tensors import Routing
+
+if HAS_TRITON:
+    from kernels.routing_kernel import route_rows
 
 
 def stable_topk(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -39,7 +43,19 @@ def route(
     """logits [M, E] (+ score-correction bias [E]) -> Routing(topk_ids [M, k], weights [M, k]).
 
     The bias only steers the choice (DeepSeek-V3); weights come from the uncorrected scores.
+    On a GPU one Triton launch does it all (kernels.routing_kernel); elsewhere `route_torch`.
     """
+    if logits.is_cuda and HAS_TRITON:
+        return route_rows(logits, cfg, correction_bias)
+    return route_torch(logits, cfg, correction_bias)
+
+
+def route_torch(
+    logits: torch.Tensor,
+    cfg: RoutingConfig,
+    correction_bias: torch.Tensor | None = None,
+) -> Routing:
+    """`route` in torch: the CPU path, and the reference the Triton kernel is tested against."""
     logits = logits.float()
     if cfg.softmax_after_topk:
         ids = stable_topk(logits, cfg.top_k)

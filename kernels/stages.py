@@ -179,7 +179,7 @@ class Experts(ABC):
         """STANDARD: [M, K] if reduces_topk else [M, k, K] (zero rows for ids of -1).
         BATCHED: [E_local, max_tokens, K] (padding rows unspecified).
         `into` (reduces_topk only): write the sum there (+ its extra) and return `into.out`;
-        None: a buffer of the experts' own in the layer's dtype (deep-gemm: float32)."""
+        None: a buffer of the experts' own (float32 where the experts sum in their own pass)."""
 
 
 class PrepareFinalize(ABC):

@@ -144,18 +144,16 @@ class TritonExperts(_TritonBase):
         return {
             "triton_intermediate": ((pairs, cfg.intermediate_size), self.intermediate_dtype),
             "triton_pair_out": ((pairs, cfg.hidden_size), cfg.dtype),
-            "triton_out": ((num_tokens, cfg.hidden_size), cfg.dtype),
         }
 
     def apply(self, x: Dispatched, ws: Workspace, into: SumTarget | None = None) -> torch.Tensor:
         # not inside a whole-layer capture (kernels/layer_graphs.py): graphs do not nest
         capturing = x.hidden.is_cuda and torch.cuda.is_current_stream_capturing()
         if x.hidden.is_cuda and 0 < x.num_tokens <= MAX_GRAPH_TOKENS and not capturing:
-            out = self.graphs(x)  # into a buffer of the graph's own
-            return out if into is None else into.write(out)
+            summed = self.graphs(x)  # float32, unrounded: adding extra here rounds once
+            return summed if into is None else into.write(summed)
         shapes = self.workspace_shapes(x.num_tokens)
-        buf = {name: ws.get(name, *spec) for name, spec in shapes.items()}
-        return self._forward(x, buf, into or SumTarget(buf["triton_out"]))
+        return self._forward(x, {name: ws.get(name, *spec) for name, spec in shapes.items()}, into)
 
     @functools.cached_property
     def graphs(self) -> DecodeGraphs:
@@ -163,14 +161,15 @@ class TritonExperts(_TritonBase):
             shapes = self.workspace_shapes(x.num_tokens).items()
             buf = {name: torch.empty(shape, dtype=dtype, device=x.hidden.device)
                    for name, (shape, dtype) in shapes}  # fmt: skip
-            return self._forward(x, buf, SumTarget(buf["triton_out"]))
+            return self._forward(x, buf)
 
         return DecodeGraphs(forward)
 
     def _forward(
-        self, x: Dispatched, buf: dict[str, torch.Tensor], into: SumTarget
+        self, x: Dispatched, buf: dict[str, torch.Tensor], into: SumTarget | None = None
     ) -> torch.Tensor:
-        """The eager forward through the `workspace_shapes` buffers `buf` -> into.out [M, H]."""
+        """The eager forward through the `workspace_shapes` buffers `buf` -> into.out [M, H]
+        (None: a new float32 [M, H])."""
         m, k = x.topk_ids.shape
         tiles = self.tiles(m, x.hidden.device)
         aligned = align_pairs(x.topk_ids, self.weights.num_experts, tiles.block_m)
@@ -185,6 +184,8 @@ class TritonExperts(_TritonBase):
             a, aligned, buf["triton_intermediate"], pair_out, tiles, row_weights,
             x.topk_ids.flatten(),
         )  # fmt: skip
+        if into is None:
+            into = SumTarget(torch.empty(m, self.cfg.hidden_size, device=x.hidden.device))
         return topk_sum(pair_out, x.topk_ids, into.out, into.extra)
 
 
