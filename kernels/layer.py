@@ -14,9 +14,12 @@ from kernels.input_checks import check_shapes
 from kernels.modular import DEFAULT_CHUNK_TOKENS, ModularKernel
 from kernels.routing import route
 from kernels.selection import RuleTable, Selection, select
-from kernels.stages import PrepareFinalize
+from kernels.stages import HAS_TRITON, PrepareFinalize
 from kernels.tensors import ExpertWeights, ForwardInputs, Routing
 from kernels.workspace import Workspace
+
+if HAS_TRITON:
+    from kernels.row_kernels import silu_and_mul
 
 
 def on_tensor_cores(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -69,9 +72,10 @@ class SharedExpert:
             return row_by_row(functools.partial(self.forward, batch_invariant=False), hidden)
         invariant = batch_invariant  # from here on: on CUDA
         h = matmul_f32(hidden, self.w13.T, invariant)  # [M, 2I_s]
-        h = apply_activation(h, ActivationSpec())  # [M, I_s]
-        if on_tensor_cores(hidden, self.w2):
-            h = h.to(hidden.dtype)  # GEMM2 takes the layer's dtype, as vLLM and SGLang run it
+        if on_tensor_cores(hidden, self.w2):  # GEMM2 takes the layer's dtype, as vLLM and SGLang
+            h = silu_and_mul(h, hidden.dtype)  # run it; as the line below, then .to, one pass
+        else:
+            h = apply_activation(h, ActivationSpec())  # [M, I_s]
         out = matmul_f32(h, self.w2.T, invariant)
         if self.gate is not None:
             out = out * torch.sigmoid(matmul_f32(hidden, self.gate.T, invariant))

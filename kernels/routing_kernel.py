@@ -10,12 +10,10 @@ On CUDA, sigmoid is 1 / (1 + expf(-x)) with libdevice's expf and IEEE division, 
 ids exactly torch's, weights to an ulp (the renormalising sum's order). Softmax sums run in
 another order than torch's: scores an ulp off, ids differ only at such near-ties. A NaN logit
 with its sign bit set is ranked first, torch's CUDA sort ranks it last (softmax_after_topk).
-The CPU interpreter has no libdevice: numpy's exp there.
+The CPU interpreter has no libdevice: numpy's exp there (kernels/triton_math.py).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -23,19 +21,7 @@ import triton.language as tl
 
 from kernels.config import GroupScore, RoutingConfig, Scoring
 from kernels.tensors import Routing
-
-try:  # the backend-dispatching libdevice (triton >= 3.2); compiled code only
-    from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover - older triton
-    from triton.language.extra.cuda import libdevice
-
-
-@triton.jit
-def _exp(x, LIBDEVICE: tl.constexpr):
-    if LIBDEVICE:  # expf, as torch's CUDA kernels (tl.exp is the approximate ex2 path)
-        return libdevice.exp(x)
-    else:  # the interpreter: numpy's exp
-        return tl.exp(x)
+from kernels.triton_math import exp, interpreted, libdevice_here
 
 
 @triton.jit
@@ -82,10 +68,10 @@ def _route_kernel(
     else:
         if SIGMOID:
             one = tl.full((ROWS, GP, SP), 1.0, tl.float32)
-            score = tl.math.div_rn(one, 1.0 + _exp(-x, LIBDEVICE))
+            score = tl.math.div_rn(one, 1.0 + exp(-x, LIBDEVICE))
         else:
             top = tl.max(tl.max(tl.where(real, x, float("-inf")), axis=2), axis=1)
-            z = tl.where(real, _exp(x - top[:, None, None], LIBDEVICE), 0.0)
+            z = tl.where(real, exp(x - top[:, None, None], LIBDEVICE), 0.0)
             total = tl.sum(tl.sum(z, axis=2), axis=1)
             score = tl.math.div_rn(z, total[:, None, None])
         choice = score
@@ -129,7 +115,7 @@ def _route_kernel(
     valid = kr < TOP_K
     if AFTER_TOPK:
         top = tl.max(tl.where(valid, vals, float("-inf")), axis=1)
-        z = tl.where(valid, _exp(vals - top[:, None], LIBDEVICE), 0.0)
+        z = tl.where(valid, exp(vals - top[:, None], LIBDEVICE), 0.0)
         w = tl.math.div_rn(z, tl.sum(z, axis=1)[:, None])
     else:
         w = vals
@@ -143,13 +129,9 @@ def _route_kernel(
     tl.store(weights_ptr + out, w * scale, mask=done)
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 def _rows_per_program(m: int, block: int, on_gpu: bool) -> int:
     """One row a program on a GPU; the interpreter pays per operation, so it takes many."""
-    if on_gpu and not _interpreted():
+    if on_gpu and not interpreted():
         return 1
     return min(triton.next_power_of_2(m), max(1, 4096 // block))
 
@@ -197,7 +179,7 @@ def route_rows(
         HAS_BIAS=bias is not None and not after,
         LIMIT_GROUPS=cfg.num_groups > 1 and not after,
         TOP2_SUM=cfg.group_score == GroupScore.TOP2_SUM,
-        RENORMALIZE=cfg.renormalize, LIBDEVICE=logits.is_cuda and not _interpreted(),
+        RENORMALIZE=cfg.renormalize, LIBDEVICE=libdevice_here(logits.is_cuda),
         num_warps=_num_warps(block * rows),
     )  # fmt: skip
     return Routing(ids, weights)

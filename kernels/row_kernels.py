@@ -1,4 +1,4 @@
-"""Two passes over a served batch's rows in Triton, each touching only what it must:
+"""Passes over a served batch's rows in Triton, each touching only what it must:
 
 - `nonfinite_into`: whether any value is NaN or Inf, the flag every served batch computes on its
   inputs and on its output (API: `kernels.input_checks.all_finite_on_device`). Each value is
@@ -9,6 +9,10 @@
 - `zero_rows_from`: a CUDA graph's padding rows (from its valid_rows on) set to zero, the
   others not read or written (a broadcast masked_fill_ read and wrote all of them: 0.08 ms at
   4096 x 7168 in the same profiles, this kernel 0.004 ms).
+- `silu_and_mul`: the shared experts' activation, float32 GEMM output [M, 2I] -> silu(gate) * up
+  rounded once to the layer's dtype for their second GEMM: torch's `silu`, `*` and `.to` bit for
+  bit on a GPU (kernels/triton_math.py), one pass instead of three (76 us at 4096 DeepSeek-V3
+  tokens on the H200, da1f6a4's profile).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kernels.triton_math import exp, libdevice_here
 
 _MAX_BLOCK = 1024  # columns one step of a program reads
 
@@ -72,3 +78,30 @@ def zero_rows_from(x: torch.Tensor, valid_rows: torch.Tensor) -> torch.Tensor:
             x, valid_rows, cols, x.stride(0), BLOCK=min(_MAX_BLOCK, triton.next_power_of_2(cols))
         )
     return x
+
+
+@triton.jit
+def _silu_mul_kernel(
+    h_ptr, out_ptr, inter, stride_h, stride_out, LIBDEVICE: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0)
+    up = tl.load(h_ptr + row * stride_h + inter + cols, mask=mask, other=0.0)
+    silu = tl.math.div_rn(gate, 1.0 + exp(-gate, LIBDEVICE))
+    tl.store(out_ptr + row * stride_out + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 h [M, 2I] (gate columns, then up; unit column stride) -> silu(gate) * up [M, I]
+    in `dtype`, computed in float32 and rounded once."""
+    m, inter = h.shape[0], h.shape[1] // 2
+    out = torch.empty(m, inter, dtype=dtype, device=h.device)
+    if out.numel():
+        block = min(_MAX_BLOCK, triton.next_power_of_2(inter))
+        _silu_mul_kernel[(m, triton.cdiv(inter, block))](
+            h, out, inter, h.stride(0), out.stride(0),
+            LIBDEVICE=libdevice_here(h.is_cuda), BLOCK=block,
+        )  # fmt: skip
+    return out

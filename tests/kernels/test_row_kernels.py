@@ -9,7 +9,7 @@ import torch
 
 from kernels.input_checks import NONFINITE_BITS
 from kernels.layer_graphs import zero_padding
-from kernels.row_kernels import nonfinite_into, zero_rows_from
+from kernels.row_kernels import nonfinite_into, silu_and_mul, zero_rows_from
 
 _DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -58,3 +58,31 @@ def test_rows_from_valid_rows_on_are_zeroed_and_the_others_left_as_they_were(
     assert not x[kept:].view(torch.int16).any()
     fallback = zero_padding(before.cpu(), valid_rows.cpu())
     assert torch.equal(x.cpu().view(torch.int16), fallback.view(torch.int16))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 4096), (7, 3000), (3, 2), (0, 64)])
+@pytest.mark.parametrize("device", _DEVICES)
+def test_silu_and_mul_rounds_once_as_torch_does(
+    device: str, shape: tuple[int, int], dtype: torch.dtype
+) -> None:
+    """The shared experts' activation in one pass against torch's silu, * and .to: bit for bit
+    on a GPU (libdevice's expf and IEEE division, as torch's kernels); in the interpreter,
+    whose exp is numpy's, within an ulp of the output. Large gates saturate (silu(x) = x),
+    very negative ones vanish, and NaN and Inf pass through."""
+    g = torch.Generator().manual_seed(shape[0])
+    h = (torch.randn(shape[0], 2 * shape[1], generator=g) * 6).to(device)
+    if h.numel():
+        h[0, :4] = torch.tensor([100.0, -100.0, float("inf"), float("nan")])
+    gate, up = h.chunk(2, dim=-1)
+    want = (torch.nn.functional.silu(gate) * up).to(dtype)
+    got = silu_and_mul(h, dtype)
+    assert got.dtype == dtype and got.shape == want.shape
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    got, want = got[~nan], want[~nan]
+    if device == "cuda":
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    else:
+        torch.testing.assert_close(got, want, rtol=torch.finfo(dtype).eps, atol=0)

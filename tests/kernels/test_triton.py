@@ -79,17 +79,19 @@ def test_align_groups_every_local_pair_into_padded_runs_of_its_expert(
     assert {e: sorted(p) for e, p in found.items()} == _runs(ids, num_experts)
 
 
+@pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize(
-    ("m", "num_experts", "k"), [(1, 128, 8), (7, 8, 2), (12, 64, 4), (64, 8, 2)]
+    ("m", "num_experts", "k"),
+    [(1, 128, 8), (1, 256, 8), (7, 8, 2), (12, 64, 4), (64, 8, 2), (16, 256, 8), (5, 4, 4)],
 )
 def test_fused_align_kernel_equals_the_torch_align(
-    m: int, num_experts: int, k: int, device: torch.device
+    m: int, num_experts: int, k: int, block_m: int, device: torch.device
 ) -> None:
     ids = random_routing(m, num_experts, k, seed=m).topk_ids
     ids[ids == 3] = -1
     ids = ids.to(device)
-    fused = align_pairs(ids, num_experts, 16)  # these sizes take the one-launch kernel
-    plain = align_pairs_torch(ids, num_experts, 16)
+    fused = align_pairs(ids, num_experts, block_m)  # up to 128 pairs: the one-launch kernel
+    plain = align_pairs_torch(ids, num_experts, block_m)
     assert torch.equal(fused.row_ids, plain.row_ids)
     assert torch.equal(fused.block_expert, plain.block_expert)
 
