@@ -8,14 +8,16 @@ experts' workspaces for `chunk_tokens` up front, and splits larger inputs into c
 size when the experts allow it. The service passes its --max-batch-tokens, so a batch is never
 split and the workspace holds exactly the largest batch.
 
-A layer's shared experts run before the experts, as vLLM's modular kernel runs them before the
-finalize: where the finalize waits for other ranks (naive-ep reduces every rank's partial sums
-onto the sender), the sender's shared experts are done by then instead of after it, so a
-placement that gives the sender fewer routed experts takes them off the step's critical path.
-Their float32 output joins the routed sum before its one rounding: experts that reduce top-k add
-it in their own sum's pass (`PrepareFinalize.sum_target` says where that sum goes), else the
-finalize does. Adding it afterwards to the rounded routed output took two more passes over the
-output (0.16 ms of an 8.1 ms DeepSeek-V3 forward at 4096 tokens on the H200) and rounded twice.
+A layer's shared experts run between the prepare and the experts: after the prepare, so that
+naive-ep's sender broadcasts the tokens before it spends time on them (run before it, they
+held the other ranks 0.5 ms at the broadcast: 2 x H200, DeepSeek-V3, 4096 tokens); before the
+finalize, so that where it waits for the other ranks (naive-ep reduces every rank's partial sums
+onto the sender) they are done, and a placement that gives the sender fewer routed experts takes
+them off the step's critical path. Their float32 output joins the routed sum before its one
+rounding: experts that reduce top-k add it in their own sum's pass (`PrepareFinalize.sum_target`
+says where that sum goes), else the finalize does. Adding it afterwards to the rounded routed
+output took two more passes over the output (0.16 ms of an 8.1 ms forward there) and rounded
+twice.
 """
 
 from __future__ import annotations
@@ -80,8 +82,8 @@ class ModularKernel:
         for start in range(0, m, step):
             rows = slice(start, start + step)
             chunk = Routing(routing.topk_ids[rows], routing.topk_weights[rows])
-            extra = None if shared is None else shared(rows)
             x = self.prepare_finalize.prepare(hidden[rows], chunk, self.spec, ws)
+            extra = None if shared is None else shared(rows)
             if self.experts.reduces_topk:
                 into = self.prepare_finalize.sum_target(x, out[rows], extra, ws)
                 y = self.experts.apply(x, ws, into)

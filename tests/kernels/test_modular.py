@@ -178,11 +178,15 @@ def test_unknown_quant_scheme_lists_the_valid_ones() -> None:
 
 
 class _OrderedNoEP(NoEP):
-    """NoEP recording when its finalize runs."""
+    """NoEP recording when its prepare and finalize run."""
 
     def __init__(self, events: list[str]) -> None:
         super().__init__()
         self.events = events
+
+    def prepare(self, hidden, routing, spec, ws):
+        self.events.append("prepare")
+        return super().prepare(hidden, routing, spec, ws)
 
     def finalize(self, expert_out, x, out, reduce, extra=None) -> None:
         self.events.append("finalize")
@@ -190,11 +194,12 @@ class _OrderedNoEP(NoEP):
 
 
 @pytest.mark.parametrize("m", [1, 7, 150])  # 150: three chunks of 64
-def test_shared_experts_run_before_the_finalize_and_join_the_sum_before_its_rounding(
+def test_shared_experts_run_between_prepare_and_finalize_and_join_the_sum_before_its_rounding(
     tiny_config: MoEConfig, m: int
 ) -> None:
-    """Before the finalize, where naive-ep's sender waits for the other ranks; their output is
-    added to the routed float32 sum, each chunk's to its own rows, and the sum rounds once."""
+    """After the prepare, whose broadcast naive-ep's other ranks wait for, and before the
+    finalize, where its sender waits for them; their output is added to the routed float32
+    sum, each chunk's to its own rows, and the sum rounds once."""
     cfg = dataclasses.replace(tiny_config, dtype=torch.bfloat16)
     events: list[str] = []
     experts = ReferenceExperts(cfg, random_expert_weights(cfg))
@@ -209,6 +214,6 @@ def test_shared_experts_run_before_the_finalize_and_join_the_sum_before_its_roun
 
     out = kernel.forward(hidden, routing, shared=shared)
     chunks = -(-m // 64)
-    assert events == ["shared", "finalize"] * chunks
+    assert events == ["prepare", "shared", "finalize"] * chunks
     routed = kernel.forward(hidden, routing, out=torch.empty(m, 64))  # float32: not rounded
     assert torch.equal(out, (routed + extra).bfloat16())

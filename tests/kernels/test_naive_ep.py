@@ -29,7 +29,13 @@ from kernels.experts.reference import ReferenceExperts
 from kernels.layer import LayerWeights, RouterWeights, build_layer
 from kernels.modular import ModularKernel
 from kernels.placement import Placement
-from kernels.prepare_finalize.naive_ep import NaiveEP, pack_rows, unpack_rows
+from kernels.prepare_finalize.naive_ep import (
+    NaiveEP,
+    pack_rows,
+    pack_segments,
+    unpack_rows,
+    unpack_segments,
+)
 from kernels.prepare_finalize.no_ep import NoEP
 from kernels.quant_scheme import QuantConfig
 from kernels.random_weights import random_expert_weights
@@ -188,20 +194,43 @@ def test_a_dead_rank_makes_the_next_forward_fail_fast(ep_run: Path) -> None:
     assert result["seconds"] <= TIMEOUT_S + 5
 
 
-def test_packed_rows_round_trip_every_dtype_and_zero_rows() -> None:
-    for m in (0, 3):
-        rows = [
-            torch.randn(m, 8).to(torch.float8_e4m3fn),
-            torch.randint(0, 9, (m, 2), dtype=torch.int32),
-            torch.rand(m, 2),
-            torch.rand(m, 1),
-        ]
-        packed = pack_rows(rows)
-        assert packed.shape == (m, 8 + 8 + 8 + 4)
-        for got, want in zip(unpack_rows(packed, rows), rows, strict=True):
-            assert got.dtype == want.dtype and torch.equal(
-                got.view(torch.uint8), want.view(torch.uint8)
-            )
+def _rows(m: int, fp8_width: int) -> list[torch.Tensor]:
+    return [
+        torch.randn(m, fp8_width).to(torch.float8_e4m3fn),
+        torch.randint(0, 9, (m, 2), dtype=torch.int32),
+        torch.rand(m, 2),
+        torch.rand(m, 1).bfloat16(),
+    ]
+
+
+def _same_bytes(unpacked: list[torch.Tensor], rows: list[torch.Tensor]) -> bool:
+    return all(
+        got.dtype == want.dtype
+        and got.shape == want.shape
+        and torch.equal(got.contiguous().view(torch.uint8), want.view(torch.uint8))
+        for got, want in zip(unpacked, rows, strict=True)
+    )
+
+
+@pytest.mark.parametrize("m", [0, 3])
+def test_packed_rows_round_trip_every_dtype_and_zero_rows(m: int) -> None:
+    rows = _rows(m, fp8_width=8)
+    rows[3] = rows[3].float()  # rows whose widths are multiples of 4 (each dtype's view)
+    packed = pack_rows(rows)
+    assert packed.shape == (m, 8 + 8 + 8 + 4)
+    assert _same_bytes(unpack_rows(packed, rows), rows)
+
+
+@pytest.mark.parametrize("m", [0, 3])
+def test_packed_segments_round_trip_as_aligned_views_without_copies(m: int) -> None:
+    rows = _rows(m, fp8_width=7)  # 21 bytes: the next segment still starts 16-byte aligned
+    packed = pack_segments(rows)
+    assert packed.shape == (0 if m == 0 else 32 + 32 + 32 + 16,)
+    views = unpack_segments(packed, rows)
+    assert _same_bytes(views, rows)
+    assert all(v.is_contiguous() for v in views)  # the experts read them where they landed
+    if m:
+        assert [v.data_ptr() - packed.data_ptr() for v in views] == [0, 32, 64, 96]
 
 
 def test_naive_ep_is_not_offered_without_a_process_group() -> None:
