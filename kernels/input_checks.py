@@ -3,8 +3,9 @@
 `MoELayer.forward` runs the shape check on every forward, and the service on each request
 before it is batched (a request of the wrong shape gets a 400 naming the tensor and never
 reaches a batch). The value check reads every element, so the service does not run it on every
-request: each batch computes one flag on its staged inputs (`finite_flag`, on the device inside
-the layer's graph; service/pipeline.py), and only when the flag is down does the service run
+request: each batch computes one flag on its staged inputs (`finite_flag` on the device; inside
+the layer's graph `row_kernels.batch_stats_into`; service/pipeline.py), and only when the flag is
+down does the service run
 `check_values` on that batch's requests, to fail those at fault with a 400 naming the value.
 Inputs are checked in their own dtype (only the range check converts the hidden states, to the
 layer's dtype, to see what it makes of them).
@@ -93,15 +94,21 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool((t.contiguous().view(bits).numpy() & exponent).max() != exponent)
 
 
-def all_finite_on_device(t: torch.Tensor, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """[] bool on t's device, no host sync: whether rows [0, valid_rows) of t (rows on its
-    first axis; all of them when valid_rows, a 0-d int64 tensor on the device, is None) hold no
-    NaN or Inf. On a GPU one Triton pass over the bits (kernels/row_kernels.py)."""
+def bit_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """t (rows on its first axis) as [R, C] integer bits with unit column stride, and the mask
+    whose bits are all set exactly in its NaN and Inf values."""
     bits_dtype, mask = NONFINITE_BITS[t.dtype]
     rows = t.reshape(t.shape[0] if t.dim() else 1, math.prod(t.shape[1:]))
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    bits = rows.view(bits_dtype)
+    return rows.view(bits_dtype), mask
+
+
+def all_finite_on_device(t: torch.Tensor, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[] bool on t's device, no host sync: whether rows [0, valid_rows) of t (rows on its
+    first axis; all of them when valid_rows, a 0-d int64 tensor on the device, is None) hold no
+    NaN or Inf. On a GPU one Triton pass over the bits (kernels/row_kernels.py)."""
+    bits, mask = bit_rows(t)
     if not (t.is_cuda and HAS_TRITON):
         bad = ((bits & mask) == mask).any(dim=1)
         if valid_rows is not None:

@@ -37,15 +37,15 @@ import torch
 
 from kernels.arith import round_up
 from kernels.graph_capture import capturing
-from kernels.input_checks import all_finite_on_device, finite_flag
-from kernels.layer import LayerOutput, MoELayer, expert_tokens, mask_rows
+from kernels.input_checks import bit_rows
+from kernels.layer import LayerOutput, MoELayer
 from kernels.modular import ModularKernel
 from kernels.stages import HAS_TRITON, YES, Support
 from kernels.tensors import ForwardInputs, Routing
 from kernels.workspace import Workspace
 
 if HAS_TRITON:
-    from kernels.row_kernels import zero_rows_from
+    from kernels.row_kernels import batch_stats_into, zero_rows_from
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +163,8 @@ class LayerGraphs:
 
         self.copies = copies
         self.inputs = [static_inputs() for _ in range(copies)]
+        # a replay's stats start from this: tokens per expert 0, output and inputs finite
+        self._stats_start = torch.tensor([0] * cfg.num_experts + [1, 1], device=device)
         self.pools = [torch.cuda.graph_pool_handle() for _ in range(copies)]
         self._graphs: list[dict[int, _Captured]] = [{} for _ in range(copies)]
 
@@ -197,11 +199,12 @@ class LayerGraphs:
         out = self.layer.forward(
             ForwardInputs(hidden, logits), valid_rows=static.valid_rows, workspace=private
         )
-        valid_ids = mask_rows(out.routing.topk_ids, static.valid_rows)  # experts may not skip
-        counts = expert_tokens(valid_ids, self.layer.cfg.num_experts)
-        finite = all_finite_on_device(out.output, static.valid_rows)
-        flags = torch.stack([finite, finite_flag(ForwardInputs(hidden, logits))]).to(torch.int64)
-        return out, torch.cat([counts, flags])
+        stats = self._stats_start.clone()  # no tokens yet, both flags up
+        inputs = [bit_rows(t) for t in (hidden, logits) if t is not None]
+        batch_stats_into(
+            stats, out.routing.topk_ids, static.valid_rows, bit_rows(out.output), inputs
+        )  # experts may not skip the padded rows' pairs: counted from the valid rows only
+        return out, stats
 
     def _capture(self, copy: int, bucket: int) -> _Captured:
         self.inputs[copy].valid_rows.fill_(bucket)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.input_checks import NONFINITE_BITS
+from kernels.input_checks import NONFINITE_BITS, all_finite_on_device, bit_rows, finite_flag
+from kernels.layer import expert_tokens, mask_rows
 from kernels.layer_graphs import zero_padding
-from kernels.row_kernels import nonfinite_into, silu_and_mul, zero_rows_from
+from kernels.row_kernels import batch_stats_into, nonfinite_into, silu_and_mul, zero_rows_from
+from kernels.tensors import ForwardInputs
 
 _DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -86,3 +88,40 @@ def test_silu_and_mul_rounds_once_as_torch_does(
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     else:
         torch.testing.assert_close(got, want, rtol=torch.finfo(dtype).eps, atol=0)
+
+
+@pytest.mark.parametrize("with_logits", [False, True])
+@pytest.mark.parametrize("valid", [0, 1, 5, 7])
+@pytest.mark.parametrize("device", _DEVICES)
+def test_batch_stats_equal_the_torch_counts_and_flags_they_replace(
+    device: str, valid: int, with_logits: bool
+) -> None:
+    """One pass against the torch composition a graph ran before: pairs per expert over the
+    valid rows (ids of -1 nowhere), the output's valid rows finite, every input row finite.
+    NaN or Inf in a padded output row is not counted; in a padded input row it is."""
+    rows, k, num_experts = 7, 3, 10
+    g = torch.Generator().manual_seed(valid)
+    ids = torch.randint(-1, num_experts, (rows, k), generator=g, dtype=torch.int32).to(device)
+    valid_rows = torch.tensor(valid, device=device)
+    cases = {
+        "finite": (None, None),
+        "bad output, valid row": ((0, 5), None),
+        "bad output, padded row": ((6, 5), None),
+        "bad input, padded row": (None, (6, 1)),
+    }
+    for name, (bad_out, bad_in) in cases.items():
+        out = torch.randn(rows, 300, generator=g).bfloat16().to(device)
+        hidden = torch.randn(rows, 300, generator=g).bfloat16().to(device)
+        logits = torch.randn(rows, num_experts, generator=g).to(device) if with_logits else None
+        if bad_out:
+            out[bad_out] = float("nan")
+        if bad_in:
+            (logits if with_logits else hidden)[bad_in] = float("inf")
+        stats = torch.tensor([0] * num_experts + [1, 1], device=device)
+        inputs = [bit_rows(t) for t in (hidden, logits) if t is not None]
+        batch_stats_into(stats, ids, valid_rows, bit_rows(out), inputs)
+        counts = expert_tokens(mask_rows(ids, valid_rows), num_experts)
+        finite = all_finite_on_device(out, valid_rows)
+        inputs_finite = finite_flag(ForwardInputs(hidden, logits))
+        want = torch.cat([counts, torch.stack([finite, inputs_finite]).long()])
+        assert torch.equal(stats, want), name
