@@ -16,7 +16,8 @@ that raises fails only the requests in its batch.
 
 One launcher thread starts every batch, so the device has one owner and the event loop never
 blocks (on a GPU a small batch is staged and enqueued on the loop itself, which costs less than
-the hop); a completer thread waits for each batch's device work to finish.
+the hop); a completer thread waits for each batch's device work to finish. A synchronous engine
+(the CPU) runs each batch to its end on the launcher thread, which answers it from there.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from service.errors import (
 )
 from service.interpreter import switch_gil_often
 from service.metrics import Metrics
-from service.pipeline import BatchResult, Pending
+from service.pipeline import BatchResult
 from service.wire import OFF_LOOP_BYTES
 
 log = logging.getLogger(__name__)
@@ -433,6 +434,14 @@ class DynamicBatcher:
         self.metrics.series(self.metrics.batch_requests, name).observe(len(batch))
         parts = [piece.inputs() for piece in batch]
         into = [piece.output_into() for piece in batch]
+        if not self.engine.enqueues:
+            # A synchronous engine (CPU) runs the batch to its end on the launcher thread, which
+            # hands the result straight to the loop: an executor future and the completer's hop
+            # cost the reply a loop turn and a thread wake-up more
+            launched = self._launched(name, batch, queued_s)
+            result_of = lambda: self.engine.start(name, parts, into).result()  # noqa: E731
+            self._launcher.submit(self._complete, loop, launched, result_of)
+            return True
         # bytes the launch copies on the host: rows on a GPU (a CUDA shared-memory region) are
         # copied by the device (a 64-token DeepSeek-V3 fp32 region took a thread hop for none)
         nbytes = sum(
@@ -442,8 +451,7 @@ class DynamicBatcher:
         )
         try:
             async with self._launching:  # one launch at a time: the streams take them in order
-                quick = self.engine.enqueues and not self.engine.start_may_wait
-                if quick and nbytes <= OFF_LOOP_BYTES:
+                if not self.engine.start_may_wait and nbytes <= OFF_LOOP_BYTES:
                     # staging a small batch and enqueueing it takes less than a thread hop
                     pending = self.engine.start(name, parts, into)
                 else:
@@ -455,19 +463,30 @@ class DynamicBatcher:
                 piece.ended()
             self._fail(name, batch, err)
             return False
-        launched = _Launched(name, batch, tracing.now_ns(), queued_s, loop.create_future())
-        self._running.add(launched.answered)
-        launched.answered.add_done_callback(self._running.discard)
-        self._completer.submit(self._complete, loop, launched, pending)
+        launched = self._launched(name, batch, queued_s)
+        self._completer.submit(self._complete, loop, launched, pending.result)
         return True
 
+    def _launched(self, name: str, batch: list[_Piece], queued_s: list[float]) -> _Launched:
+        """`batch`, launched now: `close` waits until it is answered."""
+        launched = _Launched(
+            name, batch, tracing.now_ns(), queued_s, asyncio.get_running_loop().create_future()
+        )
+        self._running.add(launched.answered)
+        launched.answered.add_done_callback(self._running.discard)
+        return launched
+
     def _complete(
-        self, loop: asyncio.AbstractEventLoop, launched: _Launched, pending: Pending
+        self,
+        loop: asyncio.AbstractEventLoop,
+        launched: _Launched,
+        result_of: Callable[[], BatchResult],
     ) -> None:
-        """On the completer thread: wait for the batch, then hand it to the loop as one callback
-        (no task to wake: a task and an executor future cost the reply two more turns)."""
+        """On the completer thread (the launcher, for a synchronous engine): wait for the batch,
+        then hand it to the loop as one callback (no task to wake: a task and an executor future
+        cost the reply two more turns)."""
         try:
-            result: BatchResult | Exception = pending.result()
+            result: BatchResult | Exception = result_of()
         except Exception as err:
             result = err
         loop.call_soon_threadsafe(self._finish, launched, result)

@@ -254,3 +254,43 @@ def test_a_chunked_request_names_its_own_row() -> None:
 
     with pytest.raises(NonFiniteOutput, match="at row 7 of this request"):
         run(engine, BatchPolicy(4, 0.0, 16), body)  # chunks of 4: row 3 of the second one
+
+
+def test_a_cpu_engine_answers_each_batch_from_the_launcher_thread() -> None:
+    """A synchronous engine's batch runs to its end on the launcher thread, which answers it:
+    no completer thread is started (its hop only waits for a device)."""
+    engine = RecordingEngine(tiny_layers())
+    forwards_on: list[str] = []
+    forward = engine.forward
+
+    def recording_forward(name: str, inputs: ForwardInputs):
+        forwards_on.append(threading.current_thread().name)
+        return forward(name, inputs)
+
+    engine.forward = recording_forward
+    x = rows(3, 0)
+
+    async def body(batcher):
+        result = await batcher.submit(TINY, ForwardInputs(x))
+        return result, [t.name for t in threading.enumerate()]
+
+    result, threads = run(engine, BatchPolicy(64, 0.0, 16), body)
+    torch.testing.assert_close(result.output, reference_forward(TINY, x))
+    assert len(forwards_on) == 1 and forwards_on[0].startswith("moe-device")
+    assert not any(name.startswith("moe-complete") for name in threads)
+
+
+def test_a_cpu_engine_that_cannot_start_fails_its_batch_and_serves_on() -> None:
+    """Engine.start raising on the launcher thread (here: the engine has failed) fails the
+    batch's requests with its error, and the batcher takes the next batch."""
+    engine = RecordingEngine(tiny_layers())
+
+    async def body(batcher):
+        engine.failure = "the device failed"
+        with pytest.raises(NotReady, match="the device failed"):
+            await batcher.submit(TINY, ForwardInputs(rows(2, 0)))
+        engine.failure = None
+        return await batcher.submit(TINY, ForwardInputs(rows(3, 1)))
+
+    later = run(engine, BatchPolicy(64, 0.0, 16), body)
+    torch.testing.assert_close(later.output, reference_forward(TINY, rows(3, 1)))

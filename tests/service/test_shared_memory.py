@@ -16,7 +16,7 @@ import torch
 
 from service.app import create_app
 from service.settings import Settings
-from service.shared_memory import SharedMemory, owner_of
+from service.shared_memory import SharedMemory, SystemRegion, owner_of
 from tests.service.conftest import wait_ready
 from tests.service.layers import TINY, H, free_port, reference_forward, running_server, tiny_loader
 
@@ -235,3 +235,24 @@ def test_a_symlink_in_dev_shm_is_not_followed(client, tmp_path) -> None:
         assert err.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
     finally:
         link.unlink()
+
+
+def test_a_system_region_reads_and_writes_exactly_its_bytes(region) -> None:
+    """At the region's offset in the object plus the tensor's, in any dtype (bfloat16 has no
+    numpy type), from a non-contiguous tensor too; the bytes around them stay as they were, and
+    a read is a copy that later writes to the region leave alone."""
+    key, handle = region
+    shm.set_shared_memory_region(handle, [np.full(2 * TENSOR_BYTES, 7, dtype=np.uint8)])
+    r = SystemRegion("r", key, 16, 96, None)
+    try:
+        data = torch.arange(32, dtype=torch.bfloat16).reshape(4, 8).t()  # 64 bytes
+        r.write(8, data)
+        raw = shm.get_contents_as_numpy(handle, np.uint8, [2 * TENSOR_BYTES])
+        assert (raw[:24] == 7).all() and (raw[24 + 64 :] == 7).all()
+        assert raw[24 : 24 + 64].tobytes() == data.contiguous().view(torch.uint8).numpy().tobytes()
+        read = r.read(8, 64)
+        r.write(8, torch.zeros(32, dtype=torch.bfloat16))
+        torch.testing.assert_close(read.view(torch.bfloat16).reshape(8, 4), data, rtol=0, atol=0)
+        assert r.read(0, 0).numel() == 0
+    finally:
+        r.close()
