@@ -9,15 +9,15 @@ size when the experts allow it. The service passes its --max-batch-tokens, so a 
 split and the workspace holds exactly the largest batch.
 
 A layer's shared experts run between the prepare and the experts: after the prepare, so that
-naive-ep's sender broadcasts the tokens before it spends time on them (run before it, they
-held the other ranks 0.5 ms at the broadcast: 2 x H200, DeepSeek-V3, 4096 tokens); before the
-finalize, so that where it waits for the other ranks (naive-ep reduces every rank's partial sums
-onto the sender) they are done, and a placement that gives the sender fewer routed experts takes
-them off the step's critical path. Their float32 output joins the routed sum before its one
-rounding: experts that reduce top-k add it in their own sum's pass (`PrepareFinalize.sum_target`
-says where that sum goes), else the finalize does. Adding it afterwards to the rounded routed
-output took two more passes over the output (0.16 ms of an 8.1 ms forward there) and rounded
-twice.
+naive-ep's sender broadcasts the tokens before it spends time on them (run before it, they held
+the other ranks 0.49 ms more at the broadcast: 2 x H200, DeepSeek-V3, 4096 tokens, 68fbac8's
+trace); before the finalize, so that where it waits for the other ranks (naive-ep reduces every
+rank's partial sums onto the sender) they are done, and a placement that gives the sender fewer
+routed experts takes them off the step's critical path. Their float32 output joins the routed
+sum before its one rounding: experts that reduce top-k add it in their own sum's pass
+(`PrepareFinalize.sum_target` says where that sum goes), else the finalize does. Adding it
+afterwards to the rounded routed output took two more passes over the output (0.16 ms of an
+8.1 ms forward on one H200, 326f3fe's trace) and rounded twice.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@
   4096 x 7168 in the same profiles, this kernel 0.004 ms).
 - `batch_stats_into`: what a CUDA graph reports of its batch, in one pass: tokens per expert over
   the valid rows, whether the valid output rows and every input row are finite. Torch took
-  about 17 small kernels for it (a mask, a scatter, two flags, their stack): 20 us of a 169 us
-  one-token DeepSeek-V3 forward on the H200 (68fbac8's profile).
+  about 17 small kernels for it (a mask, a scatter, two flags, their stack): with this pass
+  (7.2 us) a one-token DeepSeek-V3 forward's kernels went from 170.7 to 152.7 us on the H200
+  (7e4d3a4 against ef7e912, one call: bench/results/layer-profile-h200-2026-11-27.md).
 - `silu_and_mul`: the shared experts' activation, float32 GEMM output [M, 2I] -> silu(gate) * up
   rounded once to the layer's dtype for their second GEMM: torch's `silu`, `*` and `.to` bit for
   bit on a GPU (kernels/triton_math.py), one pass instead of three (76 us at 4096 DeepSeek-V3

@@ -21,15 +21,15 @@ Three ways of bringing tokens:
 `group` may be any ProcessGroup object, one made outside the default group included (the
 service forms a new one among the live ranks when a rank dies); collectives are its methods.
 
-What travels, packed into one byte buffer so a dispatch is one collective: the activations
-(fp8 + per-token or per-group scales when the experts take them), the global topk ids and the
+What travels, packed into one byte buffer so a dispatch is one collective: the activations (fp8
++ per-token or per-group scales when the experts take them), the global topk ids and the
 weights. The sender's broadcast carries them end to end, each arriving as a view of the buffer
 (`pack_segments`); rows interleaved per token had to be copied apart again, 0.12 ms of every
-forward on every rank at 4096 DeepSeek-V3 tokens (2 x H200). An all-gather carries one byte row
-per token (`pack_rows`), since it concatenates the ranks' rows. A per-tensor fp8 scale depends
-on every token of the batch, so for it the 16-bit rows travel and the gathered batch is
-quantised once, as on one GPU. Partial outputs are summed in float32, so the sum over ranks
-rounds once, like the single-GPU combine.
+forward on every rank at 4096 DeepSeek-V3 tokens (2 x H200, 68fbac8's trace). An all-gather
+carries one byte row per token (`pack_rows`), since it concatenates the ranks' rows. A
+per-tensor fp8 scale depends on every token of the batch, so for it the 16-bit rows travel and
+the gathered batch is quantised once, as on one GPU. Partial outputs are summed in float32, so
+the sum over ranks rounds once, like the single-GPU combine.
 
 Standard format only: batched-format experts regroup tokens per expert after prepare, which a
 standard-format EP stage would have to redo; every scheme has a standard-format backend.
