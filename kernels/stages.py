@@ -217,7 +217,6 @@ class PrepareFinalize(ABC):
         is finalize's to add. Default: straight into out, extra included (nothing moves)."""
         return SumTarget(out, extra)
 
-    @abstractmethod
     def finalize(
         self,
         expert_out: torch.Tensor,
@@ -228,6 +227,14 @@ class PrepareFinalize(ABC):
     ) -> None:
         """Write the layer output [M, K] into `out`; weigh and sum over top-k when `reduce`;
         add `extra` (float32 [M, K] of this rank's own rows) before rounding to out's dtype."""
+        summed = self.combine(expert_out, x, reduce)
+        if summed is not None:
+            SumTarget(out, extra).write(summed[: out.shape[0]])
+
+    @abstractmethod
+    def combine(self, expert_out: torch.Tensor, x: Dispatched, reduce: bool) -> torch.Tensor | None:
+        """The experts' output -> this rank's rows of the routed sum [>= M, K] (weighed and
+        summed over top-k when `reduce`), or None where none of the output lands on this rank."""
 
 
 def weighted_topk_sum(

@@ -16,7 +16,7 @@ import torch
 
 from kernels.prepare_finalize.no_ep import dispatch_locally
 from kernels.quant_scheme import ActQuant
-from kernels.stages import DispatchSpec, PrepareFinalize, SumTarget, weighted_topk_sum
+from kernels.stages import DispatchSpec, PrepareFinalize, weighted_topk_sum
 from kernels.tensors import Dispatched, Format, Routing
 from kernels.workspace import Workspace
 
@@ -88,15 +88,8 @@ class Batched(PrepareFinalize):
             slots=torch.where(local, slots, -1).view(m, k),
         )
 
-    def finalize(
-        self,
-        expert_out: torch.Tensor,
-        x: Dispatched,
-        out: torch.Tensor,
-        reduce: bool,
-        extra: torch.Tensor | None = None,
-    ) -> None:
+    def combine(self, expert_out: torch.Tensor, x: Dispatched, reduce: bool) -> torch.Tensor:
         assert reduce, "batched experts leave weight-and-reduce to finalize"
         # each pair's row gathered back ([M, k, K]); another rank's pairs (-1) add nothing
         rows = expert_out[x.topk_ids.long().clamp_min(0), x.slots.clamp_min(0)]
-        SumTarget(out, extra).write(weighted_topk_sum(rows, x.topk_ids, x.topk_weights))
+        return weighted_topk_sum(rows, x.topk_ids, x.topk_weights)

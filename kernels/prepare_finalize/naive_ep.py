@@ -193,25 +193,17 @@ class NaiveEP(PrepareFinalize):
         partial = ws.get("naive_ep_partial", (x.num_tokens, out.shape[1]), torch.float32)
         return SumTarget(partial, extra if self.sender is not None else None)
 
-    def finalize(
-        self,
-        expert_out: torch.Tensor,
-        x: Dispatched,
-        out: torch.Tensor,
-        reduce: bool,
-        extra: torch.Tensor | None = None,
-    ) -> None:
+    def combine(self, expert_out: torch.Tensor, x: Dispatched, reduce: bool) -> torch.Tensor | None:
         partial = (
             weighted_topk_sum(expert_out, x.topk_ids, x.topk_weights)
             if reduce
             else expert_out.float()
         )  # [M, K] float32, this rank's experts only
-        if self.sender is not None:  # the sum lands on the sender; elsewhere out is a placeholder
-            summed = self.reduce_to_sender(partial)
-            if self._group().rank() == self.sender:  # no other rank reads its out
-                SumTarget(out, extra).write(summed)
-            return
-        SumTarget(out, extra).write(self.reduce_scatter(partial)[: out.shape[0]])
+        if self.sender is None:
+            return self.reduce_scatter(partial)
+        # the sum lands on the sender; elsewhere out is a placeholder no one reads
+        summed = self.reduce_to_sender(partial)
+        return summed if self._group().rank() == self.sender else None
 
     def reduce_to_sender(self, partial: torch.Tensor) -> torch.Tensor:
         """Every rank's partial sums [M, K] -> their sum on the sender (in place)."""

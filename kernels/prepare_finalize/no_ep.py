@@ -13,7 +13,6 @@ from kernels.stages import (
     HAS_TRITON,
     DispatchSpec,
     PrepareFinalize,
-    SumTarget,
     weighted_topk_sum,
 )
 from kernels.tensors import Dispatched, Format, Routing
@@ -58,13 +57,5 @@ class NoEP(PrepareFinalize):
     ) -> Dispatched:
         return dispatch_locally(hidden, routing, spec)
 
-    def finalize(
-        self,
-        expert_out: torch.Tensor,
-        x: Dispatched,
-        out: torch.Tensor,
-        reduce: bool,
-        extra: torch.Tensor | None = None,
-    ) -> None:
-        summed = weighted_topk_sum(expert_out, x.topk_ids, x.topk_weights) if reduce else expert_out
-        SumTarget(out, extra).write(summed)
+    def combine(self, expert_out: torch.Tensor, x: Dispatched, reduce: bool) -> torch.Tensor:
+        return weighted_topk_sum(expert_out, x.topk_ids, x.topk_weights) if reduce else expert_out
