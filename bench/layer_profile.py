@@ -1,7 +1,7 @@
 """Where a served layer's forward goes, kernel by kernel, on one GPU.
 
     python3 -m bench.layer_profile --out OUT [--shape deepseek-v3] [--tokens 1,64,4096]
-        [--backend triton] [--replays 20]
+        [--backend triton] [--replays 20] [--shared-in-line]
 
 Draws a random layer of the shape with a stored router and, where the layer is DeepSeek-V3-like,
 its 2048-wide shared expert (as `bench.ep_service` and `bench service` draw it), builds it as
@@ -11,7 +11,9 @@ replays it REPLAYS times under torch's profiler. For each M: the replay's median
 GPU (CUDA events, L2 not flushed: the service replays back to back), the sum of its kernels'
 times, and OUT/profile-SHAPE-BACKEND-M{m}.txt, its kernels by total time, with a Chrome trace
 beside it. The kernel bench (`moe-serve bench kernels`) times a layer without router and shared
-expert; this one shows what a served forward adds to the experts.
+expert; this one shows what a served forward adds to the experts. --shared-in-line runs the
+shared expert in the forward's own stream instead of beside it (kernels/modular.py), to time
+the two side by side.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", default="1,64,4096")
     parser.add_argument("--backend", default="triton")
     parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--shared-in-line", action="store_true", help="no side stream")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU: the profile is of a captured forward's kernels")
@@ -78,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     shared = SHARED_INTERMEDIATE if cfg.routing.num_groups > 1 else None
     weights = random_layer(cfg, device, router=True, shared_intermediate=shared)
     layer, _ = build_layer(cfg, weights, device, args.backend, chunk_tokens=max(tokens))
+    if args.shared_in_line:
+        layer.side_stream = None
     graphs = LayerGraphs(layer, device, max(tokens), with_logits=False)
     generator = torch.Generator(device).manual_seed(0)
     hidden = torch.randn(max(tokens), cfg.hidden_size, generator=generator, device=device)
@@ -94,7 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(
             f"M={m}: replay {median * 1e3:.1f} us, its kernels {kernels_us:.1f} us ({name})\n"
         )
-    report = {"shape": args.shape, "backend": args.backend, "device": torch.cuda.get_device_name()}
+    report = {
+        "shape": args.shape,
+        "backend": args.backend,
+        "shared": "in line" if layer.side_stream is None else "side stream",
+        "device": torch.cuda.get_device_name(),
+    }
     (args.out / "layer_profile.json").write_text(json.dumps(report | {"points": rows}, indent=1))
     return 0
 

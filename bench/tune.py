@@ -2,9 +2,12 @@
 them as a tuned file, which kernels/experts/_triton/tiles.py then prefers over its heuristic.
 
 For each token-count bucket M it times the experts (align, both GEMMs, top-k sum; L2 flushed,
-median of CUDA-event timings) in three rounds, each around the best so far: a small set of
+median of CUDA-event timings) in rounds, each around the best so far: a small set of
 candidates around the heuristic (both GEMMs alike), GEMM2's own tile, then the program order.
-Resumable: buckets already in --out are kept, and the file is rewritten after each one.
+Decode buckets (at most 16 rows per expert, where the GEMMs stream weights) then search each
+GEMM's column tile, warps and pipeline depth past the heuristic's cap of 4 stages: there the
+time is how many weight bytes are in flight. Resumable: buckets already in --out are kept, and
+the file is rewritten after each one.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ _GEMM_CHOICES = ((64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 64, 4))
 # GEMM2 alone also tries wide tiles: its K (I) is short and it keeps one accumulator
 _GEMM2_CHOICES = (*_GEMM_CHOICES, (256, 64, 8), (256, 128, 8))
 _GROUP_M_CHOICES = (0, 8, 32)  # GemmTile.group_m, both GEMMs alike
+# decode round: (block_n, num_warps, num_stages) for each GEMM in turn, where they fit
+_DECODE_CHOICES = tuple((n, w, s) for n in (32, 64, 128) for w in (2, 4) for s in (3, 4, 6, 8))
+_DECODE_ROWS_PER_EXPERT = 16
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,23 @@ def order_choices(best: LayerTiles) -> list[LayerTiles]:
     ]
 
 
+def decode_choices(cfg: MoEConfig, best: LayerTiles, gemm: str) -> list[LayerTiles]:
+    """Decode round: the best tiles with `gemm` ("gemm1" or "gemm2") over _DECODE_CHOICES, its
+    block_k kept, those whose stages fit the shared-memory budget."""
+    from kernels.experts._triton.tiles import SMEM_BUDGET_BYTES
+
+    elem = 1 if cfg.quant.spec.act_quant else cfg.dtype.itemsize
+    tile = getattr(best, gemm)
+    b_tiles = 2 if gemm == "gemm1" else 1  # GEMM1 loads gate and up tiles
+    found = []
+    for block_n, warps, stages in _DECODE_CHOICES:
+        per_stage = (best.block_m + b_tiles * block_n) * tile.block_k * elem
+        if per_stage * stages <= SMEM_BUDGET_BYTES:
+            changed = replace(tile, block_n=block_n, num_warps=warps, num_stages=stages)
+            found.append(replace(best, **{gemm: changed}))
+    return found
+
+
 def _write_atomically(path: Path, body: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(body, indent=1) + "\n")
@@ -137,7 +160,9 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
         f"per bucket, three rounds around the best so far: the heuristic and "
         f"{len(_GEMM_CHOICES)} (block_n, block_k, warps) x 2 block_m (the heuristic's and twice "
         f"it) for both GEMMs; GEMM2 alone over {len(_GEMM2_CHOICES)}; program order (group_m "
-        f"{', '.join(map(str, _GROUP_M_CHOICES))}); median of CUDA-event timings, L2 flushed; "
+        f"{', '.join(map(str, _GROUP_M_CHOICES))}); decode buckets (<= "
+        f"{_DECODE_ROWS_PER_EXPERT} rows per expert) then each GEMM over {len(_DECODE_CHOICES)} "
+        "(block_n, warps, stages); median of CUDA-event timings, L2 flushed; "
         "uniform random routing"
     )
     with tqdm(desc=f"tune {key.filename()}", unit="cfg") as bar:
@@ -165,6 +190,9 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
                 continue
             time_each(gemm2_choices(cfg, min(timed, key=timed.get)), m, x, timed)
             time_each(order_choices(min(timed, key=timed.get)), m, x, timed)
+            if m * cfg.top_k <= _DECODE_ROWS_PER_EXPERT * cfg.num_experts:
+                for gemm in ("gemm1", "gemm2"):
+                    time_each(decode_choices(cfg, min(timed, key=timed.get), gemm), m, x, timed)
             best = min(timed, key=timed.get)
             body["buckets"][str(m)] = best.to_json() | {"us": round(timed[best], 2)}
             _write_atomically(request.out, body)

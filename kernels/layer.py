@@ -12,9 +12,9 @@ from kernels.batch_invariant import row_by_row, triton_matmul
 from kernels.config import ActivationSpec, MoEConfig
 from kernels.input_checks import check_shapes
 from kernels.modular import DEFAULT_CHUNK_TOKENS, ModularKernel
-from kernels.routing import route
+from kernels.routing import mask_rows, route
 from kernels.selection import RuleTable, Selection, select
-from kernels.stages import HAS_TRITON, PrepareFinalize
+from kernels.stages import HAS_TRITON, PrepareFinalize, SideOutput
 from kernels.tensors import ExpertWeights, ForwardInputs, Routing
 from kernels.workspace import Workspace
 
@@ -82,12 +82,6 @@ class SharedExpert:
         return out
 
 
-def mask_rows(topk_ids: torch.Tensor, valid_rows: torch.Tensor) -> torch.Tensor:
-    """topk_ids [M, k] with rows from `valid_rows` (a 0-d tensor) on set to -1: routed nowhere."""
-    rows = torch.arange(topk_ids.shape[0], device=topk_ids.device)
-    return topk_ids.masked_fill((rows >= valid_rows)[:, None], -1)
-
-
 def expert_tokens(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """topk_ids [M, k] (-1: nowhere) -> how many pairs each expert got, [E] int64.
 
@@ -146,6 +140,11 @@ class MoELayer:
         self.kernel = kernel
         self.router = weights.router
         self.shared = weights.shared
+        device = kernel.workspace.device
+        # the shared experts' stream (kernels/modular.py); None: in line, in the caller's stream
+        self.side_stream = (
+            torch.cuda.Stream(device) if self.shared is not None and device.type == "cuda" else None
+        )
 
     def forward(
         self,
@@ -166,34 +165,46 @@ class MoELayer:
         invariant = self.batch_invariant
         if logits is None:
             logits = self.router.logits(hidden, invariant)
-        routing = self.route(logits)
-        if valid_rows is not None and self.kernel.experts.supports_expert_map:
-            routing = Routing(mask_rows(routing.topk_ids, valid_rows), routing.topk_weights)
-        shared = None
-        if self.shared is not None:
-
-            def shared(rows: slice) -> torch.Tensor:
-                return self.shared.forward(hidden[rows], invariant)
-
+        skip_padding = valid_rows is not None and self.kernel.experts.supports_expert_map
+        routing = self.route(logits, valid_rows if skip_padding else None)
+        # queued once the routing is: queued before the router, their GEMMs ran first and the
+        # router's GEMM and the routing kernel waited (H100, one token, the first profile)
+        shared = None if self.shared is None else self.shared_output(hidden)
         out = self.kernel.forward(hidden.to(cfg.dtype), routing, workspace=workspace, shared=shared)
         return LayerOutput(out, routing)
+
+    def shared_output(self, hidden: torch.Tensor) -> SideOutput:
+        """The shared experts' float32 output for hidden [M, H], queued on the side stream
+        where there is one. The caller's stream joins it where the sum reads it (SideOutput.wait);
+        buffers need no record_stream: each forward's side work first waits for the caller's
+        stream, so none of it reuses memory the previous forward still reads."""
+        if self.side_stream is None:
+            return SideOutput(self.shared.forward(hidden, self.batch_invariant))
+        self.side_stream.wait_stream(torch.cuda.current_stream(hidden.device))
+        with torch.cuda.stream(self.side_stream):
+            value = self.shared.forward(hidden, self.batch_invariant)
+            ready = torch.cuda.Event()
+            ready.record(self.side_stream)
+        return SideOutput(value, ready)
 
     @property
     def batch_invariant(self) -> bool:
         """Whether each row's output is independent of its batch (kernels/batch_invariant.py)."""
         return self.kernel.experts.batch_invariant
 
-    def route(self, logits: torch.Tensor) -> Routing:
-        """logits [M, E] -> routing; batch-invariant on the CPU, row by row (its elementwise
-        sigmoid, vectorised or not by position, differs by an ulp)."""
+    def route(self, logits: torch.Tensor, valid_rows: torch.Tensor | None = None) -> Routing:
+        """logits [M, E] -> routing (rows from `valid_rows` on routed nowhere); batch-invariant
+        on the CPU, row by row (its elementwise sigmoid, vectorised or not by position, differs
+        by an ulp)."""
         if self.batch_invariant and not logits.is_cuda:
 
             def one(row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 routing = route(row, self.cfg.routing, self.router.correction_bias)
                 return routing.topk_ids, routing.topk_weights
 
-            return Routing(*row_by_row(one, logits))
-        return route(logits, self.cfg.routing, self.router.correction_bias)
+            ids, weights = row_by_row(one, logits)
+            return Routing(ids if valid_rows is None else mask_rows(ids, valid_rows), weights)
+        return route(logits, self.cfg.routing, self.router.correction_bias, valid_rows)
 
 
 def build_layer(

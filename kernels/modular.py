@@ -1,33 +1,31 @@
 """The modular kernel: one PrepareFinalize composed with one Experts.
 
-    routing -> prepare (quantise, dispatch) -> experts (GEMM1 -> act -> GEMM2) -> [shared
-    experts] -> finalize -> + shared experts' output
+    routing -> prepare (quantise, dispatch) -> experts (GEMM1 -> act -> GEMM2) -> finalize
+            `-> [shared experts, on a side stream] ------------------------------^ (+ their output)
 
 Built once per layer. It checks the two stages agree on the activation format, reserves the
 experts' workspaces for `chunk_tokens` up front, and splits larger inputs into chunks of that
 size when the experts allow it. The service passes its --max-batch-tokens, so a batch is never
 split and the workspace holds exactly the largest batch.
 
-A layer's shared experts run between the prepare and the experts: after the prepare, so that
-naive-ep's sender broadcasts the tokens before it spends time on them (run before it, they held
-the other ranks 0.49 ms more at the broadcast: 2 x H200, DeepSeek-V3, 4096 tokens, 68fbac8's
-trace); before the finalize, so that where it waits for the other ranks (naive-ep reduces every
-rank's partial sums onto the sender) they are done, and a placement that gives the sender fewer
-routed experts takes them off the step's critical path. Their float32 output joins the routed
+A layer's shared experts run beside the routed experts: on GPUs `MoELayer` queues them on a side
+stream once the routing is chosen, and their output (`SideOutput`) is waited for only by the
+pass that adds it. In line, a one-token DeepSeek-V3 forward ran their three cuBLAS GEMMs (33 us
+of kernels on one H200, ef7e912's trace) between the routing and the routed experts; beside them
+they share the GPU with the routed chain's small kernels and GEMMs, and naive-ep's sender
+broadcasts its tokens without first spending time on them. Their float32 output joins the routed
 sum before its one rounding: experts that reduce top-k add it in their own sum's pass
 (`PrepareFinalize.sum_target` says where that sum goes), else the finalize does. Adding it
-afterwards to the rounded routed output took two more passes over the output (0.16 ms of an
-8.1 ms forward on one H200, 326f3fe's trace) and rounded twice.
+afterwards to the rounded routed output took two more passes over the output (0.16 ms of an 8.1
+ms forward on one H200, 326f3fe's trace) and rounded twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from kernels.batch_invariant import fixed_order_topk_sum
-from kernels.stages import DispatchSpec, Experts, PrepareFinalize
+from kernels.stages import DispatchSpec, Experts, PrepareFinalize, SideOutput
 from kernels.tensors import Routing
 from kernels.workspace import Workspace
 
@@ -69,12 +67,12 @@ class ModularKernel:
         routing: Routing,
         out: torch.Tensor | None = None,
         workspace: Workspace | None = None,
-        shared: Callable[[slice], torch.Tensor] | None = None,
+        shared: SideOutput | None = None,
     ) -> torch.Tensor:
         """hidden [M, K] + routing -> [M, K] in hidden's dtype (written into `out` if given).
 
         `workspace` replaces the kernel's own for this call (CUDA graphs own their buffers).
-        `shared(rows)`: the shared experts' float32 output for those rows, added to theirs."""
+        `shared`: the shared experts' float32 output [M, K], added to the routed sum."""
         out = torch.empty_like(hidden) if out is None else out
         ws = self.workspace if workspace is None else workspace
         m = self.prepare_finalize.planned_tokens(hidden)  # rows past this rank's end are empty
@@ -83,7 +81,7 @@ class ModularKernel:
             rows = slice(start, start + step)
             chunk = Routing(routing.topk_ids[rows], routing.topk_weights[rows])
             x = self.prepare_finalize.prepare(hidden[rows], chunk, self.spec, ws)
-            extra = None if shared is None else shared(rows)
+            extra = None if shared is None else shared.rows(rows)
             if self.experts.reduces_topk:
                 into = self.prepare_finalize.sum_target(x, out[rows], extra, ws)
                 y = self.experts.apply(x, ws, into)
@@ -95,4 +93,6 @@ class ModularKernel:
             if self.experts.batch_invariant:  # standard format: [M, k, K]
                 y, reduce = fixed_order_topk_sum(y, x.topk_ids, x.topk_weights), False
             self.prepare_finalize.finalize(y, x, out[rows], reduce=reduce, extra=extra)
+        if shared is not None:  # joined even where no rank's rows took it (naive-ep's others)
+            shared.wait()
         return out

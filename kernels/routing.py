@@ -35,19 +35,31 @@ def _limit_to_groups(choice: torch.Tensor, cfg: RoutingConfig) -> torch.Tensor:
     return grouped.masked_fill(~keep[..., None], float("-inf")).view(m, e)
 
 
+def mask_rows(topk_ids: torch.Tensor, valid_rows: torch.Tensor) -> torch.Tensor:
+    """topk_ids [M, k] with rows from `valid_rows` (a 0-d tensor) on set to -1: routed nowhere."""
+    rows = torch.arange(topk_ids.shape[0], device=topk_ids.device)
+    return topk_ids.masked_fill((rows >= valid_rows)[:, None], -1)
+
+
 def route(
     logits: torch.Tensor,
     cfg: RoutingConfig,
     correction_bias: torch.Tensor | None = None,
+    valid_rows: torch.Tensor | None = None,
 ) -> Routing:
     """logits [M, E] (+ score-correction bias [E]) -> Routing(topk_ids [M, k], weights [M, k]).
 
     The bias only steers the choice (DeepSeek-V3); weights come from the uncorrected scores.
-    On a GPU one Triton launch does it all (kernels.routing_kernel); elsewhere `route_torch`.
+    `valid_rows` (a 0-d int64 tensor, for CUDA graphs): rows from it on are padding, their ids
+    set to -1 (`mask_rows`). On a GPU one Triton launch does it all (kernels.routing_kernel);
+    elsewhere `route_torch`.
     """
     if logits.is_cuda and HAS_TRITON:
-        return route_rows(logits, cfg, correction_bias)
-    return route_torch(logits, cfg, correction_bias)
+        return route_rows(logits, cfg, correction_bias, valid_rows)
+    routing = route_torch(logits, cfg, correction_bias)
+    if valid_rows is None:
+        return routing
+    return Routing(mask_rows(routing.topk_ids, valid_rows), routing.topk_weights)
 
 
 def route_torch(

@@ -43,12 +43,12 @@ def _value(key):
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, bias_ptr, ids_ptr, weights_ptr, m, stride_m, scale,
+    logits_ptr, bias_ptr, valid_ptr, ids_ptr, weights_ptr, m, stride_m, scale,
     G: tl.constexpr, S: tl.constexpr, GP: tl.constexpr, SP: tl.constexpr,
     TOP_K: tl.constexpr, KP: tl.constexpr, TOPK_GROUPS: tl.constexpr, ROWS: tl.constexpr,
     SIGMOID: tl.constexpr, AFTER_TOPK: tl.constexpr, HAS_BIAS: tl.constexpr,
     LIMIT_GROUPS: tl.constexpr, TOP2_SUM: tl.constexpr, RENORMALIZE: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
+    HAS_VALID: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):  # fmt: skip
     # ROWS rows a program, each as [G, S] (groups x experts of a group) padded to [GP, SP]:
     # [ROWS, GP, SP] tensors, every reduction within a row.
@@ -124,6 +124,8 @@ def _route_kernel(
             total = tl.sum(tl.where(valid, vals, 0.0), axis=1)
             total = tl.where(total < 1e-20, 1e-20, total)  # clamp_min, NaN kept
             w = tl.math.div_rn(w, total[:, None])
+    if HAS_VALID:  # a CUDA graph's padding rows are routed nowhere
+        ids = tl.where(rows[:, None] < tl.load(valid_ptr), ids, -1)
     out = rows[:, None] * TOP_K + kr
     done = valid & (rows[:, None] < m)
     tl.store(ids_ptr + out, ids, mask=done)
@@ -146,9 +148,11 @@ def route_rows(
     logits: torch.Tensor,
     cfg: RoutingConfig,
     correction_bias: torch.Tensor | None = None,
+    valid_rows: torch.Tensor | None = None,
 ) -> Routing:
     """`kernels.routing.route` in one launch: logits [M, E] (float32, bfloat16 or float16;
-    + bias [E]) -> Routing(topk_ids int32 [M, k], topk_weights float32 [M, k]).
+    + bias [E]) -> Routing(topk_ids int32 [M, k], topk_weights float32 [M, k]); rows from
+    `valid_rows` (a 0-d int64 tensor on the device) on get ids of -1, as `mask_rows` sets them.
 
     No host sync: shapes alone decide what runs, so it can be captured in a CUDA graph. On a
     CPU tensor it runs only under Triton's interpreter (TRITON_INTERPRET=1)."""
@@ -171,7 +175,8 @@ def route_rows(
     block = triton.next_power_of_2(cfg.num_groups) * triton.next_power_of_2(size)
     rows = _rows_per_program(m, block, logits.is_cuda)
     _route_kernel[(triton.cdiv(m, rows),)](
-        logits, bias, ids, weights, m, logits.stride(0), float(cfg.routed_scaling_factor),
+        logits, bias, valid_rows, ids, weights, m, logits.stride(0),
+        float(cfg.routed_scaling_factor),
         G=cfg.num_groups, S=size,
         GP=triton.next_power_of_2(cfg.num_groups), SP=triton.next_power_of_2(size),
         TOP_K=cfg.top_k, KP=triton.next_power_of_2(cfg.top_k), TOPK_GROUPS=cfg.topk_groups,
@@ -180,7 +185,8 @@ def route_rows(
         HAS_BIAS=bias is not None and not after,
         LIMIT_GROUPS=cfg.num_groups > 1 and not after,
         TOP2_SUM=cfg.group_score == GroupScore.TOP2_SUM,
-        RENORMALIZE=cfg.renormalize, LIBDEVICE=libdevice_here(logits.is_cuda),
+        RENORMALIZE=cfg.renormalize, HAS_VALID=valid_rows is not None,
+        LIBDEVICE=libdevice_here(logits.is_cuda),
         num_warps=_num_warps(block * rows),
     )  # fmt: skip
     return Routing(ids, weights)

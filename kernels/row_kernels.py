@@ -12,8 +12,10 @@
 - `batch_stats_into`: what a CUDA graph reports of its batch, in one pass: tokens per expert over
   the valid rows, whether the valid output rows and every input row are finite. Torch took
   about 17 small kernels for it (a mask, a scatter, two flags, their stack): with this pass
-  (7.2 us) a one-token DeepSeek-V3 forward's kernels went from 170.7 to 152.7 us on the H200
-  (7e4d3a4 against ef7e912, one call: bench/results/layer-profile-h200-2026-11-27.md).
+  (7.2 us, a program per row) a one-token DeepSeek-V3 forward's kernels went from 170.7 to
+  152.7 us on the H200 (7e4d3a4 against ef7e912, one call:
+  bench/results/layer-profile-h200-2026-11-27.md). Programs now split each row's columns: a
+  one-row batch is no longer one program's serial loop.
 - `silu_and_mul`: the shared experts' activation, float32 GEMM output [M, 2I] -> silu(gate) * up
   rounded once to the layer's dtype for their second GEMM: torch's `silu`, `*` and `.to` bit for
   bit on a GPU (kernels/triton_math.py), one pass instead of three (76 us at 4096 DeepSeek-V3
@@ -66,13 +68,10 @@ def nonfinite_into(
 
 
 @triton.jit
-def _row_has_nonfinite(bits_ptr, row, cols, stride, MASK: tl.constexpr, BLOCK: tl.constexpr):
-    bad = tl.zeros((BLOCK,), dtype=tl.int32)
-    for c in range(0, cols, BLOCK):
-        offs = c + tl.arange(0, BLOCK)
-        bits = tl.load(bits_ptr + row * stride + offs, mask=offs < cols, other=0)
-        bad = tl.maximum(bad, ((bits & MASK) == MASK).to(tl.int32))
-    return tl.max(bad, axis=0) > 0
+def _has_nonfinite(bits_ptr, row, offs, cols, stride, MASK: tl.constexpr):
+    """Whether row `row`'s columns `offs` (those below cols) hold a NaN or Inf."""
+    bits = tl.load(bits_ptr + row * stride + offs, mask=offs < cols, other=0)
+    return tl.max(((bits & MASK) == MASK).to(tl.int32), axis=0) > 0
 
 
 @triton.jit
@@ -82,19 +81,22 @@ def _batch_stats_kernel(
     TOP_K: tl.constexpr, OUT_MASK: tl.constexpr, A_MASK: tl.constexpr, B_MASK: tl.constexpr,
     HAS_B: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Program r: row r's pairs counted and its output row checked (rows before valid_rows),
-    its input rows checked (every row). A flag is cleared by storing 0: any program may."""
+    """Program (r, c): row r's columns [c * BLOCK, (c + 1) * BLOCK) of the output checked (rows
+    before valid_rows) and of the inputs (every row); the first column block also counts row
+    r's pairs. A flag is cleared by storing 0: any program may."""
     row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     if row < tl.load(valid_ptr):
-        for slot in tl.static_range(TOP_K):
-            expert = tl.load(ids_ptr + row * TOP_K + slot).to(tl.int64)
-            if (expert >= 0) & (expert < num_experts):
-                tl.atomic_add(stats_ptr + expert, 1, sem="relaxed")
-        if _row_has_nonfinite(out_ptr, row, out_cols, out_stride, OUT_MASK, BLOCK):
+        if tl.program_id(1) == 0:
+            for slot in tl.static_range(TOP_K):
+                expert = tl.load(ids_ptr + row * TOP_K + slot).to(tl.int64)
+                if (expert >= 0) & (expert < num_experts):
+                    tl.atomic_add(stats_ptr + expert, 1, sem="relaxed")
+        if _has_nonfinite(out_ptr, row, offs, out_cols, out_stride, OUT_MASK):
             tl.store(stats_ptr + num_experts, 0)
-    bad = _row_has_nonfinite(a_ptr, row, a_cols, a_stride, A_MASK, BLOCK)
+    bad = _has_nonfinite(a_ptr, row, offs, a_cols, a_stride, A_MASK)
     if HAS_B:
-        bad = bad | _row_has_nonfinite(b_ptr, row, b_cols, b_stride, B_MASK, BLOCK)
+        bad = bad | _has_nonfinite(b_ptr, row, offs, b_cols, b_stride, B_MASK)
     if bad:
         tl.store(stats_ptr + num_experts + 1, 0)
 
@@ -117,11 +119,12 @@ def batch_stats_into(
     (out, out_mask), (a, a_mask) = output, inputs[0]
     b, b_mask = inputs[1] if len(inputs) > 1 else (a, a_mask)
     widest = max(t.shape[1] for t in (out, a, b))
-    _batch_stats_kernel[(rows,)](
+    block = min(_MAX_BLOCK, triton.next_power_of_2(widest))
+    _batch_stats_kernel[(rows, triton.cdiv(widest, block))](
         stats, topk_ids.contiguous(), valid_rows, stats.shape[0] - 2,
         out, out.shape[1], out.stride(0), a, a.shape[1], a.stride(0), b, b.shape[1], b.stride(0),
         TOP_K=top_k, OUT_MASK=out_mask, A_MASK=a_mask, B_MASK=b_mask, HAS_B=len(inputs) > 1,
-        BLOCK=min(_MAX_BLOCK, triton.next_power_of_2(widest)),
+        BLOCK=block,
     )  # fmt: skip
 
 

@@ -63,19 +63,43 @@ def cuda_capability(device: torch.device) -> tuple[int, int] | None:
 
 
 @dataclass(frozen=True)
+class SideOutput:
+    """A tensor another CUDA stream writes (the shared experts' output, computed beside the
+    router and the routed experts): `ready` fires once it is written; None: it already is, in
+    the reader's stream order (the CPU, or no side stream)."""
+
+    value: torch.Tensor
+    ready: torch.cuda.Event | None = None
+
+    def rows(self, rows: slice) -> SideOutput:
+        return SideOutput(self.value[rows], self.ready)
+
+    def wait(self) -> torch.Tensor:
+        """The value, for work queued from now on: the current stream waits for the writer."""
+        if self.ready is not None:
+            torch.cuda.current_stream(self.value.device).wait_event(self.ready)
+        return self.value
+
+
+@dataclass(frozen=True)
 class SumTarget:
     """Where experts that reduce top-k write each token's weighted sum: `out` [M, K], the layer's
     dtype or float32 (a partial sum other ranks' partial sums are added to), with `extra`
     (float32 [M, K], the shared experts' output) added in float32 before the one rounding."""
 
     out: torch.Tensor
-    extra: torch.Tensor | None = None
+    extra: SideOutput | None = None
+
+    def ready_extra(self) -> torch.Tensor | None:
+        """extra's value for the pass about to be queued (which then runs after its writer)."""
+        return None if self.extra is None else self.extra.wait()
 
     def write(self, summed: torch.Tensor) -> torch.Tensor:
         """summed [M, K] (+ extra) into out in one pass, rounded once; returns out. For a sum
         made elsewhere (experts without a pass of their own, finalize after a collective)."""
-        if self.extra is not None:
-            torch.add(summed, self.extra, out=self.out)
+        extra = self.ready_extra()
+        if extra is not None:
+            torch.add(summed, extra, out=self.out)
         elif summed.data_ptr() != self.out.data_ptr():
             self.out.copy_(summed)
         return self.out
@@ -209,7 +233,7 @@ class PrepareFinalize(ABC):
         self,
         x: Dispatched,  # noqa: ARG002
         out: torch.Tensor,
-        extra: torch.Tensor | None,
+        extra: SideOutput | None,
         ws: Workspace,  # noqa: ARG002
     ) -> SumTarget:
         """Where experts that reduce top-k write the sum for `x` (prepare's), given the chunk's
@@ -223,7 +247,7 @@ class PrepareFinalize(ABC):
         x: Dispatched,
         out: torch.Tensor,
         reduce: bool,
-        extra: torch.Tensor | None = None,
+        extra: SideOutput | None = None,
     ) -> None:
         """Write the layer output [M, K] into `out`; weigh and sum over top-k when `reduce`;
         add `extra` (float32 [M, K] of this rank's own rows) before rounding to out's dtype."""

@@ -179,7 +179,13 @@ class DeepGemmExperts(DeepGemmBase):
         y = ws.get("dg_out", (rows, hidden), torch.bfloat16)
         self.grouped_gemm((q, q_scale), self.w2(), y, layout)
         return weighted_sum(
-            y, self.weights.w2_bias, layout, x.topk_ids, x.topk_weights, into.out, into.extra
+            y,
+            self.weights.w2_bias,
+            layout,
+            x.topk_ids,
+            x.topk_weights,
+            into.out,
+            into.ready_extra(),
         )
 
 

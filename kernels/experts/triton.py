@@ -186,7 +186,7 @@ class TritonExperts(_TritonBase):
         )  # fmt: skip
         if into is None:
             into = SumTarget(torch.empty(m, self.cfg.hidden_size, device=x.hidden.device))
-        return topk_sum(pair_out, x.topk_ids, into.out, into.extra)
+        return topk_sum(pair_out, x.topk_ids, into.out, into.ready_extra())
 
 
 class TritonBatchedExperts(_TritonBase):

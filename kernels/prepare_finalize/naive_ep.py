@@ -51,6 +51,7 @@ from kernels.stages import (
     YES,
     DispatchSpec,
     PrepareFinalize,
+    SideOutput,
     SumTarget,
     Support,
     weighted_topk_sum,
@@ -184,7 +185,7 @@ class NaiveEP(PrepareFinalize):
         return Dispatched(x, scale, spec.act_quant, to_local_ids(ids, spec.expert_map), weights)
 
     def sum_target(
-        self, x: Dispatched, out: torch.Tensor, extra: torch.Tensor | None, ws: Workspace
+        self, x: Dispatched, out: torch.Tensor, extra: SideOutput | None, ws: Workspace
     ) -> SumTarget:
         """This rank's float32 partial sum over every rank's tokens [M, K], so the ranks' sum
         rounds once. The sender adds its shared experts' output there, before the reduce: the

@@ -188,3 +188,32 @@ def test_a_copys_outputs_survive_the_other_copies_replays(backend: str) -> None:
                 assert torch.equal(got.routing.topk_ids, eager.routing.topk_ids), where
                 error = relative_error(got.output, eager.output)
                 assert error < TOLERANCE["deepseek-like"], f"{where}: {error:.2e}"
+
+
+@pytest.mark.parametrize("backend", CAPTURABLE)
+def test_shared_experts_on_the_side_stream_answer_as_in_line(backend: str) -> None:
+    """The shared experts run on a side stream, joined only by the pass that adds their
+    output: eager and captured, the layer's output is bit-identical to the forward that runs
+    them in line, at one token and past the largest bucket's half. A shared expert wider than
+    the routed ones, so that a missing wait would read its output unwritten."""
+    cfg = LAYERS["deepseek-like"]
+    support = experts_backends()[backend].supports(cfg, CUDA)
+    if not support:
+        pytest.skip(f"{backend} does not run deepseek-like: {support.reason}")
+    weights = random_layer(cfg, CUDA, seed=8, router=True, shared_intermediate=16 * SHARED)
+    layer, _ = build_layer(cfg, weights, CUDA, backend)
+    assert layer.side_stream is not None
+    with torch.inference_mode():
+        side = LayerGraphs(layer, CUDA, MAX_TOKENS, with_logits=False)
+        side.capture()
+        batches = [torch.randn(m, cfg.hidden_size, device=CUDA).to(cfg.dtype) for m in (1, 49)]
+        eager_side = [layer.forward(ForwardInputs(x)).output for x in batches]
+        replay_side = [side.forward(ForwardInputs(x)).output.output.clone() for x in batches]
+        layer.side_stream = None
+        in_line = LayerGraphs(layer, CUDA, MAX_TOKENS, with_logits=False)
+        in_line.capture()
+        for i, x in enumerate(batches):
+            where = f"{backend} m={len(x)}"
+            assert torch.equal(eager_side[i], layer.forward(ForwardInputs(x)).output), where
+            replay = in_line.forward(ForwardInputs(x)).output.output
+            assert torch.equal(replay_side[i], replay), where

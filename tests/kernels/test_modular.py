@@ -17,7 +17,7 @@ from kernels.prepare_finalize.no_ep import NoEP
 from kernels.quant_scheme import QuantConfig, QuantScheme
 from kernels.random_weights import random_expert_weights
 from kernels.routing import route
-from kernels.stages import Experts, Support
+from kernels.stages import Experts, SideOutput, Support
 from kernels.tensors import Format
 from kernels.workspace import Workspace
 
@@ -177,43 +177,18 @@ def test_unknown_quant_scheme_lists_the_valid_ones() -> None:
         QuantConfig("fp4")
 
 
-class _OrderedNoEP(NoEP):
-    """NoEP recording when its prepare and finalize run."""
-
-    def __init__(self, events: list[str]) -> None:
-        super().__init__()
-        self.events = events
-
-    def prepare(self, hidden, routing, spec, ws):
-        self.events.append("prepare")
-        return super().prepare(hidden, routing, spec, ws)
-
-    def finalize(self, expert_out, x, out, reduce, extra=None) -> None:
-        self.events.append("finalize")
-        super().finalize(expert_out, x, out, reduce, extra)
-
-
 @pytest.mark.parametrize("m", [1, 7, 150])  # 150: three chunks of 64
-def test_shared_experts_run_between_prepare_and_finalize_and_join_the_sum_before_its_rounding(
+def test_shared_experts_output_joins_the_sum_before_its_rounding_each_chunk_its_own_rows(
     tiny_config: MoEConfig, m: int
 ) -> None:
-    """After the prepare, whose broadcast naive-ep's other ranks wait for, and before the
-    finalize, where its sender waits for them; their output is added to the routed float32
-    sum, each chunk's to its own rows, and the sum rounds once."""
+    """The shared experts' float32 output is added to the routed float32 sum, each chunk's to
+    its own rows, and the sum rounds once."""
     cfg = dataclasses.replace(tiny_config, dtype=torch.bfloat16)
-    events: list[str] = []
     experts = ReferenceExperts(cfg, random_expert_weights(cfg))
-    kernel = ModularKernel(_OrderedNoEP(events), experts, Workspace("cpu"), chunk_tokens=64)
+    kernel = ModularKernel(NoEP(), experts, Workspace("cpu"), chunk_tokens=64)
     hidden = torch.randn(m, 64).bfloat16()
     routing = route(torch.randn(m, 4), cfg.routing)
     extra = torch.randn(m, 64)
-
-    def shared(rows: slice) -> torch.Tensor:
-        events.append("shared")
-        return extra[rows]
-
-    out = kernel.forward(hidden, routing, shared=shared)
-    chunks = -(-m // 64)
-    assert events == ["prepare", "shared", "finalize"] * chunks
+    out = kernel.forward(hidden, routing, shared=SideOutput(extra))
     routed = kernel.forward(hidden, routing, out=torch.empty(m, 64))  # float32: not rounded
     assert torch.equal(out, (routed + extra).bfloat16())

@@ -18,7 +18,7 @@ import torch
 
 from kernels.config import GroupScore, RoutingConfig, Scoring
 from kernels.random_weights import stable_seed
-from kernels.routing import _limit_to_groups, route, route_torch
+from kernels.routing import _limit_to_groups, mask_rows, route, route_torch
 from kernels.routing_kernel import route_rows
 from kernels.tensors import Routing
 from tests.kernels.test_routing import CASES
@@ -187,6 +187,21 @@ def test_no_tokens_no_launch(name: str, device) -> None:
     routing = route_rows(torch.empty(0, 16, device=device), cfg)
     assert routing.topk_ids.shape == routing.topk_weights.shape == (0, cfg.top_k)
     assert routing.topk_ids.dtype == torch.int32 and routing.topk_ids.device.type == device.type
+
+
+@pytest.mark.parametrize("valid", [0, 1, 36, 37])
+def test_rows_past_valid_rows_are_routed_nowhere(valid: int, device) -> None:
+    """A CUDA graph's padding: ids -1 from valid_rows on, as `mask_rows` sets them on the torch
+    path; the valid rows' ids and every weight as routed without it."""
+    cfg = CASES["deepseek-v3"]
+    logits, bias = _random(37, 16, cfg, "valid", True, device)
+    valid_rows = torch.tensor(valid, device=device)
+    got = route_rows(logits, cfg, bias, valid_rows)
+    full = route_rows(logits, cfg, bias)
+    assert torch.equal(got.topk_ids, mask_rows(full.topk_ids, valid_rows))
+    assert (got.topk_ids[valid:] == -1).all() and (got.topk_ids[:valid] >= 0).all()
+    assert torch.equal(got.topk_weights, full.topk_weights)
+    assert torch.equal(route(logits, cfg, bias, valid_rows).topk_ids, got.topk_ids)
 
 
 def test_half_precision_strided_logits_and_bias(device) -> None:

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from kernels.input_checks import NONFINITE_BITS, all_finite_on_device, bit_rows, finite_flag
-from kernels.layer import expert_tokens, mask_rows
+from kernels.layer import expert_tokens
 from kernels.layer_graphs import zero_padding
+from kernels.routing import mask_rows
 from kernels.row_kernels import batch_stats_into, nonfinite_into, silu_and_mul, zero_rows_from
 from kernels.tensors import ForwardInputs
 
@@ -98,25 +99,26 @@ def test_batch_stats_equal_the_torch_counts_and_flags_they_replace(
 ) -> None:
     """One pass against the torch composition a graph ran before: pairs per expert over the
     valid rows (ids of -1 nowhere), the output's valid rows finite, every input row finite.
-    NaN or Inf in a padded output row is not counted; in a padded input row it is."""
-    rows, k, num_experts = 7, 3, 10
+    NaN or Inf in a padded output row is not counted; in a padded input row it is. Rows of
+    2100 columns: three column blocks, the bad values in the second and third."""
+    rows, k, num_experts, cols = 7, 3, 10, 2100
     g = torch.Generator().manual_seed(valid)
     ids = torch.randint(-1, num_experts, (rows, k), generator=g, dtype=torch.int32).to(device)
     valid_rows = torch.tensor(valid, device=device)
     cases = {
         "finite": (None, None),
-        "bad output, valid row": ((0, 5), None),
-        "bad output, padded row": ((6, 5), None),
-        "bad input, padded row": (None, (6, 1)),
+        "bad output, valid row": ((0, 2050), None),
+        "bad output, padded row": ((6, 1030), None),
+        "bad input, padded row": (None, 6),  # in its last column
     }
     for name, (bad_out, bad_in) in cases.items():
-        out = torch.randn(rows, 300, generator=g).bfloat16().to(device)
-        hidden = torch.randn(rows, 300, generator=g).bfloat16().to(device)
+        out = torch.randn(rows, cols, generator=g).bfloat16().to(device)
+        hidden = torch.randn(rows, cols, generator=g).bfloat16().to(device)
         logits = torch.randn(rows, num_experts, generator=g).to(device) if with_logits else None
         if bad_out:
             out[bad_out] = float("nan")
         if bad_in:
-            (logits if with_logits else hidden)[bad_in] = float("inf")
+            (logits if with_logits else hidden)[bad_in, -1] = float("inf")
         stats = torch.tensor([0] * num_experts + [1, 1], device=device)
         inputs = [bit_rows(t) for t in (hidden, logits) if t is not None]
         batch_stats_into(stats, ids, valid_rows, bit_rows(out), inputs)

@@ -28,6 +28,7 @@ from kernels.quant_scheme import FP8, ActQuant, QuantScheme
 from kernels.quantize import quantize_activation
 from kernels.random_weights import random_expert_weights
 from kernels.routing import contiguous_expert_map
+from kernels.stages import SideOutput
 from kernels.tensors import Format
 from kernels.workspace import Workspace
 from tests.kernels.triton_cases import (
@@ -238,7 +239,7 @@ def test_shared_output_joins_the_top_k_sum_before_its_one_rounding(
     def forward(experts_cls: type) -> torch.Tensor:
         kernel = ModularKernel(NoEP(), experts_cls(cfg, weights), Workspace(device))
         out = torch.empty(m, 64, dtype=out_dtype, device=device)
-        return kernel.forward(hidden, routing, out=out, shared=lambda rows: extra[rows])
+        return kernel.forward(hidden, routing, out=out, shared=SideOutput(extra))
 
     got, want = forward(TritonExperts), forward(ReferenceExperts)
     assert got.dtype == out_dtype
@@ -320,6 +321,29 @@ def test_tune_later_rounds_vary_gemm2_alone_then_the_program_order_of_both() -> 
     third = order_choices(second[-1])
     assert sorted(t.gemm1.group_m for t in third) == sorted(t.gemm2.group_m for t in third)
     assert len({t.gemm1.group_m for t in third}) == len(third) == 3
+
+
+def test_tune_decode_round_varies_one_gemm_past_four_stages_within_shared_memory() -> None:
+    from bench.tune import decode_choices
+
+    cfg = Case(QuantScheme.FP8_BLOCK).config()
+    best = tiles.heuristic_tiles(cfg, 1)
+    for gemm, other in (("gemm1", "gemm2"), ("gemm2", "gemm1")):
+        found = decode_choices(cfg, best, gemm)
+        assert all(getattr(t, other) == getattr(best, other) for t in found)
+        varied = [getattr(t, gemm) for t in found]
+        assert max(t.num_stages for t in varied) > 4
+        assert {t.block_n for t in varied} == {32, 64, 128}
+        b_tiles = 2 if gemm == "gemm1" else 1
+        assert all(
+            (best.block_m + b_tiles * t.block_n) * t.block_k * t.num_stages
+            <= tiles.SMEM_BUDGET_BYTES
+            for t in varied
+        )
+    # GEMM1's two weight tiles: its deepest 128-wide pipeline does not fit where GEMM2's does
+    deepest = {g: max(getattr(t, g).num_stages for t in decode_choices(cfg, best, g)
+                      if getattr(t, g).block_n == 128) for g in ("gemm1", "gemm2")}  # fmt: skip
+    assert deepest["gemm1"] < deepest["gemm2"]
 
 
 def test_tune_shape_accepts_names_and_four_integers_and_names_the_format_on_error() -> None:

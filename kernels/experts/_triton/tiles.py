@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 INVARIANT_TOKENS = 64  # batch-invariant experts run the tiles of this token count at every M
 _BUCKET_REACH = 2.0  # a tuned bucket answers for token counts within this factor of it
-_SMEM_BUDGET_BYTES = 160 * 1024  # of Hopper's 227 KiB per block, leaving room for the epilogue
+SMEM_BUDGET_BYTES = 160 * 1024  # of Hopper's 227 KiB per block, leaving room for the epilogue
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ def _tuned_table(filename: str) -> dict[int, LayerTiles]:
 def stages_for(block_m: int, block_n: int, block_k: int, b_tiles: int, elem_bytes: int) -> int:
     """As many pipeline stages (2 to 4) as fit the shared-memory budget."""
     per_stage = (block_m * block_k + b_tiles * block_k * block_n) * elem_bytes
-    return max(2, min(4, _SMEM_BUDGET_BYTES // per_stage))
+    return max(2, min(4, SMEM_BUDGET_BYTES // per_stage))
 
 
 def nested_block_k(cfg: MoEConfig, block_k: int) -> int:
