@@ -38,7 +38,9 @@ _GEMM_CHOICES = ((64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 64, 4))
 _GEMM2_CHOICES = (*_GEMM_CHOICES, (256, 64, 8), (256, 128, 8))
 _GROUP_M_CHOICES = (0, 8, 32)  # GemmTile.group_m, both GEMMs alike
 # decode round: (block_n, num_warps, num_stages) for each GEMM in turn, where they fit
-_DECODE_CHOICES = tuple((n, w, s) for n in (32, 64, 128) for w in (2, 4) for s in (3, 4, 6, 8))
+_DECODE_CHOICES = tuple(
+    (n, w, s) for n in (16, 32, 64, 128) for w in (1, 2, 4) for s in (2, 3, 4, 6, 8)
+)
 _DECODE_ROWS_PER_EXPERT = 16
 
 
