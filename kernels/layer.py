@@ -167,17 +167,16 @@ class MoELayer:
             logits = self.router.logits(hidden, invariant)
         skip_padding = valid_rows is not None and self.kernel.experts.supports_expert_map
         routing = self.route(logits, valid_rows if skip_padding else None)
-        # queued once the routing is: queued before the router, their GEMMs ran first and the
-        # router's GEMM and the routing kernel waited (H100, one token, the first profile)
-        shared = None if self.shared is None else self.shared_output(hidden)
+        shared = None if self.shared is None else functools.partial(self.shared_output, hidden)
         out = self.kernel.forward(hidden.to(cfg.dtype), routing, workspace=workspace, shared=shared)
         return LayerOutput(out, routing)
 
     def shared_output(self, hidden: torch.Tensor) -> SideOutput:
         """The shared experts' float32 output for hidden [M, H], queued on the side stream
-        where there is one. The caller's stream joins it where the sum reads it (SideOutput.wait);
-        buffers need no record_stream: each forward's side work first waits for the caller's
-        stream, so none of it reuses memory the previous forward still reads."""
+        where there is one, after all the caller's stream holds so far (kernels/modular.py says
+        when the kernel calls this). The caller's stream joins it where the sum reads it
+        (SideOutput.wait); buffers need no record_stream: each forward's side work first waits
+        for the caller's stream, so none of it reuses memory the previous forward still reads."""
         if self.side_stream is None:
             return SideOutput(self.shared.forward(hidden, self.batch_invariant))
         self.side_stream.wait_stream(torch.cuda.current_stream(hidden.device))

@@ -8,19 +8,22 @@ experts' workspaces for `chunk_tokens` up front, and splits larger inputs into c
 size when the experts allow it. The service passes its --max-batch-tokens, so a batch is never
 split and the workspace holds exactly the largest batch.
 
-A layer's shared experts run beside the routed experts: on GPUs `MoELayer` queues them on a side
-stream once the routing is chosen, and their output (`SideOutput`) is waited for only by the
-pass that adds it. In line, a one-token DeepSeek-V3 forward ran their three cuBLAS GEMMs (33 us
-of kernels on one H200, ef7e912's trace) between the routing and the routed experts; beside them
-they share the GPU with the routed chain's small kernels and GEMMs, and naive-ep's sender
-broadcasts its tokens without first spending time on them. Their float32 output joins the routed
-sum before its one rounding: experts that reduce top-k add it in their own sum's pass
-(`PrepareFinalize.sum_target` says where that sum goes), else the finalize does. Adding it
-afterwards to the rounded routed output took two more passes over the output (0.16 ms of an 8.1
-ms forward on one H200, 326f3fe's trace) and rounded twice.
+A layer's shared experts run beside the routed experts: on GPUs `MoELayer` has them queued on a
+side stream after the first prepare, which the side stream waits for, and their output
+(`SideOutput`) is waited for only by the pass that adds it. In line, a one-token DeepSeek-V3
+forward ran their three cuBLAS GEMMs (33 us of kernels on one H200, ef7e912's trace) between the
+routing and the routed experts. Queued before the router, they held up its GEMM and the routing
+kernel; queued before naive-ep's broadcast completes, they slowed its sender's broadcast and so
+every other rank (2 x H200, 4096 tokens: 1.65x one GPU against 1.72x in line, 45b344d). Their
+float32 output joins the routed sum before its one rounding: experts that reduce top-k add it in
+their own sum's pass (`PrepareFinalize.sum_target` says where that sum goes), else the finalize
+does. Adding it afterwards to the rounded routed output took two more passes over the output
+(0.16 ms of an 8.1 ms forward on one H200, 326f3fe's trace) and rounded twice.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -67,20 +70,24 @@ class ModularKernel:
         routing: Routing,
         out: torch.Tensor | None = None,
         workspace: Workspace | None = None,
-        shared: SideOutput | None = None,
+        shared: Callable[[], SideOutput] | None = None,
     ) -> torch.Tensor:
         """hidden [M, K] + routing -> [M, K] in hidden's dtype (written into `out` if given).
 
         `workspace` replaces the kernel's own for this call (CUDA graphs own their buffers).
-        `shared`: the shared experts' float32 output [M, K], added to the routed sum."""
+        `shared()` queues the shared experts and returns their float32 output [M, K], added to
+        the routed sum; called once, after the first prepare (module doc)."""
         out = torch.empty_like(hidden) if out is None else out
         ws = self.workspace if workspace is None else workspace
         m = self.prepare_finalize.planned_tokens(hidden)  # rows past this rank's end are empty
         step = self.chunk_tokens if self.experts.supports_chunking else max(m, 1)
+        queue_shared, shared = shared, None
         for start in range(0, m, step):
             rows = slice(start, start + step)
             chunk = Routing(routing.topk_ids[rows], routing.topk_weights[rows])
             x = self.prepare_finalize.prepare(hidden[rows], chunk, self.spec, ws)
+            if queue_shared is not None and shared is None:
+                shared = queue_shared()
             extra = None if shared is None else shared.rows(rows)
             if self.experts.reduces_topk:
                 into = self.prepare_finalize.sum_target(x, out[rows], extra, ws)
@@ -93,6 +100,8 @@ class ModularKernel:
             if self.experts.batch_invariant:  # standard format: [M, k, K]
                 y, reduce = fixed_order_topk_sum(y, x.topk_ids, x.topk_weights), False
             self.prepare_finalize.finalize(y, x, out[rows], reduce=reduce, extra=extra)
+        if queue_shared is not None and shared is None:  # no chunk: no tokens on any rank
+            shared = queue_shared()
         if shared is not None:  # joined even where no rank's rows took it (naive-ep's others)
             shared.wait()
         return out

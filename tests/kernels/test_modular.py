@@ -177,18 +177,38 @@ def test_unknown_quant_scheme_lists_the_valid_ones() -> None:
         QuantConfig("fp4")
 
 
+class _OrderedNoEP(NoEP):
+    """NoEP recording when its prepare runs."""
+
+    def __init__(self, events: list[str]) -> None:
+        super().__init__()
+        self.events = events
+
+    def prepare(self, hidden, routing, spec, ws):
+        self.events.append("prepare")
+        return super().prepare(hidden, routing, spec, ws)
+
+
 @pytest.mark.parametrize("m", [1, 7, 150])  # 150: three chunks of 64
-def test_shared_experts_output_joins_the_sum_before_its_rounding_each_chunk_its_own_rows(
+def test_shared_experts_queued_once_after_the_first_prepare_join_the_sum_before_its_rounding(
     tiny_config: MoEConfig, m: int
 ) -> None:
-    """The shared experts' float32 output is added to the routed float32 sum, each chunk's to
-    its own rows, and the sum rounds once."""
+    """Queued after the first prepare (naive-ep's broadcast: kernels/modular.py), once for all
+    the rows; their float32 output is added to the routed float32 sum, each chunk's to its own
+    rows, and the sum rounds once."""
     cfg = dataclasses.replace(tiny_config, dtype=torch.bfloat16)
+    events: list[str] = []
     experts = ReferenceExperts(cfg, random_expert_weights(cfg))
-    kernel = ModularKernel(NoEP(), experts, Workspace("cpu"), chunk_tokens=64)
+    kernel = ModularKernel(_OrderedNoEP(events), experts, Workspace("cpu"), chunk_tokens=64)
     hidden = torch.randn(m, 64).bfloat16()
     routing = route(torch.randn(m, 4), cfg.routing)
     extra = torch.randn(m, 64)
-    out = kernel.forward(hidden, routing, shared=SideOutput(extra))
+
+    def shared() -> SideOutput:
+        events.append("shared")
+        return SideOutput(extra)
+
+    out = kernel.forward(hidden, routing, shared=shared)
+    assert events == ["prepare", "shared"] + ["prepare"] * (-(-m // 64) - 1)
     routed = kernel.forward(hidden, routing, out=torch.empty(m, 64))  # float32: not rounded
     assert torch.equal(out, (routed + extra).bfloat16())

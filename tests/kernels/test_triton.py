@@ -239,7 +239,7 @@ def test_shared_output_joins_the_top_k_sum_before_its_one_rounding(
     def forward(experts_cls: type) -> torch.Tensor:
         kernel = ModularKernel(NoEP(), experts_cls(cfg, weights), Workspace(device))
         out = torch.empty(m, 64, dtype=out_dtype, device=device)
-        return kernel.forward(hidden, routing, out=out, shared=SideOutput(extra))
+        return kernel.forward(hidden, routing, out=out, shared=lambda: SideOutput(extra))
 
     got, want = forward(TritonExperts), forward(ReferenceExperts)
     assert got.dtype == out_dtype
