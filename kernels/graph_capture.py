@@ -9,6 +9,14 @@ until the capture ends.
 
 thread_local: the service's other threads (the completer waiting on events, another layer's
 launches) may make CUDA calls meanwhile, which a global capture would refuse.
+
+Graphs capture on a stream of high priority, and a captured kernel keeps the priority of the
+stream it was captured on (torch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority).
+Work forked onto a stream of default priority inside the capture (the shared experts' side
+stream, kernels/modular.py) then gives way to the forward's own chain: when an SM frees, the
+chain's next block goes first. Without it, the one-token DeepSeek-V3 forward's single-program
+align kernel waited behind the shared experts' GEMM blocks, 17.6 us instead of 1.8 (H100 trace,
+bench/results/layer-profile-h100-2026-11-27-seventh.md).
 """
 
 from __future__ import annotations
@@ -45,14 +53,18 @@ class _CollectorHold:
 
 
 _HOLD = _CollectorHold()
+CAPTURE_PRIORITY = -1  # above the default 0 (CUDA: lower numbers run first; torch clamps)
 
 
 @contextmanager
 def capturing(graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None = None) -> Iterator[None]:
-    """`torch.cuda.graph(graph, pool)` on the current device, the collector off meanwhile."""
+    """`torch.cuda.graph(graph, pool)` on the current device, on a high-priority stream
+    from torch's pool (each capture takes the next: threads may capture at once), the collector
+    off meanwhile."""
     _HOLD.begin()
     try:
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        stream = torch.cuda.Stream(priority=CAPTURE_PRIORITY)
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             yield
     finally:
         _HOLD.end()

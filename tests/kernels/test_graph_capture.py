@@ -13,7 +13,8 @@ from kernels.graph_capture import capturing
 
 @pytest.fixture
 def fake_capture(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """torch.cuda.graph replaced by a recorder of whether the collector ran during it."""
+    """torch.cuda.graph replaced by a recorder of whether the collector ran during it (and
+    torch.cuda.Stream by a stand-in: these run without a GPU)."""
     seen: list[bool] = []
 
     @contextmanager
@@ -22,6 +23,7 @@ def fake_capture(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
         yield
 
     monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda **_kwargs: None)
     return seen
 
 
@@ -86,3 +88,17 @@ def test_an_unreachable_graph_is_not_collected_while_another_captures() -> None:
     graph.replay()
     assert y.tolist() == [6.0] * 4
     gc.collect()  # the old graph goes now, outside any capture
+
+
+@pytest.mark.gpu
+def test_graphs_capture_on_a_stream_above_the_default_priority() -> None:
+    """What lets the captured forward's own kernels go before its side stream's (module doc)."""
+    default = torch.cuda.Stream().priority
+    graph = torch.cuda.CUDAGraph()
+    x = torch.ones(4, device="cuda")
+    with capturing(graph):
+        priority = torch.cuda.current_stream().priority
+        x.add_(1)
+    assert priority < default
+    graph.replay()
+    assert x.tolist() == [2.0] * 4
