@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.arith import round_up
+from kernels.dependent_launch import begin, dependent_launch
 
 _FUSED_MAX_PAIRS = 128  # [pairs, pairs] tiles one program handles well
 _PAIR_BLOCK = 1024
@@ -77,8 +78,10 @@ def align_pairs_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) ->
 def _align_kernel(
     ids_ptr, row_ids_ptr, block_expert_ptr, num_pairs, num_experts, capacity,
     BLOCK_M: tl.constexpr, P_BLOCK: tl.constexpr, B_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One program, each pair against every other: [P, P] tiles, rows p, columns q."""
+    begin(PDL)
     pairs = tl.arange(0, P_BLOCK)
     ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
     here = (ids >= 0) & (ids < num_experts)
@@ -104,8 +107,11 @@ def _align_kernel(
 
 
 @triton.jit
-def rank_pairs_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, num_experts, BLOCK: tl.constexpr):
+def rank_pairs_kernel(
+    ids_ptr, counts_ptr, rank_ptr, num_pairs, num_experts, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     """Count each expert's pairs; each pair's rank is the count its increment saw."""
+    begin(PDL)
     pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
     here = (ids >= 0) & (ids < num_experts)
@@ -116,11 +122,12 @@ def rank_pairs_kernel(ids_ptr, counts_ptr, rank_ptr, num_pairs, num_experts, BLO
 @triton.jit
 def _runs_kernel(
     counts_ptr, start_ptr, row_ids_ptr, block_expert_ptr, num_pairs, num_experts, capacity,
-    BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, E_BLOCK: tl.constexpr, C_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program c: padding in rows [c * C_BLOCK, (c + 1) * C_BLOCK) and their blocks' experts;
     program 0 also the padded run starts. Every program sums the counts itself: one program
     doing every row took 36 us at 4096 DeepSeek-V3 tokens (H200), longer than the placing."""
+    begin(PDL)
     experts = tl.arange(0, E_BLOCK)
     counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -139,7 +146,8 @@ def _runs_kernel(
 
 @triton.jit
 def _place_kernel(ids_ptr, rank_ptr, start_ptr, row_ids_ptr, num_pairs, num_experts,
-                  BLOCK: tl.constexpr):  # fmt: skip
+                  BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    begin(PDL)
     pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ids = tl.load(ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
     here = (ids >= 0) & (ids < num_experts)
@@ -162,11 +170,13 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     ids = topk_ids.contiguous()
     row_ids = torch.empty(capacity, dtype=torch.int32, device=device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=device)
+    pdl = dependent_launch(device)
     if num_pairs <= _FUSED_MAX_PAIRS:
         p_block = triton.next_power_of_2(max(num_pairs, 16))
         _align_kernel[(1,)](
             ids, row_ids, block_expert, num_pairs, num_experts, capacity,
-            BLOCK_M=block_m, P_BLOCK=p_block, B_BLOCK=32, C_BLOCK=256, num_warps=4,
+            BLOCK_M=block_m, P_BLOCK=p_block, B_BLOCK=32, C_BLOCK=256, PDL=pdl, num_warps=4,
+            launch_pdl=pdl,
         )  # fmt: skip
         return AlignedPairs(row_ids, block_expert, num_pairs, block_m)
     e_block = triton.next_power_of_2(num_experts + 1)
@@ -174,11 +184,13 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Align
     rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
     start = torch.empty(num_experts, dtype=torch.int32, device=device)
     grid = (triton.cdiv(num_pairs, _PAIR_BLOCK),)
-    rank_pairs_kernel[grid](ids, counts, rank, num_pairs, num_experts, BLOCK=_PAIR_BLOCK)
+    rank_pairs_kernel[grid](ids, counts, rank, num_pairs, num_experts, BLOCK=_PAIR_BLOCK,
+                            PDL=pdl, launch_pdl=pdl)  # fmt: skip
     c_block = max(block_m, 1024)  # a multiple of block_m (a power of two)
     _runs_kernel[(triton.cdiv(capacity, c_block),)](
         counts, start, row_ids, block_expert, num_pairs, num_experts, capacity,
-        BLOCK_M=block_m, E_BLOCK=e_block, C_BLOCK=c_block, num_warps=4,
+        BLOCK_M=block_m, E_BLOCK=e_block, C_BLOCK=c_block, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
-    _place_kernel[grid](ids, rank, start, row_ids, num_pairs, num_experts, BLOCK=_PAIR_BLOCK)
+    _place_kernel[grid](ids, rank, start, row_ids, num_pairs, num_experts, BLOCK=_PAIR_BLOCK,
+                        PDL=pdl, launch_pdl=pdl)  # fmt: skip
     return AlignedPairs(row_ids, block_expert, num_pairs, block_m)

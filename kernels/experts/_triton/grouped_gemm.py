@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.config import ActivationSpec, GateUp
+from kernels.dependent_launch import begin, dependent_launch
 from kernels.experts._triton.align import AlignedPairs
 from kernels.experts._triton.codes import (
     ACT_PER_TENSOR,
@@ -270,8 +271,10 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/dependent_launch.py
 ):
     pid_m, pid_n = _tile_of(tl.program_id(0), num_m_blocks, tl.cdiv(n_out, BLOCK_N), GROUP_M)
+    begin(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     if BATCHED:
         blocks_per_expert = tl.cdiv(max_tokens, BLOCK_M)
@@ -417,6 +420,7 @@ def grouped_gemm(
     fp8_bytes = not a.data.is_cuda  # the interpreter (see _load_tile)
     operand = _bytes_if_fp8 if fp8_bytes else (lambda t: t)
     grid = (grid_m * triton.cdiv(n_out, tile.block_n),)
+    pdl = dependent_launch(out.device)
     _grouped_gemm_kernel[grid](
         operand(a.data), a.scale, operand(w.data), w.scale, w.bias, out,
         row_ids, block_expert, tokens_per_expert, epilogue.row_weights,
@@ -443,6 +447,6 @@ def grouped_gemm(
         DOT_DTYPE=_dot_dtype(a.data),
         DOT_PRECISION="ieee" if a.data.dtype == torch.float32 else "tf32",
         GROUP_M=tile.group_m,
-        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PDL=pdl,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip

@@ -99,7 +99,7 @@ def psum_layout(topk_ids: torch.Tensor, num_experts: int, alignment: int) -> Psu
     rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
     start = torch.empty(num_experts, dtype=torch.int32, device=device)
     grid = (triton.cdiv(num_pairs, _PAIR_BLOCK),)
-    rank_pairs_kernel[grid](ids, counts, rank, num_pairs, num_experts, BLOCK=_PAIR_BLOCK)
+    rank_pairs_kernel[grid](ids, counts, rank, num_pairs, num_experts, BLOCK=_PAIR_BLOCK, PDL=False)
     _runs_kernel[(1,)](counts, start, psum, num_experts, ALIGN=alignment, E_BLOCK=e_block)
     _place_kernel[grid](ids, rank, start, pair_row, num_pairs, num_experts, BLOCK=_PAIR_BLOCK)
     return PsumLayout(pair_row, psum, capacity)

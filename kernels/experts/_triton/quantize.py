@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dependent_launch import begin, dependent_launch
 from kernels.experts._triton.codes import ACT_PER_GROUP, ACT_PER_TOKEN, ACT_SCALE
 from kernels.quant_scheme import FP8, FP8_BLOCK, ActQuant
 from kernels.quantize import quantize_activation
@@ -25,7 +26,8 @@ GROUPS_PER_PROGRAM = 8  # groups one program quantises (per-group and tensor-wid
 
 
 @triton.jit
-def _amax_kernel(x_ptr, amax_ptr, k, stride_x, BLOCK: tl.constexpr):
+def _amax_kernel(x_ptr, amax_ptr, k, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    begin(PDL)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     row = tl.program_id(0).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + cols, mask=cols < k, other=0).to(tl.float32)
@@ -36,8 +38,10 @@ def _amax_kernel(x_ptr, amax_ptr, k, stride_x, BLOCK: tl.constexpr):
 def _quantize_kernel(
     x_ptr, q_ptr, scale_ptr, amax_ptr, ids_ptr, k, stride_x, stride_q, stride_s,
     HOW: tl.constexpr, SKIP: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
+    begin(PDL)
     here = True
     if SKIP:  # a pair routed to no expert of this rank (another rank's, or a padded row)
         here = tl.load(ids_ptr + row) >= 0
@@ -109,13 +113,15 @@ def quantize_into(
     if rows_here is not None and how == ActQuant.TENSOR:
         raise ValueError("a tensor-wide scale is over every row: rows_here does not apply")
     groups = triton.cdiv(k, FP8_BLOCK)
+    pdl = dependent_launch(x.device)
     amax = None
     if how == ActQuant.TENSOR:
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-        _amax_kernel[(rows, groups)](x, amax, k, x.stride(0), BLOCK=_BLOCK)
+        _amax_kernel[(rows, groups)](x, amax, k, x.stride(0), BLOCK=_BLOCK, PDL=pdl, launch_pdl=pdl)
     grid = (rows, 1 if how == ActQuant.TOKEN else triton.cdiv(groups, GROUPS_PER_PROGRAM))
     _quantize_kernel[grid](
         x, q, scale, amax, rows_here, k, x.stride(0), q.stride(0),
         scale.stride(0) if scale.dim() == 2 else 0,
         HOW=ACT_SCALE[how], SKIP=rows_here is not None, BLOCK=_BLOCK, GROUPS=GROUPS_PER_PROGRAM,
+        PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip

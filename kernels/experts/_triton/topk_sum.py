@@ -9,14 +9,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.dependent_launch import begin, dependent_launch
+
 _BLOCK_H = 1024
 
 
 @triton.jit
 def _topk_sum_kernel(
     y_ptr, ids_ptr, extra_ptr, out_ptr, h, stride_y, stride_extra, stride_out,
-    TOP_K: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK_H: tl.constexpr,
+    TOP_K: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    begin(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = offs < h
@@ -41,8 +44,10 @@ def topk_sum(
         return out
     block_h = min(_BLOCK_H, triton.next_power_of_2(h))
     grid = (m, triton.cdiv(h, block_h))
+    pdl = dependent_launch(out.device)
     _topk_sum_kernel[grid](
         y, topk_ids, extra, out, h, y.stride(0), 0 if extra is None else extra.stride(0),
-        out.stride(0), TOP_K=k, HAS_EXTRA=extra is not None, BLOCK_H=block_h,
+        out.stride(0), TOP_K=k, HAS_EXTRA=extra is not None, BLOCK_H=block_h, PDL=pdl,
+        launch_pdl=pdl,
     )  # fmt: skip
     return out

@@ -1,0 +1,53 @@
+"""Programmatic dependent launch (Hopper and later) for the Triton kernels of one forward.
+
+A kernel launched with `launch_pdl=True` may start while the kernel before it in its stream still
+runs: its launch and the start of its programs hide behind that kernel's last wave. A one-token
+DeepSeek-V3 forward chains six small-to-mid kernels (quantiser, align, GEMM1, quantiser, GEMM2,
+top-k sum), each waiting for the one before, with a gap of 1-2 us at each launch in the H100
+traces (bench/results/layer-profile-h100-2026-11-27-seventh.md).
+
+The rule every kernel launched this way keeps: each program calls `wait_for_previous` before its
+first load or store of memory any other kernel reads or writes (only arithmetic on arguments and
+program ids comes before it): `begin`. Because every program waits, a kernel that
+starts early cannot see the output of one further back unfinished: the kernel just before it
+ended only after its own programs' waits. A kernel launched without it (torch's) waits for all
+before it as usual; one launched with it after torch's starts when that one ends. Inside a
+CUDA graph capture the launches become programmatic edges.
+
+Triton's CPU interpreter has no grid dependency control: there both calls compile to nothing
+(a constexpr `PDL`), and `launch_pdl` is not passed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_math import interpreted
+
+_CAPABILITY = (9, 0)  # griddepcontrol: Hopper onwards
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether this code's Triton kernels on `device` launch as programmatic dependents: compiled
+    (not the interpreter) on a GPU of compute capability 9.0 or later. Pass it as both the
+    kernel's `PDL` and its `launch_pdl`."""
+    return device.type == "cuda" and not interpreted() and _capable(torch.device(device).index)
+
+
+@functools.cache
+def _capable(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) >= _CAPABILITY
+
+
+@triton.jit
+def begin(PDL: tl.constexpr):
+    """Wait until the kernel before this one in the stream has ended and its writes are visible,
+    then let the next kernel launch once every program of this one has come here (its programs
+    then wait on the SMs this one's last wave leaves free, not behind its launch)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
