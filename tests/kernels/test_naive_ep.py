@@ -40,6 +40,7 @@ from kernels.prepare_finalize.no_ep import NoEP
 from kernels.quant_scheme import QuantConfig
 from kernels.random_weights import random_expert_weights
 from kernels.routing import contiguous_expert_map, route
+from kernels.stages import SideOutput
 from kernels.tensors import Routing
 from kernels.workspace import Workspace
 from tests.kernels.ranks import run_ranks
@@ -74,6 +75,9 @@ class Case:
     chunk_tokens: int = 64  # per-rank chunk of the modular kernel
     one_expert: int | None = None  # route every token to this expert first
     tol: float = 1e-5
+    # the service's mode: rank 0 brings counts[0] tokens, rank 1 a placeholder of that shape
+    sender: bool = False
+    shared: bool = False  # rank 0 adds a shared experts' output (sender cases)
 
 
 CASES = {
@@ -91,6 +95,10 @@ CASES = {
     "all_tokens_to_one_expert": Case(one_expert=3),
     "router_weight_on_input": Case(_cfg(top_k=1)),
     "bfloat16": Case(_cfg(dtype=torch.bfloat16), counts=(3, 8), sequence_parallel=True, tol=1e-2),
+    # the service's mode: rank 0 brings every row, rank 1 a placeholder; the sum is reduced onto it
+    "sender": Case(counts=(7, 0), sender=True),
+    "sender_shared": Case(counts=(9, 0), sender=True, shared=True),
+    "sender_bfloat16": Case(_cfg(dtype=torch.bfloat16), counts=(6, 0), sender=True, tol=1e-2),
 }
 
 
@@ -124,6 +132,12 @@ def _run_rank(rank: int, port: int, files: Path) -> None:
     for name, case in CASES.items():
         kernel = _ep_kernel(name, rank, files)
         hidden, routing = _inputs(case)
+        if case.sender:
+            if rank != 0:  # a placeholder: the rows come from rank 0
+                hidden, routing = torch.zeros_like(hidden), _placeholder(routing)
+            shared = _shared(hidden) if rank == 0 and case.shared else None
+            outputs[name] = kernel.forward(hidden, routing, shared=shared)
+            continue
         rows = slice(sum(case.counts[:rank]), sum(case.counts[: rank + 1]))
         outputs[name] = kernel.forward(
             hidden[rows], Routing(routing.topk_ids[rows], routing.topk_weights[rows])
@@ -148,12 +162,21 @@ def _run_rank(rank: int, port: int, files: Path) -> None:
     os._exit(0)  # a broken gloo group aborts in its destructors; leave without running them
 
 
+def _placeholder(routing: Routing) -> Routing:
+    return Routing(torch.zeros_like(routing.topk_ids), torch.zeros_like(routing.topk_weights))
+
+
+def _shared(hidden: torch.Tensor) -> Callable[[], SideOutput]:
+    """A stand-in for the shared experts' float32 output [M, H] (a function of the rows)."""
+    return lambda: SideOutput(hidden.float().tanh() * 0.5)
+
+
 def _ep_kernel(name: str, rank: int, files: Path) -> ModularKernel:
     case, placement = CASES[name], _placement(name, files)
     local = torch.tensor(placement.local_experts(rank))
     experts = ReferenceExperts(case.cfg, random_expert_weights(case.cfg, seed=1).select(local))
     return ModularKernel(
-        NaiveEP(sequence_parallel=case.sequence_parallel),
+        NaiveEP(sequence_parallel=case.sequence_parallel, sender=0 if case.sender else None),
         experts,
         Workspace("cpu"),
         expert_map=placement.expert_map(rank),
@@ -176,15 +199,20 @@ def _single_process(case: Case) -> torch.Tensor:
     hidden, routing = _inputs(case)
     experts = ReferenceExperts(case.cfg, random_expert_weights(case.cfg, seed=1))
     kernel = ModularKernel(NoEP(), experts, Workspace("cpu"), chunk_tokens=1 << 20)
-    return kernel.forward(hidden, routing)
+    shared = _shared(hidden) if case.shared else None
+    return kernel.forward(hidden, routing, shared=shared)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_rank_naive_ep_matches_the_single_process_kernel(ep_run: Path, name: str) -> None:
     case = CASES[name]
     per_rank = [torch.load(ep_run / f"rank{r}.pt")[name] for r in range(WORLD)]
-    assert [t.shape[0] for t in per_rank] == list(case.counts)
     expected = _single_process(case)
+    if case.sender:  # the output is the sender's; the other rank's is a placeholder's
+        assert [t.shape[0] for t in per_rank] == [case.counts[0]] * WORLD
+        assert relative_error(per_rank[0], expected) < case.tol
+        return
+    assert [t.shape[0] for t in per_rank] == list(case.counts)
     assert relative_error(torch.cat(per_rank), expected) < case.tol
 
 
