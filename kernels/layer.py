@@ -141,7 +141,8 @@ class MoELayer:
         self.router = weights.router
         self.shared = weights.shared
         device = kernel.workspace.device
-        # the shared experts' stream (kernels/modular.py); None: in line, in the caller's stream
+        # the shared experts' stream (kernels/modular.py); None: in line, in the caller's stream.
+        # Default priority: below the stream graphs capture on (kernels/graph_capture.py)
         self.side_stream = (
             torch.cuda.Stream(device) if self.shared is not None and device.type == "cuda" else None
         )
