@@ -10,8 +10,9 @@ the service replays it: router, routing, experts, shared expert, the finite chec
 replays it REPLAYS times under torch's profiler. For each M: the replay's median time on the
 GPU (CUDA events, L2 not flushed: the service replays back to back), the sum of its kernels'
 times, and OUT/profile-SHAPE-BACKEND-M{m}.txt, its kernels by total time, with a Chrome trace
-beside it. The kernel bench (`moe-serve bench kernels`) times a layer without router and shared
-expert; this one shows what a served forward adds to the experts. --shared-in-line runs the
+and the median replay kernel by kernel (`.timeline.md`, bench/replay_timeline.py) beside it.
+The kernel bench (`moe-serve bench kernels`) times a layer without router and shared expert;
+this one shows what a served forward adds to the experts. --shared-in-line runs the
 shared expert in the forward's own stream instead of beside it (kernels/modular.py), to time
 the two side by side.
 """
@@ -27,11 +28,12 @@ from pathlib import Path
 import torch
 
 from bench.random_layer import random_layer
+from bench.replay_timeline import write_timeline
 from bench.shapes import SHAPES
 from kernels.layer import build_layer
 from kernels.layer_graphs import LayerGraphs
 from kernels.tensors import ForwardInputs
-from service.profiling import kernel_profiler, write_profile
+from service.profiling import kernel_profiler, trace_path, write_profile
 
 SHARED_INTERMEDIATE = 2048  # DeepSeek-V3's shared expert
 WARMUP = 5
@@ -57,6 +59,10 @@ def profile_point(graphs: LayerGraphs, m: int, replays: int, path: Path, header:
             graphs.replay(m)
         torch.cuda.synchronize()
     write_profile(prof, graphs.device, header, path)
+    try:
+        write_timeline(trace_path(path), replays, header)
+    except ValueError as err:  # kernels outside the replays: the table and trace still stand
+        sys.stdout.write(f"no timeline for {path.name}: {err}\n")
     total = sum(e.self_device_time_total for e in prof.key_averages())
     return total / replays
 
