@@ -41,6 +41,15 @@ def test_kernels_off_the_gpu_do_not_launch_as_dependents() -> None:
     assert dependent_launch(torch.device("cpu")) is False
 
 
+def test_the_interpreter_never_launches_as_dependents(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's CPU interpreter has no grid dependency control, whatever device a tensor names."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(dependent_launch_module, "_capable", lambda _index: True)
+    assert dependent_launch(torch.device("cuda", 0)) is False
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert dependent_launch(torch.device("cuda", 0)) is True
+
+
 def _outputs(layer, batches: list[torch.Tensor]) -> list[torch.Tensor]:
     graphs = LayerGraphs(layer, CUDA, MAX_TOKENS, with_logits=False)
     graphs.capture()
