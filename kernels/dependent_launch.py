@@ -6,16 +6,17 @@ DeepSeek-V3 forward chains six small-to-mid kernels (quantiser, align, GEMM1, qu
 top-k sum), each waiting for the one before, with a gap of 1-2 us at each launch in the H100
 traces (bench/results/layer-profile-h100-2026-11-27-seventh.md).
 
-The rule every kernel launched this way keeps: each program calls `wait_for_previous` before its
-first load or store of memory any other kernel reads or writes (only arithmetic on arguments and
-program ids comes before it): `begin`. Because every program waits, a kernel that
-starts early cannot see the output of one further back unfinished: the kernel just before it
-ended only after its own programs' waits. A kernel launched without it (torch's) waits for all
-before it as usual; one launched with it after torch's starts when that one ends. Inside a
-CUDA graph capture the launches become programmatic edges.
+The rule every kernel launched this way keeps: each program calls `begin` before its first load
+or store of memory any other kernel reads or writes (only arithmetic on arguments and program
+ids comes before it). Because every program waits there, a kernel that starts early cannot see
+the output of one further back unfinished: the kernel just before it ended only after its own
+programs' waits. A kernel launched without it (torch's) waits for all before it as usual; one
+launched with it after torch's starts when that one ends. Inside a CUDA graph capture the
+launches become programmatic edges. DeepSeek-V3's experts at one token on the H100: 159.3 ->
+156.2 us (bench/results/eighth-session-2026-11-27.md).
 
-Triton's CPU interpreter has no grid dependency control: there both calls compile to nothing
-(a constexpr `PDL`), and `launch_pdl` is not passed.
+Triton's CPU interpreter has no grid dependency control: there `PDL` is False, so `begin`
+compiles to nothing, and the launch's `launch_pdl=False` is an option it ignores.
 """
 
 from __future__ import annotations
