@@ -7,7 +7,9 @@ candidates around the heuristic (both GEMMs alike), GEMM2's own tile, then the p
 Decode buckets (at most 16 rows per expert, where the GEMMs stream weights) then search each
 GEMM's column tile, warps and pipeline depth past the heuristic's cap of 4 stages: there the
 time is how many weight bytes are in flight. Resumable: buckets already in --out are kept, and
-the file is rewritten after each one.
+the file is rewritten after each one. --retune searches the named buckets again, their current
+tiles among the first round's candidates, so a bucket never gets tiles slower than it had in
+the same run.
 """
 
 from __future__ import annotations
@@ -49,6 +51,20 @@ class TuneRequest:
     cfg: MoEConfig
     tokens: tuple[int, ...]
     out: Path
+    retune: bool = False  # search buckets the file already has again
+
+
+def buckets_to_search(request: TuneRequest, buckets: dict) -> list[tuple[int, LayerTiles | None]]:
+    """(M, the bucket's current tiles or None) for each bucket of the request to search: those
+    the file lacks, or with `retune` every one."""
+    from kernels.experts._triton.tiles import LayerTiles
+
+    found = []
+    for m in request.tokens:
+        entry = buckets.get(str(m))
+        if entry is None or request.retune:
+            found.append((m, None if entry is None else LayerTiles.from_json(entry)))
+    return found
 
 
 def parse_shape(text: str) -> MoEConfig:
@@ -153,7 +169,7 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
     body = {"key": asdict(key), "buckets": {}}
     if request.out.exists():
         body = json.loads(request.out.read_text())
-    todo = [m for m in request.tokens if str(m) not in body["buckets"]]
+    todo = buckets_to_search(request, body["buckets"])
     weights = random_layer(cfg, device).experts
     timer = Timer(device, TimingPlan(warmup=2, min_iters=5, max_iters=30, budget_s=0.05))
     ws = Workspace(device)
@@ -181,12 +197,12 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
                 except Exception as err:  # a candidate the compiler rejects is skipped
                     log.warning("M=%d: %s failed: %s", m, tile, str(err).splitlines()[-1])
 
-        for m in todo:
+        for m, current in todo:
             hidden = torch.randn(m, cfg.hidden_size, device=device).to(cfg.dtype)
             routing = route(torch.randn(m, cfg.num_experts, device=device), cfg.routing)
             x = NoEP().prepare(hidden, routing, spec, ws)
             timed: dict[LayerTiles, float] = {}
-            time_each(candidates(cfg, m), m, x, timed)
+            time_each(candidates(cfg, m) + ([current] if current else []), m, x, timed)
             if not timed:
                 log.error("M=%d: no candidate ran; the bucket is left to the heuristic", m)
                 continue
@@ -212,7 +228,7 @@ def run_tune(args: argparse.Namespace) -> int:
     device = torch.device("cuda")
     cfg = replace(args.shape, quant=QuantConfig(args.scheme)) if args.scheme else args.shape
     out = args.out or TUNED_DIR / TileKey.of(cfg, device_name(device)).filename()
-    tune(TuneRequest(cfg, tuple(args.tokens), out), device)
+    tune(TuneRequest(cfg, tuple(args.tokens), out, args.retune), device)
     log.info("wrote %s", out)
     return 0
 
@@ -247,4 +263,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"token-count buckets, comma list (default {','.join(map(str, DEFAULT_TOKENS))})",
     )
     p.add_argument("--out", type=Path, help="tuned file (default: kernels/tuned/<key>.json)")
+    p.add_argument(
+        "--retune",
+        action="store_true",
+        help="search the --tokens buckets again even where the file has them (their current "
+        "tiles compete); the file's other buckets are kept",
+    )
     p.set_defaults(run=run_tune)

@@ -346,6 +346,20 @@ def test_tune_decode_round_varies_one_gemm_past_four_stages_within_shared_memory
     assert deepest["gemm1"] < deepest["gemm2"]
 
 
+def test_tune_searches_buckets_the_file_lacks_and_on_retune_each_named_one_with_its_tiles(
+    tmp_path,
+) -> None:
+    from bench.tune import TuneRequest, buckets_to_search
+
+    cfg = Case(QuantScheme.FP8_BLOCK).config()
+    kept = tiles.heuristic_tiles(cfg, 16)
+    buckets = {"16": kept.to_json() | {"us": 1.0}, "64": kept.to_json() | {"us": 2.0}}
+    out = tmp_path / "tuned.json"
+    assert buckets_to_search(TuneRequest(cfg, (1, 16), out), buckets) == [(1, None)]
+    again = TuneRequest(cfg, (1, 16), out, retune=True)
+    assert buckets_to_search(again, buckets) == [(1, None), (16, kept)]  # 64: not named, kept
+
+
 def test_tune_shape_accepts_names_and_four_integers_and_names_the_format_on_error() -> None:
     import argparse
 
