@@ -32,7 +32,6 @@ if HAS_TRITON:  # without it the backends stay registered and say why they canno
         BatchedRows,
         Epilogue,
         ExpertMatrix,
-        can_quantize_on_load,
         grouped_gemm,
     )
     from kernels.experts._triton.quantize import quantize_rows
@@ -45,9 +44,6 @@ if HAS_TRITON:  # without it the backends stay registered and say why they canno
     from kernels.experts._triton.topk_sum import topk_sum
 
 _FP8_CAPABILITY = (8, 9)  # fp8 tensor-core dots: Ada and Hopper onwards
-# Up to this many tokens the GEMMs quantise their inputs as they load them (grouped_gemm.py),
-# where the scheme allows: no quantising launch before either GEMM.
-QUANTIZE_ON_LOAD_MAX_TOKENS = 64
 
 
 class _TritonBase(Experts):
@@ -120,7 +116,6 @@ class _TritonBase(Experts):
         tiles: LayerTiles,
         row_weights: torch.Tensor | None,  # [R] float32, standard format only
         pair_ids: torch.Tensor | None = None,  # [R] local expert ids, -1 not here; standard only
-        quantize_on_load: bool = False,  # GEMM2 quantises h as it loads it, where it can
     ) -> None:
         """GEMM1 + activation into h, quantise h if the scheme does, GEMM2 into y."""
         how = self.fp8_quant
@@ -130,8 +125,6 @@ class _TritonBase(Experts):
         grouped_gemm(a, self.w13, h, rows, Epilogue(gate_up=self.cfg.activation), tiles.gemm1)
         if how is None:
             second = Activations(h)
-        elif quantize_on_load and can_quantize_on_load(self.cfg.quant, tiles.gemm2, h):
-            second = Activations(h, act_quant=how, quantize_on_load=True)
         else:  # only the rows of pairs GEMM1 wrote: no GEMM reads the others
             second = Activations(*quantize_rows(h, how, pair_ids), how)
         grouped_gemm(second, self.w2, y, rows, Epilogue(row_weights=row_weights), tiles.gemm2)
@@ -181,20 +174,15 @@ class TritonExperts(_TritonBase):
         tiles = self.tiles(m, x.hidden.device)
         aligned = align_pairs(x.topk_ids, self.weights.num_experts, tiles.block_m)
         hidden, scale, how = x.hidden, x.scale, x.act_quant
-        on_load = m <= QUANTIZE_ON_LOAD_MAX_TOKENS
-        quantize_first = how is None and self.fp8_quant is not None
-        if quantize_first and on_load and can_quantize_on_load(self.cfg.quant, tiles.gemm1, hidden):
-            a = Activations(hidden, None, self.fp8_quant, k, quantize_on_load=True)
-        else:
-            if quantize_first:
-                how = self.fp8_quant
-                hidden, scale = quantize_rows(hidden, how)
-            a = Activations(hidden, scale, how, pairs_per_row=k)
+        if how is None and self.fp8_quant is not None:
+            how = self.fp8_quant
+            hidden, scale = quantize_rows(hidden, how)
+        a = Activations(hidden, scale, how, pairs_per_row=k)
         row_weights = x.topk_weights.float().flatten().contiguous()  # [P]
         pair_out = buf["triton_pair_out"]
         self._gemms(
             a, aligned, buf["triton_intermediate"], pair_out, tiles, row_weights,
-            x.topk_ids.flatten(), on_load,
+            x.topk_ids.flatten(),
         )  # fmt: skip
         if into is None:
             into = SumTarget(torch.empty(m, self.cfg.hidden_size, device=x.hidden.device))

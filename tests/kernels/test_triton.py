@@ -16,13 +16,7 @@ from kernels.accuracy import relative_error, tolerance
 from kernels.config import Activation, GateUp
 from kernels.experts._triton import tiles
 from kernels.experts._triton.align import align_pairs, align_pairs_torch, aligned_capacity
-from kernels.experts._triton.grouped_gemm import (
-    Activations,
-    Epilogue,
-    ExpertMatrix,
-    GemmTile,
-    grouped_gemm,
-)
+from kernels.experts._triton.grouped_gemm import GemmTile
 from kernels.experts._triton.quantize import quantize_into
 from kernels.experts.deep_gemm import DeepGemmExperts
 from kernels.experts.reference import ReferenceExperts
@@ -447,19 +441,6 @@ def test_deep_gemm_alone_refuses_partial_fp8_blocks_saying_why() -> None:
     for cls in (DeepGemmExperts, TritonOrDeepGemmExperts):
         support = cls.check_config(cfg)
         assert not support and "hidden_size=200 is not a multiple of 128" in support.reason
-
-
-def test_quantising_on_load_off_the_gpu_is_refused_saying_why() -> None:
-    """The interpreter's fp8 cast rounds differently (quantize.py): the experts quantise in a
-    separate pass there, and the GEMM refuses to be asked otherwise."""
-    cfg = Case(QuantScheme.FP8_BLOCK, torch.float16, hidden=256).config()
-    weights = random_expert_weights(cfg, 0)
-    w13 = ExpertMatrix(weights.w13, weights.w13_scale, None, cfg.quant)
-    a = Activations(torch.randn(3, 256), act_quant=ActQuant.GROUP, quantize_on_load=True)
-    rows = align_pairs_torch(torch.tensor([[0, 1], [2, 3], [1, 2]]), cfg.num_experts, 16)
-    out = torch.empty(6, cfg.intermediate_size)
-    with pytest.raises(ValueError, match="quantising on load needs fp8-block weights, 128-wide"):
-        grouped_gemm(a, w13, out, rows, Epilogue(), GemmTile(32, 128, 4, 2))
 
 
 @pytest.mark.parametrize("how", list(ActQuant))

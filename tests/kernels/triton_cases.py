@@ -94,16 +94,10 @@ def _forward(
 
 
 def run_triton(
-    cfg: MoEConfig,
-    routing: Routing,
-    device: torch.device,
-    fmt: Format,
-    tiles: LayerTiles | None,
-    expert_map: torch.Tensor | None = None,
+    cfg: MoEConfig, routing: Routing, device: torch.device, fmt: Format, tiles: LayerTiles
 ) -> torch.Tensor:
-    """The Triton experts' output in `fmt` with these tiles (None: the file's or heuristic's),
-    seeded inputs, on the CPU."""
-    return _forward(cfg, routing, device, fmt, expert_map, 0, tiles)[0].cpu()
+    """The Triton experts' output in `fmt` with these tiles (seeded inputs, on the CPU)."""
+    return _forward(cfg, routing, device, fmt, None, 0, tiles)[0].cpu()
 
 
 def triton_vs_reference(

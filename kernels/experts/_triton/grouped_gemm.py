@@ -7,10 +7,7 @@ input is gathered, never permuted) or from an expert's valid rows of [E, max_tok
 (batched format: blocks past an expert's count exit at once). The epilogue adds the bias,
 applies the gated activation (GEMM1: gate and up tiles accumulate side by side, so the 2I-wide
 product never reaches memory) and multiplies by the pair's router weight (GEMM2).
-Weights are dequantised in the K loop; fp8 activations go to the tensor cores as fp8. With a
-per-group fp8 scale the GEMM can quantise its 16/32-bit input itself as it loads each 128-column
-group (`Activations.quantize_on_load`), bit for bit as `quantize_rows`: in decode this saves the
-quantising launch before each GEMM, at the price of every column tile quantising its rows again.
+Weights are dequantised in the K loop; fp8 activations go to the tensor cores as fp8.
 """
 
 from __future__ import annotations
@@ -41,8 +38,7 @@ from kernels.experts._triton.codes import (
     WeightKind,
     weight_kind,
 )
-from kernels.experts._triton.quantize import quantize_groups
-from kernels.quant_scheme import FP8, FP8_BLOCK, ActQuant, QuantConfig
+from kernels.quant_scheme import FP8, ActQuant, QuantConfig
 
 
 @dataclass(frozen=True)
@@ -53,9 +49,6 @@ class Activations:
     scale: torch.Tensor | None = None  # [1], [R, 1] or [R, ceil(K/128)] float32
     act_quant: ActQuant | None = None
     pairs_per_row: int = 1  # output row r reads A row r // pairs_per_row (top_k for tokens)
-    # 16/32-bit data that the GEMM quantises per 128-column group as it loads it (act_quant
-    # GROUP, no scale): fp8-block weights with 128-wide K tiles only
-    quantize_on_load: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,12 +177,14 @@ def _weight_tile(
 
 
 @triton.jit
-def _block_scaled(part, a_s, s_ptr, n_blocks, stride_sn, stride_sk, k0, GROUP: tl.constexpr,
-                  ONE_BLOCK: tl.constexpr):  # fmt: skip
-    """fp8-block: the dot of one K step times its activation group scales `a_s` [BLOCK_M] and
-    weight tile scales: `n_blocks` is the scale's row-block of each output column [BLOCK_N], or,
-    when ONE_BLOCK, the one row-block of the whole tile (a scalar: one load instead of BLOCK_N)."""
-    b_s = tl.load(s_ptr + n_blocks * stride_sn + (k0 // GROUP) * stride_sk)
+def _block_scaled(part, a_s_ptr, a_rows, stride_asm, s_ptr, n_blocks, stride_sn, stride_sk, k0,
+                  GROUP: tl.constexpr, ONE_BLOCK: tl.constexpr):  # fmt: skip
+    """fp8-block: the dot of one K step times its activation group scales [BLOCK_M] and weight
+    tile scales: `n_blocks` is the scale's row-block of each output column [BLOCK_N], or, when
+    ONE_BLOCK, the one row-block of the whole tile (a scalar: one load instead of BLOCK_N)."""
+    kb = k0 // GROUP
+    a_s = tl.load(a_s_ptr + a_rows * stride_asm + kb)
+    b_s = tl.load(s_ptr + n_blocks * stride_sn + kb * stride_sk)
     if ONE_BLOCK:
         return part * a_s[:, None] * b_s
     return part * a_s[:, None] * b_s[None, :]
@@ -267,7 +262,6 @@ def _grouped_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_ROW_WEIGHTS: tl.constexpr,
     A_FP8: tl.constexpr,
-    QUANTIZE_A: tl.constexpr,  # Activations.quantize_on_load (BLOCK_K == GROUP == 128)
     W_FP8: tl.constexpr,
     FP8_BYTES: tl.constexpr,  # fp8 tensors come as uint8 views (the interpreter: _load_tile)
     MASK_K: tl.constexpr,  # K is not a multiple of BLOCK_K: loads mask the last K tile
@@ -323,18 +317,14 @@ def _grouped_gemm_kernel(
         a_mask = row_mask[:, None] & (offs_k < k)[None, :] if MASK_K else row_mask[:, None]
         a = _load_tile(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :], a_mask, True,
                        A_FP8 and FP8_BYTES)  # fmt: skip
-        if QUANTIZE_A:
-            a, a_s = quantize_groups(a.to(tl.float32))
-        elif KIND == W_FP8_BLOCK:
-            a_s = tl.load(a_s_ptr + a_rows * stride_asm + k0 // GROUP)
         b = _weight_tile(
             w_ptr, s_ptr, gate_rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
             KIND, GROUP, W_FP8, FP8_BYTES, DOT_DTYPE, BLOCK_K, MASK_K,
         )  # fmt: skip
         part = tl.dot(a, b, input_precision=DOT_PRECISION)
         if KIND == W_FP8_BLOCK:
-            part = _block_scaled(part, a_s, s_ptr, gate_blocks, stride_sn, stride_sk, k0, GROUP,
-                                 ONE_BLOCK)  # fmt: skip
+            part = _block_scaled(part, a_s_ptr, a_rows, stride_asm, s_ptr, gate_blocks,
+                                 stride_sn, stride_sk, k0, GROUP, ONE_BLOCK)  # fmt: skip
         acc += part
         if ACTIVATION != NO_ACTIVATION:
             b = _weight_tile(
@@ -343,8 +333,8 @@ def _grouped_gemm_kernel(
             )  # fmt: skip
             part = tl.dot(a, b, input_precision=DOT_PRECISION)
             if KIND == W_FP8_BLOCK:
-                part = _block_scaled(part, a_s, s_ptr, up_blocks, stride_sn, stride_sk, k0,
-                                     GROUP, ONE_BLOCK)  # fmt: skip
+                part = _block_scaled(part, a_s_ptr, a_rows, stride_asm, s_ptr, up_blocks,
+                                     stride_sn, stride_sk, k0, GROUP, ONE_BLOCK)  # fmt: skip
             acc_up += part
 
     acc = _after_k_scales(acc, a_s_ptr, a_rows, stride_asm, s_ptr, gate_rows, ACT_SCALE, KIND,
@@ -393,19 +383,6 @@ def _scale_strides(w: ExpertMatrix) -> tuple[int, int, int]:
     return strides[0], strides[1], strides[2]
 
 
-def can_quantize_on_load(quant: QuantConfig, tile: GemmTile, data: torch.Tensor) -> bool:
-    """Whether a GEMM of these weights and K tiles can quantise `data` as it loads it: one K
-    tile per 128-column activation group, and the GPU's fp8 cast (the interpreter's rounds
-    differently: quantize.py)."""
-    return (
-        weight_kind(quant.spec) == WeightKind.FP8_BLOCK
-        and quant.spec.act_quant == ActQuant.GROUP
-        and tile.block_k == FP8_BLOCK
-        and data.is_cuda
-        and data.dtype != FP8
-    )
-
-
 def grouped_gemm(
     a: Activations,
     w: ExpertMatrix,
@@ -423,10 +400,6 @@ def grouped_gemm(
     group = w.quant.spec.k_group or 1  # K columns per weight scale (GROUP x GROUP fp8 tiles)
     if kind == WeightKind.FP8_BLOCK and group % tile.block_k:
         raise ValueError(f"fp8-block needs block_k to divide {group}, got {tile.block_k}")
-    if a.quantize_on_load and not can_quantize_on_load(w.quant, tile, a.data):
-        raise ValueError("quantising on load needs fp8-block weights, 128-wide K tiles and "
-                         f"16/32-bit data on the GPU, got block_k {tile.block_k}, {a.data.dtype} "
-                         f"on {a.data.device}")  # fmt: skip
     if (
         kind in (WeightKind.INT4_GROUP, WeightKind.MXFP4)
         and group % tile.block_k
@@ -468,13 +441,11 @@ def grouped_gemm(
         HAS_BIAS=w.bias is not None,
         HAS_ROW_WEIGHTS=epilogue.row_weights is not None,
         A_FP8=a.data.dtype == FP8,
-        QUANTIZE_A=a.quantize_on_load,
         W_FP8=w.data.dtype == FP8,
         FP8_BYTES=fp8_bytes,
         MASK_K=w.k % tile.block_k != 0,
-        DOT_DTYPE=tl.float8e4nv if a.quantize_on_load else _dot_dtype(a.data),
-        DOT_PRECISION="ieee" if a.data.dtype == torch.float32 and not a.quantize_on_load
-        else "tf32",
+        DOT_DTYPE=_dot_dtype(a.data),
+        DOT_PRECISION="ieee" if a.data.dtype == torch.float32 else "tf32",
         GROUP_M=tile.group_m,
         BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PDL=pdl,
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,

@@ -26,27 +26,6 @@ GROUPS_PER_PROGRAM = 8  # groups one program quantises (per-group and tensor-wid
 
 
 @triton.jit
-def fp8_scale(amax):
-    """The scale of values whose largest magnitude is `amax`; torch divides by the python
-    scalar 448 as a multiply by its float32 reciprocal."""
-    return tl.maximum(amax, 1e-12) * (1.0 / 448.0)
-
-
-@triton.jit
-def to_fp8(x, scale):
-    """float32 x / scale -> fp8, rounded to nearest even as torch's cast."""
-    return tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0).to(tl.float8e4nv)
-
-
-@triton.jit
-def quantize_groups(x):
-    """x [R, 128] float32, one group per row -> (fp8 [R, 128], scale [R]): what `quantize_rows`
-    writes for a per-group scale, for the GEMMs that quantise their input as they load it."""
-    scale = fp8_scale(tl.max(tl.abs(x), axis=1))
-    return to_fp8(x, scale[:, None]), scale
-
-
-@triton.jit
 def _amax_kernel(x_ptr, amax_ptr, k, stride_x, BLOCK: tl.constexpr, PDL: tl.constexpr):
     begin(PDL)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -73,11 +52,12 @@ def _quantize_kernel(
                 cols = c + tl.arange(0, BLOCK)
                 x = tl.load(x_ptr + row * stride_x + cols, mask=cols < k, other=0).to(tl.float32)
                 amax = tl.maximum(amax, tl.max(tl.abs(x), axis=0))
-            scale = fp8_scale(amax)
+            # torch divides by the python scalar 448 as a multiply by its float32 reciprocal
+            scale = tl.maximum(amax, 1e-12) * (1.0 / 448.0)
             for c in range(0, k, BLOCK):
                 cols = c + tl.arange(0, BLOCK)
                 x = tl.load(x_ptr + row * stride_x + cols, mask=cols < k, other=0).to(tl.float32)
-                q = to_fp8(x, scale)
+                q = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0).to(tl.float8e4nv)
                 tl.store(q_ptr + row * stride_q + cols, q.to(tl.uint8, bitcast=True), mask=cols < k)
             tl.store(scale_ptr + row * stride_s, scale)
         else:  # GROUPS 128-column groups of the row, read once
@@ -89,8 +69,8 @@ def _quantize_kernel(
                 amax = tl.max(tl.abs(x), axis=1)  # [GROUPS]
             else:
                 amax = tl.zeros((GROUPS,), dtype=tl.float32) + tl.load(amax_ptr)
-            scale = fp8_scale(amax)
-            q = to_fp8(x, scale[:, None])
+            scale = tl.maximum(amax, 1e-12) * (1.0 / 448.0)
+            q = tl.clamp(tl.math.div_rn(x, scale[:, None]), -448.0, 448.0).to(tl.float8e4nv)
             tl.store(q_ptr + row * stride_q + cols, q.to(tl.uint8, bitcast=True), mask=mask)
             if HOW == ACT_PER_GROUP:
                 tl.store(scale_ptr + row * stride_s + groups, scale, mask=groups * BLOCK < k)
