@@ -53,32 +53,6 @@ def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class OgsIndices:
-    """The (token, slot) pairs sorted by expert, as matmul_ogs gathers and scatters them."""
-
-    sorted_pairs: torch.Tensor  # [P] int32: pair (token * k + slot) at each expert-sorted row
-    row_of_pair: torch.Tensor  # [P] int32: inverse of sorted_pairs
-    row_weights: torch.Tensor  # [P] float32: router weight of each sorted row
-    tokens_per_expert: torch.Tensor  # [E] int32
-
-
-def ogs_indices(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> OgsIndices:
-    """topk_ids, topk_weights [M, k] -> the sort matmul_ogs works in (stable: token order kept)."""
-    flat = topk_ids.flatten()
-    sorted_pairs = torch.argsort(flat, stable=True)
-    row_of_pair = torch.argsort(sorted_pairs)
-    return OgsIndices(
-        sorted_pairs.to(torch.int32),
-        row_of_pair.to(torch.int32),
-        topk_weights.flatten()[sorted_pairs].float(),
-        # index_add, not bincount: bincount sizes its output on the host (a sync per call)
-        torch.zeros(num_experts, dtype=torch.int32, device=flat.device).index_add_(
-            0, flat.long(), torch.ones_like(flat, dtype=torch.int32)
-        ),
-    )
-
-
-@dataclass(frozen=True)
 class OgsRouting:
     """triton_kernels' routing objects for one call."""
 
@@ -90,8 +64,10 @@ class OgsRouting:
 def ogs_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> OgsRouting:
     from triton_kernels.routing import GatherIndx, RoutingData, ScatterIndx, compute_expt_data
 
+    from kernels.experts._triton.sort_pairs import sort_pairs
+
     m, k = topk_ids.shape
-    idx = ogs_indices(topk_ids, topk_weights, num_experts)
+    idx = sort_pairs(topk_ids, topk_weights, num_experts)
     expt_data = compute_expt_data(idx.tokens_per_expert, num_experts, m * k)
     data = RoutingData(idx.row_weights, idx.tokens_per_expert, num_experts, k, expt_data)
     return OgsRouting(

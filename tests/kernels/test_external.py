@@ -15,6 +15,7 @@ from kernels.accuracy import relative_error
 from kernels.activations import apply_activation
 from kernels.config import Activation, ActivationSpec, GateUp, MoEConfig, RoutingConfig
 from kernels.experts import deep_gemm, deep_gemm_fp4, oai_triton, triton_or_deep_gemm
+from kernels.experts._triton.sort_pairs import sort_pairs
 from kernels.experts.reference import ReferenceExperts
 from kernels.modular import ModularKernel
 from kernels.prepare_finalize.batched import Batched
@@ -325,7 +326,7 @@ def test_interleaving_moves_mxfp4_values_and_scales_together() -> None:
     )
 
 
-def test_ogs_indices_reproduce_the_moe_through_gather_and_scatter() -> None:
+def test_sorted_pairs_reproduce_the_moe_through_gather_and_scatter() -> None:
     """matmul_ogs' contract: sorted row r reads token sorted_pairs[r] // k; GEMM2 scatters it
     back to the token, weighed by row_weights[r]; rows of expert e are contiguous."""
     cfg = _gpt_oss_config(dtype=torch.float32)
@@ -333,7 +334,7 @@ def test_ogs_indices_reproduce_the_moe_through_gather_and_scatter() -> None:
     hidden, routing = _routing(cfg, 9, seed=8)
     routing = Routing(routing.topk_ids.clone(), routing.topk_weights)
     routing.topk_ids[:, 0] = 3  # expert 3 gets every token; some others get none
-    idx = oai_triton.ogs_indices(routing.topk_ids, routing.topk_weights, cfg.num_experts)
+    idx = sort_pairs(routing.topk_ids, routing.topk_weights, cfg.num_experts)
     k = cfg.top_k
     assert torch.equal(idx.row_of_pair[idx.sorted_pairs.long()], torch.arange(9 * k).int())
     expert_of_row = routing.topk_ids.flatten()[idx.sorted_pairs.long()]

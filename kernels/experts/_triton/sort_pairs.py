@@ -1,0 +1,93 @@
+"""Sort the (token, slot) pairs of a forward by expert, stably, as gather/scatter GEMMs
+(triton_kernels' matmul_ogs) take them: the sorted order, its inverse, the router weights in that
+order and each expert's count.
+
+`sort_pairs_torch` does it with torch's stable argsort, about ten launches. Decode-sized inputs
+take `sort_pairs`' one single-program kernel instead, each pair ranked against every other (as
+align.py's), with identical results: in a captured gpt-oss forward at one token each of those
+launches cost a dependent step of 1-3 us around two GEMMs of about 35 us each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.dependent_launch import begin, dependent_launch
+
+ONE_PROGRAM_MAX_PAIRS = 128  # [pairs, pairs] and [experts, pairs] tiles one program handles well
+_PAST_EVERY_EXPERT = 1 << 30  # the id of lanes past the last pair: they sort after every pair
+
+
+@dataclass(frozen=True)
+class SortedPairs:
+    sorted_pairs: torch.Tensor  # [P] int32: pair (token * k + slot) at each expert-sorted row
+    row_of_pair: torch.Tensor  # [P] int32: inverse of sorted_pairs
+    row_weights: torch.Tensor  # [P] float32: router weight of each sorted row
+    tokens_per_expert: torch.Tensor  # [E] int32
+
+
+def sort_pairs_torch(
+    topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int
+) -> SortedPairs:
+    """topk_ids, topk_weights [M, k] -> pairs sorted by expert (stable: token order kept)."""
+    flat = topk_ids.flatten()
+    sorted_pairs = torch.argsort(flat, stable=True)
+    row_of_pair = torch.argsort(sorted_pairs)
+    return SortedPairs(
+        sorted_pairs.to(torch.int32),
+        row_of_pair.to(torch.int32),
+        topk_weights.flatten()[sorted_pairs].float(),
+        # index_add, not bincount: bincount sizes its output on the host (a sync per call)
+        torch.zeros(num_experts, dtype=torch.int32, device=flat.device).index_add_(
+            0, flat.long(), torch.ones_like(flat, dtype=torch.int32)
+        ),
+    )
+
+
+@triton.jit
+def _sort_pairs_kernel(
+    ids_ptr, weights_ptr, sorted_ptr, row_of_ptr, row_weights_ptr, counts_ptr, num_pairs,
+    num_experts, P_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """One program: pair p's sorted row counts the pairs before it (lower expert, or the same
+    expert and a lower pair id); [P, P] tiles, rows p, columns q."""
+    begin(PDL)
+    pairs = tl.arange(0, P_BLOCK)
+    valid = pairs < num_pairs
+    ids = tl.load(ids_ptr + pairs, mask=valid, other=_PAST_EVERY_EXPERT)
+    weights = tl.load(weights_ptr + pairs, mask=valid, other=0).to(tl.float32)
+    lower = ids[None, :] < ids[:, None]
+    tied_before = (ids[None, :] == ids[:, None]) & (pairs[None, :] < pairs[:, None])
+    row = tl.sum((lower | tied_before).to(tl.int32), axis=1)
+    tl.store(row_of_ptr + pairs, row, mask=valid)
+    tl.store(sorted_ptr + row, pairs, mask=valid)
+    tl.store(row_weights_ptr + row, weights, mask=valid)
+    experts = tl.arange(0, E_BLOCK)
+    counts = tl.sum((ids[None, :] == experts[:, None]).to(tl.int32), axis=1)
+    tl.store(counts_ptr + experts, counts, mask=experts < num_experts)
+
+
+def sort_pairs(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> SortedPairs:
+    """`sort_pairs_torch`'s result; up to ONE_PROGRAM_MAX_PAIRS pairs in one launch."""
+    num_pairs = topk_ids.numel()
+    if not 0 < num_pairs <= ONE_PROGRAM_MAX_PAIRS:
+        return sort_pairs_torch(topk_ids, topk_weights, num_experts)
+    device = topk_ids.device
+    out = SortedPairs(
+        torch.empty(num_pairs, dtype=torch.int32, device=device),
+        torch.empty(num_pairs, dtype=torch.int32, device=device),
+        torch.empty(num_pairs, dtype=torch.float32, device=device),
+        torch.empty(num_experts, dtype=torch.int32, device=device),
+    )
+    pdl = dependent_launch(device)
+    _sort_pairs_kernel[(1,)](
+        topk_ids.contiguous(), topk_weights.contiguous(), out.sorted_pairs, out.row_of_pair,
+        out.row_weights, out.tokens_per_expert, num_pairs, num_experts,
+        P_BLOCK=triton.next_power_of_2(max(num_pairs, 16)),
+        E_BLOCK=triton.next_power_of_2(num_experts), PDL=pdl, num_warps=4, launch_pdl=pdl,
+    )  # fmt: skip
+    return out
