@@ -40,10 +40,13 @@ def test_the_one_program_sort_equals_torchs_stable_argsort(
         assert got.dtype == want.dtype and torch.equal(got.cpu(), want.cpu()), name
 
 
-def test_past_one_programs_reach_torch_sorts(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_past_one_programs_reach_torch_sorts(
+    monkeypatch: pytest.MonkeyPatch, device: torch.device
+) -> None:
     ran = []
     monkeypatch.setattr(sort_pairs_module, "sort_pairs_torch", lambda *a: ran.append(a) or a)
     ids, weights = _routing(33, 4, 16, seed=1, only=None, dtype=torch.float32)
+    ids, weights = ids.to(device), weights.to(device)
     sort_pairs(ids, weights, 16)  # 132 pairs
     assert len(ran) == 1
     sort_pairs(ids[:32], weights[:32], 16)  # 128 pairs: the kernel
