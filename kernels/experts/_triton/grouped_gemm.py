@@ -185,9 +185,13 @@ def _block_scaled(part, a_s_ptr, a_rows, stride_asm, s_ptr, n_blocks, stride_sn,
     kb = k0 // GROUP
     a_s = tl.load(a_s_ptr + a_rows * stride_asm + kb)
     b_s = tl.load(s_ptr + n_blocks * stride_sn + kb * stride_sk)
-    if ONE_BLOCK:
-        return part * a_s[:, None] * b_s
-    return part * a_s[:, None] * b_s[None, :]
+    # one return after the branch: Triton 3.9 builds the code after a compile-time branch's
+    # return too, and b_s[None, :] fails on a scalar (tests/kernels/test_hopper_compile.py)
+    if ONE_BLOCK:  # noqa: SIM108 (compile-time branch: only one side is built)
+        scaled = part * a_s[:, None] * b_s
+    else:
+        scaled = part * a_s[:, None] * b_s[None, :]
+    return scaled
 
 
 @triton.jit

@@ -38,7 +38,7 @@ class PsumLayout:
 
 
 @triton.jit
-def _layout_one_program(
+def _layout_one_program_kernel(
     ids_ptr, pair_row_ptr, psum_ptr, num_pairs, num_experts,
     ALIGN: tl.constexpr, P_BLOCK: tl.constexpr, E_BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -90,7 +90,7 @@ def psum_layout(topk_ids: torch.Tensor, num_experts: int, alignment: int) -> Psu
     p_block = triton.next_power_of_2(max(num_pairs, 16))
     e_block = triton.next_power_of_2(num_experts)
     if p_block * e_block <= _ONE_PROGRAM_MAX_ELEMENTS:
-        _layout_one_program[(1,)](
+        _layout_one_program_kernel[(1,)](
             ids, pair_row, psum, num_pairs, num_experts,
             ALIGN=alignment, P_BLOCK=p_block, E_BLOCK=e_block, num_warps=8,
         )  # fmt: skip

@@ -1,0 +1,152 @@
+"""Every Triton kernel of ours compiles for Hopper (sm_90) on a machine without a GPU.
+
+On a CPU the suite runs the kernels in Triton's interpreter, which accepts code the compiler
+refuses: a module global that is not a constexpr, a reshape to a shape held in a variable. Both
+reached the device in earlier sessions and cost a run each. Here tiny forwards launch every
+kernel in the interpreter while a hook records each launch's arguments; a child process without
+the interpreter (tests/kernels/hopper_compile.py) then compiles each recorded variant for sm_90
+with the compiler and ptxas that ship with Triton, as the GPU would.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+import kernels
+from kernels.config import RoutingConfig
+from kernels.experts._triton import psum_layout as psum
+from kernels.experts._triton.act_quant import MaskedRows, PairRows, act_quant, mn_major_scales
+from kernels.experts._triton.quantize import quantize_into
+from kernels.experts._triton.sort_pairs import sort_pairs
+from kernels.input_checks import NONFINITE_BITS, bit_rows
+from kernels.quant_scheme import FP8, ActQuant, QuantScheme
+from kernels.quantize import quantize_activation
+from kernels.routing_kernel import route_rows
+from kernels.row_kernels import batch_stats_into, nonfinite_into, silu_and_mul, zero_rows_from
+from kernels.tensors import Format
+from tests.kernels.triton_cases import Case, random_routing, triton_vs_reference
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU suite compiles them")
+
+CPU = torch.device("cpu")
+_TRITON_TYPES = {
+    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
+    torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
+    FP8: "fp8e4nv",
+}  # fmt: skip
+_LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
+def _encode(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return {"tensor": _TRITON_TYPES[value.dtype]}
+    if isinstance(value, tl.dtype):
+        return {"dtype": value.name}
+    return value
+
+
+def _launchable_kernels() -> set[tuple[str, str]]:
+    """(module, name) of every jit function in `kernels` that is launched: named *_kernel."""
+    found = set()
+    for info in pkgutil.walk_packages(kernels.__path__, "kernels."):
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            ours = isinstance(value, InterpretedFunction) and value.fn.__module__ == info.name
+            if ours and name.endswith("_kernel"):
+                found.add((info.name, name))
+    return found
+
+
+def _launch_every_kernel() -> None:
+    """Tiny calls that, between them, launch each kernel of `kernels` at least once."""
+    forwards = [
+        (QuantScheme.FP8_BLOCK, Format.STANDARD, 1),  # quantiser, one-program align, top-k sum
+        (QuantScheme.FP8_TENSOR, Format.STANDARD, 80),  # amax, three-kernel align (160 pairs)
+        (QuantScheme.FP8_TOKEN, Format.STANDARD, 3),
+        (QuantScheme.MXFP4, Format.STANDARD, 2),
+        (QuantScheme.INT4_W4A16, Format.BATCHED, 3),
+    ]
+    for scheme, fmt, m in forwards:
+        cfg = Case(scheme).config()
+        triton_vs_reference(cfg, random_routing(m, cfg.num_experts, cfg.top_k, seed=m), CPU, fmt)
+    ids = torch.tensor([[2, 0], [1, 2], [0, 3]], dtype=torch.int32)
+    weights = torch.rand(3, 2)
+    sort_pairs(ids, weights, 4)
+    route_rows(torch.randn(3, 8), RoutingConfig(top_k=2))
+    x = torch.randn(3, 300)
+    for how in ActQuant:  # the experts use the torch twin on a CPU: the kernel itself here
+        scale = torch.empty(quantize_activation(x, how)[1].shape)
+        quantize_into(x, torch.empty(3, 300, dtype=torch.uint8), scale, how)
+
+    valid = torch.tensor(2)
+    out = torch.randn(3, 64).bfloat16()
+    zero_rows_from(out, valid)
+    batch_stats_into(torch.tensor([0] * 4 + [1, 1]), ids, valid, bit_rows(out), [bit_rows(out)])
+    bits_dtype, mask = NONFINITE_BITS[torch.float32]
+    nonfinite_into(
+        torch.randn(3, 64).view(bits_dtype), mask, torch.zeros(1, dtype=torch.int32), valid
+    )
+    silu_and_mul(torch.randn(3, 256), torch.float16)
+
+    for repeats in (1, 1400):  # one program; three kernels (4200 pairs)
+        psum.psum_layout(ids.repeat(repeats, 1), 4, 8)
+    layout = psum.psum_layout(ids, 4, 8)
+    a = torch.zeros(layout.capacity, 128, dtype=FP8)
+    a_scale = mn_major_scales(layout.capacity, 1, CPU)
+    psum.gather_rows(torch.randn(3, 128).to(FP8), torch.rand(3, 1), layout, a, a_scale)
+    y = torch.randn(layout.capacity, 128).half()
+    psum.weighted_sum(y, None, layout, ids, weights, torch.empty(3, 128))
+    spec = Case().config().activation
+    h = torch.randn(layout.capacity, 256).half()
+    q = torch.empty(layout.capacity, 128, dtype=FP8)
+    act_quant(h, None, spec, PairRows(layout.pair_row, ids.flatten()), q, a_scale)
+    h = torch.randn(4, 16, 256).half()
+    q = torch.empty(4, 16, 128, dtype=FP8)
+    counts = torch.tensor([0, 3, 1, 2], dtype=torch.int32)
+    act_quant(h, None, spec, MaskedRows(counts, 3), q, mn_major_scales(16, 1, CPU, batch=4))
+
+
+def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    launches: dict[str, dict] = {}
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        names = self.arg_names
+        values = dict(zip(names, args, strict=False)) | {
+            k: v for k, v in kwargs.items() if k in names
+        }
+        launch = {
+            "module": self.fn.__module__,
+            "kernel": self.fn.__name__,
+            "args": {name: _encode(value) for name, value in values.items()},
+            "options": {k: kwargs[k] for k in _LAUNCH_OPTIONS if k in kwargs},
+        }
+        launches.setdefault(json.dumps(launch, sort_keys=True), launch)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", recording_run)
+    _launch_every_kernel()
+    monkeypatch.undo()
+
+    launched = {(launch["module"], launch["kernel"]) for launch in launches.values()}
+    missing = _launchable_kernels() - launched
+    assert not missing, f"add a call that launches {sorted(missing)} to _launch_every_kernel"
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(list(launches.values())))
+    env = os.environ | {"TRITON_INTERPRET": "0"}
+    child = subprocess.run(
+        [sys.executable, "-m", "tests.kernels.hopper_compile", str(path)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stdout + child.stderr[-3000:]
