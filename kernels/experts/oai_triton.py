@@ -185,11 +185,8 @@ class _OaiBase(Experts):
             FnSpecs("swiglu", swiglu_fn, ("alpha", "limit")), (spec.alpha, spec.limit), 2
         )
 
-    def _experts(
-        self, hidden: torch.Tensor, routing: OgsRouting, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """hidden [M, H] bf16 -> [M, H] (into `out` if given): GEMM1 (gather) -> act -> GEMM2
-        (weigh, scatter-sum)."""
+    def _experts(self, hidden: torch.Tensor, routing: OgsRouting) -> torch.Tensor:
+        """hidden [M, H] bf16 -> [M, H]: GEMM1 (gather) -> act -> GEMM2 (weigh, scatter-sum)."""
         from triton_kernels.matmul_ogs import matmul_ogs
 
         g1, g2 = self.gemm1, self.gemm2
@@ -213,7 +210,6 @@ class _OaiBase(Experts):
             scatter_indx=routing.scatter,
             precision_config=g2.precision,
             gammas=routing.data.gate_scal,
-            y=out,
         )
 
     def apply(
@@ -226,14 +222,7 @@ class _OaiBase(Experts):
             out = torch.zeros_like(x.hidden)
         else:
             routing = ogs_routing(x.topk_ids, x.topk_weights, self.weights.num_experts)
-            # GEMM2 writes the layer's rows itself when nothing joins the sum before rounding
-            direct = (
-                into is not None
-                and into.extra is None
-                and into.out.dtype == x.hidden.dtype
-                and into.out.is_contiguous()
-            )
-            out = self._experts(x.hidden, routing, into.out if direct else None)
+            out = self._experts(x.hidden, routing)
         return out if into is None else into.write(out)
 
 
