@@ -51,3 +51,15 @@ def test_past_one_programs_reach_torch_sorts(
     assert len(ran) == 1
     sort_pairs(ids[:32], weights[:32], 16)  # 128 pairs: the kernel
     assert len(ran) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16, 32])
+def test_the_sort_on_the_gpu_equals_torchs_at_gpt_oss_decode_sizes(m: int) -> None:
+    """Compiled (tests/gpu_suite.sh runs the gpu-marked tests only): 128 experts, top 4."""
+    ids, weights = _routing(m, 4, 128, seed=m, only=7 if m > 1 else None, dtype=torch.bfloat16)
+    ids, weights = ids.cuda(), weights.cuda()
+    fast = sort_pairs(ids, weights, 128)
+    slow = sort_pairs_torch(ids, weights, 128)
+    for name in ("sorted_pairs", "row_of_pair", "row_weights", "tokens_per_expert"):
+        assert torch.equal(getattr(fast, name), getattr(slow, name)), name
