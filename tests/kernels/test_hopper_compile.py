@@ -147,6 +147,6 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch, tmp_p
     env = os.environ | {"TRITON_INTERPRET": "0"}
     child = subprocess.run(
         [sys.executable, "-m", "tests.kernels.hopper_compile", str(path)],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert child.returncode == 0, child.stdout + child.stderr[-3000:]
