@@ -5,7 +5,8 @@ refuses: a module global that is not a constexpr, a reshape to a shape held in a
 reached the device in earlier sessions and cost a run each. Here tiny forwards launch every
 kernel in the interpreter while a hook records each launch's arguments; a child process without
 the interpreter (tests/kernels/hopper_compile.py) then compiles each recorded variant for sm_90
-with the compiler and ptxas that ship with Triton, as the GPU would.
+with the compiler and ptxas that ship with Triton, as the GPU would, and reads back each one's
+registers, spills and shared memory.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ _LAUNCH_OPTIONS = ("num_warps", "num_stages")
 
 def _encode(value: object) -> object:
     if isinstance(value, torch.Tensor):
-        return {"tensor": _TRITON_TYPES[value.dtype]}
+        return {"tensor": _TRITON_TYPES[value.dtype], "aligned": value.data_ptr() % 16 == 0}
     if isinstance(value, tl.dtype):
         return {"dtype": value.name}
     return value
@@ -146,7 +147,9 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch, tmp_p
     path.write_text(json.dumps(list(launches.values())))
     env = os.environ | {"TRITON_INTERPRET": "0"}
     child = subprocess.run(
-        [sys.executable, "-m", "tests.kernels.hopper_compile", str(path)],
+        [sys.executable, "-m", "tests.kernels.hopper_compile", str(path), "--resources"],
         env=env, cwd=Path(__file__).parents[2], capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert child.returncode == 0, child.stdout + child.stderr[-3000:]
+    reports = [line for line in child.stdout.splitlines() if "'registers': " in line]
+    assert len(reports) == len(launches)  # ptxas' resource figures read back for each variant
