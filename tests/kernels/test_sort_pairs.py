@@ -21,6 +21,14 @@ def _routing(m: int, k: int, num_experts: int, seed: int, only: int | None, dtyp
     return ids.to(torch.int32), weights
 
 
+def _assert_sorts_agree(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> None:
+    fast = sort_pairs(ids, weights, num_experts)
+    slow = sort_pairs_torch(ids, weights, num_experts)
+    for name in ("sorted_pairs", "row_of_pair", "row_weights", "tokens_per_expert"):
+        got, want = getattr(fast, name), getattr(slow, name)
+        assert got.dtype == want.dtype and torch.equal(got.cpu(), want.cpu()), name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("m", "k", "num_experts", "only"),
@@ -33,11 +41,7 @@ def test_the_one_program_sort_equals_torchs_stable_argsort(
     ids, weights = _routing(m, k, num_experts, seed=m * k, only=only, dtype=dtype)
     ids, weights = ids.to(device), weights.to(device)
     assert m * k <= ONE_PROGRAM_MAX_PAIRS
-    fast = sort_pairs(ids, weights, num_experts)
-    slow = sort_pairs_torch(ids, weights, num_experts)
-    for name in ("sorted_pairs", "row_of_pair", "row_weights", "tokens_per_expert"):
-        got, want = getattr(fast, name), getattr(slow, name)
-        assert got.dtype == want.dtype and torch.equal(got.cpu(), want.cpu()), name
+    _assert_sorts_agree(ids, weights, num_experts)
 
 
 def test_past_one_programs_reach_torch_sorts(
@@ -58,8 +62,4 @@ def test_past_one_programs_reach_torch_sorts(
 def test_the_sort_on_the_gpu_equals_torchs_at_gpt_oss_decode_sizes(m: int) -> None:
     """Compiled (tests/gpu_suite.sh runs the gpu-marked tests only): 128 experts, top 4."""
     ids, weights = _routing(m, 4, 128, seed=m, only=7 if m > 1 else None, dtype=torch.bfloat16)
-    ids, weights = ids.cuda(), weights.cuda()
-    fast = sort_pairs(ids, weights, 128)
-    slow = sort_pairs_torch(ids, weights, 128)
-    for name in ("sorted_pairs", "row_of_pair", "row_weights", "tokens_per_expert"):
-        assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+    _assert_sorts_agree(ids.cuda(), weights.cuda(), 128)
