@@ -3,6 +3,7 @@ every quant scheme, in the standard (`triton`) and batched (`triton-batched`) fo
 
 Standard format, for M tokens and P = M * k (token, slot) pairs:
     aligned = align_pairs(topk_ids)           # pair ids sorted by expert, runs padded to BLOCK_M
+                                              # (per-pair tiles: none, one GEMV per pair)
     h[p] = act(x[p // k] @ W13[e_p].T + b13)  # [P, I], input rows gathered, never permuted
     h    = quant(h) over all pairs            # fp8 schemes, as the reference does
     y[p] = w_p * (h[p] @ W2[e_p].T + b2)      # [P, H]
@@ -26,6 +27,7 @@ from kernels.workspace import Workspace
 
 if HAS_TRITON:  # without it the backends stay registered and say why they cannot run
     from kernels.experts._triton.align import AlignedPairs, align_pairs
+    from kernels.experts._triton.gemv import EachPair, pair_gemv
     from kernels.experts._triton.graphs import MAX_GRAPH_TOKENS, DecodeGraphs
     from kernels.experts._triton.grouped_gemm import (
         Activations,
@@ -53,6 +55,7 @@ class _TritonBase(Experts):
         QuantScheme.INT8_W8A16, QuantScheme.INT4_W4A16, QuantScheme.MXFP4,
     })  # fmt: skip
     has_invariant_mode: ClassVar[bool] = True
+    runs_per_pair: ClassVar[bool] = False  # per-pair GEMVs (standard format only)
 
     def __init__(
         self,
@@ -92,10 +95,11 @@ class _TritonBase(Experts):
 
     def tiles(self, num_tokens: int, device: torch.device) -> LayerTiles:
         """Tile sizes for a call of `num_tokens` tokens; batch-invariant: one set at every M,
-        so each row's dots sum in one order (no tile here splits K)."""
+        so each row's dots sum in one order (no tile here splits K, none runs per pair)."""
         if self.batch_invariant:
             num_tokens = INVARIANT_TOKENS
-        return self.fixed_tiles or tiles_for(self.cfg, num_tokens, device)
+        per_pair = self.runs_per_pair and not self.batch_invariant
+        return self.fixed_tiles or tiles_for(self.cfg, num_tokens, device, per_pair)
 
     @property
     def fp8_quant(self) -> ActQuant | None:
@@ -110,7 +114,7 @@ class _TritonBase(Experts):
     def _gemms(
         self,
         a: Activations,
-        rows: AlignedPairs | BatchedRows,
+        rows: AlignedPairs | BatchedRows | EachPair,
         h: torch.Tensor,  # [R, I]
         y: torch.Tensor,  # [R, H]
         tiles: LayerTiles,
@@ -122,12 +126,13 @@ class _TritonBase(Experts):
         if how == ActQuant.TENSOR:
             h.zero_()  # rows no pair writes must not raise the one tensor-wide scale
             pair_ids = None  # its one scale is over every row
-        grouped_gemm(a, self.w13, h, rows, Epilogue(gate_up=self.cfg.activation), tiles.gemm1)
+        gemm = pair_gemv if isinstance(rows, EachPair) else grouped_gemm
+        gemm(a, self.w13, h, rows, Epilogue(gate_up=self.cfg.activation), tiles.gemm1)
         if how is None:
             second = Activations(h)
         else:  # only the rows of pairs GEMM1 wrote: no GEMM reads the others
             second = Activations(*quantize_rows(h, how, pair_ids), how)
-        grouped_gemm(second, self.w2, y, rows, Epilogue(row_weights=row_weights), tiles.gemm2)
+        gemm(second, self.w2, y, rows, Epilogue(row_weights=row_weights), tiles.gemm2)
 
 
 class TritonExperts(_TritonBase):
@@ -137,6 +142,7 @@ class TritonExperts(_TritonBase):
     # fp8 schemes: the input is quantised here, by one Triton pass that decode graphs capture
     takes_quantized_input: ClassVar[bool] = False
     graph_capturable: ClassVar[bool] = True  # align, GEMMs and top-k sum never sync the host
+    runs_per_pair: ClassVar[bool] = True
 
     def workspace_shapes(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         cfg = self.cfg
@@ -172,7 +178,11 @@ class TritonExperts(_TritonBase):
         (None: a new float32 [M, H])."""
         m, k = x.topk_ids.shape
         tiles = self.tiles(m, x.hidden.device)
-        aligned = align_pairs(x.topk_ids, self.weights.num_experts, tiles.block_m)
+        pair_ids = x.topk_ids.flatten()
+        if tiles.per_pair:
+            rows = EachPair(pair_ids)
+        else:
+            rows = align_pairs(x.topk_ids, self.weights.num_experts, tiles.block_m)
         hidden, scale, how = x.hidden, x.scale, x.act_quant
         if how is None and self.fp8_quant is not None:
             how = self.fp8_quant
@@ -180,10 +190,7 @@ class TritonExperts(_TritonBase):
         a = Activations(hidden, scale, how, pairs_per_row=k)
         row_weights = x.topk_weights.float().flatten().contiguous()  # [P]
         pair_out = buf["triton_pair_out"]
-        self._gemms(
-            a, aligned, buf["triton_intermediate"], pair_out, tiles, row_weights,
-            x.topk_ids.flatten(),
-        )  # fmt: skip
+        self._gemms(a, rows, buf["triton_intermediate"], pair_out, tiles, row_weights, pair_ids)
         if into is None:
             into = SumTarget(torch.empty(m, self.cfg.hidden_size, device=x.hidden.device))
         return topk_sum(pair_out, x.topk_ids, into.out, into.ready_extra())

@@ -29,8 +29,10 @@ import kernels
 from kernels.config import RoutingConfig
 from kernels.experts._triton import psum_layout as psum
 from kernels.experts._triton.act_quant import MaskedRows, PairRows, act_quant, mn_major_scales
+from kernels.experts._triton.grouped_gemm import GemmTile
 from kernels.experts._triton.quantize import quantize_into
 from kernels.experts._triton.sort_pairs import sort_pairs
+from kernels.experts._triton.tiles import LayerTiles
 from kernels.input_checks import NONFINITE_BITS, bit_rows
 from kernels.quant_scheme import FP8, ActQuant, QuantScheme
 from kernels.quantize import quantize_activation
@@ -82,6 +84,11 @@ def _launch_every_kernel() -> None:
     for scheme, fmt, m in forwards:
         cfg = Case(scheme).config()
         triton_vs_reference(cfg, random_routing(m, cfg.num_experts, cfg.top_k, seed=m), CPU, fmt)
+    gemv = GemmTile(32, 128, 4, 2)
+    for scheme in (QuantScheme.FP8_BLOCK, QuantScheme.MXFP4):  # per-pair GEMVs
+        cfg = Case(scheme).config()
+        per_pair = LayerTiles(16, gemv, gemv, per_pair=True)
+        triton_vs_reference(cfg, random_routing(1, 4, 2, seed=1), CPU, tiles=per_pair)
     ids = torch.tensor([[2, 0], [1, 2], [0, 3]], dtype=torch.int32)
     weights = torch.rand(3, 2)
     sort_pairs(ids, weights, 4)

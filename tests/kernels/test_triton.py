@@ -408,6 +408,89 @@ def test_every_program_order_computes_the_same_bits(
     assert triton_vs_reference(cfg, routing, device, fmt) < tolerance(cfg)
 
 
+# ---- per-pair GEMVs (decode) ---------------------------------------------------------------
+
+PER_PAIR = tiles.LayerTiles(16, GemmTile(32, 64, 4, 2), GemmTile(16, 128, 2, 1), per_pair=True)
+
+
+def _per_pair_cases() -> list:
+    """Every scheme once per token count, the activations and layouts taking turns."""
+    kinds = [(Activation.SILU, GateUp.SPLIT), (Activation.GELU, GateUp.SPLIT),
+             (Activation.SWIGLUOAI, GateUp.INTERLEAVED)]  # fmt: skip
+    params = []
+    for i, scheme in enumerate(ALL_SCHEMES):
+        activation, layout = kinds[i % 3]
+        case = Case(scheme, torch.float16, activation, layout, has_bias=i % 2 == 1)
+        for m in (1, 5):
+            params.append(pytest.param(case, m, id=f"{scheme}-{activation}-M{m}"))
+    return params
+
+
+@pytest.mark.parametrize(("case", "m"), _per_pair_cases())
+def test_per_pair_gemvs_match_reference_for_every_scheme(
+    case: Case, m: int, device: torch.device
+) -> None:
+    cfg = case.config()
+    routing = random_routing(m, cfg.num_experts, cfg.top_k, seed=m)
+    assert triton_vs_reference(cfg, routing, device, tiles=PER_PAIR) < tolerance(cfg)
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme.NONE, QuantScheme.FP8_BLOCK])
+def test_per_pair_gemvs_skip_other_ranks_pairs_and_take_one_expert_for_every_token(
+    scheme: QuantScheme, device: torch.device
+) -> None:
+    cfg = Case(scheme, num_experts=6, top_k=3).config()
+    expert_map = contiguous_expert_map(6, rank=1, world_size=2)  # experts 3..5 here
+    routing = random_routing(7, 6, 3, seed=6, only=4)
+    err = triton_vs_reference(cfg, routing, device, expert_map=expert_map, tiles=PER_PAIR)
+    assert err < tolerance(cfg)
+
+
+@pytest.mark.parametrize("layout", list(GateUp))
+def test_per_pair_fp8_block_tiles_wider_than_a_scale_block_narrow_to_fit(
+    layout: GateUp, device: torch.device
+) -> None:
+    """256-wide tiles would straddle two 128 x 128 scale blocks (and PARTIAL's last blocks are
+    partial): pair_gemv narrows them to one block."""
+    activation = Activation.SWIGLUOAI if layout == GateUp.INTERLEAVED else Activation.SILU
+    cfg = Case(QuantScheme.FP8_BLOCK, torch.float16, activation, layout, **PARTIAL).config()
+    wide = GemmTile(256, 256, 4, 1)
+    fixed = tiles.LayerTiles(16, wide, wide, per_pair=True)
+    err = triton_vs_reference(cfg, random_routing(3, 4, 2, seed=2), device, tiles=fixed)
+    assert err < tolerance(cfg)
+
+
+def test_heuristic_runs_per_pair_only_where_experts_see_a_fraction_of_a_row() -> None:
+    cfg = Case(num_experts=256, top_k=8).config()  # DeepSeek-V3's routing
+    assert tiles.heuristic_tiles(cfg, 1).per_pair
+    assert tiles.heuristic_tiles(cfg, 8).per_pair  # 64 pairs on 256 experts
+    assert not tiles.heuristic_tiles(cfg, 9).per_pair
+    assert not tiles.heuristic_tiles(cfg, 1, per_pair=False).per_pair
+
+
+def test_batched_format_and_batch_invariance_never_run_per_pair() -> None:
+    cfg = Case(num_experts=256, top_k=8).config()
+    weights = random_expert_weights(cfg)
+    assert TritonExperts(cfg, weights).tiles(1, CPU).per_pair
+    assert not TritonBatchedExperts(cfg, weights).tiles(1, CPU).per_pair
+    assert not TritonExperts(cfg, weights, batch_invariant=True).tiles(1, CPU).per_pair
+
+
+def test_a_per_pair_tuned_entry_is_kept_from_formats_that_cannot_run_it(
+    tmp_path, monkeypatch
+) -> None:
+    cfg = Case().config()
+    name = tiles.TileKey.of(cfg, "cpu").filename()
+    (tmp_path / name).write_text(json.dumps({"buckets": {"1": PER_PAIR.to_json()}}))
+    monkeypatch.setattr(tiles, "TUNED_DIR", tmp_path)
+    tiles._tuned_table.cache_clear()
+    try:
+        assert tiles.tiles_for(cfg, 1, CPU) == PER_PAIR
+        assert tiles.tiles_for(cfg, 1, CPU, per_pair=False) == tiles.heuristic_tiles(cfg, 1, False)
+    finally:
+        tiles._tuned_table.cache_clear()
+
+
 # ---- fp8-block with partial last blocks (H, I not multiples of 128) -------------------------
 
 PARTIAL = {"hidden": 200, "intermediate": 328}  # 1 full + 72 columns, 2 full + 72 rows

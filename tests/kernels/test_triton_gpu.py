@@ -11,6 +11,8 @@ import torch
 
 from kernels.accuracy import relative_error, tolerance
 from kernels.config import Activation, GateUp
+from kernels.experts._triton.grouped_gemm import GemmTile
+from kernels.experts._triton.tiles import LayerTiles
 from kernels.layer import LayerWeights, RouterWeights, build_layer
 from kernels.quant_scheme import ActQuant, QuantScheme
 from kernels.random_weights import random_expert_weights
@@ -80,6 +82,38 @@ def test_expert_map_skips_other_ranks_experts_on_gpu(scheme: QuantScheme, fmt: F
     expert_map = contiguous_expert_map(8, rank=0, world_size=2)  # 4..7 are -1 here
     routing = random_routing(333, 8, 3, seed=5)
     assert triton_vs_reference(cfg, routing, CUDA, fmt, expert_map) < tolerance(cfg)
+
+
+# per-pair GEMVs (decode): a 128-wide K step, a narrower GEMM2, as the tuned files use them
+PER_PAIR = LayerTiles(16, GemmTile(32, 128, 4, 1), GemmTile(16, 128, 2, 1), per_pair=True)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("scheme", list(QuantScheme))
+def test_per_pair_gemvs_match_reference_on_gpu(scheme: QuantScheme, m: int) -> None:
+    cfg = _gpu_case(scheme).config()
+    routing = random_routing(m, cfg.num_experts, cfg.top_k, seed=m)
+    assert triton_vs_reference(cfg, routing, CUDA, tiles=PER_PAIR) < tolerance(cfg)
+
+
+@pytest.mark.parametrize("activation", list(Activation))
+@pytest.mark.parametrize("layout", list(GateUp))
+@pytest.mark.parametrize("scheme", [QuantScheme.NONE, QuantScheme.FP8_BLOCK, QuantScheme.MXFP4])
+def test_per_pair_gemvs_fuse_every_activation_and_layout_with_bias_on_gpu(
+    scheme: QuantScheme, activation: Activation, layout: GateUp
+) -> None:
+    cfg = _gpu_case(scheme, activation=activation, gate_up=layout, has_bias=True).config()
+    routing = random_routing(2, 8, 2, seed=3)
+    assert triton_vs_reference(cfg, routing, CUDA, tiles=PER_PAIR) < tolerance(cfg)
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme.FP8_BLOCK, QuantScheme.INT4_W4A16])
+def test_per_pair_gemvs_skip_other_ranks_and_share_one_expert_on_gpu(scheme: QuantScheme) -> None:
+    cfg = _gpu_case(scheme, top_k=3).config()
+    expert_map = contiguous_expert_map(8, rank=0, world_size=2)  # 4..7 are -1 here
+    routing = random_routing(5, 8, 3, seed=5, only=2)  # every token's first slot on expert 2
+    err = triton_vs_reference(cfg, routing, CUDA, expert_map=expert_map, tiles=PER_PAIR)
+    assert err < tolerance(cfg)
 
 
 def test_auto_selects_triton_on_the_gpu_and_matches_reference_through_the_layer() -> None:

@@ -209,6 +209,34 @@ def _after_k_scales(acc, a_s_ptr, a_rows, stride_asm, s_ptr, n_rows, ACT_SCALE, 
 
 
 @triton.jit
+def _epilogue(
+    acc, acc_up, a_s_ptr, a_rows, stride_asm, s_ptr, gate_rows, up_rows, stride_sn, bias_ptr,
+    bias_offset, alpha, limit, ACT_SCALE: tl.constexpr, KIND: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+):  # fmt: skip
+    """After the K loop: the scales constant along K, the bias (at `bias_offset`, the expert's
+    row), and the gated activation of gate `acc` and `acc_up` ([rows, BLOCK_N] each)."""
+    acc = _after_k_scales(acc, a_s_ptr, a_rows, stride_asm, s_ptr, gate_rows, ACT_SCALE, KIND,
+                          stride_sn)  # fmt: skip
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + bias_offset + gate_rows)[None, :]
+    if ACTIVATION != NO_ACTIVATION:
+        up = _after_k_scales(acc_up, a_s_ptr, a_rows, stride_asm, s_ptr, up_rows, ACT_SCALE,
+                             KIND, stride_sn)  # fmt: skip
+        if HAS_BIAS:
+            up += tl.load(bias_ptr + bias_offset + up_rows)[None, :]
+        if ACTIVATION == SILU:
+            acc = acc * tl.sigmoid(acc) * up
+        elif ACTIVATION == GELU:
+            acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476)) * up
+        else:  # SWIGLUOAI
+            gate = tl.minimum(acc, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            acc = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+    return acc
+
+
+@triton.jit
 def _tile_of(pid, num_m_blocks, num_n_blocks, GROUP_M: tl.constexpr):
     """Program -> (row block, column block). GROUP_M 0: row blocks fastest, so the row blocks of
     one expert (adjacent) read each weight tile together. Else GROUP_M row blocks at a time
@@ -341,23 +369,10 @@ def _grouped_gemm_kernel(
                                      stride_sn, stride_sk, k0, GROUP, ONE_BLOCK)  # fmt: skip
             acc_up += part
 
-    acc = _after_k_scales(acc, a_s_ptr, a_rows, stride_asm, s_ptr, gate_rows, ACT_SCALE, KIND,
-                          stride_sn)  # fmt: skip
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + expert * stride_be + gate_rows)[None, :]
-    if ACTIVATION != NO_ACTIVATION:
-        up = _after_k_scales(acc_up, a_s_ptr, a_rows, stride_asm, s_ptr, up_rows, ACT_SCALE,
-                             KIND, stride_sn)  # fmt: skip
-        if HAS_BIAS:
-            up += tl.load(bias_ptr + expert * stride_be + up_rows)[None, :]
-        if ACTIVATION == SILU:
-            acc = acc * tl.sigmoid(acc) * up
-        elif ACTIVATION == GELU:
-            acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476)) * up
-        else:  # SWIGLUOAI
-            gate = tl.minimum(acc, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            acc = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+    acc = _epilogue(
+        acc, acc_up, a_s_ptr, a_rows, stride_asm, s_ptr, gate_rows, up_rows, stride_sn, bias_ptr,
+        expert * stride_be, alpha, limit, ACT_SCALE, KIND, HAS_BIAS, ACTIVATION,
+    )  # fmt: skip
     if HAS_ROW_WEIGHTS:
         acc = acc * tl.load(row_weights_ptr + rows, mask=row_mask, other=0)[:, None]
     tl.store(

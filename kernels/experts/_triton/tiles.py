@@ -2,7 +2,9 @@
 
 Files live in kernels/tuned/ (written by `moe-serve tune`), one per layer shape, scheme, dtype
 and GPU; inside, one entry per token-count bucket M. Both GEMMs share block_m, because they
-share the expert-aligned row order; each has its own block_n / block_k / warps / stages.
+share the expert-aligned row order; each has its own block_n / block_k / warps / stages. A
+`per_pair` entry runs both GEMMs as one GEMV per (token, expert) pair instead (gemv.py), for
+decode batches where each expert sees about one row.
 """
 
 from __future__ import annotations
@@ -23,20 +25,25 @@ log = logging.getLogger(__name__)
 INVARIANT_TOKENS = 64  # batch-invariant experts run the tiles of this token count at every M
 _BUCKET_REACH = 2.0  # a tuned bucket answers for token counts within this factor of it
 SMEM_BUDGET_BYTES = 160 * 1024  # of Hopper's 227 KiB per block, leaving room for the epilogue
+# the heuristic runs per-pair GEMVs up to this many pairs per expert: an expert's weights are
+# then read about once (each of its pairs reads them again, from L2 at best)
+PER_PAIR_ROWS_PER_EXPERT = 0.25
 
 
 @dataclass(frozen=True)
 class LayerTiles:
-    block_m: int
+    block_m: int  # unused per pair
     gemm1: GemmTile
     gemm2: GemmTile
+    per_pair: bool = False  # one GEMV per (token, expert) pair, no align step (gemv.py)
 
     def to_json(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_json(cls, entry: dict) -> LayerTiles:
-        return cls(entry["block_m"], GemmTile(**entry["gemm1"]), GemmTile(**entry["gemm2"]))
+        gemm1, gemm2 = GemmTile(**entry["gemm1"]), GemmTile(**entry["gemm2"])
+        return cls(entry["block_m"], gemm1, gemm2, entry.get("per_pair", False))
 
 
 @dataclass(frozen=True)
@@ -95,9 +102,12 @@ def nested_block_k(cfg: MoEConfig, block_k: int) -> int:
     return block_k if block_k >= 16 else 0
 
 
-def heuristic_tiles(cfg: MoEConfig, num_tokens: int) -> LayerTiles:
-    """Small row tiles when each expert sees few rows (decode), large ones for prefill."""
+def heuristic_tiles(cfg: MoEConfig, num_tokens: int, per_pair: bool = True) -> LayerTiles:
+    """Per-pair GEMVs (when `per_pair` allows) where experts see a fraction of a row each, small
+    row tiles when each expert sees few rows (decode), large ones for prefill."""
     rows_per_expert = num_tokens * cfg.top_k / cfg.num_experts
+    if per_pair and rows_per_expert <= PER_PAIR_ROWS_PER_EXPERT:
+        return per_pair_tiles(cfg)
     if rows_per_expert <= 16:
         block_m, block_n, block_k, warps = 16, 64, 128, 4
     elif rows_per_expert <= 64:
@@ -119,12 +129,24 @@ def heuristic_tiles(cfg: MoEConfig, num_tokens: int) -> LayerTiles:
     return LayerTiles(block_m, gemm1, gemm2)
 
 
-def tiles_for(cfg: MoEConfig, num_tokens: int, device: torch.device) -> LayerTiles:
+def per_pair_tiles(cfg: MoEConfig) -> LayerTiles:
+    """The heuristic's per-pair GEMV tiles: 32 columns, 128 K (fp8-block: within a scale block)."""
+    block_k = nested_block_k(cfg, 128)
+    tile = GemmTile(32, block_k, 4, 2)
+    return LayerTiles(16, tile, tile, per_pair=True)
+
+
+def tiles_for(
+    cfg: MoEConfig, num_tokens: int, device: torch.device, per_pair: bool = True
+) -> LayerTiles:
     """The tuned entry of the nearest M bucket (in ratio, at most 2x away) for this layer on this
-    GPU, else the heuristic."""
+    GPU, else the heuristic; `per_pair` False: never per-pair tiles (the batched format, batch
+    invariance), the heuristic's grouped ones where the entry is per pair."""
     table = _tuned_table(TileKey.of(cfg, device_name(device)).filename())
     m = max(num_tokens, 1)
     nearest = min(table, key=lambda b: (max(b / m, m / b), b), default=None)
     if nearest is None or max(nearest / m, m / nearest) > _BUCKET_REACH:
-        return heuristic_tiles(cfg, num_tokens)
+        return heuristic_tiles(cfg, num_tokens, per_pair)
+    if table[nearest].per_pair and not per_pair:
+        return heuristic_tiles(cfg, num_tokens, per_pair=False)
     return table[nearest]

@@ -1,0 +1,185 @@
+"""Decode GEMMs as one matrix-vector product per (token, expert) pair, on the CUDA cores.
+
+When each expert sees about one row (one token: DeepSeek-V3's 8 of 256 experts, gpt-oss' 4 of
+128), the grouped GEMM pads every expert's row to a BLOCK_M tile for the tensor cores and needs
+the pairs sorted by expert first. Here a program takes one pair and BLOCK_N output columns:
+
+    C[p, n] = epilogue(sum over k of A[p // a_div, k] * dequant(W[e_p])[n, k])
+
+multiplying in float32 as it loads: no align step, no padding rows, and the weight tile is read
+along K (contiguous) and summed per thread until the K loop ends. Pairs whose expert is not here
+(-1) write nothing. The epilogue is the grouped GEMM's (grouped_gemm._epilogue).
+
+fp8-block tiles lie within one 128 x 128 scale block (`pair_gemv` narrows BLOCK_N to fit), so
+each K step's two scales are scalars folded into the activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.config import GateUp
+from kernels.dependent_launch import begin, dependent_launch
+from kernels.experts._triton.codes import (
+    ACT_SCALE,
+    ACTIVATION,
+    NO_ACTIVATION,
+    W_DENSE,
+    W_FP8_BLOCK,
+    WeightKind,
+    weight_kind,
+)
+from kernels.experts._triton.grouped_gemm import (
+    Activations,
+    Epilogue,
+    ExpertMatrix,
+    GemmTile,
+    _bytes_if_fp8,
+    _epilogue,
+    _load_tile,
+    _scale_strides,
+    _weight_tile,
+)
+from kernels.quant_scheme import FP8
+
+
+@dataclass(frozen=True)
+class EachPair:
+    """Rows for `pair_gemv`: pair p (= token * top_k + slot) goes to local expert `experts[p]`."""
+
+    experts: torch.Tensor  # [P] int32, -1: an expert of another rank
+
+
+@triton.jit
+def _pair_gemv_kernel(
+    a_ptr, a_s_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, experts_ptr, row_weights_ptr,
+    n_out, k, a_div, up_offset, up_block_offset,
+    stride_am, stride_asm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+    stride_be, stride_cm, alpha, limit,
+    KIND: tl.constexpr, ACT_SCALE: tl.constexpr, GROUP: tl.constexpr, ACTIVATION: tl.constexpr,
+    GATE_STEP: tl.constexpr,  # weight row of gate n: n * GATE_STEP; of up n: that + up_offset
+    HAS_BIAS: tl.constexpr, HAS_ROW_WEIGHTS: tl.constexpr, A_FP8: tl.constexpr,
+    W_FP8: tl.constexpr, FP8_BYTES: tl.constexpr, MASK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1).to(tl.int64)
+    begin(PDL)
+    expert = tl.load(experts_ptr + pair)
+    if expert < 0:
+        return
+    expert = expert.to(tl.int64)
+    a_row = pair // a_div
+    w_ptr += expert * stride_we
+    if KIND != W_DENSE:
+        s_ptr += expert * stride_se
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # loads wrap past the last column (the store is masked), so only a K tail needs masks
+    gate_rows = (offs_n % n_out) * GATE_STEP
+    up_rows = gate_rows + up_offset
+    # fp8-block: the scale row-block of the whole tile (interleaved: gate and up rows share it)
+    gate_block = pid_n * BLOCK_N * GATE_STEP // GROUP
+    up_block = gate_block if GATE_STEP == 2 else up_block_offset + gate_block
+
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = _load_tile(a_ptr + a_row * stride_am + offs_k, offs_k < k, MASK_K,
+                       A_FP8 and FP8_BYTES).to(tl.float32)  # fmt: skip
+        if KIND == W_FP8_BLOCK:
+            a = a * tl.load(a_s_ptr + a_row * stride_asm + k0 // GROUP)
+        acc += _products(
+            a, w_ptr, s_ptr, gate_rows, gate_block, k0, k, stride_wn, stride_wk, stride_sn,
+            stride_sk, KIND, GROUP, W_FP8, FP8_BYTES, BLOCK_K, MASK_K,
+        )  # fmt: skip
+        if ACTIVATION != NO_ACTIVATION:
+            acc_up += _products(
+                a, w_ptr, s_ptr, up_rows, up_block, k0, k, stride_wn, stride_wk, stride_sn,
+                stride_sk, KIND, GROUP, W_FP8, FP8_BYTES, BLOCK_K, MASK_K,
+            )  # fmt: skip
+
+    a_rows = tl.zeros((1,), dtype=tl.int64) + a_row
+    out = _epilogue(
+        tl.sum(acc, axis=0)[None, :], tl.sum(acc_up, axis=0)[None, :], a_s_ptr, a_rows,
+        stride_asm, s_ptr, gate_rows, up_rows, stride_sn, bias_ptr, expert * stride_be, alpha,
+        limit, ACT_SCALE, KIND, HAS_BIAS, ACTIVATION,
+    )  # fmt: skip
+    if HAS_ROW_WEIGHTS:
+        out = out * tl.load(row_weights_ptr + pair)
+    tl.store(c_ptr + pair * stride_cm + offs_n[None, :], out.to(c_ptr.dtype.element_ty),
+             mask=(offs_n < n_out)[None, :])  # fmt: skip
+
+
+@triton.jit
+def _products(
+    a, w_ptr, s_ptr, rows, block, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
+    KIND: tl.constexpr, GROUP: tl.constexpr, W_FP8: tl.constexpr, FP8_BYTES: tl.constexpr,
+    BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
+):  # fmt: skip
+    """One K step's float32 products a[k] * W[rows[n], k0 + k], [BLOCK_K, BLOCK_N]; fp8-block
+    folds the tile's weight scale (of row-block `block`) into a."""
+    w = _weight_tile(w_ptr, s_ptr, rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk, KIND,
+                     GROUP, W_FP8, FP8_BYTES, tl.float32, BLOCK_K, MASK_K)  # fmt: skip
+    if KIND == W_FP8_BLOCK:
+        a = a * tl.load(s_ptr + block * stride_sn + (k0 // GROUP) * stride_sk)
+    return w.to(tl.float32) * a[:, None]
+
+
+def pair_gemv(
+    a: Activations,
+    w: ExpertMatrix,
+    out: torch.Tensor,
+    rows: EachPair,
+    epilogue: Epilogue,
+    tile: GemmTile,
+) -> None:
+    """Write `out` [P, N'] (N' = N / 2 with a gated activation) for every pair here; `tile`'s
+    block_n, block_k and num_warps (its stages and group_m do not apply)."""
+    spec = epilogue.gate_up
+    gated = spec is not None
+    n_out = w.n // 2 if gated else w.n
+    interleaved = gated and spec.gate_up == GateUp.INTERLEAVED
+    gate_step = 2 if interleaved else 1
+    kind = weight_kind(w.quant.spec)
+    group = w.quant.spec.k_group or 1
+    block_n, block_k = tile.block_n, tile.block_k
+    if kind == WeightKind.FP8_BLOCK:  # a tile within one scale block, rows and columns
+        block_n = min(block_n, group // gate_step)
+        block_k = min(block_k, group)
+    elif kind in (WeightKind.INT4_GROUP, WeightKind.MXFP4) and group % block_k and block_k % group:
+        raise ValueError(f"block_k {block_k} and the {group}-wide scale groups must nest")
+    pairs = rows.experts.numel()
+    if pairs == 0:
+        return
+    s_e, s_n, s_k = _scale_strides(w)
+    fp8_bytes = not a.data.is_cuda  # the interpreter (grouped_gemm._load_tile)
+    operand = _bytes_if_fp8 if fp8_bytes else (lambda t: t)
+    pdl = dependent_launch(out.device)
+    _pair_gemv_kernel[(triton.cdiv(n_out, block_n), pairs)](
+        operand(a.data), a.scale, operand(w.data), w.scale, w.bias, out, rows.experts,
+        epilogue.row_weights, n_out, w.k, a.pairs_per_row,
+        1 if interleaved else n_out,
+        triton.cdiv(n_out, group) if gated else 0,
+        a.data.stride(0), a.scale.stride(0) if a.scale is not None and a.scale.dim() == 2 else 0,
+        w.data.stride(0), w.data.stride(1), w.data.stride(2), s_e, s_n, s_k,
+        w.bias.stride(0) if w.bias is not None else 0, out.stride(0),
+        spec.alpha if gated else 0.0, spec.limit if gated else 0.0,
+        KIND=int(kind),
+        ACT_SCALE=ACT_SCALE[a.act_quant],
+        GROUP=group,
+        ACTIVATION=ACTIVATION[spec.kind if gated else None],
+        GATE_STEP=gate_step,
+        HAS_BIAS=w.bias is not None,
+        HAS_ROW_WEIGHTS=epilogue.row_weights is not None,
+        A_FP8=a.data.dtype == FP8,
+        W_FP8=w.data.dtype == FP8,
+        FP8_BYTES=fp8_bytes,
+        MASK_K=w.k % block_k != 0,
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
+    )  # fmt: skip
