@@ -6,10 +6,11 @@ median of CUDA-event timings) in rounds, each around the best so far: a small se
 candidates around the heuristic (both GEMMs alike), GEMM2's own tile, then the program order.
 Decode buckets (at most 16 rows per expert, where the GEMMs stream weights) then search each
 GEMM's column tile, warps and pipeline depth past the heuristic's cap of 4 stages: there the
-time is how many weight bytes are in flight. Resumable: buckets already in --out are kept, and
-the file is rewritten after each one. --retune searches the named buckets again, their current
-tiles among the first round's candidates, so a bucket never gets tiles slower than it had in
-the same run.
+time is how many weight bytes are in flight. Buckets of at most one row per expert also time
+per-pair GEMVs (gemv.py), each GEMM's column tile, K step and warps in turn. Resumable: buckets
+already in --out are kept, and the file is rewritten after each one. --retune searches the
+named buckets again, their current tiles among the first round's candidates, so a bucket never
+gets tiles slower than it had in the same run.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.config import MoEConfig, RoutingConfig
-from kernels.quant_scheme import QuantConfig, QuantScheme
+from kernels.quant_scheme import FP8_BLOCK, QuantConfig, QuantScheme
 
 if TYPE_CHECKING:
     from kernels.experts._triton.tiles import LayerTiles
@@ -44,6 +45,11 @@ _DECODE_CHOICES = tuple(
     (n, w, s) for n in (16, 32, 64, 128) for w in (1, 2, 4) for s in (2, 3, 4, 6, 8)
 )
 _DECODE_ROWS_PER_EXPERT = 16
+# per-pair round: (block_n, block_k, num_warps) for each GEMM in turn
+_PER_PAIR_CHOICES = tuple(
+    (n, k, w) for n, k in ((16, 128), (32, 128), (64, 128), (32, 256), (64, 64)) for w in (2, 4, 8)
+)
+_PER_PAIR_ROWS_PER_EXPERT = 1
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,7 @@ def candidates(cfg: MoEConfig, num_tokens: int) -> list:
     from kernels.experts._triton.grouped_gemm import GemmTile
     from kernels.experts._triton.tiles import heuristic_tiles, nested_block_k, stages_for
 
-    base = heuristic_tiles(cfg, num_tokens)
+    base = heuristic_tiles(cfg, num_tokens, per_pair=False)
     block_ms = sorted({base.block_m, min(128, base.block_m * 2)})
     elem = 1 if cfg.quant.spec.act_quant else cfg.dtype.itemsize
     found = [base]
@@ -145,6 +151,26 @@ def decode_choices(cfg: MoEConfig, best: LayerTiles, gemm: str) -> list[LayerTil
     return found
 
 
+def per_pair_choices(cfg: MoEConfig, best: LayerTiles, gemm: str) -> list[LayerTiles]:
+    """Per-pair round: `best` (per-pair tiles) with `gemm` over _PER_PAIR_CHOICES whose K step
+    nests with the scale groups (fp8-block: within one, as pair_gemv would narrow it)."""
+    from kernels.experts._triton.tiles import nested_block_k
+
+    fp8_block = cfg.quant.scheme == QuantScheme.FP8_BLOCK
+    found = []
+    for block_n, block_k, warps in _PER_PAIR_CHOICES:
+        if nested_block_k(cfg, block_k) == block_k and not (fp8_block and block_k > FP8_BLOCK):
+            tile = replace(getattr(best, gemm), block_n=block_n, block_k=block_k, num_warps=warps)
+            found.append(replace(best, **{gemm: tile}))
+    return found
+
+
+def fastest(timed: dict[LayerTiles, float], per_pair: bool) -> LayerTiles | None:
+    """The fastest tiles timed so far among the per-pair ones, or among the grouped ones."""
+    among = {tiles: us for tiles, us in timed.items() if tiles.per_pair == per_pair}
+    return min(among, key=among.get, default=None)
+
+
 def _write_atomically(path: Path, body: dict) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(body, indent=1) + "\n")
@@ -157,7 +183,7 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
 
     from bench.random_layer import random_layer
     from bench.timing import Timer, TimingPlan
-    from kernels.experts._triton.tiles import TileKey, device_name
+    from kernels.experts._triton.tiles import TileKey, device_name, per_pair_tiles
     from kernels.experts.triton import TritonExperts
     from kernels.prepare_finalize.no_ep import NoEP
     from kernels.routing import route
@@ -180,8 +206,9 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
         f"it) for both GEMMs; GEMM2 alone over {len(_GEMM2_CHOICES)}; program order (group_m "
         f"{', '.join(map(str, _GROUP_M_CHOICES))}); decode buckets (<= "
         f"{_DECODE_ROWS_PER_EXPERT} rows per expert) then each GEMM over {len(_DECODE_CHOICES)} "
-        "(block_n, warps, stages); median of CUDA-event timings, L2 flushed; "
-        "uniform random routing"
+        f"(block_n, warps, stages); buckets of <= {_PER_PAIR_ROWS_PER_EXPERT} row per expert: "
+        f"per-pair GEMVs, each GEMM over {len(_PER_PAIR_CHOICES)} (block_n, block_k, warps); "
+        "median of CUDA-event timings, L2 flushed; uniform random routing"
     )
     with tqdm(desc=f"tune {key.filename()}", unit="cfg") as bar:
 
@@ -203,14 +230,18 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
             x = NoEP().prepare(hidden, routing, spec, ws)
             timed: dict[LayerTiles, float] = {}
             time_each(candidates(cfg, m) + ([current] if current else []), m, x, timed)
-            if not timed:
+            if fastest(timed, per_pair=False) is None:
                 log.error("M=%d: no candidate ran; the bucket is left to the heuristic", m)
                 continue
-            time_each(gemm2_choices(cfg, min(timed, key=timed.get)), m, x, timed)
-            time_each(order_choices(min(timed, key=timed.get)), m, x, timed)
+            time_each(gemm2_choices(cfg, fastest(timed, per_pair=False)), m, x, timed)
+            time_each(order_choices(fastest(timed, per_pair=False)), m, x, timed)
             if m * cfg.top_k <= _DECODE_ROWS_PER_EXPERT * cfg.num_experts:
                 for gemm in ("gemm1", "gemm2"):
-                    time_each(decode_choices(cfg, min(timed, key=timed.get), gemm), m, x, timed)
+                    time_each(decode_choices(cfg, fastest(timed, False), gemm), m, x, timed)
+            if m * cfg.top_k <= _PER_PAIR_ROWS_PER_EXPERT * cfg.num_experts:
+                for gemm in ("gemm1", "gemm2"):  # from --retune's per-pair tiles or the heuristic's
+                    best_pair = fastest(timed, per_pair=True) or per_pair_tiles(cfg)
+                    time_each(per_pair_choices(cfg, best_pair, gemm), m, x, timed)
             best = min(timed, key=timed.get)
             body["buckets"][str(m)] = best.to_json() | {"us": round(timed[best], 2)}
             _write_atomically(request.out, body)

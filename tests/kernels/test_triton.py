@@ -476,6 +476,22 @@ def test_batched_format_and_batch_invariance_never_run_per_pair() -> None:
     assert not TritonExperts(cfg, weights, batch_invariant=True).tiles(1, CPU).per_pair
 
 
+def test_tune_per_pair_round_varies_one_gemm_and_keeps_the_fp8_block_k_step() -> None:
+    from bench.tune import candidates, fastest, per_pair_choices
+
+    cfg = Case(QuantScheme.FP8_BLOCK, num_experts=256, top_k=8).config()
+    assert not any(t.per_pair for t in candidates(cfg, 1))  # the grouped rounds stay grouped
+    best = tiles.per_pair_tiles(cfg)
+    for gemm, other in (("gemm1", "gemm2"), ("gemm2", "gemm1")):
+        found = per_pair_choices(cfg, best, gemm)
+        assert found and all(t.per_pair for t in found)
+        assert all(getattr(t, other) == getattr(best, other) for t in found)
+        assert {getattr(t, gemm).block_k for t in found} == {64, 128}  # 256 crosses a scale block
+    timed = {best: 5.0, candidates(cfg, 1)[0]: 4.0, found[0]: 3.0}
+    assert fastest(timed, per_pair=True) == found[0]
+    assert fastest(timed, per_pair=False) == candidates(cfg, 1)[0]
+
+
 def test_a_per_pair_tuned_entry_is_kept_from_formats_that_cannot_run_it(
     tmp_path, monkeypatch
 ) -> None:

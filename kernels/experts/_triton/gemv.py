@@ -16,6 +16,7 @@ each K step's two scales are scalars folded into the activations.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,8 @@ from kernels.experts._triton.codes import (
     NO_ACTIVATION,
     W_DENSE,
     W_FP8_BLOCK,
+    W_INT4_GROUP,
+    W_MXFP4,
     WeightKind,
     weight_kind,
 )
@@ -39,7 +42,9 @@ from kernels.experts._triton.grouped_gemm import (
     ExpertMatrix,
     GemmTile,
     _bytes_if_fp8,
+    _e2m1_to_float,
     _epilogue,
+    _group_scale,
     _load_tile,
     _scale_strides,
     _weight_tile,
@@ -64,6 +69,7 @@ def _pair_gemv_kernel(
     GATE_STEP: tl.constexpr,  # weight row of gate n: n * GATE_STEP; of up n: that + up_offset
     HAS_BIAS: tl.constexpr, HAS_ROW_WEIGHTS: tl.constexpr, A_FP8: tl.constexpr,
     W_FP8: tl.constexpr, FP8_BYTES: tl.constexpr, MASK_K: tl.constexpr,
+    SUM_EACH_STEP: tl.constexpr, SPLIT_PACKED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -85,29 +91,41 @@ def _pair_gemv_kernel(
     gate_block = pid_n * BLOCK_N * GATE_STEP // GROUP
     up_block = gate_block if GATE_STEP == 2 else up_block_offset + gate_block
 
-    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    if SUM_EACH_STEP:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    else:
+        PACKED: tl.constexpr = SPLIT_PACKED and (KIND == W_INT4_GROUP or KIND == W_MXFP4)  # noqa: SIM109
+        PART_K: tl.constexpr = BLOCK_K // 2 if PACKED else BLOCK_K
+        acc = tl.zeros((PART_K, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((PART_K, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = _load_tile(a_ptr + a_row * stride_am + offs_k, offs_k < k, MASK_K,
                        A_FP8 and FP8_BYTES).to(tl.float32)  # fmt: skip
-        if KIND == W_FP8_BLOCK:
-            a = a * tl.load(a_s_ptr + a_row * stride_asm + k0 // GROUP)
-        acc += _products(
+        if KIND == W_FP8_BLOCK:  # each K column's group scale
+            a_s = tl.load(a_s_ptr + a_row * stride_asm + offs_k // GROUP, mask=offs_k < k, other=0)
+            a = a * a_s
+        part = _products(
             a, w_ptr, s_ptr, gate_rows, gate_block, k0, k, stride_wn, stride_wk, stride_sn,
-            stride_sk, KIND, GROUP, W_FP8, FP8_BYTES, BLOCK_K, MASK_K,
+            stride_sk, KIND, GROUP, W_FP8, FP8_BYTES, SPLIT_PACKED, BLOCK_K, MASK_K,
         )  # fmt: skip
+        acc += tl.sum(part, axis=0) if SUM_EACH_STEP else part
         if ACTIVATION != NO_ACTIVATION:
-            acc_up += _products(
+            part = _products(
                 a, w_ptr, s_ptr, up_rows, up_block, k0, k, stride_wn, stride_wk, stride_sn,
-                stride_sk, KIND, GROUP, W_FP8, FP8_BYTES, BLOCK_K, MASK_K,
+                stride_sk, KIND, GROUP, W_FP8, FP8_BYTES, SPLIT_PACKED, BLOCK_K, MASK_K,
             )  # fmt: skip
+            acc_up += tl.sum(part, axis=0) if SUM_EACH_STEP else part
+    if not SUM_EACH_STEP:
+        acc = tl.sum(acc, axis=0)
+        acc_up = tl.sum(acc_up, axis=0)
 
     a_rows = tl.zeros((1,), dtype=tl.int64) + a_row
     out = _epilogue(
-        tl.sum(acc, axis=0)[None, :], tl.sum(acc_up, axis=0)[None, :], a_s_ptr, a_rows,
-        stride_asm, s_ptr, gate_rows, up_rows, stride_sn, bias_ptr, expert * stride_be, alpha,
-        limit, ACT_SCALE, KIND, HAS_BIAS, ACTIVATION,
+        acc[None, :], acc_up[None, :], a_s_ptr, a_rows, stride_asm, s_ptr, gate_rows, up_rows,
+        stride_sn, bias_ptr, expert * stride_be, alpha, limit, ACT_SCALE, KIND, HAS_BIAS,
+        ACTIVATION,
     )  # fmt: skip
     if HAS_ROW_WEIGHTS:
         out = out * tl.load(row_weights_ptr + pair)
@@ -119,15 +137,55 @@ def _pair_gemv_kernel(
 def _products(
     a, w_ptr, s_ptr, rows, block, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
     KIND: tl.constexpr, GROUP: tl.constexpr, W_FP8: tl.constexpr, FP8_BYTES: tl.constexpr,
-    BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
+    SPLIT_PACKED: tl.constexpr, BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
 ):  # fmt: skip
-    """One K step's float32 products a[k] * W[rows[n], k0 + k], [BLOCK_K, BLOCK_N]; fp8-block
-    folds the tile's weight scale (of row-block `block`) into a."""
-    w = _weight_tile(w_ptr, s_ptr, rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk, KIND,
-                     GROUP, W_FP8, FP8_BYTES, tl.float32, BLOCK_K, MASK_K)  # fmt: skip
-    if KIND == W_FP8_BLOCK:
-        a = a * tl.load(s_ptr + block * stride_sn + (k0 // GROUP) * stride_sk)
-    return w.to(tl.float32) * a[:, None]
+    """One K step's float32 products a[k] * W[rows[n], k0 + k]: [BLOCK_K, BLOCK_N], or for
+    split packed weights [BLOCK_K / 2, BLOCK_N] (each the sum of a low and a high nibble's).
+    fp8-block folds the weight scales (of row-block `block`) into a."""
+    if SPLIT_PACKED and (KIND == W_INT4_GROUP or KIND == W_MXFP4):  # noqa: SIM109
+        part = _split_packed_products(
+            a, w_ptr, s_ptr, rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk, KIND,
+            GROUP, BLOCK_K, MASK_K,
+        )  # fmt: skip
+    else:
+        w = _weight_tile(w_ptr, s_ptr, rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
+                         KIND, GROUP, W_FP8, FP8_BYTES, tl.float32, BLOCK_K, MASK_K)  # fmt: skip
+        if KIND == W_FP8_BLOCK:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w_s = tl.load(s_ptr + block * stride_sn + (offs_k // GROUP) * stride_sk,
+                          mask=offs_k < k, other=0)  # fmt: skip
+            a = a * w_s
+        part = w.to(tl.float32) * a[:, None]
+    return part
+
+
+@triton.jit
+def _split_packed_products(
+    a, w_ptr, s_ptr, rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
+    KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
+):  # fmt: skip
+    """int4 / mxfp4 without restoring K order: byte j's low nibble meets a[2j], its high nibble
+    a[2j + 1]; the group scale multiplies their sum. [BLOCK_K / 2, BLOCK_N]."""
+    offs_h = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    byte = _load_tile(w_ptr + rows[None, :] * stride_wn + offs_h[:, None] * stride_wk,
+                      (offs_h < k // 2)[:, None], MASK_K, False)  # fmt: skip
+    a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_K // 2, 2)))
+    if KIND == W_INT4_GROUP:
+        low = ((byte & 0xF).to(tl.int32) - 8).to(tl.float32)
+        high = ((byte >> 4).to(tl.int32) - 8).to(tl.float32)
+    else:
+        low = _e2m1_to_float(byte & 0xF)
+        high = _e2m1_to_float(byte >> 4)
+    part = low * a_even[:, None] + high * a_odd[:, None]
+    if GROUP >= BLOCK_K:
+        scale = _group_scale(tl.load(s_ptr + rows * stride_sn + (k0 // GROUP) * stride_sk), KIND)
+        part = part * scale[None, :]
+    else:
+        groups = (offs_h * 2) // GROUP
+        raw = _load_tile(s_ptr + rows[None, :] * stride_sn + groups[:, None] * stride_sk,
+                         (offs_h < k // 2)[:, None], MASK_K, False)  # fmt: skip
+        part = part * _group_scale(raw, KIND)
+    return part
 
 
 def pair_gemv(
@@ -148,10 +206,9 @@ def pair_gemv(
     kind = weight_kind(w.quant.spec)
     group = w.quant.spec.k_group or 1
     block_n, block_k = tile.block_n, tile.block_k
-    if kind == WeightKind.FP8_BLOCK:  # a tile within one scale block, rows and columns
+    if kind == WeightKind.FP8_BLOCK:  # a column tile within one scale row-block
         block_n = min(block_n, group // gate_step)
-        block_k = min(block_k, group)
-    elif kind in (WeightKind.INT4_GROUP, WeightKind.MXFP4) and group % block_k and block_k % group:
+    if kind != WeightKind.DENSE and group > 1 and group % block_k and block_k % group:
         raise ValueError(f"block_k {block_k} and the {group}-wide scale groups must nest")
     pairs = rows.experts.numel()
     if pairs == 0:
@@ -180,6 +237,8 @@ def pair_gemv(
         W_FP8=w.data.dtype == FP8,
         FP8_BYTES=fp8_bytes,
         MASK_K=w.k % block_k != 0,
+        SUM_EACH_STEP=os.environ.get("GEMV_SUM_EACH_STEP", "1") == "1",
+        SPLIT_PACKED=os.environ.get("GEMV_SPLIT_PACKED", "1") == "1",
         BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip
