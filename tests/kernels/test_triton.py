@@ -261,7 +261,7 @@ def test_triton_backends_are_not_offered_without_a_cuda_gpu(cls: type) -> None:
 
 def test_heuristic_uses_small_row_tiles_for_decode_and_large_for_prefill() -> None:
     cfg = Case(num_experts=8, top_k=2).config()
-    assert tiles.heuristic_tiles(cfg, 1).block_m == 16
+    assert tiles.heuristic_tiles(cfg, 1, per_pair=False).block_m == 16
     assert tiles.heuristic_tiles(cfg, 8192).block_m == 128
 
 

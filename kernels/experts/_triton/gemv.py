@@ -6,17 +6,26 @@ the pairs sorted by expert first. Here a program takes one pair and BLOCK_N outp
 
     C[p, n] = epilogue(sum over k of A[p // a_div, k] * dequant(W[e_p])[n, k])
 
-multiplying in float32 as it loads: no align step, no padding rows, and the weight tile is read
-along K (contiguous) and summed per thread until the K loop ends. Pairs whose expert is not here
-(-1) write nothing. The epilogue is the grouped GEMM's (grouped_gemm._epilogue).
+multiplying in float32 as it loads: no align step and no padding rows. The weight tile is read
+along K (contiguous) and each K step is summed at once, so one program keeps only BLOCK_N
+accumulators and can take long K steps (256 fp8 bytes per row), which keep more weight bytes in
+flight: Triton pipelines no loads here (no dot), so that is what feeds the memory. Pairs whose
+expert is not here (-1) write nothing. Weights are dequantised as the grouped GEMM does
+(grouped_gemm._weight_tile) and the epilogue is its own (grouped_gemm._epilogue).
 
-fp8-block tiles lie within one 128 x 128 scale block (`pair_gemv` narrows BLOCK_N to fit), so
-each K step's two scales are scalars folded into the activations.
+fp8-block: a column tile lies within one 128-row scale block (`pair_gemv` narrows BLOCK_N to
+fit); the activation and weight scales of each K column fold into the activations.
+
+Measured on the H100 (bench/results/tenth-session-2026-11-27.md), experts alone from CUDA graphs:
+per pair against the grouped GEMM at one token, DeepSeek-V3 153.6 / 156.0 us, gpt-oss 111.9 /
+188.9, Mixtral-fp8 162.8 / 187.4, Qwen3 (bf16) 56.5 / 55.8; at 8 tokens the grouped GEMM is
+faster on all but gpt-oss. Two variants measured slower and dropped: [BLOCK_K, BLOCK_N]
+accumulators summed after the loop, and 4-bit nibbles met by even and odd activations (no
+reordering of the nibbles).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -31,8 +40,6 @@ from kernels.experts._triton.codes import (
     NO_ACTIVATION,
     W_DENSE,
     W_FP8_BLOCK,
-    W_INT4_GROUP,
-    W_MXFP4,
     WeightKind,
     weight_kind,
 )
@@ -42,9 +49,7 @@ from kernels.experts._triton.grouped_gemm import (
     ExpertMatrix,
     GemmTile,
     _bytes_if_fp8,
-    _e2m1_to_float,
     _epilogue,
-    _group_scale,
     _load_tile,
     _scale_strides,
     _weight_tile,
@@ -69,7 +74,6 @@ def _pair_gemv_kernel(
     GATE_STEP: tl.constexpr,  # weight row of gate n: n * GATE_STEP; of up n: that + up_offset
     HAS_BIAS: tl.constexpr, HAS_ROW_WEIGHTS: tl.constexpr, A_FP8: tl.constexpr,
     W_FP8: tl.constexpr, FP8_BYTES: tl.constexpr, MASK_K: tl.constexpr,
-    SUM_EACH_STEP: tl.constexpr, SPLIT_PACKED: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -91,14 +95,8 @@ def _pair_gemv_kernel(
     gate_block = pid_n * BLOCK_N * GATE_STEP // GROUP
     up_block = gate_block if GATE_STEP == 2 else up_block_offset + gate_block
 
-    if SUM_EACH_STEP:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    else:
-        PACKED: tl.constexpr = SPLIT_PACKED and (KIND == W_INT4_GROUP or KIND == W_MXFP4)  # noqa: SIM109
-        PART_K: tl.constexpr = BLOCK_K // 2 if PACKED else BLOCK_K
-        acc = tl.zeros((PART_K, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((PART_K, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = _load_tile(a_ptr + a_row * stride_am + offs_k, offs_k < k, MASK_K,
@@ -106,20 +104,15 @@ def _pair_gemv_kernel(
         if KIND == W_FP8_BLOCK:  # each K column's group scale
             a_s = tl.load(a_s_ptr + a_row * stride_asm + offs_k // GROUP, mask=offs_k < k, other=0)
             a = a * a_s
-        part = _products(
+        acc += _step(
             a, w_ptr, s_ptr, gate_rows, gate_block, k0, k, stride_wn, stride_wk, stride_sn,
-            stride_sk, KIND, GROUP, W_FP8, FP8_BYTES, SPLIT_PACKED, BLOCK_K, MASK_K,
+            stride_sk, KIND, GROUP, W_FP8, FP8_BYTES, BLOCK_K, MASK_K,
         )  # fmt: skip
-        acc += tl.sum(part, axis=0) if SUM_EACH_STEP else part
         if ACTIVATION != NO_ACTIVATION:
-            part = _products(
+            acc_up += _step(
                 a, w_ptr, s_ptr, up_rows, up_block, k0, k, stride_wn, stride_wk, stride_sn,
-                stride_sk, KIND, GROUP, W_FP8, FP8_BYTES, SPLIT_PACKED, BLOCK_K, MASK_K,
+                stride_sk, KIND, GROUP, W_FP8, FP8_BYTES, BLOCK_K, MASK_K,
             )  # fmt: skip
-            acc_up += tl.sum(part, axis=0) if SUM_EACH_STEP else part
-    if not SUM_EACH_STEP:
-        acc = tl.sum(acc, axis=0)
-        acc_up = tl.sum(acc_up, axis=0)
 
     a_rows = tl.zeros((1,), dtype=tl.int64) + a_row
     out = _epilogue(
@@ -134,58 +127,21 @@ def _pair_gemv_kernel(
 
 
 @triton.jit
-def _products(
+def _step(
     a, w_ptr, s_ptr, rows, block, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
     KIND: tl.constexpr, GROUP: tl.constexpr, W_FP8: tl.constexpr, FP8_BYTES: tl.constexpr,
-    SPLIT_PACKED: tl.constexpr, BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
 ):  # fmt: skip
-    """One K step's float32 products a[k] * W[rows[n], k0 + k]: [BLOCK_K, BLOCK_N], or for
-    split packed weights [BLOCK_K / 2, BLOCK_N] (each the sum of a low and a high nibble's).
-    fp8-block folds the weight scales (of row-block `block`) into a."""
-    if SPLIT_PACKED and (KIND == W_INT4_GROUP or KIND == W_MXFP4):  # noqa: SIM109
-        part = _split_packed_products(
-            a, w_ptr, s_ptr, rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk, KIND,
-            GROUP, BLOCK_K, MASK_K,
-        )  # fmt: skip
-    else:
-        w = _weight_tile(w_ptr, s_ptr, rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
-                         KIND, GROUP, W_FP8, FP8_BYTES, tl.float32, BLOCK_K, MASK_K)  # fmt: skip
-        if KIND == W_FP8_BLOCK:
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            w_s = tl.load(s_ptr + block * stride_sn + (offs_k // GROUP) * stride_sk,
-                          mask=offs_k < k, other=0)  # fmt: skip
-            a = a * w_s
-        part = w.to(tl.float32) * a[:, None]
-    return part
-
-
-@triton.jit
-def _split_packed_products(
-    a, w_ptr, s_ptr, rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
-    KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
-):  # fmt: skip
-    """int4 / mxfp4 without restoring K order: byte j's low nibble meets a[2j], its high nibble
-    a[2j + 1]; the group scale multiplies their sum. [BLOCK_K / 2, BLOCK_N]."""
-    offs_h = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    byte = _load_tile(w_ptr + rows[None, :] * stride_wn + offs_h[:, None] * stride_wk,
-                      (offs_h < k // 2)[:, None], MASK_K, False)  # fmt: skip
-    a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_K // 2, 2)))
-    if KIND == W_INT4_GROUP:
-        low = ((byte & 0xF).to(tl.int32) - 8).to(tl.float32)
-        high = ((byte >> 4).to(tl.int32) - 8).to(tl.float32)
-    else:
-        low = _e2m1_to_float(byte & 0xF)
-        high = _e2m1_to_float(byte >> 4)
-    part = low * a_even[:, None] + high * a_odd[:, None]
-    if GROUP >= BLOCK_K:
-        scale = _group_scale(tl.load(s_ptr + rows * stride_sn + (k0 // GROUP) * stride_sk), KIND)
-        part = part * scale[None, :]
-    else:
-        groups = (offs_h * 2) // GROUP
-        raw = _load_tile(s_ptr + rows[None, :] * stride_sn + groups[:, None] * stride_sk,
-                         (offs_h < k // 2)[:, None], MASK_K, False)  # fmt: skip
-        part = part * _group_scale(raw, KIND)
-    return part
+    """One K step: sum over k of a[k] * W[rows[n], k0 + k], [BLOCK_N] float32. fp8-block folds
+    each K column's weight scale (of row-block `block`) into a first."""
+    w = _weight_tile(w_ptr, s_ptr, rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk, KIND,
+                     GROUP, W_FP8, FP8_BYTES, tl.float32, BLOCK_K, MASK_K)  # fmt: skip
+    if KIND == W_FP8_BLOCK:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w_s = tl.load(s_ptr + block * stride_sn + (offs_k // GROUP) * stride_sk,
+                      mask=offs_k < k, other=0)  # fmt: skip
+        a = a * w_s
+    return tl.sum(w.to(tl.float32) * a[:, None], axis=0)
 
 
 def pair_gemv(
@@ -237,8 +193,6 @@ def pair_gemv(
         W_FP8=w.data.dtype == FP8,
         FP8_BYTES=fp8_bytes,
         MASK_K=w.k % block_k != 0,
-        SUM_EACH_STEP=os.environ.get("GEMV_SUM_EACH_STEP", "1") == "1",
-        SPLIT_PACKED=os.environ.get("GEMV_SPLIT_PACKED", "1") == "1",
         BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
     )  # fmt: skip

@@ -130,9 +130,12 @@ def heuristic_tiles(cfg: MoEConfig, num_tokens: int, per_pair: bool = True) -> L
 
 
 def per_pair_tiles(cfg: MoEConfig) -> LayerTiles:
-    """The heuristic's per-pair GEMV tiles: 32 columns, 128 K (fp8-block: within a scale block)."""
-    block_k = nested_block_k(cfg, 128)
-    tile = GemmTile(32, block_k, 4, 2)
+    """The heuristic's per-pair GEMV tiles: 16 columns, K steps of 256 bytes of 16-bit weights
+    (2 warps) or 256 columns of 8- and 4-bit ones (4 warps), the best of the H100 sweep for
+    DeepSeek-V3, gpt-oss and Qwen3 at 1-8 tokens (gemv.py)."""
+    sixteen_bit = cfg.quant.spec.values.storage is None and cfg.dtype.itemsize == 2
+    block_k, warps = (128, 2) if sixteen_bit else (nested_block_k(cfg, 256), 4)
+    tile = GemmTile(16, block_k, warps, 1)
     return LayerTiles(16, tile, tile, per_pair=True)
 
 
