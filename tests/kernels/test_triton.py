@@ -114,13 +114,17 @@ def test_align_of_pairs_all_on_other_ranks_leaves_every_block_unused(device: tor
 # ---- the experts against the reference -------------------------------------------------------
 
 
+def _schemes_taking_turns() -> list[tuple[int, QuantScheme, Activation, GateUp]]:
+    """Every scheme with its index, the activations and their layouts taking turns."""
+    kinds = [(Activation.SILU, GateUp.SPLIT), (Activation.GELU, GateUp.SPLIT),
+             (Activation.SWIGLUOAI, GateUp.INTERLEAVED)]  # fmt: skip
+    return [(i, scheme, *kinds[i % 3]) for i, scheme in enumerate(ALL_SCHEMES)]
+
+
 def _scheme_cases() -> list:
     """Every scheme in both formats, alternating fp16 / fp32 and the activations."""
     params = []
-    kinds = [(Activation.SILU, GateUp.SPLIT), (Activation.GELU, GateUp.SPLIT),
-             (Activation.SWIGLUOAI, GateUp.INTERLEAVED)]  # fmt: skip
-    for i, scheme in enumerate(ALL_SCHEMES):
-        activation, layout = kinds[i % 3]
+    for i, scheme, activation, layout in _schemes_taking_turns():
         dtype = torch.float16 if i % 2 else torch.float32
         case = Case(scheme, dtype, activation, layout, has_bias=activation == Activation.SWIGLUOAI)
         for fmt in FORMATS:
@@ -415,11 +419,8 @@ PER_PAIR = tiles.LayerTiles(16, GemmTile(32, 64, 4, 2), GemmTile(16, 128, 2, 1),
 
 def _per_pair_cases() -> list:
     """Every scheme once per token count, the activations and layouts taking turns."""
-    kinds = [(Activation.SILU, GateUp.SPLIT), (Activation.GELU, GateUp.SPLIT),
-             (Activation.SWIGLUOAI, GateUp.INTERLEAVED)]  # fmt: skip
     params = []
-    for i, scheme in enumerate(ALL_SCHEMES):
-        activation, layout = kinds[i % 3]
+    for i, scheme, activation, layout in _schemes_taking_turns():
         case = Case(scheme, torch.float16, activation, layout, has_bias=i % 2 == 1)
         for m in (1, 5):
             params.append(pytest.param(case, m, id=f"{scheme}-{activation}-M{m}"))

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from kernels.activations import apply_activation
 from kernels.config import ActivationSpec, GateUp
-from kernels.experts._triton.codes import ACTIVATION, GELU, SILU
+from kernels.experts._triton.codes import ACTIVATION, gated_activation
 from kernels.quant_scheme import FP8_BLOCK, ActQuant
 from kernels.quantize import quantize_activation
 
@@ -114,15 +114,7 @@ def _act_quant_kernel(
             b_row = bias_ptr + expert.to(tl.int64) * stride_be
             gate += tl.load(b_row + gate_cols, mask=mask, other=0).to(tl.float32)
             up += tl.load(b_row + up_cols, mask=mask, other=0).to(tl.float32)
-        if ACTIVATION == SILU:
-            a = gate * tl.sigmoid(gate) * up
-        elif ACTIVATION == GELU:
-            a = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476)) * up
-        else:  # SWIGLUOAI
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            a = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
-        a = tl.where(mask, a, 0.0)
+        a = tl.where(mask, gated_activation(gate, up, ACTIVATION, alpha, limit), 0.0)
         # as kernels.quantize: scale = max(amax, 1e-12) / 448 (torch on CUDA multiplies by the
         # float32 reciprocal), q = fp8(clamp(a / scale, -448, 448))
         scale = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12) * (1.0 / 448.0)  # [GROUPS]

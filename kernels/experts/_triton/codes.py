@@ -1,4 +1,5 @@
-"""The compile-time codes our kernels branch on, named after what they stand for.
+"""The compile-time codes our kernels branch on, named after what they stand for, and the one
+gated activation (`gated_activation`) that the activation codes select.
 
 A Triton kernel reads a module global only when it is a `tl.constexpr`, so each code is one:
 kernels say `KIND == W_FP8_BLOCK`, never `KIND == 3`. The codes of activation scales and gated
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from enum import IntEnum
 
+import triton
 import triton.language as tl
 
 from kernels.config import Activation
@@ -28,6 +30,23 @@ NO_ACTIVATION = tl.constexpr(ACTIVATION[None])
 SILU = tl.constexpr(ACTIVATION[Activation.SILU])
 GELU = tl.constexpr(ACTIVATION[Activation.GELU])
 SWIGLUOAI = tl.constexpr(ACTIVATION[Activation.SWIGLUOAI])
+
+
+@triton.jit
+def gated_activation(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
+    """float32 gate and up -> the gated activation ACTIVATION codes, as kernels.activations."""
+    if ACTIVATION == SILU:
+        out = gate * tl.sigmoid(gate) * up
+    elif ACTIVATION == GELU:
+        out = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476)) * up
+    else:  # SWIGLUOAI
+        clamped = tl.minimum(gate, limit)
+        out = (
+            (tl.minimum(tl.maximum(up, -limit), limit) + 1.0)
+            * clamped
+            * tl.sigmoid(alpha * clamped)
+        )
+    return out
 
 
 class WeightKind(IntEnum):

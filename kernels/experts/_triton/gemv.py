@@ -18,7 +18,7 @@ fit); the activation and weight scales of each K column fold into the activation
 
 Measured on the H100 (bench/results/tenth-session-2026-11-27.md), experts alone from CUDA graphs:
 per pair against the grouped GEMM at one token, DeepSeek-V3 153.6 / 156.0 us, gpt-oss 111.9 /
-188.9, Mixtral-fp8 162.8 / 187.4, Qwen3 (bf16) 56.5 / 55.8; at 8 tokens the grouped GEMM is
+188.9, Mixtral-fp8 162.8 / 187.4, Qwen3 (bf16) 58.9 / 55.8; at 8 tokens the grouped GEMM is
 faster on all but gpt-oss. Two variants measured slower and dropped: [BLOCK_K, BLOCK_N]
 accumulators summed after the loop, and 4-bit nibbles met by even and odd activations (no
 reordering of the nibbles).
@@ -32,29 +32,23 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.config import GateUp
-from kernels.dependent_launch import begin, dependent_launch
+from kernels.dependent_launch import begin
 from kernels.experts._triton.codes import (
-    ACT_SCALE,
-    ACTIVATION,
     NO_ACTIVATION,
     W_DENSE,
     W_FP8_BLOCK,
     WeightKind,
-    weight_kind,
 )
 from kernels.experts._triton.grouped_gemm import (
     Activations,
     Epilogue,
     ExpertMatrix,
     GemmTile,
-    _bytes_if_fp8,
     _epilogue,
     _load_tile,
-    _scale_strides,
     _weight_tile,
+    gemm_args,
 )
-from kernels.quant_scheme import FP8
 
 
 @dataclass(frozen=True)
@@ -154,45 +148,17 @@ def pair_gemv(
 ) -> None:
     """Write `out` [P, N'] (N' = N / 2 with a gated activation) for every pair here; `tile`'s
     block_n, block_k and num_warps (its stages and group_m do not apply)."""
-    spec = epilogue.gate_up
-    gated = spec is not None
-    n_out = w.n // 2 if gated else w.n
-    interleaved = gated and spec.gate_up == GateUp.INTERLEAVED
-    gate_step = 2 if interleaved else 1
-    kind = weight_kind(w.quant.spec)
-    group = w.quant.spec.k_group or 1
+    args = gemm_args(a, w, out, epilogue, tile.block_k)
+    kind, group = WeightKind(args["KIND"]), args["GROUP"]
     block_n, block_k = tile.block_n, tile.block_k
     if kind == WeightKind.FP8_BLOCK:  # a column tile within one scale row-block
-        block_n = min(block_n, group // gate_step)
+        block_n = min(block_n, group // args["GATE_STEP"])
     if kind != WeightKind.DENSE and group > 1 and group % block_k and block_k % group:
         raise ValueError(f"block_k {block_k} and the {group}-wide scale groups must nest")
     pairs = rows.experts.numel()
     if pairs == 0:
         return
-    s_e, s_n, s_k = _scale_strides(w)
-    fp8_bytes = not a.data.is_cuda  # the interpreter (grouped_gemm._load_tile)
-    operand = _bytes_if_fp8 if fp8_bytes else (lambda t: t)
-    pdl = dependent_launch(out.device)
-    _pair_gemv_kernel[(triton.cdiv(n_out, block_n), pairs)](
-        operand(a.data), a.scale, operand(w.data), w.scale, w.bias, out, rows.experts,
-        epilogue.row_weights, n_out, w.k, a.pairs_per_row,
-        1 if interleaved else n_out,
-        triton.cdiv(n_out, group) if gated else 0,
-        a.data.stride(0), a.scale.stride(0) if a.scale is not None and a.scale.dim() == 2 else 0,
-        w.data.stride(0), w.data.stride(1), w.data.stride(2), s_e, s_n, s_k,
-        w.bias.stride(0) if w.bias is not None else 0, out.stride(0),
-        spec.alpha if gated else 0.0, spec.limit if gated else 0.0,
-        KIND=int(kind),
-        ACT_SCALE=ACT_SCALE[a.act_quant],
-        GROUP=group,
-        ACTIVATION=ACTIVATION[spec.kind if gated else None],
-        GATE_STEP=gate_step,
-        HAS_BIAS=w.bias is not None,
-        HAS_ROW_WEIGHTS=epilogue.row_weights is not None,
-        A_FP8=a.data.dtype == FP8,
-        W_FP8=w.data.dtype == FP8,
-        FP8_BYTES=fp8_bytes,
-        MASK_K=w.k % block_k != 0,
-        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
+    _pair_gemv_kernel[(triton.cdiv(args["n_out"], block_n), pairs)](
+        experts_ptr=rows.experts, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=args["PDL"], **args,
     )  # fmt: skip

@@ -26,9 +26,7 @@ from kernels.experts._triton.codes import (
     ACT_PER_TOKEN,
     ACT_SCALE,
     ACTIVATION,
-    GELU,
     NO_ACTIVATION,
-    SILU,
     W_DENSE,
     W_FP8_BLOCK,
     W_FP8_TENSOR,
@@ -36,6 +34,7 @@ from kernels.experts._triton.codes import (
     W_MXFP4,
     W_PER_CHANNEL,
     WeightKind,
+    gated_activation,
     weight_kind,
 )
 from kernels.quant_scheme import FP8, ActQuant, QuantConfig
@@ -225,14 +224,7 @@ def _epilogue(
                              KIND, stride_sn)  # fmt: skip
         if HAS_BIAS:
             up += tl.load(bias_ptr + bias_offset + up_rows)[None, :]
-        if ACTIVATION == SILU:
-            acc = acc * tl.sigmoid(acc) * up
-        elif ACTIVATION == GELU:
-            acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476)) * up
-        else:  # SWIGLUOAI
-            gate = tl.minimum(acc, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            acc = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+        acc = gated_activation(acc, up, ACTIVATION, alpha, limit)
     return acc
 
 
@@ -402,6 +394,45 @@ def _scale_strides(w: ExpertMatrix) -> tuple[int, int, int]:
     return strides[0], strides[1], strides[2]
 
 
+def gemm_args(a: Activations, w: ExpertMatrix, out: torch.Tensor, epilogue: Epilogue,
+              block_k: int) -> dict:  # fmt: skip
+    """The arguments, by name, that both expert GEMM kernels take (this one and gemv.py's)."""
+    spec = epilogue.gate_up
+    gated = spec is not None
+    n_out = w.n // 2 if gated else w.n
+    interleaved = gated and spec.gate_up == GateUp.INTERLEAVED
+    group = w.quant.spec.k_group or 1  # K columns per weight scale (GROUP x GROUP fp8 tiles)
+    s_e, s_n, s_k = _scale_strides(w)
+    fp8_bytes = not a.data.is_cuda  # the interpreter (see _load_tile)
+    operand = _bytes_if_fp8 if fp8_bytes else (lambda t: t)
+    return {
+        "a_ptr": operand(a.data), "a_s_ptr": a.scale, "w_ptr": operand(w.data),
+        "s_ptr": w.scale, "bias_ptr": w.bias, "c_ptr": out,
+        "row_weights_ptr": epilogue.row_weights,
+        "n_out": n_out, "k": w.k, "a_div": a.pairs_per_row,
+        "up_offset": 1 if interleaved else n_out,
+        "up_block_offset": triton.cdiv(n_out, group) if gated else 0,
+        "stride_am": a.data.stride(0),
+        "stride_asm": a.scale.stride(0) if a.scale is not None and a.scale.dim() == 2 else 0,
+        "stride_we": w.data.stride(0), "stride_wn": w.data.stride(1),
+        "stride_wk": w.data.stride(2), "stride_se": s_e, "stride_sn": s_n, "stride_sk": s_k,
+        "stride_be": w.bias.stride(0) if w.bias is not None else 0, "stride_cm": out.stride(0),
+        "alpha": spec.alpha if gated else 0.0, "limit": spec.limit if gated else 0.0,
+        "KIND": int(weight_kind(w.quant.spec)),
+        "ACT_SCALE": ACT_SCALE[a.act_quant],
+        "GROUP": group,
+        "ACTIVATION": ACTIVATION[spec.kind if gated else None],
+        "GATE_STEP": 2 if interleaved else 1,
+        "HAS_BIAS": w.bias is not None,
+        "HAS_ROW_WEIGHTS": epilogue.row_weights is not None,
+        "A_FP8": a.data.dtype == FP8,
+        "W_FP8": w.data.dtype == FP8,
+        "FP8_BYTES": fp8_bytes,
+        "MASK_K": w.k % block_k != 0,
+        "PDL": dependent_launch(out.device),
+    }  # fmt: skip
+
+
 def grouped_gemm(
     a: Activations,
     w: ExpertMatrix,
@@ -411,12 +442,8 @@ def grouped_gemm(
     tile: GemmTile,
 ) -> None:
     """Write `out` [rows, N'] (N' = N / 2 with a gated activation) for every valid row."""
-    spec = epilogue.gate_up
-    gated = spec is not None
-    n_out = w.n // 2 if gated else w.n
-    interleaved = gated and spec.gate_up == GateUp.INTERLEAVED
-    kind = weight_kind(w.quant.spec)
-    group = w.quant.spec.k_group or 1  # K columns per weight scale (GROUP x GROUP fp8 tiles)
+    args = gemm_args(a, w, out, epilogue, tile.block_k)
+    kind, group = WeightKind(args["KIND"]), args["GROUP"]
     if kind == WeightKind.FP8_BLOCK and group % tile.block_k:
         raise ValueError(f"fp8-block needs block_k to divide {group}, got {tile.block_k}")
     if (
@@ -435,37 +462,15 @@ def grouped_gemm(
         tokens_per_expert = rows.tokens_per_expert
     if grid_m == 0:
         return
-    s_e, s_n, s_k = _scale_strides(w)
-    fp8_bytes = not a.data.is_cuda  # the interpreter (see _load_tile)
-    operand = _bytes_if_fp8 if fp8_bytes else (lambda t: t)
-    grid = (grid_m * triton.cdiv(n_out, tile.block_n),)
-    pdl = dependent_launch(out.device)
+    split_one_block = kind == WeightKind.FP8_BLOCK and args["GATE_STEP"] == 1
+    grid = (grid_m * triton.cdiv(args["n_out"], tile.block_n),)
     _grouped_gemm_kernel[grid](
-        operand(a.data), a.scale, operand(w.data), w.scale, w.bias, out,
-        row_ids, block_expert, tokens_per_expert, epilogue.row_weights,
-        num_pairs, max_tokens, grid_m, a.pairs_per_row, n_out, w.k,
-        1 if interleaved else n_out,
-        triton.cdiv(n_out, group) if gated else 0,
-        a.data.stride(0), a.scale.stride(0) if a.scale is not None and a.scale.dim() == 2 else 0,
-        w.data.stride(0), w.data.stride(1), w.data.stride(2), s_e, s_n, s_k,
-        w.bias.stride(0) if w.bias is not None else 0, out.stride(0),
-        spec.alpha if gated else 0.0, spec.limit if gated else 0.0,
-        BATCHED=isinstance(rows, BatchedRows),
-        KIND=int(kind),
-        ACT_SCALE=ACT_SCALE[a.act_quant],
-        GROUP=group,
-        ACTIVATION=ACTIVATION[spec.kind if gated else None],
-        GATE_STEP=2 if interleaved else 1,
-        ONE_BLOCK=kind == WeightKind.FP8_BLOCK and not interleaved and group % tile.block_n == 0,
-        HAS_BIAS=w.bias is not None,
-        HAS_ROW_WEIGHTS=epilogue.row_weights is not None,
-        A_FP8=a.data.dtype == FP8,
-        W_FP8=w.data.dtype == FP8,
-        FP8_BYTES=fp8_bytes,
-        MASK_K=w.k % tile.block_k != 0,
+        row_ids_ptr=row_ids, block_expert_ptr=block_expert,
+        tokens_per_expert_ptr=tokens_per_expert, num_pairs=num_pairs, max_tokens=max_tokens,
+        num_m_blocks=grid_m, BATCHED=isinstance(rows, BatchedRows),
+        ONE_BLOCK=split_one_block and group % tile.block_n == 0,
         DOT_DTYPE=_dot_dtype(a.data),
         DOT_PRECISION="ieee" if a.data.dtype == torch.float32 else "tf32",
-        GROUP_M=tile.group_m,
-        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, PDL=pdl,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=pdl,
+        GROUP_M=tile.group_m, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=args["PDL"], **args,
     )  # fmt: skip
