@@ -27,7 +27,7 @@ from kernels.workspace import Workspace
 
 if HAS_TRITON:  # without it the backends stay registered and say why they cannot run
     from kernels.experts._triton.align import AlignedPairs, align_pairs
-    from kernels.experts._triton.gemv import EachPair, pair_gemv
+    from kernels.experts._triton.gemv import MAX_PAIRS, EachPair, pair_gemv
     from kernels.experts._triton.graphs import MAX_GRAPH_TOKENS, DecodeGraphs
     from kernels.experts._triton.grouped_gemm import (
         Activations,
@@ -98,7 +98,11 @@ class _TritonBase(Experts):
         so each row's dots sum in one order (no tile here splits K, none runs per pair)."""
         if self.batch_invariant:
             num_tokens = INVARIANT_TOKENS
-        per_pair = self.runs_per_pair and not self.batch_invariant
+        per_pair = (
+            self.runs_per_pair
+            and not self.batch_invariant
+            and num_tokens * self.cfg.top_k <= MAX_PAIRS
+        )
         return self.fixed_tiles or tiles_for(self.cfg, num_tokens, device, per_pair)
 
     @property

@@ -16,7 +16,8 @@ from kernels.accuracy import relative_error, tolerance
 from kernels.config import Activation, GateUp
 from kernels.experts._triton import tiles
 from kernels.experts._triton.align import align_pairs, align_pairs_torch, aligned_capacity
-from kernels.experts._triton.grouped_gemm import GemmTile
+from kernels.experts._triton.gemv import MAX_PAIRS, EachPair, pair_gemv
+from kernels.experts._triton.grouped_gemm import Activations, Epilogue, ExpertMatrix, GemmTile
 from kernels.experts._triton.quantize import quantize_into
 from kernels.experts.deep_gemm import DeepGemmExperts
 from kernels.experts.reference import ReferenceExperts
@@ -469,12 +470,25 @@ def test_heuristic_runs_per_pair_only_where_experts_see_a_fraction_of_a_row() ->
     assert not tiles.heuristic_tiles(cfg, 1, per_pair=False).per_pair
 
 
-def test_batched_format_and_batch_invariance_never_run_per_pair() -> None:
+def test_batched_format_batch_invariance_and_huge_batches_never_run_per_pair() -> None:
     cfg = Case(num_experts=256, top_k=8).config()
     weights = random_expert_weights(cfg)
     assert TritonExperts(cfg, weights).tiles(1, CPU).per_pair
     assert not TritonBatchedExperts(cfg, weights).tiles(1, CPU).per_pair
     assert not TritonExperts(cfg, weights, batch_invariant=True).tiles(1, CPU).per_pair
+    wide = Case(num_experts=1 << 20, top_k=8).config()  # 0.06 pairs per expert at 8192 tokens
+    assert tiles.heuristic_tiles(wide, 8192).per_pair
+    # 65536 pairs, one more than the grid holds (tiles() reads the config alone: any weights do)
+    assert not TritonExperts(wide, weights).tiles(8192, CPU).per_pair
+
+
+def test_per_pair_gemvs_refuse_more_pairs_than_the_grid_holds() -> None:
+    cfg = Case().config()
+    w = ExpertMatrix(torch.zeros(4, 8, 16), None, None, cfg.quant)
+    a = Activations(torch.zeros(1, 16))
+    ids = torch.zeros(MAX_PAIRS + 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=f"at most {MAX_PAIRS} pairs"):
+        pair_gemv(a, w, torch.zeros(MAX_PAIRS + 1, 8), EachPair(ids), Epilogue(), PER_PAIR.gemm1)
 
 
 def test_tune_per_pair_round_varies_one_gemm_and_keeps_the_fp8_block_k_step() -> None:

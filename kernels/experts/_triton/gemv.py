@@ -50,6 +50,8 @@ from kernels.experts._triton.grouped_gemm import (
     gemm_args,
 )
 
+MAX_PAIRS = 65535  # the grid's second axis, one program row per pair
+
 
 @dataclass(frozen=True)
 class EachPair:
@@ -156,6 +158,8 @@ def pair_gemv(
     if kind != WeightKind.DENSE and group > 1 and group % block_k and block_k % group:
         raise ValueError(f"block_k {block_k} and the {group}-wide scale groups must nest")
     pairs = rows.experts.numel()
+    if pairs > MAX_PAIRS:
+        raise ValueError(f"per-pair GEMVs take at most {MAX_PAIRS} pairs, got {pairs}")
     if pairs == 0:
         return
     _pair_gemv_kernel[(triton.cdiv(args["n_out"], block_n), pairs)](
