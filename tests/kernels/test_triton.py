@@ -11,13 +11,21 @@ import json
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels.accuracy import relative_error, tolerance
 from kernels.config import Activation, GateUp
 from kernels.experts._triton import tiles
 from kernels.experts._triton.align import align_pairs, align_pairs_torch, aligned_capacity
 from kernels.experts._triton.gemv import MAX_PAIRS, EachPair, pair_gemv
-from kernels.experts._triton.grouped_gemm import Activations, Epilogue, ExpertMatrix, GemmTile
+from kernels.experts._triton.grouped_gemm import (
+    Activations,
+    Epilogue,
+    ExpertMatrix,
+    GemmTile,
+    _e2m1_to_float,
+)
 from kernels.experts._triton.quantize import quantize_into
 from kernels.experts.deep_gemm import DeepGemmExperts
 from kernels.experts.reference import ReferenceExperts
@@ -26,7 +34,7 @@ from kernels.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
 from kernels.modular import ModularKernel
 from kernels.prepare_finalize.no_ep import NoEP
 from kernels.quant_scheme import FP8, ActQuant, QuantScheme
-from kernels.quantize import quantize_activation
+from kernels.quantize import E2M1_VALUES, quantize_activation
 from kernels.random_weights import random_expert_weights
 from kernels.routing import contiguous_expert_map
 from kernels.stages import SideOutput
@@ -411,6 +419,21 @@ def test_every_program_order_computes_the_same_bits(
         outs.append(run_triton(cfg, routing, device, fmt, tiles.LayerTiles(16, tile, tile)))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     assert triton_vs_reference(cfg, routing, device, fmt) < tolerance(cfg)
+
+
+@triton.jit
+def _decode_e2m1_kernel(codes_ptr, out_ptr):
+    offs = tl.arange(0, 16)
+    tl.store(out_ptr + offs, _e2m1_to_float(tl.load(codes_ptr + offs)))
+
+
+def test_e2m1_decoder_gives_every_code_its_value_and_sign() -> None:
+    """Through fp16 bits: code 1 (0.5) is an fp16 subnormal, code 8 a negative zero."""
+    out = torch.empty(16)
+    _decode_e2m1_kernel[(1,)](torch.arange(16, dtype=torch.uint8), out)
+    want = torch.tensor([*E2M1_VALUES, *(-v for v in E2M1_VALUES)])
+    assert torch.equal(out, want)
+    assert torch.equal(torch.signbit(out), torch.arange(16) >= 8)
 
 
 # ---- per-pair GEMVs (decode) ---------------------------------------------------------------
