@@ -152,17 +152,15 @@ def pair_gemv(
     block_n, block_k and num_warps (its stages and group_m do not apply)."""
     args = gemm_args(a, w, out, epilogue, tile.block_k)
     kind, group = WeightKind(args["KIND"]), args["GROUP"]
-    block_n, block_k = tile.block_n, tile.block_k
+    block_n = tile.block_n
     if kind == WeightKind.FP8_BLOCK:  # a column tile within one scale row-block
         block_n = min(block_n, group // args["GATE_STEP"])
-    if kind != WeightKind.DENSE and group > 1 and group % block_k and block_k % group:
-        raise ValueError(f"block_k {block_k} and the {group}-wide scale groups must nest")
     pairs = rows.experts.numel()
     if pairs > MAX_PAIRS:
         raise ValueError(f"per-pair GEMVs take at most {MAX_PAIRS} pairs, got {pairs}")
     if pairs == 0:
         return
     _pair_gemv_kernel[(triton.cdiv(args["n_out"], block_n), pairs)](
-        experts_ptr=rows.experts, BLOCK_N=block_n, BLOCK_K=block_k,
+        experts_ptr=rows.experts, BLOCK_N=block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=args["PDL"], **args,
     )  # fmt: skip

@@ -397,12 +397,15 @@ def _scale_strides(w: ExpertMatrix) -> tuple[int, int, int]:
 
 def gemm_args(a: Activations, w: ExpertMatrix, out: torch.Tensor, epilogue: Epilogue,
               block_k: int) -> dict:  # fmt: skip
-    """The arguments, by name, that both expert GEMM kernels take (this one and gemv.py's)."""
+    """The arguments, by name, that both expert GEMM kernels take (this one and gemv.py's); a
+    ValueError where K steps of `block_k` and the weights' scale groups do not nest."""
+    group = w.quant.spec.k_group or 1  # K columns per weight scale (GROUP x GROUP fp8 tiles)
+    if group > 1 and group % block_k and block_k % group:
+        raise ValueError(f"block_k {block_k} and the {group}-wide scale groups must nest")
     spec = epilogue.gate_up
     gated = spec is not None
     n_out = w.n // 2 if gated else w.n
     interleaved = gated and spec.gate_up == GateUp.INTERLEAVED
-    group = w.quant.spec.k_group or 1  # K columns per weight scale (GROUP x GROUP fp8 tiles)
     s_e, s_n, s_k = _scale_strides(w)
     fp8_bytes = not a.data.is_cuda  # the interpreter (see _load_tile)
     operand = _bytes_if_fp8 if fp8_bytes else (lambda t: t)
@@ -445,14 +448,8 @@ def grouped_gemm(
     """Write `out` [rows, N'] (N' = N / 2 with a gated activation) for every valid row."""
     args = gemm_args(a, w, out, epilogue, tile.block_k)
     kind, group = WeightKind(args["KIND"]), args["GROUP"]
-    if kind == WeightKind.FP8_BLOCK and group % tile.block_k:
+    if kind == WeightKind.FP8_BLOCK and group % tile.block_k:  # its scales apply per K step
         raise ValueError(f"fp8-block needs block_k to divide {group}, got {tile.block_k}")
-    if (
-        kind in (WeightKind.INT4_GROUP, WeightKind.MXFP4)
-        and group % tile.block_k
-        and tile.block_k % group
-    ):
-        raise ValueError(f"block_k {tile.block_k} and the {group}-wide scale groups must nest")
     if isinstance(rows, AlignedPairs):
         block_m, grid_m, max_tokens, num_pairs = rows.block_m, rows.num_blocks, 0, rows.num_pairs
         row_ids, block_expert, tokens_per_expert = rows.row_ids, rows.block_expert, None
