@@ -1,9 +1,9 @@
 """The layer shapes the kernel benchmark and the GPU tests run, by name: one table.
 
 The four reference shapes of the Triton issue at full size (Mixtral twice: bf16 and fp8
-per-tensor), DeepSeek-V3 and gpt-oss scaled down (`-small`: the rule table `--backend auto`
-follows has a row for small layers too; the GPU tests of the external backends), and `tiny` for
-CPU runs and tests.
+per-tensor), Qwen3 with GPTQ-style int4 weights as well, DeepSeek-V3 and gpt-oss scaled down
+(`-small`: the rule table `--backend auto` follows has a row for small layers too; the GPU tests
+of the external backends), and `tiny` for CPU runs and tests.
 """
 
 from __future__ import annotations
@@ -38,6 +38,14 @@ SHAPES: dict[str, MoEConfig] = {
     ),
     "qwen3": MoEConfig(
         num_experts=128, hidden_size=2048, intermediate_size=768, routing=RoutingConfig(top_k=8)
+    ),
+    # Qwen3-30B-A3B-GPTQ-Int4's layout: 4-bit weights, a scale per 128 K columns, bf16 activations
+    "qwen3-int4": MoEConfig(
+        num_experts=128,
+        hidden_size=2048,
+        intermediate_size=768,
+        routing=RoutingConfig(top_k=8),
+        quant=QuantConfig(QuantScheme.INT4_W4A16, group_size=128),
     ),
     "deepseek-v3": MoEConfig(256, 7168, 2048, _DEEPSEEK_V3_ROUTING, quant=_FP8_BLOCK),
     "deepseek-v3-small": MoEConfig(16, 512, 256, _DEEPSEEK_V3_ROUTING, quant=_FP8_BLOCK),
