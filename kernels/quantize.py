@@ -207,15 +207,20 @@ def quantize_expert_weights(cfg: MoEConfig, tensors: dict[str, torch.Tensor]) ->
     )
 
 
-def quantize_activation(x: torch.Tensor, how: ActQuant) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation(
+    x: torch.Tensor, how: ActQuant, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[M, K] -> (fp8 [M, K], scale).
 
-    scale is [1] for TENSOR, [M, 1] for TOKEN and [M, ceil(K/128)] for GROUP.
+    scale is [1] for TENSOR, [M, 1] for TOKEN and [M, ceil(K/128)] for GROUP. `amax` [1]
+    (TENSOR only): the largest |x| to scale by, where only some rows count (found already).
     """
     x = x.float()
     match how:
         case ActQuant.TENSOR:
-            scale = (x.abs().amax().clamp_min(_TINY) / FP8_MAX).reshape(1)
+            if amax is None:
+                amax = x.abs().amax()
+            scale = (amax.float().clamp_min(_TINY) / FP8_MAX).reshape(1)
             return _fp8_cast(x, scale), scale
         case ActQuant.TOKEN:
             scale = x.abs().amax(dim=-1, keepdim=True).clamp_min(_TINY) / FP8_MAX

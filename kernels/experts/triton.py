@@ -127,15 +127,16 @@ class _TritonBase(Experts):
     ) -> None:
         """GEMM1 + activation into h, quantise h if the scheme does, GEMM2 into y."""
         how = self.fp8_quant
-        if how == ActQuant.TENSOR:
-            h.zero_()  # rows no pair writes must not raise the one tensor-wide scale
-            pair_ids = None  # its one scale is over every row
+        amax = None
+        if how == ActQuant.TENSOR:  # one scale over the rows GEMM1 writes, found as it writes
+            amax = torch.zeros(1, dtype=torch.float32, device=h.device)
+            pair_ids = None  # every row is quantised; GEMM2 reads only those GEMM1 wrote
         gemm = pair_gemv if isinstance(rows, EachPair) else grouped_gemm
-        gemm(a, self.w13, h, rows, Epilogue(gate_up=self.cfg.activation), tiles.gemm1)
+        gemm(a, self.w13, h, rows, Epilogue(gate_up=self.cfg.activation, amax=amax), tiles.gemm1)
         if how is None:
             second = Activations(h)
         else:  # only the rows of pairs GEMM1 wrote: no GEMM reads the others
-            second = Activations(*quantize_rows(h, how, pair_ids), how)
+            second = Activations(*quantize_rows(h, how, pair_ids, amax), how)
         gemm(second, self.w2, y, rows, Epilogue(row_weights=row_weights), tiles.gemm2)
 
 

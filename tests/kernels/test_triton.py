@@ -25,6 +25,7 @@ from kernels.experts._triton.grouped_gemm import (
     ExpertMatrix,
     GemmTile,
     _e2m1_to_float,
+    grouped_gemm,
 )
 from kernels.experts._triton.quantize import quantize_into
 from kernels.experts.deep_gemm import DeepGemmExperts
@@ -514,6 +515,32 @@ def test_per_pair_gemvs_refuse_more_pairs_than_the_grid_holds() -> None:
         pair_gemv(a, w, torch.zeros(MAX_PAIRS + 1, 8), EachPair(ids), Epilogue(), PER_PAIR.gemm1)
 
 
+@pytest.mark.parametrize("per_pair", [False, True], ids=["grouped", "per-pair"])
+def test_gemm1_amax_covers_the_values_it_writes_and_no_padding_row(
+    device: torch.device, per_pair: bool
+) -> None:
+    """fp8-tensor's intermediate scale comes from GEMM1's epilogue: the largest |value| of the
+    rows it writes. Padding rows of an aligned block (A masked to 0) would give silu(1) * 1 from
+    the bias here, the written rows about 1e-12 (every input -1 against all-ones weights); the
+    pairs of another rank's expert (-1) are not computed, and their rows keep what they held."""
+    experts, hidden, inter = 4, 32, 40
+    cfg = Case(num_experts=experts, hidden=hidden, intermediate=inter, has_bias=True).config()
+    ones = torch.ones(experts, 2 * inter, hidden, device=device)
+    w = ExpertMatrix(ones, None, torch.ones(experts, 2 * inter, device=device), cfg.quant)
+    ids = torch.tensor([[0, 3], [1, -1], [-1, 0]], dtype=torch.int32, device=device)
+    a = Activations(torch.full((3, hidden), -1.0, device=device), pairs_per_row=2)
+    h = torch.full((6, inter), float("nan"), device=device)
+    amax = torch.zeros(1, device=device)
+    rows = EachPair(ids.flatten()) if per_pair else align_pairs(ids, experts, 16)
+    gemm = pair_gemv if per_pair else grouped_gemm
+    gemm(a, w, h, rows, Epilogue(gate_up=cfg.activation, amax=amax), GemmTile(16, 32, 2, 1))
+    written = (ids.flatten() >= 0).cpu()
+    h, amax = h.cpu(), amax.cpu()
+    assert h[~written].isnan().all() and not h[written].isnan().any()
+    assert 0 < amax.item() < 1e-9
+    assert amax.item() == h[written].abs().max().item()
+
+
 def test_tune_per_pair_round_varies_one_gemm_and_keeps_the_fp8_block_k_step() -> None:
     from bench.tune import candidates, fastest, per_pair_choices
 
@@ -581,7 +608,7 @@ def test_deep_gemm_alone_refuses_partial_fp8_blocks_saying_why() -> None:
 
 
 @pytest.mark.parametrize("how", list(ActQuant))
-@pytest.mark.parametrize(("rows", "k"), [(1, 300), (6, 2048), (5, 1100)])
+@pytest.mark.parametrize(("rows", "k"), [(1, 300), (13, 2048), (5, 1100)])
 def test_the_quantiser_writes_the_twins_values_on_the_rows_here_only(
     device: torch.device, how: ActQuant, rows: int, k: int
 ) -> None:

@@ -48,6 +48,7 @@ from kernels.experts._triton.grouped_gemm import (
     _load_tile,
     _weight_tile,
     gemm_args,
+    raise_amax,
 )
 
 MAX_PAIRS = 65535  # the grid's second axis, one program row per pair
@@ -62,14 +63,14 @@ class EachPair:
 
 @triton.jit
 def _pair_gemv_kernel(
-    a_ptr, a_s_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, experts_ptr, row_weights_ptr,
+    a_ptr, a_s_ptr, w_ptr, s_ptr, bias_ptr, c_ptr, experts_ptr, row_weights_ptr, amax_ptr,
     n_out, k, a_div, up_offset, up_block_offset,
     stride_am, stride_asm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
     stride_be, stride_cm, alpha, limit,
     KIND: tl.constexpr, ACT_SCALE: tl.constexpr, GROUP: tl.constexpr, ACTIVATION: tl.constexpr,
     GATE_STEP: tl.constexpr,  # weight row of gate n: n * GATE_STEP; of up n: that + up_offset
-    HAS_BIAS: tl.constexpr, HAS_ROW_WEIGHTS: tl.constexpr, A_FP8: tl.constexpr,
-    W_FP8: tl.constexpr, FP8_BYTES: tl.constexpr, MASK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ROW_WEIGHTS: tl.constexpr, HAS_AMAX: tl.constexpr,
+    A_FP8: tl.constexpr, W_FP8: tl.constexpr, FP8_BYTES: tl.constexpr, MASK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
@@ -118,8 +119,11 @@ def _pair_gemv_kernel(
     )  # fmt: skip
     if HAS_ROW_WEIGHTS:
         out = out * tl.load(row_weights_ptr + pair)
+    written = (offs_n < n_out)[None, :]
+    if HAS_AMAX:
+        raise_amax(amax_ptr, out, written)
     tl.store(c_ptr + pair * stride_cm + offs_n[None, :], out.to(c_ptr.dtype.element_ty),
-             mask=(offs_n < n_out)[None, :])  # fmt: skip
+             mask=written)  # fmt: skip
 
 
 @triton.jit

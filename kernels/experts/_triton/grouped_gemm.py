@@ -81,6 +81,9 @@ class BatchedRows:
 class Epilogue:
     gate_up: ActivationSpec | None = None  # GEMM1: fuse this gated activation (N -> N / 2)
     row_weights: torch.Tensor | None = None  # GEMM2: [P] float32 router weight per pair
+    # GEMM1 of a tensor-wide fp8 scale: [1] float32 raised to the largest |value| written, so
+    # the intermediate's scale needs no pass of its own over it
+    amax: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -255,6 +258,7 @@ def _grouped_gemm_kernel(
     block_expert_ptr,
     tokens_per_expert_ptr,
     row_weights_ptr,
+    amax_ptr,
     num_pairs,
     max_tokens,
     num_m_blocks,
@@ -286,6 +290,7 @@ def _grouped_gemm_kernel(
     ONE_BLOCK: tl.constexpr,  # fp8-block, split: a column tile lies within one scale row-block
     HAS_BIAS: tl.constexpr,
     HAS_ROW_WEIGHTS: tl.constexpr,
+    HAS_AMAX: tl.constexpr,
     A_FP8: tl.constexpr,
     W_FP8: tl.constexpr,
     FP8_BYTES: tl.constexpr,  # fp8 tensors come as uint8 views (the interpreter: _load_tile)
@@ -368,11 +373,18 @@ def _grouped_gemm_kernel(
     )  # fmt: skip
     if HAS_ROW_WEIGHTS:
         acc = acc * tl.load(row_weights_ptr + rows, mask=row_mask, other=0)[:, None]
-    tl.store(
-        c_ptr + rows[:, None] * stride_cm + offs_n[None, :],
-        acc.to(c_ptr.dtype.element_ty),
-        mask=row_mask[:, None] & n_mask[None, :],
-    )
+    written = row_mask[:, None] & n_mask[None, :]
+    if HAS_AMAX:
+        raise_amax(amax_ptr, acc, written)
+    tl.store(c_ptr + rows[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=written)  # fmt: skip
+
+
+@triton.jit
+def raise_amax(amax_ptr, values, written):
+    """One atomic a tile: amax_ptr[0] = max(itself, |values| where written)."""
+    tile_max = tl.max(tl.where(written, tl.abs(values), 0.0))
+    tl.atomic_max(amax_ptr, tile_max, sem="relaxed")
 
 
 _DOT_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -412,7 +424,7 @@ def gemm_args(a: Activations, w: ExpertMatrix, out: torch.Tensor, epilogue: Epil
     return {
         "a_ptr": operand(a.data), "a_s_ptr": a.scale, "w_ptr": operand(w.data),
         "s_ptr": w.scale, "bias_ptr": w.bias, "c_ptr": out,
-        "row_weights_ptr": epilogue.row_weights,
+        "row_weights_ptr": epilogue.row_weights, "amax_ptr": epilogue.amax,
         "n_out": n_out, "k": w.k, "a_div": a.pairs_per_row,
         "up_offset": 1 if interleaved else n_out,
         "up_block_offset": triton.cdiv(n_out, group) if gated else 0,
@@ -429,6 +441,7 @@ def gemm_args(a: Activations, w: ExpertMatrix, out: torch.Tensor, epilogue: Epil
         "GATE_STEP": 2 if interleaved else 1,
         "HAS_BIAS": w.bias is not None,
         "HAS_ROW_WEIGHTS": epilogue.row_weights is not None,
+        "HAS_AMAX": epilogue.amax is not None,
         "A_FP8": a.data.dtype == FP8,
         "W_FP8": w.data.dtype == FP8,
         "FP8_BYTES": fp8_bytes,
