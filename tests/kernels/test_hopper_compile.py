@@ -29,6 +29,7 @@ import kernels
 from kernels.config import RoutingConfig
 from kernels.experts._triton import psum_layout as psum
 from kernels.experts._triton.act_quant import MaskedRows, PairRows, act_quant, mn_major_scales
+from kernels.experts._triton.codes import WeightKind
 from kernels.experts._triton.grouped_gemm import GemmTile
 from kernels.experts._triton.quantize import quantize_into
 from kernels.experts._triton.sort_pairs import sort_pairs
@@ -147,6 +148,14 @@ def test_every_kernel_compiles_for_hopper(monkeypatch: pytest.MonkeyPatch, tmp_p
     monkeypatch.setattr(InterpretedFunction, "run", recording_run)
     _launch_every_kernel()
     monkeypatch.undo()
+
+    # the GPU alone decodes mxfp4 into bf16 dots (the interpreter's bf16 bit casts are wrong)
+    grouped = [launch for launch in launches.values() if launch["kernel"] == "_grouped_gemm_kernel"]
+    mxfp4 = next(launch for launch in grouped if launch["args"]["KIND"] == WeightKind.MXFP4)
+    bf16 = json.loads(json.dumps(mxfp4))
+    bf16["args"].update(BF16_CODES=True, DOT_DTYPE={"dtype": "bf16"})
+    bf16["args"]["a_ptr"]["tensor"] = "bf16"
+    launches[json.dumps(bf16, sort_keys=True)] = bf16
 
     launched = {(launch["module"], launch["kernel"]) for launch in launches.values()}
     missing = _launchable_kernels() - launched

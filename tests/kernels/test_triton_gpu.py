@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels.accuracy import relative_error, tolerance
 from kernels.config import Activation, GateUp
-from kernels.experts._triton.grouped_gemm import GemmTile
+from kernels.experts._triton.codes import W_MXFP4
+from kernels.experts._triton.grouped_gemm import GemmTile, _decoded_pairs
 from kernels.experts._triton.tiles import LayerTiles
 from kernels.layer import LayerWeights, RouterWeights, build_layer
 from kernels.quant_scheme import ActQuant, QuantScheme
@@ -153,6 +156,25 @@ def test_decode_graph_replays_match_the_eager_forward_for_fresh_inputs(
         eager = experts._forward(x, {n: ws.get(n, *s) for n, s in shapes.items()})
         assert torch.equal(replayed, eager)
     assert set(experts.graphs.graphs) == {m}
+
+
+@triton.jit
+def _decode_every_byte_kernel(out_ptr, BF16: tl.constexpr):
+    byte = tl.arange(0, 256).to(tl.uint8)
+    w = _decoded_pairs(byte, W_MXFP4, BF16).to(tl.float32)
+    tl.store(out_ptr + tl.arange(0, 256)[:, None] * 2 + tl.arange(0, 2)[None, :], w)
+
+
+def test_mxfp4_decoded_in_bf16_equals_the_float32_decode_for_every_byte() -> None:
+    """Both nibbles of every byte, signs (-0 of code 8) and the subnormal 0.5 included."""
+    outs = []
+    for bf16 in (False, True):
+        out = torch.empty(256, 2, device=CUDA)
+        _decode_every_byte_kernel[(1,)](out, BF16=bf16)
+        outs.append(out.cpu())
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(torch.signbit(outs[0]), torch.signbit(outs[1]))
+    assert outs[0][0x81].tolist() == [0.5, -0.0]
 
 
 @pytest.mark.parametrize("how", list(ActQuant))
