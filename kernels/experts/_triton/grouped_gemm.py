@@ -186,7 +186,7 @@ def _weight_tile(
     w_ptr, s_ptr, n_rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
     KIND: tl.constexpr, GROUP: tl.constexpr, W_FP8: tl.constexpr, FP8_BYTES: tl.constexpr,
     DOT_DTYPE: tl.constexpr, BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
-    BF16_CODES: tl.constexpr = False,  # mxfp4 into bf16 dots on the GPU: decoded in bf16
+    BF16_CODES: tl.constexpr,  # mxfp4 on the GPU: decoded in bf16 (_decoded_pairs)
 ):  # fmt: skip
     """[BLOCK_K, BLOCK_N] dot operand of this expert's rows `n_rows`: as stored (16-bit, fp8),
     converted (int8) or dequantised (int4, mxfp4)."""
