@@ -374,6 +374,24 @@ def test_tune_searches_buckets_the_file_lacks_and_on_retune_each_named_one_with_
     assert buckets_to_search(again, buckets) == [(1, None), (16, kept)]  # 64: not named, kept
 
 
+def test_tune_confirmation_keeps_the_fastest_on_average_not_on_one_routing() -> None:
+    """A wins on the first routing by luck, B on average; each routing times every finalist."""
+    from bench.tune import confirmed
+
+    cfg = Case().config()
+    a, b = tiles.heuristic_tiles(cfg, 16), tiles.heuristic_tiles(cfg, 1024)
+    assert a != b
+    times = {(a, 0): 1.0, (a, 1): 3.0, (a, 2): 3.0, (b, 0): 2.0, (b, 1): 2.0, (b, 2): 2.0}
+    calls = []
+
+    def measure(tile, routing):
+        calls.append((tile, routing))
+        return times[tile, routing]
+
+    assert confirmed([a, b], [0, 1, 2], measure) == (b, 2.0)
+    assert calls == [(a, 0), (b, 0), (a, 1), (b, 1), (a, 2), (b, 2)]
+
+
 def test_tune_shape_accepts_names_and_four_integers_and_names_the_format_on_error() -> None:
     import argparse
 
