@@ -18,10 +18,11 @@ fit); the activation and weight scales of each K column fold into the activation
 
 Measured on the H100 (bench/results/tenth-session-2026-11-27.md), experts alone from CUDA graphs:
 per pair against the grouped GEMM at one token, DeepSeek-V3 153.6 / 156.0 us, gpt-oss 111.9 /
-188.9 (81 with the fp16-bit e2m1 decoder that came after), Mixtral-fp8 162.8 / 187.4, Qwen3
-(bf16) 58.9 / 55.8; at 8 tokens the grouped GEMM is faster on all but gpt-oss. Two variants
-measured slower and dropped: [BLOCK_K, BLOCK_N] accumulators summed after the loop, and 4-bit
-nibbles met by even and odd activations (no reordering of the nibbles).
+188.9 (81 with the fp16-bit e2m1 decoder that came after; mxfp4 is now decoded in bf16 and
+widened, grouped_gemm._decoded_pairs: 80 -> 78 us served, eleventh session), Mixtral-fp8 162.8 /
+187.4, Qwen3 (bf16) 58.9 / 55.8; at 8 tokens the grouped GEMM is faster on all but gpt-oss. Two
+variants measured slower and dropped: [BLOCK_K, BLOCK_N] accumulators summed after the loop, and
+4-bit nibbles met by even and odd activations (no reordering of the nibbles).
 """
 
 from __future__ import annotations
