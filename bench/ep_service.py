@@ -14,10 +14,12 @@ batcher hands them over: in plain memory, or pinned with the outputs copied into
 as for binary requests) for about SECONDS_PER_POINT, up to the engine's batches in flight.
 Throughput is tokens per second of wall time from `start` to each result on the host; "forward
 ms" is the median of a batch's forward on rank 0's compute stream (CUDA events; the collectives'
-waits for the other ranks included); the rest of a batch's time is the host's and the copies'.
+waits for the other ranks included; EP's prologue, which runs on the copy-in stream, not:
+service/pipeline.py); the rest of a batch's time is the host's and the copies'.
 The EP outputs are compared with one GPU's (same backend; only the summation order differs), the
 first batch's routing must be the same, and every batch's routing ids must be experts' ids
-("bad routing batches" counts those the engine refused for that: service.pipeline.BadRouting).
+("bad routing batches" counts those the engine refused for that: service.pipeline.BadRouting),
+and UNLIKE_BATCHES batches in flight are compared bit for bit with the same rows run alone.
 
 OUT/ep_service.json holds every figure, OUT/ep_service.md the table with the targets.
 `--profile`: then OUT/profile-1gpu.txt and OUT/profile-ep.txt, rank 0's GPU kernels (those
@@ -59,6 +61,7 @@ log = logging.getLogger(__name__)
 
 SECONDS_PER_POINT = 3.0
 TARGETS = {4096: 1.8, 512: 1.5, 64: 1.0}  # EP throughput over one GPU's, at M tokens
+UNLIKE_BATCHES = 12  # batches in flight compared with the same rows run alone, per point
 SHARED_INTERMEDIATE = 2048  # DeepSeek-V3's shared expert
 PROFILED_BATCHES = 10
 
@@ -133,6 +136,27 @@ def throughput(
     }
 
 
+def unlike_alone(engine: Engine, name: str, m: int, hidden: int) -> int:
+    """How many of UNLIKE_BATCHES batches, kept in flight as the throughput runs keep them, came
+    back with an output that differs in any bit from the same rows run alone: a batch's work
+    read or overwritten by another's in flight (a prologue running beside the previous
+    forward, shared buffers) shows here. Each backend's forward is deterministic."""
+    batches = _inputs(m, hidden, pinned=False)
+    alone = [engine.start(name, [rows]).result().outputs[0].output for rows in batches]
+    unlike = 0
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="complete") as completer:
+        pending: collections.deque = collections.deque()
+        for i in range(UNLIKE_BATCHES):
+            if len(pending) == engine.max_in_flight:
+                j, batch = pending.popleft()
+                unlike += not torch.equal(batch.result().outputs[0].output, alone[j])
+            j = i % len(batches)
+            pending.append((j, completer.submit(engine.start(name, [batches[j]]).result)))
+        for j, batch in pending:
+            unlike += not torch.equal(batch.result().outputs[0].output, alone[j])
+    return unlike
+
+
 def profile_kernels(engine: Engine, name: str, m: int, hidden: int, path: Path) -> None:
     """Rank 0's GPU kernels over PROFILED_BATCHES batches of `m` pinned rows, kept in flight as
     the throughput runs keep them, by total time -> `path` and its Chrome trace beside it; an
@@ -175,6 +199,7 @@ def run_engine(
     for pinned in kinds:
         for m in tokens:
             row = throughput(engine, name, m, hidden, seconds, pinned)
+            row["unlike_alone"] = unlike_alone(engine, name, m, hidden)
             rows.append(row)
             log.info(
                 "%s %s M=%d: %.0f tokens/s",
@@ -198,8 +223,8 @@ def write_report(
     table = [
         "inputs | M | 1 GPU tokens/s | EP tokens/s | speedup | target | ms/batch 1 GPU "
         "| ms/batch EP | forward ms 1 GPU | forward ms EP | rel err vs 1 GPU | same routing "
-        "| bad routing batches 1 GPU / EP",
-        "--- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | ---",
+        "| bad routing batches 1 GPU / EP | in flight unlike alone 1 GPU / EP",
+        "--- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | ---",
     ]
     results = []
     for one, many in zip(one_gpu, ep_rows, strict=True):
@@ -216,7 +241,8 @@ def write_report(
             f"{verdict} | {one['ms_per_batch']:.2f} | {many['ms_per_batch']:.2f} | "
             f"{one['forward_ms_p50']:.2f} | {many['forward_ms_p50']:.2f} | {err:.1e} | "
             f"{'yes' if same_routing else 'NO'} | "
-            f"{one['bad_routing_batches']} / {many['bad_routing_batches']}"
+            f"{one['bad_routing_batches']} / {many['bad_routing_batches']} | "
+            f"{one['unlike_alone']} / {many['unlike_alone']} of {UNLIKE_BATCHES}"
         )
         results.append(
             {

@@ -56,15 +56,72 @@ _HOLD = _CollectorHold()
 CAPTURE_PRIORITY = -1  # above the default 0 (CUDA: lower numbers run first; torch clamps)
 
 
+class _Phases(threading.local):
+    """The capture in progress on this thread that `phase_boundary` splits (None: none)."""
+
+    graphs: list[torch.cuda.CUDAGraph] | None = None
+    pool: tuple[int, int] | None = None
+
+
+_PHASES = _Phases()
+
+
 @contextmanager
-def capturing(graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None = None) -> Iterator[None]:
-    """`torch.cuda.graph(graph, pool)` on the current device, on a high-priority stream
-    from torch's pool (each capture takes the next: threads may capture at once), the collector
-    off meanwhile."""
+def _capture(
+    graphs: list[torch.cuda.CUDAGraph], pool: tuple[int, int] | None, phased: bool
+) -> Iterator[None]:
+    """Capture into graphs[0] (and, `phased`, into a new graph at each phase boundary) on the
+    current device, on a high-priority stream from torch's pool (each capture takes the next:
+    threads may capture at once), the collector off meanwhile. As `torch.cuda.graph`, less its
+    cache emptying, with a graph that may change on the way."""
     _HOLD.begin()
     try:
-        stream = torch.cuda.Stream(priority=CAPTURE_PRIORITY)
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-            yield
+        torch.cuda.synchronize()
+        with torch.cuda.stream(torch.cuda.Stream(priority=CAPTURE_PRIORITY)):
+            graphs[0].capture_begin(pool=pool, capture_error_mode="thread_local")
+            outer = _PHASES.graphs, _PHASES.pool
+            _PHASES.graphs, _PHASES.pool = (graphs, pool) if phased else (None, None)
+            try:
+                yield
+            finally:
+                _PHASES.graphs, _PHASES.pool = outer
+                graphs[-1].capture_end()
     finally:
         _HOLD.end()
+
+
+@contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None = None) -> Iterator[None]:
+    """Capture the work in this block into `graph` (in `pool`, a graph pool handle, if given);
+    a `phase_boundary` within it changes nothing."""
+    with _capture([graph], pool, phased=False):
+        yield
+
+
+@contextmanager
+def capturing_phases(pool: tuple[int, int] | None = None) -> Iterator[list[torch.cuda.CUDAGraph]]:
+    """Capture the work in this block into one graph per phase: each `phase_boundary` the work
+    meets ends the graph so far and begins the next, in the same pool, on the same stream. The
+    list yielded fills as the capture goes; replayed in order, the graphs do the whole work, and
+    on streams of their own a phase of one forward may run beside a later phase of another.
+
+    Expert parallelism's sender (kernels/prepare_finalize/naive_ep.py) marks where its first
+    collective begins: what comes before needs no other rank, so the service's pipeline runs it
+    on its copy-in stream while the previous batch's collectives and experts run
+    (service/pipeline.py)."""
+    graphs = [torch.cuda.CUDAGraph()]
+    with _capture(graphs, pool, phased=True):
+        yield graphs
+
+
+def phase_boundary() -> None:
+    """Within `capturing_phases` on this thread: end the graph captured so far and begin the
+    next. Elsewhere (eager work, or `capturing`) nothing. Work forked onto other streams must
+    have joined the capture stream by then (CUDA refuses to end a capture otherwise)."""
+    graphs = _PHASES.graphs
+    if graphs is None:
+        return
+    graphs[-1].capture_end()
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin(pool=_PHASES.pool, capture_error_mode="thread_local")
+    graphs.append(graph)

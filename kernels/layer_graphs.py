@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.arith import round_up
-from kernels.graph_capture import capturing
+from kernels.graph_capture import capturing_phases
 from kernels.input_checks import bit_rows
 from kernels.layer import LayerOutput, MoELayer
 from kernels.modular import ModularKernel
@@ -123,7 +123,9 @@ class GraphInputs:
 
 @dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph
+    # the forward's phases in order (kernels/graph_capture.py): one graph, or a prologue that
+    # needs no other rank (expert parallelism's sender) and the rest
+    graphs: list[torch.cuda.CUDAGraph]
     output: LayerOutput  # [bucket, ...]
     stats: torch.Tensor  # [E + 2] int64: tokens per expert, output finite, inputs finite
 
@@ -213,21 +215,33 @@ class LayerGraphs:
         with torch.cuda.stream(side):  # compile and autotune outside the capture
             self._run(copy, bucket)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with capturing(graph, self.pools[copy]):
+        with capturing_phases(self.pools[copy]) as graphs:
             output, stats = self._run(copy, bucket)
-        return _Captured(graph, output, stats)
+        return _Captured(graphs, output, stats)
 
-    def replay(self, m: int, copy: int = 0) -> GraphOutput:
-        """Replay copy `copy`'s graph for m rows (m <= max_tokens) on the current stream; its
-        static inputs already hold the rows [:m] and valid_rows m (written on this stream, or
-        ordered before it)."""
+    def _captured(self, m: int, copy: int) -> _Captured:
         bucket = self.bucket(m)
         captured = self._graphs[copy].get(bucket)
         if captured is None:
             with torch.cuda.device(self.device):
                 captured = self._graphs[copy][bucket] = self._capture(copy, bucket)
-        captured.graph.replay()
+        return captured
+
+    def replay_prologue(self, m: int, copy: int = 0) -> None:
+        """Replay the prologue of copy `copy`'s graph for m rows on the current stream, where
+        its forward has one (expert parallelism's sender: the router, the routing and the
+        packing before the first collective); else nothing. `replay(..., prologue=False)`
+        then replays the rest, on a stream ordered after this one."""
+        for graph in self._captured(m, copy).graphs[:-1]:
+            graph.replay()
+
+    def replay(self, m: int, copy: int = 0, prologue: bool = True) -> GraphOutput:
+        """Replay copy `copy`'s graph for m rows (m <= max_tokens) on the current stream; its
+        static inputs already hold the rows [:m] and valid_rows m (written on this stream, or
+        ordered before it). `prologue=False`: its prologue already ran (`replay_prologue`)."""
+        captured = self._captured(m, copy)
+        for graph in captured.graphs if prologue else captured.graphs[-1:]:
+            graph.replay()
         out, e = captured.output, self.layer.cfg.num_experts
         routing = Routing(out.routing.topk_ids[:m], out.routing.topk_weights[:m])
         stats = captured.stats

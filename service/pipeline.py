@@ -5,11 +5,17 @@ three at 64 clients, H100, DeepSeek-V3-sized layer behind 8 front ends).
 
     launcher thread:  parts -> the slot's pinned buffer (cast to the layer's dtype, the one host
                       copy) -> copy-in stream: H2D, straight into the slot's copy of the
-                      layer's graph inputs -> compute stream: one graph replay (padding,
-                      forward, expert counts, finite checks of inputs and output; the eager
-                      forward where the layer has no graphs) -> copy-out stream: D2H of the
-                      output, the routing and the counts -> returns at once
+                      layer's graph inputs (then, on expert parallelism's sender, the graph's
+                      prologue) -> compute stream: one graph replay (padding, forward, expert
+                      counts, finite checks of inputs and output; the eager forward where the
+                      layer has no graphs) -> copy-out stream: D2H of the output, the routing
+                      and the counts -> returns at once
     completer thread: waits for the batch's last event -> per-part results -> frees the slot
+
+The prologue is the part of an expert-parallel forward before its first collective (router,
+routing, quantised rows packed for the broadcast; kernels/graph_capture.py): it needs no other
+rank, so it runs on the copy-in stream beside the previous batch's collectives and experts
+instead of between them, while the other ranks wait at the broadcast.
 
 Each layer owns DEPTH slots (pinned host and device buffers, reused batch after batch, each with
 its own copy of the layer's graphs). The only host sync of a batch is the completer's wait on
@@ -143,7 +149,15 @@ def _runs(sizes: Sequence[int], alone: Sequence[bool]) -> list[_Run]:
     return runs
 
 
-_EVENTS = ("h2d_start", "h2d_end", "forward_start", "forward_end", "d2h_start", "d2h_end")
+_EVENTS = (
+    "h2d_start",
+    "h2d_end",
+    "inputs_ready",
+    "forward_start",
+    "forward_end",
+    "d2h_start",
+    "d2h_end",
+)
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -352,14 +366,17 @@ class DevicePipeline:
             if replays:
                 graphs.inputs[slot.copy].valid_rows.copy_(slot.valid_rows, non_blocking=True)
             ev["h2d_end"].record(self.copy_in)
+            if replays:  # expert parallelism's sender: the part before the first collective
+                graphs.replay_prologue(m, slot.copy)  # beside the previous batch's forward
+            ev["inputs_ready"].record(self.copy_in)
 
             if self.on_forward is not None:
                 self.on_forward(served, m, graphs.bucket(m) if replays else None, slot.copy)
             torch.cuda.set_stream(self.compute)
-            self.compute.wait_event(ev["h2d_end"])
+            self.compute.wait_event(ev["inputs_ready"])
             ev["forward_start"].record(self.compute)
             if replays:  # one launch: padding, forward, counts and the finite checks
-                replay = graphs.replay(m, slot.copy)
+                replay = graphs.replay(m, slot.copy, prologue=False)
                 out, stats = replay.output, replay.stats
             else:
                 out, stats = self._eager(served, slot, m, with_logits)

@@ -44,6 +44,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from kernels.graph_capture import phase_boundary
 from kernels.prepare_finalize.no_ep import dispatch_locally, quantize_input
 from kernels.quant_scheme import ActQuant
 from kernels.routing import to_local_ids
@@ -175,7 +176,11 @@ class NaiveEP(PrepareFinalize):
         if quantise_first:
             rows.append(local.scale)
         if self.sender is not None:
-            gathered = unpack_segments(self.broadcast(pack_segments(rows)), rows)
+            packed = pack_segments(rows)
+            # All so far needs no other rank: a capture may end its first graph here, which
+            # the service runs ahead, beside the previous batch's forward (graph_capture.py)
+            phase_boundary()
+            gathered = unpack_segments(self.broadcast(packed), rows)
         else:
             gathered = unpack_rows(self.all_gather(pack_rows(rows)), rows)
         x, ids, weights = gathered[:3]

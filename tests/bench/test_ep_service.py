@@ -16,6 +16,8 @@ def test_the_ep_service_benchmark_writes_its_table_and_matches_one_process(tmp_p
     report = json.loads((tmp_path / "ep_service.json").read_text())
     assert [p["one_gpu"]["M"] for p in report["points"]] == [1, 5]
     assert all(p["rel_err"] < 1e-2 and p["ep"]["batches"] > 0 for p in report["points"])
+    # batches in flight answered bit for bit as alone
+    assert all(p[e]["unlike_alone"] == 0 for p in report["points"] for e in ("one_gpu", "ep"))
     assert 0 < report["last_balancedness"] <= 1
     assert "speedup" in (tmp_path / "ep_service.md").read_text()
     for engine in ("1gpu", "ep"):  # rank 0's kernels (here the CPU's ops) at the largest M

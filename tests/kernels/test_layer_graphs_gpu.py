@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from bench.random_layer import random_layer
 from kernels.accuracy import relative_error
 from kernels.config import ActivationSpec, GroupScore, MoEConfig, RoutingConfig, Scoring
 from kernels.layer import build_layer, expert_tokens
 from kernels.layer_graphs import LayerGraphs, can_capture, token_buckets
+from kernels.placement import Placement
+from kernels.prepare_finalize.naive_ep import NaiveEP
 from kernels.quant_scheme import QuantConfig, QuantScheme
 from kernels.registry import experts_backends
 from kernels.tensors import ForwardInputs
+from service.ep_group import leave
+from tests.kernels.ranks import run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -217,3 +222,52 @@ def test_shared_experts_on_the_side_stream_answer_as_in_line(backend: str) -> No
             assert torch.equal(eager_side[i], layer.forward(ForwardInputs(x)).output), where
             replay = in_line.forward(ForwardInputs(x)).output.output
             assert torch.equal(replay_side[i], replay), where
+
+
+def _sender_layer_graphs(rank: int, port: int) -> None:
+    """One NCCL rank that is expert parallelism's sender over all the experts: its graphs end
+    a prologue where the broadcast begins, which may run beside the previous batch's forward
+    (service/pipeline.py) and still answer bit for bit as the graphs replayed one by one."""
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
+    cfg = LAYERS["deepseek-like"]
+    weights = random_layer(cfg, CUDA, seed=9, router=True, shared_intermediate=SHARED)
+    expert_map = Placement.contiguous(cfg.num_experts, 1).expert_map(0).to(CUDA)
+    layer, _ = build_layer(
+        cfg, weights, CUDA, "triton", expert_map=expert_map, prepare_finalize=NaiveEP(sender=0)
+    )
+    graphs = LayerGraphs(layer, CUDA, MAX_TOKENS, with_logits=False, copies=2)
+    with torch.inference_mode():
+        graphs.capture()
+        phases = {len(captured.graphs) for copy in graphs._graphs for captured in copy.values()}
+        assert phases == {2}, phases  # a prologue and the rest, in every bucket and copy
+        for m in (1, 33, MAX_TOKENS):
+            batches = [torch.randn(m, cfg.hidden_size, device=CUDA).to(cfg.dtype) for _ in "ab"]
+            alone = []
+            for copy, x in enumerate(batches):
+                graphs.inputs[copy].hidden[:m].copy_(x)
+                graphs.inputs[copy].valid_rows.fill_(m)
+                alone.append(graphs.replay(m, copy).output.output.clone())
+                eager = layer.forward(ForwardInputs(x)).output
+                assert relative_error(alone[-1], eager) < TOLERANCE["deepseek-like"], m
+            ahead, main = torch.cuda.Stream(), torch.cuda.Stream()
+            ahead.wait_stream(torch.cuda.current_stream())
+            main.wait_stream(torch.cuda.current_stream())
+            outputs, done = [], [torch.cuda.Event() for _ in batches]
+            for _ in range(3):  # each copy's prologue queued beside the other copy's forward
+                for copy in range(2):
+                    ahead.wait_event(done[copy])  # after this copy's last forward only
+                    with torch.cuda.stream(ahead):
+                        graphs.replay_prologue(m, copy)
+                    main.wait_stream(ahead)
+                    with torch.cuda.stream(main):
+                        replay = graphs.replay(m, copy, prologue=False)
+                        outputs.append((copy, replay.output.output.clone()))
+                    done[copy].record(main)
+            torch.cuda.synchronize()
+            for copy, out in outputs:
+                assert torch.equal(out, alone[copy]), f"m={m} copy {copy}"
+    leave(0)  # no NCCL teardown of a communicator the graphs hold (service/ep_group.py)
+
+
+def test_an_expert_parallel_senders_prologue_runs_ahead_of_the_rest() -> None:
+    run_ranks(_sender_layer_graphs, (), nprocs=1, timeout_s=300)
