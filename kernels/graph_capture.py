@@ -106,9 +106,9 @@ def capturing_phases(pool: tuple[int, int] | None = None) -> Iterator[list[torch
     on streams of their own a phase of one forward may run beside a later phase of another.
 
     Expert parallelism's sender (kernels/prepare_finalize/naive_ep.py) marks where its first
-    collective begins: what comes before needs no other rank, so the service's pipeline runs it
-    on its copy-in stream while the previous batch's collectives and experts run
-    (service/pipeline.py)."""
+    collective begins and where its last ends: what comes before (the prologue) and after (the
+    epilogue) needs no other rank, so the service's pipeline runs them on its copy streams
+    while the neighbouring batches' collectives and experts run (service/pipeline.py)."""
     graphs = [torch.cuda.CUDAGraph()]
     with _capture(graphs, pool, phased=True):
         yield graphs

@@ -123,11 +123,24 @@ class GraphInputs:
 
 @dataclass
 class _Captured:
-    # the forward's phases in order (kernels/graph_capture.py): one graph, or a prologue that
-    # needs no other rank (expert parallelism's sender) and the rest
+    # The forward's phases in order (kernels/graph_capture.py): one graph, or, for expert
+    # parallelism's sender, a prologue before its first collective and an epilogue after its
+    # last (neither needs another rank) around the collectives' part
     graphs: list[torch.cuda.CUDAGraph]
     output: LayerOutput  # [bucket, ...]
     stats: torch.Tensor  # [E + 2] int64: tokens per expert, output finite, inputs finite
+
+    @property
+    def prologue(self) -> list[torch.cuda.CUDAGraph]:
+        return self.graphs[:1] if len(self.graphs) > 1 else []
+
+    @property
+    def epilogue(self) -> list[torch.cuda.CUDAGraph]:
+        return self.graphs[-1:] if len(self.graphs) > 2 else []
+
+    @property
+    def main(self) -> list[torch.cuda.CUDAGraph]:
+        return self.graphs[len(self.prologue) : len(self.graphs) - len(self.epilogue)]
 
 
 class LayerGraphs:
@@ -229,18 +242,26 @@ class LayerGraphs:
 
     def replay_prologue(self, m: int, copy: int = 0) -> None:
         """Replay the prologue of copy `copy`'s graph for m rows on the current stream, where
-        its forward has one (expert parallelism's sender: the router, the routing and the
-        packing before the first collective); else nothing. `replay(..., prologue=False)`
-        then replays the rest, on a stream ordered after this one."""
-        for graph in self._captured(m, copy).graphs[:-1]:
+        its forward has one (expert parallelism's sender: the router, the routing and the rows
+        packed for the broadcast); else nothing."""
+        for graph in self._captured(m, copy).prologue:
             graph.replay()
 
-    def replay(self, m: int, copy: int = 0, prologue: bool = True) -> GraphOutput:
+    def replay_epilogue(self, m: int, copy: int = 0) -> None:
+        """Replay the epilogue of copy `copy`'s graph for m rows on the current stream (ordered
+        after its `replay(..., ends=False)`), where its forward has one (expert parallelism's
+        sender: the reduced sums rounded, the counts and the finite checks); else nothing."""
+        for graph in self._captured(m, copy).epilogue:
+            graph.replay()
+
+    def replay(self, m: int, copy: int = 0, ends: bool = True) -> GraphOutput:
         """Replay copy `copy`'s graph for m rows (m <= max_tokens) on the current stream; its
         static inputs already hold the rows [:m] and valid_rows m (written on this stream, or
-        ordered before it). `prologue=False`: its prologue already ran (`replay_prologue`)."""
+        ordered before it). `ends=False`: without its prologue, which already ran
+        (`replay_prologue`), and epilogue, which the caller replays (`replay_epilogue`) before
+        it reads the output."""
         captured = self._captured(m, copy)
-        for graph in captured.graphs if prologue else captured.graphs[-1:]:
+        for graph in captured.graphs if ends else captured.main:
             graph.replay()
         out, e = captured.output, self.layer.cfg.num_experts
         routing = Routing(out.routing.topk_ids[:m], out.routing.topk_weights[:m])

@@ -58,6 +58,7 @@ class ModularKernel:
         cfg = experts.cfg
         self.spec = DispatchSpec(
             act_quant=experts.act_quant(),
+            wire_quant=experts.wire_quant(),
             num_local_experts=experts.weights.num_experts,
             expert_map=expert_map,
             apply_router_weight_on_input=cfg.apply_router_weight_on_input,
@@ -101,7 +102,5 @@ class ModularKernel:
                 y, reduce = fixed_order_topk_sum(y, x.topk_ids, x.topk_weights), False
             self.prepare_finalize.finalize(y, x, out[rows], reduce=reduce, extra=extra)
         if queue_shared is not None and shared is None:  # no chunk: no tokens on any rank
-            shared = queue_shared()
-        if shared is not None:  # joined even where no rank's rows took it (naive-ep's others)
-            shared.wait()
+            queue_shared().wait()  # joined all the same; elsewhere each chunk's sum joined it
         return out

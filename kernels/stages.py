@@ -114,6 +114,9 @@ class DispatchSpec:
     # [E_global] -> local id or -1, or a replica map [E_global, 1 + C] (kernels.placement)
     expert_map: torch.Tensor | None = None
     apply_router_weight_on_input: bool = False
+    # what a dispatch that moves the rows may quantise them to first, so fewer bytes travel
+    # (Experts.wire_quant); None: they travel as they are, quantised after (act_quant)
+    wire_quant: ActQuant | None = None
 
 
 class Experts(ABC):
@@ -188,6 +191,12 @@ class Experts(ABC):
     def act_quant(self) -> ActQuant | None:
         """The quantisation prepare applies to the activations for these experts."""
         return self.cfg.quant.spec.act_quant if self.takes_quantized_input else None
+
+    def wire_quant(self) -> ActQuant | None:
+        """The quantisation an expert-parallel dispatch may apply before it moves the rows:
+        act_quant's, or, for experts that quantise their own input but take it quantised too,
+        the one they would apply (the same bits either way)."""
+        return self.act_quant()
 
     def workspace_shapes(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:  # noqa: ARG002
         """Named buffers apply() takes from the workspace for a chunk of `num_tokens` tokens."""

@@ -8,14 +8,15 @@ three at 64 clients, H100, DeepSeek-V3-sized layer behind 8 front ends).
                       layer's graph inputs (then, on expert parallelism's sender, the graph's
                       prologue) -> compute stream: one graph replay (padding, forward, expert
                       counts, finite checks of inputs and output; the eager forward where the
-                      layer has no graphs) -> copy-out stream: D2H of the output, the routing
-                      and the counts -> returns at once
+                      layer has no graphs) -> copy-out stream: (the sender's epilogue, then) D2H
+                      of the output, the routing and the counts -> returns at once
     completer thread: waits for the batch's last event -> per-part results -> frees the slot
 
-The prologue is the part of an expert-parallel forward before its first collective (router,
-routing, quantised rows packed for the broadcast; kernels/graph_capture.py): it needs no other
-rank, so it runs on the copy-in stream beside the previous batch's collectives and experts
-instead of between them, while the other ranks wait at the broadcast.
+The prologue and epilogue are the parts of an expert-parallel forward before its first
+collective (router, routing, quantised rows packed for the broadcast) and after its last (the
+reduced sums rounded, counts and finite checks; kernels/graph_capture.py). Neither needs
+another rank, so they run on the copy streams beside the neighbouring batches' collectives and
+experts instead of between them, where every other rank would wait.
 
 Each layer owns DEPTH slots (pinned host and device buffers, reused batch after batch, each with
 its own copy of the layer's graphs). The only host sync of a batch is the completer's wait on
@@ -376,7 +377,7 @@ class DevicePipeline:
             self.compute.wait_event(ev["inputs_ready"])
             ev["forward_start"].record(self.compute)
             if replays:  # one launch: padding, forward, counts and the finite checks
-                replay = graphs.replay(m, slot.copy, prologue=False)
+                replay = graphs.replay(m, slot.copy, ends=False)
                 out, stats = replay.output, replay.stats
             else:
                 out, stats = self._eager(served, slot, m, with_logits)
@@ -384,6 +385,8 @@ class DevicePipeline:
 
             torch.cuda.set_stream(self.copy_out)
             self.copy_out.wait_event(ev["forward_end"])
+            if replays:  # expert parallelism's sender: all after the last collective
+                graphs.replay_epilogue(m, slot.copy)  # beside the next batch's broadcast
             ev["d2h_start"].record(self.copy_out)
             for run, target in d2h:
                 target.copy_(out.output[run.begin : run.end], non_blocking=True)

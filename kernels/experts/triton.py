@@ -149,6 +149,9 @@ class TritonExperts(_TritonBase):
     graph_capturable: ClassVar[bool] = True  # align, GEMMs and top-k sum never sync the host
     runs_per_pair: ClassVar[bool] = True
 
+    def wire_quant(self) -> ActQuant | None:
+        return self.fp8_quant  # rows quantised already skip this stage's own quantiser
+
     def workspace_shapes(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         cfg = self.cfg
         pairs = num_tokens * cfg.top_k

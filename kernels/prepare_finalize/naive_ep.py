@@ -21,15 +21,19 @@ Three ways of bringing tokens:
 `group` may be any ProcessGroup object, one made outside the default group included (the
 service forms a new one among the live ranks when a rank dies); collectives are its methods.
 
-What travels, packed into one byte buffer so a dispatch is one collective: the activations (fp8
-+ per-token or per-group scales when the experts take them), the global topk ids and the
-weights. The sender's broadcast carries them end to end, each arriving as a view of the buffer
-(`pack_segments`); rows interleaved per token had to be copied apart again, 0.12 ms of every
-forward on every rank at 4096 DeepSeek-V3 tokens (2 x H200, 68fbac8's trace). An all-gather
-carries one byte row per token (`pack_rows`), since it concatenates the ranks' rows. A
-per-tensor fp8 scale depends on every token of the batch, so for it the 16-bit rows travel and
-the gathered batch is quantised once, as on one GPU. Partial outputs are summed in float32, so
-the sum over ranks rounds once, like the single-GPU combine.
+What travels, packed into one byte buffer so a dispatch is one collective: the activations, the
+global topk ids and the weights. The activations go as fp8 with their scales wherever the
+experts compute in fp8 (`Experts.wire_quant`: also where they would quantise the 16-bit rows
+themselves, as triton's do), quantised once on the rank that brings them: 30 MB instead of 59
+for 4096 DeepSeek-V3 tokens, and the receiving ranks quantise nothing. The sender's broadcast
+carries them end to end, each arriving as a view of the buffer (`pack_segments`); rows
+interleaved per token had to be copied apart again, 0.12 ms of every forward on every rank at
+4096 DeepSeek-V3 tokens (2 x H200, 68fbac8's trace). The ranks that receive it compute nothing
+before it (`received_like`). An all-gather carries one byte row per token (`pack_rows`), since
+it concatenates the ranks' rows. A per-tensor fp8 scale depends on every token of the batch,
+which only a sender holds: in the other modes the 16-bit rows travel and the gathered batch is
+quantised once, as on one GPU. Partial outputs are summed in float32, so the sum over ranks
+rounds once, like the single-GPU combine.
 
 Standard format only: batched-format experts regroup tokens per expert after prepare, which a
 standard-format EP stage would have to redo; every scheme has a standard-format backend.
@@ -47,6 +51,7 @@ import torch.distributed as dist
 from kernels.graph_capture import phase_boundary
 from kernels.prepare_finalize.no_ep import dispatch_locally, quantize_input
 from kernels.quant_scheme import ActQuant
+from kernels.quantize import quantize_activation
 from kernels.routing import to_local_ids
 from kernels.stages import (
     YES,
@@ -69,7 +74,7 @@ _SEGMENT_ALIGN = 16  # bytes: every segment starts where any dtype can be viewed
 
 
 def _segment_starts(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
-    """Byte offset of each tensor's segment, and the bytes of them all."""
+    """Byte offset of each tensor's segment, and the bytes of them all (meta tensors too)."""
     starts, end = [], 0
     for t in tensors:
         starts.append(end)
@@ -77,10 +82,14 @@ def _segment_starts(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     return starts, end
 
 
+def segments_bytes(tensors: list[torch.Tensor]) -> int:
+    """The size of `pack_segments(tensors)`."""
+    return _segment_starts(tensors)[1]
+
+
 def pack_segments(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Tensors -> one uint8 buffer holding each end to end (`unpack_segments` views them)."""
-    _, total = _segment_starts(tensors)
-    packed = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+    packed = torch.empty(segments_bytes(tensors), dtype=torch.uint8, device=tensors[0].device)
     for view, t in zip(unpack_segments(packed, tensors), tensors, strict=True):
         view.copy_(t)
     return packed
@@ -109,6 +118,18 @@ def unpack_rows(packed: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Te
         p.contiguous().view(t.dtype).view(packed.shape[0], *t.shape[1:])
         for p, t in zip(parts, like, strict=True)
     ]
+
+
+def received_like(
+    hidden: torch.Tensor, routing: Routing, how: ActQuant | None
+) -> list[torch.Tensor]:
+    """Meta tensors shaped and typed as the sender's rows ((quantised) hidden, topk ids and
+    weights, then the scales), for a rank that only receives them: nothing to compute."""
+    rows = [hidden.to("meta"), routing.topk_ids.to("meta"), routing.topk_weights.to("meta")]
+    if how is not None:  # the quantiser's shapes, from its torch twin
+        q, scale = quantize_activation(rows[0], how)
+        rows = [q, *rows[1:], scale]
+    return rows
 
 
 class NaiveEP(PrepareFinalize):
@@ -165,29 +186,36 @@ class NaiveEP(PrepareFinalize):
         spec: DispatchSpec,
         ws: Workspace,  # noqa: ARG002
     ) -> Dispatched:
-        # Quantise before sending unless the scale would depend on other ranks' tokens.
-        quantise_first = spec.act_quant not in (None, ActQuant.TENSOR)
-        local = dispatch_locally(
-            hidden,
-            routing,
-            replace(spec, expert_map=None, act_quant=spec.act_quant if quantise_first else None),
-        )
-        rows = [local.hidden, local.topk_ids, local.topk_weights]
-        if quantise_first:
-            rows.append(local.scale)
+        # Quantised before sending: fewer bytes travel. A per-tensor scale depends on every
+        # token of the batch, which only a sender holds.
+        how = spec.wire_quant
+        if how == ActQuant.TENSOR and self.sender is None:
+            how = None
+        receives = self.sender is not None and self._group().rank() != self.sender
+        if receives:
+            rows = received_like(hidden, routing, how)
+        else:
+            local = dispatch_locally(hidden, routing, replace(spec, expert_map=None, act_quant=how))
+            rows = [local.hidden, local.topk_ids, local.topk_weights]
+            if how is not None:
+                rows.append(local.scale)
         if self.sender is not None:
-            packed = pack_segments(rows)
-            # All so far needs no other rank: a capture may end its first graph here, which
-            # the service runs ahead, beside the previous batch's forward (graph_capture.py)
+            if receives:  # the broadcast fills it
+                packed = torch.empty(segments_bytes(rows), dtype=torch.uint8, device=hidden.device)
+            else:
+                packed = pack_segments(rows)
+            # All so far needs no other rank: a capture may end its first graph here, which the
+            # service runs ahead, beside the previous batch's forward (graph_capture.py)
             phase_boundary()
             gathered = unpack_segments(self.broadcast(packed), rows)
         else:
             gathered = unpack_rows(self.all_gather(pack_rows(rows)), rows)
         x, ids, weights = gathered[:3]
-        scale = gathered[3] if quantise_first else None
-        if spec.act_quant == ActQuant.TENSOR:
+        scale = gathered[3] if how is not None else None
+        if how is None and spec.act_quant is not None:  # the gathered batch, as on one GPU
             x, scale = quantize_input(x, spec.act_quant)
-        return Dispatched(x, scale, spec.act_quant, to_local_ids(ids, spec.expert_map), weights)
+            how = spec.act_quant
+        return Dispatched(x, scale, how, to_local_ids(ids, spec.expert_map), weights)
 
     def sum_target(
         self, x: Dispatched, out: torch.Tensor, extra: SideOutput | None, ws: Workspace
@@ -198,6 +226,27 @@ class NaiveEP(PrepareFinalize):
         belongs to its own rows, which only the reduce-scatter brings back: finalize adds it."""
         partial = ws.get("naive_ep_partial", (x.num_tokens, out.shape[1]), torch.float32)
         return SumTarget(partial, extra if self.sender is not None else None)
+
+    def finalize(
+        self,
+        expert_out: torch.Tensor,
+        x: Dispatched,
+        out: torch.Tensor,
+        reduce: bool,
+        extra: SideOutput | None = None,
+    ) -> None:
+        """As every stage's; in the sender mode all after the reduce needs no other rank, so a
+        capture may begin its last graph there, which the service runs on its copy-out stream
+        while the next batch's broadcast begins (kernels/graph_capture.py)."""
+        if self.sender is None:
+            super().finalize(expert_out, x, out, reduce, extra)
+            return
+        summed = self.combine(expert_out, x, reduce)
+        if extra is not None:  # joined first: a capture ends only once its forks have joined
+            extra = SideOutput(extra.wait())
+        phase_boundary()
+        if summed is not None:
+            SumTarget(out, extra).write(summed[: out.shape[0]])
 
     def combine(self, expert_out: torch.Tensor, x: Dispatched, reduce: bool) -> torch.Tensor | None:
         partial = (

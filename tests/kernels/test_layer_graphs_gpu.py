@@ -226,8 +226,9 @@ def test_shared_experts_on_the_side_stream_answer_as_in_line(backend: str) -> No
 
 def _sender_layer_graphs(rank: int, port: int) -> None:
     """One NCCL rank that is expert parallelism's sender over all the experts: its graphs end
-    a prologue where the broadcast begins, which may run beside the previous batch's forward
-    (service/pipeline.py) and still answer bit for bit as the graphs replayed one by one."""
+    a prologue where the broadcast begins and begin an epilogue where the reduce ends, which
+    may run beside other batches' forwards (service/pipeline.py) and still answer bit for bit
+    as the graphs replayed one after the other."""
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
     cfg = LAYERS["deepseek-like"]
     weights = random_layer(cfg, CUDA, seed=9, router=True, shared_intermediate=SHARED)
@@ -239,7 +240,7 @@ def _sender_layer_graphs(rank: int, port: int) -> None:
     with torch.inference_mode():
         graphs.capture()
         phases = {len(captured.graphs) for copy in graphs._graphs for captured in copy.values()}
-        assert phases == {2}, phases  # a prologue and the rest, in every bucket and copy
+        assert phases == {3}, phases  # prologue, collectives, epilogue: every bucket and copy
         for m in (1, 33, MAX_TOKENS):
             batches = [torch.randn(m, cfg.hidden_size, device=CUDA).to(cfg.dtype) for _ in "ab"]
             alone = []
@@ -249,25 +250,28 @@ def _sender_layer_graphs(rank: int, port: int) -> None:
                 alone.append(graphs.replay(m, copy).output.output.clone())
                 eager = layer.forward(ForwardInputs(x)).output
                 assert relative_error(alone[-1], eager) < TOLERANCE["deepseek-like"], m
-            ahead, main = torch.cuda.Stream(), torch.cuda.Stream()
-            ahead.wait_stream(torch.cuda.current_stream())
-            main.wait_stream(torch.cuda.current_stream())
+            ahead, main, after = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Stream()
+            for stream in (ahead, main, after):
+                stream.wait_stream(torch.cuda.current_stream())
             outputs, done = [], [torch.cuda.Event() for _ in batches]
-            for _ in range(3):  # each copy's prologue queued beside the other copy's forward
+            for _ in range(3):  # a copy's ends queued beside the other copy's collectives
                 for copy in range(2):
-                    ahead.wait_event(done[copy])  # after this copy's last forward only
+                    ahead.wait_event(done[copy])  # after this copy's last replay only
                     with torch.cuda.stream(ahead):
                         graphs.replay_prologue(m, copy)
                     main.wait_stream(ahead)
                     with torch.cuda.stream(main):
-                        replay = graphs.replay(m, copy, prologue=False)
+                        replay = graphs.replay(m, copy, ends=False)
+                    after.wait_stream(main)
+                    with torch.cuda.stream(after):
+                        graphs.replay_epilogue(m, copy)
                         outputs.append((copy, replay.output.output.clone()))
-                    done[copy].record(main)
+                    done[copy].record(after)
             torch.cuda.synchronize()
             for copy, out in outputs:
                 assert torch.equal(out, alone[copy]), f"m={m} copy {copy}"
     leave(0)  # no NCCL teardown of a communicator the graphs hold (service/ep_group.py)
 
 
-def test_an_expert_parallel_senders_prologue_runs_ahead_of_the_rest() -> None:
+def test_an_expert_parallel_senders_prologue_and_epilogue_run_beside_other_batches() -> None:
     run_ranks(_sender_layer_graphs, (), nprocs=1, timeout_s=300)

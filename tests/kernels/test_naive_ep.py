@@ -33,14 +33,15 @@ from kernels.prepare_finalize.naive_ep import (
     NaiveEP,
     pack_rows,
     pack_segments,
+    received_like,
     unpack_rows,
     unpack_segments,
 )
-from kernels.prepare_finalize.no_ep import NoEP
-from kernels.quant_scheme import QuantConfig
+from kernels.prepare_finalize.no_ep import NoEP, dispatch_locally
+from kernels.quant_scheme import ActQuant, QuantConfig
 from kernels.random_weights import random_expert_weights
 from kernels.routing import contiguous_expert_map, route
-from kernels.stages import SideOutput
+from kernels.stages import DispatchSpec, SideOutput
 from kernels.tensors import Routing
 from kernels.workspace import Workspace
 from tests.kernels.ranks import run_ranks
@@ -99,6 +100,9 @@ CASES = {
     "sender": Case(counts=(7, 0), sender=True),
     "sender_shared": Case(counts=(9, 0), sender=True, shared=True),
     "sender_bfloat16": Case(_cfg(dtype=torch.bfloat16), counts=(6, 0), sender=True, tol=1e-2),
+    # fp8 rows and their scales travel; a sender holds the whole batch, so its tensor scale too
+    "sender_fp8_block": Case(_cfg(scheme="fp8-block"), counts=(5, 0), sender=True),
+    "sender_fp8_tensor": Case(_cfg(scheme="fp8-tensor"), counts=(8, 0), sender=True, tol=0.06),
 }
 
 
@@ -259,6 +263,19 @@ def test_packed_segments_round_trip_as_aligned_views_without_copies(m: int) -> N
     assert all(v.is_contiguous() for v in views)  # the experts read them where they landed
     if m:
         assert [v.data_ptr() - packed.data_ptr() for v in views] == [0, 32, 64, 96]
+
+
+@pytest.mark.parametrize("how", [None, *ActQuant])
+def test_a_receiving_rank_holds_buffers_like_the_senders_rows(how: ActQuant | None) -> None:
+    """What a rank that receives the broadcast brings must match the sender's rows in shape
+    and dtype, byte for byte in size, or the collective reads past them."""
+    cfg = _cfg(experts=6, top_k=2)
+    hidden, routing = _inputs(Case(cfg, counts=(5, 0)))
+    spec = DispatchSpec(how, cfg.num_experts)
+    sent = dispatch_locally(hidden, routing, spec)
+    want = [sent.hidden, sent.topk_ids, sent.topk_weights] + ([sent.scale] if how else [])
+    got = received_like(torch.zeros_like(hidden), _placeholder(routing), how)
+    assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]
 
 
 def test_naive_ep_is_not_offered_without_a_process_group() -> None:

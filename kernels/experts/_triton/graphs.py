@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from kernels.graph_capture import capturing
+from kernels.quant_scheme import ActQuant
 from kernels.tensors import Dispatched
 
 MAX_GRAPH_TOKENS = 64  # decode: beyond this the GEMMs dwarf the launches
@@ -42,14 +43,16 @@ class DecodeGraphs:
 
     def __init__(self, forward: Callable[[Dispatched], torch.Tensor]) -> None:
         self.forward = forward
-        self.graphs: dict[int, _Captured] = {}
+        self.graphs: dict[tuple[int, ActQuant | None], _Captured] = {}
         self.pool = None
 
     def __call__(self, x: Dispatched) -> torch.Tensor:
-        """x (num_tokens <= MAX_GRAPH_TOKENS, on CUDA) -> [M, H], valid until the next call."""
-        captured = self.graphs.get(x.num_tokens)
+        """x (num_tokens <= MAX_GRAPH_TOKENS, on CUDA) -> [M, H], valid until the next call.
+        One graph per M and per how x comes quantised (16-bit, or already by the dispatch)."""
+        key = (x.num_tokens, x.act_quant)
+        captured = self.graphs.get(key)
         if captured is None:
-            captured = self.graphs[x.num_tokens] = self._capture(x)
+            captured = self.graphs[key] = self._capture(x)
         _refill(captured.inputs, x)
         captured.graph.replay()
         return captured.output
