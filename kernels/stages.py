@@ -260,6 +260,8 @@ class PrepareFinalize(ABC):
     ) -> None:
         """Write the layer output [M, K] into `out`; weigh and sum over top-k when `reduce`;
         add `extra` (float32 [M, K] of this rank's own rows) before rounding to out's dtype."""
+        if extra is not None:  # joined first: combine may end a captured phase, which CUDA
+            extra = SideOutput(extra.wait())  # allows only once the capture's forks have joined
         summed = self.combine(expert_out, x, reduce)
         if summed is not None:
             SumTarget(out, extra).write(summed[: out.shape[0]])

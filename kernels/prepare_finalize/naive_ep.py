@@ -227,27 +227,6 @@ class NaiveEP(PrepareFinalize):
         partial = ws.get("naive_ep_partial", (x.num_tokens, out.shape[1]), torch.float32)
         return SumTarget(partial, extra if self.sender is not None else None)
 
-    def finalize(
-        self,
-        expert_out: torch.Tensor,
-        x: Dispatched,
-        out: torch.Tensor,
-        reduce: bool,
-        extra: SideOutput | None = None,
-    ) -> None:
-        """As every stage's; in the sender mode all after the reduce needs no other rank, so a
-        capture may begin its last graph there, which the service runs on its copy-out stream
-        while the next batch's broadcast begins (kernels/graph_capture.py)."""
-        if self.sender is None:
-            super().finalize(expert_out, x, out, reduce, extra)
-            return
-        summed = self.combine(expert_out, x, reduce)
-        if extra is not None:  # joined first: a capture ends only once its forks have joined
-            extra = SideOutput(extra.wait())
-        phase_boundary()
-        if summed is not None:
-            SumTarget(out, extra).write(summed[: out.shape[0]])
-
     def combine(self, expert_out: torch.Tensor, x: Dispatched, reduce: bool) -> torch.Tensor | None:
         partial = (
             weighted_topk_sum(expert_out, x.topk_ids, x.topk_weights)
@@ -258,6 +237,9 @@ class NaiveEP(PrepareFinalize):
             return self.reduce_scatter(partial)
         # the sum lands on the sender; elsewhere out is a placeholder no one reads
         summed = self.reduce_to_sender(partial)
+        # All after the reduce needs no other rank: a capture may begin its last graph here,
+        # which the service runs on its copy-out stream as the next broadcast begins
+        phase_boundary()
         return summed if self._group().rank() == self.sender else None
 
     def reduce_to_sender(self, partial: torch.Tensor) -> torch.Tensor:
