@@ -72,11 +72,12 @@ def _capture(
 ) -> Iterator[None]:
     """Capture into graphs[0] (and, `phased`, into a new graph at each phase boundary) on the
     current device, on a high-priority stream from torch's pool (each capture takes the next:
-    threads may capture at once), the collector off meanwhile. As `torch.cuda.graph`, less its
-    cache emptying, with a graph that may change on the way."""
+    threads may capture at once), the collector off meanwhile. As `torch.cuda.graph`, with a
+    graph that may change on the way."""
     _HOLD.begin()
     try:
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # free blocks go back to CUDA: the graph's pool may need them
         with torch.cuda.stream(torch.cuda.Stream(priority=CAPTURE_PRIORITY)):
             graphs[0].capture_begin(pool=pool, capture_error_mode="thread_local")
             outer = _PHASES.graphs, _PHASES.pool

@@ -35,6 +35,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, object]]:
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: FakeGraph(log))
     monkeypatch.setattr(torch.cuda, "Stream", lambda **_kwargs: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     return log
 
 
