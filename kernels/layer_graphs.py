@@ -11,6 +11,11 @@ the service checks a request's values on the host only when its batch's input fl
 padded rows' topk_ids are set to -1 on the device, so experts that can skip a pair
 (`supports_expert_map`) spend nothing on them; other experts compute them and they are dropped.
 
+An expert-parallel sender's forward is captured in three graphs (kernels/graph_capture.py): the
+prologue before its broadcast and the epilogue after its reduce need no other rank, and the
+service replays them on its copy streams (`replay_prologue`, `replay(..., ends=False)`,
+`replay_epilogue`); `replay` alone runs all three in order.
+
 `copies` independent sets of graphs (each with its own static inputs and outputs) let a batch
 be copied into one set while the previous batch computes in another. Each copy has a memory
 pool of its own, shared by its buckets' graphs (captured largest first, so the smaller ones
