@@ -14,8 +14,8 @@ batcher hands them over: in plain memory, or pinned with the outputs copied into
 as for binary requests) for about SECONDS_PER_POINT, up to the engine's batches in flight.
 Throughput is tokens per second of wall time from `start` to each result on the host; "forward
 ms" is the median of a batch's forward on rank 0's compute stream (CUDA events; the collectives'
-waits for the other ranks included; EP's prologue, which runs on the copy-in stream, not:
-service/pipeline.py); the rest of a batch's time is the host's and the copies'.
+waits for the other ranks included; not EP's prologue and epilogue, which run on the copy
+streams: service/pipeline.py); the rest of a batch's time is the host's and the copies'.
 The EP outputs are compared with one GPU's (same backend; only the summation order differs), the
 first batch's routing must be the same, and every batch's routing ids must be experts' ids
 ("bad routing batches" counts those the engine refused for that: service.pipeline.BadRouting),
