@@ -158,6 +158,8 @@ class NaiveEP(PrepareFinalize):
         # tokens each rank brought to the chunk in flight: set by prepare, read by finalize
         # (the modular kernel runs them back to back)
         self._counts: list[int] = []
+        # the sender's broadcast of the chunk in flight, joined before its reduce (broadcast)
+        self._sending: dist.Work | None = None
 
     @classmethod
     def supports(cls, device: torch.device) -> Support:  # noqa: ARG003
@@ -244,12 +246,23 @@ class NaiveEP(PrepareFinalize):
 
     def reduce_to_sender(self, partial: torch.Tensor) -> torch.Tensor:
         """Every rank's partial sums [M, K] -> their sum on the sender (in place)."""
+        if self._sending is not None:  # long done by now: joins the capture's fork, costs nothing
+            self.wait(self._sending)
+            self._sending = None
         self.wait(self._group().reduce(partial, self.sender, dist.ReduceOp.SUM))
         return partial
 
     def broadcast(self, rows: torch.Tensor) -> torch.Tensor:
-        """The sender's buffer onto every rank (others bring a buffer of the same shape)."""
-        self.wait(self._group().broadcast(rows, self.sender))
+        """The sender's buffer onto every rank (others bring a buffer of the same shape).
+
+        The sender's rows are already its own, and the broadcast only reads them: its experts
+        start while the rows travel (they only read them too), and it joins the broadcast before
+        its reduce. The other ranks wait for their rows."""
+        work = self._group().broadcast(rows, self.sender)
+        if self._group().rank() == self.sender:
+            self._sending = work
+        else:
+            self.wait(work)
         return rows
 
     def all_gather(self, rows: torch.Tensor) -> torch.Tensor:

@@ -278,6 +278,66 @@ def test_a_receiving_rank_holds_buffers_like_the_senders_rows(how: ActQuant | No
     assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]
 
 
+class _RecordingGroup:
+    """A one-process stand-in for a process group: each collective logs itself (a receiver's
+    rows arrive as zero bytes: expert 0, weight 0); `wait` logs which collective a rank waited
+    for, in order."""
+
+    def __init__(self, rank: int) -> None:
+        self._rank = rank
+        self.log: list[str] = []
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return WORLD
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> str:
+        if self._rank != root:
+            tensor.zero_()
+        self.log.append("broadcast")
+        return "broadcast"
+
+    def reduce(self, tensor: torch.Tensor, root: int, op: object) -> str:
+        self.log.append("reduce")
+        return "reduce"
+
+    def wait(self, work: str) -> None:
+        self.log.append(f"wait {work}")
+
+
+@pytest.mark.parametrize(
+    ("rank", "order"),
+    [
+        (0, ["broadcast", "experts", "wait broadcast", "reduce", "wait reduce"]),
+        (1, ["broadcast", "wait broadcast", "experts", "reduce", "wait reduce"]),
+    ],
+)
+def test_the_sender_computes_while_its_rows_travel_and_receivers_wait_for_theirs(
+    rank: int, order: list[str]
+) -> None:
+    """The sender's experts read rows it already holds, so it joins its broadcast only before
+    its reduce (the reduce needs every rank's rows computed); a receiver computes nothing
+    before its rows land."""
+    cfg = _cfg()
+    hidden, routing = _inputs(Case(cfg, counts=(5, 0)))
+    group = _RecordingGroup(rank)
+    stage = NaiveEP(group=group, sender=0, wait=group.wait)  # type: ignore[arg-type]
+    kernel = ModularKernel(
+        stage, ReferenceExperts(cfg, random_expert_weights(cfg)), Workspace(hidden.device)
+    )
+    experts_apply = kernel.experts.apply
+
+    def logged_apply(*args: object, **kwargs: object) -> torch.Tensor:
+        group.log.append("experts")
+        return experts_apply(*args, **kwargs)
+
+    kernel.experts.apply = logged_apply  # type: ignore[method-assign]
+    kernel.forward(hidden, routing)
+    assert group.log == order
+
+
 def test_naive_ep_is_not_offered_without_a_process_group() -> None:
     assert not NaiveEP.supports(torch.device("cpu"))
     assert "process group" in NaiveEP.supports(torch.device("cpu")).reason
