@@ -59,6 +59,7 @@ class ModularKernel:
         self.spec = DispatchSpec(
             act_quant=experts.act_quant(),
             wire_quant=experts.wire_quant(),
+            column_blocks=experts.sum_in_column_blocks,
             num_local_experts=experts.weights.num_experts,
             expert_map=expert_map,
             apply_router_weight_on_input=cfg.apply_router_weight_on_input,
@@ -91,7 +92,7 @@ class ModularKernel:
                 shared = queue_shared()
             extra = None if shared is None else shared.rows(rows)
             if self.experts.reduces_topk:
-                into = self.prepare_finalize.sum_target(x, out[rows], extra, ws)
+                into = self.prepare_finalize.sum_target(x, out[rows], extra, ws, self.spec)
                 y = self.experts.apply(x, ws, into)
                 left = extra if into.extra is None else None
                 self.prepare_finalize.finalize(y, x, out[rows], reduce=False, extra=left)

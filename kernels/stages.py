@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -82,27 +83,62 @@ class SideOutput:
 
 
 @dataclass(frozen=True)
+class ColumnBlocks:
+    """A sum [M, K] held as blocks of whole columns, each a contiguous [M, K_b] of its own, so
+    that a collective can take one block while the experts compute the next (naive-ep's
+    reduce). `written(b)` is called once block b is queued whole: work queued after the call
+    reads it complete (stream order)."""
+
+    parts: tuple[torch.Tensor, ...]
+    written: Callable[[int], None]
+
+    def blocks(self) -> Iterator[tuple[int, slice, torch.Tensor]]:
+        """(b, block b's columns of the sum, block b), in order."""
+        start = 0
+        for b, part in enumerate(self.parts):
+            yield b, slice(start, start + part.shape[1]), part
+            start += part.shape[1]
+
+
+@dataclass(frozen=True)
 class SumTarget:
     """Where experts that reduce top-k write each token's weighted sum: `out` [M, K], the layer's
     dtype or float32 (a partial sum other ranks' partial sums are added to), with `extra`
-    (float32 [M, K], the shared experts' output) added in float32 before the one rounding."""
+    (float32 [M, K], the shared experts' output) added in float32 before the one rounding.
+    `out` is in column blocks only for experts that `sum_in_column_blocks`."""
 
-    out: torch.Tensor
+    out: torch.Tensor | ColumnBlocks
     extra: SideOutput | None = None
 
     def ready_extra(self) -> torch.Tensor | None:
         """extra's value for the pass about to be queued (which then runs after its writer)."""
         return None if self.extra is None else self.extra.wait()
 
-    def write(self, summed: torch.Tensor) -> torch.Tensor:
+    def write(self, summed: torch.Tensor | ColumnBlocks) -> torch.Tensor | ColumnBlocks:
         """summed [M, K] (+ extra) into out in one pass, rounded once; returns out. For a sum
         made elsewhere (experts without a pass of their own, finalize after a collective)."""
         extra = self.ready_extra()
-        if extra is not None:
-            torch.add(summed, extra, out=self.out)
-        elif summed.data_ptr() != self.out.data_ptr():
-            self.out.copy_(summed)
+        if isinstance(self.out, ColumnBlocks):
+            for b, cols, part in self.out.blocks():
+                _sum_into(summed[:, cols], _columns(extra, cols), part)
+                self.out.written(b)
+        elif isinstance(summed, ColumnBlocks):
+            for _, cols, part in summed.blocks():
+                _sum_into(part, _columns(extra, cols), self.out[:, cols])
+        else:
+            _sum_into(summed, extra, self.out)
         return self.out
+
+
+def _columns(t: torch.Tensor | None, cols: slice) -> torch.Tensor | None:
+    return None if t is None else t[:, cols]
+
+
+def _sum_into(summed: torch.Tensor, extra: torch.Tensor | None, out: torch.Tensor) -> None:
+    if extra is not None:
+        torch.add(summed, extra, out=out)
+    elif summed.data_ptr() != out.data_ptr():
+        out.copy_(summed)
 
 
 @dataclass(frozen=True)
@@ -117,6 +153,8 @@ class DispatchSpec:
     # what a dispatch that moves the rows may quantise them to first, so fewer bytes travel
     # (Experts.wire_quant); None: they travel as they are, quantised after (act_quant)
     wire_quant: ActQuant | None = None
+    # the experts can write their sum in column blocks (Experts.sum_in_column_blocks)
+    column_blocks: bool = False
 
 
 class Experts(ABC):
@@ -130,6 +168,9 @@ class Experts(ABC):
     supports_expert_map: ClassVar[bool] = True
     supports_chunking: ClassVar[bool] = True
     reduces_topk: ClassVar[bool] = False  # True: apply() returns [M, K], weighted and summed
+    # reduces_topk only. True: apply() takes a SumTarget in ColumnBlocks, and calls each block's
+    # `written` as soon as it is queued, before computing the next (ColumnBlocks)
+    sum_in_column_blocks: ClassVar[bool] = False
     takes_quantized_input: ClassVar[bool] = True  # False: prepare leaves activations 16-bit
     # True: apply() makes no host sync and no data-dependent host decision, so a whole-layer
     # forward can be captured in a CUDA graph and replayed (kernels/layer_graphs.py)
@@ -244,6 +285,7 @@ class PrepareFinalize(ABC):
         out: torch.Tensor,
         extra: SideOutput | None,
         ws: Workspace,  # noqa: ARG002
+        spec: DispatchSpec,  # noqa: ARG002
     ) -> SumTarget:
         """Where experts that reduce top-k write the sum for `x` (prepare's), given the chunk's
         output rows `out` and the shared experts' output `extra`; extra left out of the target
@@ -263,13 +305,18 @@ class PrepareFinalize(ABC):
         if extra is not None:  # joined first: combine may end a captured phase, which CUDA
             extra = SideOutput(extra.wait())  # allows only once the capture's forks have joined
         summed = self.combine(expert_out, x, reduce)
+        if isinstance(summed, torch.Tensor):
+            summed = summed[: out.shape[0]]
         if summed is not None:
-            SumTarget(out, extra).write(summed[: out.shape[0]])
+            SumTarget(out, extra).write(summed)
 
     @abstractmethod
-    def combine(self, expert_out: torch.Tensor, x: Dispatched, reduce: bool) -> torch.Tensor | None:
+    def combine(
+        self, expert_out: torch.Tensor | ColumnBlocks, x: Dispatched, reduce: bool
+    ) -> torch.Tensor | ColumnBlocks | None:
         """The experts' output -> this rank's rows of the routed sum [>= M, K] (weighed and
-        summed over top-k when `reduce`), or None where none of the output lands on this rank."""
+        summed over top-k when `reduce`), or None where none of the output lands on this rank.
+        Column blocks (a sum target's, sum_target) come back as blocks of exactly M rows."""
 
 
 def weighted_topk_sum(

@@ -21,7 +21,15 @@ import torch
 
 from kernels.config import MoEConfig
 from kernels.quant_scheme import ActQuant, QuantScheme
-from kernels.stages import HAS_TRITON, YES, Experts, SumTarget, Support, cuda_capability
+from kernels.stages import (
+    HAS_TRITON,
+    YES,
+    ColumnBlocks,
+    Experts,
+    SumTarget,
+    Support,
+    cuda_capability,
+)
 from kernels.tensors import Dispatched, ExpertWeights, Format
 from kernels.workspace import Workspace
 
@@ -126,6 +134,18 @@ class _TritonBase(Experts):
         pair_ids: torch.Tensor | None = None,  # [R] local expert ids, -1 not here; standard only
     ) -> None:
         """GEMM1 + activation into h, quantise h if the scheme does, GEMM2 into y."""
+        second = self._gemm1(a, rows, h, tiles, pair_ids)
+        self._gemm2(second, rows, y, tiles, row_weights, self.w2)
+
+    def _gemm1(
+        self,
+        a: Activations,
+        rows: AlignedPairs | BatchedRows | EachPair,
+        h: torch.Tensor,
+        tiles: LayerTiles,
+        pair_ids: torch.Tensor | None,
+    ) -> Activations:
+        """GEMM1 + activation into h [R, I] -> GEMM2's input (h, quantised if the scheme does)."""
         how = self.fp8_quant
         amax = None
         if how == ActQuant.TENSOR:  # one scale over the rows GEMM1 writes, found as it writes
@@ -134,16 +154,28 @@ class _TritonBase(Experts):
         gemm = pair_gemv if isinstance(rows, EachPair) else grouped_gemm
         gemm(a, self.w13, h, rows, Epilogue(gate_up=self.cfg.activation, amax=amax), tiles.gemm1)
         if how is None:
-            second = Activations(h)
-        else:  # only the rows of pairs GEMM1 wrote: no GEMM reads the others
-            second = Activations(*quantize_rows(h, how, pair_ids, amax), how)
-        gemm(second, self.w2, y, rows, Epilogue(row_weights=row_weights), tiles.gemm2)
+            return Activations(h)
+        # only the rows of pairs GEMM1 wrote: no GEMM reads the others
+        return Activations(*quantize_rows(h, how, pair_ids, amax), how)
+
+    def _gemm2(
+        self,
+        second: Activations,
+        rows: AlignedPairs | BatchedRows | EachPair,
+        y: torch.Tensor,  # [R, N] of w2's rows N
+        tiles: LayerTiles,
+        row_weights: torch.Tensor | None,
+        w2: ExpertMatrix,  # self.w2 or some of its rows (ExpertMatrix.n_slice)
+    ) -> None:
+        gemm = pair_gemv if isinstance(rows, EachPair) else grouped_gemm
+        gemm(second, w2, y, rows, Epilogue(row_weights=row_weights), tiles.gemm2)
 
 
 class TritonExperts(_TritonBase):
     name: ClassVar[str] = "triton"
     format: ClassVar[Format] = Format.STANDARD
     reduces_topk: ClassVar[bool] = True
+    sum_in_column_blocks: ClassVar[bool] = True
     # fp8 schemes: the input is quantised here, by one Triton pass that decode graphs capture
     takes_quantized_input: ClassVar[bool] = False
     graph_capturable: ClassVar[bool] = True  # align, GEMMs and top-k sum never sync the host
@@ -198,10 +230,21 @@ class TritonExperts(_TritonBase):
         a = Activations(hidden, scale, how, pairs_per_row=k)
         row_weights = x.topk_weights.float().flatten().contiguous()  # [P]
         pair_out = buf["triton_pair_out"]
-        self._gemms(a, rows, buf["triton_intermediate"], pair_out, tiles, row_weights, pair_ids)
         if into is None:
             into = SumTarget(torch.empty(m, self.cfg.hidden_size, device=x.hidden.device))
-        return topk_sum(pair_out, x.topk_ids, into.out, into.ready_extra())
+        if not isinstance(into.out, ColumnBlocks):
+            self._gemms(a, rows, buf["triton_intermediate"], pair_out, tiles, row_weights, pair_ids)
+            return topk_sum(pair_out, x.topk_ids, into.out, into.ready_extra())
+        # GEMM2 and the sum block by block, each block handed on (to a collective) before the
+        # next is computed; each output element is computed as without blocks
+        second = self._gemm1(a, rows, buf["triton_intermediate"], tiles, pair_ids)
+        for b, cols, part in into.out.blocks():
+            y = pair_out[:, cols]
+            self._gemm2(second, rows, y, tiles, row_weights, self.w2.n_slice(cols))
+            extra = into.ready_extra()
+            topk_sum(y, x.topk_ids, part, None if extra is None else extra[:, cols])
+            into.out.written(b)
+        return into.out
 
 
 class TritonBatchedExperts(_TritonBase):

@@ -35,6 +35,12 @@ which only a sender holds: in the other modes the 16-bit rows travel and the gat
 quantised once, as on one GPU. Partial outputs are summed in float32, so the sum over ranks
 rounds once, like the single-GPU combine.
 
+The sender mode's reduce overlaps the experts' last GEMM: experts that can
+(`Experts.sum_in_column_blocks`) compute GEMM2 and the top-k sum in blocks of output columns, and
+each block's reduce starts as soon as it is queued, while the next block computes; only the last
+block's reduce is left after the experts. Each block is a contiguous buffer of its own, as a
+collective needs (`ColumnBlocks`). Small sums are reduced whole (`REDUCE_IN_BLOCKS_BYTES`).
+
 Standard format only: batched-format experts regroup tokens per expert after prepare, which a
 standard-format EP stage would have to redo; every scheme has a standard-format backend.
 """
@@ -48,6 +54,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from kernels.arith import ceil_div, round_up
 from kernels.graph_capture import phase_boundary
 from kernels.prepare_finalize.no_ep import dispatch_locally, quantize_input
 from kernels.quant_scheme import ActQuant
@@ -55,6 +62,7 @@ from kernels.quantize import quantize_activation
 from kernels.routing import to_local_ids
 from kernels.stages import (
     YES,
+    ColumnBlocks,
     DispatchSpec,
     PrepareFinalize,
     SideOutput,
@@ -68,6 +76,21 @@ from kernels.workspace import Workspace
 # Renamed in torch 2.13 (the old names warn there); the device machine runs torch 2.11.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# The sender mode reduces a float32 partial sum of at least this many bytes in REDUCE_BLOCKS
+# column blocks (module doc). Below it a block's reduce is mostly latency, ahead of a GEMM that
+# short anyway (DeepSeek-V3: from 1,171 tokens on).
+REDUCE_IN_BLOCKS_BYTES = 32 << 20
+REDUCE_BLOCKS = 2
+# block edges on the weights' scale groups (fp8-block's 128 rows of w2)
+BLOCK_COLUMNS_ALIGN = 128
+
+
+def column_blocks(k: int, blocks: int) -> list[slice]:
+    """K columns in `blocks` blocks of about equal width, each edge a multiple of
+    BLOCK_COLUMNS_ALIGN (fewer blocks where K is narrow)."""
+    width = round_up(ceil_div(k, blocks), BLOCK_COLUMNS_ALIGN)
+    return [slice(start, min(start + width, k)) for start in range(0, k, width)]
 
 
 _SEGMENT_ALIGN = 16  # bytes: every segment starts where any dtype can be viewed
@@ -160,6 +183,9 @@ class NaiveEP(PrepareFinalize):
         self._counts: list[int] = []
         # the sender's broadcast of the chunk in flight, joined before its reduce (broadcast)
         self._sending: dist.Work | None = None
+        # the chunk's partial sum in column blocks, and the reduces of those queued so far
+        self._blocks: ColumnBlocks | None = None
+        self._reducing: list[dist.Work] = []
 
     @classmethod
     def supports(cls, device: torch.device) -> Support:  # noqa: ARG003
@@ -220,25 +246,63 @@ class NaiveEP(PrepareFinalize):
         return Dispatched(x, scale, how, to_local_ids(ids, spec.expert_map), weights)
 
     def sum_target(
-        self, x: Dispatched, out: torch.Tensor, extra: SideOutput | None, ws: Workspace
+        self,
+        x: Dispatched,
+        out: torch.Tensor,
+        extra: SideOutput | None,
+        ws: Workspace,
+        spec: DispatchSpec,
     ) -> SumTarget:
         """This rank's float32 partial sum over every rank's tokens [M, K], so the ranks' sum
         rounds once. The sender adds its shared experts' output there, before the reduce: the
         tail after the reduce is one rounding pass. In the other modes a rank's shared output
-        belongs to its own rows, which only the reduce-scatter brings back: finalize adds it."""
-        partial = ws.get("naive_ep_partial", (x.num_tokens, out.shape[1]), torch.float32)
-        return SumTarget(partial, extra if self.sender is not None else None)
-
-    def combine(self, expert_out: torch.Tensor, x: Dispatched, reduce: bool) -> torch.Tensor | None:
-        partial = (
-            weighted_topk_sum(expert_out, x.topk_ids, x.topk_weights)
-            if reduce
-            else expert_out.float()
-        )  # [M, K] float32, this rank's experts only
+        belongs to its own rows, which only the reduce-scatter brings back: finalize adds it.
+        The sender mode takes a large sum in column blocks, where the experts can (module doc)."""
+        m, k = x.num_tokens, out.shape[1]
         if self.sender is None:
-            return self.reduce_scatter(partial)
+            return SumTarget(ws.get("naive_ep_partial", (m, k), torch.float32))
+        if not spec.column_blocks or m * k * 4 < REDUCE_IN_BLOCKS_BYTES:
+            return SumTarget(ws.get("naive_ep_partial", (m, k), torch.float32), extra)
+        flat = ws.get("naive_ep_partial", (m * k,), torch.float32)
+        parts = tuple(
+            flat[m * c.start : m * c.stop].view(m, -1) for c in column_blocks(k, REDUCE_BLOCKS)
+        )
+        self._blocks = ColumnBlocks(parts, self._reduce_block)
+        return SumTarget(self._blocks, extra)
+
+    def _reduce_block(self, b: int) -> None:
+        """Block b of the partial sum is queued: its reduce onto the sender starts after it."""
+        assert self._blocks is not None  # set by sum_target, for this chunk
+        self._join_broadcast()
+        self._reducing.append(
+            self._group().reduce(self._blocks.parts[b], self.sender, dist.ReduceOp.SUM)
+        )
+
+    def _join_broadcast(self) -> None:
+        """The sender's broadcast, long done by the time the reduce queues: joining it costs
+        nothing and closes the capture's fork."""
+        if self._sending is not None:
+            self.wait(self._sending)
+            self._sending = None
+
+    def combine(
+        self, expert_out: torch.Tensor | ColumnBlocks, x: Dispatched, reduce: bool
+    ) -> torch.Tensor | ColumnBlocks | None:
+        if self._blocks is not None:  # reduced block by block as the experts wrote them
+            summed, self._blocks = self._blocks, None
+            for work in self._reducing:
+                self.wait(work)
+            self._reducing = []
+        else:
+            partial = (
+                weighted_topk_sum(expert_out, x.topk_ids, x.topk_weights)
+                if reduce
+                else expert_out.float()
+            )  # [M, K] float32, this rank's experts only
+            if self.sender is None:
+                return self.reduce_scatter(partial)
+            summed = self.reduce_to_sender(partial)
         # the sum lands on the sender; elsewhere out is a placeholder no one reads
-        summed = self.reduce_to_sender(partial)
         # All after the reduce needs no other rank: a capture may begin its last graph here,
         # which the service runs on its copy-out stream as the next broadcast begins
         phase_boundary()
@@ -246,9 +310,7 @@ class NaiveEP(PrepareFinalize):
 
     def reduce_to_sender(self, partial: torch.Tensor) -> torch.Tensor:
         """Every rank's partial sums [M, K] -> their sum on the sender (in place)."""
-        if self._sending is not None:  # long done by now: joins the capture's fork, costs nothing
-            self.wait(self._sending)
-            self._sending = None
+        self._join_broadcast()
         self.wait(self._group().reduce(partial, self.sender, dist.ReduceOp.SUM))
         return partial
 

@@ -26,11 +26,14 @@ from kernels import registry, selection
 from kernels.accuracy import relative_error
 from kernels.config import MoEConfig, RoutingConfig
 from kernels.experts.reference import ReferenceExperts
+from kernels.experts.triton import TritonExperts
 from kernels.layer import LayerWeights, RouterWeights, build_layer
 from kernels.modular import ModularKernel
 from kernels.placement import Placement
+from kernels.prepare_finalize import naive_ep
 from kernels.prepare_finalize.naive_ep import (
     NaiveEP,
+    column_blocks,
     pack_rows,
     pack_segments,
     received_like,
@@ -336,6 +339,58 @@ def test_the_sender_computes_while_its_rows_travel_and_receivers_wait_for_theirs
     kernel.experts.apply = logged_apply  # type: ignore[method-assign]
     kernel.forward(hidden, routing)
     assert group.log == order
+
+
+@pytest.mark.parametrize(
+    ("k", "blocks", "edges"),
+    [(7168, 2, [0, 3584, 7168]), (7168, 4, [0, 1792, 3584, 5376, 7168]), (300, 2, [0, 256, 300]),
+     (100, 2, [0, 100])],
+)  # fmt: skip
+def test_column_blocks_cover_the_columns_on_scale_group_edges(
+    k: int, blocks: int, edges: list[int]
+) -> None:
+    cols = column_blocks(k, blocks)
+    assert [c.start for c in cols] + [cols[-1].stop] == edges
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_large_sum_is_reduced_block_by_block_as_the_experts_write_it(
+    rank: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank reduces the same blocks in the same order, each as soon as the experts wrote
+    it (inside their apply); the sender's output is the one a whole reduce gives, bit for bit."""
+    cfg = MoEConfig(
+        num_experts=4,
+        hidden_size=384,
+        intermediate_size=64,
+        routing=RoutingConfig(top_k=2),
+        dtype=torch.float16,
+    )
+    hidden, routing = _inputs(Case(cfg, counts=(6, 0)))
+    experts = TritonExperts(cfg, random_expert_weights(cfg))
+
+    gemm2 = experts._gemm2
+
+    def forward(blocks_from_bytes: int) -> tuple[torch.Tensor, list[str]]:
+        monkeypatch.setattr(naive_ep, "REDUCE_IN_BLOCKS_BYTES", blocks_from_bytes)
+        group = _RecordingGroup(rank)
+
+        def logged_gemm2(*args: object) -> None:
+            group.log.append("gemm2")
+            gemm2(*args)
+
+        monkeypatch.setattr(experts, "_gemm2", logged_gemm2)
+        stage = NaiveEP(group=group, sender=0, wait=group.wait)  # type: ignore[arg-type]
+        out = ModularKernel(stage, experts, Workspace(hidden.device)).forward(hidden, routing)
+        return out, group.log
+
+    whole, whole_log = forward(blocks_from_bytes=1 << 40)
+    blocked, log = forward(blocks_from_bytes=0)
+    assert whole_log.count("reduce") == 1
+    first_block = ["gemm2", "wait broadcast"] if rank == 0 else ["wait broadcast", "gemm2"]
+    assert log == ["broadcast", *first_block, "reduce", "gemm2", "reduce", *["wait reduce"] * 2]
+    if rank == 0:
+        assert torch.equal(blocked, whole)
 
 
 def test_naive_ep_is_not_offered_without_a_process_group() -> None:

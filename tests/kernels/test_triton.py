@@ -19,6 +19,7 @@ from kernels.config import Activation, GateUp
 from kernels.experts._triton import tiles
 from kernels.experts._triton.align import align_pairs, align_pairs_torch, aligned_capacity
 from kernels.experts._triton.gemv import MAX_PAIRS, EachPair, pair_gemv
+from kernels.experts._triton.graphs import MAX_GRAPH_TOKENS
 from kernels.experts._triton.grouped_gemm import (
     Activations,
     Epilogue,
@@ -33,12 +34,13 @@ from kernels.experts.reference import ReferenceExperts
 from kernels.experts.triton import TritonBatchedExperts, TritonExperts
 from kernels.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
 from kernels.modular import ModularKernel
+from kernels.prepare_finalize.naive_ep import column_blocks
 from kernels.prepare_finalize.no_ep import NoEP
 from kernels.quant_scheme import FP8, ActQuant, QuantScheme
 from kernels.quantize import E2M1_VALUES, quantize_activation
 from kernels.random_weights import random_expert_weights
 from kernels.routing import contiguous_expert_map
-from kernels.stages import SideOutput
+from kernels.stages import ColumnBlocks, DispatchSpec, SideOutput, SumTarget
 from kernels.tensors import Format
 from kernels.workspace import Workspace
 from tests.kernels.triton_cases import (
@@ -262,6 +264,39 @@ def test_shared_output_joins_the_top_k_sum_before_its_one_rounding(
         hidden, routing, out=torch.empty(m, 64, dtype=out_dtype, device=device)
     )
     assert torch.equal(got, (without.float() + extra).to(out_dtype)) == (out_dtype == torch.float32)
+
+
+@pytest.mark.parametrize("m", [9, 133])  # 133: past the decode graphs, the blocks' own path
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_a_sum_in_column_blocks_equals_the_whole_sum_bit_for_bit(
+    scheme: QuantScheme, m: int, device: torch.device
+) -> None:
+    """GEMM2 and the top-k sum block by block (naive-ep reduces a block while the next one
+    computes): every element as the whole sum has it, the shared output included, and each
+    block complete, in order, when it is handed on. 384 columns: blocks of 256 and 128, each
+    on fp8-block's 128-row scale groups."""
+    if device.type == "cpu" and m > MAX_GRAPH_TOKENS:
+        pytest.skip("no decode graphs on the CPU: m=9 takes the same path")
+    cfg = Case(scheme, num_experts=8, top_k=3, hidden=384).config()
+    experts = TritonExperts(cfg, random_expert_weights(cfg, seed=5).to(device))
+    r = random_routing(m, 8, 3, seed=m)
+    r.topk_ids[0, 1] = -1  # a pair of another rank's expert
+    routing = type(r)(r.topk_ids.to(device), r.topk_weights.to(device))
+    gen = torch.Generator().manual_seed(m)
+    hidden = torch.randn(m, 384, generator=gen).half().to(device)
+    extra = SideOutput(torch.randn(m, 384, generator=gen).to(device))
+    ws = Workspace(device)
+    x = NoEP().prepare(hidden, routing, DispatchSpec(experts.act_quant(), 8), ws)
+    whole = experts.apply(x, ws, SumTarget(torch.empty(m, 384, device=device), extra)).clone()
+
+    cols = column_blocks(384, 2)
+    assert [(c.start, c.stop) for c in cols] == [(0, 256), (256, 384)]
+    parts = tuple(torch.full((m, c.stop - c.start), torch.nan, device=device) for c in cols)
+    handed: list[tuple[int, torch.Tensor]] = []
+    blocks = ColumnBlocks(parts, lambda b: handed.append((b, parts[b].clone())))
+    assert experts.apply(x, ws, SumTarget(blocks, extra)) is blocks
+    assert [b for b, _ in handed] == [0, 1]
+    assert torch.equal(torch.cat([part for _, part in handed], dim=1), whole)
 
 
 # ---- selection and tiles -------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.arith import ceil_div
 from kernels.config import ActivationSpec, GateUp
 from kernels.dependent_launch import begin, dependent_launch
 from kernels.experts._triton.align import AlignedPairs
@@ -66,6 +67,20 @@ class ExpertMatrix:
     @property
     def k(self) -> int:
         return self.data.shape[2] * self.quant.spec.values.per_byte
+
+    def n_slice(self, n: slice) -> ExpertMatrix:
+        """Rows `n` of every expert's matrix (its GEMM's output columns): views, no copies. They
+        start on a scale group's first row."""
+        scale, groups = self.scale, self.quant.spec.scales
+        if scale is not None and groups is not None and groups.n is not None:
+            if n.start % groups.n:
+                raise ValueError(f"rows from {n.start} split a scale group of {groups.n} rows")
+            first = n.start // groups.n
+            scale = scale.narrow(
+                scale.dim() + groups.n_dim, first, ceil_div(n.stop, groups.n) - first
+            )
+        bias = None if self.bias is None else self.bias[:, n]
+        return ExpertMatrix(self.data[:, n], scale, bias, self.quant)
 
 
 @dataclass(frozen=True)
