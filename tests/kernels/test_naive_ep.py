@@ -57,11 +57,15 @@ TIMEOUT_S = 20  # collectives and the whole spawn: a broken rank fails the test,
 
 
 def _cfg(
-    experts: int = 4, top_k: int = 2, scheme: str = "none", dtype: torch.dtype = torch.float32
+    experts: int = 4,
+    top_k: int = 2,
+    scheme: str = "none",
+    dtype: torch.dtype = torch.float32,
+    hidden: int = 256,
 ) -> MoEConfig:
     return MoEConfig(
         num_experts=experts,
-        hidden_size=256,
+        hidden_size=hidden,
         intermediate_size=128,
         routing=RoutingConfig(top_k=top_k),
         quant=QuantConfig(scheme),
@@ -359,13 +363,7 @@ def test_a_large_sum_is_reduced_block_by_block_as_the_experts_write_it(
 ) -> None:
     """Every rank reduces the same blocks in the same order, each as soon as the experts wrote
     it (inside their apply); the sender's output is the one a whole reduce gives, bit for bit."""
-    cfg = MoEConfig(
-        num_experts=4,
-        hidden_size=384,
-        intermediate_size=64,
-        routing=RoutingConfig(top_k=2),
-        dtype=torch.float16,
-    )
+    cfg = _cfg(dtype=torch.float16, hidden=384)  # blocks of 256 and 128 columns
     hidden, routing = _inputs(Case(cfg, counts=(6, 0)))
     experts = TritonExperts(cfg, random_expert_weights(cfg))
 
