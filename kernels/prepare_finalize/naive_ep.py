@@ -214,6 +214,9 @@ class NaiveEP(PrepareFinalize):
         spec: DispatchSpec,
         ws: Workspace,  # noqa: ARG002
     ) -> Dispatched:
+        # a chunk that failed midway (a rank died) leaves nothing to this one: the service
+        # points this stage at the survivors' group and goes on with it
+        self._sending, self._blocks, self._reducing = None, None, []
         # Quantised before sending: fewer bytes travel. A per-tensor scale depends on every
         # token of the batch, which only a sender holds.
         how = spec.wire_quant
@@ -282,17 +285,17 @@ class NaiveEP(PrepareFinalize):
         """The sender's broadcast, long done by the time the reduce queues: joining it costs
         nothing and closes the capture's fork."""
         if self._sending is not None:
-            self.wait(self._sending)
-            self._sending = None
+            sending, self._sending = self._sending, None
+            self.wait(sending)
 
     def combine(
         self, expert_out: torch.Tensor | ColumnBlocks, x: Dispatched, reduce: bool
     ) -> torch.Tensor | ColumnBlocks | None:
         if self._blocks is not None:  # reduced block by block as the experts wrote them
-            summed, self._blocks = self._blocks, None
-            for work in self._reducing:
+            summed, reducing = self._blocks, self._reducing
+            self._blocks, self._reducing = None, []
+            for work in reducing:
                 self.wait(work)
-            self._reducing = []
         else:
             partial = (
                 weighted_topk_sum(expert_out, x.topk_ids, x.topk_weights)

@@ -391,6 +391,34 @@ def test_a_large_sum_is_reduced_block_by_block_as_the_experts_write_it(
         assert torch.equal(blocked, whole)
 
 
+def test_a_forward_that_failed_midway_leaves_nothing_for_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The service keeps the stage after a rank dies (regroup_kernel points it at the
+    survivors' group): reduces the failed forward queued are not waited for again."""
+    monkeypatch.setattr(naive_ep, "REDUCE_IN_BLOCKS_BYTES", 0)
+    cfg = _cfg(dtype=torch.float16, hidden=384)
+    hidden, routing = _inputs(Case(cfg, counts=(6, 0)))
+    aborted = _RecordingGroup(0)
+
+    def wait_then_fail(work: str) -> None:
+        aborted.wait(work)
+        if work == "reduce":
+            raise RuntimeError("the expert-parallel group was aborted: a rank died")
+
+    stage = NaiveEP(group=aborted, sender=0, wait=wait_then_fail)  # type: ignore[arg-type]
+    experts = TritonExperts(cfg, random_expert_weights(cfg))
+    kernel = ModularKernel(stage, experts, Workspace(hidden.device))
+    with pytest.raises(RuntimeError, match="aborted"):
+        kernel.forward(hidden, routing)
+    survivors = _RecordingGroup(0)
+    stage.group, stage.wait = survivors, survivors.wait  # type: ignore[assignment]
+    kernel.forward(hidden, routing)
+    assert survivors.log == [
+        "broadcast", "wait broadcast", "reduce", "reduce", "wait reduce", "wait reduce"
+    ]  # fmt: skip
+
+
 def test_naive_ep_is_not_offered_without_a_process_group() -> None:
     assert not NaiveEP.supports(torch.device("cpu"))
     assert "process group" in NaiveEP.supports(torch.device("cpu")).reason
