@@ -38,6 +38,7 @@ from kernels.experts._triton.codes import (
     NO_ACTIVATION,
     W_DENSE,
     W_FP8_BLOCK,
+    W_MXFP4,
     WeightKind,
 )
 from kernels.experts._triton.grouped_gemm import (
@@ -46,6 +47,7 @@ from kernels.experts._triton.grouped_gemm import (
     ExpertMatrix,
     GemmTile,
     _epilogue,
+    _group_scale,
     _load_tile,
     _weight_tile,
     gemm_args,
@@ -73,7 +75,6 @@ def _pair_gemv_kernel(
     HAS_BIAS: tl.constexpr, HAS_ROW_WEIGHTS: tl.constexpr, HAS_AMAX: tl.constexpr,
     A_FP8: tl.constexpr, W_FP8: tl.constexpr, FP8_BYTES: tl.constexpr, MASK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    BF16_CODES: tl.constexpr,  # grouped_gemm._weight_tile
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     pair = tl.program_id(1).to(tl.int64)
@@ -94,24 +95,31 @@ def _pair_gemv_kernel(
     gate_block = pid_n * BLOCK_N * GATE_STEP // GROUP
     up_block = gate_block if GATE_STEP == 2 else up_block_offset + gate_block
 
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = _load_tile(a_ptr + a_row * stride_am + offs_k, offs_k < k, MASK_K,
-                       A_FP8 and FP8_BYTES).to(tl.float32)  # fmt: skip
-        if KIND == W_FP8_BLOCK:  # each K column's group scale
-            a_s = tl.load(a_s_ptr + a_row * stride_asm + offs_k // GROUP, mask=offs_k < k, other=0)
-            a = a * a_s
-        acc += _step(
-            a, w_ptr, s_ptr, gate_rows, gate_block, k0, k, stride_wn, stride_wk, stride_sn,
-            stride_sk, KIND, GROUP, W_FP8, FP8_BYTES, BLOCK_K, MASK_K, BF16_CODES,
+    if KIND == W_MXFP4:
+        acc, acc_up = _mxfp4_sums(
+            a_ptr + a_row * stride_am, w_ptr, s_ptr, gate_rows, up_rows, k, stride_wn,
+            stride_wk, stride_sn, stride_sk, ACTIVATION != NO_ACTIVATION, BLOCK_K, MASK_K,
         )  # fmt: skip
-        if ACTIVATION != NO_ACTIVATION:
-            acc_up += _step(
-                a, w_ptr, s_ptr, up_rows, up_block, k0, k, stride_wn, stride_wk, stride_sn,
-                stride_sk, KIND, GROUP, W_FP8, FP8_BYTES, BLOCK_K, MASK_K, BF16_CODES,
+    else:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = _load_tile(a_ptr + a_row * stride_am + offs_k, offs_k < k, MASK_K,
+                           A_FP8 and FP8_BYTES).to(tl.float32)  # fmt: skip
+            if KIND == W_FP8_BLOCK:  # each K column's group scale
+                a_s = tl.load(a_s_ptr + a_row * stride_asm + offs_k // GROUP, mask=offs_k < k,
+                              other=0)  # fmt: skip
+                a = a * a_s
+            acc += _step(
+                a, w_ptr, s_ptr, gate_rows, gate_block, k0, k, stride_wn, stride_wk, stride_sn,
+                stride_sk, KIND, GROUP, W_FP8, FP8_BYTES, BLOCK_K, MASK_K,
             )  # fmt: skip
+            if ACTIVATION != NO_ACTIVATION:
+                acc_up += _step(
+                    a, w_ptr, s_ptr, up_rows, up_block, k0, k, stride_wn, stride_wk, stride_sn,
+                    stride_sk, KIND, GROUP, W_FP8, FP8_BYTES, BLOCK_K, MASK_K,
+                )  # fmt: skip
 
     a_rows = tl.zeros((1,), dtype=tl.int64) + a_row
     out = _epilogue(
@@ -132,18 +140,76 @@ def _pair_gemv_kernel(
 def _step(
     a, w_ptr, s_ptr, rows, block, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
     KIND: tl.constexpr, GROUP: tl.constexpr, W_FP8: tl.constexpr, FP8_BYTES: tl.constexpr,
-    BLOCK_K: tl.constexpr, MASK_K: tl.constexpr, BF16_CODES: tl.constexpr,
+    BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
 ):  # fmt: skip
     """One K step: sum over k of a[k] * W[rows[n], k0 + k], [BLOCK_N] float32. fp8-block folds
     each K column's weight scale (of row-block `block`) into a first."""
     w = _weight_tile(w_ptr, s_ptr, rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk, KIND,
-                     GROUP, W_FP8, FP8_BYTES, tl.float32, BLOCK_K, MASK_K, BF16_CODES)  # fmt: skip
+                     GROUP, W_FP8, FP8_BYTES, tl.float32, BLOCK_K, MASK_K, False)  # fmt: skip
     if KIND == W_FP8_BLOCK:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w_s = tl.load(s_ptr + block * stride_sn + (offs_k // GROUP) * stride_sk,
                       mask=offs_k < k, other=0)  # fmt: skip
         a = a * w_s
     return tl.sum(w.to(tl.float32) * a[:, None], axis=0)
+
+
+# e2m1 (sign, two exponent bits, one mantissa bit) -> float32 bits: the sign to bit 31, the three
+# low bits to the exponent's two lowest bits and the mantissa's top (bits 24..22), which makes
+# the value times 2**-126 (code 1, 0.5, a subnormal). An int32 mask (0x81C00000).
+_E2M1_F32_BITS = tl.constexpr(0x81C00000 - (1 << 32))
+# The activations are taken times 2**64, so that each product (value * 2**-126 * a) is a normal
+# float for |a| >= 2**-61, and the sums times 2**(126 - 64) after the K loop: exact for
+# |a| < 2**64 (above it a product overflows to inf, which the served forward refuses).
+_ACT_UP = tl.constexpr(2.0**64)
+_SUM_BACK = tl.constexpr(2.0**62)
+
+
+@triton.jit
+def _mxfp4_sums(
+    a_ptr, w_ptr, s_ptr, gate_rows, up_rows, k, stride_wn, stride_wk, stride_sn, stride_sk,
+    GATED: tl.constexpr, BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
+):  # fmt: skip
+    """Sums over K of activation row `a_ptr` times this expert's mxfp4 gate rows (and up rows
+    when GATED): [BLOCK_N] float32 each. The weight bytes are read as [BLOCK_N, BLOCK_K / 2]
+    tiles along K, each thread holding whole 16-byte scale groups of a row, so the group sums
+    and their scales stay in the thread until one sum over the groups after the loop."""
+    BLOCK_N: tl.constexpr = gate_rows.shape[0]
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = _load_tile(a_ptr + offs_k, offs_k < k, MASK_K, False).to(tl.float32) * _ACT_UP
+        a_low, a_high = tl.split(tl.reshape(a, (BLOCK_K // 2, 2)))  # element 2j: low nibble
+        acc += _mxfp4_step(a_low, a_high, w_ptr, s_ptr, gate_rows, k0, k, stride_wn, stride_wk,
+                           stride_sn, stride_sk, BLOCK_K, MASK_K)  # fmt: skip
+        if GATED:
+            acc_up += _mxfp4_step(a_low, a_high, w_ptr, s_ptr, up_rows, k0, k, stride_wn,
+                                  stride_wk, stride_sn, stride_sk, BLOCK_K, MASK_K)  # fmt: skip
+    return tl.sum(acc, axis=1) * _SUM_BACK, tl.sum(acc_up, axis=1) * _SUM_BACK
+
+
+@triton.jit
+def _mxfp4_step(
+    a_low, a_high, w_ptr, s_ptr, rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
+    BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
+):  # fmt: skip
+    """One K step: [BLOCK_N, BLOCK_K / 32] each scale group's sum of products, times its scale.
+    A byte widened with its sign puts the high nibble's sign on bit 31 already, so each nibble
+    becomes float32 bits in two or three integer steps (shift, [arithmetic shift,] mask)."""
+    BLOCK_N: tl.constexpr = rows.shape[0]
+    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    byte = _load_tile(w_ptr + rows[:, None] * stride_wn + offs_b[None, :] * stride_wk,
+                      (offs_b < k // 2)[None, :], MASK_K, False)  # fmt: skip
+    b = byte.to(tl.int8, bitcast=True).to(tl.int32)
+    low = (((b << 28) >> 6) & _E2M1_F32_BITS).to(tl.float32, bitcast=True)
+    high = ((b << 18) & _E2M1_F32_BITS).to(tl.float32, bitcast=True)
+    products = low * a_low[None, :] + high * a_high[None, :]
+    sums = tl.sum(tl.reshape(products, (BLOCK_N, BLOCK_K // 32, 16)), axis=2)
+    offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    raw = _load_tile(s_ptr + rows[:, None] * stride_sn + offs_g[None, :] * stride_sk,
+                     (offs_g < k // 32)[None, :], MASK_K, False)  # fmt: skip
+    return sums * _group_scale(raw, W_MXFP4, False)
 
 
 def pair_gemv(
@@ -161,6 +227,8 @@ def pair_gemv(
     block_n = tile.block_n
     if kind == WeightKind.FP8_BLOCK:  # a column tile within one scale row-block
         block_n = min(block_n, group // args["GATE_STEP"])
+    if kind == WeightKind.MXFP4 and tile.block_k % group:
+        raise ValueError(f"mxfp4 GEMVs take K steps of whole {group}-wide groups, got {tile.block_k}")
     pairs = rows.experts.numel()
     if pairs > MAX_PAIRS:
         raise ValueError(f"per-pair GEMVs take at most {MAX_PAIRS} pairs, got {pairs}")
@@ -169,6 +237,5 @@ def pair_gemv(
     _pair_gemv_kernel[(triton.cdiv(args["n_out"], block_n), pairs)](
         experts_ptr=rows.experts, BLOCK_N=block_n, BLOCK_K=tile.block_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages, launch_pdl=args["PDL"],
-        # mxfp4 decoded in bf16, exact, then widened: fewer instructions than through fp16
-        BF16_CODES=kind == WeightKind.MXFP4 and a.data.is_cuda, **args,
+        **args,
     )  # fmt: skip
