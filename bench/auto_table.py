@@ -153,6 +153,18 @@ def rule_table(run: BenchRun) -> dict:
     }
 
 
+def merged(table: dict, existing: dict) -> dict:
+    """`existing` (a table on disk) with `table`'s rules in place of its rules of the same keys,
+    the others kept; each rule names the commit it was measured at (`commit`)."""
+    if existing["device"] != table["device"]:
+        raise ValueError(
+            f"the table holds rules measured on {existing['device']}, the run {table['device']}"
+        )
+    rules = {key: {"commit": existing["commit"]} | rule for key, rule in existing["rules"].items()}
+    rules |= {key: rule | {"commit": table["commit"]} for key, rule in table["rules"].items()}
+    return existing | {"rules": rules}
+
+
 def _times(rows: dict[str, dict[str, float]], marked: frozenset[str] = frozenset()) -> list[str]:
     """A markdown table of median us by token count and backend (`marked` names get a `*`)."""
     backends = sorted({b for row in rows.values() for b in row})
@@ -180,6 +192,8 @@ def summary(table: dict) -> str:
     lines = [f"# {table['device']} at {table['commit']}: median us per forward"]
     for key, rule in table["rules"].items():
         lines += ["", f"## {key}: {rule['shape']} (order: {', '.join(rule['order'])})", ""]
+        if "commit" in rule:
+            lines += [f"Measured at commit {rule['commit']}.", ""]
         if rule.get("plan"):
             steps = ", ".join(f"{name} from M={m}" for m, name in rule["plan"])
             lines += [f"Auto runs {steps}; {_plan_ratios(rule)}.", ""]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
-from bench.auto_table import default_path, rule_table, write_table
+from bench.auto_table import default_path, merged, rule_table, write_table
 from bench.environment import capture, device_slug
 from bench.http_bench import HttpBenchConfig, run_http_bench, write_report
 from bench.kernel_bench import KernelBench, KernelBenchConfig, read_run
@@ -132,12 +133,14 @@ def run_auto_table(args: argparse.Namespace) -> int:
     run = _read(args.file)
     if run is None:
         return 2
+    out = args.out or default_path(run)
     try:
         table = rule_table(run)
+        if args.merge and out.exists():
+            table = merged(table, json.loads(out.read_text()))
     except ValueError as err:
         log.error("%s: %s", args.file, err)
         return 2
-    out = args.out or default_path(run)
     write_table(table, out)
     for key, rule in table["rules"].items():
         log.info("%s (%s): %s", key, rule["shape"], ", ".join(rule["order"]))
@@ -344,6 +347,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("file", type=Path, help="a `bench kernels` result with the uniform load")
     p.add_argument("--out", type=Path, help="default kernels/tuned/auto_<gpu>.json (+ .md)")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the rules of the table already at --out that this run does not measure "
+        "(each rule then names the commit it was measured at)",
+    )
     p.set_defaults(run=run_auto_table)
     _add_http(sub)
     _add_service(sub)

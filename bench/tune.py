@@ -49,9 +49,9 @@ _DECODE_CHOICES = tuple(
 )
 _DECODE_ROWS_PER_EXPERT = 16
 # per-pair round: (block_n, block_k, num_warps) for each GEMM in turn
-_PER_PAIR_CHOICES = tuple(
-    (n, k, w) for n, k in ((16, 128), (32, 128), (64, 128), (32, 256), (64, 64)) for w in (2, 4, 8)
-)
+_PER_PAIR_STEPS = ((16, 128), (32, 128), (64, 128), (32, 256), (64, 64), (8, 512), (4, 1024),
+                   (8, 1024))  # fmt: skip
+_PER_PAIR_CHOICES = tuple((n, k, w) for n, k in _PER_PAIR_STEPS for w in (2, 4, 8))
 _PER_PAIR_ROWS_PER_EXPERT = 1
 _FINALISTS = 4  # the fastest candidates of a bucket, timed again on each of _CONFIRM_ROUTINGS
 _CONFIRM_ROUTINGS = 3

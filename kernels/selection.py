@@ -93,6 +93,7 @@ class Rule:
     served_us: dict[str, dict[str, float]] = field(default_factory=dict)
     captured: frozenset[str] = frozenset()
     plan: Plan = ()  # what auto runs when every backend of it is available
+    commit: str = ""  # where measured, when a merged table's rule names it (else the table's)
 
     @classmethod
     def from_json(cls, key: str, body: dict) -> Rule:
@@ -104,6 +105,7 @@ class Rule:
             body.get("served_us", {}),
             frozenset(body.get("captured", ())),
             tuple((int(m), name) for m, name in body.get("plan", ())),
+            body.get("commit", ""),
         )
 
 
@@ -200,9 +202,8 @@ def _planned(
 ) -> Choice | None:
     """The rule's plan, or one made again among `available` where a backend of it is not
     (`switch=False`: one backend at every size)."""
-    source = (
-        f"rule {rule.key} of {table.source} (measured on {table.device} at commit {table.commit})"
-    )
+    commit = rule.commit or table.commit
+    source = f"rule {rule.key} of {table.source} (measured on {table.device} at commit {commit})"
     plan, why = rule.plan, ""
     missing = [name for name in dict.fromkeys(n for _, n in plan) if name not in available]
     if missing or not plan or (len(plan) > 1 and not switch):
@@ -252,7 +253,7 @@ def auto_choice(
                 return Choice(
                     name,
                     f"auto: rule {rule.key} of {table.source} (measured on {table.device} at "
-                    f"commit {table.commit}): fastest available at "
+                    f"commit {rule.commit or table.commit}): fastest available at "
                     f"M={','.join(rule.times_us)} by geometric mean of median times",
                 )
     where = f"no measured rules for {device}" if table is None else f"no rule for {rule_key(cfg)}"

@@ -117,6 +117,31 @@ def _timed(point: Point, medians_us: dict[str, float]) -> Point:
     return point.model_copy(update={"results": results})
 
 
+def test_auto_table_merge_replaces_the_measured_rules_and_keeps_the_others(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "auto_cpu.json"
+    other = {"shape": "gpt-oss", "order": ["oai-triton"], "times_us": {"1": {"oai-triton": 9.0}},
+             "failed": {}}  # fmt: skip
+    stale = {"shape": "tiny", "order": ["reference"], "times_us": {"1": {"reference": 1.0}},
+             "failed": {}}  # fmt: skip
+    out.write_text(json.dumps({"device": "cpu", "commit": "old1234", "method": "m",
+                               "rules": {"mxfp4/large": other, "none/small": stale}}))  # fmt: skip
+    assert main(["bench", "auto-table", str(tiny_run), "--out", str(out), "--merge"]) == 0
+
+    table = selection.RuleTable.from_json(out)
+    run_commit = json.loads(tiny_run.read_text())["environment"]["commit"]
+    assert table.rules["mxfp4/large"].commit == "old1234"  # kept, naming where it came from
+    assert table.rules["mxfp4/large"].order == ("oai-triton",)
+    assert table.rules["none/small"].commit == run_commit  # measured again: replaced
+    assert list(table.rules["none/small"].times_us) == ["1", "3"]
+    assert f"Measured at commit {run_commit}." in out.with_suffix(".md").read_text()
+
+    out.write_text(json.dumps({"device": "NVIDIA H100", "commit": "x", "rules": {}}))
+    assert main(["bench", "auto-table", str(tiny_run), "--out", str(out), "--merge"]) == 2
+    assert json.loads(out.read_text())["device"] == "NVIDIA H100"  # refused, left as it was
+
+
 def test_triton_or_deep_gemm_row_is_derived_from_the_backend_it_runs_at_each_count() -> None:
     measured = {  # tokens -> medians; triton-or-deep-gemm's own time is not used
         1: {"triton": 40.0, "deep-gemm": 90.0, "triton-or-deep-gemm": 1.0},

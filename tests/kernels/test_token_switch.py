@@ -170,6 +170,10 @@ def test_rule_from_json_reads_the_plan_and_the_served_times() -> None:
     rule = selection.Rule.from_json("mxfp4/large", body)
     assert rule.plan == ((1, "triton"), (64, "oai-triton"))
     assert rule.captured == frozenset({"triton"}) and rule.served_us == SERVED
+    assert rule.commit == ""  # the table's commit stands for it
+    own = selection.Rule.from_json("mxfp4/large", body | {"commit": "def5678"})  # merged
+    choice = selection.auto_choice(GPT_OSS_LIKE, GPU, BOTH, (), rules=_table(own))
+    assert "at commit def5678" in choice.reason
 
 
 class _Named(ReferenceExperts):

@@ -36,8 +36,8 @@ from kernels.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
 from kernels.modular import ModularKernel
 from kernels.prepare_finalize.naive_ep import column_blocks
 from kernels.prepare_finalize.no_ep import NoEP
-from kernels.quant_scheme import FP8, ActQuant, QuantScheme
-from kernels.quantize import E2M1_VALUES, quantize_activation
+from kernels.quant_scheme import FP8, ActQuant, QuantConfig, QuantScheme
+from kernels.quantize import E2M1_VALUES, dequantize_mxfp4, quantize_activation
 from kernels.random_weights import random_expert_weights
 from kernels.routing import contiguous_expert_map
 from kernels.stages import ColumnBlocks, DispatchSpec, SideOutput, SumTarget
@@ -512,6 +512,33 @@ def test_per_pair_gemvs_match_reference_for_every_scheme(
     cfg = case.config()
     routing = random_routing(m, cfg.num_experts, cfg.top_k, seed=m)
     assert triton_vs_reference(cfg, routing, device, tiles=PER_PAIR) < tolerance(cfg)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "block_k", "far"),
+    [(torch.float16, 128, 14), (torch.bfloat16, 64, 40), (torch.float32, 128, 60)],
+)
+def test_mxfp4_per_pair_gemv_recovers_every_byte_times_its_scale_exactly(
+    dtype: torch.dtype, block_k: int, far: int, device: torch.device
+) -> None:
+    """Each pair's activation row is one-hot at a K column, with a power of two far from 1 both
+    ways (2**-far, 2**far), so each output column is one dequantised weight times it: every
+    byte value, both nibbles, e8m0 scales from 2**-27 to 2**22, and K (288) not a multiple of
+    the K step (the masked last step holds real bytes too)."""
+    rows, k = 8, 288
+    g = torch.Generator().manual_seed(3)
+    packed = torch.stack([torch.randperm(256, generator=g)[: k // 2] for _ in range(rows)])
+    packed[:, -1] = 255 - torch.arange(rows)
+    packed = packed.to(torch.uint8)
+    scale = torch.randint(100, 150, (rows, k // 32), generator=g, dtype=torch.uint8)
+    w = ExpertMatrix(packed[None].to(device), scale[None].to(device), None,
+                     QuantConfig(QuantScheme.MXFP4))  # fmt: skip
+    hot = torch.tensor([2.0**-far, 2.0**far]).repeat(k // 2)
+    out = torch.empty(k, rows, device=device)  # pair j reads activation row j: one-hot at j
+    a = Activations(torch.diag(hot).to(dtype).to(device))
+    pair_gemv(a, w, out, EachPair(torch.zeros(k, dtype=torch.int32, device=device)), Epilogue(),
+              GemmTile(4, block_k, 2, 1))  # fmt: skip
+    assert torch.equal(out.cpu(), dequantize_mxfp4(packed, scale).T * hot[:, None])
 
 
 @pytest.mark.parametrize("scheme", [QuantScheme.NONE, QuantScheme.FP8_BLOCK])

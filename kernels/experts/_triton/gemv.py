@@ -159,7 +159,7 @@ def _step(
 # the value times 2**-126 (code 1, 0.5, a subnormal). An int32 mask (0x81C00000).
 _E2M1_F32_BITS = tl.constexpr(0x81C00000 - (1 << 32))
 # The activations are taken times 2**64, so that each product (value * 2**-126 * a) is a normal
-# float for |a| >= 2**-61, and the sums times 2**(126 - 64) after the K loop: exact for
+# float for |a| >= 2**-61, and each group's sum times 2**(126 - 64) before its scale: exact for
 # |a| < 2**64 (above it a product overflows to inf, which the served forward refuses).
 _ACT_UP = tl.constexpr(2.0**64)
 _SUM_BACK = tl.constexpr(2.0**62)
@@ -170,23 +170,38 @@ def _mxfp4_sums(
     a_ptr, w_ptr, s_ptr, gate_rows, up_rows, k, stride_wn, stride_wk, stride_sn, stride_sk,
     GATED: tl.constexpr, BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
 ):  # fmt: skip
-    """Sums over K of activation row `a_ptr` times this expert's mxfp4 gate rows (and up rows
-    when GATED): [BLOCK_N] float32 each. The weight bytes are read as [BLOCK_N, BLOCK_K / 2]
+    """Sums over K of 16-bit activation row `a_ptr` times this expert's mxfp4 gate rows (and up
+    rows when GATED): [BLOCK_N] float32 each. The weight bytes are read as [BLOCK_N, BLOCK_K / 2]
     tiles along K, each thread holding whole 16-byte scale groups of a row, so the group sums
-    and their scales stay in the thread until one sum over the groups after the loop."""
+    and their scales stay in the thread until one sum over the groups after the loop. The
+    activations are read as 32-bit words, one a byte: the values its low and high nibble meet
+    (float32 activations: two loads a byte)."""
     BLOCK_N: tl.constexpr = gate_rows.shape[0]
+    WORDS: tl.constexpr = a_ptr.dtype.element_ty.primitive_bitwidth == 16
+    word_ptr = a_ptr.to(tl.pointer_type(tl.int32))
     acc = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = _load_tile(a_ptr + offs_k, offs_k < k, MASK_K, False).to(tl.float32) * _ACT_UP
-        a_low, a_high = tl.split(tl.reshape(a, (BLOCK_K // 2, 2)))  # element 2j: low nibble
-        acc += _mxfp4_step(a_low, a_high, w_ptr, s_ptr, gate_rows, k0, k, stride_wn, stride_wk,
-                           stride_sn, stride_sk, BLOCK_K, MASK_K)  # fmt: skip
+        offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        if WORDS:
+            word = _load_tile(word_ptr + offs_b, offs_b < k // 2, MASK_K, False)
+            a_low = _half_word(word, a_ptr.dtype.element_ty) * _ACT_UP
+            a_high = _half_word(word >> 16, a_ptr.dtype.element_ty) * _ACT_UP
+        else:
+            a_low = _load_tile(a_ptr + 2 * offs_b, offs_b < k // 2, MASK_K, False) * _ACT_UP
+            a_high = _load_tile(a_ptr + 2 * offs_b + 1, offs_b < k // 2, MASK_K, False) * _ACT_UP
+        acc += _mxfp4_step(a_low, a_high, w_ptr, s_ptr, gate_rows, k0, k, stride_wn,
+                           stride_wk, stride_sn, stride_sk, BLOCK_K, MASK_K)  # fmt: skip
         if GATED:
             acc_up += _mxfp4_step(a_low, a_high, w_ptr, s_ptr, up_rows, k0, k, stride_wn,
                                   stride_wk, stride_sn, stride_sk, BLOCK_K, MASK_K)  # fmt: skip
-    return tl.sum(acc, axis=1) * _SUM_BACK, tl.sum(acc_up, axis=1) * _SUM_BACK
+    return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
+
+
+@triton.jit
+def _half_word(word, DTYPE: tl.constexpr):
+    """The 16-bit value in the low half of each int32 `word`, as float32."""
+    return (word & 0xFFFF).to(tl.uint16).to(DTYPE, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -194,9 +209,9 @@ def _mxfp4_step(
     a_low, a_high, w_ptr, s_ptr, rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
     BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
 ):  # fmt: skip
-    """One K step: [BLOCK_N, BLOCK_K / 32] each scale group's sum of products, times its scale.
-    A byte widened with its sign puts the high nibble's sign on bit 31 already, so each nibble
-    becomes float32 bits in two or three integer steps (shift, [arithmetic shift,] mask)."""
+    """One K step: [BLOCK_N, BLOCK_K / 32] each scale group's sum of
+    products, times its scale. A byte widened with its sign has the high nibble's sign on bit
+    31 already, so each nibble becomes float32 bits in two or three integer steps."""
     BLOCK_N: tl.constexpr = rows.shape[0]
     offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     byte = _load_tile(w_ptr + rows[:, None] * stride_wn + offs_b[None, :] * stride_wk,
@@ -209,7 +224,7 @@ def _mxfp4_step(
     offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     raw = _load_tile(s_ptr + rows[:, None] * stride_sn + offs_g[None, :] * stride_sk,
                      (offs_g < k // 32)[None, :], MASK_K, False)  # fmt: skip
-    return sums * _group_scale(raw, W_MXFP4, False)
+    return sums * _SUM_BACK * _group_scale(raw, W_MXFP4, False)
 
 
 def pair_gemv(
@@ -228,7 +243,7 @@ def pair_gemv(
     if kind == WeightKind.FP8_BLOCK:  # a column tile within one scale row-block
         block_n = min(block_n, group // args["GATE_STEP"])
     if kind == WeightKind.MXFP4 and tile.block_k % group:
-        raise ValueError(f"mxfp4 GEMVs take K steps of whole {group}-wide groups, got {tile.block_k}")
+        raise ValueError(f"mxfp4 GEMVs step over whole {group}-wide groups, got {tile.block_k}")
     pairs = rows.experts.numel()
     if pairs > MAX_PAIRS:
         raise ValueError(f"per-pair GEMVs take at most {MAX_PAIRS} pairs, got {pairs}")

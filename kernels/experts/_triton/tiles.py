@@ -15,9 +15,11 @@ from dataclasses import asdict, dataclass
 from functools import cache
 
 import torch
+import triton
 
 from kernels.config import MoEConfig
 from kernels.experts._triton.grouped_gemm import GemmTile
+from kernels.quant_scheme import QuantScheme
 from kernels.tuned import TUNED_DIR
 
 log = logging.getLogger(__name__)
@@ -131,8 +133,15 @@ def heuristic_tiles(cfg: MoEConfig, num_tokens: int, per_pair: bool = True) -> L
 
 def per_pair_tiles(cfg: MoEConfig) -> LayerTiles:
     """The heuristic's per-pair GEMV tiles: 16 columns, K steps of 256 bytes of 16-bit weights
-    (2 warps) or 256 columns of 8- and 4-bit ones (4 warps), the best of the H100 sweep for
-    DeepSeek-V3, gpt-oss and Qwen3 at 1-8 tokens (gemv.py)."""
+    (2 warps) or 256 columns of 8-bit and int4 ones (4 warps), the best of the tenth session's
+    H100 sweep for DeepSeek-V3 and Qwen3 at 1-8 tokens (gemv.py); mxfp4 (gemv._mxfp4_sums) K
+    steps of 1024 columns (at most K's next power of two), GEMM1 4 columns on 2 warps, GEMM2 8
+    on 4, the best of the fourteenth session's H100 sweep for gpt-oss at 1-4 tokens."""
+    if cfg.quant.scheme == QuantScheme.MXFP4:
+        step = min(1024, triton.next_power_of_2(cfg.hidden_size))
+        gemm1 = GemmTile(4, step, 2, 1)
+        gemm2 = GemmTile(8, min(1024, triton.next_power_of_2(cfg.intermediate_size)), 4, 1)
+        return LayerTiles(16, gemm1, gemm2, per_pair=True)
     sixteen_bit = cfg.quant.spec.values.storage is None and cfg.dtype.itemsize == 2
     block_k, warps = (128, 2) if sixteen_bit else (nested_block_k(cfg, 256), 4)
     tile = GemmTile(16, block_k, warps, 1)
