@@ -11,18 +11,27 @@ along K (contiguous) and each K step is summed at once, so one program keeps onl
 accumulators and can take long K steps (256 fp8 bytes per row), which keep more weight bytes in
 flight: Triton pipelines no loads here (no dot), so that is what feeds the memory. Pairs whose
 expert is not here (-1) write nothing. Weights are dequantised as the grouped GEMM does
-(grouped_gemm._weight_tile) and the epilogue is its own (grouped_gemm._epilogue).
+(grouped_gemm._weight_tile) and the epilogue is its own (grouped_gemm._epilogue), but for mxfp4.
 
 fp8-block: a column tile lies within one 128-row scale block (`pair_gemv` narrows BLOCK_N to
 fit); the activation and weight scales of each K column fold into the activations.
 
-Measured on the H100 (bench/results/tenth-session-2026-11-27.md), experts alone from CUDA graphs:
-per pair against the grouped GEMM at one token, DeepSeek-V3 153.6 / 156.0 us, gpt-oss 111.9 /
-188.9 (81 with the fp16-bit e2m1 decoder that came after; mxfp4 is now decoded in bf16 and
-widened, grouped_gemm._decoded_pairs: 80 -> 78 us served, eleventh session), Mixtral-fp8 162.8 /
-187.4, Qwen3 (bf16) 58.9 / 55.8; at 8 tokens the grouped GEMM is faster on all but gpt-oss. Two
-variants measured slower and dropped: [BLOCK_K, BLOCK_N] accumulators summed after the loop, and
-4-bit nibbles met by even and odd activations (no reordering of the nibbles).
+mxfp4 (`_mxfp4_sums`) has a loop of its own, because the generic one was bound by instructions
+(about a third of the copy bandwidth): the bytes are read as [BLOCK_N, BLOCK_K / 2] with a
+thread on whole 16-byte scale groups, each nibble becomes float32 bits in two or three integer
+steps (no reordering of the nibbles), it meets the activation of its parity, read as one 32-bit
+word a byte, and each group is summed and scaled in its thread, summed over groups once after
+the loop. The tiles are wide along K (1024 columns: 3 steps for gpt-oss' K = 2880).
+
+Measured on the H100, experts alone from CUDA graphs at one token (tenth session): per pair
+against the grouped GEMM, DeepSeek-V3 153.6 / 156.0 us, Mixtral-fp8 162.8 / 187.4, Qwen3 (bf16)
+58.9 / 55.8; at 8 tokens the grouped GEMM is faster on all but gpt-oss. gpt-oss: 111.9 per pair
+(188.9 grouped), 81 and 78 with the generic loop's fp16- then bf16-bit decoders (tenth and
+eleventh sessions), 62 with `_mxfp4_sums` (fourteenth session: 79 -> 62 us against the bf16-bit
+decoder in one call; the whole layer as served 77 -> 61, where triton_kernels serves it in 77;
+bench/results/fourteenth-session-2026-11-27.md). Measured slower and dropped: [BLOCK_K, BLOCK_N]
+accumulators summed after the loop, and (in the generic loop) 4-bit nibbles met by even and odd
+activations.
 """
 
 from __future__ import annotations
