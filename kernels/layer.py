@@ -19,7 +19,11 @@ from kernels.tensors import ExpertWeights, ForwardInputs, Routing
 from kernels.workspace import Workspace
 
 if HAS_TRITON:
-    from kernels.row_kernels import silu_and_mul
+    from kernels.row_kernels import router_logits_into, silu_and_mul
+
+# Batches of at most this many tokens get their router logits from one Triton GEMV pass; a
+# larger one reads the router's weights once per token there, and cuBLAS reads them once.
+ROUTER_GEMV_TOKENS = 2
 
 
 def on_tensor_cores(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -54,6 +58,13 @@ class RouterWeights:
         """hidden [M, H] -> float32 logits [M, E]."""
         if batch_invariant and not hidden.is_cuda:
             return row_by_row(functools.partial(self.logits, batch_invariant=False), hidden)
+        if (
+            not batch_invariant
+            and hidden.shape[0] <= ROUTER_GEMV_TOKENS
+            and on_tensor_cores(hidden, self.weight)
+        ):  # one Triton pass instead of cuBLAS' split-K GEMM and its reduce (row_kernels.py)
+            out = torch.empty(hidden.shape[0], self.weight.shape[0], device=hidden.device)
+            return router_logits_into(out, hidden, self.weight, self.bias)
         logits = matmul_f32(hidden, self.weight.T, batch_invariant)
         return logits if self.bias is None else logits + self.bias.float()
 

@@ -16,6 +16,14 @@
   152.7 us on the H200 (7e4d3a4 against ef7e912, one call:
   bench/results/layer-profile-h200-2026-11-27.md). Programs now split each row's columns: a
   one-row batch is no longer one program's serial loop.
+- `router_logits_into`: a batch of a token or two, its router logits as one GEMV pass over the
+  router's rows, float32 sums of the 16-bit products plus the bias. cuBLAS ran a split-K GEMM
+  and its reduce for it, two launches: in the H100's one-token replays the routing kernel now
+  starts at 4.7 us instead of 8.3 (gpt-oss) and at 7.2 instead of 10.4 (DeepSeek-V3), the
+  kernels' sum of gpt-oss' replay 66.7 / 66.5 -> 63.7 / 63.4 us in two rounds; the replay's
+  own median moved less than its noise there (bench/results/fourteenth-session-2026-11-27.md).
+  Each row is summed in one order whatever the batch, but a larger batch goes to cuBLAS: not
+  for batch-invariant layers.
 - `silu_and_mul`: the shared experts' activation, float32 GEMM output [M, 2I] -> silu(gate) * up
   rounded once to the layer's dtype for their second GEMM: torch's `silu`, `*` and `.to` bit for
   bit on a GPU (kernels/triton_math.py), one pass instead of three (76 us at 4096 DeepSeek-V3
@@ -146,6 +154,48 @@ def zero_rows_from(x: torch.Tensor, valid_rows: torch.Tensor) -> torch.Tensor:
             x, valid_rows, cols, x.stride(0), BLOCK=min(_MAX_BLOCK, triton.next_power_of_2(cols))
         )
     return x
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, experts, hidden, stride_x, stride_w, stride_out,
+    HAS_BIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(1).to(tl.int64)
+    rows_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    acc = tl.zeros((BLOCK_E, BLOCK_H), dtype=tl.float32)  # summed across once, after the loop
+    for h0 in range(0, hidden, BLOCK_H):
+        offs = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=offs < hidden, other=0.0)
+        mask = (rows_e[:, None] < experts) & (offs[None, :] < hidden)
+        w = tl.load(w_ptr + rows_e[:, None] * stride_w + offs[None, :], mask=mask, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    logits = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        logits += tl.load(bias_ptr + rows_e, mask=rows_e < experts, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + rows_e, logits, mask=rows_e < experts)
+
+
+# Router rows per program: enough programs to spread a big router's bytes over the SMs
+# (DeepSeek-V3: 256 x 7168 bf16, 3.7 MB), and short steps along H for a small one.
+_ROUTER_PROGRAMS = 128
+
+
+def router_logits_into(
+    out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """float32 out [M, E] = x [M, H] @ weight [E, H].T (+ bias [E]), each dot summed in float32;
+    x and weight with unit column stride. Returns out."""
+    m, hidden = x.shape
+    experts = weight.shape[0]
+    if out.numel():
+        block_e = triton.next_power_of_2(triton.cdiv(experts, _ROUTER_PROGRAMS))
+        block_h = min(_MAX_BLOCK, triton.next_power_of_2(hidden))
+        _router_kernel[(triton.cdiv(experts, block_e), m)](
+            x, weight, bias, out, experts, hidden, x.stride(0), weight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_E=block_e, BLOCK_H=block_h,
+        )  # fmt: skip
+    return out
 
 
 @triton.jit

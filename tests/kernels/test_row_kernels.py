@@ -7,11 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.batch_invariant import triton_matmul
 from kernels.input_checks import NONFINITE_BITS, all_finite_on_device, bit_rows, finite_flag
-from kernels.layer import expert_tokens
+from kernels.layer import ROUTER_GEMV_TOKENS, RouterWeights, expert_tokens
 from kernels.layer_graphs import zero_padding
 from kernels.routing import mask_rows
-from kernels.row_kernels import batch_stats_into, nonfinite_into, silu_and_mul, zero_rows_from
+from kernels.row_kernels import (
+    batch_stats_into,
+    nonfinite_into,
+    router_logits_into,
+    silu_and_mul,
+    zero_rows_from,
+)
 from kernels.tensors import ForwardInputs
 
 _DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -89,6 +96,43 @@ def test_silu_and_mul_rounds_once_as_torch_does(
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     else:
         torch.testing.assert_close(got, want, rtol=torch.finfo(dtype).eps, atol=0)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize(("m", "experts", "hidden"), [(1, 128, 2880), (2, 257, 7168), (1, 6, 33)])
+@pytest.mark.parametrize("device", _DEVICES)
+def test_router_logits_are_the_float32_dots_plus_the_bias(
+    device: str, m: int, experts: int, hidden: int, with_bias: bool
+) -> None:
+    """Every logit (router rows not a multiple of a program's, H not of a step) is its row's dot
+    summed in float32, to float32 rounding, against a float64 oracle; bf16 inputs."""
+    g = torch.Generator().manual_seed(experts)
+    x = torch.randn(m, hidden, generator=g).to(torch.bfloat16)
+    w = (torch.randn(experts, hidden, generator=g) / hidden**0.5).to(torch.bfloat16)
+    bias = torch.randn(experts, generator=g) if with_bias else None
+    out = torch.full((m, experts), float("nan"), device=device)
+    router_logits_into(out, x.to(device), w.to(device), None if bias is None else bias.to(device))
+    want = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    scale = (x.double().abs() @ w.double().abs().T).max()
+    assert (out.cpu().double() - want).abs().max() <= 1e-6 * scale
+
+
+@pytest.mark.gpu
+def test_the_router_of_a_token_or_two_runs_the_gemv_and_a_larger_batch_cublas() -> None:
+    """The served router: up to ROUTER_GEMV_TOKENS rows through the Triton pass (the same
+    logits as calling it), more through cuBLAS, and batch-invariant layers never through it."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 512, generator=g).to(torch.bfloat16).cuda()
+    router = RouterWeights(w, torch.randn(64, generator=g).cuda())
+    x = torch.randn(ROUTER_GEMV_TOKENS + 1, 512, generator=g).to(torch.bfloat16).cuda()
+    few = x[:ROUTER_GEMV_TOKENS]
+    direct = router_logits_into(torch.empty(ROUTER_GEMV_TOKENS, 64, device="cuda"), few, w,
+                                router.bias)  # fmt: skip
+    assert torch.equal(router.logits(few), direct)
+    cublas = torch.mm(x, w.T, out_dtype=torch.float32) + router.bias
+    assert torch.equal(router.logits(x), cublas)
+    invariant = triton_matmul(few, w) + router.bias  # one tile at every M
+    assert torch.equal(router.logits(few, batch_invariant=True), invariant)
 
 
 @pytest.mark.parametrize("with_logits", [False, True])
