@@ -38,7 +38,13 @@ from kernels.input_checks import NONFINITE_BITS, bit_rows
 from kernels.quant_scheme import FP8, ActQuant, QuantScheme
 from kernels.quantize import quantize_activation
 from kernels.routing_kernel import route_rows
-from kernels.row_kernels import batch_stats_into, nonfinite_into, silu_and_mul, zero_rows_from
+from kernels.row_kernels import (
+    batch_stats_into,
+    nonfinite_into,
+    router_logits_into,
+    silu_and_mul,
+    zero_rows_from,
+)
 from kernels.tensors import Format
 from tests.kernels.triton_cases import Case, random_routing, triton_vs_reference
 
@@ -108,6 +114,8 @@ def _launch_every_kernel() -> None:
         torch.randn(3, 64).view(bits_dtype), mask, torch.zeros(1, dtype=torch.int32), valid
     )
     silu_and_mul(torch.randn(3, 256), torch.float16)
+    router = torch.randn(8, 64).bfloat16()
+    router_logits_into(torch.empty(2, 8), torch.randn(2, 64).bfloat16(), router, torch.randn(8))
 
     for repeats in (1, 1400):  # one program; three kernels (4200 pairs)
         psum.psum_layout(ids.repeat(repeats, 1), 4, 8)
