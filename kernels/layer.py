@@ -62,6 +62,7 @@ class RouterWeights:
             not batch_invariant
             and hidden.shape[0] <= ROUTER_GEMV_TOKENS
             and on_tensor_cores(hidden, self.weight)
+            and hidden.stride(1) == self.weight.stride(1) == 1
         ):  # one Triton pass instead of cuBLAS' split-K GEMM and its reduce (row_kernels.py)
             out = torch.empty(hidden.shape[0], self.weight.shape[0], device=hidden.device)
             return router_logits_into(out, hidden, self.weight, self.bias)
