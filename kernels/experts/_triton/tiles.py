@@ -138,8 +138,7 @@ def per_pair_tiles(cfg: MoEConfig) -> LayerTiles:
     steps of 1024 columns (at most K's next power of two), GEMM1 4 columns on 2 warps, GEMM2 8
     on 4, the best of the fourteenth session's H100 sweep for gpt-oss at 1-4 tokens."""
     if cfg.quant.scheme == QuantScheme.MXFP4:
-        step = min(1024, triton.next_power_of_2(cfg.hidden_size))
-        gemm1 = GemmTile(4, step, 2, 1)
+        gemm1 = GemmTile(4, min(1024, triton.next_power_of_2(cfg.hidden_size)), 2, 1)
         gemm2 = GemmTile(8, min(1024, triton.next_power_of_2(cfg.intermediate_size)), 4, 1)
         return LayerTiles(16, gemm1, gemm2, per_pair=True)
     sixteen_bit = cfg.quant.spec.values.storage is None and cfg.dtype.itemsize == 2
