@@ -6,12 +6,14 @@ the pairs sorted by expert first. Here a program takes one pair and BLOCK_N outp
 
     C[p, n] = epilogue(sum over k of A[p // a_div, k] * dequant(W[e_p])[n, k])
 
-multiplying in float32 as it loads: no align step and no padding rows. The weight tile is read
-along K (contiguous) and each K step is summed at once, so one program keeps only BLOCK_N
-accumulators and can take long K steps (256 fp8 bytes per row), which keep more weight bytes in
-flight: Triton pipelines no loads here (no dot), so that is what feeds the memory. Pairs whose
-expert is not here (-1) write nothing. Weights are dequantised as the grouped GEMM does
-(grouped_gemm._weight_tile) and the epilogue is its own (grouped_gemm._epilogue), but for mxfp4.
+multiplying in float32 as it loads: no align step and no padding rows. Weights stored one value
+an element (16-bit, fp8, int8; `_row_sums`) are read as [BLOCK_N, BLOCK_K] tiles along K, a
+thread on 16 contiguous bytes of a row, and each thread sums its own products, so a K step never
+waits on a reduction across threads (one after the loop); long K steps (256 fp8 bytes a row)
+keep more weight bytes in flight: Triton pipelines no loads here (no dot), so that is what feeds
+the memory. int4 keeps the first loop (`_step`: [BLOCK_K, BLOCK_N] tiles summed each step).
+Pairs whose expert is not here (-1) write nothing. The epilogue is the grouped GEMM's
+(grouped_gemm._epilogue).
 
 fp8-block: a column tile lies within one 128-row scale block (`pair_gemv` narrows BLOCK_N to
 fit); the activation and weight scales of each K column fold into the activations.
@@ -29,9 +31,12 @@ against the grouped GEMM, DeepSeek-V3 153.6 / 156.0 us, Mixtral-fp8 162.8 / 187.
 (188.9 grouped), 81 and 78 with the generic loop's fp16- then bf16-bit decoders (tenth and
 eleventh sessions), 62 with `_mxfp4_sums` (fourteenth session: 79 -> 62 us against the bf16-bit
 decoder in one call; the whole layer as served 77 -> 61, where triton_kernels serves it in 77;
-bench/results/fourteenth-session-2026-11-27.md). Measured slower and dropped: [BLOCK_K, BLOCK_N]
-accumulators summed after the loop, and (in the generic loop) 4-bit nibbles met by even and odd
-activations.
+bench/results/fourteenth-session-2026-11-27.md). The per-thread sums of `_row_sums` (fifteenth
+session, against the first loop in one call): DeepSeek-V3 153.2 -> 152.0 us, Mixtral-fp8 162.5
+-> 156.8. Measured slower and dropped: [BLOCK_K, BLOCK_N] accumulators summed after the loop;
+4-bit nibbles met by even and odd activations (first loop); fp8-block GEMVs quantising their
+16/32-bit input rows per 128-column group as they read them, one launch fewer (DeepSeek-V3
+157.9 us at one token against 152.0, 284 against 267 at two).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from kernels.experts._triton.codes import (
     NO_ACTIVATION,
     W_DENSE,
     W_FP8_BLOCK,
+    W_INT4_GROUP,
     W_MXFP4,
     WeightKind,
 )
@@ -109,26 +115,29 @@ def _pair_gemv_kernel(
             a_ptr + a_row * stride_am, w_ptr, s_ptr, gate_rows, up_rows, k, stride_wn,
             stride_wk, stride_sn, stride_sk, ACTIVATION != NO_ACTIVATION, BLOCK_K, MASK_K,
         )  # fmt: skip
-    else:
+    elif KIND == W_INT4_GROUP:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(0, k, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = _load_tile(a_ptr + a_row * stride_am + offs_k, offs_k < k, MASK_K,
-                           A_FP8 and FP8_BYTES).to(tl.float32)  # fmt: skip
-            if KIND == W_FP8_BLOCK:  # each K column's group scale
-                a_s = tl.load(a_s_ptr + a_row * stride_asm + offs_k // GROUP, mask=offs_k < k,
-                              other=0)  # fmt: skip
-                a = a * a_s
+                           False).to(tl.float32)  # fmt: skip
             acc += _step(
-                a, w_ptr, s_ptr, gate_rows, gate_block, k0, k, stride_wn, stride_wk, stride_sn,
-                stride_sk, KIND, GROUP, W_FP8, FP8_BYTES, BLOCK_K, MASK_K,
+                a, w_ptr, s_ptr, gate_rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
+                KIND, GROUP, BLOCK_K, MASK_K,
             )  # fmt: skip
             if ACTIVATION != NO_ACTIVATION:
                 acc_up += _step(
-                    a, w_ptr, s_ptr, up_rows, up_block, k0, k, stride_wn, stride_wk, stride_sn,
-                    stride_sk, KIND, GROUP, W_FP8, FP8_BYTES, BLOCK_K, MASK_K,
+                    a, w_ptr, s_ptr, up_rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
+                    KIND, GROUP, BLOCK_K, MASK_K,
                 )  # fmt: skip
+    else:
+        acc, acc_up = _row_sums(
+            a_ptr + a_row * stride_am, a_s_ptr, a_row * stride_asm, w_ptr, s_ptr, gate_rows,
+            up_rows, gate_block, up_block, k, stride_wn, stride_wk, stride_sn, stride_sk, KIND,
+            GROUP, ACTIVATION != NO_ACTIVATION, A_FP8 and FP8_BYTES, W_FP8 and FP8_BYTES,
+            BLOCK_K, MASK_K,
+        )  # fmt: skip
 
     a_rows = tl.zeros((1,), dtype=tl.int64) + a_row
     out = _epilogue(
@@ -147,20 +156,65 @@ def _pair_gemv_kernel(
 
 @triton.jit
 def _step(
-    a, w_ptr, s_ptr, rows, block, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
-    KIND: tl.constexpr, GROUP: tl.constexpr, W_FP8: tl.constexpr, FP8_BYTES: tl.constexpr,
-    BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
+    a, w_ptr, s_ptr, rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk,
+    KIND: tl.constexpr, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, MASK_K: tl.constexpr,
 ):  # fmt: skip
-    """One K step: sum over k of a[k] * W[rows[n], k0 + k], [BLOCK_N] float32. fp8-block folds
-    each K column's weight scale (of row-block `block`) into a first."""
+    """int4: one K step, sum over k of a[k] * W[rows[n], k0 + k], [BLOCK_N] float32."""
     w = _weight_tile(w_ptr, s_ptr, rows, k0, k, stride_wn, stride_wk, stride_sn, stride_sk, KIND,
-                     GROUP, W_FP8, FP8_BYTES, tl.float32, BLOCK_K, MASK_K, False)  # fmt: skip
-    if KIND == W_FP8_BLOCK:
+                     GROUP, False, False, tl.float32, BLOCK_K, MASK_K, False)  # fmt: skip
+    return tl.sum(w * a[:, None], axis=0)
+
+
+@triton.jit
+def _row_sums(
+    a_ptr, a_s_ptr, a_s_row, w_ptr, s_ptr, gate_rows, up_rows, gate_block, up_block, k,
+    stride_wn, stride_wk, stride_sn, stride_sk, KIND: tl.constexpr, GROUP: tl.constexpr,
+    GATED: tl.constexpr, A_BYTES: tl.constexpr, W_BYTES: tl.constexpr, BLOCK_K: tl.constexpr,
+    MASK_K: tl.constexpr,
+):  # fmt: skip
+    """Sums over K of activation row `a_ptr` times this expert's gate rows (and up rows when
+    GATED), weights stored one value an element (16-bit, fp8, int8): [BLOCK_N] float32 each.
+    The weights are read as [BLOCK_N, BLOCK_K] tiles along K, a thread holding 16 bytes of a
+    row; each thread sums its own products into [BLOCK_N, BLOCK_K / CHUNK] partial sums, and
+    the threads' sums meet once after the loop, so no K step waits on the others' reduction.
+    fp8-block folds each K column's activation scale (at `a_s_ptr + a_s_row`) and weight scale
+    into the activations."""
+    BLOCK_N: tl.constexpr = gate_rows.shape[0]
+    CHUNK: tl.constexpr = min(BLOCK_K, 128 // w_ptr.dtype.element_ty.primitive_bitwidth)
+    acc = tl.zeros((BLOCK_N, BLOCK_K // CHUNK), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K // CHUNK), dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        w_s = tl.load(s_ptr + block * stride_sn + (offs_k // GROUP) * stride_sk,
-                      mask=offs_k < k, other=0)  # fmt: skip
-        a = a * w_s
-    return tl.sum(w.to(tl.float32) * a[:, None], axis=0)
+        a = _load_tile(a_ptr + offs_k, offs_k < k, MASK_K, A_BYTES).to(tl.float32)
+        if KIND == W_FP8_BLOCK:  # each K column's group scale
+            a = a * tl.load(a_s_ptr + a_s_row + offs_k // GROUP, mask=offs_k < k, other=0)
+        acc += _row_step(a, w_ptr, s_ptr, gate_rows, gate_block, offs_k, k, stride_wn,
+                         stride_wk, stride_sn, stride_sk, KIND, GROUP, W_BYTES, CHUNK,
+                         MASK_K)  # fmt: skip
+        if GATED:
+            acc_up += _row_step(a, w_ptr, s_ptr, up_rows, up_block, offs_k, k, stride_wn,
+                                stride_wk, stride_sn, stride_sk, KIND, GROUP, W_BYTES, CHUNK,
+                                MASK_K)  # fmt: skip
+    return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
+
+
+@triton.jit
+def _row_step(
+    a, w_ptr, s_ptr, rows, block, offs_k, k, stride_wn, stride_wk, stride_sn, stride_sk,
+    KIND: tl.constexpr, GROUP: tl.constexpr, W_BYTES: tl.constexpr, CHUNK: tl.constexpr,
+    MASK_K: tl.constexpr,
+):  # fmt: skip
+    """One K step of `_row_sums`: [BLOCK_N, BLOCK_K / CHUNK] sums of CHUNK products each.
+    fp8-block folds each K column's weight scale (of row-block `block`) into `a` first."""
+    BLOCK_N: tl.constexpr = rows.shape[0]
+    BLOCK_K: tl.constexpr = offs_k.shape[0]
+    if KIND == W_FP8_BLOCK:
+        a = a * tl.load(s_ptr + block * stride_sn + (offs_k // GROUP) * stride_sk,
+                        mask=offs_k < k, other=0)  # fmt: skip
+    w = _load_tile(w_ptr + rows[:, None] * stride_wn + offs_k[None, :] * stride_wk,
+                   (offs_k < k)[None, :], MASK_K, W_BYTES)  # fmt: skip
+    products = w.to(tl.float32) * a[None, :]
+    return tl.sum(tl.reshape(products, (BLOCK_N, BLOCK_K // CHUNK, CHUNK)), axis=2)
 
 
 # e2m1 (sign, two exponent bits, one mantissa bit) -> float32 bits: the sign to bit 31, the three
