@@ -78,11 +78,16 @@ def _placement_file(tmp_path: Path, ranks: list[list[int]], **extra: object) -> 
     return file
 
 
-class Traffic:
-    """Threads sending forwards until stopped; each reply is checked against one process."""
+def _checks(client: TestClient, expected: Callable) -> Callable[[str, int, int], None]:
+    return lambda layer, tokens, seed: _check(client, expected, layer, tokens, seed)
 
-    def __init__(self, client: TestClient, expected: Callable, threads: int = 2) -> None:
-        self.client, self.expected = client, expected
+
+class Traffic:
+    """Threads sending forwards until stopped; `check(layer, tokens, seed)` sends one and checks
+    the reply against one process (an AssertionError: a wrong or lost reply)."""
+
+    def __init__(self, check: Callable[[str, int, int], None], threads: int = 2) -> None:
+        self.check = check
         self.errors: list[str] = []
         self.replies = 0
         self._stop = threading.Event()
@@ -94,7 +99,7 @@ class Traffic:
             seed += 1
             layer, tokens = ("demo", "demo-fp8")[seed % 2], 1 + seed % 23
             try:
-                _check(self.client, self.expected, layer, tokens, seed)
+                self.check(layer, tokens, seed)
                 self.replies += 1
             except AssertionError as err:
                 self.errors.append(repr(err))
@@ -110,8 +115,8 @@ class Traffic:
             t.join()
 
 
-def _wait_for(condition: Callable[[], object], what: str) -> object:
-    deadline = time.monotonic() + WAIT_S
+def _wait_for(condition: Callable[[], object], what: str, timeout_s: float = WAIT_S) -> object:
+    deadline = time.monotonic() + timeout_s
     while not (value := condition()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
@@ -143,7 +148,7 @@ def test_a_killed_rank_whose_experts_have_copies_degrades_and_keeps_answering(
 ) -> None:
     file = _placement_file(tmp_path, [[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3], [4, 5, 6, 7]])
     with _app(demo_cache, ep=3, ep_placement=file) as client:
-        with Traffic(client, expected) as traffic:
+        with Traffic(_checks(client, expected)) as traffic:
             _wait_for(lambda: traffic.replies >= 4, "replies before the kill")
             client.app.state.runtime.engine.workers[1].kill()  # rank 2
             _wait_for(lambda: client.get("/ready").json().get("degraded"), "degraded")
@@ -176,7 +181,7 @@ def test_a_killed_rank_holding_the_only_copy_of_an_expert_turns_everything_503(
 def test_placement_switches_under_traffic_without_a_wrong_or_lost_reply(
     demo_cache: Path, expected: Callable
 ) -> None:
-    with _app(demo_cache, ep=2) as client, Traffic(client, expected) as traffic:
+    with _app(demo_cache, ep=2) as client, Traffic(_checks(client, expected)) as traffic:
         _wait_for(lambda: traffic.replies >= 4, "replies before the switch")
         ranks = [[7, 6, 0, 1], [2, 3, 4, 5, 0, 6]]
         r = client.post("/v1/layers/demo/placement", json={"ranks": ranks})
@@ -277,7 +282,7 @@ def test_a_silent_rank_of_another_host_is_served_around_after_its_heartbeat_stop
     with (
         _other_host(monkeypatch, rank=1, world=2) as other_host,
         _app(demo_cache, ep=2, ep_local_ranks=1, ep_placement=file) as client,
-        Traffic(client, expected) as traffic,
+        Traffic(_checks(client, expected)) as traffic,
     ):
         _wait_for(lambda: traffic.replies >= 4, "replies before the kill")
         other_host.kill()
