@@ -515,6 +515,28 @@ def test_per_pair_gemvs_match_reference_for_every_scheme(
 
 
 @pytest.mark.parametrize(
+    ("scheme", "dtype", "block_k"),
+    [
+        (QuantScheme.NONE, torch.float32, 16),  # 4 values a 16-byte chunk, 4 chunks a step
+        (QuantScheme.NONE, torch.float32, 64),  # K = 96: a masked half step
+        (QuantScheme.NONE, torch.float16, 8),  # a step of one chunk
+        (QuantScheme.FP8_TOKEN, torch.float16, 16),  # 16 fp8 bytes: one chunk
+    ],
+)
+def test_per_pair_gemvs_sum_k_steps_of_one_chunk_or_several(
+    scheme: QuantScheme, dtype: torch.dtype, block_k: int, device: torch.device
+) -> None:
+    """`_row_sums` splits each row's K step into 16-byte chunks a thread sums alone: steps of
+    one chunk and of several, for 4-, 2- and 1-byte weights (GEMM2's K = 96 leaves a masked
+    half step of 64)."""
+    cfg = Case(scheme, dtype).config()
+    tile = GemmTile(16, block_k, 2, 1)
+    fixed = tiles.LayerTiles(16, tile, tile, per_pair=True)
+    routing = random_routing(3, cfg.num_experts, cfg.top_k, seed=7)
+    assert triton_vs_reference(cfg, routing, device, tiles=fixed) < tolerance(cfg)
+
+
+@pytest.mark.parametrize(
     ("dtype", "block_k", "far"),
     [(torch.float16, 128, 14), (torch.bfloat16, 64, 40), (torch.float32, 128, 60)],
 )
