@@ -197,13 +197,18 @@ class Choice:
     plan: Plan = ()  # two or more steps: the backends switch by token count
 
 
+def _source(rule: Rule, table: RuleTable) -> str:
+    """Where a rule comes from, for auto's reasons: its table, GPU and commit."""
+    commit = rule.commit or table.commit
+    return f"rule {rule.key} of {table.source} (measured on {table.device} at commit {commit})"
+
+
 def _planned(
     rule: Rule, table: RuleTable, available: list[str], rejected: dict[str, str], switch: bool
 ) -> Choice | None:
     """The rule's plan, or one made again among `available` where a backend of it is not
     (`switch=False`: one backend at every size)."""
-    commit = rule.commit or table.commit
-    source = f"rule {rule.key} of {table.source} (measured on {table.device} at commit {commit})"
+    source = _source(rule, table)
     plan, why = rule.plan, ""
     missing = [name for name in dict.fromkeys(n for _, n in plan) if name not in available]
     if missing or not plan or (len(plan) > 1 and not switch):
@@ -252,8 +257,7 @@ def auto_choice(
             if name in available:
                 return Choice(
                     name,
-                    f"auto: rule {rule.key} of {table.source} (measured on {table.device} at "
-                    f"commit {rule.commit or table.commit}): fastest available at "
+                    f"auto: {_source(rule, table)}: fastest available at "
                     f"M={','.join(rule.times_us)} by geometric mean of median times",
                 )
     where = f"no measured rules for {device}" if table is None else f"no rule for {rule_key(cfg)}"
