@@ -3,7 +3,8 @@ request instead of sending tensor bytes (inputs read from it, outputs written in
 
 A system region is a POSIX shared-memory object (`/dev/shm/<key>`, what
 `tritonclient.utils.shared_memory` creates): inputs are read from it and outputs written into it
-as bytes. A CUDA region is a CUDA IPC handle of the client's device buffer
+as bytes, through its file descriptor and against its size as it is at that moment, so a client
+that shrinks its object gets a 400, never a server killed by SIGBUS. A CUDA region is a CUDA IPC handle of the client's device buffer
 (`tritonclient.utils.cuda_shared_memory`), opened once, at registration, with cuda-python: a
 request gets tensors that view the buffer, which the device pipeline copies device to device
 (service/pipeline.py), so no tensor byte goes through the host. Both kinds share one namespace
@@ -21,7 +22,6 @@ import ctypes
 import hashlib
 import logging
 import math
-import mmap
 import os
 import re
 import weakref
@@ -114,49 +114,67 @@ class SystemRegion(Region):
         self.key, self.offset = key, offset
         path = SHM_DIR / match[1]
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # a symlink could lead anywhere
+            self._fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # a symlink could lead anywhere
         except OSError as err:
             raise BadInput(f"cannot open shared-memory object {key!r}: {err.strerror}") from None
         try:
-            stat = os.fstat(fd)
-            if not S_ISREG(stat.st_mode):
+            if not S_ISREG(os.fstat(self._fd).st_mode):
                 raise BadInput(f"shared-memory object {key!r} is not a regular object")
-            object_size = stat.st_size
-            if offset + byte_size > object_size:
-                raise BadInput(
-                    f"offset {offset} + byte_size {byte_size} exceed shared-memory object "
-                    f"{key!r} of {object_size} bytes"
-                )
-            # mmap offsets must be page-aligned: map from 0 and add `offset` on each access
-            self._map = mmap.mmap(fd, offset + byte_size) if offset + byte_size else None
-        finally:
-            os.close(fd)
+            self._check_object(f"offset {offset} + byte_size {byte_size} exceed", byte_size)
+        except BadInput:
+            os.close(self._fd)
+            raise
 
-    # The copies in and out of the mapping are numpy's (one memcpy on the calling thread): a
-    # torch copy of 64K or more elements fans out to OpenMP threads, which cost the event loop
-    # 100-130 us per 64 KB copy once the launcher thread has a team of its own, against 10-20 us
-    # (2-core CPU, a 64-token demo-layer request).
-    def _bytes(self, offset: int, size: int) -> np.ndarray:
-        """The `size` bytes at `offset` as a uint8 array viewing the mapping (it holds the
-        mapping open while it lives: use it at once)."""
-        return np.frombuffer(self._map, dtype=np.uint8, count=size, offset=self.offset + offset)
+    # The object is read and written through its descriptor (pread/pwrite), never mapped: its
+    # owner may shrink it at any time, and touching a mapped page past the object's end is a
+    # SIGBUS that kills the process. A read past the end is short and a write past it grows
+    # the client's object, so a shrink between the size check and the copy harms no one.
+    def _check_object(self, what: str, end: int) -> None:
+        """Refuse when the object, as it is now, ends before the region's byte `end`."""
+        size = os.fstat(self._fd).st_size
+        if self.offset + end > size:
+            raise BadInput(f"{what} shared-memory object {self.key!r}, now of {size} bytes")
 
     def read(self, offset: int, size: int) -> torch.Tensor:
-        """A copy of the `size` bytes at `offset` (uint8): one copy, straight from the region."""
-        if not size:
-            return torch.empty(0, dtype=torch.uint8)
-        return torch.from_numpy(self._bytes(offset, size).copy())
+        """A copy of the `size` bytes at `offset` (uint8): one copy, straight from the object."""
+        data = np.empty(size, dtype=np.uint8)
+        self._check_object(
+            f"region {self.name!r}: {size} bytes at offset {offset} lie past the end of its",
+            offset + size,
+        )
+        view, done = memoryview(data), 0
+        while done < size:  # a read is short at the object's end, or when a signal cuts it
+            got = self._io(os.preadv, view[done:], offset + done)
+            if not got:
+                raise BadInput(
+                    f"shared-memory object {self.key!r} of region {self.name!r} shrank while "
+                    f"{size} bytes at region offset {offset} were read"
+                )
+            done += got
+        return torch.from_numpy(data)
 
     def write(self, offset: int, data: torch.Tensor) -> None:
-        """Write a CPU tensor's bytes at `offset` (one copy, straight into the region); visible
+        """Write a CPU tensor's bytes at `offset` (one copy, straight into the object); visible
         to the client when this returns."""
-        if data.numel():
-            raw = data.contiguous().view(-1).view(torch.uint8).numpy()
-            np.copyto(self._bytes(offset, raw.size), raw)
+        raw = memoryview(data.contiguous().view(-1).view(torch.uint8).numpy())
+        self._check_object(
+            f"region {self.name!r}: {raw.nbytes} bytes at offset {offset} lie past the end of its",
+            offset + raw.nbytes,
+        )
+        done = 0
+        while done < raw.nbytes:
+            done += self._io(os.pwritev, raw[done:], offset + done)
+
+    def _io(self, call: Callable[[int, list, int], int], buffer: memoryview, offset: int) -> int:
+        try:
+            return call(self._fd, [buffer], self.offset + offset)
+        except OSError as err:  # e.g. ENOSPC: /dev/shm is full
+            raise BadInput(
+                f"shared-memory object {self.key!r} of region {self.name!r}: {err.strerror}"
+            ) from None
 
     def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
+        os.close(self._fd)
 
     def status(self) -> dict[str, Any]:
         return {

@@ -5,6 +5,7 @@ every bad region, offset and size refused naming the problem."""
 from __future__ import annotations
 
 import base64
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from service.app import create_app
+from service.errors import BadInput
 from service.settings import Settings
 from service.shared_memory import SharedMemory, SystemRegion, owner_of
 from tests.service.conftest import wait_ready
@@ -254,5 +256,39 @@ def test_a_system_region_reads_and_writes_exactly_its_bytes(region) -> None:
         r.write(8, torch.zeros(32, dtype=torch.bfloat16))
         torch.testing.assert_close(read.view(torch.bfloat16).reshape(8, 4), data, rtol=0, atol=0)
         assert r.read(0, 0).numel() == 0
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("shrunk", ["input", "output"])
+def test_a_region_its_owner_shrank_is_400_and_the_server_lives(client, region, shrunk) -> None:
+    """The client truncates its object after registering it: reading the input from it, or
+    writing the output into it, must not touch memory past the object's end (a SIGBUS would
+    kill the server)."""
+    c, module = client
+    key, handle = region
+    x = np.random.default_rng(2).standard_normal((ROWS, H)).astype(np.float32)
+    shm.set_shared_memory_region(handle, [x])
+    c.register_system_shared_memory("data", key, 2 * TENSOR_BYTES)
+    c.register_system_shared_memory("tail", key, TENSOR_BYTES, offset=TENSOR_BYTES)
+    os.truncate(Path("/dev/shm") / key.lstrip("/"), 0 if shrunk == "input" else TENSOR_BYTES)
+    named = "data" if shrunk == "input" else "tail"
+    with pytest.raises(module.InferenceServerException, match="past the end") as err:
+        c.infer(TINY, _inputs(module, x), outputs=_output(module, "tail", offset=0))
+    assert err.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+    assert f"region '{named}'" in err.value.message()
+    assert c.is_server_live()
+
+
+def test_a_shrunk_object_is_refused_by_read_and_write_never_touched(region) -> None:
+    key, _ = region
+    r = SystemRegion("r", key, 16, 96, None)
+    try:
+        os.truncate(Path("/dev/shm") / key.lstrip("/"), 32)
+        with pytest.raises(BadInput, match="region 'r': 64 bytes at offset 8 lie past the end"):
+            r.read(8, 64)
+        with pytest.raises(BadInput, match=f"shared-memory object '{key}', now of 32 bytes"):
+            r.write(8, torch.zeros(16))
+        assert r.read(0, 16).numel() == 16  # what is still there reads as before
     finally:
         r.close()
