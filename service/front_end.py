@@ -29,7 +29,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -53,6 +53,7 @@ from service.errors import (
     ShuttingDown,
     body_cut,
     body_stalled,
+    body_too_large,
     error_response,
 )
 from service.interpreter import collect_less
@@ -66,7 +67,7 @@ from service.json_numbers import (
 from service.middleware import (
     OPEN_PATHS,
     UNAUTHORIZED,
-    bearer_matches,
+    authorized,
     new_request_id,
     over_capacity,
 )
@@ -94,6 +95,7 @@ class FrontEndConfig:
     api_token: str | None
     max_connections: int
     read_timeout_s: float
+    max_body_bytes: int  # a relayed body is read here first: it holds no engine connection
     # a larger JSON forward is relayed: the engine answers 413 beyond MOE_SERVE_MAX_JSON_BYTES and
     # on a GPU reads a large one on the device (service/json_device.py; bench.json_bench)
     json_here_bytes: int
@@ -153,14 +155,19 @@ class FrontEnd:
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         plain = plain_forward(scope)
+        headers = Headers(scope=scope)
         if scope.get(OVER_CAPACITY) and scope["path"] not in OPEN_PATHS:
             await over_capacity(self.config.max_connections)(scope, receive, send)
+        elif not authorized(scope["path"], headers, self.token):
+            with _answering(self.engine, scope, headers, UNMATCHED) as answer:
+                answer.status = 401  # before any byte of the body is read
+                await _error_response(_UNAUTHORIZED, answer.headers)(scope, receive, send)
         elif plain and plain[1] == BINARY and (direct := scope.get(DIRECT_BODY)):
             await self._forward(scope, receive, send, plain[0], direct)
         elif plain and plain[1] == JSON and (size := self._json_size(scope)):
             await self._forward_json(scope, receive, send, plain[0], size)
         else:
-            await self._relay(scope, receive, send)
+            await self._relay_read(scope, receive, send)
 
     def _body_size(self, scope: Scope) -> int | None:
         """The body's size when the channel can take it, or None: relayed instead (no
@@ -177,7 +184,7 @@ class FrontEnd:
         (`service/direct_body.py`); None: relayed instead (see `_body_size`; without the token,
         too large, or the arena full)."""
         headers = Headers(scope=scope)
-        if plain_binary_forward(scope) is None or self._unauthorized(headers) is not None:
+        if plain_binary_forward(scope) is None or not authorized(FORWARD_PATH, headers, self.token):
             return None
         if self._body_size(scope) != size or size > ARENA_BYTES // 4:
             return None
@@ -227,12 +234,10 @@ class FrontEnd:
         when it asks for the routing or its blob finds no room in the arena."""
         headers = Headers(scope=scope)
         region, ours = None, True
-        body = bytearray(size)
         with _answering(self.engine, scope, headers) as answer:
             try:
-                reply = self._unauthorized(headers) or await self._read_body(
-                    receive, memoryview(body)
-                )
+                body = await self._read_body(receive, size)
+                reply = body if isinstance(body, Reply) else None
                 if reply is None:
                     try:
                         arrays = await run_sized(size, decode_forward_arrays, body)
@@ -242,7 +247,7 @@ class FrontEnd:
                         region = self.arena.allocate(_blob_bytes(arrays))
                     if reply is None and region is None:
                         answer.status = RELAYED
-                        await self._relay(scope, _replay(bytes(body), receive), send)
+                        await self._relay(scope, body, receive, send)
                         return
                 if reply is None:
                     _write_blob(arrays, self.arena.body(region))
@@ -264,52 +269,56 @@ class FrontEnd:
                 if ours and region is not None:
                     self.arena.free(region)
 
-    def _unauthorized(self, headers: Headers) -> Reply | None:
-        """The 401 for a request without the API token's bearer, or None."""
-        if self.token is None or bearer_matches(headers.get("authorization", ""), self.token):
-            return None
-        return Reply(401, error=UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
-
-    async def _read_body(self, receive: Receive, into: memoryview) -> Reply | None:
-        """The body into `into` (its Content-Length), or the reply when it did not come."""
-        at, timeout_s = 0, self.config.read_timeout_s
+    async def _read_body(self, receive: Receive, limit: int) -> bytes | Reply:
+        """The whole body, grown as its bytes arrive (never sized by what the client declares),
+        or the reply when it passes `limit`, stalls past the read timeout or is cut."""
+        chunks, size, timeout_s = [], 0, self.config.read_timeout_s
         try:
             async with asyncio.timeout(timeout_s):
                 more = True
                 while more:
                     message = await receive()
                     if message["type"] == "http.disconnect":
-                        return _reply_of(body_cut(at))
+                        return _reply_of(body_cut(size))
                     chunk = message.get("body", b"")
-                    into[at : at + len(chunk)] = chunk
-                    at += len(chunk)
+                    size += len(chunk)
+                    if size > limit:
+                        return _reply_of(body_too_large(limit))
+                    chunks.append(chunk)
                     more = message.get("more_body", False)
         except TimeoutError:
-            return _reply_of(body_stalled(timeout_s, at))
-        return None
+            return _reply_of(body_stalled(timeout_s, size))
+        return b"".join(chunks)
 
-    async def _relay(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The request to the engine's HTTP server and its response back, both streamed."""
-        body_done = asyncio.Event()
+    async def _relay_read(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A request for the engine's HTTP server: its body read here first, within the read
+        timeout and the body limit, so that a client that stalls holds no engine connection
+        and gets its 408 from this process."""
+        headers = Headers(scope=scope)
+        limit = self.config.max_body_bytes
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            body: bytes | Reply = _reply_of(body_too_large(limit, int(declared)))
+        else:
+            body = await self._read_body(receive, limit)
+        if isinstance(body, Reply):
+            with _answering(self.engine, scope, headers, UNMATCHED) as answer:
+                answer.status = body.status
+                await _error_response(body, answer.headers)(scope, receive, send)
+            return
+        await self._relay(scope, body, receive, send)
 
-        async def body() -> AsyncIterator[bytes]:
-            more = True
-            while more:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                yield message.get("body", b"")
-                more = message.get("more_body", False)
-            body_done.set()
-
+    async def _relay(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+        """The request, its `body` read, to the engine's HTTP server and its response back,
+        streamed; withdrawn if the client goes away first."""
         request = self.relay.build_request(
             scope["method"],
             _target(scope),
             headers=[(k, v) for k, v in scope["headers"] if k not in _HOP_BY_HOP],
-            content=body(),
+            content=body,
         )
         sending = asyncio.ensure_future(self.relay.send(request, stream=True))
-        gone = asyncio.ensure_future(_after(body_done, lambda: client_gone(receive)))
+        gone = asyncio.ensure_future(client_gone(receive))
         try:
             await asyncio.wait((sending, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -357,6 +366,8 @@ class FrontEnd:
 
 
 RELAYED = -1  # an _Answer's status: the engine answers, logs and counts it
+UNMATCHED = "unmatched"  # the route label of what is answered before routing, as the engine's
+_UNAUTHORIZED = Reply(401, error=UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
 
 
 @dataclass
@@ -372,10 +383,12 @@ class _Answer:
 
 
 @contextmanager
-def _answering(engine: EngineClient, scope: Scope, headers: Headers) -> Iterator[_Answer]:
-    """A forward answered by this front end: its request id set for the log lines while it runs,
-    then counted by `engine` and logged as the engine does (no status yet: 500, or cancelled:
-    the 503 __call__ sends), unless relayed."""
+def _answering(
+    engine: EngineClient, scope: Scope, headers: Headers, route: str = FORWARD_PATH
+) -> Iterator[_Answer]:
+    """A request answered by this front end: its request id set for the log lines while it
+    runs, then counted by `engine` under `route` and logged as the engine does (no status yet:
+    500, or cancelled: the 503 __call__ sends), unless relayed."""
     answer = _Answer(new_request_id(headers.get("x-request-id", "")))
     reset = logs.request_id.set(answer.rid)
     started = time.perf_counter()
@@ -388,7 +401,7 @@ def _answering(engine: EngineClient, scope: Scope, headers: Headers) -> Iterator
         if answer.status != RELAYED:
             status = answer.status or 500
             seconds = time.perf_counter() - started
-            engine.done(FORWARD_PATH, status, seconds)
+            engine.done(route, status, seconds)
             log.info("POST %s -> %d in %.1f ms", scope["path"], status, seconds * 1e3)
         logs.request_id.reset(reset)
 
@@ -463,30 +476,11 @@ def _json_reply(blob: memoryview) -> bytes:
 _NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16}
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """`receive` that first gives the body already read, whole."""
-    given = False
-
-    async def again() -> Message:
-        nonlocal given
-        if given:
-            return await receive()
-        given = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return again
-
-
 def _target(scope: Scope) -> str:
     """The request's path and query as the client sent them (still percent-encoded)."""
     path = scope.get("raw_path") or scope["path"].encode()
     query = scope["query_string"]
     return (path + b"?" + query if query else path).decode("latin-1")
-
-
-async def _after(event: asyncio.Event, then: Callable[[], Awaitable[None]]) -> None:
-    await event.wait()
-    await then()
 
 
 def main() -> None:

@@ -49,6 +49,7 @@ class FrontEnds:
             api_token=None if token is None else token.get_secret_value(),
             max_connections=settings.max_connections,
             read_timeout_s=settings.read_timeout_s,
+            max_body_bytes=settings.max_body_bytes,
             json_here_bytes=json_here_bytes(settings),
             drain_timeout_s=settings.drain_timeout_s,
             log_level=settings.log_level,

@@ -38,6 +38,14 @@ def bearer_matches(authorization: str, token: bytes) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token)
 
 
+def authorized(path: str, headers: Headers, token: bytes | None) -> bool:
+    """Whether a request may pass: no token is set, `path` is open (probes, scrapes, docs), or
+    it carries the token's bearer."""
+    if token is None or path in OPEN_PATHS or docs.is_docs(path):
+        return True
+    return bearer_matches(headers.get("authorization", ""), token)
+
+
 def new_request_id(given: str) -> str:
     """The client's request id when it is safe to echo and log, else a fresh one."""
     if given and _REQUEST_ID.fullmatch(given):  # no log injection
@@ -63,11 +71,6 @@ class RequestMiddleware:
         self.token = token  # None: no auth
         self.max_connections = max_connections  # named in the 503 a connection beyond it gets
 
-    def _authorized(self, scope: Scope, headers: Headers) -> bool:
-        if self.token is None or scope["path"] in OPEN_PATHS or docs.is_docs(scope["path"]):
-            return True
-        return bearer_matches(headers.get("authorization", ""), self.token)
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -88,7 +91,7 @@ class RequestMiddleware:
         try:
             if scope.get(OVER_CAPACITY) and scope["path"] not in OPEN_PATHS:
                 await over_capacity(self.max_connections)(scope, receive, send_with_id)
-            elif self._authorized(scope, headers):
+            elif authorized(scope["path"], headers, self.token):
                 await self.app(scope, receive, send_with_id)
             else:
                 denied = error_response(401, UNAUTHORIZED, {"WWW-Authenticate": "Bearer"})

@@ -4,16 +4,16 @@ request instead of sending tensor bytes (inputs read from it, outputs written in
 A system region is a POSIX shared-memory object (`/dev/shm/<key>`, what
 `tritonclient.utils.shared_memory` creates): inputs are read from it and outputs written into it
 as bytes, through its file descriptor and against its size as it is at that moment, so a client
-that shrinks its object gets a 400, never a server killed by SIGBUS. A CUDA region is a CUDA IPC handle of the client's device buffer
-(`tritonclient.utils.cuda_shared_memory`), opened once, at registration, with cuda-python: a
-request gets tensors that view the buffer, which the device pipeline copies device to device
-(service/pipeline.py), so no tensor byte goes through the host. Both kinds share one namespace
-of names. Every offset and size is checked against the region (a CUDA buffer's real size is asked
-of the driver), so nothing is read or written outside it; a region is visible only to the token
-that registered it. A CUDA region unregistered while a request uses it stays open until the last
-such request is done (its device copies finished); a system region is read when a
-request arrives and written when its forward is done, each time found by name (unregistered
-meanwhile: that request's output is a 400).
+that shrinks its object gets a 400, never a server killed by SIGBUS. A CUDA region is a CUDA IPC
+handle of the client's device buffer (`tritonclient.utils.cuda_shared_memory`), opened once, at
+registration, with cuda-python: a request gets tensors that view the buffer, which the device
+pipeline copies device to device (service/pipeline.py), so no tensor byte goes through the host.
+Both kinds share one namespace of names. Every offset and size is checked against the region (a
+CUDA buffer's real size is asked of the driver), so nothing is read or written outside it; a
+region is visible only to the token that registered it. A CUDA region unregistered while a
+request uses it stays open until the last such request is done (its device copies finished); a
+system region is read when a request arrives and written when its forward is done, each time
+found by name (unregistered meanwhile: that request's output is a 400).
 """
 
 from __future__ import annotations

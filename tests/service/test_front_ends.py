@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -355,3 +356,79 @@ def test_front_ends_leave_large_json_bodies_to_a_gpu_engine(
     front end decodes every JSON forward up to MOE_SERVE_MAX_JSON_BYTES itself."""
     monkeypatch.setattr(Settings, "torch_device", lambda _: torch.device(device))
     assert json_here_bytes(Settings(max_json_bytes=8 << 20)) == expected
+
+
+def _stalled(port: int, path: str, declared: int, sent: bytes, token: str | None) -> socket.socket:
+    """A connection whose request declares `declared` body bytes and sends only `sent`."""
+    conn = socket.create_connection(("127.0.0.1", port))
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{auth}"
+        f"Content-Length: {declared}\r\n\r\n"
+    )
+    conn.sendall(head.encode() + sent)
+    return conn
+
+
+def _status_line(conn: socket.socket, timeout_s: float) -> str:
+    conn.settimeout(timeout_s)
+    try:
+        return conn.recv(4096).decode("latin-1").split("\r\n", 1)[0]
+    except TimeoutError:
+        return "no answer"
+    finally:
+        conn.close()
+
+
+STALLED_PATHS = [f"/v2/models/{TINY}/infer", "/v2/repository/index", f"/v1/layers/{TINY}/forward"]
+
+
+def test_stalled_bodies_get_408_from_the_front_end_and_probes_keep_answering() -> None:
+    """Clients that declare a body and stop sending it hold no engine connection: probes and
+    scrapes answer meanwhile, and each stalled request ends in 408 (503 on a connection beyond
+    the limit) at the read timeout, as in one process."""
+    settings = Settings(
+        device="cpu", http_workers=1, grpc_port=0, read_timeout_s=2.0, max_connections=4,
+        api_token=TOKEN,
+    )  # fmt: skip
+    with running_front_ends(settings) as front_ends:
+        port = front_ends.listener.getsockname()[1]
+        stalled = [
+            _stalled(port, path, 1000, b'{"in', TOKEN) for path in STALLED_PATHS for _ in range(4)
+        ]
+        for probe in ("/health", "/ready", "/metrics", "/v2/health/ready"):
+            assert httpx.get(f"{_url(front_ends)}{probe}", timeout=10).status_code == 200
+        answers = [_status_line(conn, 60) for conn in stalled]
+        assert set(answers) <= {"HTTP/1.1 408 Request Timeout", "HTTP/1.1 503 Service Unavailable"}
+        assert "HTTP/1.1 408 Request Timeout" in answers
+
+
+def test_without_the_token_a_relayed_request_is_401_before_its_body_arrives() -> None:
+    """Nothing of the body is waited for, nor memory reserved for what it declares."""
+    settings = Settings(device="cpu", http_workers=1, grpc_port=0, api_token=TOKEN)
+    with running_front_ends(settings) as front_ends:
+        port = front_ends.listener.getsockname()[1]
+        for path in STALLED_PATHS:
+            conn = _stalled(port, path, 10 << 20, b"{", None)
+            assert _status_line(conn, 20) == "HTTP/1.1 401 Unauthorized"
+
+
+def _rss_bytes(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(x for x in status.splitlines() if x.startswith("VmRSS:")).split()[1]) << 10
+
+
+def test_a_declared_body_size_reserves_no_memory_before_its_bytes_arrive() -> None:
+    settings = Settings(device="cpu", http_workers=1, grpc_port=0, api_token=TOKEN)
+    with running_front_ends(settings) as front_ends:
+        port = front_ends.listener.getsockname()[1]
+        pid = front_ends._processes[0].pid
+        declared = front_ends.config.json_here_bytes  # decoded in the front end
+        before = _rss_bytes(pid)
+        path = f"/v1/layers/{TINY}/forward"
+        stalled = [_stalled(port, path, declared, b'{"hidden', TOKEN) for _ in range(24)]
+        assert httpx.get(f"{_url(front_ends)}/health").status_code == 200  # all of them read
+        grown = _rss_bytes(pid) - before
+        for conn in stalled:
+            conn.close()
+        assert grown < 4 * declared, f"{grown >> 20} MiB for 24 x {declared >> 20} MiB declared"
