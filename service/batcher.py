@@ -28,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TypeVar
 
 import torch
@@ -267,7 +268,8 @@ class DynamicBatcher:
         output_into: torch.Tensor | None = None,
     ) -> LayerOutput:
         """inputs [T, H] (+ logits [T, E]) on the CPU (or a GPU: a CUDA shared-memory region), in a
-        wire dtype -> the layer's output [T, H] in its dtype and the routing, in order. The one
+        wire dtype -> the layer's output [T, H] in its dtype (in the request's where that is
+        narrower: float16, checked finite after the cast) and the routing, in order. The one
         entry of every transport.
 
         `output_into`: [T, H] memory the output is written into (and returned as the output):
@@ -505,23 +507,31 @@ class DynamicBatcher:
         pieces = [(piece.request.trace, piece.rows) for piece in batch]
         tracing.record_forward(name, served.backend, pieces, launched.ns, tracing.now_ns())
         dtype = served.config.dtype
+        nonfinite = False  # any piece's output, as its request gets it, holds NaN or Inf
         for piece, out in zip(batch, result.outputs, strict=True):
             if not result.inputs_finite and _fail_bad_values(piece, dtype):
                 continue
-            if not result.finite and _fail_nonfinite(name, piece, out):
+            narrower = _narrower(piece.request.inputs.hidden_states.dtype, dtype)
+            if narrower is not None and out.output.dtype != narrower:
+                out = LayerOutput(out.output.to(narrower), out.routing)  # checked, then served
+            if (not result.finite or narrower) and _fail_nonfinite(name, piece, out, narrower):
+                nonfinite = True
                 continue
             piece.request.finish_piece(piece.start, out)
         # the requests answer first (their tasks are woken before this): the metrics are off
         # their path
-        asyncio.get_running_loop().call_soon(self._record, launched, served.backend, result)
+        record = partial(self._record, launched, served.backend, result, nonfinite)
+        asyncio.get_running_loop().call_soon(record)
 
-    def _record(self, launched: _Launched, backend: str, result: BatchResult) -> None:
+    def _record(
+        self, launched: _Launched, backend: str, result: BatchResult, nonfinite: bool
+    ) -> None:
         name = launched.name
         tokens = sum(piece.rows for piece in launched.pieces)
         self.metrics.record_batch(
             name, backend, tokens, result.expert_tokens, result.times, launched.queued_s
         )
-        if not result.finite and result.inputs_finite:
+        if nonfinite:
             self.metrics.nonfinite_forwards.labels(name).inc()
 
     def _fail(self, name: str, batch: list[_Piece], err: Exception) -> None:
@@ -558,19 +568,35 @@ def _fail_bad_values(piece: _Piece, layer_dtype: torch.dtype) -> bool:
     return False
 
 
-def _fail_nonfinite(name: str, piece: _Piece, out: LayerOutput) -> bool:
-    """Fail the piece's request if its rows of the output hold NaN or Inf (a host look at the
-    rows, only for a batch whose device check failed); whether it did."""
+def _narrower(wire: torch.dtype, layer: torch.dtype) -> torch.dtype | None:
+    """The request's dtype where the output's cast into it can overflow (float16 against a
+    bfloat16 or float32 layer), else None."""
+    narrows = wire.is_floating_point and torch.finfo(wire).max < torch.finfo(layer).max
+    return wire if narrows else None
+
+
+def _fail_nonfinite(
+    name: str, piece: _Piece, out: LayerOutput, narrower: torch.dtype | None
+) -> bool:
+    """Fail the piece's request if its rows of the output, as the request gets them (cast to
+    the `narrower` dtype of the request where there is one), hold NaN or Inf (a look at the
+    rows, only for a batch whose device check failed or a narrowing cast); whether it did."""
     bad = ~torch.isfinite(out.output).all(dim=1)
     if not bad.any():
         return False
     row = piece.start + int(bad.nonzero()[0])
     log.warning("layer %s: NaN or Inf in the output at row %d of a request", name, row)
+    why = "inputs this large overflow the layer's arithmetic"
+    if narrower is not None:
+        dtype = str(narrower).removeprefix("torch.")
+        why = (
+            f"inputs this large overflow the layer's arithmetic or its output exceeds {dtype} "
+            f"(largest {torch.finfo(narrower).max:g}); send the request in bfloat16 or float32"
+        )
     if not piece.request.future.done():
         piece.request.future.set_exception(
             NonFiniteOutput(
-                f"the output of layer {name!r} holds NaN or Inf at row {row} of this request: "
-                "inputs this large overflow the layer's arithmetic"
+                f"the output of layer {name!r} holds NaN or Inf at row {row} of this request: {why}"
             )
         )
     return True

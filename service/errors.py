@@ -176,6 +176,7 @@ GRPC_STATUS: dict[type[ServiceError], grpc.StatusCode] = {
     UnsupportedMediaType: grpc.StatusCode.INVALID_ARGUMENT,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotReady: grpc.StatusCode.UNAVAILABLE,
+    NonFiniteOutput: grpc.StatusCode.INVALID_ARGUMENT,  # the inputs overflowed the layer: 422
     ServiceError: grpc.StatusCode.INTERNAL,  # ForwardFailed, and any 500
 }
 

@@ -424,6 +424,25 @@ def test_a_forward_whose_output_overflows_answers_422_naming_the_layer_and_is_co
     assert post_blob(client, hidden_states=hidden(2)).status_code == 200  # the layer still serves
 
 
+def test_a_float16_reply_that_would_hold_inf_answers_422_and_is_counted(
+    client: TestClient,
+) -> None:
+    """The float32 layer's output of large float16 inputs exceeds float16: the cast back to the
+    request's dtype would serve Inf."""
+    x = hidden(3).half()
+    x[2] = 6e4
+    r = post_blob(client, hidden_states=x)
+    assert r.status_code == 422
+    assert r.json()["error"].startswith(f"the output of layer '{TINY}' holds NaN or Inf at row 2")
+    assert "exceeds float16 (largest 65504)" in r.json()["error"]
+    metrics = client.get("/metrics").text
+    assert f'moe_serve_nonfinite_forwards_total{{layer="{TINY}"}} 1.0' in metrics
+    r = post_blob(client, hidden_states=x[:2])
+    assert r.status_code == 200
+    out = safetensors.torch.load(r.content)["output"]
+    assert out.dtype == torch.float16 and out.isfinite().all()
+
+
 def test_a_value_beyond_the_layers_dtype_is_refused_naming_row_and_column() -> None:
     cfg = MoEConfig(E, H, 2 * H, RoutingConfig(top_k=TOP_K), dtype=torch.float16)
     layer = TinyLayer("half", cfg, LayerWeights(random_expert_weights(cfg), RouterWeights()))

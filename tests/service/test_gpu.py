@@ -141,6 +141,37 @@ def test_an_output_that_overflows_on_the_gpu_answers_422_and_the_layer_still_ser
     assert ok.status_code == 200
 
 
+@pytest.mark.parametrize("layer", ["demo", "demo-fp8"])
+def test_a_float16_reply_beyond_float16_answers_422_on_the_gpu(gpu_client, layer: str) -> None:
+    """The bfloat16 layers' output of large float16 inputs fits bfloat16 but not float16: the
+    cast to the request's dtype is checked, and the counter moves."""
+    client, _ = gpu_client
+    series = f'moe_serve_nonfinite_forwards_total{{layer="{layer}"}}'
+
+    def count() -> float:
+        lines = client.get("/metrics").text.splitlines()
+        return next((float(x.split()[-1]) for x in lines if x.startswith(series + " ")), 0.0)
+
+    before = count()
+    hidden = torch.randn(4, 256).half()
+    hidden[1:] = 6e4
+    r = client.post(
+        f"/v1/layers/{layer}/forward",
+        content=safetensors.torch.save({"hidden_states": hidden}),
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    assert r.status_code == 422, r.text
+    assert "exceeds float16" in r.json()["error"]
+    assert count() == before + 1
+    ok = client.post(
+        f"/v1/layers/{layer}/forward",
+        content=safetensors.torch.save({"hidden_states": hidden[:1]}),
+        headers={"Content-Type": "application/octet-stream"},
+    )
+    assert ok.status_code == 200, ok.text
+    assert safetensors.torch.load(ok.content)["output"].isfinite().all()
+
+
 @pytest.mark.parametrize("tensor", ["hidden_states", "router_logits"])
 def test_a_nonfinite_input_on_the_gpu_answers_400_naming_it_and_the_layer_still_serves(
     gpu_client, tensor: str

@@ -292,3 +292,42 @@ def test_a_shrunk_object_is_refused_by_read_and_write_never_touched(region) -> N
         assert r.read(0, 16).numel() == 16  # what is still there reads as before
     finally:
         r.close()
+
+
+@pytest.mark.parametrize("into", ["reply", "region"])
+def test_a_float16_reply_that_would_hold_inf_is_refused_and_counted(
+    client, urls, region, into
+) -> None:
+    """float16 ends at 65504: an output the float32 layer computes beyond it would become Inf
+    in the cast to the request's dtype, so the request fails (422, INVALID_ARGUMENT over gRPC),
+    whether the output goes into the reply or into a region, and the metric counts it."""
+    c, module = client
+    key, handle = region
+    x = np.full((ROWS, H), 6e4, np.float16)
+    x[0] = 0.5  # a row that fits
+    metrics = f"{urls[0]}/metrics"
+    tensor = module.InferInput("hidden_states", [ROWS, H], "FP16")
+    if into == "region":
+        shm.set_shared_memory_region(handle, [x])
+        c.register_system_shared_memory("data", key, 2 * TENSOR_BYTES)
+        tensor.set_shared_memory("data", x.nbytes)
+        outputs = _output(module, size=x.nbytes, offset=x.nbytes)
+    else:
+        tensor.set_data_from_numpy(x, **({"binary_data": True} if module is httpclient else {}))
+        outputs = None
+    before = _nonfinite_count(metrics)
+    with pytest.raises(module.InferenceServerException, match="holds NaN or Inf at row 1") as err:
+        c.infer(TINY, [tensor], outputs=outputs)
+    assert err.value.status() in ("422", "StatusCode.INVALID_ARGUMENT")
+    assert "exceeds float16" in err.value.message()
+    assert _nonfinite_count(metrics) == before + 1
+    fits = module.InferInput("hidden_states", [1, H], "FP16")
+    fits.set_data_from_numpy(x[:1])
+    out = c.infer(TINY, [fits]).as_numpy("output")
+    assert out.dtype == np.float16 and np.isfinite(out).all()
+
+
+def _nonfinite_count(url: str) -> float:
+    series = f'moe_serve_nonfinite_forwards_total{{layer="{TINY}"}} '
+    line = next((x for x in httpx.get(url).text.splitlines() if x.startswith(series)), None)
+    return 0.0 if line is None else float(line.rsplit(" ", 1)[1])
