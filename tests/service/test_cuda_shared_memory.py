@@ -127,3 +127,49 @@ def test_cuda_shared_memory_round_trip_from_another_process(
     assert "exceeds the CUDA buffer" in report["larger than the buffer"], report
     assert report["unregistered region"].startswith("400"), report
     assert "no shared-memory region named 'never'" in report["unregistered region"]
+
+
+FREED_CLIENT = """
+import sys
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.utils.cuda_shared_memory as cudashm
+
+x = np.ones((4, 256), np.float32)
+region = cudashm.create_shared_memory_region("freed", 2 * x.nbytes, 0)
+cudashm.set_shared_memory_region(region, [x])
+client = grpcclient.InferenceServerClient(sys.argv[1])
+client.register_cuda_shared_memory("freed", cudashm.get_raw_handle(region), 0, 2 * x.nbytes)
+cudashm.destroy_shared_memory_region(region)  # freed, then the process exits
+"""
+
+
+def test_a_region_its_owner_freed_leaves_the_server_serving(server) -> None:
+    """The client registers a buffer, frees it and exits; a request then names the region: it
+    is answered (the server's open handle keeps the memory) or refused with a 400, and the GPU
+    keeps serving."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    http, grpc, _ = server
+    run = subprocess.run(
+        [sys.executable, "-c", FREED_CLIENT, grpc],
+        cwd=ROOT, capture_output=True, text=True, timeout=CLIENT_TIMEOUT_S,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    client = grpcclient.InferenceServerClient(grpc)
+    nbytes = 4 * 256 * 4
+    tensor = grpcclient.InferInput("hidden_states", [4, 256], "FP32")
+    tensor.set_shared_memory("freed", nbytes)
+    output = grpcclient.InferRequestedOutput("output")
+    output.set_shared_memory("freed", nbytes, offset=nbytes)
+    try:
+        client.infer("demo", [tensor], outputs=[output])
+    except InferenceServerException as err:
+        assert err.status() == "StatusCode.INVALID_ARGUMENT", err
+    client.unregister_cuda_shared_memory("freed")
+    assert httpx.get(f"http://{http}/ready").status_code == 200
+    again = httpx.post(
+        f"http://{http}/v1/layers/demo/forward", json={"hidden_states": [[0.1] * 256]}
+    )
+    assert again.status_code == 200, again.text
