@@ -165,8 +165,10 @@ def test_a_region_its_owner_freed_leaves_the_server_serving(server) -> None:
     output.set_shared_memory("freed", nbytes, offset=nbytes)
     try:
         client.infer("demo", [tensor], outputs=[output])
+        status = "ok"
     except InferenceServerException as err:
-        assert err.status() == "StatusCode.INVALID_ARGUMENT", err
+        status = err.status()
+    assert status in ("ok", "StatusCode.INVALID_ARGUMENT")
     client.unregister_cuda_shared_memory("freed")
     assert httpx.get(f"http://{http}/ready").status_code == 200
     again = httpx.post(
