@@ -53,6 +53,7 @@ COPY kernels /src/kernels
 COPY weights /src/weights
 COPY service /src/service
 COPY bench /src/bench
+COPY moe_serve /src/moe_serve
 RUN pip install "/src[gpu]"
 
 # ---- runtime ----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ out=${1:?usage: bench/device_run.sh OUT_DIR [COMMIT]}
 commit=${2:-}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-cli=(python3 -m service.cli)
+cli=(python3 -m moe_serve.service.cli)
 port=8765
 url=http://127.0.0.1:$port
 

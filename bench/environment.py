@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from bench.schema import Environment
+from moe_serve.bench.schema import Environment
 
 _REPO = Path(__file__).resolve().parent.parent
 

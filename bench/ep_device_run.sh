@@ -2,7 +2,7 @@
 # Issue 20's GPU run in one device call on two GPUs (nvidia-h100-x2 / nvidia-h200-x2), from the
 # project root:
 #     source .deps/device-env.sh; bash bench/ep_device_run.sh OUT_DIR
-# 1. `python3 -m bench.ep_service` (DeepSeek-V3-sized layer, service mode, EP 2 against one GPU)
+# 1. `python3 -m moe_serve.bench.ep_service` (DeepSeek-V3-sized layer, service mode, EP 2 against one GPU)
 #    once per backend of EP_BACKENDS (default "triton deep-gemm") and placement file of
 #    EP_PLACEMENTS (default: the even placement), each within EP_BENCH_SECONDS (180)
 #    -> OUT_DIR/ep_service-TAG.{md,json}, OUT_DIR/ep-bench-TAG.log (TAG: the backend, then the
@@ -45,7 +45,7 @@ bench() {  # BACKEND TAG TREE PLACEMENT PROFILE: one bench.ep_service run -> OUT
   [ "$placement" = even ] || args+=(--placement "$(realpath "$placement")")
   [ "$profile" = 1 ] && args+=(--profile)
   work=$(mktemp -d)
-  (cd "$tree" && timeout -k 5 "${EP_BENCH_SECONDS:-180}" python3 -m bench.ep_service \
+  (cd "$tree" && timeout -k 5 "${EP_BENCH_SECONDS:-180}" python3 -m moe_serve.bench.ep_service \
     --out "$work" "${args[@]}" ${EP_BENCH_ARGS:-}) >"$out/ep-bench-$tag.log" 2>&1
   echo "bench.ep_service exited with $? after $SECONDS s" >>"$out/ep-bench-$tag.log"
   cp "$work"/ep_service.md "$out/ep_service-$tag.md" 2>/dev/null
@@ -53,7 +53,7 @@ bench() {  # BACKEND TAG TREE PLACEMENT PROFILE: one bench.ep_service run -> OUT
   if [ "$profile" = 1 ]; then
     # the ranks side by side, and every rank's kernel tables and traces in one file (the device
     # tool brings back few files per call)
-    python3 -m bench.ep_timeline "$work" >>"$out/ep-bench-$tag.log" 2>&1 \
+    python3 -m moe_serve.bench.ep_timeline "$work" >>"$out/ep-bench-$tag.log" 2>&1 \
       && cp "$work/ep-timeline.md" "$out/ep-timeline-$tag.md"
     (cd "$work" && ls profile-*.txt >/dev/null 2>&1 \
       && tar czf "$out/profiles-$tag.tgz" profile-*.txt profile-*.trace.json)

@@ -101,7 +101,9 @@ def render(medians: dict[str, dict[str, float]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("dir", type=Path, help="bench.ep_service --profile's output directory")
+    parser.add_argument(
+        "dir", type=Path, help="moe_serve.bench.ep_service --profile's output directory"
+    )
     args = parser.parse_args(argv)
     traces = {"rank 0": args.dir / "profile-ep.trace.json"}
     for path in sorted(args.dir.glob("profile-ep-rank*.trace.json")):

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel
 
-from bench.environment import capture
-from bench.schema import Environment
-from service import json_codec, json_device
+from moe_serve.bench.environment import capture
+from moe_serve.bench.schema import Environment
+from moe_serve.service import json_codec, json_device
 
 log = logging.getLogger("bench.json")
 
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not torch.cuda.is_available():
-        raise SystemExit("bench.json_bench needs a GPU")
+        raise SystemExit("moe_serve.bench.json_bench needs a GPU")
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     rows = []
     for tokens, hidden in shapes:

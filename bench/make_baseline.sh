@@ -2,7 +2,7 @@
 # A copy of COMMIT's code in DIR (default .baseline/, git-ignored through .git/info/exclude), to
 # time that tree beside the working tree in one device call (the device copy has no git history):
 #     bash bench/make_baseline.sh COMMIT [DIR]
-# then carry DIR and run e.g. `cd .baseline && python3 -m bench.layer_profile ...` there (the
+# then carry DIR and run e.g. `cd .baseline && python3 -m moe_serve.bench.layer_profile ...` there (the
 # working directory comes first on the path). Bench modules newer than COMMIT are copied in, so
 # they run against its code.
 set -euo pipefail

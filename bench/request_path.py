@@ -38,11 +38,11 @@ import httpx
 import safetensors.torch
 import torch
 
-from bench.load_gen import run_one_client
-from bench.service_bench import _free_port, _tcp_ready, http_ready, process
-from kernels.tensors import ForwardInputs
-from service.batcher import RequestOptions
-from service.routes.forward import LayerCall, serve_blob, serve_blob_into
+from moe_serve.bench.load_gen import run_one_client
+from moe_serve.bench.service_bench import _free_port, _tcp_ready, http_ready, process
+from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.service.batcher import RequestOptions
+from moe_serve.service.routes.forward import LayerCall, serve_blob, serve_blob_into
 
 _BUDGET_S = 0.5  # timed work per level and token count
 _MIN_CALLS, _MAX_CALLS, _WARMUP = 30, 2000, 10
@@ -159,7 +159,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def server_command(layer: str, port: int, front_ends: int, shared: int) -> list[str]:
     """bench/service_server.py serving `layer` (the demo layer has no shared expert to add)."""
-    command = [sys.executable, "-m", "bench.service_server", "--layer", layer,
+    command = [sys.executable, "-m", "moe_serve.bench.service_server", "--layer", layer,
                "--port", str(port), "--http-workers", str(front_ends)]  # fmt: skip
     return command if layer == "demo" else [*command, "--shared-intermediate", str(shared)]
 
@@ -184,7 +184,7 @@ def measure_layer(layer: str, tokens: list[int], work: Path, logs: Path, shared:
             level = "http-front-ends" if workers else "http"
             rows += [_http_level(forward, bodies[t], level, t) for t in tokens]
     echo_port = _free_port()
-    echo = [sys.executable, "-m", "bench.echo_server", "--port", str(echo_port)]
+    echo = [sys.executable, "-m", "moe_serve.bench.echo_server", "--port", str(echo_port)]
     with process(echo, logs / "echo.log", _tcp_ready(echo_port), 60):
         rows += [
             _http_level(f"http://127.0.0.1:{echo_port}/echo", bodies[t], "http-floor", t)

@@ -42,10 +42,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
-from bench.environment import capture
-from bench.load_gen import Load, hey_binary, run_hey, run_one_client, run_python
-from bench.schema import Environment
-from bench.shapes import SHAPES
+from moe_serve.bench.environment import capture
+from moe_serve.bench.load_gen import Load, hey_binary, run_hey, run_one_client, run_python
+from moe_serve.bench.schema import Environment
+from moe_serve.bench.shapes import SHAPES
 
 log = logging.getLogger(__name__)
 
@@ -384,8 +384,8 @@ class ServiceBench:
 
     def _server_command(self, layer: str, variant: str, port: int) -> list[str]:
         c = self.config
-        command = [sys.executable, "-m", "bench.service_server", "--layer", layer, "--port",
-                   str(port), "--device", c.device, "--backend", c.backend]  # fmt: skip
+        command = [sys.executable, "-m", "moe_serve.bench.service_server", "--layer", layer,
+                   "--port", str(port), "--device", c.device, "--backend", c.backend]  # fmt: skip
         if layer != DEMO:
             command += ["--shared-intermediate", str(c.shared_intermediate)]
         batch = c.tokens if variant.startswith("batching off") else c.max_batch_tokens
@@ -482,7 +482,7 @@ class ServiceBench:
     def _echo(self) -> None:
         """The load generator against a trivial server, with each layer's bodies."""
         port = _free_port()
-        command = [sys.executable, "-m", "bench.echo_server", "--port", str(port)]
+        command = [sys.executable, "-m", "moe_serve.bench.echo_server", "--port", str(port)]
         clients = max(self.config.clients)
         with process(command, self.out / "echo-server.log", _tcp_ready(port), 30):
             for hidden_size, bodies in self.bodies.items():

@@ -15,7 +15,7 @@ mkdir -p "$out/service"
 export PYTHONUNBUFFERED=1
 { nvidia-smi; command -v hey; python3 -c 'import httptools, uvloop' && echo "httptools+uvloop"; } \
   >"$out/environment.txt" 2>&1
-python3 -m service.cli bench service --out "$out/service" \
+python3 -m moe_serve.service.cli bench service --out "$out/service" \
   --budget-s "${SERVICE_BENCH_BUDGET_S:-300}" ${commit:+--commit "$commit"} \
   >"$out/service-bench.log" 2>&1
 echo "bench service exited with $?" >>"$out/service-bench.log"

@@ -39,9 +39,9 @@ import httpx
 import numpy as np
 import torch
 
-from bench.environment import current_commit
-from bench.service_bench import http_ready, process
-from bench.shapes import SHAPES
+from moe_serve.bench.environment import current_commit
+from moe_serve.bench.service_bench import http_ready, process
+from moe_serve.bench.shapes import SHAPES
 
 log = logging.getLogger("bench.transport")
 
@@ -250,7 +250,7 @@ def _transports(
 
 
 def _server_command(layer: str, port: int, grpc_port: int, tokens: int, device: str, cache: Path):
-    command = [sys.executable, "-m", "bench.service_server", "--layer", layer,
+    command = [sys.executable, "-m", "moe_serve.bench.service_server", "--layer", layer,
                "--port", str(port), "--grpc-port", str(grpc_port), "--allow-shared-memory",
                "--device", device, "--max-batch-tokens", str(tokens),
                "--cache-dir", str(cache)]  # fmt: skip

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kernels.quant_scheme import QuantConfig
+from moe_serve.kernels.quant_scheme import QuantConfig
 
 
 class Activation(StrEnum):

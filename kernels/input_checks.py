@@ -17,13 +17,13 @@ import math
 
 import torch
 
-from kernels.config import DTYPES, MoEConfig
-from kernels.nonfinite import NONFINITE_MASKS
-from kernels.stages import HAS_TRITON
-from kernels.tensors import ForwardInputs
+from moe_serve.kernels.config import DTYPES, MoEConfig
+from moe_serve.kernels.nonfinite import NONFINITE_MASKS
+from moe_serve.kernels.stages import HAS_TRITON
+from moe_serve.kernels.tensors import ForwardInputs
 
 if HAS_TRITON:
-    from kernels.row_kernels import nonfinite_into
+    from moe_serve.kernels.row_kernels import nonfinite_into
 
 _DTYPE_NAMES = f"{', '.join(list(DTYPES)[:-1])} or {list(DTYPES)[-1]}"
 

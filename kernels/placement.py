@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.routing import contiguous_expert_map, replica_slots
+from moe_serve.kernels.routing import contiguous_expert_map, replica_slots
 
 
 @dataclass(frozen=True)

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from kernels.experts.deep_gemm import DeepGemmBatchedExperts, DeepGemmExperts
-from kernels.experts.deep_gemm_fp4 import DeepGemmFp4Experts
-from kernels.experts.oai_triton import OaiTritonExperts, UnfusedOaiTritonExperts
-from kernels.experts.reference import BatchedReferenceExperts, ReferenceExperts
-from kernels.experts.triton import TritonBatchedExperts, TritonExperts
-from kernels.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
-from kernels.prepare_finalize.batched import Batched
-from kernels.prepare_finalize.naive_ep import NaiveEP
-from kernels.prepare_finalize.no_ep import NoEP
-from kernels.stages import Experts, PrepareFinalize
+from moe_serve.kernels.experts.deep_gemm import DeepGemmBatchedExperts, DeepGemmExperts
+from moe_serve.kernels.experts.deep_gemm_fp4 import DeepGemmFp4Experts
+from moe_serve.kernels.experts.oai_triton import OaiTritonExperts, UnfusedOaiTritonExperts
+from moe_serve.kernels.experts.reference import BatchedReferenceExperts, ReferenceExperts
+from moe_serve.kernels.experts.triton import TritonBatchedExperts, TritonExperts
+from moe_serve.kernels.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
+from moe_serve.kernels.prepare_finalize.batched import Batched
+from moe_serve.kernels.prepare_finalize.naive_ep import NaiveEP
+from moe_serve.kernels.prepare_finalize.no_ep import NoEP
+from moe_serve.kernels.stages import Experts, PrepareFinalize
 
 T = TypeVar("T", type[Experts], type[PrepareFinalize])
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.arith import ceil_div
-from kernels.config import GroupScore, RoutingConfig, Scoring
-from kernels.stages import HAS_TRITON
-from kernels.tensors import Routing
+from moe_serve.kernels.arith import ceil_div
+from moe_serve.kernels.config import GroupScore, RoutingConfig, Scoring
+from moe_serve.kernels.stages import HAS_TRITON
+from moe_serve.kernels.tensors import Routing
 
 if HAS_TRITON:
-    from kernels.routing_kernel import route_rows
+    from moe_serve.kernels.routing_kernel import route_rows
 
 
 def stable_topk(x: torch.Tensor, k: int) -> torch.Tensor:

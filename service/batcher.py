@@ -33,13 +33,13 @@ from typing import TypeVar
 
 import torch
 
-from kernels.input_checks import InputError, check_values
-from kernels.layer import LayerOutput
-from kernels.quant_scheme import ActQuant
-from kernels.tensors import ForwardInputs, Routing
-from service import tracing
-from service.engine import Engine, ServedLayer
-from service.errors import (
+from moe_serve.kernels.input_checks import InputError, check_values
+from moe_serve.kernels.layer import LayerOutput
+from moe_serve.kernels.quant_scheme import ActQuant
+from moe_serve.kernels.tensors import ForwardInputs, Routing
+from moe_serve.service import tracing
+from moe_serve.service.engine import Engine, ServedLayer
+from moe_serve.service.errors import (
     BadInput,
     DeadlineExceeded,
     ForwardFailed,
@@ -49,10 +49,10 @@ from service.errors import (
     ShuttingDown,
     UnknownLayer,
 )
-from service.interpreter import switch_gil_often
-from service.metrics import Metrics
-from service.pipeline import BatchResult
-from service.wire import OFF_LOOP_BYTES
+from moe_serve.service.interpreter import switch_gil_often
+from moe_serve.service.metrics import Metrics
+from moe_serve.service.pipeline import BatchResult
+from moe_serve.service.wire import OFF_LOOP_BYTES
 
 log = logging.getLogger(__name__)
 

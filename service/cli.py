@@ -17,11 +17,11 @@ layer of a Hugging Face checkpoint into a layer directory that `serve --weights`
 """
 EPILOG = "`moe-serve COMMAND --help` describes each command; README.md has the rest."
 COMMAND_MODULES: tuple[str, ...] = (
-    "weights.cli",
-    "service.serve",
-    "service.ep_rank",
-    "bench.cli",
-    "bench.tune",
+    "moe_serve.weights.cli",
+    "moe_serve.service.serve",
+    "moe_serve.service.ep_rank",
+    "moe_serve.bench.cli",
+    "moe_serve.bench.tune",
 )
 
 

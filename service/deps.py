@@ -16,15 +16,15 @@ from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.types import Scope
 
-from kernels.arith import round_up
-from kernels.layer import LayerOutput
-from kernels.tensors import ForwardInputs
-from service.batcher import DynamicBatcher, RequestOptions
-from service.binary_forward import plain_binary_forward
-from service.body_arena import BLOCK_BYTES, REPLY_HEADER_BYTES
-from service.direct_body import DIRECT_BODY, BodySink, BodyTarget, DirectBody
-from service.engine import Engine
-from service.errors import (
+from moe_serve.kernels.arith import round_up
+from moe_serve.kernels.layer import LayerOutput
+from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.service.batcher import DynamicBatcher, RequestOptions
+from moe_serve.service.binary_forward import plain_binary_forward
+from moe_serve.service.body_arena import BLOCK_BYTES, REPLY_HEADER_BYTES
+from moe_serve.service.direct_body import DIRECT_BODY, BodySink, BodyTarget, DirectBody
+from moe_serve.service.engine import Engine
+from moe_serve.service.errors import (
     BadInput,
     ClientDisconnected,
     NotReady,
@@ -34,16 +34,16 @@ from service.errors import (
     body_stalled,
     describe_validation_error,
 )
-from service.kserve_codec import HEADER_LENGTH
-from service.metrics import Metrics
-from service.middleware import bearer_matches
-from service.server import client_gone
-from service.settings import Settings
-from service.shared_memory import SharedMemory
+from moe_serve.service.kserve_codec import HEADER_LENGTH
+from moe_serve.service.metrics import Metrics
+from moe_serve.service.middleware import bearer_matches
+from moe_serve.service.server import client_gone
+from moe_serve.service.settings import Settings
+from moe_serve.service.shared_memory import SharedMemory
 
 if TYPE_CHECKING:
-    from service.front_ends import FrontEnds
-    from service.repository import Repository
+    from moe_serve.service.front_ends import FrontEnds
+    from moe_serve.service.repository import Repository
 
 RETRY_WHILE_LOADING_S = "5"
 Body = TypeVar("Body", bound=BaseModel)

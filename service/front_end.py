@@ -42,12 +42,18 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from service import logs
-from service.binary_forward import BINARY, FORWARD_PATH, JSON, plain_binary_forward, plain_forward
-from service.body_arena import BodyArena, Region
-from service.channel import EngineClient, Reply
-from service.direct_body import DIRECT_BODY, BodyTarget, DirectBody
-from service.errors import (
+from moe_serve.service import logs
+from moe_serve.service.binary_forward import (
+    BINARY,
+    FORWARD_PATH,
+    JSON,
+    plain_binary_forward,
+    plain_forward,
+)
+from moe_serve.service.body_arena import BodyArena, Region
+from moe_serve.service.channel import EngineClient, Reply
+from moe_serve.service.direct_body import DIRECT_BODY, BodyTarget, DirectBody
+from moe_serve.service.errors import (
     BadInput,
     ServiceError,
     ShuttingDown,
@@ -56,25 +62,25 @@ from service.errors import (
     body_too_large,
     error_response,
 )
-from service.interpreter import collect_less
-from service.json_numbers import (
+from moe_serve.service.interpreter import collect_less
+from moe_serve.service.json_numbers import (
     NUMBER_BYTES,
     ForwardArrays,
     decode_forward_arrays,
     dumps,
     run_sized,
 )
-from service.middleware import (
+from moe_serve.service.middleware import (
     OPEN_PATHS,
     UNAUTHORIZED,
     authorized,
     new_request_id,
     over_capacity,
 )
-from service.safetensors_header import read_header
-from service.server import OVER_CAPACITY, bounded_protocol, client_gone
+from moe_serve.service.safetensors_header import read_header
+from moe_serve.service.server import OVER_CAPACITY, bounded_protocol, client_gone
 
-log = logging.getLogger("service.front_end")  # also when run as __main__
+log = logging.getLogger("moe_serve.service.front_end")  # also when run as __main__
 
 CONFIG_ENV = "MOE_SERVE_FRONT_END"  # the config, JSON, from the engine process
 # Per front end; a body over a quarter of it is relayed (4 requests of 1024 DeepSeek-V3 tokens

@@ -21,12 +21,12 @@ from pathlib import Path
 
 from prometheus_client import Counter
 
-from service import json_device
-from service.body_arena import shm_dir
-from service.channel_server import ChannelServer
-from service.deps import Runtime
-from service.front_end import FrontEndConfig
-from service.settings import Settings
+from moe_serve.service import json_device
+from moe_serve.service.body_arena import shm_dir
+from moe_serve.service.channel_server import ChannelServer
+from moe_serve.service.deps import Runtime
+from moe_serve.service.front_end import FrontEndConfig
+from moe_serve.service.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class FrontEnds:
             process = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "service.front_end",
+                "moe_serve.service.front_end",
                 env=os.environ | self.config.to_env(),
                 pass_fds=(self.listener.fileno(),),
             )

@@ -20,13 +20,13 @@ from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from service import inference, logs, repository, tracing
-from service.deps import Runtime, ready
-from service.errors import ServiceError, Unauthorized, UnknownLayer, capped, grpc_status
-from service.grpc_codec import decode_infer, encode_infer, from_model, parameters_to_dict
-from service.middleware import bearer_matches, new_request_id
-from service.routes.repository import check_load_parameters
-from service.shared_memory import owner_of
+from moe_serve.service import inference, logs, repository, tracing
+from moe_serve.service.deps import Runtime, ready
+from moe_serve.service.errors import ServiceError, Unauthorized, UnknownLayer, capped, grpc_status
+from moe_serve.service.grpc_codec import decode_infer, encode_infer, from_model, parameters_to_dict
+from moe_serve.service.middleware import bearer_matches, new_request_id
+from moe_serve.service.routes.repository import check_load_parameters
+from moe_serve.service.shared_memory import owner_of
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from functools import lru_cache
 
 import torch
 
-from service import json_codec, json_numbers
-from service.wire import byte_view
+from moe_serve.service import json_codec, json_numbers
+from moe_serve.service.wire import byte_view
 
 log = logging.getLogger(__name__)
 # byte classes; the number characters are contiguous (DIGIT..EXP)
@@ -219,7 +219,9 @@ def parse_rows(text: torch.Tensor) -> torch.Tensor | None:
     if first.numel() == 0:
         return None
     if dev.type == "cuda":
-        from service.json_device_kernel import read_numbers as read_on_gpu  # Triton: GPUs only
+        from moe_serve.service.json_device_kernel import (
+            read_numbers as read_on_gpu,  # Triton: GPUs only
+        )
 
         numbers, status = read_on_gpu(text, first, LIMITS)
         rejected = (status == 2).any()

@@ -18,9 +18,9 @@ from starlette.requests import Request
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.deps import Runtime, get_body
-from service.errors import ServiceError, error_response
-from service.routes import kserve
+from moe_serve.service.deps import Runtime, get_body
+from moe_serve.service.errors import ServiceError, error_response
+from moe_serve.service.routes import kserve
 
 INFER_PATH = "/v2/models/{name}/infer"
 VERSION_INFER_PATH = "/v2/models/{name}/versions/{version}/infer"

@@ -17,10 +17,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from service.deps import Runtime, ready
-from service.errors import BadInput, UnknownLayer
-from service.statistics import VERSION
-from weights.load import load_layer
+from moe_serve.service.deps import Runtime, ready
+from moe_serve.service.errors import BadInput, UnknownLayer
+from moe_serve.service.statistics import VERSION
+from moe_serve.weights.load import load_layer
 
 log = logging.getLogger(__name__)
 

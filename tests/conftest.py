@@ -27,7 +27,7 @@ os.environ["MOE_SERVE_GRPC_PORT"] = "0"
 
 import pytest  # noqa: E402
 
-from kernels.config import MoEConfig, RoutingConfig  # noqa: E402
+from moe_serve.kernels.config import MoEConfig, RoutingConfig  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

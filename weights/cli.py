@@ -10,12 +10,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from kernels.quant_scheme import QuantConfig, QuantScheme
-from weights.convert.pipeline import FAMILIES, convert_checkpoint
-from weights.demo import ensure_demo_layers
-from weights.errors import LayerFileError
-from weights.layout import expected_tensors
-from weights.load import verify_layer
+from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.weights.convert.pipeline import FAMILIES, convert_checkpoint
+from moe_serve.weights.demo import ensure_demo_layers
+from moe_serve.weights.errors import LayerFileError
+from moe_serve.weights.layout import expected_tensors
+from moe_serve.weights.load import verify_layer
 
 
 def _fail(command: str, err: Exception | str, status: int = 1) -> int:

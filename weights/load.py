@@ -23,11 +23,11 @@ from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from kernels.config import MoEConfig
-from kernels.layer import LayerWeights
-from weights.errors import LayerFileError, describe_validation_error
-from weights.integrity import CHECKSUM, RowDigests, first_nonfinite
-from weights.layout import (
+from moe_serve.kernels.config import MoEConfig
+from moe_serve.kernels.layer import LayerWeights
+from moe_serve.weights.errors import LayerFileError, describe_validation_error
+from moe_serve.weights.integrity import CHECKSUM, RowDigests, first_nonfinite
+from moe_serve.weights.layout import (
     TensorSpec,
     check_names,
     check_tensor,
@@ -35,7 +35,7 @@ from weights.layout import (
     header_sha256,
     tensor_offsets,
 )
-from weights.manifest import MANIFEST_FILE, TENSORS_FILE, Manifest
+from moe_serve.weights.manifest import MANIFEST_FILE, TENSORS_FILE, Manifest
 
 log = logging.getLogger(__name__)
 

@@ -32,26 +32,26 @@ _FRONT_END_MAIN = [
     ("__main__", "_json_reply", "fe_encode_json"),
 ]
 _FRONT_END = [
-    ("service.direct_body", "DirectBody.read", "body_read"),  # its body in place
-    ("service.channel", "EngineClient.forward", "fe_engine"),
+    ("moe_serve.service.direct_body", "DirectBody.read", "body_read"),  # its body in place
+    ("moe_serve.service.channel", "EngineClient.forward", "fe_engine"),
 ]
 _ENGINE = [
-    ("service.middleware", "RequestMiddleware.__call__", "middleware"),
-    ("service.fast_path", "ForwardFastPath.__call__", "fast_path"),
-    ("service.direct_body", "DirectBody.read", "body_read"),
-    ("service.channel_server", "_FrontEndLink._forward", "channel_forward"),
-    ("service.routes.forward", "_decode_blob", "decode"),
-    ("service.batcher", "DynamicBatcher.submit", "submit"),
-    ("service.batcher", "DynamicBatcher._launch", "launch"),
-    ("service.engine", "Engine.start", "engine_start"),
-    ("service.pipeline", "_gather", "gather"),
-    ("service.pipeline", "DevicePipeline._enqueue", "enqueue"),
-    ("kernels.layer_graphs", "LayerGraphs.replay", "replay"),
-    ("service.batcher", "DynamicBatcher._finish", "finish"),
-    ("service.pipeline", "_InFlight.result", "result"),
-    ("service.routes.forward", "_encode_blob", "encode"),
-    ("service.routes.forward", "_decode_json", "decode_json"),
-    ("service.routes.forward", "_encode_json", "encode_json"),
+    ("moe_serve.service.middleware", "RequestMiddleware.__call__", "middleware"),
+    ("moe_serve.service.fast_path", "ForwardFastPath.__call__", "fast_path"),
+    ("moe_serve.service.direct_body", "DirectBody.read", "body_read"),
+    ("moe_serve.service.channel_server", "_FrontEndLink._forward", "channel_forward"),
+    ("moe_serve.service.routes.forward", "_decode_blob", "decode"),
+    ("moe_serve.service.batcher", "DynamicBatcher.submit", "submit"),
+    ("moe_serve.service.batcher", "DynamicBatcher._launch", "launch"),
+    ("moe_serve.service.engine", "Engine.start", "engine_start"),
+    ("moe_serve.service.pipeline", "_gather", "gather"),
+    ("moe_serve.service.pipeline", "DevicePipeline._enqueue", "enqueue"),
+    ("moe_serve.kernels.layer_graphs", "LayerGraphs.replay", "replay"),
+    ("moe_serve.service.batcher", "DynamicBatcher._finish", "finish"),
+    ("moe_serve.service.pipeline", "_InFlight.result", "result"),
+    ("moe_serve.service.routes.forward", "_encode_blob", "encode"),
+    ("moe_serve.service.routes.forward", "_decode_json", "decode_json"),
+    ("moe_serve.service.routes.forward", "_encode_json", "encode_json"),
 ]
 
 

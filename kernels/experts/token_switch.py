@@ -21,11 +21,11 @@ from typing import ClassVar
 
 import torch
 
-from kernels.config import MoEConfig
-from kernels.prepare_finalize.no_ep import quantize_input
-from kernels.stages import Experts, SumTarget, weighted_topk_sum
-from kernels.tensors import Dispatched, ExpertWeights, Format
-from kernels.workspace import Workspace
+from moe_serve.kernels.config import MoEConfig
+from moe_serve.kernels.prepare_finalize.no_ep import quantize_input
+from moe_serve.kernels.stages import Experts, SumTarget, weighted_topk_sum
+from moe_serve.kernels.tensors import Dispatched, ExpertWeights, Format
+from moe_serve.kernels.workspace import Workspace
 
 Plan = tuple[tuple[int, type[Experts]], ...]  # (from this many tokens, run this), ascending
 

@@ -19,9 +19,9 @@ from typing import ClassVar
 
 import torch
 
-from kernels.config import MoEConfig
-from kernels.quant_scheme import ActQuant, QuantScheme
-from kernels.stages import (
+from moe_serve.kernels.config import MoEConfig
+from moe_serve.kernels.quant_scheme import ActQuant, QuantScheme
+from moe_serve.kernels.stages import (
     HAS_TRITON,
     YES,
     ColumnBlocks,
@@ -30,28 +30,28 @@ from kernels.stages import (
     Support,
     cuda_capability,
 )
-from kernels.tensors import Dispatched, ExpertWeights, Format
-from kernels.workspace import Workspace
+from moe_serve.kernels.tensors import Dispatched, ExpertWeights, Format
+from moe_serve.kernels.workspace import Workspace
 
 if HAS_TRITON:  # without it the backends stay registered and say why they cannot run
-    from kernels.experts._triton.align import AlignedPairs, align_pairs
-    from kernels.experts._triton.gemv import MAX_PAIRS, EachPair, pair_gemv
-    from kernels.experts._triton.graphs import MAX_GRAPH_TOKENS, DecodeGraphs
-    from kernels.experts._triton.grouped_gemm import (
+    from moe_serve.kernels.experts._triton.align import AlignedPairs, align_pairs
+    from moe_serve.kernels.experts._triton.gemv import MAX_PAIRS, EachPair, pair_gemv
+    from moe_serve.kernels.experts._triton.graphs import MAX_GRAPH_TOKENS, DecodeGraphs
+    from moe_serve.kernels.experts._triton.grouped_gemm import (
         Activations,
         BatchedRows,
         Epilogue,
         ExpertMatrix,
         grouped_gemm,
     )
-    from kernels.experts._triton.quantize import quantize_rows
-    from kernels.experts._triton.tiles import (
+    from moe_serve.kernels.experts._triton.quantize import quantize_rows
+    from moe_serve.kernels.experts._triton.tiles import (
         INVARIANT_TOKENS,
         LayerTiles,
         nested_block_k,
         tiles_for,
     )
-    from kernels.experts._triton.topk_sum import topk_sum
+    from moe_serve.kernels.experts._triton.topk_sum import topk_sum
 
 _FP8_CAPABILITY = (8, 9)  # fp8 tensor-core dots: Ada and Hopper onwards
 

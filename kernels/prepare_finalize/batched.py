@@ -14,11 +14,11 @@ from typing import ClassVar
 
 import torch
 
-from kernels.prepare_finalize.no_ep import dispatch_locally
-from kernels.quant_scheme import ActQuant
-from kernels.stages import DispatchSpec, PrepareFinalize, weighted_topk_sum
-from kernels.tensors import Dispatched, Format, Routing
-from kernels.workspace import Workspace
+from moe_serve.kernels.prepare_finalize.no_ep import dispatch_locally
+from moe_serve.kernels.quant_scheme import ActQuant
+from moe_serve.kernels.stages import DispatchSpec, PrepareFinalize, weighted_topk_sum
+from moe_serve.kernels.tensors import Dispatched, Format, Routing
+from moe_serve.kernels.workspace import Workspace
 
 # The largest forward whose capacity is its token count. 256 covers the decode buckets (up to
 # 64 tokens) and the next few graph buckets (kernels.layer_graphs.token_buckets); at 256 a

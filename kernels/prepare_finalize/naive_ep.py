@@ -54,13 +54,13 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from kernels.arith import ceil_div, round_up
-from kernels.graph_capture import phase_boundary
-from kernels.prepare_finalize.no_ep import dispatch_locally, quantize_input
-from kernels.quant_scheme import ActQuant
-from kernels.quantize import quantize_activation
-from kernels.routing import to_local_ids
-from kernels.stages import (
+from moe_serve.kernels.arith import ceil_div, round_up
+from moe_serve.kernels.graph_capture import phase_boundary
+from moe_serve.kernels.prepare_finalize.no_ep import dispatch_locally, quantize_input
+from moe_serve.kernels.quant_scheme import ActQuant
+from moe_serve.kernels.quantize import quantize_activation
+from moe_serve.kernels.routing import to_local_ids
+from moe_serve.kernels.stages import (
     YES,
     ColumnBlocks,
     DispatchSpec,
@@ -70,8 +70,8 @@ from kernels.stages import (
     Support,
     weighted_topk_sum,
 )
-from kernels.tensors import Dispatched, Format, Routing
-from kernels.workspace import Workspace
+from moe_serve.kernels.tensors import Dispatched, Format, Routing
+from moe_serve.kernels.workspace import Workspace
 
 # Renamed in torch 2.13 (the old names warn there); the device machine runs torch 2.11.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

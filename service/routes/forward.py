@@ -13,12 +13,12 @@ import torch
 from fastapi import APIRouter, Query, Request, Response
 from starlette.types import Receive, Scope, Send
 
-from kernels.layer import LayerOutput
-from kernels.tensors import ForwardInputs
-from service import json_codec, json_device, json_numbers
-from service.batcher import DynamicBatcher, RequestOptions
-from service.binary_forward import BINARY, FORWARD_PATH, JSON
-from service.deps import (
+from moe_serve.kernels.layer import LayerOutput
+from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.service import json_codec, json_device, json_numbers
+from moe_serve.service.batcher import DynamicBatcher, RequestOptions
+from moe_serve.service.binary_forward import BINARY, FORWARD_PATH, JSON
+from moe_serve.service.deps import (
     BatcherDep,
     BodyDep,
     EngineDep,
@@ -29,14 +29,14 @@ from service.deps import (
     submit_unless_withdrawn,
     submit_while_connected,
 )
-from service.engine import ServedLayer
-from service.errors import BadInput, ServiceError, UnsupportedMediaType
-from service.examples import DEMO_LOGITS, DEMO_ROWS
-from service.inputs import check_inputs
-from service.metrics import Metrics
-from service.schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
-from service.server import client_gone
-from service.wire import (
+from moe_serve.service.engine import ServedLayer
+from moe_serve.service.errors import BadInput, ServiceError, UnsupportedMediaType
+from moe_serve.service.examples import DEMO_LOGITS, DEMO_ROWS
+from moe_serve.service.inputs import check_inputs
+from moe_serve.service.metrics import Metrics
+from moe_serve.service.schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
+from moe_serve.service.server import client_gone
+from moe_serve.service.wire import (
     decode_safetensors,
     run_sized,
     safetensors_head,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from service.deps import RuntimeDep
-from service.schemas import HealthResponse, ReadyResponse
+from moe_serve.service.deps import RuntimeDep
+from moe_serve.service.schemas import HealthResponse, ReadyResponse
 
 router = APIRouter(tags=["health"])
 

@@ -7,10 +7,10 @@ import platform
 import torch
 from fastapi import APIRouter
 
-from kernels.registry import experts_backends, prepare_finalize_backends
-from service.deps import EngineDep
-from service.engine import ServedLayer
-from service.schemas import (
+from moe_serve.kernels.registry import experts_backends, prepare_finalize_backends
+from moe_serve.service.deps import EngineDep
+from moe_serve.service.engine import ServedLayer
+from moe_serve.service.schemas import (
     BackendInfo,
     BackendsResponse,
     DeviceInfo,

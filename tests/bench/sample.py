@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.kernel_bench import read_run
-from bench.schema import BenchRun, Point
+from moe_serve.bench.kernel_bench import read_run
+from moe_serve.bench.schema import BenchRun, Point
 
 SAMPLE = Path(__file__).parent / "data" / "sample-cpu.json"
 

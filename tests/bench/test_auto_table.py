@@ -9,14 +9,14 @@ from typing import ClassVar
 import pytest
 import torch
 
-from bench.auto_table import crossover_tokens, rank_backends, rule_table, summary
-from bench.kernel_bench import KernelBench, KernelBenchConfig, write_run
-from bench.router_loads import Load
-from bench.schema import Point
-from bench.timing import TimingPlan
-from kernels import registry, selection
-from kernels.experts.reference import ReferenceExperts
-from service.cli import main
+from moe_serve.bench.auto_table import crossover_tokens, rank_backends, rule_table, summary
+from moe_serve.bench.kernel_bench import KernelBench, KernelBenchConfig, write_run
+from moe_serve.bench.router_loads import Load
+from moe_serve.bench.schema import Point
+from moe_serve.bench.timing import TimingPlan
+from moe_serve.kernels import registry, selection
+from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.service.cli import main
 from tests.bench.sample import sample_run
 
 TIMES = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import ep_service
+from moe_serve.bench import ep_service
 
 
 def test_the_ep_service_benchmark_writes_its_table_and_matches_one_process(tmp_path: Path) -> None:

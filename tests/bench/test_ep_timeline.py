@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import ep_timeline
+from moe_serve.bench import ep_timeline
 
 
 def _trace(path: Path, kernels: list[tuple[str, float, float]], cat: str = "kernel") -> Path:

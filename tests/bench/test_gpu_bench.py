@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import shapes
-from bench.auto_table import rule_table
-from bench.kernel_bench import KernelBench, KernelBenchConfig
-from bench.router_loads import Load
-from bench.timing import TimingPlan
-from kernels.config import MoEConfig, RoutingConfig
-from kernels.prepare_finalize.batched import SYNC_FREE_TOKENS
-from kernels.quant_scheme import QuantConfig, QuantScheme
-from kernels.registry import EXPERTS
+from moe_serve.bench import shapes
+from moe_serve.bench.auto_table import rule_table
+from moe_serve.bench.kernel_bench import KernelBench, KernelBenchConfig
+from moe_serve.bench.router_loads import Load
+from moe_serve.bench.timing import TimingPlan
+from moe_serve.kernels.config import MoEConfig, RoutingConfig
+from moe_serve.kernels.prepare_finalize.batched import SYNC_FREE_TOKENS
+from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.kernels.registry import EXPERTS
 
 pytestmark = pytest.mark.gpu
 

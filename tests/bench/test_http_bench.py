@@ -13,7 +13,7 @@ import pytest
 import torch
 from prometheus_client import generate_latest
 
-from bench.http_bench import (
+from moe_serve.bench.http_bench import (
     BATCH_TOKENS,
     FORWARD_SECONDS,
     HttpBenchConfig,
@@ -23,11 +23,11 @@ from bench.http_bench import (
     run_http_bench,
     split,
 )
-from service.app import create_app
-from service.cli import main
-from service.metrics import Metrics
-from service.pipeline import StageTimes
-from service.settings import Settings
+from moe_serve.service.app import create_app
+from moe_serve.service.cli import main
+from moe_serve.service.metrics import Metrics
+from moe_serve.service.pipeline import StageTimes
+from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import TINY, running_server, tiny_loader
 

@@ -9,18 +9,18 @@ from typing import ClassVar
 import pytest
 import torch
 
-from bench import random_layer as random_layer_module
-from bench.kernel_bench import KernelBench, KernelBenchConfig
-from bench.random_layer import random_layer
-from bench.router_loads import Load, router_logits
-from bench.timing import TimingPlan
-from kernels import registry
-from kernels.config import MoEConfig, RoutingConfig
-from kernels.experts.reference import ReferenceExperts
-from kernels.quant_scheme import QuantConfig, QuantScheme
-from kernels.random_weights import random_expert_weights
-from kernels.routing import route
-from service.cli import main
+from moe_serve.bench import random_layer as random_layer_module
+from moe_serve.bench.kernel_bench import KernelBench, KernelBenchConfig
+from moe_serve.bench.random_layer import random_layer
+from moe_serve.bench.router_loads import Load, router_logits
+from moe_serve.bench.timing import TimingPlan
+from moe_serve.kernels import registry
+from moe_serve.kernels.config import MoEConfig, RoutingConfig
+from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.routing import route
+from moe_serve.service.cli import main
 
 CPU = torch.device("cpu")
 QUICK = TimingPlan(warmup=1, min_iters=2, max_iters=3, budget_s=0.001)
@@ -176,7 +176,7 @@ def test_a_non_finite_row_beyond_the_checked_rows_marks_the_backend_wrong(
 def test_a_shape_whose_gemm_peak_cannot_be_measured_is_listed_as_not_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from bench import ceilings
+    from moe_serve.bench import ceilings
 
     def no_peak(timer, device, precision):
         raise RuntimeError("no fp32 GEMM today")
@@ -191,7 +191,7 @@ def test_a_shape_whose_gemm_peak_cannot_be_measured_is_listed_as_not_run(
 def test_a_shape_that_fails_to_set_up_is_recorded_and_the_next_one_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from bench import kernel_bench, shapes
+    from moe_serve.bench import kernel_bench, shapes
 
     monkeypatch.setitem(shapes.SHAPES, "tiny2", shapes.SHAPES["tiny"])
     real = kernel_bench.random_layer

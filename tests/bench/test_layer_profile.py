@@ -1,11 +1,11 @@
-"""bench.layer_profile needs a GPU: without one it says so instead of profiling the CPU."""
+"""The layer profile needs a GPU: without one it says so instead of profiling the CPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench import layer_profile
+from moe_serve.bench import layer_profile
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU machine")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from service.cli import main
+from moe_serve.service.cli import main
 from tests.bench.sample import SAMPLE
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import replay_timeline
-from bench.ep_timeline import Kernel
+from moe_serve.bench import replay_timeline
+from moe_serve.bench.ep_timeline import Kernel
 
 
 def _replays(offsets: list[float], swap: list[bool]) -> list[Kernel]:

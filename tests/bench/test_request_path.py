@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bench import request_path
-from service.batcher import BatchPolicy, DynamicBatcher
-from service.engine import Engine
-from service.metrics import Metrics
+from moe_serve.bench import request_path
+from moe_serve.service.batcher import BatchPolicy, DynamicBatcher
+from moe_serve.service.engine import Engine
+from moe_serve.service.metrics import Metrics
 from tests.service.layers import TINY, tiny_layers
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench import request_timeline
+from moe_serve.bench import request_timeline
 
 
 def _order(run: dict) -> list[str]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.roofline import Ceilings, Work, bound, count_work, expert_bytes
-from kernels.config import MoEConfig, RoutingConfig
-from kernels.quant_scheme import QuantConfig, QuantScheme
-from kernels.random_weights import random_expert_weights
+from moe_serve.bench.roofline import Ceilings, Work, bound, count_work, expert_bytes
+from moe_serve.kernels.config import MoEConfig, RoutingConfig
+from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.kernels.random_weights import random_expert_weights
 
 E, H, I = 4, 256, 128  # noqa: E741 - I is the intermediate size, as in kernels.config
 

@@ -7,7 +7,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from bench.schema import BenchRun
+from moe_serve.bench.schema import BenchRun
 from tests.bench.sample import SAMPLE, sample_run
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.load_gen import Load, hey_binary, parse_hey_csv, run_hey, run_one_client
-from bench.service_bench import (
+from moe_serve.bench.load_gen import Load, hey_binary, parse_hey_csv, run_hey, run_one_client
+from moe_serve.bench.service_bench import (
     DEMO,
     Check,
     LevelResult,
@@ -35,7 +35,15 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def echo_url() -> Iterator[str]:
     port = _free_port()
-    command = [sys.executable, "-m", "bench.echo_server", "--port", str(port), "--processes", "1"]
+    command = [
+        sys.executable,
+        "-m",
+        "moe_serve.bench.echo_server",
+        "--port",
+        str(port),
+        "--processes",
+        "1",
+    ]
     proc = subprocess.Popen(command)
     deadline = time.monotonic() + 20
     while True:
@@ -132,9 +140,9 @@ def test_the_bare_forward_is_compared_at_each_batch_size_the_level_formed() -> N
 
 
 def test_forward_sizes_counts_what_the_metrics_record_until_taken() -> None:
-    from bench.service_server import ForwardSizes
-    from service.metrics import Metrics
-    from service.pipeline import StageTimes
+    from moe_serve.bench.service_server import ForwardSizes
+    from moe_serve.service.metrics import Metrics
+    from moe_serve.service.pipeline import StageTimes
 
     metrics = Metrics()
     sizes = ForwardSizes(metrics)

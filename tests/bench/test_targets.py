@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from bench.kernel_bench import PointKey, score_point
-from bench.roofline import Ceilings, Work
-from bench.router_loads import Load
-from bench.schema import BackendResult, Timing
-from bench.targets import check_targets
+from moe_serve.bench.kernel_bench import PointKey, score_point
+from moe_serve.bench.roofline import Ceilings, Work
+from moe_serve.bench.router_loads import Load
+from moe_serve.bench.schema import BackendResult, Timing
+from moe_serve.bench.targets import check_targets
 from tests.bench.sample import sample_run
 
 CEILINGS = Ceilings(copy_bytes_per_s=1e12, gemm_flops_per_s=1e15)

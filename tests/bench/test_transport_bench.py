@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.transport_bench import Check, checks, render, run
+from moe_serve.bench.transport_bench import Check, checks, render, run
 
 pytest.importorskip("tritonclient.grpc")
 

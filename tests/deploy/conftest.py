@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from service.settings import Settings
+from moe_serve.service.settings import Settings
 from tests.deploy.files import COMPOSE, DOCKERFILE, ROOT, SERVING, Stage, parse_stages
 
 

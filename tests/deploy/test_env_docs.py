@@ -13,7 +13,7 @@ import yaml
 from dotenv import dotenv_values
 from pydantic import ValidationError
 
-from service.settings import Settings
+from moe_serve.service.settings import Settings
 from tests.deploy.files import ENV_EXAMPLE, Stage, with_two_gpu_example
 
 PREFIX = Settings.model_config["env_prefix"]

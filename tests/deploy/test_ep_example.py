@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from service.settings import Settings
+from moe_serve.service.settings import Settings
 from tests.deploy.files import ROOT
 
 EXAMPLE = ROOT / "deploy" / "ep-two-hosts.compose.yml"

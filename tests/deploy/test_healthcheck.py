@@ -16,8 +16,8 @@ import httpx
 import pytest
 import torch
 
-from service.app import create_app
-from service.settings import Settings
+from moe_serve.service.app import create_app
+from moe_serve.service.settings import Settings
 from tests.deploy.files import Stage
 from tests.service.conftest import wait_ready
 from tests.service.layers import running_server, tiny_loader

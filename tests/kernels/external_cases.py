@@ -12,17 +12,17 @@ import functools
 
 import torch
 
-from bench.shapes import SHAPES
-from kernels.config import MoEConfig
-from kernels.experts.reference import ReferenceExperts
-from kernels.modular import ModularKernel
-from kernels.prepare_finalize.batched import Batched
-from kernels.prepare_finalize.no_ep import NoEP
-from kernels.quantize import quantize_weight
-from kernels.routing import route
-from kernels.stages import Experts
-from kernels.tensors import ExpertWeights, Routing
-from kernels.workspace import Workspace
+from moe_serve.bench.shapes import SHAPES
+from moe_serve.kernels.config import MoEConfig
+from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.kernels.modular import ModularKernel
+from moe_serve.kernels.prepare_finalize.batched import Batched
+from moe_serve.kernels.prepare_finalize.no_ep import NoEP
+from moe_serve.kernels.quantize import quantize_weight
+from moe_serve.kernels.routing import route
+from moe_serve.kernels.stages import Experts
+from moe_serve.kernels.tensors import ExpertWeights, Routing
+from moe_serve.kernels.workspace import Workspace
 
 EXPERTS_PER_DRAW = 16
 

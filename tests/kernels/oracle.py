@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.config import Activation, MoEConfig
-from kernels.quantize import dequantize_activation, dequantize_weight, quantize_activation
-from kernels.tensors import ExpertWeights, Routing
+from moe_serve.kernels.config import Activation, MoEConfig
+from moe_serve.kernels.quantize import dequantize_activation, dequantize_weight, quantize_activation
+from moe_serve.kernels.tensors import ExpertWeights, Routing
 
 _NUDGE = 1e-5  # relative wiggle under which float32 and float64 paths may round differently
 FP8_ACT_TOL = 5e-5  # worst seen over 900 random fp8 cases: 1.9e-5
@@ -126,7 +126,7 @@ def _oracle_chunk(
 
 def assert_matches(actual: torch.Tensor, oracle: Oracle, tol: float, loose: float = 0.15) -> None:
     """Relative error below `tol` over the unambiguous tokens, below `loose` on the others."""
-    from kernels.accuracy import relative_error
+    from moe_serve.kernels.accuracy import relative_error
 
     clear = ~oracle.ambiguous
     assert clear.float().mean() >= 0.75, "too many ambiguous tokens for a meaningful check"

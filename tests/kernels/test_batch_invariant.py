@@ -8,21 +8,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.random_layer import random_layer
-from kernels.batch_invariant import fixed_order_topk_sum, row_by_row, triton_matmul
-from kernels.config import GroupScore, MoEConfig, RoutingConfig, Scoring
-from kernels.experts.reference import ReferenceExperts
-from kernels.experts.triton import TritonExperts
-from kernels.layer import build_layer
-from kernels.modular import ModularKernel
-from kernels.prepare_finalize.no_ep import NoEP
-from kernels.quant_scheme import QuantConfig, QuantScheme
-from kernels.random_weights import random_expert_weights
-from kernels.registry import experts_backends
-from kernels.selection import select
-from kernels.stages import weighted_topk_sum
-from kernels.tensors import ForwardInputs, Routing
-from kernels.workspace import Workspace
+from moe_serve.bench.random_layer import random_layer
+from moe_serve.kernels.batch_invariant import fixed_order_topk_sum, row_by_row, triton_matmul
+from moe_serve.kernels.config import GroupScore, MoEConfig, RoutingConfig, Scoring
+from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.kernels.experts.triton import TritonExperts
+from moe_serve.kernels.layer import build_layer
+from moe_serve.kernels.modular import ModularKernel
+from moe_serve.kernels.prepare_finalize.no_ep import NoEP
+from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.registry import experts_backends
+from moe_serve.kernels.selection import select
+from moe_serve.kernels.stages import weighted_topk_sum
+from moe_serve.kernels.tensors import ForwardInputs, Routing
+from moe_serve.kernels.workspace import Workspace
 from tests.kernels.triton_cases import Case, random_routing
 
 CPU = torch.device("cpu")

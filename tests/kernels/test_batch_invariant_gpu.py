@@ -8,19 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.random_layer import random_layer
-from kernels.batch_invariant import triton_matmul
-from kernels.config import GroupScore, MoEConfig, RoutingConfig, Scoring
-from kernels.experts.reference import ReferenceExperts
-from kernels.experts.triton import TritonExperts
-from kernels.layer import build_layer
-from kernels.layer_graphs import LayerGraphs
-from kernels.modular import ModularKernel
-from kernels.prepare_finalize.no_ep import NoEP
-from kernels.quant_scheme import QuantConfig, QuantScheme
-from kernels.random_weights import random_expert_weights
-from kernels.tensors import ForwardInputs, Routing
-from kernels.workspace import Workspace
+from moe_serve.bench.random_layer import random_layer
+from moe_serve.kernels.batch_invariant import triton_matmul
+from moe_serve.kernels.config import GroupScore, MoEConfig, RoutingConfig, Scoring
+from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.kernels.experts.triton import TritonExperts
+from moe_serve.kernels.layer import build_layer
+from moe_serve.kernels.layer_graphs import LayerGraphs
+from moe_serve.kernels.modular import ModularKernel
+from moe_serve.kernels.prepare_finalize.no_ep import NoEP
+from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.tensors import ForwardInputs, Routing
+from moe_serve.kernels.workspace import Workspace
 from tests.kernels.test_batch_invariant import assert_batch_invariant
 from tests.kernels.triton_cases import Case, random_routing
 

@@ -7,18 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.config import MoEConfig, RoutingConfig
-from kernels.experts.reference import BatchedReferenceExperts
-from kernels.experts.triton import TritonBatchedExperts
-from kernels.layer_graphs import kernel_can_capture
-from kernels.modular import ModularKernel
-from kernels.prepare_finalize.batched import SYNC_FREE_TOKENS, Batched
-from kernels.quant_scheme import ActQuant, QuantConfig, QuantScheme
-from kernels.random_weights import random_expert_weights
-from kernels.routing import contiguous_expert_map, route, to_local_ids
-from kernels.stages import DispatchSpec
-from kernels.tensors import Routing
-from kernels.workspace import Workspace
+from moe_serve.kernels.config import MoEConfig, RoutingConfig
+from moe_serve.kernels.experts.reference import BatchedReferenceExperts
+from moe_serve.kernels.experts.triton import TritonBatchedExperts
+from moe_serve.kernels.layer_graphs import kernel_can_capture
+from moe_serve.kernels.modular import ModularKernel
+from moe_serve.kernels.prepare_finalize.batched import SYNC_FREE_TOKENS, Batched
+from moe_serve.kernels.quant_scheme import ActQuant, QuantConfig, QuantScheme
+from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.routing import contiguous_expert_map, route, to_local_ids
+from moe_serve.kernels.stages import DispatchSpec
+from moe_serve.kernels.tensors import Routing
+from moe_serve.kernels.workspace import Workspace
 from tests.kernels.oracle import FP8_ACT_TOL, assert_matches, moe_oracle
 from tests.kernels.triton_cases import random_routing
 

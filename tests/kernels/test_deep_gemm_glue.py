@@ -10,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.config import Activation, ActivationSpec, GateUp
-from kernels.experts._triton import psum_layout as psum
-from kernels.experts._triton.act_quant import (
+from moe_serve.kernels.config import Activation, ActivationSpec, GateUp
+from moe_serve.kernels.experts._triton import psum_layout as psum
+from moe_serve.kernels.experts._triton.act_quant import (
     MaskedRows,
     PairRows,
     _round_to_e4m3,
@@ -20,8 +20,8 @@ from kernels.experts._triton.act_quant import (
     act_quant_torch,
     mn_major_scales,
 )
-from kernels.quant_scheme import FP8, ActQuant
-from kernels.quantize import dequantize_activation, quantize_activation
+from moe_serve.kernels.quant_scheme import FP8, ActQuant
+from moe_serve.kernels.quantize import dequantize_activation, quantize_activation
 
 SPECS = [ActivationSpec(kind, gate_up) for kind in Activation for gate_up in GateUp]
 

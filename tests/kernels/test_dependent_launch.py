@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.dependent_launch as dependent_launch_module
-from bench.random_layer import random_layer
-from kernels.config import MoEConfig, RoutingConfig, Scoring
-from kernels.dependent_launch import dependent_launch
-from kernels.layer import build_layer
-from kernels.layer_graphs import LayerGraphs
-from kernels.quant_scheme import QuantConfig, QuantScheme
-from kernels.tensors import ForwardInputs
+import moe_serve.kernels.dependent_launch as dependent_launch_module
+from moe_serve.bench.random_layer import random_layer
+from moe_serve.kernels.config import MoEConfig, RoutingConfig, Scoring
+from moe_serve.kernels.dependent_launch import dependent_launch
+from moe_serve.kernels.layer import build_layer
+from moe_serve.kernels.layer_graphs import LayerGraphs
+from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.kernels.tensors import ForwardInputs
 
 CUDA = torch.device("cuda")
 MAX_TOKENS = 64

@@ -18,18 +18,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kernels.accuracy import relative_error
-from kernels.config import MoEConfig, RoutingConfig
-from kernels.experts.reference import ReferenceExperts
-from kernels.modular import ModularKernel
-from kernels.placement import Placement, balancedness, rank_tokens
-from kernels.prepare_finalize.naive_ep import NaiveEP
-from kernels.prepare_finalize.no_ep import NoEP
-from kernels.quant_scheme import QuantConfig
-from kernels.random_weights import random_expert_weights
-from kernels.routing import route, to_local_ids
-from kernels.tensors import Routing
-from kernels.workspace import Workspace
+from moe_serve.kernels.accuracy import relative_error
+from moe_serve.kernels.config import MoEConfig, RoutingConfig
+from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.kernels.modular import ModularKernel
+from moe_serve.kernels.placement import Placement, balancedness, rank_tokens
+from moe_serve.kernels.prepare_finalize.naive_ep import NaiveEP
+from moe_serve.kernels.prepare_finalize.no_ep import NoEP
+from moe_serve.kernels.quant_scheme import QuantConfig
+from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.routing import route, to_local_ids
+from moe_serve.kernels.tensors import Routing
+from moe_serve.kernels.workspace import Workspace
 from tests.kernels.ranks import run_ranks
 
 WORLD = 3

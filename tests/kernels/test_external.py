@@ -10,23 +10,23 @@ import types
 import pytest
 import torch
 
-from kernels import selection
-from kernels.accuracy import relative_error
-from kernels.activations import apply_activation
-from kernels.config import Activation, ActivationSpec, GateUp, MoEConfig, RoutingConfig
-from kernels.experts import deep_gemm, deep_gemm_fp4, oai_triton, triton_or_deep_gemm
-from kernels.experts._triton.sort_pairs import sort_pairs
-from kernels.experts.reference import ReferenceExperts
-from kernels.modular import ModularKernel
-from kernels.prepare_finalize.batched import Batched
-from kernels.prepare_finalize.no_ep import NoEP
-from kernels.quant_scheme import QuantConfig, QuantScheme
-from kernels.quantize import dequantize_mxfp4, dequantize_weight, quantize_mxfp4
-from kernels.random_weights import random_expert_weights
-from kernels.registry import experts_backends
-from kernels.routing import route
-from kernels.tensors import Routing
-from kernels.workspace import Workspace
+from moe_serve.kernels import selection
+from moe_serve.kernels.accuracy import relative_error
+from moe_serve.kernels.activations import apply_activation
+from moe_serve.kernels.config import Activation, ActivationSpec, GateUp, MoEConfig, RoutingConfig
+from moe_serve.kernels.experts import deep_gemm, deep_gemm_fp4, oai_triton, triton_or_deep_gemm
+from moe_serve.kernels.experts._triton.sort_pairs import sort_pairs
+from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.kernels.modular import ModularKernel
+from moe_serve.kernels.prepare_finalize.batched import Batched
+from moe_serve.kernels.prepare_finalize.no_ep import NoEP
+from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.kernels.quantize import dequantize_mxfp4, dequantize_weight, quantize_mxfp4
+from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.registry import experts_backends
+from moe_serve.kernels.routing import route
+from moe_serve.kernels.tensors import Routing
+from moe_serve.kernels.workspace import Workspace
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 EXTERNAL = (

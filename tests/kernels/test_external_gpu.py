@@ -9,14 +9,14 @@ import logging
 import pytest
 import torch
 
-from bench.shapes import SHAPES
-from kernels import selection
-from kernels.accuracy import relative_error, tolerance
-from kernels.config import Activation, ActivationSpec
-from kernels.experts.reference import ReferenceExperts
-from kernels.layer_graphs import FINE_FROM, token_buckets
-from kernels.prepare_finalize.batched import SYNC_FREE_TOKENS
-from kernels.tensors import Routing
+from moe_serve.bench.shapes import SHAPES
+from moe_serve.kernels import selection
+from moe_serve.kernels.accuracy import relative_error, tolerance
+from moe_serve.kernels.config import Activation, ActivationSpec
+from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.kernels.layer_graphs import FINE_FROM, token_buckets
+from moe_serve.kernels.prepare_finalize.batched import SYNC_FREE_TOKENS
+from moe_serve.kernels.tensors import Routing
 from tests.kernels.external_cases import layer_inputs, layer_weights, modular, reference_output
 
 pytestmark = pytest.mark.gpu

@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from kernels.graph_capture import capturing, capturing_phases, phase_boundary
+from moe_serve.kernels.graph_capture import capturing, capturing_phases, phase_boundary
 
 
 class FakeGraph:

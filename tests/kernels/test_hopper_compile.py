@@ -25,27 +25,32 @@ import torch
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-import kernels
-from kernels.config import RoutingConfig
-from kernels.experts._triton import psum_layout as psum
-from kernels.experts._triton.act_quant import MaskedRows, PairRows, act_quant, mn_major_scales
-from kernels.experts._triton.codes import WeightKind
-from kernels.experts._triton.grouped_gemm import GemmTile
-from kernels.experts._triton.quantize import quantize_into
-from kernels.experts._triton.sort_pairs import sort_pairs
-from kernels.experts._triton.tiles import LayerTiles
-from kernels.input_checks import NONFINITE_BITS, bit_rows
-from kernels.quant_scheme import FP8, ActQuant, QuantScheme
-from kernels.quantize import quantize_activation
-from kernels.routing_kernel import route_rows
-from kernels.row_kernels import (
+import moe_serve.kernels
+from moe_serve.kernels.config import RoutingConfig
+from moe_serve.kernels.experts._triton import psum_layout as psum
+from moe_serve.kernels.experts._triton.act_quant import (
+    MaskedRows,
+    PairRows,
+    act_quant,
+    mn_major_scales,
+)
+from moe_serve.kernels.experts._triton.codes import WeightKind
+from moe_serve.kernels.experts._triton.grouped_gemm import GemmTile
+from moe_serve.kernels.experts._triton.quantize import quantize_into
+from moe_serve.kernels.experts._triton.sort_pairs import sort_pairs
+from moe_serve.kernels.experts._triton.tiles import LayerTiles
+from moe_serve.kernels.input_checks import NONFINITE_BITS, bit_rows
+from moe_serve.kernels.quant_scheme import FP8, ActQuant, QuantScheme
+from moe_serve.kernels.quantize import quantize_activation
+from moe_serve.kernels.routing_kernel import route_rows
+from moe_serve.kernels.row_kernels import (
     batch_stats_into,
     nonfinite_into,
     router_logits_into,
     silu_and_mul,
     zero_rows_from,
 )
-from kernels.tensors import Format
+from moe_serve.kernels.tensors import Format
 from tests.kernels.triton_cases import Case, random_routing, triton_vs_reference
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU suite compiles them")
@@ -70,7 +75,7 @@ def _encode(value: object) -> object:
 def _launchable_kernels() -> set[tuple[str, str]]:
     """(module, name) of every jit function in `kernels` that is launched: named *_kernel."""
     found = set()
-    for info in pkgutil.walk_packages(kernels.__path__, "kernels."):
+    for info in pkgutil.walk_packages(moe_serve.kernels.__path__, "moe_serve.kernels."):
         module = importlib.import_module(info.name)
         for name, value in vars(module).items():
             ours = isinstance(value, InterpretedFunction) and value.fn.__module__ == info.name

@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.config import MoEConfig
-from kernels.input_checks import (
+from moe_serve.kernels.config import MoEConfig
+from moe_serve.kernels.input_checks import (
     NONFINITE_BITS,
     InputError,
     all_finite_on_device,
     check_values,
     finite_flag,
 )
-from kernels.layer import LayerWeights, MoELayer, RouterWeights, build_layer
-from kernels.random_weights import random_expert_weights
-from kernels.tensors import ForwardInputs
+from moe_serve.kernels.layer import LayerWeights, MoELayer, RouterWeights, build_layer
+from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.tensors import ForwardInputs
 
 CPU = torch.device("cpu")
 

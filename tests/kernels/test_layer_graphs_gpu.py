@@ -10,17 +10,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.random_layer import random_layer
-from kernels.accuracy import relative_error
-from kernels.config import ActivationSpec, GroupScore, MoEConfig, RoutingConfig, Scoring
-from kernels.layer import build_layer, expert_tokens
-from kernels.layer_graphs import LayerGraphs, can_capture, token_buckets
-from kernels.placement import Placement
-from kernels.prepare_finalize.naive_ep import NaiveEP
-from kernels.quant_scheme import QuantConfig, QuantScheme
-from kernels.registry import experts_backends
-from kernels.tensors import ForwardInputs
-from service.ep_group import leave
+from moe_serve.bench.random_layer import random_layer
+from moe_serve.kernels.accuracy import relative_error
+from moe_serve.kernels.config import ActivationSpec, GroupScore, MoEConfig, RoutingConfig, Scoring
+from moe_serve.kernels.layer import build_layer, expert_tokens
+from moe_serve.kernels.layer_graphs import LayerGraphs, can_capture, token_buckets
+from moe_serve.kernels.placement import Placement
+from moe_serve.kernels.prepare_finalize.naive_ep import NaiveEP
+from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.kernels.registry import experts_backends
+from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.service.ep_group import leave
 from tests.kernels.ranks import run_ranks
 
 pytestmark = pytest.mark.gpu

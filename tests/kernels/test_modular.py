@@ -8,18 +8,18 @@ from typing import ClassVar
 import pytest
 import torch
 
-from kernels import registry, selection
-from kernels.config import ActivationSpec, MoEConfig, RoutingConfig
-from kernels.experts.reference import BatchedReferenceExperts, ReferenceExperts
-from kernels.modular import ModularKernel
-from kernels.prepare_finalize.batched import Batched
-from kernels.prepare_finalize.no_ep import NoEP
-from kernels.quant_scheme import QuantConfig, QuantScheme
-from kernels.random_weights import random_expert_weights
-from kernels.routing import route
-from kernels.stages import Experts, SideOutput, Support
-from kernels.tensors import Format
-from kernels.workspace import Workspace
+from moe_serve.kernels import registry, selection
+from moe_serve.kernels.config import ActivationSpec, MoEConfig, RoutingConfig
+from moe_serve.kernels.experts.reference import BatchedReferenceExperts, ReferenceExperts
+from moe_serve.kernels.modular import ModularKernel
+from moe_serve.kernels.prepare_finalize.batched import Batched
+from moe_serve.kernels.prepare_finalize.no_ep import NoEP
+from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.routing import route
+from moe_serve.kernels.stages import Experts, SideOutput, Support
+from moe_serve.kernels.tensors import Format
+from moe_serve.kernels.workspace import Workspace
 
 
 class _CountingExperts(ReferenceExperts):

@@ -20,18 +20,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from bench.random_layer import random_layer
-from bench.shapes import SHAPES
-from kernels import registry, selection
-from kernels.accuracy import relative_error
-from kernels.config import MoEConfig, RoutingConfig
-from kernels.experts.reference import ReferenceExperts
-from kernels.experts.triton import TritonExperts
-from kernels.layer import LayerWeights, RouterWeights, build_layer
-from kernels.modular import ModularKernel
-from kernels.placement import Placement
-from kernels.prepare_finalize import naive_ep
-from kernels.prepare_finalize.naive_ep import (
+from moe_serve.bench.random_layer import random_layer
+from moe_serve.bench.shapes import SHAPES
+from moe_serve.kernels import registry, selection
+from moe_serve.kernels.accuracy import relative_error
+from moe_serve.kernels.config import MoEConfig, RoutingConfig
+from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.kernels.experts.triton import TritonExperts
+from moe_serve.kernels.layer import LayerWeights, RouterWeights, build_layer
+from moe_serve.kernels.modular import ModularKernel
+from moe_serve.kernels.placement import Placement
+from moe_serve.kernels.prepare_finalize import naive_ep
+from moe_serve.kernels.prepare_finalize.naive_ep import (
     NaiveEP,
     column_blocks,
     pack_rows,
@@ -40,15 +40,15 @@ from kernels.prepare_finalize.naive_ep import (
     unpack_rows,
     unpack_segments,
 )
-from kernels.prepare_finalize.no_ep import NoEP, dispatch_locally
-from kernels.quant_scheme import ActQuant, QuantConfig
-from kernels.random_weights import random_expert_weights
-from kernels.routing import contiguous_expert_map, route
-from kernels.stages import DispatchSpec, SideOutput
-from kernels.tensors import Routing
-from kernels.workspace import Workspace
+from moe_serve.kernels.prepare_finalize.no_ep import NoEP, dispatch_locally
+from moe_serve.kernels.quant_scheme import ActQuant, QuantConfig
+from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.routing import contiguous_expert_map, route
+from moe_serve.kernels.stages import DispatchSpec, SideOutput
+from moe_serve.kernels.tensors import Routing
+from moe_serve.kernels.workspace import Workspace
+from moe_serve.weights.placement_file import read_expert_counts, read_placement
 from tests.kernels.ranks import run_ranks
-from weights.placement_file import read_expert_counts, read_placement
 
 log = logging.getLogger(__name__)
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.random_layer import random_layer
-from kernels.accuracy import relative_error, tolerance
-from kernels.config import Activation, GateUp
-from kernels.layer import build_layer
-from kernels.layer_graphs import LayerGraphs
-from kernels.quant_scheme import QuantScheme
-from kernels.selection import select
-from kernels.tensors import Format, ForwardInputs
+from moe_serve.bench.random_layer import random_layer
+from moe_serve.kernels.accuracy import relative_error, tolerance
+from moe_serve.kernels.config import Activation, GateUp
+from moe_serve.kernels.layer import build_layer
+from moe_serve.kernels.layer_graphs import LayerGraphs
+from moe_serve.kernels.quant_scheme import QuantScheme
+from moe_serve.kernels.selection import select
+from moe_serve.kernels.tensors import Format, ForwardInputs
 from tests.kernels.triton_cases import Case, random_routing, triton_vs_reference
 
 pytestmark = pytest.mark.gpu

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from kernels.quant_scheme import FP8_BLOCK, ActQuant, QuantConfig, QuantScheme
-from kernels.quantize import (
+from moe_serve.kernels.quant_scheme import FP8_BLOCK, ActQuant, QuantConfig, QuantScheme
+from moe_serve.kernels.quantize import (
     E2M1_VALUES,
     dequantize_activation,
     dequantize_weight,

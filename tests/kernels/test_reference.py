@@ -7,15 +7,15 @@ import itertools
 import pytest
 import torch
 
-from kernels.config import Activation, ActivationSpec, GateUp, MoEConfig, RoutingConfig
-from kernels.experts.reference import BatchedReferenceExperts, ReferenceExperts
-from kernels.modular import ModularKernel
-from kernels.prepare_finalize.batched import Batched
-from kernels.prepare_finalize.no_ep import NoEP
-from kernels.quant_scheme import QuantConfig, QuantScheme
-from kernels.random_weights import random_expert_weights, stable_seed
-from kernels.routing import contiguous_expert_map, route
-from kernels.workspace import Workspace
+from moe_serve.kernels.config import Activation, ActivationSpec, GateUp, MoEConfig, RoutingConfig
+from moe_serve.kernels.experts.reference import BatchedReferenceExperts, ReferenceExperts
+from moe_serve.kernels.modular import ModularKernel
+from moe_serve.kernels.prepare_finalize.batched import Batched
+from moe_serve.kernels.prepare_finalize.no_ep import NoEP
+from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.kernels.random_weights import random_expert_weights, stable_seed
+from moe_serve.kernels.routing import contiguous_expert_map, route
+from moe_serve.kernels.workspace import Workspace
 from tests.kernels.oracle import FP8_ACT_TOL, assert_matches, moe_oracle
 
 ACTIVATIONS = {

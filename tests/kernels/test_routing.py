@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from kernels.config import GroupScore, RoutingConfig, Scoring
-from kernels.random_weights import stable_seed
-from kernels.routing import contiguous_expert_map, route, to_local_ids
+from moe_serve.kernels.config import GroupScore, RoutingConfig, Scoring
+from moe_serve.kernels.random_weights import stable_seed
+from moe_serve.kernels.routing import contiguous_expert_map, route, to_local_ids
 
 
 def _top(values: list[float], k: int) -> list[int]:

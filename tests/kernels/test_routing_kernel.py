@@ -16,11 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.config import GroupScore, RoutingConfig, Scoring
-from kernels.random_weights import stable_seed
-from kernels.routing import _limit_to_groups, mask_rows, route, route_torch
-from kernels.routing_kernel import route_rows
-from kernels.tensors import Routing
+from moe_serve.kernels.config import GroupScore, RoutingConfig, Scoring
+from moe_serve.kernels.random_weights import stable_seed
+from moe_serve.kernels.routing import _limit_to_groups, mask_rows, route, route_torch
+from moe_serve.kernels.routing_kernel import route_rows
+from moe_serve.kernels.tensors import Routing
 from tests.kernels.test_routing import CASES
 
 RTOL = 1e-6

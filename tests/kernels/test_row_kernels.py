@@ -7,19 +7,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.batch_invariant import triton_matmul
-from kernels.input_checks import NONFINITE_BITS, all_finite_on_device, bit_rows, finite_flag
-from kernels.layer import ROUTER_GEMV_TOKENS, RouterWeights, expert_tokens
-from kernels.layer_graphs import zero_padding
-from kernels.routing import mask_rows
-from kernels.row_kernels import (
+from moe_serve.kernels.batch_invariant import triton_matmul
+from moe_serve.kernels.input_checks import (
+    NONFINITE_BITS,
+    all_finite_on_device,
+    bit_rows,
+    finite_flag,
+)
+from moe_serve.kernels.layer import ROUTER_GEMV_TOKENS, RouterWeights, expert_tokens
+from moe_serve.kernels.layer_graphs import zero_padding
+from moe_serve.kernels.routing import mask_rows
+from moe_serve.kernels.row_kernels import (
     batch_stats_into,
     nonfinite_into,
     router_logits_into,
     silu_and_mul,
     zero_rows_from,
 )
-from kernels.tensors import ForwardInputs
+from moe_serve.kernels.tensors import ForwardInputs
 
 _DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

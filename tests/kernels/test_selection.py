@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from kernels import registry, selection
-from kernels.config import MoEConfig, RoutingConfig
-from kernels.quant_scheme import QuantConfig, QuantScheme
-from kernels.tuned import TUNED_DIR
+from moe_serve.kernels import registry, selection
+from moe_serve.kernels.config import MoEConfig, RoutingConfig
+from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.kernels.tuned import TUNED_DIR
 
 GPU = torch.device("cuda")
 LARGE = MoEConfig(256, 7168, 2048, RoutingConfig(top_k=8), quant=QuantConfig("fp8-block"))

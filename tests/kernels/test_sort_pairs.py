@@ -8,8 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.experts._triton import sort_pairs as sort_pairs_module
-from kernels.experts._triton.sort_pairs import ONE_PROGRAM_MAX_PAIRS, sort_pairs, sort_pairs_torch
+from moe_serve.kernels.experts._triton import sort_pairs as sort_pairs_module
+from moe_serve.kernels.experts._triton.sort_pairs import (
+    ONE_PROGRAM_MAX_PAIRS,
+    sort_pairs,
+    sort_pairs_torch,
+)
 
 
 def _routing(m: int, k: int, num_experts: int, seed: int, only: int | None, dtype: torch.dtype):

@@ -8,20 +8,20 @@ from typing import ClassVar
 import pytest
 import torch
 
-from kernels import registry, selection
-from kernels.accuracy import relative_error
-from kernels.config import MoEConfig, RoutingConfig
-from kernels.experts.reference import ReferenceExperts
-from kernels.experts.token_switch import TokenSwitchExperts
-from kernels.layer import LayerWeights, RouterWeights, build_layer
-from kernels.modular import ModularKernel
-from kernels.prepare_finalize.no_ep import NoEP
-from kernels.quant_scheme import QuantConfig, QuantScheme
-from kernels.random_weights import random_expert_weights
-from kernels.routing import route
-from kernels.tensors import ForwardInputs
-from kernels.tuned import TUNED_DIR
-from kernels.workspace import Workspace
+from moe_serve.kernels import registry, selection
+from moe_serve.kernels.accuracy import relative_error
+from moe_serve.kernels.config import MoEConfig, RoutingConfig
+from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.kernels.experts.token_switch import TokenSwitchExperts
+from moe_serve.kernels.layer import LayerWeights, RouterWeights, build_layer
+from moe_serve.kernels.modular import ModularKernel
+from moe_serve.kernels.prepare_finalize.no_ep import NoEP
+from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.routing import route
+from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.kernels.tuned import TUNED_DIR
+from moe_serve.kernels.workspace import Workspace
 
 GPU = torch.device("cuda")
 CPU = torch.device("cpu")

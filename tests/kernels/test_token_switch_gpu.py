@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.shapes import SHAPES
-from kernels.accuracy import relative_error, tolerance
-from kernels.layer import LayerWeights, MoELayer, RouterWeights, build_layer
-from kernels.layer_graphs import LayerGraphs, can_capture, token_buckets
-from kernels.registry import experts_backends
-from kernels.selection import Rule, RuleTable, rule_key
-from kernels.tensors import ForwardInputs
+from moe_serve.bench.shapes import SHAPES
+from moe_serve.kernels.accuracy import relative_error, tolerance
+from moe_serve.kernels.layer import LayerWeights, MoELayer, RouterWeights, build_layer
+from moe_serve.kernels.layer_graphs import LayerGraphs, can_capture, token_buckets
+from moe_serve.kernels.registry import experts_backends
+from moe_serve.kernels.selection import Rule, RuleTable, rule_key
+from moe_serve.kernels.tensors import ForwardInputs
 from tests.kernels.external_cases import layer_inputs, layer_weights, reference_output
 
 pytestmark = pytest.mark.gpu

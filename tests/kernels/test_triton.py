@@ -14,13 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.accuracy import relative_error, tolerance
-from kernels.config import Activation, GateUp
-from kernels.experts._triton import tiles
-from kernels.experts._triton.align import align_pairs, align_pairs_torch, aligned_capacity
-from kernels.experts._triton.gemv import MAX_PAIRS, EachPair, pair_gemv
-from kernels.experts._triton.graphs import MAX_GRAPH_TOKENS
-from kernels.experts._triton.grouped_gemm import (
+from moe_serve.kernels.accuracy import relative_error, tolerance
+from moe_serve.kernels.config import Activation, GateUp
+from moe_serve.kernels.experts._triton import tiles
+from moe_serve.kernels.experts._triton.align import align_pairs, align_pairs_torch, aligned_capacity
+from moe_serve.kernels.experts._triton.gemv import MAX_PAIRS, EachPair, pair_gemv
+from moe_serve.kernels.experts._triton.graphs import MAX_GRAPH_TOKENS
+from moe_serve.kernels.experts._triton.grouped_gemm import (
     Activations,
     Epilogue,
     ExpertMatrix,
@@ -28,21 +28,21 @@ from kernels.experts._triton.grouped_gemm import (
     _e2m1_to_float,
     grouped_gemm,
 )
-from kernels.experts._triton.quantize import quantize_into
-from kernels.experts.deep_gemm import DeepGemmExperts
-from kernels.experts.reference import ReferenceExperts
-from kernels.experts.triton import TritonBatchedExperts, TritonExperts
-from kernels.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
-from kernels.modular import ModularKernel
-from kernels.prepare_finalize.naive_ep import column_blocks
-from kernels.prepare_finalize.no_ep import NoEP
-from kernels.quant_scheme import FP8, ActQuant, QuantConfig, QuantScheme
-from kernels.quantize import E2M1_VALUES, dequantize_mxfp4, quantize_activation
-from kernels.random_weights import random_expert_weights
-from kernels.routing import contiguous_expert_map
-from kernels.stages import ColumnBlocks, DispatchSpec, SideOutput, SumTarget
-from kernels.tensors import Format
-from kernels.workspace import Workspace
+from moe_serve.kernels.experts._triton.quantize import quantize_into
+from moe_serve.kernels.experts.deep_gemm import DeepGemmExperts
+from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.kernels.experts.triton import TritonBatchedExperts, TritonExperts
+from moe_serve.kernels.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
+from moe_serve.kernels.modular import ModularKernel
+from moe_serve.kernels.prepare_finalize.naive_ep import column_blocks
+from moe_serve.kernels.prepare_finalize.no_ep import NoEP
+from moe_serve.kernels.quant_scheme import FP8, ActQuant, QuantConfig, QuantScheme
+from moe_serve.kernels.quantize import E2M1_VALUES, dequantize_mxfp4, quantize_activation
+from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.routing import contiguous_expert_map
+from moe_serve.kernels.stages import ColumnBlocks, DispatchSpec, SideOutput, SumTarget
+from moe_serve.kernels.tensors import Format
+from moe_serve.kernels.workspace import Workspace
 from tests.kernels.triton_cases import (
     ALL_SCHEMES,
     Case,
@@ -349,7 +349,7 @@ def test_shipped_tuned_files_parse() -> None:
 
 
 def test_tune_candidates_include_the_heuristic_and_respect_the_fp8_block() -> None:
-    from bench.tune import candidates
+    from moe_serve.bench.tune import candidates
 
     cfg = Case(QuantScheme.FP8_BLOCK).config()
     found = candidates(cfg, 64)
@@ -359,7 +359,7 @@ def test_tune_candidates_include_the_heuristic_and_respect_the_fp8_block() -> No
 
 
 def test_tune_later_rounds_vary_gemm2_alone_then_the_program_order_of_both() -> None:
-    from bench.tune import gemm2_choices, order_choices
+    from moe_serve.bench.tune import gemm2_choices, order_choices
 
     cfg = Case(QuantScheme.FP8_BLOCK).config()
     best = tiles.heuristic_tiles(cfg, 64)
@@ -373,7 +373,7 @@ def test_tune_later_rounds_vary_gemm2_alone_then_the_program_order_of_both() -> 
 
 
 def test_tune_decode_round_varies_one_gemm_past_four_stages_within_shared_memory() -> None:
-    from bench.tune import decode_choices
+    from moe_serve.bench.tune import decode_choices
 
     cfg = Case(QuantScheme.FP8_BLOCK).config()
     best = tiles.heuristic_tiles(cfg, 1)
@@ -398,7 +398,7 @@ def test_tune_decode_round_varies_one_gemm_past_four_stages_within_shared_memory
 def test_tune_searches_buckets_the_file_lacks_and_on_retune_each_named_one_with_its_tiles(
     tmp_path,
 ) -> None:
-    from bench.tune import TuneRequest, buckets_to_search
+    from moe_serve.bench.tune import TuneRequest, buckets_to_search
 
     cfg = Case(QuantScheme.FP8_BLOCK).config()
     kept = tiles.heuristic_tiles(cfg, 16)
@@ -411,7 +411,7 @@ def test_tune_searches_buckets_the_file_lacks_and_on_retune_each_named_one_with_
 
 def test_tune_confirmation_keeps_the_fastest_on_average_not_on_one_routing() -> None:
     """A wins on the first routing by luck, B on average; each routing times every finalist."""
-    from bench.tune import confirmed
+    from moe_serve.bench.tune import confirmed
 
     cfg = Case().config()
     a, b = tiles.heuristic_tiles(cfg, 16), tiles.heuristic_tiles(cfg, 1024)
@@ -430,7 +430,7 @@ def test_tune_confirmation_keeps_the_fastest_on_average_not_on_one_routing() -> 
 def test_tune_shape_accepts_names_and_four_integers_and_names_the_format_on_error() -> None:
     import argparse
 
-    from bench.tune import parse_shape
+    from moe_serve.bench.tune import parse_shape
 
     assert parse_shape("qwen3").num_experts == 128
     cfg = parse_shape("16,256,512,4")
@@ -440,7 +440,7 @@ def test_tune_shape_accepts_names_and_four_integers_and_names_the_format_on_erro
 
 
 def test_tune_resumes_without_retiming_buckets_already_in_the_file(tmp_path) -> None:
-    from bench.tune import TuneRequest, tune
+    from moe_serve.bench.tune import TuneRequest, tune
 
     cfg = Case().config()
     done = tiles.heuristic_tiles(cfg, 1).to_json() | {"us": 1.0}
@@ -451,7 +451,7 @@ def test_tune_resumes_without_retiming_buckets_already_in_the_file(tmp_path) -> 
 
 
 def test_tune_refuses_to_run_without_a_gpu() -> None:
-    from service.cli import main
+    from moe_serve.service.cli import main
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
@@ -644,7 +644,7 @@ def test_gemm1_amax_covers_the_values_it_writes_and_no_padding_row(
 
 
 def test_tune_per_pair_round_varies_one_gemm_and_keeps_the_fp8_block_k_step() -> None:
-    from bench.tune import candidates, fastest, per_pair_choices
+    from moe_serve.bench.tune import candidates, fastest, per_pair_choices
 
     cfg = Case(QuantScheme.FP8_BLOCK, num_experts=256, top_k=8).config()
     assert not any(t.per_pair for t in candidates(cfg, 1))  # the grouped rounds stay grouped

@@ -11,17 +11,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.accuracy import relative_error, tolerance
-from kernels.config import Activation, GateUp
-from kernels.experts._triton.codes import W_MXFP4
-from kernels.experts._triton.grouped_gemm import GemmTile, _decoded_pairs
-from kernels.experts._triton.tiles import LayerTiles
-from kernels.layer import LayerWeights, RouterWeights, build_layer
-from kernels.quant_scheme import ActQuant, QuantScheme
-from kernels.random_weights import random_expert_weights
-from kernels.routing import contiguous_expert_map
-from kernels.selection import select
-from kernels.tensors import Format, ForwardInputs
+from moe_serve.kernels.accuracy import relative_error, tolerance
+from moe_serve.kernels.config import Activation, GateUp
+from moe_serve.kernels.experts._triton.codes import W_MXFP4
+from moe_serve.kernels.experts._triton.grouped_gemm import GemmTile, _decoded_pairs
+from moe_serve.kernels.experts._triton.tiles import LayerTiles
+from moe_serve.kernels.layer import LayerWeights, RouterWeights, build_layer
+from moe_serve.kernels.quant_scheme import ActQuant, QuantScheme
+from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.routing import contiguous_expert_map
+from moe_serve.kernels.selection import select
+from moe_serve.kernels.tensors import Format, ForwardInputs
 from tests.kernels.triton_cases import Case, random_routing, triton_vs_reference
 
 pytestmark = pytest.mark.gpu
@@ -137,10 +137,10 @@ def test_auto_selects_triton_on_the_gpu_and_matches_reference_through_the_layer(
 def test_decode_graph_replays_match_the_eager_forward_for_fresh_inputs(
     scheme: QuantScheme, m: int
 ) -> None:
-    from kernels.experts.triton import TritonExperts
-    from kernels.prepare_finalize.no_ep import NoEP
-    from kernels.stages import DispatchSpec
-    from kernels.workspace import Workspace
+    from moe_serve.kernels.experts.triton import TritonExperts
+    from moe_serve.kernels.prepare_finalize.no_ep import NoEP
+    from moe_serve.kernels.stages import DispatchSpec
+    from moe_serve.kernels.workspace import Workspace
 
     cfg = _gpu_case(scheme).config()
     experts = TritonExperts(cfg, random_expert_weights(cfg).to(CUDA))
@@ -182,8 +182,8 @@ def test_mxfp4_decoded_in_bf16_equals_the_float32_decode_for_every_byte() -> Non
 def test_triton_quantiser_is_bit_identical_to_the_torch_one(
     how: ActQuant, rows: int, k: int
 ) -> None:
-    from kernels.experts._triton.quantize import quantize_rows
-    from kernels.quantize import quantize_activation
+    from moe_serve.kernels.experts._triton.quantize import quantize_rows
+    from moe_serve.kernels.quantize import quantize_activation
 
     x = torch.randn(rows, k, device=CUDA) * torch.rand(rows, 1, device=CUDA) * 10
     q, scale = quantize_rows(x.to(torch.bfloat16), how)

@@ -8,18 +8,18 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.accuracy import relative_error
-from kernels.config import Activation, ActivationSpec, GateUp, MoEConfig, RoutingConfig
-from kernels.experts._triton.tiles import LayerTiles
-from kernels.experts.reference import ReferenceExperts
-from kernels.experts.triton import TritonBatchedExperts, TritonExperts
-from kernels.modular import ModularKernel
-from kernels.prepare_finalize.batched import Batched
-from kernels.prepare_finalize.no_ep import NoEP
-from kernels.quant_scheme import QuantConfig, QuantScheme
-from kernels.random_weights import random_expert_weights
-from kernels.tensors import Format, Routing
-from kernels.workspace import Workspace
+from moe_serve.kernels.accuracy import relative_error
+from moe_serve.kernels.config import Activation, ActivationSpec, GateUp, MoEConfig, RoutingConfig
+from moe_serve.kernels.experts._triton.tiles import LayerTiles
+from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.kernels.experts.triton import TritonBatchedExperts, TritonExperts
+from moe_serve.kernels.modular import ModularKernel
+from moe_serve.kernels.prepare_finalize.batched import Batched
+from moe_serve.kernels.prepare_finalize.no_ep import NoEP
+from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.tensors import Format, Routing
+from moe_serve.kernels.workspace import Workspace
 
 ALL_SCHEMES = tuple(QuantScheme)
 

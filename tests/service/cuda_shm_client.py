@@ -23,7 +23,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.utils.cuda_shared_memory as cudashm
 from tritonclient.utils import InferenceServerException
 
-from bench.transport_bench import HttpKServe
+from moe_serve.bench.transport_bench import HttpKServe
 
 IN_FLIGHT_ROWS = 16  # fewer than a batch: such a request waits the server's batch delay
 UNREGISTER_AFTER_S = 0.05  # into that delay

@@ -14,14 +14,14 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
-from kernels.config import MoEConfig, RoutingConfig
-from kernels.layer import LayerWeights, RouterWeights, build_layer
-from kernels.random_weights import random_expert_weights
-from kernels.tensors import ForwardInputs
-from service.app import create_app
-from service.front_ends import FrontEnds
-from service.server import listen, server_config
-from service.settings import Settings
+from moe_serve.kernels.config import MoEConfig, RoutingConfig
+from moe_serve.kernels.layer import LayerWeights, RouterWeights, build_layer
+from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.service.app import create_app
+from moe_serve.service.front_ends import FrontEnds
+from moe_serve.service.server import listen, server_config
+from moe_serve.service.settings import Settings
 
 E, H, INTER, TOP_K = 4, 64, 128, 2
 TINY = "tiny"  # float32, stored router

@@ -9,15 +9,15 @@ import threading
 import pytest
 import torch
 
-from kernels.config import MoEConfig, RoutingConfig
-from kernels.layer import LayerWeights, RouterWeights
-from kernels.quant_scheme import QuantConfig
-from kernels.random_weights import random_expert_weights
-from kernels.tensors import ForwardInputs
-from service.batcher import BatchPolicy, DynamicBatcher
-from service.engine import Engine
-from service.errors import BadInput, ForwardFailed, NonFiniteOutput, NotReady, Overloaded
-from service.metrics import Metrics
+from moe_serve.kernels.config import MoEConfig, RoutingConfig
+from moe_serve.kernels.layer import LayerWeights, RouterWeights
+from moe_serve.kernels.quant_scheme import QuantConfig
+from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.service.batcher import BatchPolicy, DynamicBatcher
+from moe_serve.service.engine import Engine
+from moe_serve.service.errors import BadInput, ForwardFailed, NonFiniteOutput, NotReady, Overloaded
+from moe_serve.service.metrics import Metrics
 from tests.service.layers import TINY, E, H, TinyLayer, reference_forward, tiny_layers
 
 WAIT_S = 10.0  # bound on every wait in these tests

@@ -9,11 +9,11 @@ import safetensors.torch
 import torch
 from fastapi.testclient import TestClient
 
-from service import fast_path
-from service.app import create_app
-from service.binary_forward import BINARY as BINARY_MEDIA
-from service.binary_forward import JSON, plain_binary_forward, plain_forward
-from service.settings import Settings
+from moe_serve.service import fast_path
+from moe_serve.service.app import create_app
+from moe_serve.service.binary_forward import BINARY as BINARY_MEDIA
+from moe_serve.service.binary_forward import JSON, plain_binary_forward, plain_forward
+from moe_serve.service.settings import Settings
 from tests.service.layers import TINY, H, gated_loader
 
 BINARY = {"Content-Type": "application/octet-stream"}

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from service.batcher import BatchPolicy, DynamicBatcher
-from service.body_arena import BLOCK_BYTES, BodyArena
-from service.channel import (
+from moe_serve.service.batcher import BatchPolicy, DynamicBatcher
+from moe_serve.service.body_arena import BLOCK_BYTES, BodyArena
+from moe_serve.service.channel import (
     DONE,
     DONE_FIELDS,
     FORWARD,
@@ -23,11 +23,11 @@ from service.channel import (
     RecordReader,
     RecordWriter,
 )
-from service.channel_server import ChannelServer
-from service.deps import Runtime
-from service.metrics import Metrics
-from service.settings import Settings
-from service.wire import decode_safetensors, encode_safetensors
+from moe_serve.service.channel_server import ChannelServer
+from moe_serve.service.deps import Runtime
+from moe_serve.service.metrics import Metrics
+from moe_serve.service.settings import Settings
+from moe_serve.service.wire import decode_safetensors, encode_safetensors
 from tests.service.layers import TINY, H, reference_forward, tiny_layers
 from tests.service.test_batcher import WAIT_S, RecordingEngine, rows
 

@@ -20,11 +20,11 @@ import safetensors.torch
 import torch
 from pydantic import ValidationError
 
-from kernels.config import MoEConfig, RoutingConfig
-from kernels.quant_scheme import QuantConfig, QuantScheme
-from service.cli import build_parser, main
-from service.settings import Settings
-from weights.demo import ensure_demo_layers
+from moe_serve.kernels.config import MoEConfig, RoutingConfig
+from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.service.cli import build_parser, main
+from moe_serve.service.settings import Settings
+from moe_serve.weights.demo import ensure_demo_layers
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 90.0
@@ -80,7 +80,7 @@ def test_bad_setting_is_refused_naming_the_field(field: str, value: object, mess
 
 def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", *args],
+        [sys.executable, "-m", "moe_serve.service.cli", "serve", *args],
         cwd=ROOT,
         env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
@@ -125,9 +125,13 @@ def test_serve_warns_when_listening_beyond_loopback_without_a_token(
     def run(server: object, sockets: list[socket.socket]) -> None:
         started.append(sockets[0].getsockname()[0])
 
-    monkeypatch.setattr("service.serve.uvicorn.Server.run", run)
-    monkeypatch.setattr("service.serve.logs.configure", lambda *args: None)  # keep caplog's
-    monkeypatch.setattr("service.serve.collect_less", lambda: None)  # not in the test process
+    monkeypatch.setattr("moe_serve.service.serve.uvicorn.Server.run", run)
+    monkeypatch.setattr(
+        "moe_serve.service.serve.logs.configure", lambda *args: None
+    )  # keep caplog's
+    monkeypatch.setattr(
+        "moe_serve.service.serve.collect_less", lambda: None
+    )  # not in the test process
     if token:
         monkeypatch.setenv("MOE_SERVE_API_TOKEN", token)
     assert main(["serve", "--host", host, "--port", "0", "--device", "cpu"]) == 0
@@ -137,8 +141,10 @@ def test_serve_warns_when_listening_beyond_loopback_without_a_token(
 
 def test_serve_refuses_one_port_for_http_and_grpc(monkeypatch, caplog) -> None:
     """Both servers bound the port and requests went to either (found serving on --port 8001)."""
-    monkeypatch.setattr("service.serve.uvicorn.Server.run", lambda *args: None)  # never serves
-    monkeypatch.setattr("service.serve.collect_less", lambda: None)
+    monkeypatch.setattr(
+        "moe_serve.service.serve.uvicorn.Server.run", lambda *args: None
+    )  # never serves
+    monkeypatch.setattr("moe_serve.service.serve.collect_less", lambda: None)
     assert main(["serve", "--port", "8001", "--grpc-port", "8001", "--device", "cpu"]) == 2
     assert "port and grpc_port are both 8001" in caplog.text
 
@@ -209,7 +215,9 @@ def test_serve_stops_with_status_1_when_a_layer_fails_to_load(
 ) -> None:
     """Damaged data passes the header checks made before starting; the load finds it, and the
     process ends instead of answering 503 forever."""
-    monkeypatch.setattr("service.serve.logs.configure", lambda *args: None)  # keep caplog's
+    monkeypatch.setattr(
+        "moe_serve.service.serve.logs.configure", lambda *args: None
+    )  # keep caplog's
     layer = ensure_demo_layers(tmp_path)[0]
     raw = bytearray((layer / "experts.safetensors").read_bytes())
     raw[-100] ^= 0xFF
@@ -335,7 +343,7 @@ def test_serve_refuses_batch_invariance_for_an_fp8_tensor_layer_saying_why(
     monkeypatch, caplog
 ) -> None:
     cfg = MoEConfig(4, 64, 128, RoutingConfig(top_k=2), quant=QuantConfig(QuantScheme.FP8_TENSOR))
-    monkeypatch.setattr("service.serve.demo_configs", lambda: {"demo": cfg})
+    monkeypatch.setattr("moe_serve.service.serve.demo_configs", lambda: {"demo": cfg})
     assert main(["serve", "--batch-invariant", "--device", "cpu"]) == 2
     reason = "reference: not batch-invariant: fp8-tensor quantises the activations with one scale"
     assert reason in caplog.text

@@ -19,15 +19,15 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.accuracy import relative_error
-from kernels.layer import build_layer
-from kernels.tensors import ForwardInputs
-from service import shared_memory
-from service.app import create_app
-from service.settings import Settings
+from moe_serve.kernels.accuracy import relative_error
+from moe_serve.kernels.layer import build_layer
+from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.service import shared_memory
+from moe_serve.service.app import create_app
+from moe_serve.service.settings import Settings
+from moe_serve.weights.load import load_layer
 from tests.service.conftest import wait_ready
 from tests.service.layers import free_port, running_server
-from weights.load import load_layer
 
 pytestmark = pytest.mark.gpu
 

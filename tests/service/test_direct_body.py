@@ -15,9 +15,9 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from service.direct_body import DIRECT_BODY, BodyTarget, DirectBody
-from service.errors import ServiceError
-from service.server import bounded_protocol, listen
+from moe_serve.service.direct_body import DIRECT_BODY, BodyTarget, DirectBody
+from moe_serve.service.errors import ServiceError
+from moe_serve.service.server import bounded_protocol, listen
 
 TIMEOUT_S = 1.0
 SIZE = 300_000  # over the 256 KiB the loop reads at once for other requests

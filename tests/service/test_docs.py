@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from service.app import create_app
-from service.settings import Settings
+from moe_serve.service.app import create_app
+from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 
 TOKEN = "t" * 32

@@ -17,16 +17,16 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from kernels.layer import build_layer
-from kernels.tensors import ForwardInputs
-from service.app import create_app
-from service.cli import main
-from service.ep import EPEngine, _EPBatch
-from service.pipeline import BadRouting
-from service.settings import Settings
+from moe_serve.kernels.layer import build_layer
+from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.service.app import create_app
+from moe_serve.service.cli import main
+from moe_serve.service.ep import EPEngine, _EPBatch
+from moe_serve.service.pipeline import BadRouting
+from moe_serve.service.settings import Settings
+from moe_serve.weights.demo import ensure_demo_layers
+from moe_serve.weights.load import load_layer
 from tests.service.conftest import wait_ready
-from weights.demo import ensure_demo_layers
-from weights.load import load_layer
 
 FAIL_FAST_S = 5.0
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from kernels.accuracy import BY_DTYPE, SERVED_FP8_LAYER, relative_error
-from service.app import create_app
-from service.settings import Settings
+from moe_serve.kernels.accuracy import BY_DTYPE, SERVED_FP8_LAYER, relative_error
+from moe_serve.service.app import create_app
+from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.test_ep import _forward, _single_process
 from tests.service.test_ep_resilience import Traffic, _hidden, _wait_for

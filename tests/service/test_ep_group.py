@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from service import ep_group
-from service.ep_group import KEEP_COMMANDS, Commands, Rendezvous, connect, make_group
+from moe_serve.service import ep_group
+from moe_serve.service.ep_group import KEEP_COMMANDS, Commands, Rendezvous, connect, make_group
 
 
 @pytest.fixture

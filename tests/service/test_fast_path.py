@@ -10,9 +10,9 @@ import safetensors.torch
 import torch
 from fastapi.testclient import TestClient
 
-from kernels.config import MoEConfig, RoutingConfig
-from kernels.input_checks import all_finite
-from kernels.layer import (
+from moe_serve.kernels.config import MoEConfig, RoutingConfig
+from moe_serve.kernels.input_checks import all_finite
+from moe_serve.kernels.layer import (
     LayerWeights,
     RouterWeights,
     SharedExpert,
@@ -20,11 +20,11 @@ from kernels.layer import (
     expert_tokens,
     matmul_f32,
 )
-from kernels.layer_graphs import can_capture, token_buckets
-from kernels.random_weights import random_expert_weights
-from kernels.tensors import ForwardInputs
-from service.engine import Engine
-from service.wire import encode_safetensors
+from moe_serve.kernels.layer_graphs import can_capture, token_buckets
+from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.service.engine import Engine
+from moe_serve.service.wire import encode_safetensors
 from tests.service.layers import TINY, E, H, reference_forward, tiny_layers
 
 BINARY = {"Content-Type": "application/octet-stream"}

@@ -22,13 +22,13 @@ import pytest
 import torch
 from starlette.datastructures import Headers
 
-from service import json_codec, json_device, logs
-from service.body_arena import BLOCK_BYTES, REPLY_HEADER_BYTES, BodyArena
-from service.front_end import RELAYED, _answering, _blob_bytes, _json_reply, _write_blob
-from service.front_ends import json_here_bytes
-from service.json_numbers import NUMBER_BYTES, ON_LOOP_BYTES, decode_forward_arrays
-from service.settings import Settings
-from service.wire import decode_safetensors, encode_safetensors
+from moe_serve.service import json_codec, json_device, logs
+from moe_serve.service.body_arena import BLOCK_BYTES, REPLY_HEADER_BYTES, BodyArena
+from moe_serve.service.front_end import RELAYED, _answering, _blob_bytes, _json_reply, _write_blob
+from moe_serve.service.front_ends import json_here_bytes
+from moe_serve.service.json_numbers import NUMBER_BYTES, ON_LOOP_BYTES, decode_forward_arrays
+from moe_serve.service.settings import Settings
+from moe_serve.service.wire import decode_safetensors, encode_safetensors
 from tests.service.layers import NO_ROUTER, TINY, H, reference_forward, running_front_ends
 
 BINARY = {"Content-Type": "application/octet-stream"}
@@ -61,7 +61,10 @@ def test_binary_forwards_take_the_shared_memory_path_and_match_the_reference(
     url = _url(front_ends)
     before = _count(httpx.get(f"{url}/metrics").text, FORWARD_200)
     rows = [torch.randn(t, H, generator=torch.Generator().manual_seed(t)) for t in (1, 3, 17, 64)]
-    with caplog.at_level(logging.INFO, logger="service.middleware"), ThreadPoolExecutor(8) as pool:
+    with (
+        caplog.at_level(logging.INFO, logger="moe_serve.service.middleware"),
+        ThreadPoolExecutor(8) as pool,
+    ):
         replies = list(
             pool.map(
                 lambda x: httpx.post(
@@ -210,7 +213,7 @@ def test_json_forwards_are_decoded_by_the_front_end_and_equal_the_engines_reply(
     x = torch.randn(2, H, generator=gen)
     logits = torch.randn(2, 4, generator=gen)
     bodies.append((NO_ROUTER, {"hidden_states": x.tolist(), "router_logits": logits.tolist()}))
-    with caplog.at_level(logging.INFO, logger="service.middleware"):
+    with caplog.at_level(logging.INFO, logger="moe_serve.service.middleware"):
         plain = [httpx.post(f"{url}/v1/layers/{n}/forward", json=b) for n, b in bodies]
     assert "/forward" not in caplog.text  # answered through the channel, not relayed
     for (name, body), reply in zip(bodies, plain, strict=True):

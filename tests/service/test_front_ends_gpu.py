@@ -13,14 +13,14 @@ import httpx
 import pytest
 import torch
 
-from kernels.accuracy import relative_error
-from kernels.config import MoEConfig, RoutingConfig
-from kernels.layer import LayerWeights, RouterWeights, build_layer
-from kernels.random_weights import random_expert_weights
-from kernels.tensors import ForwardInputs
-from service import json_device
-from service.settings import Settings
-from service.wire import decode_safetensors, encode_safetensors
+from moe_serve.kernels.accuracy import relative_error
+from moe_serve.kernels.config import MoEConfig, RoutingConfig
+from moe_serve.kernels.layer import LayerWeights, RouterWeights, build_layer
+from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.service import json_device
+from moe_serve.service.settings import Settings
+from moe_serve.service.wire import decode_safetensors, encode_safetensors
 from tests.service.layers import INTER, TOP_K, E, H, TinyLayer, running_front_ends
 
 pytestmark = pytest.mark.gpu
@@ -63,7 +63,7 @@ ENGINE_LOG = _Records()  # what the engine's end of the channel logged
 def url():
     settings = Settings(device="cuda", http_workers=2, grpc_port=0, max_batch_tokens=MAX_BATCH)
     loader = lambda _settings, device: _layers(device)  # noqa: E731
-    logger = logging.getLogger("service.channel_server")
+    logger = logging.getLogger("moe_serve.service.channel_server")
     logger.addHandler(ENGINE_LOG)
     logger.setLevel(logging.INFO)
     try:

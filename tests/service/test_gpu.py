@@ -13,17 +13,17 @@ import safetensors.torch
 import torch
 from fastapi.testclient import TestClient
 
-from kernels.accuracy import BY_DTYPE, SERVED_FP8_LAYER, relative_error
-from kernels.layer import build_layer
-from kernels.layer_graphs import token_buckets
-from kernels.tensors import ForwardInputs
-from service import json_device
-from service.app import create_app
-from service.engine import Engine
-from service.settings import Settings
+from moe_serve.kernels.accuracy import BY_DTYPE, SERVED_FP8_LAYER, relative_error
+from moe_serve.kernels.layer import build_layer
+from moe_serve.kernels.layer_graphs import token_buckets
+from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.service import json_device
+from moe_serve.service.app import create_app
+from moe_serve.service.engine import Engine
+from moe_serve.service.settings import Settings
+from moe_serve.weights.load import load_layer
 from tests.service.conftest import wait_ready
 from tests.service.layers import running_server
-from weights.load import load_layer
 
 pytestmark = pytest.mark.gpu
 

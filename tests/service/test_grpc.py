@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from service.app import create_app
-from service.settings import Settings
+from moe_serve.service.app import create_app
+from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import (
     NO_ROUTER,
@@ -216,9 +216,9 @@ def test_grpc_port_in_use_stops_the_start_naming_the_address() -> None:
     import asyncio
     import socket
 
-    from service.deps import Runtime
-    from service.grpc_server import start_grpc_server
-    from service.metrics import Metrics
+    from moe_serve.service.deps import Runtime
+    from moe_serve.service.grpc_server import start_grpc_server
+    from moe_serve.service.metrics import Metrics
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

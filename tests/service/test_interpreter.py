@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from service.interpreter import GC_THRESHOLDS
+from moe_serve.service.interpreter import GC_THRESHOLDS
 
 
 def test_a_serving_process_freezes_what_it_started_with_and_collects_less_often() -> None:

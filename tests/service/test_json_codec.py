@@ -8,10 +8,10 @@ import orjson
 import pytest
 import torch
 
-from service.errors import BadInput
-from service.json_codec import array_to_tensor, decode_forward, dumps, rows_to_tensor
-from service.json_numbers import FORWARD_FIELDS, arrays_hold_only_numbers, rows_to_array
-from service.schemas import ForwardRequest
+from moe_serve.service.errors import BadInput
+from moe_serve.service.json_codec import array_to_tensor, decode_forward, dumps, rows_to_tensor
+from moe_serve.service.json_numbers import FORWARD_FIELDS, arrays_hold_only_numbers, rows_to_array
+from moe_serve.service.schemas import ForwardRequest
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ import orjson
 import pytest
 import torch
 
-from service import json_codec, json_device
-from service.errors import BadInput
+from moe_serve.service import json_codec, json_device
+from moe_serve.service.errors import BadInput
 
 CPU = torch.device("cpu")
 
@@ -282,7 +282,7 @@ KERNEL_CASES = [
 def test_the_kernel_reads_numbers_as_the_torch_ops_do() -> None:
     """service/json_device_kernel.py (run by the interpreter here, on the GPU in
     test_gpu.py) against `json_device.read_numbers`: the same numbers, the same refusals."""
-    from service.json_device_kernel import read_numbers as read_by_kernel
+    from moe_serve.service.json_device_kernel import read_numbers as read_by_kernel
 
     where = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for text in KERNEL_CASES + _mutations(30, 12):
@@ -338,7 +338,7 @@ def test_after_warm_up_no_body_compiles_the_kernel_again() -> None:
     """The engine warms the device path at start-up (service/app.py); the kernel is compiled
     once for every body (no specialisation on the number or byte counts), so the first large
     request of a served layer finds it compiled."""
-    from service.json_device_kernel import _read_numbers_kernel
+    from moe_serve.service.json_device_kernel import _read_numbers_kernel
 
     cuda = torch.device("cuda")
     json_device.warm_up(cuda, [torch.bfloat16, torch.float32])

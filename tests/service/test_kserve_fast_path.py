@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from service import kserve_fast_path
-from service.app import create_app
-from service.kserve_codec import HEADER_LENGTH
-from service.kserve_fast_path import KServeInferFastPath
-from service.settings import Settings
+from moe_serve.service import kserve_fast_path
+from moe_serve.service.app import create_app
+from moe_serve.service.kserve_codec import HEADER_LENGTH
+from moe_serve.service.kserve_fast_path import KServeInferFastPath
+from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import NO_ROUTER, TINY, H, tiny_loader
 

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from kernels.tensors import ForwardInputs
-from service.batcher import BatchPolicy, DynamicBatcher, RequestOptions
-from service.deps import submit_unless, submit_unless_withdrawn
-from service.engine import Engine
-from service.errors import ClientDisconnected
-from service.pipeline import BatchResult
+from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.service.batcher import BatchPolicy, DynamicBatcher, RequestOptions
+from moe_serve.service.deps import submit_unless, submit_unless_withdrawn
+from moe_serve.service.engine import Engine
+from moe_serve.service.errors import ClientDisconnected
+from moe_serve.service.pipeline import BatchResult
 from tests.service.layers import TINY, H, reference_forward, tiny_layers
 from tests.service.test_batcher import RecordingEngine, run
 

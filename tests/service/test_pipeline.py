@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.pipeline import BadRouting, _HostRows
+from moe_serve.service.pipeline import BadRouting, _HostRows
 
 E, K, CAPACITY = 8, 2, 6
 

@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.layer import build_layer
-from kernels.tensors import ForwardInputs
-from service.app import create_app
-from service.settings import Settings
+from moe_serve.kernels.layer import build_layer
+from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.service.app import create_app
+from moe_serve.service.settings import Settings
+from moe_serve.weights.demo import ensure_demo_layers
+from moe_serve.weights.load import load_layer
 from tests.service.conftest import wait_ready
 from tests.service.layers import free_port, running_server
-from weights.demo import ensure_demo_layers
-from weights.load import load_layer
 
 httpclient = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")

@@ -8,10 +8,10 @@ import asyncio
 import pytest
 import torch
 
-from kernels.tensors import ForwardInputs
-from service.batcher import BatchPolicy, DynamicBatcher, RequestOptions
-from service.deps import submit_while_connected
-from service.errors import ClientDisconnected, DeadlineExceeded
+from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.service.batcher import BatchPolicy, DynamicBatcher, RequestOptions
+from moe_serve.service.deps import submit_while_connected
+from moe_serve.service.errors import ClientDisconnected, DeadlineExceeded
 from tests.service.layers import TINY, reference_forward, tiny_layers
 from tests.service.test_batcher import RecordingEngine, rows, run
 

@@ -11,9 +11,9 @@ import safetensors.torch
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.app import create_app
-from service.client import Client, ClientError, RetryPolicy
-from service.settings import Settings
+from moe_serve.service.app import create_app
+from moe_serve.service.client import Client, ClientError, RetryPolicy
+from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import (
     NO_ROUTER,

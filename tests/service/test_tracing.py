@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service import tracing
+from moe_serve.service import tracing
 from tests.service.layers import free_port
 
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -103,8 +103,8 @@ def test_http_and_grpc_requests_are_traced_through_queue_forward_and_reply(tmp_p
         "MOE_SERVE_CACHE_DIR": str(tmp_path),
     }
     server = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "serve", "--device", "cpu", "--port", str(port),
-         "--grpc-port", str(grpc_port), "--log-level", "warning"],
+        [sys.executable, "-m", "moe_serve.service.cli", "serve", "--device", "cpu",
+         "--port", str(port), "--grpc-port", str(grpc_port), "--log-level", "warning"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     out = _Lines(server.stdout)

@@ -11,7 +11,7 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
-from service.wire import decode_safetensors, encode_safetensors
+from moe_serve.service.wire import decode_safetensors, encode_safetensors
 
 
 def _blob(header: dict, data: bytes) -> bytes:

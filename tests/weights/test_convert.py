@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.accuracy import relative_error
-from kernels.layer import build_layer
-from kernels.quant_scheme import QuantConfig, QuantScheme
-from kernels.tensors import ForwardInputs
+from moe_serve.kernels.accuracy import relative_error
+from moe_serve.kernels.layer import build_layer
+from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.weights.convert.pipeline import convert_checkpoint
+from moe_serve.weights.load import load_layer
 from tests.weights import tiny_hub
 from tests.weights.tiny_hub import Expert, Hub, moe_loop, run_expert, silu, softmax_topk
-from weights.convert.pipeline import convert_checkpoint
-from weights.load import load_layer
 
 CPU = torch.device("cpu")
 

@@ -15,14 +15,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from kernels.accuracy import relative_error
-from kernels.quant_scheme import QuantConfig, QuantScheme
-from service.cli import main
+from moe_serve.kernels.accuracy import relative_error
+from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.service.cli import main
+from moe_serve.weights.convert.pipeline import convert_checkpoint, default_name
+from moe_serve.weights.errors import LayerFileError
+from moe_serve.weights.load import load_layer
 from tests.weights import tiny_hub
 from tests.weights.test_convert import forward, mixtral_case
-from weights.convert.pipeline import convert_checkpoint, default_name
-from weights.errors import LayerFileError
-from weights.load import load_layer
 
 
 def _edit_config(hub: tiny_hub.Hub, **changes: object) -> None:
@@ -270,14 +270,14 @@ def test_cli_convert_refuses_a_bad_group_size_with_exit_2_and_a_message(
 # Sends itself SIGTERM once the tensors are in the temp dir, as `kill` would mid-write.
 _KILLED_WHILE_WRITING = """
 import os, signal, sys, time
-import weights.write
-from service.cli import main
-save_file = weights.write.save_file
+import moe_serve.weights.write as write
+from moe_serve.service.cli import main
+save_file = write.save_file
 def save_then_get_killed(*args, **kwargs):
     save_file(*args, **kwargs)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(30)
-weights.write.save_file = save_then_get_killed
+write.save_file = save_then_get_killed
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -323,7 +323,7 @@ def test_a_layer_moved_aside_by_a_killed_run_is_restored_not_deleted(
     def disk_full(*args: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("weights.write.save_file", disk_full)
+    monkeypatch.setattr("moe_serve.weights.write.save_file", disk_full)
     with pytest.raises(OSError, match="No space left"):
         convert_checkpoint(mixtral.root, 1, out)
     assert load_layer(out, torch.device("cpu")).name == "hub-layer1"

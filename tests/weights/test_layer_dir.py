@@ -12,17 +12,17 @@ import torch
 import xxhash
 from safetensors.torch import load_file, save_file
 
-from kernels.accuracy import relative_error
-from kernels.layer import build_layer
-from kernels.tensors import ForwardInputs
-from service.cli import main
-from weights.demo import demo_layers, ensure_demo_layers
-from weights.errors import LayerFileError
-from weights.integrity import checksums
-from weights.layout import header_sha256, tensor_offsets
-from weights.load import load_layer
-from weights.manifest import MANIFEST_FILE, TENSORS_FILE
-from weights.write import write_layer
+from moe_serve.kernels.accuracy import relative_error
+from moe_serve.kernels.layer import build_layer
+from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.service.cli import main
+from moe_serve.weights.demo import demo_layers, ensure_demo_layers
+from moe_serve.weights.errors import LayerFileError
+from moe_serve.weights.integrity import checksums
+from moe_serve.weights.layout import header_sha256, tensor_offsets
+from moe_serve.weights.load import load_layer
+from moe_serve.weights.manifest import MANIFEST_FILE, TENSORS_FILE
+from moe_serve.weights.write import write_layer
 
 CPU = torch.device("cpu")
 
@@ -327,7 +327,7 @@ def test_header_sha256_covers_length_and_json(tmp_path: Path):
 def test_loaded_bytes_equal_safetensors_own_reader(
     demo_dirs: list[Path], chunk_bytes: int, monkeypatch: pytest.MonkeyPatch
 ):
-    monkeypatch.setattr("weights.load.READ_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr("moe_serve.weights.load.READ_CHUNK_BYTES", chunk_bytes)
     for path in demo_dirs:
         expected = load_file(path / TENSORS_FILE)
         loaded = load_layer(path, CPU, experts=[7, 2, 3, 4]).weights.tensors()
@@ -341,7 +341,9 @@ def test_loaded_bytes_equal_safetensors_own_reader(
 def test_cuda_load_equals_cpu_load_through_small_pinned_chunks(
     demo_dirs: list[Path], experts: list[int] | None, monkeypatch: pytest.MonkeyPatch
 ):
-    monkeypatch.setattr("weights.load.READ_CHUNK_BYTES", 1 << 20)  # many turns of both buffers
+    monkeypatch.setattr(
+        "moe_serve.weights.load.READ_CHUNK_BYTES", 1 << 20
+    )  # many turns of both buffers
     for path in demo_dirs:
         on_gpu = load_layer(path, torch.device("cuda"), experts).weights.tensors()
         on_cpu = load_layer(path, CPU, experts).weights.tensors()
@@ -354,7 +356,9 @@ def test_cuda_load_equals_cpu_load_through_small_pinned_chunks(
 def test_cuda_load_checksums_through_pinned_chunks_and_refuses_a_flipped_bit(
     demo_copy: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    monkeypatch.setattr("weights.load.READ_CHUNK_BYTES", 1 << 16)  # rows span several chunks
+    monkeypatch.setattr(
+        "moe_serve.weights.load.READ_CHUNK_BYTES", 1 << 16
+    )  # rows span several chunks
     load_layer(demo_copy, torch.device("cuda"), experts=[7, 1, 2])
     _flip_data_byte(demo_copy, "w13", expert=2)
     with pytest.raises(LayerFileError, match="'w13': xxh3-64 of expert 2's bytes"):

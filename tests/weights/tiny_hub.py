@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kernels.arith import ceil_div
-from kernels.quant_scheme import FP8
+from moe_serve.kernels.arith import ceil_div
+from moe_serve.kernels.quant_scheme import FP8
 
 
 @dataclass

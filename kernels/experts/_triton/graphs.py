@@ -12,9 +12,9 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from kernels.graph_capture import capturing
-from kernels.quant_scheme import ActQuant
-from kernels.tensors import Dispatched
+from moe_serve.kernels.graph_capture import capturing
+from moe_serve.kernels.quant_scheme import ActQuant
+from moe_serve.kernels.tensors import Dispatched
 
 MAX_GRAPH_TOKENS = 64  # decode: beyond this the GEMMs dwarf the launches
 

@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.arith import ceil_div
-from kernels.config import ActivationSpec, GateUp
-from kernels.dependent_launch import begin, dependent_launch
-from kernels.experts._triton.align import AlignedPairs
-from kernels.experts._triton.codes import (
+from moe_serve.kernels.arith import ceil_div
+from moe_serve.kernels.config import ActivationSpec, GateUp
+from moe_serve.kernels.dependent_launch import begin, dependent_launch
+from moe_serve.kernels.experts._triton.align import AlignedPairs
+from moe_serve.kernels.experts._triton.codes import (
     ACT_PER_TENSOR,
     ACT_PER_TOKEN,
     ACT_SCALE,
@@ -38,7 +38,7 @@ from kernels.experts._triton.codes import (
     gated_activation,
     weight_kind,
 )
-from kernels.quant_scheme import FP8, ActQuant, QuantConfig
+from moe_serve.kernels.quant_scheme import FP8, ActQuant, QuantConfig
 
 
 @dataclass(frozen=True)

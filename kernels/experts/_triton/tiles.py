@@ -17,10 +17,10 @@ from functools import cache
 import torch
 import triton
 
-from kernels.config import MoEConfig
-from kernels.experts._triton.grouped_gemm import GemmTile
-from kernels.quant_scheme import QuantScheme
-from kernels.tuned import TUNED_DIR
+from moe_serve.kernels.config import MoEConfig
+from moe_serve.kernels.experts._triton.grouped_gemm import GemmTile
+from moe_serve.kernels.quant_scheme import QuantScheme
+from moe_serve.kernels.tuned import TUNED_DIR
 
 log = logging.getLogger(__name__)
 
