@@ -25,13 +25,13 @@ import math
 import os
 from pathlib import Path
 
-from moe_serve.bench.environment import device_slug
-from moe_serve.bench.schema import AUTO_ROW, BackendResult, BenchRun
-from moe_serve.bench.shapes import SHAPES
-from moe_serve.kernels.registry import experts_backends
-from moe_serve.kernels.selection import COMPOSED, rule_key, token_plan
-from moe_serve.kernels.tensors import Format
-from moe_serve.kernels.tuned import TUNED_DIR
+from ..kernels.registry import experts_backends
+from ..kernels.selection import COMPOSED, rule_key, token_plan
+from ..kernels.tensors import Format
+from ..kernels.tuned import TUNED_DIR
+from .environment import device_slug
+from .schema import AUTO_ROW, BackendResult, BenchRun
+from .shapes import SHAPES
 
 LOAD = "uniform"  # the load the rules are measured under (random router logits)
 

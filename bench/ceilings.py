@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_serve.bench.timing import Timer
-from moe_serve.kernels.quant_scheme import FP8
+from ..kernels.quant_scheme import FP8
+from .timing import Timer
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

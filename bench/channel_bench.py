@@ -26,17 +26,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_serve.kernels.config import MoEConfig, RoutingConfig
-from moe_serve.service import channel_server
-from moe_serve.service.binary_forward import FORWARD_PATH
-from moe_serve.service.body_arena import BodyArena, shm_dir
-from moe_serve.service.channel import EngineClient
-from moe_serve.service.channel_server import ChannelServer
-from moe_serve.service.deps import Runtime
-from moe_serve.service.errors import UnknownLayer
-from moe_serve.service.front_end import ARENA_BYTES
-from moe_serve.service.metrics import Metrics
-from moe_serve.service.settings import Settings
+from ..kernels.config import MoEConfig, RoutingConfig
+from ..service import channel_server
+from ..service.binary_forward import FORWARD_PATH
+from ..service.body_arena import BodyArena, shm_dir
+from ..service.channel import EngineClient
+from ..service.channel_server import ChannelServer
+from ..service.deps import Runtime
+from ..service.errors import UnknownLayer
+from ..service.front_end import ARENA_BYTES
+from ..service.metrics import Metrics
+from ..service.settings import Settings
 
 LAYER = "deepseek-v3"
 WARM_UP_S = 1.0

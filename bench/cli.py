@@ -13,16 +13,16 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
-from moe_serve.bench.auto_table import default_path, merged, rule_table, write_table
-from moe_serve.bench.environment import capture, device_slug
-from moe_serve.bench.http_bench import HttpBenchConfig, run_http_bench, write_report
-from moe_serve.bench.kernel_bench import KernelBench, KernelBenchConfig, read_run
-from moe_serve.bench.router_loads import Load
-from moe_serve.bench.schema import BenchRun
-from moe_serve.bench.shapes import DEFAULT_SHAPES, SHAPES, parse_shapes
-from moe_serve.bench.summary import render
-from moe_serve.bench.timing import TimingPlan
-from moe_serve.kernels.stages import resolve_device
+from ..kernels.stages import resolve_device
+from .auto_table import default_path, merged, rule_table, write_table
+from .environment import capture, device_slug
+from .http_bench import HttpBenchConfig, run_http_bench, write_report
+from .kernel_bench import KernelBench, KernelBenchConfig, read_run
+from .router_loads import Load
+from .schema import BenchRun
+from .shapes import DEFAULT_SHAPES, SHAPES, parse_shapes
+from .summary import render
+from .timing import TimingPlan
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def _read(path: Path) -> BenchRun | None:
 def run_plot(args: argparse.Namespace) -> int:
     _setup_logging()
     try:  # matplotlib is the optional `bench` extra
-        from moe_serve.bench.plot import plot_run
+        from .plot import plot_run
     except ImportError as err:
         log.error("plotting needs matplotlib: pip install 'moe-serve[bench]' (%s)", err)
         return 2
@@ -177,7 +177,7 @@ def run_http(args: argparse.Namespace) -> int:
 def run_service(args: argparse.Namespace) -> int:
     _setup_logging()
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    from moe_serve.bench.service_bench import ServiceBenchConfig, run_service_bench
+    from .service_bench import ServiceBenchConfig, run_service_bench
 
     try:
         config = ServiceBenchConfig(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from moe_serve.bench.schema import Environment
+from .schema import Environment
 
 _REPO = Path(__file__).resolve().parent.parent
 

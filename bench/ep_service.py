@@ -43,19 +43,19 @@ from pathlib import Path
 
 import torch
 
-from moe_serve.bench.random_layer import random_layer
-from moe_serve.bench.shapes import SHAPES
-from moe_serve.kernels.accuracy import relative_error
-from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service.engine import Engine
-from moe_serve.service.ep import EPEngine
-from moe_serve.service.ep_group import leave
-from moe_serve.service.pipeline import BadRouting
-from moe_serve.service.profiling import kernel_profiler, write_profile
-from moe_serve.service.settings import Settings
-from moe_serve.weights.load import load_layer
-from moe_serve.weights.manifest import Manifest, Source
-from moe_serve.weights.write import write_layer
+from ..kernels.accuracy import relative_error
+from ..kernels.tensors import ForwardInputs
+from ..service.engine import Engine
+from ..service.ep import EPEngine
+from ..service.ep_group import leave
+from ..service.pipeline import BadRouting
+from ..service.profiling import kernel_profiler, write_profile
+from ..service.settings import Settings
+from ..weights.load import load_layer
+from ..weights.manifest import Manifest, Source
+from ..weights.write import write_layer
+from .random_layer import random_layer
+from .shapes import SHAPES
 
 log = logging.getLogger(__name__)
 

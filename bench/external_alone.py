@@ -25,20 +25,20 @@ from pathlib import Path
 
 import torch
 
-from moe_serve.bench.random_layer import random_layer
-from moe_serve.bench.router_loads import Load, router_logits
-from moe_serve.bench.shapes import SHAPES
-from moe_serve.bench.timing import Timer, TimingPlan
-from moe_serve.kernels.arith import ceil_div, round_up
-from moe_serve.kernels.experts.deep_gemm import MASKED_M_ALIGNMENT
-from moe_serve.kernels.experts.oai_triton import ogs_routing
-from moe_serve.kernels.layer import build_layer
-from moe_serve.kernels.layer_graphs import kernel_can_capture
-from moe_serve.kernels.quant_scheme import FP8_BLOCK, ActQuant
-from moe_serve.kernels.quantize import quantize_activation
-from moe_serve.kernels.routing import route
-from moe_serve.kernels.tensors import Routing
-from moe_serve.kernels.workspace import Workspace
+from ..kernels.arith import ceil_div, round_up
+from ..kernels.experts.deep_gemm import MASKED_M_ALIGNMENT
+from ..kernels.experts.oai_triton import ogs_routing
+from ..kernels.layer import build_layer
+from ..kernels.layer_graphs import kernel_can_capture
+from ..kernels.quant_scheme import FP8_BLOCK, ActQuant
+from ..kernels.quantize import quantize_activation
+from ..kernels.routing import route
+from ..kernels.tensors import Routing
+from ..kernels.workspace import Workspace
+from .random_layer import random_layer
+from .router_loads import Load, router_logits
+from .shapes import SHAPES
+from .timing import Timer, TimingPlan
 
 log = logging.getLogger(__name__)
 CUDA = torch.device("cuda")

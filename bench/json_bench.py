@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel
 
-from moe_serve.bench.environment import capture
-from moe_serve.bench.schema import Environment
-from moe_serve.service import json_codec, json_device
+from ..service import json_codec, json_device
+from .environment import capture
+from .schema import Environment
 
 log = logging.getLogger("bench.json")
 

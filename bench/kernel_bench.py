@@ -31,13 +31,21 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moe_serve.bench import ceilings as measured
-from moe_serve.bench.auto_table import shape_rule
-from moe_serve.bench.environment import capture
-from moe_serve.bench.random_layer import random_layer
-from moe_serve.bench.roofline import Ceilings, Work, bound, count_work
-from moe_serve.bench.router_loads import Load, router_logits
-from moe_serve.bench.schema import (
+from ..kernels.accuracy import relative_error, tolerance
+from ..kernels.config import MoEConfig
+from ..kernels.layer import LayerWeights, MoELayer, build_layer
+from ..kernels.layer_graphs import LayerGraphs, can_capture
+from ..kernels.registry import experts_backends
+from ..kernels.routing import route
+from ..kernels.selection import Rule, RuleTable, rule_key, select
+from ..kernels.tensors import ForwardInputs, Routing
+from . import ceilings as measured
+from .auto_table import shape_rule
+from .environment import capture
+from .random_layer import random_layer
+from .roofline import Ceilings, Work, bound, count_work
+from .router_loads import Load, router_logits
+from .schema import (
     AUTO_ROW,
     BackendResult,
     BenchRun,
@@ -47,16 +55,8 @@ from moe_serve.bench.schema import (
     Settings,
     ShapeResult,
 )
-from moe_serve.bench.shapes import SHAPES, precision
-from moe_serve.bench.timing import Timer, TimingPlan
-from moe_serve.kernels.accuracy import relative_error, tolerance
-from moe_serve.kernels.config import MoEConfig
-from moe_serve.kernels.layer import LayerWeights, MoELayer, build_layer
-from moe_serve.kernels.layer_graphs import LayerGraphs, can_capture
-from moe_serve.kernels.registry import experts_backends
-from moe_serve.kernels.routing import route
-from moe_serve.kernels.selection import Rule, RuleTable, rule_key, select
-from moe_serve.kernels.tensors import ForwardInputs, Routing
+from .shapes import SHAPES, precision
+from .timing import Timer, TimingPlan
 
 log = logging.getLogger(__name__)
 

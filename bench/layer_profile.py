@@ -27,13 +27,13 @@ from pathlib import Path
 
 import torch
 
-from moe_serve.bench.random_layer import random_layer
-from moe_serve.bench.replay_timeline import write_timeline
-from moe_serve.bench.shapes import SHAPES
-from moe_serve.kernels.layer import build_layer
-from moe_serve.kernels.layer_graphs import LayerGraphs
-from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service.profiling import kernel_profiler, trace_path, write_profile
+from ..kernels.layer import build_layer
+from ..kernels.layer_graphs import LayerGraphs
+from ..kernels.tensors import ForwardInputs
+from ..service.profiling import kernel_profiler, trace_path, write_profile
+from .random_layer import random_layer
+from .replay_timeline import write_timeline
+from .shapes import SHAPES
 
 SHARED_INTERMEDIATE = 2048  # DeepSeek-V3's shared expert
 WARMUP = 5

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from moe_serve.bench.http_bench import ClientShare, Request, drive, percentiles_ms, split
+from .http_bench import ClientShare, Request, drive, percentiles_ms, split
 
 _HEY_TIMEOUT_S = 30  # per request
 

@@ -16,8 +16,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullLocator
 
-from moe_serve.bench.schema import BenchRun, Point
-from moe_serve.kernels.arith import ceil_div
+from ..kernels.arith import ceil_div
+from .schema import BenchRun, Point
 
 _PANEL_INCHES = (5.0, 3.2)
 

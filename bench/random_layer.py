@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from moe_serve.kernels.config import MoEConfig
-from moe_serve.kernels.layer import LayerWeights, RouterWeights, SharedExpert
-from moe_serve.kernels.quant_scheme import QuantScheme
-from moe_serve.kernels.quantize import quantize_weight
-from moe_serve.kernels.tensors import ExpertWeights
+from ..kernels.config import MoEConfig
+from ..kernels.layer import LayerWeights, RouterWeights, SharedExpert
+from ..kernels.quant_scheme import QuantScheme
+from ..kernels.quantize import quantize_weight
+from ..kernels.tensors import ExpertWeights
 
 _CHUNK_ELEMENTS = 1 << 28  # float32 draws of at most 1 GiB before quantising
 

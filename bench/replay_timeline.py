@@ -21,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_serve.bench.ep_timeline import Kernel, read_kernels
+from .ep_timeline import Kernel, read_kernels
 
 
 @dataclass(frozen=True)

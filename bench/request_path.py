@@ -38,11 +38,11 @@ import httpx
 import safetensors.torch
 import torch
 
-from moe_serve.bench.load_gen import run_one_client
-from moe_serve.bench.service_bench import _free_port, _tcp_ready, http_ready, process
-from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service.batcher import RequestOptions
-from moe_serve.service.routes.forward import LayerCall, serve_blob, serve_blob_into
+from ..kernels.tensors import ForwardInputs
+from ..service.batcher import RequestOptions
+from ..service.routes.forward import LayerCall, serve_blob, serve_blob_into
+from .load_gen import run_one_client
+from .service_bench import _free_port, _tcp_ready, http_ready, process
 
 _BUDGET_S = 0.5  # timed work per level and token count
 _MIN_CALLS, _MAX_CALLS, _WARMUP = 30, 2000, 10

@@ -33,8 +33,8 @@ import httpx
 import safetensors.torch
 import torch
 
-from moe_serve.bench.request_path import add_arguments, server_command
-from moe_serve.bench.service_bench import _free_port, http_ready, process
+from .request_path import add_arguments, server_command
+from .service_bench import _free_port, http_ready, process
 
 SITE = Path(__file__).parent / "timeline_site"
 _WARMUP = 20

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_serve.kernels.config import MoEConfig
-from moe_serve.kernels.tensors import ExpertWeights
+from ..kernels.config import MoEConfig
+from ..kernels.tensors import ExpertWeights
 
 
 @dataclass(frozen=True)

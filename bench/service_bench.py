@@ -42,10 +42,10 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
-from moe_serve.bench.environment import capture
-from moe_serve.bench.load_gen import Load, hey_binary, run_hey, run_one_client, run_python
-from moe_serve.bench.schema import Environment
-from moe_serve.bench.shapes import SHAPES
+from .environment import capture
+from .load_gen import Load, hey_binary, run_hey, run_one_client, run_python
+from .schema import Environment
+from .shapes import SHAPES
 
 log = logging.getLogger(__name__)
 

@@ -39,21 +39,21 @@ import uvicorn
 from fastapi import APIRouter, FastAPI, Request
 from pydantic import BaseModel
 
-from moe_serve.bench.random_layer import random_layer
-from moe_serve.bench.shapes import SHAPES
-from moe_serve.bench.timing import Timer, TimingPlan
-from moe_serve.kernels.config import MoEConfig
-from moe_serve.kernels.layer import LayerWeights
-from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service import logs
-from moe_serve.service.app import LayerLoader, create_app
-from moe_serve.service.engine import LayerSource, ServedLayer
-from moe_serve.service.front_ends import FrontEnds
-from moe_serve.service.interpreter import collect_less
-from moe_serve.service.metrics import Metrics
-from moe_serve.service.pipeline import StageTimes
-from moe_serve.service.server import listen, server_config
-from moe_serve.service.settings import Settings
+from ..kernels.config import MoEConfig
+from ..kernels.layer import LayerWeights
+from ..kernels.tensors import ForwardInputs
+from ..service import logs
+from ..service.app import LayerLoader, create_app
+from ..service.engine import LayerSource, ServedLayer
+from ..service.front_ends import FrontEnds
+from ..service.interpreter import collect_less
+from ..service.metrics import Metrics
+from ..service.pipeline import StageTimes
+from ..service.server import listen, server_config
+from ..service.settings import Settings
+from .random_layer import random_layer
+from .shapes import SHAPES
+from .timing import Timer, TimingPlan
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ def layer_loader(layer: str, shared_intermediate: int | None) -> LayerLoader:
 
     def load(settings: Settings, device: torch.device) -> list[LayerSource]:
         if layer == DEMO:
-            from moe_serve.weights.demo import ensure_demo_layers
-            from moe_serve.weights.load import load_layer
+            from ..weights.demo import ensure_demo_layers
+            from ..weights.load import load_layer
 
             path = next(p for p in ensure_demo_layers(settings.cache_dir) if p.name == DEMO)
             return [load_layer(path, device)]
@@ -161,7 +161,7 @@ class PathTiming(BaseModel):
 
 @bare_router.post("/path")
 async def path(body: BareRequest, request: Request) -> list[PathTiming]:
-    from moe_serve.bench.request_path import time_levels
+    from .request_path import time_levels
 
     runtime = request.app.state.runtime
     return [PathTiming(**t) for t in await time_levels(runtime, body.tokens)]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_serve.kernels.config import ActivationSpec, GroupScore, MoEConfig, RoutingConfig, Scoring
-from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from ..kernels.config import ActivationSpec, GroupScore, MoEConfig, RoutingConfig, Scoring
+from ..kernels.quant_scheme import QuantConfig, QuantScheme
 
 _MIXTRAL_ROUTING = RoutingConfig(top_k=2)
 _MIXTRAL = {"num_experts": 8, "hidden_size": 4096, "intermediate_size": 14336}

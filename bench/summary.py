@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from moe_serve.bench.schema import BenchRun, Point
-from moe_serve.bench.targets import EXTERNAL_PREFIXES, OUR_TRITON, check_targets
+from .schema import BenchRun, Point
+from .targets import EXTERNAL_PREFIXES, OUR_TRITON, check_targets
 
 
 def _cell(point: Point, backend: str) -> str:

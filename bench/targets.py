@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moe_serve.bench.schema import BackendResult, BenchRun, Point
+from .schema import BackendResult, BenchRun, Point
 
 DECODE_MAX_TOKENS = 64
 DECODE_BANDWIDTH = 0.80

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_serve.bench.schema import Timing
+from .schema import Timing
 
 _DEFAULT_L2_BYTES = 50 * 2**20  # H100; used when the device does not report its L2 size
 

@@ -39,9 +39,9 @@ import httpx
 import numpy as np
 import torch
 
-from moe_serve.bench.environment import current_commit
-from moe_serve.bench.service_bench import http_ready, process
-from moe_serve.bench.shapes import SHAPES
+from .environment import current_commit
+from .service_bench import http_ready, process
+from .shapes import SHAPES
 
 log = logging.getLogger("bench.transport")
 

@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moe_serve.kernels.config import MoEConfig, RoutingConfig
-from moe_serve.kernels.quant_scheme import FP8_BLOCK, QuantConfig, QuantScheme
+from ..kernels.config import MoEConfig, RoutingConfig
+from ..kernels.quant_scheme import FP8_BLOCK, QuantConfig, QuantScheme
 
 if TYPE_CHECKING:
-    from moe_serve.kernels.experts._triton.tiles import LayerTiles
-    from moe_serve.kernels.tensors import Dispatched
+    from ..kernels.experts._triton.tiles import LayerTiles
+    from ..kernels.tensors import Dispatched
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class TuneRequest:
 def buckets_to_search(request: TuneRequest, buckets: dict) -> list[tuple[int, LayerTiles | None]]:
     """(M, the bucket's current tiles or None) for each bucket of the request to search: those
     the file lacks, or with `retune` every one."""
-    from moe_serve.kernels.experts._triton.tiles import LayerTiles
+    from ..kernels.experts._triton.tiles import LayerTiles
 
     found = []
     for m in request.tokens:
@@ -80,7 +80,7 @@ def buckets_to_search(request: TuneRequest, buckets: dict) -> list[tuple[int, La
 
 def parse_shape(text: str) -> MoEConfig:
     """A reference shape by name (bench/shapes.py) or `E,H,I,top_k` (silu, bf16)."""
-    from moe_serve.bench.shapes import SHAPES
+    from .shapes import SHAPES
 
     if text in SHAPES:
         return SHAPES[text]
@@ -96,8 +96,8 @@ def parse_shape(text: str) -> MoEConfig:
 
 def candidates(cfg: MoEConfig, num_tokens: int) -> list:
     """The heuristic's tiles, and each GEMM choice at its block_m and the next ones."""
-    from moe_serve.kernels.experts._triton.grouped_gemm import GemmTile
-    from moe_serve.kernels.experts._triton.tiles import heuristic_tiles, nested_block_k, stages_for
+    from ..kernels.experts._triton.grouped_gemm import GemmTile
+    from ..kernels.experts._triton.tiles import heuristic_tiles, nested_block_k, stages_for
 
     base = heuristic_tiles(cfg, num_tokens, per_pair=False)
     block_ms = sorted({base.block_m, min(128, base.block_m * 2)})
@@ -117,8 +117,8 @@ def candidates(cfg: MoEConfig, num_tokens: int) -> list:
 
 def gemm2_choices(cfg: MoEConfig, best: LayerTiles) -> list[LayerTiles]:
     """Round two: the best tiles with each GEMM2 choice."""
-    from moe_serve.kernels.experts._triton.grouped_gemm import GemmTile
-    from moe_serve.kernels.experts._triton.tiles import nested_block_k, stages_for
+    from ..kernels.experts._triton.grouped_gemm import GemmTile
+    from ..kernels.experts._triton.tiles import nested_block_k, stages_for
 
     elem = 1 if cfg.quant.spec.act_quant else cfg.dtype.itemsize
     found = []
@@ -142,7 +142,7 @@ def order_choices(best: LayerTiles) -> list[LayerTiles]:
 def decode_choices(cfg: MoEConfig, best: LayerTiles, gemm: str) -> list[LayerTiles]:
     """Decode round: the best tiles with `gemm` ("gemm1" or "gemm2") over _DECODE_CHOICES, its
     block_k kept, those whose stages fit the shared-memory budget."""
-    from moe_serve.kernels.experts._triton.tiles import SMEM_BUDGET_BYTES
+    from ..kernels.experts._triton.tiles import SMEM_BUDGET_BYTES
 
     elem = 1 if cfg.quant.spec.act_quant else cfg.dtype.itemsize
     tile = getattr(best, gemm)
@@ -159,7 +159,7 @@ def decode_choices(cfg: MoEConfig, best: LayerTiles, gemm: str) -> list[LayerTil
 def per_pair_choices(cfg: MoEConfig, best: LayerTiles, gemm: str) -> list[LayerTiles]:
     """Per-pair round: `best` (per-pair tiles) with `gemm` over _PER_PAIR_CHOICES whose K step
     nests with the scale groups (fp8-block: within one, as pair_gemv would narrow it)."""
-    from moe_serve.kernels.experts._triton.tiles import nested_block_k
+    from ..kernels.experts._triton.tiles import nested_block_k
 
     fp8_block = cfg.quant.scheme == QuantScheme.FP8_BLOCK
     found = []
@@ -199,14 +199,14 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
     """Search every bucket not yet in request.out; returns the file's content."""
     from tqdm import tqdm
 
-    from moe_serve.bench.random_layer import random_layer
-    from moe_serve.bench.timing import Timer, TimingPlan
-    from moe_serve.kernels.experts._triton.tiles import TileKey, device_name, per_pair_tiles
-    from moe_serve.kernels.experts.triton import TritonExperts
-    from moe_serve.kernels.prepare_finalize.no_ep import NoEP
-    from moe_serve.kernels.routing import route
-    from moe_serve.kernels.stages import DispatchSpec
-    from moe_serve.kernels.workspace import Workspace
+    from ..kernels.experts._triton.tiles import TileKey, device_name, per_pair_tiles
+    from ..kernels.experts.triton import TritonExperts
+    from ..kernels.prepare_finalize.no_ep import NoEP
+    from ..kernels.routing import route
+    from ..kernels.stages import DispatchSpec
+    from ..kernels.workspace import Workspace
+    from .random_layer import random_layer
+    from .timing import Timer, TimingPlan
 
     cfg = request.cfg
     key = TileKey.of(cfg, device_name(device))
@@ -282,8 +282,8 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from moe_serve.kernels.experts._triton.tiles import TileKey, device_name
-    from moe_serve.kernels.tuned import TUNED_DIR
+    from ..kernels.experts._triton.tiles import TileKey, device_name
+    from ..kernels.tuned import TUNED_DIR
 
     if not torch.cuda.is_available():
         log.error("moe-serve tune times kernels on a CUDA GPU; none is visible here")

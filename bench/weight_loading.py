@@ -23,14 +23,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from moe_serve.bench.shapes import SHAPES
-from moe_serve.kernels.config import MoEConfig
-from moe_serve.kernels.layer import LayerWeights, RouterWeights, SharedExpert
-from moe_serve.kernels.quant_scheme import FP8
-from moe_serve.kernels.tensors import ExpertWeights
-from moe_serve.weights.load import load_layer
-from moe_serve.weights.manifest import TENSORS_FILE, Manifest, Source
-from moe_serve.weights.write import write_layer
+from ..kernels.config import MoEConfig
+from ..kernels.layer import LayerWeights, RouterWeights, SharedExpert
+from ..kernels.quant_scheme import FP8
+from ..kernels.tensors import ExpertWeights
+from ..weights.load import load_layer
+from ..weights.manifest import TENSORS_FILE, Manifest, Source
+from ..weights.write import write_layer
+from .shapes import SHAPES
 
 log = logging.getLogger(__name__)
 

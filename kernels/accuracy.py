@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from moe_serve.kernels.config import MoEConfig
-from moe_serve.kernels.quant_scheme import ActQuant
+from .config import MoEConfig
+from .quant_scheme import ActQuant
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

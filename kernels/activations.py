@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_serve.kernels.config import Activation, ActivationSpec, GateUp
+from .config import Activation, ActivationSpec, GateUp
 
 
 def split_gate_up(x: torch.Tensor, layout: GateUp) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from moe_serve.kernels.quant_scheme import QuantConfig
+from .quant_scheme import QuantConfig
 
 _BLOCK_M = 64  # the router and shared-expert GEMM's one tile on CUDA (triton_matmul)
 
@@ -48,7 +48,7 @@ def triton_matmul(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """a [M, K] @ w [N, K].T -> float32 [M, N] by our grouped GEMM (one expert) with one fixed
     tile at every M, no split-K: each output element sums its K products in the same order
     whichever rows share its tile."""
-    from moe_serve.kernels.experts._triton.grouped_gemm import (  # imports triton: only when called
+    from .experts._triton.grouped_gemm import (  # imports triton: only when called
         Activations,
         BatchedRows,
         Epilogue,

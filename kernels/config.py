@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from moe_serve.kernels.quant_scheme import QuantConfig
+from .quant_scheme import QuantConfig
 
 
 class Activation(StrEnum):

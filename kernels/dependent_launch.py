@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_serve.kernels.triton_math import interpreted
+from .triton_math import interpreted
 
 _CAPABILITY = (9, 0)  # griddepcontrol: Hopper onwards
 

@@ -17,13 +17,13 @@ import math
 
 import torch
 
-from moe_serve.kernels.config import DTYPES, MoEConfig
-from moe_serve.kernels.nonfinite import NONFINITE_MASKS
-from moe_serve.kernels.stages import HAS_TRITON
-from moe_serve.kernels.tensors import ForwardInputs
+from .config import DTYPES, MoEConfig
+from .nonfinite import NONFINITE_MASKS
+from .stages import HAS_TRITON
+from .tensors import ForwardInputs
 
 if HAS_TRITON:
-    from moe_serve.kernels.row_kernels import nonfinite_into
+    from .row_kernels import nonfinite_into
 
 _DTYPE_NAMES = f"{', '.join(list(DTYPES)[:-1])} or {list(DTYPES)[-1]}"
 

@@ -7,19 +7,19 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_serve.kernels.activations import apply_activation
-from moe_serve.kernels.batch_invariant import row_by_row, triton_matmul
-from moe_serve.kernels.config import ActivationSpec, MoEConfig
-from moe_serve.kernels.input_checks import check_shapes
-from moe_serve.kernels.modular import DEFAULT_CHUNK_TOKENS, ModularKernel
-from moe_serve.kernels.routing import mask_rows, route
-from moe_serve.kernels.selection import RuleTable, Selection, select
-from moe_serve.kernels.stages import HAS_TRITON, PrepareFinalize, SideOutput
-from moe_serve.kernels.tensors import ExpertWeights, ForwardInputs, Routing
-from moe_serve.kernels.workspace import Workspace
+from .activations import apply_activation
+from .batch_invariant import row_by_row, triton_matmul
+from .config import ActivationSpec, MoEConfig
+from .input_checks import check_shapes
+from .modular import DEFAULT_CHUNK_TOKENS, ModularKernel
+from .routing import mask_rows, route
+from .selection import RuleTable, Selection, select
+from .stages import HAS_TRITON, PrepareFinalize, SideOutput
+from .tensors import ExpertWeights, ForwardInputs, Routing
+from .workspace import Workspace
 
 if HAS_TRITON:
-    from moe_serve.kernels.row_kernels import router_logits_into, silu_and_mul
+    from .row_kernels import router_logits_into, silu_and_mul
 
 # Batches of at most this many tokens get their router logits from one Triton GEMV pass; a
 # larger one reads the router's weights once per token there, and cuBLAS reads them once.

@@ -40,17 +40,17 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_serve.kernels.arith import round_up
-from moe_serve.kernels.graph_capture import capturing_phases
-from moe_serve.kernels.input_checks import bit_rows
-from moe_serve.kernels.layer import LayerOutput, MoELayer
-from moe_serve.kernels.modular import ModularKernel
-from moe_serve.kernels.stages import HAS_TRITON, YES, Support
-from moe_serve.kernels.tensors import ForwardInputs, Routing
-from moe_serve.kernels.workspace import Workspace
+from .arith import round_up
+from .graph_capture import capturing_phases
+from .input_checks import bit_rows
+from .layer import LayerOutput, MoELayer
+from .modular import ModularKernel
+from .stages import HAS_TRITON, YES, Support
+from .tensors import ForwardInputs, Routing
+from .workspace import Workspace
 
 if HAS_TRITON:
-    from moe_serve.kernels.row_kernels import batch_stats_into, zero_rows_from
+    from .row_kernels import batch_stats_into, zero_rows_from
 
 log = logging.getLogger(__name__)
 

@@ -27,10 +27,10 @@ from collections.abc import Callable
 
 import torch
 
-from moe_serve.kernels.batch_invariant import fixed_order_topk_sum
-from moe_serve.kernels.stages import DispatchSpec, Experts, PrepareFinalize, SideOutput
-from moe_serve.kernels.tensors import Routing
-from moe_serve.kernels.workspace import Workspace
+from .batch_invariant import fixed_order_topk_sum
+from .stages import DispatchSpec, Experts, PrepareFinalize, SideOutput
+from .tensors import Routing
+from .workspace import Workspace
 
 DEFAULT_CHUNK_TOKENS = 8192  # for callers without a batch size of their own (tests, benchmarks)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_serve.kernels.routing import contiguous_expert_map, replica_slots
+from .routing import contiguous_expert_map, replica_slots
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from enum import StrEnum
 
 import torch
 
-from moe_serve.kernels.arith import ceil_div
+from .arith import ceil_div
 
 FP8 = torch.float8_e4m3fn
 E8M0 = torch.uint8  # a power-of-two scale stored as its biased exponent e: 2**(e - 127)

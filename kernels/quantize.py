@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moe_serve.kernels.arith import ceil_div, round_up
-from moe_serve.kernels.quant_scheme import (
+from .arith import ceil_div, round_up
+from .quant_scheme import (
     E2M1,
     E8M0,
     FP8,
@@ -24,10 +24,10 @@ from moe_serve.kernels.quant_scheme import (
     QuantScheme,
     ScaleGroups,
 )
-from moe_serve.kernels.tensors import ExpertWeights
+from .tensors import ExpertWeights
 
 if TYPE_CHECKING:
-    from moe_serve.kernels.config import MoEConfig
+    from .config import MoEConfig
 
 FP8_MAX = torch.finfo(FP8).max  # 448
 _TINY = 1e-12  # keeps all-zero rows and blocks from dividing by zero

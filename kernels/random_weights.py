@@ -6,9 +6,9 @@ import zlib
 
 import torch
 
-from moe_serve.kernels.config import MoEConfig
-from moe_serve.kernels.quantize import quantize_expert_weights
-from moe_serve.kernels.tensors import ExpertWeights
+from .config import MoEConfig
+from .quantize import quantize_expert_weights
+from .tensors import ExpertWeights
 
 
 def random_float_weights(cfg: MoEConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from moe_serve.kernels.experts.deep_gemm import DeepGemmBatchedExperts, DeepGemmExperts
-from moe_serve.kernels.experts.deep_gemm_fp4 import DeepGemmFp4Experts
-from moe_serve.kernels.experts.oai_triton import OaiTritonExperts, UnfusedOaiTritonExperts
-from moe_serve.kernels.experts.reference import BatchedReferenceExperts, ReferenceExperts
-from moe_serve.kernels.experts.triton import TritonBatchedExperts, TritonExperts
-from moe_serve.kernels.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
-from moe_serve.kernels.prepare_finalize.batched import Batched
-from moe_serve.kernels.prepare_finalize.naive_ep import NaiveEP
-from moe_serve.kernels.prepare_finalize.no_ep import NoEP
-from moe_serve.kernels.stages import Experts, PrepareFinalize
+from .experts.deep_gemm import DeepGemmBatchedExperts, DeepGemmExperts
+from .experts.deep_gemm_fp4 import DeepGemmFp4Experts
+from .experts.oai_triton import OaiTritonExperts, UnfusedOaiTritonExperts
+from .experts.reference import BatchedReferenceExperts, ReferenceExperts
+from .experts.triton import TritonBatchedExperts, TritonExperts
+from .experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
+from .prepare_finalize.batched import Batched
+from .prepare_finalize.naive_ep import NaiveEP
+from .prepare_finalize.no_ep import NoEP
+from .stages import Experts, PrepareFinalize
 
 T = TypeVar("T", type[Experts], type[PrepareFinalize])
 

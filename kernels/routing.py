@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from moe_serve.kernels.arith import ceil_div
-from moe_serve.kernels.config import GroupScore, RoutingConfig, Scoring
-from moe_serve.kernels.stages import HAS_TRITON
-from moe_serve.kernels.tensors import Routing
+from .arith import ceil_div
+from .config import GroupScore, RoutingConfig, Scoring
+from .stages import HAS_TRITON
+from .tensors import Routing
 
 if HAS_TRITON:
-    from moe_serve.kernels.routing_kernel import route_rows
+    from .routing_kernel import route_rows
 
 
 def stable_topk(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_serve.kernels.config import GroupScore, RoutingConfig, Scoring
-from moe_serve.kernels.tensors import Routing
-from moe_serve.kernels.triton_math import exp, interpreted, libdevice_here
+from .config import GroupScore, RoutingConfig, Scoring
+from .tensors import Routing
+from .triton_math import exp, interpreted, libdevice_here
 
 
 @triton.jit

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_serve.kernels.triton_math import exp, libdevice_here
+from .triton_math import exp, libdevice_here
 
 _MAX_BLOCK = 1024  # columns one step of a program reads
 

@@ -32,15 +32,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from moe_serve.kernels.config import MoEConfig
-from moe_serve.kernels.experts.token_switch import TokenSwitchExperts
-from moe_serve.kernels.registry import experts_backends, prepare_finalize_backends
-from moe_serve.kernels.stages import Support
-from moe_serve.kernels.tensors import Format
-from moe_serve.kernels.tuned import TUNED_DIR
+from .config import MoEConfig
+from .experts.token_switch import TokenSwitchExperts
+from .registry import experts_backends, prepare_finalize_backends
+from .stages import Support
+from .tensors import Format
+from .tuned import TUNED_DIR
 
 if TYPE_CHECKING:
-    from moe_serve.kernels.stages import Experts, PrepareFinalize
+    from .stages import Experts, PrepareFinalize
 
 LARGE_LAYER = 1 << 22  # H * I from which a layer counts as full-size (DeepSeek-V3, gpt-oss)
 

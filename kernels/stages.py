@@ -19,10 +19,10 @@ from typing import ClassVar
 
 import torch
 
-from moe_serve.kernels.config import Activation, MoEConfig
-from moe_serve.kernels.quant_scheme import ActQuant, QuantScheme
-from moe_serve.kernels.tensors import Dispatched, ExpertWeights, Format, Routing
-from moe_serve.kernels.workspace import Workspace
+from .config import Activation, MoEConfig
+from .quant_scheme import ActQuant, QuantScheme
+from .tensors import Dispatched, ExpertWeights, Format, Routing
+from .workspace import Workspace
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from enum import StrEnum
 
 import torch
 
-from moe_serve.kernels.quant_scheme import ActQuant
+from .quant_scheme import ActQuant
 
 
 class Format(StrEnum):

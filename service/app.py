@@ -13,21 +13,21 @@ from pathlib import Path
 import torch
 from fastapi import FastAPI
 
-from moe_serve import __version__
-from moe_serve.service import docs, json_device, tracing
-from moe_serve.service.batcher import BatchPolicy, DynamicBatcher
-from moe_serve.service.deps import Runtime, pinned_body_sink
-from moe_serve.service.engine import Engine, LayerSource
-from moe_serve.service.ep import EPEngine
-from moe_serve.service.errors import install_handlers
-from moe_serve.service.fast_path import ForwardFastPath, forward_route
-from moe_serve.service.front_ends import FrontEnds
-from moe_serve.service.grpc_server import start_grpc_server
-from moe_serve.service.kserve_fast_path import KServeInferFastPath
-from moe_serve.service.metrics import Metrics
-from moe_serve.service.middleware import OPEN_PATHS, RequestMiddleware
-from moe_serve.service.repository import Repository
-from moe_serve.service.routes import (
+from .. import __version__
+from . import docs, json_device, tracing
+from .batcher import BatchPolicy, DynamicBatcher
+from .deps import Runtime, pinned_body_sink
+from .engine import Engine, LayerSource
+from .ep import EPEngine
+from .errors import install_handlers
+from .fast_path import ForwardFastPath, forward_route
+from .front_ends import FrontEnds
+from .grpc_server import start_grpc_server
+from .kserve_fast_path import KServeInferFastPath
+from .metrics import Metrics
+from .middleware import OPEN_PATHS, RequestMiddleware
+from .repository import Repository
+from .routes import (
     forward,
     health,
     introspect,
@@ -37,8 +37,8 @@ from moe_serve.service.routes import (
     repository,
     shared_memory,
 )
-from moe_serve.service.settings import Settings
-from moe_serve.service.shared_memory import SharedMemory
+from .settings import Settings
+from .shared_memory import SharedMemory
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ LayerLoader = Callable[[Settings, torch.device], Sequence[LayerSource]]
 
 def layer_paths(settings: Settings) -> list[Path]:
     """The layers named by --weights, or the demo layers (generated into the cache once)."""
-    from moe_serve.weights.demo import ensure_demo_layers
+    from ..weights.demo import ensure_demo_layers
 
     if settings.weights or settings.model_repository is not None:
         return list(settings.weights)
@@ -56,7 +56,7 @@ def layer_paths(settings: Settings) -> list[Path]:
 
 
 def load_from_disk(settings: Settings, device: torch.device) -> list[LayerSource]:
-    from moe_serve.weights.load import load_layer
+    from ..weights.load import load_layer
 
     return [load_layer(path, device) for path in layer_paths(settings)]
 

@@ -33,13 +33,13 @@ from typing import TypeVar
 
 import torch
 
-from moe_serve.kernels.input_checks import InputError, check_values
-from moe_serve.kernels.layer import LayerOutput
-from moe_serve.kernels.quant_scheme import ActQuant
-from moe_serve.kernels.tensors import ForwardInputs, Routing
-from moe_serve.service import tracing
-from moe_serve.service.engine import Engine, ServedLayer
-from moe_serve.service.errors import (
+from ..kernels.input_checks import InputError, check_values
+from ..kernels.layer import LayerOutput
+from ..kernels.quant_scheme import ActQuant
+from ..kernels.tensors import ForwardInputs, Routing
+from . import tracing
+from .engine import Engine, ServedLayer
+from .errors import (
     BadInput,
     DeadlineExceeded,
     ForwardFailed,
@@ -49,10 +49,10 @@ from moe_serve.service.errors import (
     ShuttingDown,
     UnknownLayer,
 )
-from moe_serve.service.interpreter import switch_gil_often
-from moe_serve.service.metrics import Metrics
-from moe_serve.service.pipeline import BatchResult
-from moe_serve.service.wire import OFF_LOOP_BYTES
+from .interpreter import switch_gil_often
+from .metrics import Metrics
+from .pipeline import BatchResult
+from .wire import OFF_LOOP_BYTES
 
 log = logging.getLogger(__name__)
 

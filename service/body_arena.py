@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_serve.kernels.arith import round_up
+from ..kernels.arith import round_up
 
 BLOCK_BYTES = 64 << 10  # allocation unit
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 
-from moe_serve.service.body_arena import BodyArena, Region
+from .body_arena import BodyArena, Region
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from moe_serve.service.body_arena import BodyArena, Region
-from moe_serve.service.channel import (
+from .body_arena import BodyArena, Region
+from .channel import (
     CANCEL,
     CANCEL_FIELDS,
     DONE,
@@ -30,9 +30,9 @@ from moe_serve.service.channel import (
     error_payload,
     hello,
 )
-from moe_serve.service.deps import Runtime, ready
-from moe_serve.service.errors import ServiceError
-from moe_serve.service.routes.forward import LayerCall, serve_blob_into
+from .deps import Runtime, ready
+from .errors import ServiceError
+from .routes.forward import LayerCall, serve_blob_into
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Python client for the binary forward path, with retries when the server is busy.
 
-from moe_serve.service.client import Client
+from .client import Client
 out = Client("http://127.0.0.1:8000").forward("demo", hidden_states)  # [T, H] -> [T, H]
 """
 

@@ -16,15 +16,15 @@ from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from starlette.types import Scope
 
-from moe_serve.kernels.arith import round_up
-from moe_serve.kernels.layer import LayerOutput
-from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service.batcher import DynamicBatcher, RequestOptions
-from moe_serve.service.binary_forward import plain_binary_forward
-from moe_serve.service.body_arena import BLOCK_BYTES, REPLY_HEADER_BYTES
-from moe_serve.service.direct_body import DIRECT_BODY, BodySink, BodyTarget, DirectBody
-from moe_serve.service.engine import Engine
-from moe_serve.service.errors import (
+from ..kernels.arith import round_up
+from ..kernels.layer import LayerOutput
+from ..kernels.tensors import ForwardInputs
+from .batcher import DynamicBatcher, RequestOptions
+from .binary_forward import plain_binary_forward
+from .body_arena import BLOCK_BYTES, REPLY_HEADER_BYTES
+from .direct_body import DIRECT_BODY, BodySink, BodyTarget, DirectBody
+from .engine import Engine
+from .errors import (
     BadInput,
     ClientDisconnected,
     NotReady,
@@ -34,16 +34,16 @@ from moe_serve.service.errors import (
     body_stalled,
     describe_validation_error,
 )
-from moe_serve.service.kserve_codec import HEADER_LENGTH
-from moe_serve.service.metrics import Metrics
-from moe_serve.service.middleware import bearer_matches
-from moe_serve.service.server import client_gone
-from moe_serve.service.settings import Settings
-from moe_serve.service.shared_memory import SharedMemory
+from .kserve_codec import HEADER_LENGTH
+from .metrics import Metrics
+from .middleware import bearer_matches
+from .server import client_gone
+from .settings import Settings
+from .shared_memory import SharedMemory
 
 if TYPE_CHECKING:
-    from moe_serve.service.front_ends import FrontEnds
-    from moe_serve.service.repository import Repository
+    from .front_ends import FrontEnds
+    from .repository import Repository
 
 RETRY_WHILE_LOADING_S = "5"
 Body = TypeVar("Body", bound=BaseModel)

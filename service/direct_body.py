@@ -24,7 +24,7 @@ import httptools
 from starlette.types import Scope
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from moe_serve.service.errors import body_cut, body_stalled
+from .errors import body_cut, body_stalled
 
 DIRECT_BODY = "moe_serve.direct_body"  # scope key: the request's DirectBody
 _SCRATCH_BYTES = 256 << 10  # what the event loop reads at once for everything else (uvloop's)

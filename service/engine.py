@@ -18,16 +18,16 @@ from typing import Protocol
 
 import torch
 
-from moe_serve.kernels.config import MoEConfig
-from moe_serve.kernels.input_checks import all_finite, all_finite_on_device
-from moe_serve.kernels.layer import LayerOutput, LayerWeights, MoELayer, build_layer, expert_tokens
-from moe_serve.kernels.layer_graphs import LayerGraphs, can_capture
-from moe_serve.kernels.modular import DEFAULT_CHUNK_TOKENS
-from moe_serve.kernels.selection import Selection
-from moe_serve.kernels.tensors import ForwardInputs, Routing
-from moe_serve.kernels.workspace import Workspace
-from moe_serve.service.errors import NotReady, UnknownLayer
-from moe_serve.service.pipeline import (
+from ..kernels.config import MoEConfig
+from ..kernels.input_checks import all_finite, all_finite_on_device
+from ..kernels.layer import LayerOutput, LayerWeights, MoELayer, build_layer, expert_tokens
+from ..kernels.layer_graphs import LayerGraphs, can_capture
+from ..kernels.modular import DEFAULT_CHUNK_TOKENS
+from ..kernels.selection import Selection
+from ..kernels.tensors import ForwardInputs, Routing
+from ..kernels.workspace import Workspace
+from .errors import NotReady, UnknownLayer
+from .pipeline import (
     DEPTH,
     BatchResult,
     DevicePipeline,

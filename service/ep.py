@@ -42,18 +42,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moe_serve.kernels.input_checks import all_finite_on_device, check_shapes
-from moe_serve.kernels.layer import LayerOutput, MoELayer, expert_tokens
-from moe_serve.kernels.layer_graphs import LayerGraphs
-from moe_serve.kernels.placement import Placement, balancedness, rank_tokens
-from moe_serve.kernels.prepare_finalize.naive_ep import NaiveEP
-from moe_serve.kernels.selection import Selection
-from moe_serve.kernels.tensors import ForwardInputs, Routing
-from moe_serve.kernels.workspace import Workspace
-from moe_serve.service import ep_group
-from moe_serve.service.engine import Engine, LayerSource, NonFiniteRows, ServedLayer
-from moe_serve.service.ep_group import Commands, Generation, Rendezvous
-from moe_serve.service.ep_layers import (
+from ..kernels.input_checks import all_finite_on_device, check_shapes
+from ..kernels.layer import LayerOutput, MoELayer, expert_tokens
+from ..kernels.layer_graphs import LayerGraphs
+from ..kernels.placement import Placement, balancedness, rank_tokens
+from ..kernels.prepare_finalize.naive_ep import NaiveEP
+from ..kernels.selection import Selection
+from ..kernels.tensors import ForwardInputs, Routing
+from ..kernels.workspace import Workspace
+from ..weights.load import load_layer, read_manifest
+from . import ep_group
+from .engine import Engine, LayerSource, NonFiniteRows, ServedLayer
+from .ep_group import Commands, Generation, Rendezvous
+from .ep_layers import (
     COLLECTIVE_TIMEOUT_S,
     JOIN_TIMEOUT_S,
     LayerPlan,
@@ -63,11 +64,10 @@ from moe_serve.service.ep_layers import (
     rank_device,
     regroup_kernel,
 )
-from moe_serve.service.ep_worker import worker_main
-from moe_serve.service.errors import NotReady
-from moe_serve.service.pipeline import BatchResult, Pending
-from moe_serve.service.settings import Settings
-from moe_serve.weights.load import load_layer, read_manifest
+from .ep_worker import worker_main
+from .errors import NotReady
+from .pipeline import BatchResult, Pending
+from .settings import Settings
 
 log = logging.getLogger(__name__)
 

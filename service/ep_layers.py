@@ -10,16 +10,16 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_serve.kernels.layer import MoELayer, build_layer
-from moe_serve.kernels.modular import ModularKernel
-from moe_serve.kernels.placement import Placement
-from moe_serve.kernels.prepare_finalize.naive_ep import NaiveEP
-from moe_serve.kernels.selection import Selection
-from moe_serve.kernels.workspace import Workspace
-from moe_serve.service.engine import LayerSource
-from moe_serve.service.ep_group import Generation
-from moe_serve.service.settings import Settings
-from moe_serve.weights.placement_file import read_expert_counts, read_placement
+from ..kernels.layer import MoELayer, build_layer
+from ..kernels.modular import ModularKernel
+from ..kernels.placement import Placement
+from ..kernels.prepare_finalize.naive_ep import NaiveEP
+from ..kernels.selection import Selection
+from ..kernels.workspace import Workspace
+from ..weights.placement_file import read_expert_counts, read_placement
+from .engine import LayerSource
+from .ep_group import Generation
+from .settings import Settings
 
 # How long a rank waits in a collective for the others. Idle ranks wait on the store, not in a
 # collective, so this bounds only the skew within one forward (first-call compiles).

@@ -14,9 +14,9 @@ import os
 
 import torch
 
-from moe_serve.kernels.stages import resolve_device
-from moe_serve.service.ep_group import Rendezvous, leave
-from moe_serve.service.ep_worker import run_rank
+from ..kernels.stages import resolve_device
+from .ep_group import Rendezvous, leave
+from .ep_worker import run_rank
 
 log = logging.getLogger(__name__)
 

@@ -13,15 +13,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_serve.kernels.graph_capture import capturing
-from moe_serve.kernels.modular import ModularKernel
-from moe_serve.kernels.placement import Placement
-from moe_serve.kernels.tensors import Routing
-from moe_serve.kernels.workspace import Workspace
-from moe_serve.service import ep_group
-from moe_serve.service.engine import LayerSource
-from moe_serve.service.ep_group import Commands, Generation, Rendezvous, leave
-from moe_serve.service.ep_layers import (
+from ..kernels.graph_capture import capturing
+from ..kernels.modular import ModularKernel
+from ..kernels.placement import Placement
+from ..kernels.tensors import Routing
+from ..kernels.workspace import Workspace
+from ..weights.load import load_layer
+from . import ep_group
+from .engine import LayerSource
+from .ep_group import Commands, Generation, Rendezvous, leave
+from .ep_layers import (
     COLLECTIVE_TIMEOUT_S,
     JOIN_TIMEOUT_S,
     LayerPlan,
@@ -29,8 +30,7 @@ from moe_serve.service.ep_layers import (
     build_ep_kernel,
     regroup_kernel,
 )
-from moe_serve.service.profiling import kernel_profiler, write_profile
-from moe_serve.weights.load import load_layer
+from .profiling import kernel_profiler, write_profile
 
 log = logging.getLogger(__name__)
 

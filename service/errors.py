@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from moe_serve.weights.errors import describe_validation_error
+from ..weights.errors import describe_validation_error
 
 log = logging.getLogger(__name__)
 

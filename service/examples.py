@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from moe_serve.weights.demo import DEMO_CONFIG
+from ..weights.demo import DEMO_CONFIG
 
 # Two tokens of the demo layer's hidden size; logits for its experts
 DEMO_ROWS = [

@@ -15,11 +15,11 @@ from starlette.requests import Request
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from moe_serve.service.batcher import RequestOptions
-from moe_serve.service.binary_forward import BINARY, FORWARD_PATH, plain_forward
-from moe_serve.service.deps import Runtime, get_body, get_pinned_body, ready
-from moe_serve.service.errors import ServiceError, error_response
-from moe_serve.service.routes.forward import LayerCall, forward_binary, forward_json, forward_pinned
+from .batcher import RequestOptions
+from .binary_forward import BINARY, FORWARD_PATH, plain_forward
+from .deps import Runtime, get_body, get_pinned_body, ready
+from .errors import ServiceError, error_response
+from .routes.forward import LayerCall, forward_binary, forward_json, forward_pinned
 
 
 class ForwardFastPath:

@@ -42,18 +42,18 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from moe_serve.service import logs
-from moe_serve.service.binary_forward import (
+from . import logs
+from .binary_forward import (
     BINARY,
     FORWARD_PATH,
     JSON,
     plain_binary_forward,
     plain_forward,
 )
-from moe_serve.service.body_arena import BodyArena, Region
-from moe_serve.service.channel import EngineClient, Reply
-from moe_serve.service.direct_body import DIRECT_BODY, BodyTarget, DirectBody
-from moe_serve.service.errors import (
+from .body_arena import BodyArena, Region
+from .channel import EngineClient, Reply
+from .direct_body import DIRECT_BODY, BodyTarget, DirectBody
+from .errors import (
     BadInput,
     ServiceError,
     ShuttingDown,
@@ -62,23 +62,23 @@ from moe_serve.service.errors import (
     body_too_large,
     error_response,
 )
-from moe_serve.service.interpreter import collect_less
-from moe_serve.service.json_numbers import (
+from .interpreter import collect_less
+from .json_numbers import (
     NUMBER_BYTES,
     ForwardArrays,
     decode_forward_arrays,
     dumps,
     run_sized,
 )
-from moe_serve.service.middleware import (
+from .middleware import (
     OPEN_PATHS,
     UNAUTHORIZED,
     authorized,
     new_request_id,
     over_capacity,
 )
-from moe_serve.service.safetensors_header import read_header
-from moe_serve.service.server import OVER_CAPACITY, bounded_protocol, client_gone
+from .safetensors_header import read_header
+from .server import OVER_CAPACITY, bounded_protocol, client_gone
 
 log = logging.getLogger("moe_serve.service.front_end")  # also when run as __main__
 

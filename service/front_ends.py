@@ -21,12 +21,12 @@ from pathlib import Path
 
 from prometheus_client import Counter
 
-from moe_serve.service import json_device
-from moe_serve.service.body_arena import shm_dir
-from moe_serve.service.channel_server import ChannelServer
-from moe_serve.service.deps import Runtime
-from moe_serve.service.front_end import FrontEndConfig
-from moe_serve.service.settings import Settings
+from . import json_device
+from .body_arena import shm_dir
+from .channel_server import ChannelServer
+from .deps import Runtime
+from .front_end import FrontEndConfig
+from .settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from google.protobuf.message import Message
 from pydantic import BaseModel
 from tritonclient.grpc import service_pb2 as pb
 
-from moe_serve.service.errors import BadInput
-from moe_serve.service.kserve_codec import (
+from .errors import BadInput
+from .kserve_codec import (
     DATATYPE_NAMES,
     DATATYPES,
     SHM_REGION,

@@ -20,13 +20,13 @@ from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
-from moe_serve.service import inference, logs, repository, tracing
-from moe_serve.service.deps import Runtime, ready
-from moe_serve.service.errors import ServiceError, Unauthorized, UnknownLayer, capped, grpc_status
-from moe_serve.service.grpc_codec import decode_infer, encode_infer, from_model, parameters_to_dict
-from moe_serve.service.middleware import bearer_matches, new_request_id
-from moe_serve.service.routes.repository import check_load_parameters
-from moe_serve.service.shared_memory import owner_of
+from . import inference, logs, repository, tracing
+from .deps import Runtime, ready
+from .errors import ServiceError, Unauthorized, UnknownLayer, capped, grpc_status
+from .grpc_codec import decode_infer, encode_infer, from_model, parameters_to_dict
+from .middleware import bearer_matches, new_request_id
+from .routes.repository import check_load_parameters
+from .shared_memory import owner_of
 
 log = logging.getLogger(__name__)
 

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 import torch
 from fastapi import Request
 
-from moe_serve import __version__
-from moe_serve.service.batcher import RequestOptions
-from moe_serve.service.deps import Runtime, ready, submit_while_connected
-from moe_serve.service.engine import Engine, ServedLayer
-from moe_serve.service.errors import BadInput, UnknownLayer
-from moe_serve.service.inputs import check_inputs
-from moe_serve.service.kserve_codec import (
+from .. import __version__
+from .batcher import RequestOptions
+from .deps import Runtime, ready, submit_while_connected
+from .engine import Engine, ServedLayer
+from .errors import BadInput, UnknownLayer
+from .inputs import check_inputs
+from .kserve_codec import (
     DATATYPE_NAMES,
     SHM_BYTE_SIZE,
     SHM_OFFSET,
@@ -30,8 +30,8 @@ from moe_serve.service.kserve_codec import (
     TensorMetadata,
     tensor_type,
 )
-from moe_serve.service.routes.forward import TENSOR_NAMES, schedule_options
-from moe_serve.service.shared_memory import DeviceRegion, TensorPlace
+from .routes.forward import TENSOR_NAMES, schedule_options
+from .shared_memory import DeviceRegion, TensorPlace
 
 OUTPUT = "output"
 VERSION = "1"  # a layer is a model with one version; clients may name it or not

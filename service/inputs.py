@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from moe_serve.kernels.input_checks import InputError, check_shapes
-from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service.engine import ServedLayer
-from moe_serve.service.errors import BadInput
+from ..kernels.input_checks import InputError, check_shapes
+from ..kernels.tensors import ForwardInputs
+from .engine import ServedLayer
+from .errors import BadInput
 
 
 def check_inputs(

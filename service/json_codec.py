@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_serve.service.errors import BadInput
-from moe_serve.service.json_numbers import decode_forward_arrays, rows_to_array, to_array
-from moe_serve.service.json_numbers import dumps as dumps_arrays
+from .errors import BadInput
+from .json_numbers import decode_forward_arrays, rows_to_array, to_array
+from .json_numbers import dumps as dumps_arrays
 
 
 def rows_to_tensor(name: str, value: Any, numbers_only: bool = False) -> torch.Tensor:

@@ -33,8 +33,8 @@ from functools import lru_cache
 
 import torch
 
-from moe_serve.service import json_codec, json_numbers
-from moe_serve.service.wire import byte_view
+from . import json_codec, json_numbers
+from .wire import byte_view
 
 log = logging.getLogger(__name__)
 # byte classes; the number characters are contiguous (DIGIT..EXP)
@@ -219,7 +219,7 @@ def parse_rows(text: torch.Tensor) -> torch.Tensor | None:
     if first.numel() == 0:
         return None
     if dev.type == "cuda":
-        from moe_serve.service.json_device_kernel import (
+        from .json_device_kernel import (
             read_numbers as read_on_gpu,  # Triton: GPUs only
         )
 

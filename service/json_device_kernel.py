@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 if TYPE_CHECKING:
-    from moe_serve.service.json_device import NumberLimits
+    from .json_device import NumberLimits
 
 _BLOCK = 1024
 # states of a number's reading, in the order the grammar meets them

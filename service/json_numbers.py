@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import numpy as np
 import orjson
 
-from moe_serve.service.errors import BadInput
+from .errors import BadInput
 
 T = TypeVar("T")
 

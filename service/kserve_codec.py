@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field, ValidationError
 
-from moe_serve.service.errors import BadInput
-from moe_serve.service.json_codec import array_to_tensor
-from moe_serve.weights.errors import describe_validation_error
+from ..weights.errors import describe_validation_error
+from .errors import BadInput
+from .json_codec import array_to_tensor
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # The shared-memory extension's tensor parameters (inputs and requested outputs)

@@ -18,9 +18,9 @@ from starlette.requests import Request
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from moe_serve.service.deps import Runtime, get_body
-from moe_serve.service.errors import ServiceError, error_response
-from moe_serve.service.routes import kserve
+from .deps import Runtime, get_body
+from .errors import ServiceError, error_response
+from .routes import kserve
 
 INFER_PATH = "/v2/models/{name}/infer"
 VERSION_INFER_PATH = "/v2/models/{name}/versions/{version}/infer"

@@ -16,12 +16,12 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from moe_serve.service import docs, logs
-from moe_serve.service.errors import ShuttingDown, error_response
-from moe_serve.service.server import OVER_CAPACITY
+from . import docs, logs
+from .errors import ShuttingDown, error_response
+from .server import OVER_CAPACITY
 
 if TYPE_CHECKING:
-    from moe_serve.service.metrics import Metrics
+    from .metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from moe_serve.kernels.input_checks import all_finite_on_device, finite_flag
-from moe_serve.kernels.layer import LayerOutput, expert_tokens
-from moe_serve.kernels.tensors import ForwardInputs, Routing
+from ..kernels.input_checks import all_finite_on_device, finite_flag
+from ..kernels.layer import LayerOutput, expert_tokens
+from ..kernels.tensors import ForwardInputs, Routing
 
 if TYPE_CHECKING:
-    from moe_serve.service.engine import ServedLayer
+    from .engine import ServedLayer
 
 DEPTH = 3  # batches in flight: one computing, the next ones copied in and queued behind it
 

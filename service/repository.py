@@ -17,10 +17,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_serve.service.deps import Runtime, ready
-from moe_serve.service.errors import BadInput, UnknownLayer
-from moe_serve.service.statistics import VERSION
-from moe_serve.weights.load import load_layer
+from ..weights.load import load_layer
+from .deps import Runtime, ready
+from .errors import BadInput, UnknownLayer
+from .statistics import VERSION
 
 log = logging.getLogger(__name__)
 

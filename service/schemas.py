@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from moe_serve.service.examples import DEMO_ROWS
+from .examples import DEMO_ROWS
 
 
 def inline_json_schema(model: type[BaseModel]) -> dict[str, Any]:

@@ -10,19 +10,19 @@ from types import FrameType
 import uvicorn
 from pydantic import ValidationError
 
-from moe_serve.kernels.registry import experts_backends
-from moe_serve.kernels.selection import select
-from moe_serve.service import logs, tracing
-from moe_serve.service.app import create_app
-from moe_serve.service.ep_group import leave
-from moe_serve.service.ep_layers import initial_placement, rank_device
-from moe_serve.service.front_ends import FrontEnds
-from moe_serve.service.interpreter import collect_less
-from moe_serve.service.server import listen, server_config
-from moe_serve.service.settings import Settings
-from moe_serve.weights.demo import demo_configs
-from moe_serve.weights.errors import describe_validation_error
-from moe_serve.weights.load import inspect_layer
+from ..kernels.registry import experts_backends
+from ..kernels.selection import select
+from ..weights.demo import demo_configs
+from ..weights.errors import describe_validation_error
+from ..weights.load import inspect_layer
+from . import logs, tracing
+from .app import create_app
+from .ep_group import leave
+from .ep_layers import initial_placement, rank_device
+from .front_ends import FrontEnds
+from .interpreter import collect_less
+from .server import listen, server_config
+from .settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -27,12 +27,12 @@ from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http import h11_impl, httptools_impl
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from moe_serve.service.direct_body import BodySink, BufferedConnection, DirectBodyProtocol
+from .direct_body import BodySink, BufferedConnection, DirectBodyProtocol
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from moe_serve.service.settings import Settings
+    from .settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import torch
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from moe_serve.kernels.stages import resolve_device
+from ..kernels.stages import resolve_device
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 MIN_TOKEN_CHARS = 16  # a shorter bearer token is a placeholder, not a secret

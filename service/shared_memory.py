@@ -35,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from moe_serve.service.errors import BadInput, Conflict, Forbidden, UnknownRegion
-from moe_serve.service.kserve_codec import DATATYPE_NAMES, SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION
+from .errors import BadInput, Conflict, Forbidden, UnknownRegion
+from .kserve_codec import DATATYPE_NAMES, SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION
 
 log = logging.getLogger(__name__)
 

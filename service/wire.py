@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import torch
 
-from moe_serve.service.safetensors_header import read_header
+from .safetensors_header import read_header
 
 T = TypeVar("T")
 

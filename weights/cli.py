@@ -10,12 +10,12 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
-from moe_serve.weights.convert.pipeline import FAMILIES, convert_checkpoint
-from moe_serve.weights.demo import ensure_demo_layers
-from moe_serve.weights.errors import LayerFileError
-from moe_serve.weights.layout import expected_tensors
-from moe_serve.weights.load import verify_layer
+from ..kernels.quant_scheme import QuantConfig, QuantScheme
+from .convert.pipeline import FAMILIES, convert_checkpoint
+from .demo import ensure_demo_layers
+from .errors import LayerFileError
+from .layout import expected_tensors
+from .load import verify_layer
 
 
 def _fail(command: str, err: Exception | str, status: int = 1) -> int:

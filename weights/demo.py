@@ -11,15 +11,15 @@ from pathlib import Path
 
 import torch
 
-from moe_serve.kernels.config import MoEConfig, RoutingConfig
-from moe_serve.kernels.layer import LayerWeights, RouterWeights
-from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
-from moe_serve.kernels.quantize import quantize_expert_weights
-from moe_serve.kernels.random_weights import random_float_weights
-from moe_serve.weights.errors import LayerFileError
-from moe_serve.weights.load import verify_layer
-from moe_serve.weights.manifest import Manifest, Source
-from moe_serve.weights.write import write_layer
+from ..kernels.config import MoEConfig, RoutingConfig
+from ..kernels.layer import LayerWeights, RouterWeights
+from ..kernels.quant_scheme import QuantConfig, QuantScheme
+from ..kernels.quantize import quantize_expert_weights
+from ..kernels.random_weights import random_float_weights
+from .errors import LayerFileError
+from .load import verify_layer
+from .manifest import Manifest, Source
+from .write import write_layer
 
 log = logging.getLogger(__name__)
 

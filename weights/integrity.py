@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import xxhash
 
-from moe_serve.kernels.input_checks import NONFINITE_BITS
+from ..kernels.input_checks import NONFINITE_BITS
 
 CHECKSUM = "xxh3-64"
 _E8M0_BITS = (torch.uint8, 0xFF)  # an e8m0 scale's one non-finite code is 255

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from moe_serve.kernels.config import MoEConfig
-from moe_serve.kernels.layer import ROUTER_TENSORS, SHARED_TENSORS
-from moe_serve.weights.errors import LayerFileError
-from moe_serve.weights.manifest import Manifest
+from ..kernels.config import MoEConfig
+from ..kernels.layer import ROUTER_TENSORS, SHARED_TENSORS
+from .errors import LayerFileError
+from .manifest import Manifest
 
 F32 = torch.float32
 

@@ -23,11 +23,11 @@ from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from moe_serve.kernels.config import MoEConfig
-from moe_serve.kernels.layer import LayerWeights
-from moe_serve.weights.errors import LayerFileError, describe_validation_error
-from moe_serve.weights.integrity import CHECKSUM, RowDigests, first_nonfinite
-from moe_serve.weights.layout import (
+from ..kernels.config import MoEConfig
+from ..kernels.layer import LayerWeights
+from .errors import LayerFileError, describe_validation_error
+from .integrity import CHECKSUM, RowDigests, first_nonfinite
+from .layout import (
     TensorSpec,
     check_names,
     check_tensor,
@@ -35,7 +35,7 @@ from moe_serve.weights.layout import (
     header_sha256,
     tensor_offsets,
 )
-from moe_serve.weights.manifest import MANIFEST_FILE, TENSORS_FILE, Manifest
+from .manifest import MANIFEST_FILE, TENSORS_FILE, Manifest
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from pydantic import (
 )
 from pydantic_core import InitErrorDetails
 
-from moe_serve.kernels.config import DTYPES, MoEConfig
-from moe_serve.kernels.layer import LayerWeights
+from ..kernels.config import DTYPES, MoEConfig
+from ..kernels.layer import LayerWeights
 
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"

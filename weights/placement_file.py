@@ -15,8 +15,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, NonNegativeFloat, NonNegativeInt, ValidationError
 
-from moe_serve.kernels.placement import Placement
-from moe_serve.weights.errors import describe_validation_error
+from ..kernels.placement import Placement
+from .errors import describe_validation_error
 
 
 class _PlacementFile(BaseModel):

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from moe_serve.kernels.layer import LayerWeights
-from moe_serve.weights.errors import LayerFileError
-from moe_serve.weights.integrity import checksums
-from moe_serve.weights.layout import check_names, check_tensor, expected_tensors, header_sha256
-from moe_serve.weights.manifest import MANIFEST_FILE, TENSORS_FILE, Manifest
+from ..kernels.layer import LayerWeights
+from .errors import LayerFileError
+from .integrity import checksums
+from .layout import check_names, check_tensor, expected_tensors, header_sha256
+from .manifest import MANIFEST_FILE, TENSORS_FILE, Manifest
 
 log = logging.getLogger(__name__)
 

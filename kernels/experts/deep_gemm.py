@@ -26,20 +26,20 @@ from typing import ClassVar
 
 import torch
 
-from moe_serve.kernels.arith import ceil_div, round_up
-from moe_serve.kernels.config import MoEConfig
-from moe_serve.kernels.experts._triton.act_quant import MaskedRows, PairRows, act_quant
-from moe_serve.kernels.experts._triton.align import aligned_capacity
-from moe_serve.kernels.experts._triton.psum_layout import (
+from ..arith import ceil_div, round_up
+from ..config import MoEConfig
+from ..quant_scheme import FP8, FP8_BLOCK, QuantScheme
+from ..stages import YES, Experts, SumTarget, Support, cuda_capability
+from ..tensors import Dispatched, ExpertWeights, Format
+from ..workspace import Workspace
+from ._triton.act_quant import MaskedRows, PairRows, act_quant
+from ._triton.align import aligned_capacity
+from ._triton.psum_layout import (
     PsumLayout,
     gather_rows,
     psum_layout,
     weighted_sum,
 )
-from moe_serve.kernels.quant_scheme import FP8, FP8_BLOCK, QuantScheme
-from moe_serve.kernels.stages import YES, Experts, SumTarget, Support, cuda_capability
-from moe_serve.kernels.tensors import Dispatched, ExpertWeights, Format
-from moe_serve.kernels.workspace import Workspace
 
 MASKED_M_ALIGNMENT = 128  # the masked kernel's largest BLOCK_M: no block may cross two experts
 

@@ -20,15 +20,15 @@ from typing import ClassVar
 
 import torch
 
-from moe_serve.kernels.activations import apply_activation
-from moe_serve.kernels.arith import ceil_div, round_up
-from moe_serve.kernels.config import MoEConfig
-from moe_serve.kernels.experts.deep_gemm import DeepGemmBase, deep_gemm_environment
-from moe_serve.kernels.quant_scheme import FP8, FP8_BLOCK, MXFP4_GROUP, QuantScheme
-from moe_serve.kernels.quantize import FP8_MAX
-from moe_serve.kernels.stages import YES, SumTarget, Support
-from moe_serve.kernels.tensors import Dispatched, ExpertWeights, Format
-from moe_serve.kernels.workspace import Workspace
+from ..activations import apply_activation
+from ..arith import ceil_div, round_up
+from ..config import MoEConfig
+from ..quant_scheme import FP8, FP8_BLOCK, MXFP4_GROUP, QuantScheme
+from ..quantize import FP8_MAX
+from ..stages import YES, SumTarget, Support
+from ..tensors import Dispatched, ExpertWeights, Format
+from ..workspace import Workspace
+from .deep_gemm import DeepGemmBase, deep_gemm_environment
 
 UE8M0_PER_INT32 = 4
 TMA_ALIGN_BYTES = 16  # TMA wants the MN stride of a scale tensor in whole 16-byte units

@@ -25,12 +25,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from moe_serve.kernels.activations import apply_activation
-from moe_serve.kernels.config import Activation, GateUp, MoEConfig
-from moe_serve.kernels.quant_scheme import QuantScheme
-from moe_serve.kernels.stages import YES, Experts, SumTarget, Support, cuda_capability
-from moe_serve.kernels.tensors import Dispatched, ExpertWeights, Format
-from moe_serve.kernels.workspace import Workspace
+from ..activations import apply_activation
+from ..config import Activation, GateUp, MoEConfig
+from ..quant_scheme import QuantScheme
+from ..stages import YES, Experts, SumTarget, Support, cuda_capability
+from ..tensors import Dispatched, ExpertWeights, Format
+from ..workspace import Workspace
 
 HOPPER_MX_NUM_WARPS = 8  # the MXFP4 scale swizzle is laid out for the warps its kernel runs
 
@@ -64,7 +64,7 @@ class OgsRouting:
 def ogs_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int) -> OgsRouting:
     from triton_kernels.routing import GatherIndx, RoutingData, ScatterIndx, compute_expt_data
 
-    from moe_serve.kernels.experts._triton.sort_pairs import sort_pairs
+    from ._triton.sort_pairs import sort_pairs
 
     m, k = topk_ids.shape
     idx = sort_pairs(topk_ids, topk_weights, num_experts)

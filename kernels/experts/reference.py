@@ -16,13 +16,13 @@ from typing import ClassVar
 
 import torch
 
-from moe_serve.kernels.activations import apply_activation
-from moe_serve.kernels.batch_invariant import row_by_row
-from moe_serve.kernels.quant_scheme import ActQuant, QuantConfig, QuantScheme
-from moe_serve.kernels.quantize import dequantize_activation, dequantize_weight, quantize_activation
-from moe_serve.kernels.stages import Experts
-from moe_serve.kernels.tensors import Dispatched, Format
-from moe_serve.kernels.workspace import Workspace
+from ..activations import apply_activation
+from ..batch_invariant import row_by_row
+from ..quant_scheme import ActQuant, QuantConfig, QuantScheme
+from ..quantize import dequantize_activation, dequantize_weight, quantize_activation
+from ..stages import Experts
+from ..tensors import Dispatched, Format
+from ..workspace import Workspace
 
 # Every scheme kernels/quantize.py encodes; a new scheme joins once the oracle tests cover it.
 _SCHEMES = frozenset({

@@ -21,11 +21,11 @@ from typing import ClassVar
 
 import torch
 
-from moe_serve.kernels.config import MoEConfig
-from moe_serve.kernels.prepare_finalize.no_ep import quantize_input
-from moe_serve.kernels.stages import Experts, SumTarget, weighted_topk_sum
-from moe_serve.kernels.tensors import Dispatched, ExpertWeights, Format
-from moe_serve.kernels.workspace import Workspace
+from ..config import MoEConfig
+from ..prepare_finalize.no_ep import quantize_input
+from ..stages import Experts, SumTarget, weighted_topk_sum
+from ..tensors import Dispatched, ExpertWeights, Format
+from ..workspace import Workspace
 
 Plan = tuple[tuple[int, type[Experts]], ...]  # (from this many tokens, run this), ascending
 

@@ -19,9 +19,9 @@ from typing import ClassVar
 
 import torch
 
-from moe_serve.kernels.config import MoEConfig
-from moe_serve.kernels.quant_scheme import ActQuant, QuantScheme
-from moe_serve.kernels.stages import (
+from ..config import MoEConfig
+from ..quant_scheme import ActQuant, QuantScheme
+from ..stages import (
     HAS_TRITON,
     YES,
     ColumnBlocks,
@@ -30,28 +30,28 @@ from moe_serve.kernels.stages import (
     Support,
     cuda_capability,
 )
-from moe_serve.kernels.tensors import Dispatched, ExpertWeights, Format
-from moe_serve.kernels.workspace import Workspace
+from ..tensors import Dispatched, ExpertWeights, Format
+from ..workspace import Workspace
 
 if HAS_TRITON:  # without it the backends stay registered and say why they cannot run
-    from moe_serve.kernels.experts._triton.align import AlignedPairs, align_pairs
-    from moe_serve.kernels.experts._triton.gemv import MAX_PAIRS, EachPair, pair_gemv
-    from moe_serve.kernels.experts._triton.graphs import MAX_GRAPH_TOKENS, DecodeGraphs
-    from moe_serve.kernels.experts._triton.grouped_gemm import (
+    from ._triton.align import AlignedPairs, align_pairs
+    from ._triton.gemv import MAX_PAIRS, EachPair, pair_gemv
+    from ._triton.graphs import MAX_GRAPH_TOKENS, DecodeGraphs
+    from ._triton.grouped_gemm import (
         Activations,
         BatchedRows,
         Epilogue,
         ExpertMatrix,
         grouped_gemm,
     )
-    from moe_serve.kernels.experts._triton.quantize import quantize_rows
-    from moe_serve.kernels.experts._triton.tiles import (
+    from ._triton.quantize import quantize_rows
+    from ._triton.tiles import (
         INVARIANT_TOKENS,
         LayerTiles,
         nested_block_k,
         tiles_for,
     )
-    from moe_serve.kernels.experts._triton.topk_sum import topk_sum
+    from ._triton.topk_sum import topk_sum
 
 _FP8_CAPABILITY = (8, 9)  # fp8 tensor-core dots: Ada and Hopper onwards
 

@@ -17,18 +17,18 @@ from typing import ClassVar
 
 import torch
 
-from moe_serve.kernels.config import MoEConfig
-from moe_serve.kernels.experts.deep_gemm import (
+from ..config import MoEConfig
+from ..quant_scheme import QuantScheme
+from ..stages import Experts, SumTarget, Support, weighted_topk_sum
+from ..tensors import Dispatched, ExpertWeights, Format
+from ..workspace import Workspace
+from .deep_gemm import (
     DeepGemmExperts,
     check_block_shape,
     deep_gemm_environment,
 )
-from moe_serve.kernels.experts.reference import ReferenceExperts, dequantize_input
-from moe_serve.kernels.experts.triton import TritonExperts
-from moe_serve.kernels.quant_scheme import QuantScheme
-from moe_serve.kernels.stages import Experts, SumTarget, Support, weighted_topk_sum
-from moe_serve.kernels.tensors import Dispatched, ExpertWeights, Format
-from moe_serve.kernels.workspace import Workspace
+from .reference import ReferenceExperts, dequantize_input
+from .triton import TritonExperts
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class TritonOrDeepGemmExperts(Experts):
         device = weights.w13.device
         self.deep_gemm = DeepGemmExperts(cfg, weights)
         # here, not at the top: kernels.selection imports the registry, which lists this class
-        from moe_serve.kernels.selection import deep_gemm_min_tokens
+        from ..selection import deep_gemm_min_tokens
 
         small = next(cls for cls in SMALL_BATCH_BACKENDS if cls.supports(cfg, device))
         self.small = small(cfg, weights)

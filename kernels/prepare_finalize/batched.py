@@ -14,11 +14,11 @@ from typing import ClassVar
 
 import torch
 
-from moe_serve.kernels.prepare_finalize.no_ep import dispatch_locally
-from moe_serve.kernels.quant_scheme import ActQuant
-from moe_serve.kernels.stages import DispatchSpec, PrepareFinalize, weighted_topk_sum
-from moe_serve.kernels.tensors import Dispatched, Format, Routing
-from moe_serve.kernels.workspace import Workspace
+from ..quant_scheme import ActQuant
+from ..stages import DispatchSpec, PrepareFinalize, weighted_topk_sum
+from ..tensors import Dispatched, Format, Routing
+from ..workspace import Workspace
+from .no_ep import dispatch_locally
 
 # The largest forward whose capacity is its token count. 256 covers the decode buckets (up to
 # 64 tokens) and the next few graph buckets (kernels.layer_graphs.token_buckets); at 256 a

@@ -54,13 +54,12 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from moe_serve.kernels.arith import ceil_div, round_up
-from moe_serve.kernels.graph_capture import phase_boundary
-from moe_serve.kernels.prepare_finalize.no_ep import dispatch_locally, quantize_input
-from moe_serve.kernels.quant_scheme import ActQuant
-from moe_serve.kernels.quantize import quantize_activation
-from moe_serve.kernels.routing import to_local_ids
-from moe_serve.kernels.stages import (
+from ..arith import ceil_div, round_up
+from ..graph_capture import phase_boundary
+from ..quant_scheme import ActQuant
+from ..quantize import quantize_activation
+from ..routing import to_local_ids
+from ..stages import (
     YES,
     ColumnBlocks,
     DispatchSpec,
@@ -70,8 +69,9 @@ from moe_serve.kernels.stages import (
     Support,
     weighted_topk_sum,
 )
-from moe_serve.kernels.tensors import Dispatched, Format, Routing
-from moe_serve.kernels.workspace import Workspace
+from ..tensors import Dispatched, Format, Routing
+from ..workspace import Workspace
+from .no_ep import dispatch_locally, quantize_input
 
 # Renamed in torch 2.13 (the old names warn there); the device machine runs torch 2.11.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

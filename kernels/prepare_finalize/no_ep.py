@@ -6,20 +6,20 @@ from typing import ClassVar
 
 import torch
 
-from moe_serve.kernels.quant_scheme import ActQuant
-from moe_serve.kernels.quantize import quantize_activation
-from moe_serve.kernels.routing import to_local_ids
-from moe_serve.kernels.stages import (
+from ..quant_scheme import ActQuant
+from ..quantize import quantize_activation
+from ..routing import to_local_ids
+from ..stages import (
     HAS_TRITON,
     DispatchSpec,
     PrepareFinalize,
     weighted_topk_sum,
 )
-from moe_serve.kernels.tensors import Dispatched, Format, Routing
-from moe_serve.kernels.workspace import Workspace
+from ..tensors import Dispatched, Format, Routing
+from ..workspace import Workspace
 
 if HAS_TRITON:
-    from moe_serve.kernels.experts._triton.quantize import quantize_rows
+    from ..experts._triton.quantize import quantize_rows
 
 
 def quantize_input(hidden: torch.Tensor, how: ActQuant) -> tuple[torch.Tensor, torch.Tensor]:

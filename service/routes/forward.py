@@ -13,12 +13,12 @@ import torch
 from fastapi import APIRouter, Query, Request, Response
 from starlette.types import Receive, Scope, Send
 
-from moe_serve.kernels.layer import LayerOutput
-from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service import json_codec, json_device, json_numbers
-from moe_serve.service.batcher import DynamicBatcher, RequestOptions
-from moe_serve.service.binary_forward import BINARY, FORWARD_PATH, JSON
-from moe_serve.service.deps import (
+from ...kernels.layer import LayerOutput
+from ...kernels.tensors import ForwardInputs
+from .. import json_codec, json_device, json_numbers
+from ..batcher import DynamicBatcher, RequestOptions
+from ..binary_forward import BINARY, FORWARD_PATH, JSON
+from ..deps import (
     BatcherDep,
     BodyDep,
     EngineDep,
@@ -29,14 +29,14 @@ from moe_serve.service.deps import (
     submit_unless_withdrawn,
     submit_while_connected,
 )
-from moe_serve.service.engine import ServedLayer
-from moe_serve.service.errors import BadInput, ServiceError, UnsupportedMediaType
-from moe_serve.service.examples import DEMO_LOGITS, DEMO_ROWS
-from moe_serve.service.inputs import check_inputs
-from moe_serve.service.metrics import Metrics
-from moe_serve.service.schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
-from moe_serve.service.server import client_gone
-from moe_serve.service.wire import (
+from ..engine import ServedLayer
+from ..errors import BadInput, ServiceError, UnsupportedMediaType
+from ..examples import DEMO_LOGITS, DEMO_ROWS
+from ..inputs import check_inputs
+from ..metrics import Metrics
+from ..schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
+from ..server import client_gone
+from ..wire import (
     decode_safetensors,
     run_sized,
     safetensors_head,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from moe_serve.service.deps import RuntimeDep
-from moe_serve.service.schemas import HealthResponse, ReadyResponse
+from ..deps import RuntimeDep
+from ..schemas import HealthResponse, ReadyResponse
 
 router = APIRouter(tags=["health"])
 

@@ -7,10 +7,10 @@ import platform
 import torch
 from fastapi import APIRouter
 
-from moe_serve.kernels.registry import experts_backends, prepare_finalize_backends
-from moe_serve.service.deps import EngineDep
-from moe_serve.service.engine import ServedLayer
-from moe_serve.service.schemas import (
+from ...kernels.registry import experts_backends, prepare_finalize_backends
+from ..deps import EngineDep
+from ..engine import ServedLayer
+from ..schemas import (
     BackendInfo,
     BackendsResponse,
     DeviceInfo,

@@ -6,12 +6,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from moe_serve.service import inference, tracing
-from moe_serve.service.binary_forward import BINARY
-from moe_serve.service.deps import BodyDep, EngineDep, Runtime, RuntimeDep
-from moe_serve.service.errors import BadInput
-from moe_serve.service.examples import DEMO_ROWS
-from moe_serve.service.kserve_codec import (
+from .. import inference, tracing
+from ..binary_forward import BINARY
+from ..deps import BodyDep, EngineDep, Runtime, RuntimeDep
+from ..errors import BadInput
+from ..examples import DEMO_ROWS
+from ..kserve_codec import (
     HEADER_LENGTH,
     InferRequest,
     InferResponse,
@@ -20,8 +20,8 @@ from moe_serve.service.kserve_codec import (
     decode_request,
     encode_response,
 )
-from moe_serve.service.routes.shared_memory import caller
-from moe_serve.service.schemas import ErrorBody, inline_json_schema
+from ..schemas import ErrorBody, inline_json_schema
+from .shared_memory import caller
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from moe_serve.service.deps import RuntimeDep
+from ..deps import RuntimeDep
 
 router = APIRouter(tags=["health"])
 

@@ -10,11 +10,11 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, model_validator
 
-from moe_serve.service.deps import BodyDep, EngineDep, parse_body
-from moe_serve.service.engine import Engine
-from moe_serve.service.ep import EPEngine
-from moe_serve.service.errors import BadInput, Conflict
-from moe_serve.service.schemas import ErrorBody
+from ..deps import BodyDep, EngineDep, parse_body
+from ..engine import Engine
+from ..ep import EPEngine
+from ..errors import BadInput, Conflict
+from ..schemas import ErrorBody
 
 router = APIRouter(prefix="/v1/layers", tags=["expert parallelism"])
 

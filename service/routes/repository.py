@@ -8,10 +8,10 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from moe_serve.service import repository
-from moe_serve.service.deps import BodyDep, RuntimeDep, parse_body
-from moe_serve.service.errors import BadInput
-from moe_serve.service.schemas import ErrorBody
+from .. import repository
+from ..deps import BodyDep, RuntimeDep, parse_body
+from ..errors import BadInput
+from ..schemas import ErrorBody
 
 router = APIRouter(prefix="/v2/repository", tags=["kserve-v2 model repository"])
 

@@ -10,10 +10,10 @@ import binascii
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
-from moe_serve.service.deps import BodyDep, Runtime, RuntimeDep, parse_body
-from moe_serve.service.errors import BadInput
-from moe_serve.service.schemas import ErrorBody
-from moe_serve.service.shared_memory import owner_of
+from ..deps import BodyDep, Runtime, RuntimeDep, parse_body
+from ..errors import BadInput
+from ..schemas import ErrorBody
+from ..shared_memory import owner_of
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2 shared memory"])
 

@@ -13,9 +13,9 @@ Routing, from config.json:
 
 from __future__ import annotations
 
-from moe_serve.kernels.config import ActivationSpec, GroupScore, RoutingConfig, Scoring
-from moe_serve.kernels.layer import LayerWeights, RouterWeights
-from moe_serve.weights.convert.hf import (
+from ...kernels.config import ActivationSpec, GroupScore, RoutingConfig, Scoring
+from ...kernels.layer import LayerWeights, RouterWeights
+from .hf import (
     HF_EXPERT_TEMPLATE,
     HF_PROJECTIONS,
     Checkpoint,

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from moe_serve.kernels.config import Activation, ActivationSpec, GateUp, RoutingConfig
-from moe_serve.kernels.layer import LayerWeights, RouterWeights
-from moe_serve.kernels.quant_scheme import MXFP4_GROUP, QuantConfig, QuantScheme
-from moe_serve.kernels.tensors import ExpertWeights
-from moe_serve.weights.convert.hf import Checkpoint, ConvertedLayer, moe_config
+from ...kernels.config import Activation, ActivationSpec, GateUp, RoutingConfig
+from ...kernels.layer import LayerWeights, RouterWeights
+from ...kernels.quant_scheme import MXFP4_GROUP, QuantConfig, QuantScheme
+from ...kernels.tensors import ExpertWeights
+from .hf import Checkpoint, ConvertedLayer, moe_config
 
 _U8 = (torch.uint8,)
 

@@ -16,15 +16,15 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from moe_serve.kernels.arith import ceil_div
-from moe_serve.kernels.config import DTYPES, Activation, MoEConfig
-from moe_serve.kernels.layer import LayerWeights, SharedExpert
-from moe_serve.kernels.quant_scheme import FP8, FP8_BLOCK, QuantConfig, QuantScheme
-from moe_serve.kernels.quantize import dequantize_weight
-from moe_serve.kernels.tensors import ExpertWeights
-from moe_serve.weights.errors import LayerFileError
-from moe_serve.weights.integrity import first_nonfinite
-from moe_serve.weights.manifest import Source
+from ...kernels.arith import ceil_div
+from ...kernels.config import DTYPES, Activation, MoEConfig
+from ...kernels.layer import LayerWeights, SharedExpert
+from ...kernels.quant_scheme import FP8, FP8_BLOCK, QuantConfig, QuantScheme
+from ...kernels.quantize import dequantize_weight
+from ...kernels.tensors import ExpertWeights
+from ..errors import LayerFileError
+from ..integrity import first_nonfinite
+from ..manifest import Source
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"

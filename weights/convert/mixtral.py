@@ -3,9 +3,9 @@ down). Softmax over all experts, top-k, renormalised."""
 
 from __future__ import annotations
 
-from moe_serve.kernels.config import ActivationSpec, RoutingConfig
-from moe_serve.kernels.layer import LayerWeights, RouterWeights
-from moe_serve.weights.convert.hf import Checkpoint, ConvertedLayer, moe_config, stack_gated_experts
+from ...kernels.config import ActivationSpec, RoutingConfig
+from ...kernels.layer import LayerWeights, RouterWeights
+from .hf import Checkpoint, ConvertedLayer, moe_config, stack_gated_experts
 
 
 def convert(ckpt: Checkpoint, layer: int) -> ConvertedLayer:

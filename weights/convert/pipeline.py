@@ -10,14 +10,14 @@ from pathlib import Path
 
 import torch
 
-from moe_serve.kernels.layer import LayerWeights
-from moe_serve.kernels.quant_scheme import QuantConfig
-from moe_serve.kernels.quantize import dequantize_weight, quantize_expert_weights
-from moe_serve.kernels.tensors import ExpertWeights
-from moe_serve.weights.convert import deepseek, gpt_oss, mixtral, qwen_moe
-from moe_serve.weights.convert.hf import Checkpoint, ConvertedLayer
-from moe_serve.weights.manifest import NAME_PATTERN, Manifest
-from moe_serve.weights.write import write_layer
+from ...kernels.layer import LayerWeights
+from ...kernels.quant_scheme import QuantConfig
+from ...kernels.quantize import dequantize_weight, quantize_expert_weights
+from ...kernels.tensors import ExpertWeights
+from ..manifest import NAME_PATTERN, Manifest
+from ..write import write_layer
+from . import deepseek, gpt_oss, mixtral, qwen_moe
+from .hf import Checkpoint, ConvertedLayer
 
 log = logging.getLogger(__name__)
 

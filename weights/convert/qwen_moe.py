@@ -5,9 +5,9 @@ renormalised iff `norm_topk_prob`. Layers in `mlp_only_layers`, or off the
 
 from __future__ import annotations
 
-from moe_serve.kernels.config import ActivationSpec, RoutingConfig
-from moe_serve.kernels.layer import LayerWeights, RouterWeights
-from moe_serve.weights.convert.hf import (
+from ...kernels.config import ActivationSpec, RoutingConfig
+from ...kernels.layer import LayerWeights, RouterWeights
+from .hf import (
     HF_EXPERT_TEMPLATE,
     HF_PROJECTIONS,
     Checkpoint,

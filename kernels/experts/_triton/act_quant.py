@@ -23,11 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_serve.kernels.activations import apply_activation
-from moe_serve.kernels.config import ActivationSpec, GateUp
-from moe_serve.kernels.experts._triton.codes import ACTIVATION, gated_activation
-from moe_serve.kernels.quant_scheme import FP8_BLOCK, ActQuant
-from moe_serve.kernels.quantize import quantize_activation
+from ...activations import apply_activation
+from ...config import ActivationSpec, GateUp
+from ...quant_scheme import FP8_BLOCK, ActQuant
+from ...quantize import quantize_activation
+from .codes import ACTIVATION, gated_activation
 
 GROUPS_PER_PROGRAM = 4  # 128-column groups one program quantises
 _FP8_MIN_NORMAL = tl.constexpr(2.0**-6)  # e4m3: below it the grid is subnormal, 2**-9 apart

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_serve.kernels.arith import round_up
-from moe_serve.kernels.dependent_launch import begin, dependent_launch
+from ...arith import round_up
+from ...dependent_launch import begin, dependent_launch
 
 _FUSED_MAX_PAIRS = 128  # [pairs, pairs] tiles one program handles well
 _PAIR_BLOCK = 1024

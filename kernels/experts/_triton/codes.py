@@ -15,8 +15,8 @@ from enum import IntEnum
 import triton
 import triton.language as tl
 
-from moe_serve.kernels.config import Activation
-from moe_serve.kernels.quant_scheme import E2M1, FP8_E4M3, INT4, ActQuant, SchemeSpec
+from ...config import Activation
+from ...quant_scheme import E2M1, FP8_E4M3, INT4, ActQuant, SchemeSpec
 
 # How a kernel finds an activation's fp8 scale (grouped_gemm's ACT_SCALE, quantize's HOW).
 ACT_SCALE = {None: 0} | {how: code for code, how in enumerate(ActQuant, start=1)}

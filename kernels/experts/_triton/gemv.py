@@ -47,8 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_serve.kernels.dependent_launch import begin
-from moe_serve.kernels.experts._triton.codes import (
+from ...dependent_launch import begin
+from .codes import (
     NO_ACTIVATION,
     W_DENSE,
     W_FP8_BLOCK,
@@ -56,7 +56,7 @@ from moe_serve.kernels.experts._triton.codes import (
     W_MXFP4,
     WeightKind,
 )
-from moe_serve.kernels.experts._triton.grouped_gemm import (
+from .grouped_gemm import (
     Activations,
     Epilogue,
     ExpertMatrix,

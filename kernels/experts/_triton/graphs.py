@@ -12,9 +12,9 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from moe_serve.kernels.graph_capture import capturing
-from moe_serve.kernels.quant_scheme import ActQuant
-from moe_serve.kernels.tensors import Dispatched
+from ...graph_capture import capturing
+from ...quant_scheme import ActQuant
+from ...tensors import Dispatched
 
 MAX_GRAPH_TOKENS = 64  # decode: beyond this the GEMMs dwarf the launches
 

@@ -18,11 +18,12 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_serve.kernels.arith import ceil_div
-from moe_serve.kernels.config import ActivationSpec, GateUp
-from moe_serve.kernels.dependent_launch import begin, dependent_launch
-from moe_serve.kernels.experts._triton.align import AlignedPairs
-from moe_serve.kernels.experts._triton.codes import (
+from ...arith import ceil_div
+from ...config import ActivationSpec, GateUp
+from ...dependent_launch import begin, dependent_launch
+from ...quant_scheme import FP8, ActQuant, QuantConfig
+from .align import AlignedPairs
+from .codes import (
     ACT_PER_TENSOR,
     ACT_PER_TOKEN,
     ACT_SCALE,
@@ -38,7 +39,6 @@ from moe_serve.kernels.experts._triton.codes import (
     gated_activation,
     weight_kind,
 )
-from moe_serve.kernels.quant_scheme import FP8, ActQuant, QuantConfig
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_serve.kernels.experts._triton.align import aligned_capacity, rank_pairs_kernel
-from moe_serve.kernels.quant_scheme import FP8_BLOCK
+from ...quant_scheme import FP8_BLOCK
+from .align import aligned_capacity, rank_pairs_kernel
 
 _ONE_PROGRAM_MAX_ELEMENTS = 1 << 15  # [pairs, experts] one-hot tiles one program handles well
 _PAIR_BLOCK = 1024

@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_serve.kernels.dependent_launch import begin, dependent_launch
-from moe_serve.kernels.experts._triton.codes import ACT_PER_GROUP, ACT_PER_TOKEN, ACT_SCALE
-from moe_serve.kernels.quant_scheme import FP8, FP8_BLOCK, ActQuant
-from moe_serve.kernels.quantize import quantize_activation
+from ...dependent_launch import begin, dependent_launch
+from ...quant_scheme import FP8, FP8_BLOCK, ActQuant
+from ...quantize import quantize_activation
+from .codes import ACT_PER_GROUP, ACT_PER_TOKEN, ACT_SCALE
 
 _TINY = 1e-12  # as kernels.quantize: all-zero rows keep a finite scale
 _BLOCK = 128  # columns of one activation group

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_serve.kernels.dependent_launch import begin, dependent_launch
+from ...dependent_launch import begin, dependent_launch
 
 ONE_PROGRAM_MAX_PAIRS = 128  # [pairs, pairs] and [experts, pairs] tiles one program handles well
 _PAST_EVERY_EXPERT = tl.constexpr(1 << 30)  # lanes past the last pair sort after every pair

@@ -17,10 +17,10 @@ from functools import cache
 import torch
 import triton
 
-from moe_serve.kernels.config import MoEConfig
-from moe_serve.kernels.experts._triton.grouped_gemm import GemmTile
-from moe_serve.kernels.quant_scheme import QuantScheme
-from moe_serve.kernels.tuned import TUNED_DIR
+from ...config import MoEConfig
+from ...quant_scheme import QuantScheme
+from ...tuned import TUNED_DIR
+from .grouped_gemm import GemmTile
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moe_serve.kernels.dependent_launch import begin, dependent_launch
+from ...dependent_launch import begin, dependent_launch
 
 _BLOCK_H = 1024
 
