@@ -16,12 +16,12 @@ from ..weights.demo import demo_configs
 from ..weights.errors import describe_validation_error
 from ..weights.load import inspect_layer
 from . import logs, tracing
-from .app import create_app
-from .ep_group import leave
-from .ep_layers import initial_placement, rank_device
-from .front_ends import FrontEnds
+from .ep.group import leave
+from .ep.layers import initial_placement, rank_device
+from .frontends.supervisor import FrontEnds
+from .http.app import create_app
+from .http.server import listen, server_config
 from .interpreter import collect_less
-from .server import listen, server_config
 from .settings import Settings
 
 log = logging.getLogger(__name__)

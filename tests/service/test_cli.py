@@ -282,7 +282,7 @@ def _sigterm_with_a_request_queued(proc: subprocess.Popen, url: str) -> httpx.Re
     return replies[0]
 
 
-# Alone, or behind two front-end processes (service/front_ends.py), which drain first.
+# Alone, or behind two front-end processes (service/frontends/supervisor.py), which drain first.
 HTTP_WORKERS = pytest.mark.parametrize("workers", ["0", "2"])
 
 
