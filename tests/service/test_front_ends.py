@@ -435,3 +435,14 @@ def test_a_declared_body_size_reserves_no_memory_before_its_bytes_arrive() -> No
         for conn in stalled:
             conn.close()
         assert grown < 4 * declared, f"{grown >> 20} MiB for 24 x {declared >> 20} MiB declared"
+
+
+def test_json_nested_a_thousand_deep_is_a_json_400_from_the_front_end(front_ends) -> None:
+    deep = "[" * 1000 + "1" + "]" * 1000
+    reply = httpx.post(
+        f"{_url(front_ends)}/v1/layers/{TINY}/forward",
+        content='{"hidden_states": ' + deep + "}",
+        headers={"Content-Type": "application/json"},
+    )
+    assert reply.status_code == 400
+    assert reply.json()["error"] == "hidden_states is nested more than 32 arrays deep"
