@@ -126,6 +126,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+GRPC_LISTENER = "gRPC, --grpc-port; 0 turns gRPC off"
+
+
 def run(args: argparse.Namespace) -> int:
     given = {
         name: value
@@ -137,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         _check_layers(settings)
         listener = listen(settings.host, settings.port)
         if settings.grpc_port:  # gRPC binds in the app: refuse a port in use here, first
-            listen(settings.host, settings.grpc_port).close()
+            listen(settings.host, settings.grpc_port, GRPC_LISTENER).close()
     except ValidationError as err:
         return _refuse(f"invalid settings: {describe_validation_error(err, 'settings')}")
     except ValueError as err:  # LayerFileError is a ValueError
