@@ -105,6 +105,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="let clients register system and CUDA shared-memory regions (default off)",
     )
     p.add_argument(
+        "--shared-memory-prefix",
+        metavar="PREFIX",
+        help="accept only system shared-memory keys whose name starts with PREFIX (without "
+        "it, a key may name any /dev/shm object this server's user can open)",
+    )
+    p.add_argument(
         "--model-repository",
         type=Path,
         metavar="DIR",
