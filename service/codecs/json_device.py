@@ -34,6 +34,7 @@ from functools import lru_cache
 import torch
 
 from . import json_numbers, json_tensors
+from .json_limits import LIMITS
 from .safetensors_wire import byte_view
 
 log = logging.getLogger(__name__)
@@ -74,19 +75,6 @@ HOST_UP_TO_BYTES = json_numbers.ON_LOOP_BYTES
 def worth_it(nbytes: int) -> bool:
     """Whether JSON work on about `nbytes` of text is done on a GPU."""
     return nbytes > HOST_UP_TO_BYTES
-
-
-@dataclass(frozen=True)
-class NumberLimits:
-    """The numbers read on the device; the host reads a body holding any other."""
-
-    token_bytes: int = 40  # float64's longest shortest form is 24 bytes
-    significant_digits: int = 18  # int64 holds 10^18 - 1
-    exponent_digits: int = 3
-    exact_power: int = 22  # float64 holds 10^22 exactly, not 10^23; 10^±44 in two steps at most
-
-
-LIMITS = NumberLimits()
 
 
 @dataclass(frozen=True)

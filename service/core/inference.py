@@ -27,12 +27,14 @@ from ..codecs.kserve import (
     tensor_type,
 )
 from ..engine.batcher import RequestOptions
-from ..engine.engine import Engine, ServedLayer
+from ..engine.engine import Engine
+from ..engine.interface import ServedLayer
 from ..errors import BadInput, PayloadTooLarge, UnknownLayer
-from ..http.deps import Runtime, ready, submit_while_connected
+from ..http.deps import submit_while_connected
 from ..http.routes.forward import TENSOR_NAMES, schedule_options
 from ..triton.shared_memory import DeviceRegion, TensorPlace
 from .inputs import check_inputs
+from .runtime import Runtime, ready
 
 OUTPUT = "output"
 VERSION = "1"  # a layer is a model with one version; clients may name it or not

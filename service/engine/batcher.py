@@ -51,7 +51,8 @@ from ..errors import (
 )
 from ..interpreter import switch_gil_often
 from ..metrics import Metrics
-from .engine import Engine, ServedLayer
+from .engine import Engine
+from .interface import ServedLayer
 from .pipeline import BatchResult
 
 log = logging.getLogger(__name__)

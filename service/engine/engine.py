@@ -14,19 +14,18 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from ...kernels.config import MoEConfig
 from ...kernels.input_checks import all_finite, all_finite_on_device
-from ...kernels.layer import LayerOutput, LayerWeights, MoELayer, build_layer, expert_tokens
+from ...kernels.layer import LayerOutput, MoELayer, build_layer, expert_tokens
 from ...kernels.layer_graphs import LayerGraphs, can_capture
 from ...kernels.modular import DEFAULT_CHUNK_TOKENS
 from ...kernels.selection import Selection
 from ...kernels.tensors import ForwardInputs, Routing
 from ...kernels.workspace import Workspace
 from ..errors import NotReady, UnknownLayer
+from .interface import LayerSource, NonFiniteRows, ServedLayer
 from .pipeline import (
     DEPTH,
     BatchResult,
@@ -38,46 +37,6 @@ from .pipeline import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class LayerSource(Protocol):
-    """What the engine needs of a loaded layer (weights.load.LoadedLayer fits)."""
-
-    name: str
-    config: MoEConfig
-    weights: LayerWeights  # already on the engine's device
-
-
-@dataclass(frozen=True)
-class ServedLayer:
-    name: str
-    config: MoEConfig
-    layer: MoELayer
-    selection: Selection
-    device_bytes: int  # the layer's weights on the device
-    graphs: LayerGraphs | None = None  # whole-layer CUDA graphs, where the backend captures
-
-    @property
-    def backend(self) -> str:
-        return self.selection.experts.name
-
-    @property
-    def by_tokens(self) -> tuple[tuple[int, str], ...]:
-        """(from this many tokens, the experts backend that runs), ascending."""
-        return self.layer.kernel.experts.by_tokens()
-
-    @property
-    def has_router(self) -> bool:
-        return self.layer.router.weight is not None
-
-
-class NonFiniteRows(Exception):
-    """A forward ran, but its output holds NaN or Inf; `result` is the whole output, on the CPU
-    (service.engine.batcher fails only the requests that own such rows)."""
-
-    def __init__(self, layer: str, result: LayerOutput) -> None:
-        self.result = result
-        super().__init__(f"the output of layer {layer!r} holds NaN or Inf")
 
 
 class Engine:

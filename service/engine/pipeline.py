@@ -39,7 +39,7 @@ from ...kernels.layer import LayerOutput, expert_tokens
 from ...kernels.tensors import ForwardInputs, Routing
 
 if TYPE_CHECKING:
-    from .engine import ServedLayer
+    from .interface import ServedLayer
 
 DEPTH = 3  # batches in flight: one computing, the next ones copied in and queued behind it
 

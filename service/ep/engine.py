@@ -51,7 +51,8 @@ from ...kernels.selection import Selection
 from ...kernels.tensors import ForwardInputs, Routing
 from ...kernels.workspace import Workspace
 from ...weights.load import load_layer, read_manifest
-from ..engine.engine import Engine, LayerSource, NonFiniteRows, ServedLayer
+from ..engine.engine import Engine
+from ..engine.interface import LayerSource, NonFiniteRows, ServedLayer
 from ..engine.pipeline import BatchResult, Pending
 from ..errors import NotReady
 from ..settings import Settings

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
+from ..core.runtime import Runtime, ready
 from ..errors import ServiceError
-from ..http.deps import Runtime, ready
 from ..http.routes.forward import LayerCall, serve_blob_into
 from .arena import BodyArena, Region
 from .channel import (

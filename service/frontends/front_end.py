@@ -66,7 +66,6 @@ from ..http.middleware import (
     OPEN_PATHS,
     UNAUTHORIZED,
     authorized,
-    new_request_id,
     over_capacity,
 )
 from ..http.plain_forward import (
@@ -78,6 +77,7 @@ from ..http.plain_forward import (
 )
 from ..http.server import OVER_CAPACITY, bounded_protocol, client_gone
 from ..interpreter import collect_less
+from ..logs import new_request_id
 from .arena import BodyArena, Region
 from .channel import EngineClient, Reply
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Annotated, TypeVar
+from typing import Annotated, TypeVar
 
 import torch
 from fastapi import Depends, Request
@@ -19,13 +19,14 @@ from starlette.types import Scope
 from ...kernels.arith import round_up
 from ...kernels.layer import LayerOutput
 from ...kernels.tensors import ForwardInputs
+from ..auth import bearer_matches
 from ..codecs.kserve import HEADER_LENGTH
+from ..core.runtime import Runtime, ready
 from ..engine.batcher import DynamicBatcher, RequestOptions
 from ..engine.engine import Engine
 from ..errors import (
     BadInput,
     ClientDisconnected,
-    NotReady,
     PayloadTooLarge,
     UnsupportedMediaType,
     body_cut,
@@ -35,39 +36,13 @@ from ..errors import (
 from ..frontends.arena import BLOCK_BYTES, REPLY_HEADER_BYTES
 from ..metrics import Metrics
 from ..settings import Settings
-from ..triton.shared_memory import SharedMemory
 from .direct_body import DIRECT_BODY, BodySink, BodyTarget, DirectBody
-from .middleware import bearer_matches
 from .plain_forward import plain_binary_forward
 from .server import client_gone
 
-if TYPE_CHECKING:
-    from ..frontends.supervisor import FrontEnds
-    from ..triton.repository import Repository
-
-RETRY_WHILE_LOADING_S = "5"
 Body = TypeVar("Body", bound=BaseModel)
 # Content-Encoding -> zlib window bits (None: not compressed)
 _ZLIB_WBITS = {"identity": None, "gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-
-
-@dataclass
-class Runtime:
-    """The app's moving parts; engine and batcher appear once the layers are loaded and warm."""
-
-    settings: Settings
-    metrics: Metrics
-    engine: Engine | None = None
-    batcher: DynamicBatcher | None = None
-    not_ready: str | None = "loading layers"  # None once ready
-    degraded: str | None = None  # ready, but on fewer expert-parallel ranks (why)
-    start_failed: bool = False  # loading or warming up the layers raised
-    # What a failed start does besides answering 503: `moe-serve serve` stops the server.
-    on_start_failure: Callable[[], None] = lambda: None
-    shared_memory: SharedMemory = field(default_factory=lambda: SharedMemory(allowed=False))
-    repository: Repository | None = None  # --model-repository
-    warm_up_tokens: list[int] = field(default_factory=list)  # token counts a new layer runs
-    front_ends: FrontEnds | None = None  # --http-workers
 
 
 # Dependencies are `async def` although they never wait: FastAPI runs a plain `def` one on a
@@ -77,13 +52,6 @@ async def get_runtime(request: Request) -> Runtime:
 
 
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
-
-
-def ready(runtime: Runtime) -> Runtime:
-    """`runtime` once it can serve (engine and batcher set); NotReady (503) before."""
-    if runtime.not_ready is not None:
-        raise NotReady(f"not ready: {runtime.not_ready}", {"Retry-After": RETRY_WHILE_LOADING_S})
-    return runtime
 
 
 async def get_engine(runtime: RuntimeDep) -> Engine:

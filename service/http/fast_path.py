@@ -15,9 +15,10 @@ from starlette.requests import Request
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..core.runtime import Runtime, ready
 from ..engine.batcher import RequestOptions
 from ..errors import ServiceError, error_response
-from .deps import Runtime, get_body, get_pinned_body, ready
+from .deps import get_body, get_pinned_body
 from .plain_forward import BINARY, FORWARD_PATH, plain_forward
 from .routes.forward import LayerCall, forward_binary, forward_json, forward_pinned
 

@@ -18,8 +18,9 @@ from starlette.requests import Request
 from starlette.routing import BaseRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ..core.runtime import Runtime
 from ..errors import ServiceError, error_response
-from .deps import Runtime, get_body
+from .deps import get_body
 from .routes import kserve
 
 INFER_PATH = "/v2/models/{name}/infer"

@@ -24,8 +24,9 @@ from ...codecs.safetensors_wire import (
     tensor_bytes,
 )
 from ...core.inputs import check_inputs
+from ...core.runtime import Runtime
 from ...engine.batcher import DynamicBatcher, RequestOptions
-from ...engine.engine import ServedLayer
+from ...engine.interface import ServedLayer
 from ...errors import BadInput, ServiceError, UnsupportedMediaType
 from ...metrics import Metrics
 from ..deps import (
@@ -34,7 +35,6 @@ from ..deps import (
     EngineDep,
     MetricsDep,
     PinnedBody,
-    Runtime,
     submit_unless,
     submit_unless_withdrawn,
     submit_while_connected,

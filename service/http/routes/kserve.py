@@ -17,8 +17,9 @@ from ...codecs.kserve import (
     encode_response,
 )
 from ...core import inference
+from ...core.runtime import Runtime
 from ...errors import BadInput
-from ..deps import BodyDep, EngineDep, Runtime, RuntimeDep
+from ..deps import BodyDep, EngineDep, RuntimeDep
 from ..examples import DEMO_ROWS
 from ..plain_forward import BINARY
 from ..schemas import ErrorBody, inline_json_schema
