@@ -44,8 +44,7 @@ from ..kernels.layer import LayerWeights
 from ..kernels.tensors import ForwardInputs
 from ..service import logs
 from ..service.core.runtime import LayerLoader
-from ..service.engine.interface import LayerSource, ServedLayer
-from ..service.engine.pipeline import StageTimes
+from ..service.engine.interface import LayerSource, ServedLayer, StageTimes
 from ..service.frontends.supervisor import FrontEnds
 from ..service.http.app import create_app
 from ..service.http.server import listen, server_config

@@ -27,8 +27,7 @@ from ..codecs.kserve import (
     tensor_type,
 )
 from ..engine.batcher import RequestOptions
-from ..engine.engine import Engine
-from ..engine.interface import ServedLayer
+from ..engine.interface import ServedLayer, ServingEngine
 from ..errors import BadInput, PayloadTooLarge, UnknownLayer
 from ..http.deps import submit_while_connected
 from ..http.routes.forward import TENSOR_NAMES, schedule_options
@@ -70,7 +69,7 @@ def model_metadata(served: ServedLayer) -> ModelMetadata:
     )
 
 
-def get_model(engine: Engine, name: str, version: str = "") -> ServedLayer:
+def get_model(engine: ServingEngine, name: str, version: str = "") -> ServedLayer:
     """The served layer `name`; `version` is empty (any) or VERSION."""
     served = engine.get(name)  # an unknown model first
     if version not in ("", VERSION):

@@ -16,7 +16,7 @@ import torch
 from ..codecs import json_device
 from ..engine.batcher import BatchPolicy, DynamicBatcher
 from ..engine.engine import Engine
-from ..engine.interface import LayerSource
+from ..engine.interface import LayerSource, ServingEngine
 from ..ep.engine import EPEngine
 from ..errors import BadInput, NotReady
 from ..metrics import Metrics
@@ -37,7 +37,7 @@ class Runtime:
 
     settings: Settings
     metrics: Metrics
-    engine: Engine | None = None
+    engine: ServingEngine | None = None
     batcher: DynamicBatcher | None = None
     not_ready: str | None = "loading layers"  # None once ready
     degraded: str | None = None  # ready, but on fewer expert-parallel ranks (why)
@@ -88,8 +88,9 @@ def warm_up_tokens(max_batch_tokens: int, device: torch.device) -> list[int]:
     return [*powers, max_batch_tokens]
 
 
-def _build_engine(settings: Settings, loader: LayerLoader, metrics: Metrics) -> Engine:
+def _build_engine(settings: Settings, loader: LayerLoader, metrics: Metrics) -> ServingEngine:
     device = settings.torch_device()
+    engine: ServingEngine
     if settings.ep > 1:  # this process is rank 0; each rank loads only its experts from disk
         engine = EPEngine(settings, layer_paths(settings), metrics)
         sources = engine.load()
@@ -112,8 +113,7 @@ def _build_engine(settings: Settings, loader: LayerLoader, metrics: Metrics) -> 
         if engine.device.type == "cuda":  # where large JSON bodies are read and printed
             json_device.warm_up(engine.device, {s.config.dtype for s in engine.layers.values()})
     except BaseException:
-        if isinstance(engine, EPEngine):  # its ranks are up: stop them, or nothing will
-            engine.close()
+        engine.close()  # expert parallelism's ranks are up: stop them, or nothing will
         raise
     return engine
 
@@ -137,8 +137,8 @@ async def start_up(runtime: Runtime, loader: LayerLoader) -> None:
     )
     # a device fault (or a lost expert-parallel rank) turns /ready and every request into 503
     engine.on_failure = partial(setattr, runtime, "not_ready")
-    if isinstance(engine, EPEngine):  # a lost rank whose experts have copies: serve on
-        engine.on_degraded = partial(setattr, runtime, "degraded")
+    # a lost expert-parallel rank whose experts have copies: serve on, degraded
+    engine.on_degraded = partial(setattr, runtime, "degraded")
     runtime.batcher = DynamicBatcher(engine, policy, runtime.metrics)
     runtime.batcher.start()
     runtime.engine = engine
@@ -155,5 +155,5 @@ async def shut_down(runtime: Runtime) -> None:
     if runtime.batcher is not None:
         await runtime.batcher.close()
     runtime.shared_memory.close()
-    if isinstance(runtime.engine, EPEngine):
+    if runtime.engine is not None:
         await asyncio.to_thread(runtime.engine.close)

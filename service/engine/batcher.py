@@ -3,7 +3,7 @@
     submit(layer, inputs, options) -> a request in the layer's queue, at its priority level
     scheduler (one asyncio task per layer): once a forward may start (fewer than
       engine.max_in_flight running) and the batch is full or its oldest request has waited
-      max_batch_delay -> rows taken from the queued requests -> Engine.start on the launcher
+      max_batch_delay -> rows taken from the queued requests -> engine.start on the launcher
       thread -> the result on the completer thread -> each request's rows
 
 Requests are taken by priority level (lowest number first), then by turns and age. A request
@@ -51,9 +51,7 @@ from ..errors import (
 )
 from ..interpreter import switch_gil_often
 from ..metrics import Metrics
-from .engine import Engine
-from .interface import ServedLayer
-from .pipeline import BatchResult
+from .interface import BatchResult, ServedLayer, ServingEngine
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +228,7 @@ class _Launched:
 
 
 class DynamicBatcher:
-    def __init__(self, engine: Engine, policy: BatchPolicy, metrics: Metrics) -> None:
+    def __init__(self, engine: ServingEngine, policy: BatchPolicy, metrics: Metrics) -> None:
         self.engine = engine
         self.policy = policy
         self.metrics = metrics

@@ -21,25 +21,30 @@ from ...kernels.input_checks import all_finite, all_finite_on_device
 from ...kernels.layer import LayerOutput, MoELayer, build_layer, expert_tokens
 from ...kernels.layer_graphs import LayerGraphs, can_capture
 from ...kernels.modular import DEFAULT_CHUNK_TOKENS
+from ...kernels.placement import Placement
 from ...kernels.selection import Selection
 from ...kernels.tensors import ForwardInputs, Routing
 from ...kernels.workspace import Workspace
-from ..errors import NotReady, UnknownLayer
-from .interface import LayerSource, NonFiniteRows, ServedLayer
-from .pipeline import (
-    DEPTH,
+from ..errors import Conflict, NotReady, UnknownLayer
+from .interface import (
     BatchResult,
-    DevicePipeline,
-    Finished,
+    LayerSource,
+    NonFiniteRows,
     Pending,
+    ServedLayer,
+    ServingEngine,
     StageTimes,
-    split_rows,
 )
+from .pipeline import DEPTH, DevicePipeline, Finished, split_rows
 
 log = logging.getLogger(__name__)
 
+_NO_PLACEMENTS = "placements exist only with expert parallelism (--ep N, N > 1)"
 
-class Engine:
+
+class Engine(ServingEngine):
+    """One process's engine: every layer whole on one device."""
+
     def __init__(
         self,
         device: torch.device,
@@ -57,6 +62,7 @@ class Engine:
         self.layers: dict[str, ServedLayer] = {}
         self.failure: str | None = None  # why this engine can serve no more; None while it can
         self.on_failure: Callable[[str], None] = lambda _reason: None  # the app turns unready
+        self.on_degraded: Callable[[str], None] = lambda _reason: None  # expert parallelism's
         self.pipeline = DevicePipeline(device, chunk_tokens) if device.type == "cuda" else None
 
     @property
@@ -185,6 +191,20 @@ class Engine:
         if not finite.item():
             raise NonFiniteRows(name, output)
         return output
+
+    def placement(self, name: str) -> dict:  # noqa: ARG002 (ServingEngine's signature)
+        raise Conflict(_NO_PLACEMENTS)
+
+    def rebalance(
+        self,
+        name: str,  # noqa: ARG002 (ServingEngine's signature)
+        ranks: Sequence[Sequence[int]] | None,  # noqa: ARG002
+        redundant: int | None = None,  # noqa: ARG002
+    ) -> Placement:
+        raise Conflict(_NO_PLACEMENTS)
+
+    def close(self) -> None:
+        """Nothing to stop: the layers' device memory goes with the engine."""
 
     def _device_failed(self, err: torch.AcceleratorError) -> NotReady:
         # A device fault (illegal address, ECC) leaves the CUDA context unusable: every later

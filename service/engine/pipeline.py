@@ -29,7 +29,6 @@ import queue
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -37,43 +36,13 @@ import torch
 from ...kernels.input_checks import all_finite_on_device, finite_flag
 from ...kernels.layer import LayerOutput, expert_tokens
 from ...kernels.tensors import ForwardInputs, Routing
-
-if TYPE_CHECKING:
-    from .interface import ServedLayer
+from .interface import BatchResult, Pending, ServedLayer, StageTimes
 
 DEPTH = 3  # batches in flight: one computing, the next ones copied in and queued behind it
 
 
-@dataclass(frozen=True)
-class StageTimes:
-    """Where one batch's time went."""
-
-    forward_s: float  # device time from CUDA events on a GPU; host time elsewhere
-    stage_s: float = 0.0  # host: copying the parts into the pinned staging buffer
-    h2d_s: float | None = None  # device: host-to-device copy (None off the GPU)
-    d2h_s: float | None = None  # device: device-to-host copy (None off the GPU)
-
-
-@dataclass(frozen=True)
-class BatchResult:
-    outputs: list[LayerOutput]  # one per part, on the CPU, output in the layer's dtype
-    expert_tokens: torch.Tensor  # [E] int64 pairs per expert over the batch, on the CPU
-    times: StageTimes
-    # every output value is finite: one reduction where the forward ran, copied out with the
-    # output; only when False are the parts' rows looked at (service.engine.batcher)
-    finite: bool
-    # every input value is finite (the batch as staged, in the layer's dtype, so also within its
-    # range); only when False are the parts' values checked on the host (service.engine.batcher)
-    inputs_finite: bool
-
-
 class BadRouting(RuntimeError):
     """A batch's results came back damaged: none of it is served (a 500 for its requests)."""
-
-
-class Pending(Protocol):
-    def result(self) -> BatchResult:
-        """Block until the batch is done; raises what its forward raised."""
 
 
 @dataclass(frozen=True)

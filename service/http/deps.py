@@ -23,7 +23,7 @@ from ..auth import bearer_matches
 from ..codecs.kserve import HEADER_LENGTH
 from ..core.runtime import Runtime, ready
 from ..engine.batcher import DynamicBatcher, RequestOptions
-from ..engine.engine import Engine
+from ..engine.interface import ServingEngine
 from ..errors import (
     BadInput,
     ClientDisconnected,
@@ -54,7 +54,7 @@ async def get_runtime(request: Request) -> Runtime:
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 
 
-async def get_engine(runtime: RuntimeDep) -> Engine:
+async def get_engine(runtime: RuntimeDep) -> ServingEngine:
     return ready(runtime).engine
 
 
@@ -262,7 +262,7 @@ async def submit_unless_withdrawn(
         withdrawn.remove_done_callback(withdraw)
 
 
-EngineDep = Annotated[Engine, Depends(get_engine)]
+EngineDep = Annotated[ServingEngine, Depends(get_engine)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 BatcherDep = Annotated[DynamicBatcher, Depends(get_batcher)]
 BodyDep = Annotated[bytes, Depends(get_body)]

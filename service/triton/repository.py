@@ -3,7 +3,7 @@ as the model of the subdirectory's name. Triton's repository extension loads and
 at run time, over HTTP (service/http/routes/repository.py) and gRPC.
 
 A load reads the directory onto the device off the event loop, then builds and warms the layer
-on the device worker between forwards and only then serves it (Engine.load): a failed load
+on the device worker between forwards and only then serves it (ServingEngine.load): a failed load
 leaves the running version serving. An unload first lets the layer's admitted requests finish.
 One load or unload runs at a time.
 """
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from ...weights.load import load_layer
 from ..engine.batcher import DynamicBatcher
-from ..engine.engine import Engine
+from ..engine.interface import ServingEngine
 from ..errors import BadInput, UnknownLayer
 from ..metrics import Metrics
 from .statistics import VERSION
@@ -47,7 +47,7 @@ class Serving(Protocol):
     """What the repository loads models into (service.core.runtime.Runtime): a load or unload
     needs the engine and the batcher, which a server that is not ready yet lacks."""
 
-    engine: Engine | None
+    engine: ServingEngine | None
     batcher: DynamicBatcher | None
     metrics: Metrics
     warm_up_tokens: list[int]

@@ -16,7 +16,7 @@ import torch
 from moe_serve.kernels.tensors import ForwardInputs
 from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher, RequestOptions
 from moe_serve.service.engine.engine import Engine
-from moe_serve.service.engine.pipeline import BatchResult
+from moe_serve.service.engine.interface import BatchResult
 from moe_serve.service.errors import ClientDisconnected
 from moe_serve.service.http.deps import submit_unless, submit_unless_withdrawn
 from tests.service.layers import TINY, H, reference_forward, tiny_layers
