@@ -33,7 +33,8 @@ from functools import lru_cache
 
 import torch
 
-from . import json_numbers, json_tensors
+from .. import off_loop
+from . import json_tensors
 from .json_limits import LIMITS
 from .safetensors_wire import byte_view
 
@@ -64,12 +65,11 @@ _TAIL = re.compile(rb"\]" + _WS + rb"(?:," + _WS + _ROUTING + _WS + rb")?\}" + _
 _TAIL_BYTES = 64
 
 
-# JSON work on up to this many bytes of text stays on the host. On the H100 (bench.json_bench,
-# bench/results/json-h100-2026-11-25.md) a 90 KB body read in 0.73 ms with orjson and 1.79 ms
-# here (launches and copies, whatever the size), a 200 KB one in 1.76 and 1.82 ms, a 5.5 MB one
-# (64 DeepSeek-V3 tokens) in 64.0 and 3.1 ms; printing 4.8 MB took 15.2 and 1.7 ms. They cross
-# about where JSON work leaves the event loop (a thread then waits for the device, not the loop).
-HOST_UP_TO_BYTES = json_numbers.ON_LOOP_BYTES
+# JSON work on up to this many bytes of text stays on the host: the device's launches and copies
+# cost about the same whatever the size, and orjson catches up with them about where JSON work
+# leaves the event loop (a thread then waits for the device, not the loop); measured with
+# `bench/json_bench.py`.
+HOST_UP_TO_BYTES = off_loop.JSON.on_loop_bytes
 
 
 def worth_it(nbytes: int) -> bool:

@@ -11,51 +11,25 @@ times, and hold the GIL for as long).
 
 from __future__ import annotations
 
-import asyncio
 import struct
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import orjson
 
 from ..errors import BadInput
 
-T = TypeVar("T")
-
 # The fields of a /v1 forward's JSON body (service.http.schemas.ForwardRequest, which imports torch)
 FORWARD_FIELDS = ("hidden_states", "router_logits", "return_routing")
 _NUMBERS = frozenset({float, int})
 # every byte of a JSON number, and the brackets, commas and whitespace between them
 _ARRAY_BYTES = b"0123456789+-.eE[], \t\n\r"
-# JSON work on larger bodies runs on these threads, off the event loop. Two bound how many bodies
-# are decoded at once (each costs a few times its size in memory) and how many threads sit in a
-# C parser holding the GIL, which the event loop needs to answer /health.
-_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moe-json")
-# JSON work on up to this many bytes (a 64-token demo request, 200 KB, decodes in about 0.8 ms on
-# a CI core) runs on the event loop: a thread's two hops cost 0.2-0.4 ms per request there, and
-# the work is mostly a few C calls (orjson's parse and print) that hold the GIL, so a thread
-# freed the loop only between them. A DeepSeek-V3-sized body (64 tokens, 5.5 MB) goes to a thread.
-ON_LOOP_BYTES = 512 << 10
 # what a number costs as JSON text at most, about: float32's shortest form (up to 15 bytes,
 # 10-12 for most values) and its comma; sizes a reply's JSON before it is written
 NUMBER_BYTES = 16
-
-
-async def off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` on a JSON thread."""
-    return await asyncio.get_running_loop().run_in_executor(_THREADS, fn, *args)
-
-
-async def run_sized(nbytes: int, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)`, JSON work on about `nbytes` of text: here up to ON_LOOP_BYTES, else on a
-    JSON thread."""
-    if nbytes <= ON_LOOP_BYTES:
-        return fn(*args)
-    return await off_loop(fn, *args)
 
 
 def parse(body: bytes | bytearray, what: str = "body") -> Any:

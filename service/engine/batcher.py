@@ -37,8 +37,7 @@ from ...kernels.input_checks import InputError, check_values
 from ...kernels.layer import LayerOutput
 from ...kernels.quant_scheme import ActQuant
 from ...kernels.tensors import ForwardInputs, Routing
-from .. import tracing
-from ..codecs.safetensors_wire import OFF_LOOP_BYTES
+from .. import off_loop, tracing
 from ..errors import (
     BadInput,
     DeadlineExceeded,
@@ -452,7 +451,7 @@ class DynamicBatcher:
         )
         try:
             async with self._launching:  # one launch at a time: the streams take them in order
-                if not self.engine.start_may_wait and nbytes <= OFF_LOOP_BYTES:
+                if not self.engine.start_may_wait and nbytes <= off_loop.BINARY.on_loop_bytes:
                     # staging a small batch and enqueueing it takes less than a thread hop
                     pending = self.engine.start(name, parts, into)
                 else:

@@ -43,13 +43,12 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from .. import logs
+from .. import logs, off_loop
 from ..codecs.json_numbers import (
     NUMBER_BYTES,
     ForwardArrays,
     decode_forward_arrays,
     dumps,
-    run_sized,
 )
 from ..codecs.safetensors_header import read_header
 from ..errors import (
@@ -247,7 +246,7 @@ class FrontEnd:
                 reply = body if isinstance(body, Reply) else None
                 if reply is None:
                     try:
-                        arrays = await run_sized(size, decode_forward_arrays, body)
+                        arrays = await off_loop.JSON.run(size, decode_forward_arrays, body)
                     except BadInput as err:
                         arrays, reply = None, Reply(err.status, error=err.message)
                     if arrays and not arrays.return_routing:
@@ -265,7 +264,7 @@ class FrontEnd:
                 answer.status = reply.status
                 if reply.status == 200:
                     blob = self.arena.reply(region, reply.nbytes)  # output [T, H], as hidden_states
-                    text = await run_sized(
+                    text = await off_loop.JSON.run(
                         arrays.hidden_states.size * NUMBER_BYTES, _json_reply, blob
                     )
                     response = Response(text, media_type=JSON, headers=answer.headers)

@@ -21,10 +21,9 @@ from ..settings import Settings
 from ..triton.repository import Repository
 from ..triton.shared_memory import SharedMemory
 from . import docs
-from .deps import pinned_body_sink
-from .fast_path import ForwardFastPath, forward_route
-from .kserve_fast_path import KServeInferFastPath
+from .endpoints import Endpoints
 from .middleware import OPEN_PATHS, RequestMiddleware
+from .pinned_body import pinned_body_sink
 from .routes import (
     forward,
     health,
@@ -85,9 +84,8 @@ def create_app(
     for module in routers:
         app.include_router(module.router)
     # innermost: the tracing middleware and RequestMiddleware wrap them as they wrap the routes
-    route = forward_route(forward.router.routes)
-    app.add_middleware(ForwardFastPath, runtime=runtime, route=route)
-    app.add_middleware(KServeInferFastPath, runtime=runtime, routes=kserve.router.routes)
+    endpoints = [forward.ForwardEndpoint(runtime), kserve.InferEndpoint(runtime)]
+    app.add_middleware(Endpoints, endpoints=endpoints)
     tracing.instrument_app(app)
     token = settings.api_token_bytes()
     if token is not None:

@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, model_validator
 
 from ...errors import BadInput, Conflict
-from ..deps import BodyDep, EngineDep, parse_body
+from ..body import parse_body
+from ..deps import BodyDep, EngineDep
 from ..schemas import ErrorBody
 
 router = APIRouter(prefix="/v1/layers", tags=["expert parallelism"])

@@ -10,7 +10,8 @@ from pydantic import BaseModel, Field
 
 from ...core.runtime import ready, repository_of
 from ...triton.repository import check_load_parameters
-from ..deps import BodyDep, RuntimeDep, parse_body
+from ..body import parse_body
+from ..deps import BodyDep, RuntimeDep
 from ..schemas import ErrorBody
 
 router = APIRouter(prefix="/v2/repository", tags=["kserve-v2 model repository"])
