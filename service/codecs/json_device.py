@@ -1,8 +1,9 @@
 """JSON rows of numbers read and written by the GPU: a /v1 forward's JSON body parsed where its
 numbers go, and its 16-bit output printed there.
 
-A DeepSeek-V3-sized JSON forward (64 tokens, 5.5 MB of text in, 4.8 MB out) spent tens of ms in
-orjson on one host core, half a million Python floats each way (`service/codecs/json_numbers.py`).
+A DeepSeek-V3-sized JSON forward (64 tokens, megabytes of text each way) costs tens of ms in
+orjson on one host core, half a million Python floats each way (`service/codecs/json_numbers.py`;
+`bench/json_bench.py` times both paths).
 Here the body's bytes go to the device as they are: one Triton kernel reads every number
 (`service/codecs/json_device_kernel.py`; `read_numbers` does the same with torch ops, on the CPU and
 as its reference) and torch ops check the layout; the output's text comes from a table of the

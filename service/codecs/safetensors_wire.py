@@ -2,8 +2,8 @@
 output tensors.
 
 A body is read without copying its data (`safetensors.torch.load` copies every tensor once, a
-sixth of the event loop's time under load on the H100 host); a reply is built with one copy of
-the tensors instead of the library's three.
+large share of the event loop's time under load); a reply is built with one copy of the tensors
+instead of the library's three.
 """
 
 from __future__ import annotations

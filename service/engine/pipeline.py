@@ -1,7 +1,7 @@
 """The device side of a batch: staged on the host, copied in, run, copied out, with DEPTH (3)
-batches in flight so that the next ones are copied in while the current one computes (two left
-the GPU idle between batches whenever the host was late by a few ms: 54% busy against 62% with
-three at 64 clients, H100, DeepSeek-V3-sized layer behind 8 front ends).
+batches in flight so that the next ones are copied in while the current one computes (with two,
+the GPU idles between batches whenever the host is late by a few ms; `moe-serve bench service`
+shows the GPU's busy time).
 
     launcher thread:  parts -> the slot's pinned buffer (cast to the layer's dtype, the one host
                       copy) -> copy-in stream: H2D, straight into the slot's copy of the
@@ -89,8 +89,8 @@ class _Run:
 
 # A part smaller than this is staged in the slot's pinned buffer even where it could be copied
 # to the device in place: a host copy of it costs less than a copy of its own and than asking
-# CUDA whether its memory is pinned (py-spy, H100 host: 8 front ends of 64-token demo requests
-# spent a tenth of the engine's loop on those per-part calls).
+# CUDA whether its memory is pinned (under many small requests those per-part calls would take
+# much of the engine's event loop; `bench/request_path.py`, engine against engine-pinned).
 DIRECT_BYTES = 256 << 10
 
 
@@ -320,7 +320,7 @@ class DevicePipeline:
         d2h: list[tuple[_Run, torch.Tensor]],
     ) -> None:
         # Streams are set directly, not through `torch.cuda.stream()`, whose enter and exit
-        # cost more host time than the copies they order (py-spy on the H100 host).
+        # cost more host time than the copies they order.
         ev = slot.events
         graphs = slot.graphs
         replays = (

@@ -3,7 +3,7 @@
 `service/frontends/supervisor.py`; not a command for users).
 
 Under load one Python process cannot receive, decode and answer requests as fast as the GPU runs
-them (its event loop held 99.5% of the GIL on the H100 host). N front ends share the public
+them: its event loop holds the GIL nearly all the time. N front ends share the public
 socket (the kernel spreads connections over them) and do the per-byte work in parallel:
 
 - a plain binary forward (`service/http/plain_forward.py`) is checked here (connections, token),
@@ -95,7 +95,7 @@ _HOP_BY_HOP = frozenset(
 @dataclass(frozen=True)
 class FrontEndConfig:
     listen_fd: int  # the public socket, shared by every front end
-    engine_http: str  # Unix socket of the engine's HTTP server (everything but the fast path)
+    engine_http: str  # Unix socket of the engine's HTTP server (what is relayed)
     engine_channel: str  # Unix socket of the engine's channel (service/frontends/channel.py)
     arena_dir: str
     api_token: str | None

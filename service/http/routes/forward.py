@@ -185,7 +185,7 @@ def _media_type(request: Request) -> str:
 
 class BlobResponse(Response):
     """A safetensors reply sent as its pieces, one ASGI message each: the tensors' bytes are
-    never joined into one copy (a 917 KB reply's join was a tenth of the event loop's time)."""
+    never joined into one copy (a large reply's join would cost the event loop a copy of it)."""
 
     media_type = BINARY
 
