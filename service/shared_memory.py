@@ -108,11 +108,24 @@ class Region(ABC):
 class SystemRegion(Region):
     kind = "system"
 
-    def __init__(self, name: str, key: str, offset: int, byte_size: int, owner: str | None):
+    def __init__(
+        self,
+        name: str,
+        key: str,
+        offset: int,
+        byte_size: int,
+        owner: str | None,
+        key_prefix: str = "",
+    ):
         super().__init__(name, byte_size, owner)
         match = _KEY.fullmatch(key)
         if match is None or match[1] in (".", ".."):
             raise BadInput(f"key {key!r} is not a shared-memory object name ('/name')")
+        if not match[1].startswith(key_prefix):
+            raise Forbidden(
+                f"key {key!r} does not start with '/{key_prefix}': this server accepts only "
+                "such shared-memory objects (--shared-memory-prefix)"
+            )
         self.key, self.offset = key, offset
         path = SHM_DIR / match[1]
         try:
@@ -372,6 +385,7 @@ class SharedMemory:
     """The registered regions of both kinds, by name."""
 
     allowed: bool  # --allow-shared-memory
+    key_prefix: str = ""  # --shared-memory-prefix
     regions: dict[str, Region] = field(default_factory=dict)
 
     def _check_allowed(self) -> None:
@@ -381,7 +395,7 @@ class SharedMemory:
     def register_system(
         self, name: str, key: str, offset: int, byte_size: int, owner: str | None
     ) -> None:
-        self._add(name, lambda: SystemRegion(name, key, offset, byte_size, owner))
+        self._add(name, lambda: SystemRegion(name, key, offset, byte_size, owner, self.key_prefix))
 
     def register_cuda(
         self, name: str, raw_handle: bytes, device_id: int, byte_size: int, owner: str | None

@@ -377,3 +377,32 @@ def test_inputs_in_system_shared_memory_count_against_the_body_limit(region) -> 
             c.infer(TINY, _inputs(httpclient, x, size=2 * TENSOR_BYTES))
         assert err.value.status() == "413"
         c.unregister_system_shared_memory()
+
+
+def test_with_a_prefix_only_keys_under_it_are_accepted(region) -> None:
+    """--shared-memory-prefix: a key naming another /dev/shm object (one the client did not
+    make, say) is refused with 403; keys under the prefix register as before."""
+    key, _ = region  # "/moe-serve-test-..."
+    port = free_port()
+    settings = Settings(
+        device="cpu", grpc_port=port, allow_shared_memory=True, shared_memory_prefix="client-"
+    )
+    with running_server(create_app(settings, tiny_loader)) as url:
+        with httpx.Client(base_url=url) as http:
+            wait_ready(http.get)
+        http_client = httpclient.InferenceServerClient(url.removeprefix("http://"))
+        with pytest.raises(httpclient.InferenceServerException, match="'/client-'") as err:
+            http_client.register_system_shared_memory("data", key, 64)
+        assert err.value.status() == "403"
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as grpc_client:
+            with pytest.raises(grpcclient.InferenceServerException, match="prefix") as err:
+                grpc_client.register_system_shared_memory("data", key, 64)
+            assert err.value.status() == "StatusCode.PERMISSION_DENIED"
+        ours = f"/client-{uuid.uuid4().hex[:12]}"
+        handle = shm.create_shared_memory_region("ours", ours, 64)
+        try:
+            http_client.register_system_shared_memory("ours", ours, 64)
+            assert [r["name"] for r in http_client.get_system_shared_memory_status()] == ["ours"]
+            http_client.unregister_system_shared_memory("ours")
+        finally:
+            shm.destroy_shared_memory_region(handle)
