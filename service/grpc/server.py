@@ -80,8 +80,8 @@ class GrpcServer:
 
     async def stop(self) -> None:
         """Once the runtime drains: the calls in flight finish, up to its drain deadline, while
-        the probes still answer (not ready) and new calls are refused; then gRPC stops, cutting
-        off what still runs (CANCELLED)."""
+        the probes still answer (not ready) and new calls are refused; then gRPC stops, ending
+        what still runs (UNAVAILABLE)."""
         self.runtime.drain()
         left = max(0.0, self.runtime.drain_deadline - time.monotonic())
         try:
