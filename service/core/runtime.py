@@ -52,8 +52,8 @@ class Runtime:
     drain_deadline: float | None = None
 
     def drain(self) -> None:
-        """SIGTERM: in-flight requests have drain_timeout_s to finish. HTTP's listener closes;
-        gRPC answers not ready and refuses new calls. Once is enough."""
+        """SIGTERM came: in-flight requests have drain_timeout_s to finish. From now on gRPC
+        answers not ready and refuses new calls (uvicorn closes HTTP's listener). Idempotent."""
         if self.drain_deadline is None:
             self.drain_deadline = time.monotonic() + self.settings.drain_timeout_s
 
