@@ -25,7 +25,7 @@ from ..workspace import Workspace
 from .deep_gemm import (
     DeepGemmExperts,
     check_block_shape,
-    deep_gemm_environment,
+    deep_gemm_glue_environment,
 )
 from .reference import ReferenceExperts, dequantize_input
 from .triton import TritonExperts
@@ -63,7 +63,7 @@ class TritonOrDeepGemmExperts(Experts):
 
     @classmethod
     def environment(cls, device: torch.device) -> Support:
-        return deep_gemm_environment(device)
+        return deep_gemm_glue_environment(device)
 
     @classmethod
     def check_config(cls, cfg: MoEConfig) -> Support:

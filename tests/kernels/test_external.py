@@ -25,6 +25,7 @@ from moe_serve.kernels.quantize import dequantize_mxfp4, dequantize_weight, quan
 from moe_serve.kernels.random_weights import random_expert_weights
 from moe_serve.kernels.registry import experts_backends
 from moe_serve.kernels.routing import route
+from moe_serve.kernels.stages import NO_TRITON
 from moe_serve.kernels.tensors import Routing
 from moe_serve.kernels.workspace import Workspace
 
@@ -102,6 +103,18 @@ def test_deep_gemm_fp4_needs_blackwell_when_the_package_is_there(
     reason = deep_gemm_fp4.DeepGemmFp4Experts.environment(CUDA).reason
     assert reason == "requires SM100 (Blackwell); this GPU is sm_90"
     assert deep_gemm.DeepGemmExperts.environment(CUDA).ok
+
+
+def test_deep_gemm_glue_needs_triton_where_the_fp4_backend_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(deep_gemm, "import_deep_gemm", lambda: types.ModuleType("deep_gemm"))
+    monkeypatch.setattr(deep_gemm, "cuda_capability", lambda device: (9, 0))
+    monkeypatch.setattr(deep_gemm, "HAS_TRITON", False)
+    for name in ("deep-gemm", "deep-gemm-batched", "triton-or-deep-gemm"):
+        assert experts_backends()[name].environment(CUDA) == NO_TRITON, name
+    monkeypatch.setattr(deep_gemm, "cuda_capability", lambda device: (10, 0))
+    assert deep_gemm_fp4.DeepGemmFp4Experts.environment(CUDA).ok  # torch between its GEMMs
 
 
 @pytest.mark.parametrize(
