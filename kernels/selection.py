@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .config import MoEConfig
-from .experts.token_switch import TokenSwitchExperts
+from .experts.token_switch import TokenSwitchExperts, TritonOrDeepGemmExperts
 from .registry import experts_backends, prepare_finalize_backends
 from .stages import Support
 from .tensors import Format
@@ -60,7 +60,7 @@ AUTO_ORDER: tuple[str, ...] = (
 
 
 # switches by token count itself (its threshold from this table): never a member of a plan
-COMPOSED = frozenset({"triton-or-deep-gemm"})
+COMPOSED = frozenset({TritonOrDeepGemmExperts.name})
 # A pair of backends replaces the best one alone only where it lowers the worst ratio to the
 # fastest by more than this. Auto's target is 3% (bench/targets.py AUTO_SLACK) and the same layer
 # timed twice in one run differs by up to 0.8%, once 2.2% (auto's own row against the backend it
@@ -296,6 +296,14 @@ def _expert_parallel_problem(experts: type[Experts]) -> str:
     return ""
 
 
+def _bound(cls: type[Experts], cfg: MoEConfig, device: torch.device) -> type[Experts]:
+    """`cls` as a layer builds it: triton-or-deep-gemm with the token count from which it runs
+    deep-gemm, from this GPU's rule table."""
+    if cls is TritonOrDeepGemmExperts:
+        return cls.at(cfg, device, *deep_gemm_min_tokens(cfg, device))
+    return cls
+
+
 def select(
     cfg: MoEConfig,
     device: torch.device,
@@ -332,15 +340,16 @@ def select(
             raise ValueError(f"unknown backend {requested!r}; registered: {', '.join(backends)}")
         if requested in rejected:
             raise ValueError(f"backend {requested!r} cannot run this layer: {rejected[requested]}")
-        cls = backends[requested]
+        cls = _bound(backends[requested], cfg, device)
         pf = _prepare_finalize_for(cls, device, expert_parallel)
         return Selection(cls, pf, "forced by --backend", rejected)
     available = [name for name in backends if name not in rejected]
     choice = auto_choice(cfg, device, available, AUTO_ORDER, rejected, not batch_invariant, rules)
     if choice is not None:
-        cls = backends[choice.name]
         if choice.plan:
             cls = TokenSwitchExperts.over(tuple((m, backends[n]) for m, n in choice.plan))
+        else:
+            cls = _bound(backends[choice.name], cfg, device)
         pf = _prepare_finalize_for(cls, device, expert_parallel)
         return Selection(cls, pf, choice.reason, rejected)
     details = "; ".join(f"{n}: {r}" for n, r in rejected.items())

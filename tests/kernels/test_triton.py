@@ -31,8 +31,8 @@ from moe_serve.kernels.experts._triton.grouped_gemm import (
 from moe_serve.kernels.experts._triton.quantize import quantize_into
 from moe_serve.kernels.experts.deep_gemm import DeepGemmExperts
 from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.kernels.experts.token_switch import TritonOrDeepGemmExperts
 from moe_serve.kernels.experts.triton import TritonBatchedExperts, TritonExperts
-from moe_serve.kernels.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
 from moe_serve.kernels.modular import ModularKernel
 from moe_serve.kernels.prepare_finalize.naive_ep import column_blocks
 from moe_serve.kernels.prepare_finalize.no_ep import NoEP
