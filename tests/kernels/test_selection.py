@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -114,3 +115,12 @@ def test_shipped_rule_tables_name_registered_backends(path) -> None:
         assert rule.key.split("/")[0] in {s.value for s in QuantScheme}
         assert list(rule.times_us) == sorted(rule.times_us, key=int)
     assert json.loads(path.read_text())["device"].startswith("NVIDIA")
+
+
+@pytest.mark.parametrize("path", sorted(TUNED_DIR.glob("auto_*.json")), ids=str)
+def test_shipped_rule_tables_say_what_measured_them_and_each_merged_rule(path) -> None:
+    body = json.loads(path.read_text())
+    for where in (body, *(rule for rule in body["rules"].values() if "commit" in rule)):
+        assert re.fullmatch(r"[0-9a-f]{7,}(-dirty)?", where["commit"])
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", where["date"])
+        assert where["command"].startswith("moe-serve bench kernels --shapes ")
