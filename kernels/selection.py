@@ -46,9 +46,8 @@ LARGE_LAYER = 1 << 22  # H * I from which a layer counts as full-size (DeepSeek-
 
 # Without a rule for this GPU and layer, `auto` tries these in order and the first that supports
 # the layer wins: fast GPU paths first, the exact torch reference last (it runs everywhere).
-# Ordered as the H100 measured them served (whole-layer CUDA graphs, bench/results): oai-triton
-# beat our triton on gpt-oss at every M, and our triton beat deep-gemm (its torch glue and host
-# syncs; it cannot be captured) at every M on DeepSeek-V3.
+# Ordered by the served times (whole-layer CUDA graphs) of `moe-serve bench kernels` on the H100:
+# oai-triton ahead of our triton on gpt-oss, our triton ahead of deep-gemm on DeepSeek-V3.
 AUTO_ORDER: tuple[str, ...] = (
     "oai-triton",
     "triton",
@@ -62,10 +61,10 @@ AUTO_ORDER: tuple[str, ...] = (
 # switches by token count itself (its threshold from this table): never a member of a plan
 COMPOSED = frozenset({TritonOrDeepGemmExperts.name})
 # A pair of backends replaces the best one alone only where it lowers the worst ratio to the
-# fastest by more than this. Auto's target is 3% (bench/targets.py AUTO_SLACK) and the same layer
-# timed twice in one run differs by up to 0.8%, once 2.2% (auto's own row against the backend it
-# ran, kernels-h100-2026-11-25): a plan 1% off leaves the rest for that noise. A smaller gain is
-# within the noise and not worth a second member's weight memory (a switch holds its larger one).
+# fastest by more than this. Auto's target is 3% (bench/targets.py AUTO_SLACK), and `moe-serve
+# bench kernels` times the same layer up to a percent or two apart within one run (auto's own
+# row against the backend it ran): a plan 1% off leaves the rest for that noise. A smaller gain
+# is within the noise and not worth a second member's weight memory (a switch holds its larger).
 SWITCH_MARGIN = 1.01
 MAX_BACKENDS = 2  # backends one layer holds under auto (a member may keep its own weight layout)
 
