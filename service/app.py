@@ -140,7 +140,9 @@ def create_app(
     runtime = Runtime(
         settings,
         Metrics(),
-        shared_memory=SharedMemory(allowed=settings.allow_shared_memory),
+        shared_memory=SharedMemory(
+            allowed=settings.allow_shared_memory, key_prefix=settings.shared_memory_prefix
+        ),
         repository=None if root is None else Repository(root),
         front_ends=front_ends,
     )

@@ -38,7 +38,9 @@ class FrontEnds:
     def __init__(self, settings: Settings, listener: socket.socket) -> None:
         self.count = settings.http_workers
         self.listener = listener
-        self.directory = Path(tempfile.mkdtemp(prefix="moe-serve-", dir=shm_dir()))
+        remove_stale_directories(shm_dir())
+        prefix = f"{DIRECTORY_PREFIX}{os.getpid()}-"
+        self.directory = Path(tempfile.mkdtemp(prefix=prefix, dir=shm_dir()))
         self.http_path = self.directory / "http.sock"  # the engine's HTTP server
         token = settings.api_token
         self.config = FrontEndConfig(
@@ -108,6 +110,28 @@ class FrontEnds:
             restarts.inc()
             if time.monotonic() - started < _QUICK_DEATH_S:
                 await asyncio.sleep(_RESTART_PAUSE_S)
+
+
+DIRECTORY_PREFIX = "moe-serve-"  # then the engine's pid: its sockets and the arenas
+
+
+def remove_stale_directories(where: Path) -> None:
+    """Remove what engines that are gone (killed: no stop ran) left in `where`."""
+    for path in where.glob(f"{DIRECTORY_PREFIX}*-*"):
+        pid = path.name.removeprefix(DIRECTORY_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            log.info("removing %s, left by engine process %s", path, pid)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def json_here_bytes(settings: Settings) -> int:

@@ -19,7 +19,6 @@ from tritonclient.grpc import service_pb2 as pb
 from .errors import BadInput
 from .kserve_codec import (
     DATATYPE_NAMES,
-    DATATYPES,
     SHM_REGION,
     InferInput,
     InferOutput,
@@ -27,19 +26,24 @@ from .kserve_codec import (
     RequestedOutput,
     tensor_bytes,
     tensor_from_bytes,
+    tensor_type,
 )
 
-# datatype -> the InferTensorContents field that carries it (FP16 and BF16 travel raw only)
-TYPED_CONTENTS = {
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-}
+# datatype -> the InferTensorContents field that carries it: of the datatypes a layer takes
+# (kserve_codec.DATATYPES), FP16 and BF16 have no typed field and travel raw only
+TYPED_CONTENTS = {"FP32": "fp32_contents"}
 
 
-def parameters_to_dict(parameters: Mapping[str, pb.InferParameter]) -> dict[str, Any]:
-    return {key: getattr(p, p.WhichOneof("parameter_choice")) for key, p in parameters.items()}
+def parameters_to_dict(parameters: Mapping[str, Message]) -> dict[str, Any]:
+    """An InferParameter (or ModelRepositoryParameter) map -> plain values; BadInput for a
+    parameter with no value set."""
+    values = {}
+    for key, p in parameters.items():
+        choice = p.WhichOneof("parameter_choice")
+        if choice is None:
+            raise BadInput(f"parameter {key!r} has no value set")
+        values[key] = getattr(p, choice)
+    return values
 
 
 def dict_to_parameters(values: Mapping[str, Any], into: Any) -> None:
@@ -56,12 +60,13 @@ def dict_to_parameters(values: Mapping[str, Any], into: Any) -> None:
 
 
 def _typed_tensor(meta: InferInput, contents: pb.InferTensorContents) -> torch.Tensor:
+    dtype, _ = tensor_type(meta)  # a datatype no layer takes is named here
     field = TYPED_CONTENTS.get(meta.datatype)
     if field is None:
         raise BadInput(f"input {meta.name}: {meta.datatype} must be sent in raw_input_contents")
     values = getattr(contents, field)
-    # the same checks (dtype, size) as raw bytes: one path
-    array = torch.tensor(list(values), dtype=DATATYPES[meta.datatype])
+    # the same checks (size) as raw bytes: one path
+    array = torch.tensor(list(values), dtype=dtype)
     return tensor_from_bytes(meta, tensor_bytes(array))
 
 

@@ -242,9 +242,9 @@ async def start_grpc_server(runtime: Runtime) -> grpc.aio.Server:
     try:
         bound = server.add_insecure_port(address)
     except RuntimeError as err:  # newer grpcio raises where older ones returned 0
-        raise OSError(f"gRPC cannot listen on {address}: {err}") from None
+        raise OSError(f"gRPC cannot listen on {address} (--grpc-port): {err}") from None
     if not bound:
-        raise OSError(f"gRPC cannot listen on {address}")
+        raise OSError(f"gRPC cannot listen on {address} (--grpc-port)")
     await server.start()
     log.info("gRPC (KServe v2) on %s", address)
     return server

@@ -7,6 +7,7 @@ router_logits [-1, E]) and output `output` [-1, H] in the input's datatype.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +17,7 @@ from .. import __version__
 from .batcher import RequestOptions
 from .deps import Runtime, ready, submit_while_connected
 from .engine import Engine, ServedLayer
-from .errors import BadInput, UnknownLayer
+from .errors import BadInput, PayloadTooLarge, UnknownLayer
 from .inputs import check_inputs
 from .kserve_codec import (
     DATATYPE_NAMES,
@@ -93,7 +94,7 @@ async def infer(
     held: list[DeviceRegion] = []  # CUDA regions it views: released once it is done
     try:
         with runtime.metrics.statistics.request(name) as timer:
-            tensors = tensors | _read_shared_memory(runtime, request, owner, held)
+            tensors = tensors | await _read_shared_memory(runtime, request, owner, held)
             unknown = sorted(set(tensors) - set(TENSOR_NAMES))
             if unknown:
                 known = list(TENSOR_NAMES)
@@ -118,7 +119,7 @@ async def infer(
             if into is None:  # a system region
                 output = result.output.to(hidden.dtype)
                 shm = runtime.shared_memory
-                shm.write(f"output {OUTPUT}", place, output, owner)
+                await shm.write(f"output {OUTPUT}", place, output, owner)
             return InferenceResult({}, [_placed(place, hidden)])
     finally:
         for region in held:  # the batcher returns once no device copy uses them
@@ -137,22 +138,33 @@ def schedule_policy(parameters: dict[str, object]) -> RequestOptions:
     return schedule_options(values["priority"], values["timeout"])
 
 
-def _read_shared_memory(
+async def _read_shared_memory(
     runtime: Runtime, request: InferRequest, owner: str | None, held: list[DeviceRegion]
 ) -> dict[str, torch.Tensor]:
     """The inputs that name a region: views of a CUDA region (on its GPU), or tensors of the
-    bytes read from a system region."""
-    tensors = {}
+    bytes read from a system region. What is copied out of system regions counts against the
+    body limit, as if the client had sent it: it costs the server's memory all the same."""
+    tensors, copies = {}, []
+    shm, limit = runtime.shared_memory, runtime.settings.max_body_bytes
     for t in request.inputs:
         what = f"input {t.name}"
         place = TensorPlace.of(what, t.parameters)
         if place is None:
             continue
-        shm, (dtype, shape) = runtime.shared_memory, tensor_type(t)
+        dtype, shape = tensor_type(t)
         view = shm.view(what, place, dtype, shape, owner, True, held)
         if view is None:
-            view = shm.read(what, place, dtype, shape, owner)
-        tensors[t.name] = view
+            copies.append((t.name, what, place, dtype, shape))
+        else:
+            tensors[t.name] = view
+    copied = sum(math.prod(shape) * dtype.itemsize for *_, dtype, shape in copies)
+    if copied > limit:
+        raise PayloadTooLarge(
+            f"inputs of {copied} bytes in system shared memory exceed the {limit}-byte limit "
+            "of a request (MOE_SERVE_MAX_BODY_BYTES)"
+        )
+    for name, what, place, dtype, shape in copies:
+        tensors[name] = await shm.read(what, place, dtype, shape, owner)
     return tensors
 
 

@@ -66,17 +66,26 @@ def parse(body: bytes | bytearray, what: str = "body") -> Any:
         raise BadInput(f"{what} is not valid JSON: {err}") from None
 
 
+MAX_DIMS = 32  # numpy's limit in its 1.x releases; no tensor of ours comes near it
+
+
 def _where(name: str, index: tuple[int, ...]) -> str:
     return name + "".join(f"[{i}]" for i in index)
 
 
-def _innermost(value: list) -> Iterator[list]:
-    """The innermost lists of the nested list `value`: those that do not hold only lists."""
-    if value and all(isinstance(item, list) for item in value):
-        for item in value:
-            yield from _innermost(item)
-    else:
-        yield value
+def _innermost(name: str, value: list) -> Iterator[list]:
+    """The innermost lists of the nested list `value` (those that do not hold only lists), in
+    order; BadInput once they lie deeper than a tensor can (no recursion: JSON nested a
+    thousand deep must not exhaust Python's stack)."""
+    stack = [(value, 1)]
+    while stack:
+        items, depth = stack.pop()
+        if items and all(isinstance(item, list) for item in items):
+            if depth == MAX_DIMS:
+                raise BadInput(f"{name} is nested more than {MAX_DIMS} arrays deep")
+            stack.extend((item, depth + 1) for item in reversed(items))
+        else:
+            yield items
 
 
 def _first_non_number(value: list, index: tuple[int, ...]) -> tuple[tuple[int, ...], Any]:
@@ -116,7 +125,7 @@ def to_array(name: str, value: Any, numbers_only: bool = False) -> np.ndarray:
         raise BadInput(f"{name} must be an array of numbers")
     # set(map(type, ...)) runs in C: a type check per number, without a Python loop over them
     if not numbers_only and not all(
-        set(map(type, numbers)) <= _NUMBERS for numbers in _innermost(value)
+        set(map(type, numbers)) <= _NUMBERS for numbers in _innermost(name, value)
     ):
         index, item = _first_non_number(value, ())
         raise BadInput(f"{_where(name, index)} is {orjson.dumps(item).decode()}; expected a number")

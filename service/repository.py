@@ -56,7 +56,7 @@ class Repository:
     def path(self, name: str) -> Path:
         """The directory of model `name`; 404 for a name that is not one of them."""
         if name not in self.names():  # never a path built from the name alone
-            raise UnknownLayer(f"no model directory {name!r} in the repository {self.root}")
+            raise UnknownLayer(f"the model repository has no model named {name!r}")
         return self.root / name
 
     def index(self, runtime: Runtime, ready_only: bool = False) -> list[ModelIndex]:
@@ -96,9 +96,10 @@ class Repository:
             except Exception as err:
                 serving = name in runtime.engine.layers
                 keeps = " (the running version keeps serving)" if serving else ""
-                self.reasons[name] = f"load failed: {err}"
-                log.warning("loading model %s failed%s: %s", name, keeps, err)
-                raise BadInput(f"failed to load model {name!r}{keeps}: {err}") from None
+                why = str(err) or type(err).__name__  # MemoryError() says nothing itself
+                self.reasons[name] = f"load failed: {why}"
+                log.warning("loading model %s failed%s: %s", name, keeps, why)
+                raise BadInput(f"failed to load model {name!r}{keeps}: {why}") from None
             finally:
                 del self.busy[name]
             runtime.metrics.add_layer(name, served.config.num_experts)

@@ -42,9 +42,10 @@ OVER_CAPACITY = "moe_serve.over_capacity"  # scope key: the connection is beyond
 BODY_BUFFER_BYTES = 4 << 20
 
 
-def listen(host: str, port: int) -> socket.socket:
+def listen(host: str, port: int, what: str = "HTTP, --port") -> socket.socket:
     """A socket bound to host:port, so that a port in use is known before anything loads
-    (uvicorn would find out after the app has started, and log it)."""
+    (uvicorn would find out after the app has started, and log it). `what`: the listener and
+    the option that sets its port, for the error."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -52,7 +53,7 @@ def listen(host: str, port: int) -> socket.socket:
         listener.bind((host, port))
     except OSError as err:
         listener.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+        raise ValueError(f"cannot listen on {host}:{port} ({what}): {err.strerror}") from None
     return listener
 
 

@@ -26,7 +26,8 @@ import os
 import re
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from stat import S_ISREG
@@ -37,6 +38,7 @@ import torch
 
 from .errors import BadInput, Conflict, Forbidden, UnknownRegion
 from .kserve_codec import DATATYPE_NAMES, SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION
+from .wire import run_sized
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +108,24 @@ class Region(ABC):
 class SystemRegion(Region):
     kind = "system"
 
-    def __init__(self, name: str, key: str, offset: int, byte_size: int, owner: str | None):
+    def __init__(
+        self,
+        name: str,
+        key: str,
+        offset: int,
+        byte_size: int,
+        owner: str | None,
+        key_prefix: str = "",
+    ):
         super().__init__(name, byte_size, owner)
         match = _KEY.fullmatch(key)
         if match is None or match[1] in (".", ".."):
             raise BadInput(f"key {key!r} is not a shared-memory object name ('/name')")
+        if not match[1].startswith(key_prefix):
+            raise Forbidden(
+                f"key {key!r} does not start with '/{key_prefix}': this server accepts only "
+                "such shared-memory objects (--shared-memory-prefix)"
+            )
         self.key, self.offset = key, offset
         path = SHM_DIR / match[1]
         try:
@@ -125,26 +140,39 @@ class SystemRegion(Region):
             os.close(self._fd)
             raise
 
-    # The object is read and written through its descriptor (pread/pwrite), never mapped: its
+    # The object is read and written through a descriptor (pread/pwrite), never mapped: its
     # owner may shrink it at any time, and touching a mapped page past the object's end is a
     # SIGBUS that kills the process. A read past the end is short and a write past it grows
     # the client's object, so a shrink between the size check and the copy harms no one.
-    def _check_object(self, what: str, end: int) -> None:
+    def _check_object(self, what: str, end: int, fd: int | None = None) -> None:
         """Refuse when the object, as it is now, ends before the region's byte `end`."""
-        size = os.fstat(self._fd).st_size
+        size = os.fstat(self._fd if fd is None else fd).st_size
         if self.offset + end > size:
             raise BadInput(f"{what} shared-memory object {self.key!r}, now of {size} bytes")
 
-    def read(self, offset: int, size: int) -> torch.Tensor:
-        """A copy of the `size` bytes at `offset` (uint8): one copy, straight from the object."""
+    @contextmanager
+    def _own_descriptor(self) -> Iterator[int]:
+        """A descriptor of the object for one copy, which may run on a worker thread: an
+        unregister meanwhile closes the region's, not this one."""
+        fd = os.dup(self._fd)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    async def read(self, offset: int, size: int) -> torch.Tensor:
+        """A copy of the `size` bytes at `offset` (uint8): one copy, straight from the object,
+        off the event loop when it is large."""
+        with self._own_descriptor() as fd:
+            return await run_sized(size, lambda: self._read(fd, offset, size))
+
+    def _read(self, fd: int, offset: int, size: int) -> torch.Tensor:
         data = np.empty(size, dtype=np.uint8)
-        self._check_object(
-            f"region {self.name!r}: {size} bytes at offset {offset} lie past the end of its",
-            offset + size,
-        )
+        what = f"region {self.name!r}: {size} bytes at offset {offset} lie past the end of its"
+        self._check_object(what, offset + size, fd)
         view, done = memoryview(data), 0
         while done < size:  # a read is short at the object's end, or when a signal cuts it
-            got = self._io(os.preadv, view[done:], offset + done)
+            got = self._io(os.preadv, fd, view[done:], offset + done)
             if not got:
                 raise BadInput(
                     f"shared-memory object {self.key!r} of region {self.name!r} shrank while "
@@ -153,21 +181,25 @@ class SystemRegion(Region):
             done += got
         return torch.from_numpy(data)
 
-    def write(self, offset: int, data: torch.Tensor) -> None:
-        """Write a CPU tensor's bytes at `offset` (one copy, straight into the object); visible
-        to the client when this returns."""
+    async def write(self, offset: int, data: torch.Tensor) -> None:
+        """Write a CPU tensor's bytes at `offset` (one copy, straight into the object, off the
+        event loop when it is large); visible to the client when this returns."""
         raw = memoryview(data.contiguous().view(-1).view(torch.uint8).numpy())
-        self._check_object(
-            f"region {self.name!r}: {raw.nbytes} bytes at offset {offset} lie past the end of its",
-            offset + raw.nbytes,
+        with self._own_descriptor() as fd:
+            await run_sized(raw.nbytes, lambda: self._write(fd, offset, raw))
+
+    def _write(self, fd: int, offset: int, raw: memoryview) -> None:
+        what = (
+            f"region {self.name!r}: {raw.nbytes} bytes at offset {offset} lie past the end of its"
         )
+        self._check_object(what, offset + raw.nbytes, fd)
         done = 0
         while done < raw.nbytes:
-            done += self._io(os.pwritev, raw[done:], offset + done)
+            done += self._io(os.pwritev, fd, raw[done:], offset + done)
 
-    def _io(self, call: Callable[[int, list, int], int], buffer: memoryview, offset: int) -> int:
+    def _io(self, call: Callable[..., int], fd: int, buffer: memoryview, offset: int) -> int:
         try:
-            return call(self._fd, [buffer], self.offset + offset)
+            return call(fd, [buffer], self.offset + offset)
         except OSError as err:  # e.g. ENOSPC: /dev/shm is full
             raise BadInput(
                 f"shared-memory object {self.key!r} of region {self.name!r}: {err.strerror}"
@@ -353,6 +385,7 @@ class SharedMemory:
     """The registered regions of both kinds, by name."""
 
     allowed: bool  # --allow-shared-memory
+    key_prefix: str = ""  # --shared-memory-prefix
     regions: dict[str, Region] = field(default_factory=dict)
 
     def _check_allowed(self) -> None:
@@ -362,7 +395,7 @@ class SharedMemory:
     def register_system(
         self, name: str, key: str, offset: int, byte_size: int, owner: str | None
     ) -> None:
-        self._add(name, lambda: SystemRegion(name, key, offset, byte_size, owner))
+        self._add(name, lambda: SystemRegion(name, key, offset, byte_size, owner, self.key_prefix))
 
     def register_cuda(
         self, name: str, raw_handle: bytes, device_id: int, byte_size: int, owner: str | None
@@ -444,7 +477,7 @@ class SharedMemory:
         held.append(region)
         return view
 
-    def read(
+    async def read(
         self,
         tensor: str,
         place: TensorPlace,
@@ -456,11 +489,14 @@ class SharedMemory:
         size must be the tensor's."""
         region = self._region_of(tensor, place, owner, "system")
         region.check(tensor, place, math.prod(shape) * dtype.itemsize, exact=True)
-        return region.read(place.offset, place.byte_size).view(dtype).reshape(shape)
+        data = await region.read(place.offset, place.byte_size)
+        return data.view(dtype).reshape(shape)
 
-    def write(self, tensor: str, place: TensorPlace, data: torch.Tensor, owner: str | None) -> None:
+    async def write(
+        self, tensor: str, place: TensorPlace, data: torch.Tensor, owner: str | None
+    ) -> None:
         """Write a CPU tensor at `place` in a system region, which must hold at least its
         bytes."""
         region = self._region_of(tensor, place, owner, "system")
         region.check(tensor, place, data.numel() * data.itemsize, exact=False)
-        region.write(place.offset, data)
+        await region.write(place.offset, data)

@@ -33,9 +33,11 @@ class RecordingEngine(Engine):
         self.batch_sizes: list[int] = []
         self.gate = threading.Event()
         self.gate.set()
+        self.entered = threading.Event()  # a forward has begun (and may wait at the gate)
         self.fail_next = False
 
     def forward(self, name: str, inputs: ForwardInputs):
+        self.entered.set()
         assert self.gate.wait(WAIT_S), "test gate never opened"
         self.batch_sizes.append(inputs.hidden_states.shape[0])
         if self.fail_next:

@@ -424,6 +424,18 @@ def test_a_forward_whose_output_overflows_answers_422_naming_the_layer_and_is_co
     assert post_blob(client, hidden_states=hidden(2)).status_code == 200  # the layer still serves
 
 
+@pytest.mark.parametrize("body", ["{0}", "[[0.5], {0}]"], ids=["all deep", "one row deep"])
+def test_json_nested_a_thousand_deep_is_400_naming_the_depth(client: TestClient, body: str) -> None:
+    deep = "[" * 1000 + "1" + "]" * 1000
+    r = client.post(
+        URL,
+        content='{"hidden_states": ' + body.format(deep) + "}",
+        headers={"Content-Type": "application/json"},
+    )
+    assert r.status_code == 400
+    assert r.json()["error"] == "hidden_states is nested more than 32 arrays deep"
+
+
 def test_a_float16_reply_that_would_hold_inf_answers_422_and_is_counted(
     client: TestClient,
 ) -> None:

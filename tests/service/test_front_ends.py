@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +26,7 @@ from starlette.datastructures import Headers
 from moe_serve.service import json_codec, json_device, logs
 from moe_serve.service.body_arena import BLOCK_BYTES, REPLY_HEADER_BYTES, BodyArena
 from moe_serve.service.front_end import RELAYED, _answering, _blob_bytes, _json_reply, _write_blob
-from moe_serve.service.front_ends import json_here_bytes
+from moe_serve.service.front_ends import json_here_bytes, remove_stale_directories
 from moe_serve.service.json_numbers import NUMBER_BYTES, ON_LOOP_BYTES, decode_forward_arrays
 from moe_serve.service.settings import Settings
 from moe_serve.service.wire import decode_safetensors, encode_safetensors
@@ -435,3 +436,29 @@ def test_a_declared_body_size_reserves_no_memory_before_its_bytes_arrive() -> No
         for conn in stalled:
             conn.close()
         assert grown < 4 * declared, f"{grown >> 20} MiB for 24 x {declared >> 20} MiB declared"
+
+
+def test_json_nested_a_thousand_deep_is_a_json_400_from_the_front_end(front_ends) -> None:
+    deep = "[" * 1000 + "1" + "]" * 1000
+    reply = httpx.post(
+        f"{_url(front_ends)}/v1/layers/{TINY}/forward",
+        content='{"hidden_states": ' + deep + "}",
+        headers={"Content-Type": "application/json"},
+    )
+    assert reply.status_code == 400
+    assert reply.json()["error"] == "hidden_states is nested more than 32 arrays deep"
+
+
+def test_directories_of_engines_that_are_gone_are_removed_at_start(tmp_path: Path) -> None:
+    """A killed engine leaves its sockets and arenas behind; the next start cleans them up and
+    leaves those of live engines (and anything not ours) alone."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = tmp_path / f"moe-serve-{gone.pid}-abc123"
+    live = tmp_path / f"moe-serve-{os.getpid()}-def456"
+    other = tmp_path / "moe-serve-test-region"
+    for path in (stale, live, other):
+        path.mkdir()
+        (path / "http.sock").touch()
+    remove_stale_directories(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
