@@ -323,7 +323,6 @@ def _add_http(sub: argparse._SubParsersAction) -> None:
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench",
-        help="kernel and service benchmarks",
         description="Kernel and service benchmarks; README.md, Performance, shows how they "
         "were run.",
     )

@@ -1,6 +1,6 @@
-"""A JSON forward's numbers read and printed on the host (orjson, `service/json_codec.py`) and
-on a GPU (`service/json_device.py`), side by side in one process, each checked to give the
-other's result byte for byte.
+"""A JSON forward's numbers read and printed on the host (orjson, `service/codecs/json_tensors.py`)
+and on a GPU (`service/codecs/json_device.py`), side by side in one process, each checked to give
+the other's result byte for byte.
 
     python -m bench.json_bench --out DIR [--shapes 1x7168,64x256,64x7168,512x7168] [--commit C]
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel
 
-from ..service import json_codec, json_device
+from ..service.codecs import json_device, json_tensors
 from .environment import capture
 from .schema import Environment
 
@@ -66,10 +66,10 @@ def measure(tokens: int, hidden: int, repeats: int) -> JsonRow:
     rest = {"layer": "bench", "tokens": tokens, "backend": "triton"}
     read = json_device.decode_forward(body, on_device.device)
     if read is None or not torch.equal(
-        read.hidden_states.cpu(), json_codec.decode_forward(body).hidden_states
+        read.hidden_states.cpu(), json_tensors.decode_forward(body).hidden_states
     ):
         raise SystemExit(f"{tokens}x{hidden}: the device read the body differently")
-    reply = json_codec.dumps({"output": output} | rest)
+    reply = json_tensors.dumps({"output": output} | rest)
     if json_device.print_reply(on_device, rest) != reply:
         raise SystemExit(f"{tokens}x{hidden}: the device printed the output differently")
     return JsonRow(
@@ -77,11 +77,11 @@ def measure(tokens: int, hidden: int, repeats: int) -> JsonRow:
         hidden=hidden,
         body_bytes=len(body),
         reply_bytes=len(reply),
-        read_host_ms=_median_ms(lambda: json_codec.decode_forward(body), repeats),
+        read_host_ms=_median_ms(lambda: json_tensors.decode_forward(body), repeats),
         read_device_ms=_median_ms(
             lambda: json_device.decode_forward(body, on_device.device), repeats
         ),
-        print_host_ms=_median_ms(lambda: json_codec.dumps({"output": output} | rest), repeats),
+        print_host_ms=_median_ms(lambda: json_tensors.dumps({"output": output} | rest), repeats),
         print_device_ms=_median_ms(lambda: json_device.print_reply(on_device, rest), repeats),
     )
 

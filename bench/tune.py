@@ -316,11 +316,10 @@ def _tokens(text: str) -> list[int]:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    what = "search Triton tile sizes for a layer on this GPU"
     p = subparsers.add_parser(
         "tune",
-        help=what,
-        description=f"{what.capitalize()}, one token-count bucket at a time, and write the best "
+        description="Search Triton tile sizes for a layer on this GPU, one token-count bucket at "
+        "a time, and write the best "
         "to a tuned file that the triton backend reads (resumes: buckets already there are kept).",
     )
     shapes = "mixtral, mixtral-fp8, qwen3, deepseek-v3, gpt-oss, or E,H,I,top_k"

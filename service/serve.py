@@ -16,12 +16,12 @@ from ..weights.demo import demo_configs
 from ..weights.errors import describe_validation_error
 from ..weights.load import inspect_layer
 from . import logs, tracing
-from .app import create_app
-from .ep_group import leave
-from .ep_layers import initial_placement, rank_device
-from .front_ends import FrontEnds
+from .ep.group import leave
+from .ep.layers import initial_placement, rank_device
+from .frontends.supervisor import FrontEnds
+from .http.app import create_app
+from .http.server import listen, server_config
 from .interpreter import collect_less
-from .server import listen, server_config
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,6 @@ LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
-        help="serve MoE layers over HTTP",
         description="Serve MoE layers over HTTP (JSON, safetensors and KServe v2; the API is at "
         "/docs). Every option also reads MOE_SERVE_<OPTION> (e.g. MOE_SERVE_PORT); an option "
         "given here wins. Without --weights the demo layers are generated into "

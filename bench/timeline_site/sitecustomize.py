@@ -21,8 +21,8 @@ _HTTP = [
      "http_body_done"),
     ("uvicorn.protocols.http.httptools_impl", "RequestResponseCycle.send", "http_send"),
 ]  # fmt: skip
-# a front end runs as `python -m service.front_end`: its FrontEnd is __main__'s, patched when
-# uvicorn starts (before that, __main__ is not loaded yet)
+# a front end runs as `python -m moe_serve.service.frontends.front_end`: its FrontEnd is
+# __main__'s, patched when uvicorn starts (before that, __main__ is not loaded yet)
 _FRONT_END_MAIN = [
     ("__main__", "FrontEnd._forward", "fe_forward"),
     ("__main__", "FrontEnd._read_body", "fe_read_body"),
@@ -32,26 +32,26 @@ _FRONT_END_MAIN = [
     ("__main__", "_json_reply", "fe_encode_json"),
 ]
 _FRONT_END = [
-    ("moe_serve.service.direct_body", "DirectBody.read", "body_read"),  # its body in place
-    ("moe_serve.service.channel", "EngineClient.forward", "fe_engine"),
+    ("moe_serve.service.http.direct_body", "DirectBody.read", "body_read"),  # its body in place
+    ("moe_serve.service.frontends.channel", "EngineClient.forward", "fe_engine"),
 ]
 _ENGINE = [
-    ("moe_serve.service.middleware", "RequestMiddleware.__call__", "middleware"),
-    ("moe_serve.service.fast_path", "ForwardFastPath.__call__", "fast_path"),
-    ("moe_serve.service.direct_body", "DirectBody.read", "body_read"),
-    ("moe_serve.service.channel_server", "_FrontEndLink._forward", "channel_forward"),
-    ("moe_serve.service.routes.forward", "_decode_blob", "decode"),
-    ("moe_serve.service.batcher", "DynamicBatcher.submit", "submit"),
-    ("moe_serve.service.batcher", "DynamicBatcher._launch", "launch"),
-    ("moe_serve.service.engine", "Engine.start", "engine_start"),
-    ("moe_serve.service.pipeline", "_gather", "gather"),
-    ("moe_serve.service.pipeline", "DevicePipeline._enqueue", "enqueue"),
+    ("moe_serve.service.http.middleware", "RequestMiddleware.__call__", "middleware"),
+    ("moe_serve.service.http.fast_path", "ForwardFastPath.__call__", "fast_path"),
+    ("moe_serve.service.http.direct_body", "DirectBody.read", "body_read"),
+    ("moe_serve.service.frontends.channel_server", "_FrontEndLink._forward", "channel_forward"),
+    ("moe_serve.service.http.routes.forward", "_decode_blob", "decode"),
+    ("moe_serve.service.engine.batcher", "DynamicBatcher.submit", "submit"),
+    ("moe_serve.service.engine.batcher", "DynamicBatcher._launch", "launch"),
+    ("moe_serve.service.engine.engine", "Engine.start", "engine_start"),
+    ("moe_serve.service.engine.pipeline", "_gather", "gather"),
+    ("moe_serve.service.engine.pipeline", "DevicePipeline._enqueue", "enqueue"),
     ("moe_serve.kernels.layer_graphs", "LayerGraphs.replay", "replay"),
-    ("moe_serve.service.batcher", "DynamicBatcher._finish", "finish"),
-    ("moe_serve.service.pipeline", "_InFlight.result", "result"),
-    ("moe_serve.service.routes.forward", "_encode_blob", "encode"),
-    ("moe_serve.service.routes.forward", "_decode_json", "decode_json"),
-    ("moe_serve.service.routes.forward", "_encode_json", "encode_json"),
+    ("moe_serve.service.engine.batcher", "DynamicBatcher._finish", "finish"),
+    ("moe_serve.service.engine.pipeline", "_InFlight.result", "result"),
+    ("moe_serve.service.http.routes.forward", "_encode_blob", "encode"),
+    ("moe_serve.service.http.routes.forward", "_decode_json", "decode_json"),
+    ("moe_serve.service.http.routes.forward", "_encode_json", "encode_json"),
 ]
 
 

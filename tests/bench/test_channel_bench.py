@@ -4,7 +4,7 @@ engine side measured, and the module's stand-ins for CUDA registration put back.
 from __future__ import annotations
 
 from moe_serve.bench import channel_bench
-from moe_serve.service import channel_server
+from moe_serve.service.frontends import channel_server
 
 
 def test_a_short_run_answers_requests_and_restores_the_pinning() -> None:

@@ -14,8 +14,8 @@ from moe_serve.kernels.layer import LayerWeights, RouterWeights
 from moe_serve.kernels.quant_scheme import QuantConfig
 from moe_serve.kernels.random_weights import random_expert_weights
 from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service.batcher import BatchPolicy, DynamicBatcher
-from moe_serve.service.engine import Engine
+from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher
+from moe_serve.service.engine.engine import Engine
 from moe_serve.service.errors import BadInput, ForwardFailed, NonFiniteOutput, NotReady, Overloaded
 from moe_serve.service.metrics import Metrics
 from tests.service.layers import TINY, E, H, TinyLayer, reference_forward, tiny_layers

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from moe_serve.service.batcher import BatchPolicy, DynamicBatcher
-from moe_serve.service.body_arena import BLOCK_BYTES, BodyArena
-from moe_serve.service.channel import (
+from moe_serve.service.codecs.safetensors_wire import decode_safetensors, encode_safetensors
+from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher
+from moe_serve.service.frontends.arena import BLOCK_BYTES, BodyArena
+from moe_serve.service.frontends.channel import (
     DONE,
     DONE_FIELDS,
     FORWARD,
@@ -23,11 +24,10 @@ from moe_serve.service.channel import (
     RecordReader,
     RecordWriter,
 )
-from moe_serve.service.channel_server import ChannelServer
-from moe_serve.service.deps import Runtime
+from moe_serve.service.frontends.channel_server import ChannelServer
+from moe_serve.service.http.deps import Runtime
 from moe_serve.service.metrics import Metrics
 from moe_serve.service.settings import Settings
-from moe_serve.service.wire import decode_safetensors, encode_safetensors
 from tests.service.layers import TINY, H, reference_forward, tiny_layers
 from tests.service.test_batcher import WAIT_S, RecordingEngine, rows
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from moe_serve.service.app import create_app
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import TINY, running_server, tiny_loader
@@ -149,7 +149,7 @@ def test_a_body_gathers_up_to_the_buffer_before_reading_pauses() -> None:
     served protocols raise it (a 917 KB body would otherwise cross the event loop 14 times)."""
     from uvicorn.protocols.http import h11_impl, httptools_impl
 
-    from moe_serve.service.server import BODY_BUFFER_BYTES, bounded_protocol
+    from moe_serve.service.http.server import BODY_BUFFER_BYTES, bounded_protocol
 
     bounded_protocol(8, 1.0)
     assert "HIGH_WATER_LIMIT" in httptools_impl.HttpToolsProtocol.on_body.__code__.co_names

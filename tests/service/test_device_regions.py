@@ -15,9 +15,9 @@ import pytest
 import torch
 from fastapi import FastAPI
 
-from moe_serve.service.app import create_app
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
-from moe_serve.service.shared_memory import DeviceRegion, Region, SharedMemory, TensorPlace
+from moe_serve.service.triton.shared_memory import DeviceRegion, Region, SharedMemory, TensorPlace
 from tests.service.conftest import wait_ready
 from tests.service.layers import TINY, H, free_port, reference_forward, running_server, tiny_loader
 

@@ -15,8 +15,8 @@ from moe_serve.kernels.config import MoEConfig, RoutingConfig
 from moe_serve.kernels.layer import LayerWeights, RouterWeights
 from moe_serve.kernels.random_weights import random_expert_weights
 from moe_serve.kernels.routing import route
-from moe_serve.service import json_numbers
-from moe_serve.service.app import create_app
+from moe_serve.service.codecs import json_numbers
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import NO_ROUTER, TINY, TOP_K, E, H, TinyLayer, reference_forward

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_serve.service.app import create_app
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import (
@@ -257,8 +257,8 @@ def test_grpc_port_in_use_stops_the_start_naming_the_address() -> None:
     import asyncio
     import socket
 
-    from moe_serve.service.deps import Runtime
-    from moe_serve.service.grpc_server import start_grpc_server
+    from moe_serve.service.grpc.servicer import start_grpc_server
+    from moe_serve.service.http.deps import Runtime
     from moe_serve.service.metrics import Metrics
 
     with socket.socket() as taken:

@@ -16,7 +16,7 @@ import torch
 
 from moe_serve.kernels.layer import build_layer
 from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service.app import create_app
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from moe_serve.weights.demo import ensure_demo_layers
 from moe_serve.weights.load import load_layer

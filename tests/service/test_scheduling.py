@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service.batcher import BatchPolicy, DynamicBatcher, RequestOptions
-from moe_serve.service.deps import submit_while_connected
+from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher, RequestOptions
 from moe_serve.service.errors import ClientDisconnected, DeadlineExceeded
+from moe_serve.service.http.deps import submit_while_connected
 from tests.service.layers import TINY, reference_forward, tiny_layers
 from tests.service.test_batcher import WAIT_S, RecordingEngine, rows, run
 

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from moe_serve.service.app import create_app
 from moe_serve.service.errors import BadInput
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
-from moe_serve.service.shared_memory import SharedMemory, SystemRegion, owner_of
+from moe_serve.service.triton.shared_memory import SharedMemory, SystemRegion, owner_of
 from tests.service.conftest import wait_ready
 from tests.service.layers import TINY, H, free_port, reference_forward, running_server, tiny_loader
 
