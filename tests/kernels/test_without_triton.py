@@ -28,7 +28,7 @@ SERVE_WITHOUT_TRITON = textwrap.dedent(
 
     from moe_serve.kernels.registry import experts_backends
     from moe_serve.service import cli
-    from moe_serve.service.app import create_app
+    from moe_serve.service.http.app import create_app
     from moe_serve.service.settings import Settings
 
     cli.build_parser()  # every command's module imports
