@@ -37,10 +37,10 @@ _FRONT_END = [
 ]
 _ENGINE = [
     ("moe_serve.service.http.middleware", "RequestMiddleware.__call__", "middleware"),
-    ("moe_serve.service.http.fast_path", "ForwardFastPath.__call__", "fast_path"),
+    ("moe_serve.service.http.routes.forward", "ForwardEndpoint.__call__", "fast_path"),
     ("moe_serve.service.http.direct_body", "DirectBody.read", "body_read"),
     ("moe_serve.service.frontends.channel_server", "_FrontEndLink._forward", "channel_forward"),
-    ("moe_serve.service.http.routes.forward", "_decode_blob", "decode"),
+    ("moe_serve.service.core.forward", "_decode_blob", "decode"),
     ("moe_serve.service.engine.batcher", "DynamicBatcher.submit", "submit"),
     ("moe_serve.service.engine.batcher", "DynamicBatcher._launch", "launch"),
     ("moe_serve.service.engine.engine", "Engine.start", "engine_start"),
@@ -49,9 +49,9 @@ _ENGINE = [
     ("moe_serve.kernels.layer_graphs", "LayerGraphs.replay", "replay"),
     ("moe_serve.service.engine.batcher", "DynamicBatcher._finish", "finish"),
     ("moe_serve.service.engine.pipeline", "_InFlight.result", "result"),
-    ("moe_serve.service.http.routes.forward", "_encode_blob", "encode"),
-    ("moe_serve.service.http.routes.forward", "_decode_json", "decode_json"),
-    ("moe_serve.service.http.routes.forward", "_encode_json", "encode_json"),
+    ("moe_serve.service.core.forward", "_encode_blob", "encode"),
+    ("moe_serve.service.core.forward", "_decode_json", "decode_json"),
+    ("moe_serve.service.core.forward", "_encode_json", "encode_json"),
 ]
 
 
