@@ -10,9 +10,9 @@ registration, with cuda-python: a request gets tensors that view the buffer, whi
 pipeline copies device to device (service/engine/pipeline.py), so no tensor byte goes through the
 host. Both kinds share one namespace of names. Every offset and size is checked against the region
 (a CUDA buffer's real size is asked of the driver), so nothing is read or written outside it; a
-region is visible only to the token that registered it, which may hold at most `max_regions`
-(each system region holds a descriptor of its object, each CUDA region a mapping of the client's
-buffer, for as long as it is registered). A CUDA region unregistered while a
+region is visible only to the token that registered it, which may hold at most `max_regions` of
+them (a system region holds a descriptor of its object, a CUDA region a mapping of the client's
+buffer, until it is unregistered, whenever its client left). A CUDA region unregistered while a
 request uses it stays open until the last such request is done (its device copies finished); a
 system region is read when a request arrives and written when its forward is done, each time
 found by name (unregistered meanwhile: that request's output is a 400).
