@@ -134,9 +134,12 @@ def schedule_policy(parameters: dict[str, object]) -> RequestOptions:
     values = {}
     for key in ("priority", "timeout"):
         value = parameters.get(key, 0)
-        if type(value) is not int or not 0 <= value <= MAX_SCHEDULE_VALUE:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise BadInput(f"parameters.{key} must be an integer >= 0, got {value!r}")
+        if value > MAX_SCHEDULE_VALUE:
             raise BadInput(
-                f"parameters.{key} must be an integer >= 0 and at most 2^64 - 1, got {value!r}"
+                f"parameters.{key} is out of range: an integer from 0 to 2^64 - 1 (Triton's), "
+                f"got {value!r}"
             )
         values[key] = value
     return schedule_options(values["priority"], values["timeout"])

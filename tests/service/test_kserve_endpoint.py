@@ -104,12 +104,12 @@ EXPECTED = {
     "timeout of 10^400": (
         400,
         "application/json",
-        "parameters.timeout must be an integer >= 0 and at most 2^64 - 1",
+        "parameters.timeout is out of range: an integer from 0 to 2^64 - 1",
     ),
     "priority of 2^64": (
         400,
         "application/json",
-        "parameters.priority must be an integer >= 0 and at most 2^64 - 1",
+        "parameters.priority is out of range: an integer from 0 to 2^64 - 1",
     ),
     "largest schedule values": (200, "application/json", 1),
     "unknown region": (400, "application/json", "no shared-memory region named 'nowhere'"),
