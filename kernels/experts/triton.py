@@ -23,6 +23,7 @@ from ..config import MoEConfig
 from ..quant_scheme import ActQuant, QuantScheme
 from ..stages import (
     HAS_TRITON,
+    NO_TRITON,
     YES,
     ColumnBlocks,
     Experts,
@@ -80,7 +81,7 @@ class _TritonBase(Experts):
     @classmethod
     def environment(cls, device: torch.device) -> Support:
         if not HAS_TRITON:
-            return Support(False, "triton is not installed (pip install 'moe-serve[gpu]')")
+            return NO_TRITON
         if cuda_capability(device) is None:
             return Support(False, f"needs a CUDA GPU, {device} has none")
         return YES

@@ -8,6 +8,8 @@ bf16 runs on the GPU only (tests/kernels/test_triton_gpu.py): the interpreter's 
 from __future__ import annotations
 
 import json
+import re
+import sys
 
 import pytest
 import torch
@@ -31,8 +33,8 @@ from moe_serve.kernels.experts._triton.grouped_gemm import (
 from moe_serve.kernels.experts._triton.quantize import quantize_into
 from moe_serve.kernels.experts.deep_gemm import DeepGemmExperts
 from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.kernels.experts.token_switch import TritonOrDeepGemmExperts
 from moe_serve.kernels.experts.triton import TritonBatchedExperts, TritonExperts
-from moe_serve.kernels.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
 from moe_serve.kernels.modular import ModularKernel
 from moe_serve.kernels.prepare_finalize.naive_ep import column_blocks
 from moe_serve.kernels.prepare_finalize.no_ep import NoEP
@@ -339,10 +341,17 @@ def test_tuned_file_wins_over_the_heuristic_within_twice_the_nearest_bucket(
         tiles._tuned_table.cache_clear()
 
 
-def test_shipped_tuned_files_parse() -> None:
+def test_shipped_tuned_files_parse_and_each_bucket_says_what_measured_it() -> None:
     for path in tiles.TUNED_DIR.glob("E*_H*_I*.json"):  # tile files; the directory holds others
         table = tiles._tuned_table(path.name)
         assert table, f"{path.name} has no buckets"
+        body = json.loads(path.read_text())
+        assert set(body) == {"key", "search", "buckets"}, path.name
+        assert body["key"]["device_name"].startswith("NVIDIA"), path.name
+        for m, entry in body["buckets"].items():
+            assert re.fullmatch(r"[0-9a-f]{7,}(-dirty)?", entry["commit"]), (path.name, m)
+            assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", entry["date"]), (path.name, m)
+            assert entry["command"], (path.name, m)
 
 
 # ---- moe-serve tune ------------------------------------------------------------------------
@@ -448,6 +457,35 @@ def test_tune_resumes_without_retiming_buckets_already_in_the_file(tmp_path) -> 
     out.write_text(json.dumps({"key": {}, "buckets": {"1": done}}))
     body = tune(TuneRequest(cfg, (1,), out), CPU)
     assert body["buckets"] == {"1": done}
+
+
+def test_tune_writes_each_bucket_with_the_commit_date_and_command_that_searched_it(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The search itself runs against experts that return at once: only what is written counts."""
+    from moe_serve.bench import environment
+    from moe_serve.bench.tune import TuneRequest, tune
+    from moe_serve.kernels.experts import triton as triton_experts
+
+    class Instant(TritonExperts):
+        def apply(self, x, ws, into=None):
+            return x.hidden
+
+    monkeypatch.setattr(triton_experts, "TritonExperts", Instant)
+    monkeypatch.setattr(environment, "current_commit", lambda: "abc1234")
+    argv = ["/venv/bin/moe-serve", "tune", "--shape", "8,64,96,2", "--tokens", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    cfg = Case().config()
+    out = tmp_path / "t.json"
+    body = tune(TuneRequest(cfg, (1,), out), CPU)
+    entry = json.loads(out.read_text())["buckets"]["1"]
+    assert entry == body["buckets"]["1"]
+    assert tiles.LayerTiles.from_json(entry) and entry["us"] > 0
+    assert (entry["commit"], entry["command"]) == (
+        "abc1234",
+        "moe-serve tune --shape 8,64,96,2 --tokens 1",
+    )
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", entry["date"])
 
 
 def test_tune_refuses_to_run_without_a_gpu() -> None:
