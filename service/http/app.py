@@ -47,7 +47,9 @@ def create_app(
         settings,
         Metrics(),
         shared_memory=SharedMemory(
-            allowed=settings.allow_shared_memory, key_prefix=settings.shared_memory_prefix
+            allowed=settings.allow_shared_memory,
+            key_prefix=settings.shared_memory_prefix,
+            max_regions=settings.max_shared_memory_regions,
         ),
         repository=None if root is None else Repository(root),
     )
