@@ -5,6 +5,7 @@ weights or bench lands beside other projects' packages."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -19,9 +20,13 @@ PARTS = ("kernels", "service", "weights", "bench")
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
-    out = tmp_path_factory.mktemp("wheel")
+    """The wheel, built from a copy of the tree (setuptools writes build/ beside the sources)."""
+    work = tmp_path_factory.mktemp("wheel")
+    source, out = work / "src", work / "out"
+    skip = shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "__pycache__", "results")
+    shutil.copytree(ROOT, source, symlinks=True, ignore=skip)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(source)],
         check=True,
         env=os.environ | {"PYTHONWARNINGS": "ignore"},
     )

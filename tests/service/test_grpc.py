@@ -265,7 +265,7 @@ MALFORMED = {
     "model name not UTF-8": (GOOD.replace(TINY.encode(), b"t\xffny"), "parsed"),
     "not a message": (b"\xff\xff\xff", "parsed"),
     "shape [0, 2^63-1]": (_infer_message([0, (1 << 63) - 1]), "empty"),
-    "shape [2^40, 2^40]": (_infer_message([1 << 40, 1 << 40]), "binary bytes for shape"),
+    "shape [2^40, 2^40]": (_infer_message([1 << 40, 1 << 40]), "too large"),
     "negative priority": (_infer_message([1, H], priority=("int64_param", -1)), ">= 0"),
     "timeout a double": (_infer_message([1, H], timeout=("double_param", 1e300)), ">= 0"),
     "timeout a string": (_infer_message([1, H], timeout=("string_param", "9" * 400)), ">= 0"),
