@@ -21,7 +21,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "moe_serve.service.serve",
     "moe_serve.service.ep_rank",
     "moe_serve.bench.cli",
-    "moe_serve.bench.tune",
 )
 
 
