@@ -127,7 +127,9 @@ class Command:
                 default=self.modes[0],
                 help=f"the mode (default {self.modes[0]}; each is described above)",
             )
-        self.parser.set_defaults(run=lambda args: run(self.resolve(args)), mode=self.modes[0])
+        self.parser.set_defaults(
+            run=lambda args: run(self.resolve(args)), mode=self.modes[0], spec=self
+        )
 
     def add(
         self, flag: str, help: str, defaults: dict[str, object] | None = None, **kwargs: object
@@ -828,7 +830,7 @@ def run_report(args: argparse.Namespace) -> int:
     if args.mode == "summary":
         from .summary import render
 
-        _show(render(run), end="")
+        _show(render(run))
         return 0
     try:  # matplotlib is the optional `bench` extra
         from .plot import plot_run
