@@ -581,7 +581,7 @@ def _bare_ms(result: ServiceBenchResult, layer: str, variant: str, tokens: int) 
 
 
 def checks(result: ServiceBenchResult, c: ServiceBenchConfig) -> list[Check]:
-    """The issue's targets against what this run measured, for the layer served by one process
+    """The targets against what this run measured, for the layer served by one process
     and behind front-end processes."""
     out: list[Check] = []
     served = ["default"] + ([front_ends_variant(c.http_workers)] if c.http_workers else [])
