@@ -8,12 +8,20 @@ TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 
 .PHONY: serve test lint
 
+# pip's own progress bars show each download; -q keeps its per-package lines out. The build
+# backend's notes on editable installs are setuptools', not ours: PYTHONWARNINGS keeps them out.
+PIP := PYTHONWARNINGS=ignore $(BIN)/pip install -q --progress-bar on
+
 $(BIN)/moe-serve: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)" "numpy<2.4"
-	$(BIN)/pip install -q -e ".[test]"
+	@echo "[1/3] creating $(VENV)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PIP) --upgrade pip
+	@echo "[2/3] installing $(TORCH) (a minute or more)"
+	@$(PIP) "$(TORCH)" "numpy<2.4"
+	@echo "[3/3] installing moe-serve and its dependencies into $(VENV)"
+	@$(PIP) -e ".[test]"
 	@touch $@
+	@echo "installed: $(BIN)/moe-serve"
 
 serve: $(BIN)/moe-serve  ## run the service on the embedded demo layer (CPU when no GPU is present)
 	$(BIN)/moe-serve serve $(ARGS)

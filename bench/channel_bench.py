@@ -2,16 +2,16 @@
 binary forward costs the engine process's event loop, apart from the batcher and the device:
 `moe-serve bench service --mode channel`.
 
-The engine side runs in this process: the real ChannelServer (service/channel_server.py) and
-serve_blob_into, in front of a stub batcher that answers every request submitted in one turn of
+The engine side runs in this process: the real ChannelServer (service/frontends/channel_server.py)
+and serve_blob_into, in front of a stub batcher that answers every request submitted in one turn of
 the event loop on the next, together (as a finished batch does), and with each arena taken as
 registered with CUDA (a GPU engine's direct path: the reply's header written in place, the
 output left to the device). `--front-ends` processes hold `--clients` forwards in flight
-between them through the real EngineClient (service/channel.py), as the HTTP front ends do
-(a forward, its answer, a "done" report); the bodies (`--tokens` bf16 rows of the layer's hidden
-size, values found finite) are laid once in each process's arena and reused. Reports the
-requests per second the engine answered and its CPU time per request (all its threads, over the
-timed window).
+between them through the real EngineClient (service/frontends/channel.py), as the HTTP front
+ends do (a forward, its answer, a "done" report); the bodies (`--tokens` bf16 rows of the
+layer's hidden size, values found finite) are laid once in each process's arena and reused.
+Reports the requests per second the engine answered and its CPU time per request (all its
+threads, over the timed window).
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..kernels.config import MoEConfig, RoutingConfig
-from ..service import channel_server
-from ..service.binary_forward import FORWARD_PATH
-from ..service.body_arena import BodyArena, shm_dir
-from ..service.channel import EngineClient
-from ..service.channel_server import ChannelServer
-from ..service.deps import Runtime
 from ..service.errors import UnknownLayer
-from ..service.front_end import ARENA_BYTES
+from ..service.frontends import channel_server
+from ..service.frontends.arena import BodyArena, shm_dir
+from ..service.frontends.channel import EngineClient
+from ..service.frontends.channel_server import ChannelServer
+from ..service.frontends.front_end import ARENA_BYTES
+from ..service.http.deps import Runtime
+from ..service.http.plain_forward import FORWARD_PATH
 from ..service.metrics import Metrics
 from ..service.settings import Settings
 from .schema import Environment, write_result

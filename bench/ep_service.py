@@ -2,8 +2,8 @@
 
 Writes a random layer of the shape (router and DeepSeek-V3's shared expert included) as a layer
 directory in a temporary directory, then for each engine, one after the other on the same GPUs:
-- "1 GPU": service.engine.Engine on cuda:0 (pipelined, CUDA graphs), as `serve` runs it;
-- "EP N": service.ep.EPEngine over cuda:0..N-1, as `serve --ep N` runs it (rank 0 brings
+- "1 GPU": service.engine.engine.Engine on cuda:0 (pipelined, CUDA graphs), as `serve` runs it;
+- "EP N": service.ep.engine.EPEngine over cuda:0..N-1, as `serve --ep N` runs it (rank 0 brings
   every batch; the others replay the same graph bucket);
 each warmed up at every token count, then fed batches of M tokens (bf16 on the host, as the
 batcher hands them over: in plain memory, or pinned with the outputs copied into pinned memory
@@ -11,11 +11,12 @@ as for binary requests) for about SECONDS_PER_POINT, up to the engine's batches 
 Throughput is tokens per second of wall time from `start` to each result on the host; "forward
 ms" is the median of a batch's forward on rank 0's compute stream (CUDA events; the collectives'
 waits for the other ranks included; not EP's prologue and epilogue, which run on the copy
-streams: service/pipeline.py); the rest of a batch's time is the host's and the copies'.
+streams: service/engine/pipeline.py); the rest of a batch's time is the host's and the copies'.
 The EP outputs are compared with one GPU's (same backend; only the summation order differs), the
 first batch's routing must be the same, and every batch's routing ids must be experts' ids
-("bad routing batches" counts those the engine refused for that: service.pipeline.BadRouting),
-and UNLIKE_BATCHES batches in flight are compared bit for bit with the same rows run alone.
+("bad routing batches" counts those the engine refused for that:
+service.engine.pipeline.BadRouting), and UNLIKE_BATCHES batches in flight are compared bit for bit
+with the same rows run alone.
 
 The result holds every figure, its .md the table with the targets. With `profile`, in a folder
 beside them (DIR): DIR/profile-1gpu.txt and DIR/profile-ep.txt, rank 0's GPU kernels (those
@@ -42,11 +43,11 @@ import torch
 
 from ..kernels.accuracy import relative_error
 from ..kernels.tensors import ForwardInputs
-from ..service.engine import Engine
-from ..service.ep import EPEngine
-from ..service.ep_group import leave
-from ..service.pipeline import BadRouting
-from ..service.profiling import kernel_profiler, write_profile
+from ..service.engine.engine import Engine
+from ..service.engine.pipeline import BadRouting
+from ..service.engine.profiling import kernel_profiler, write_profile
+from ..service.ep.engine import EPEngine
+from ..service.ep.group import leave
 from ..service.settings import Settings
 from ..weights.load import load_layer
 from ..weights.manifest import Manifest, Source
@@ -86,9 +87,9 @@ def throughput(
     engine: Engine, name: str, m: int, hidden: int, seconds: float, pinned: bool
 ) -> dict:
     """Tokens per second over about `seconds`, up to max_in_flight batches at once, each
-    waited for on a completer thread as service.batcher does. `pinned`: rows in pinned memory
+    waited for on a completer thread as service.engine.batcher does. `pinned`: rows in pinned memory
     and outputs copied into pinned memory, as binary requests are read and answered
-    (service/deps.py); else plain host tensors in and the output copied out of the slot."""
+    (service/http/deps.py); else plain host tensors in and the output copied out of the slot."""
     batches = _inputs(m, hidden, pinned)
     first = engine.start(name, [batches[0]]).result().outputs[0]
     # an output buffer per batch in flight, and one for the batch being started
@@ -99,7 +100,7 @@ def throughput(
     pending: collections.deque = collections.deque()
     sent = done = 0
     forward_s, stage_s = [], []
-    bad_routing = 0  # batches refused for routing ids that name no expert (service.pipeline)
+    bad_routing = 0  # batches refused for routing ids that name no expert (service.engine.pipeline)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="complete") as completer:
         started = time.perf_counter()
         while (feeding := time.perf_counter() - started < seconds) or pending:

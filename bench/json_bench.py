@@ -1,6 +1,6 @@
-"""A JSON forward's numbers read and printed on the host (orjson, `service/json_codec.py`) and
-on a GPU (`service/json_device.py`), side by side in one process, each checked to give the
-other's result byte for byte: `moe-serve bench service --mode json` (needs a GPU).
+"""A JSON forward's numbers read and printed on the host (orjson, `service/codecs/json_tensors.py`)
+and on a GPU (`service/codecs/json_device.py`), side by side in one process, each checked to give
+the other's result byte for byte: `moe-serve bench service --mode json` (needs a GPU).
 
 The bodies (tokens x H of SHAPES: a DeepSeek-V3 row, the demo layer's 64 tokens, DeepSeek-V3's 64
 and 512) are what the service benchmark sends (bf16 values as Python floats through
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel
 
-from ..service import json_codec, json_device
+from ..service.codecs import json_device, json_tensors
 from .schema import Environment, write_result
 
 log = logging.getLogger(__name__)
@@ -64,10 +64,10 @@ def measure(tokens: int, hidden: int, repeats: int) -> JsonRow:
     rest = {"layer": "bench", "tokens": tokens, "backend": "triton"}
     read = json_device.decode_forward(body, on_device.device)
     if read is None or not torch.equal(
-        read.hidden_states.cpu(), json_codec.decode_forward(body).hidden_states
+        read.hidden_states.cpu(), json_tensors.decode_forward(body).hidden_states
     ):
         raise RuntimeError(f"{tokens}x{hidden}: the device read the body differently")
-    reply = json_codec.dumps({"output": output} | rest)
+    reply = json_tensors.dumps({"output": output} | rest)
     if json_device.print_reply(on_device, rest) != reply:
         raise RuntimeError(f"{tokens}x{hidden}: the device printed the output differently")
     return JsonRow(
@@ -75,11 +75,11 @@ def measure(tokens: int, hidden: int, repeats: int) -> JsonRow:
         hidden=hidden,
         body_bytes=len(body),
         reply_bytes=len(reply),
-        read_host_ms=_median_ms(lambda: json_codec.decode_forward(body), repeats),
+        read_host_ms=_median_ms(lambda: json_tensors.decode_forward(body), repeats),
         read_device_ms=_median_ms(
             lambda: json_device.decode_forward(body, on_device.device), repeats
         ),
-        print_host_ms=_median_ms(lambda: json_codec.dumps({"output": output} | rest), repeats),
+        print_host_ms=_median_ms(lambda: json_tensors.dumps({"output": output} | rest), repeats),
         print_device_ms=_median_ms(lambda: json_device.print_reply(on_device, rest), repeats),
     )
 

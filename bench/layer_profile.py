@@ -25,7 +25,7 @@ import torch
 from ..kernels.layer import build_layer
 from ..kernels.layer_graphs import LayerGraphs
 from ..kernels.tensors import ForwardInputs
-from ..service.profiling import kernel_profiler, trace_path, write_profile
+from ..service.engine.profiling import kernel_profiler, trace_path, write_profile
 from .random_layer import random_layer
 from .replay_timeline import write_timeline
 from .schema import Environment, write_result

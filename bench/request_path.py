@@ -36,8 +36,8 @@ import safetensors.torch
 import torch
 
 from ..kernels.tensors import ForwardInputs
-from ..service.batcher import RequestOptions
-from ..service.routes.forward import LayerCall, serve_blob, serve_blob_into
+from ..service.engine.batcher import RequestOptions
+from ..service.http.routes.forward import LayerCall, serve_blob, serve_blob_into
 from .load_gen import run_one_client
 from .schema import Environment, write_result
 from .service_bench import _free_port, _tcp_ready, http_ready, process

@@ -53,13 +53,13 @@ from ..kernels.config import MoEConfig
 from ..kernels.layer import LayerWeights
 from ..kernels.tensors import ForwardInputs
 from ..service import logs
-from ..service.app import LayerLoader, create_app
-from ..service.engine import LayerSource, ServedLayer
-from ..service.front_ends import FrontEnds
+from ..service.engine.engine import LayerSource, ServedLayer
+from ..service.engine.pipeline import StageTimes
+from ..service.frontends.supervisor import FrontEnds
+from ..service.http.app import LayerLoader, create_app
+from ..service.http.server import listen, server_config
 from ..service.interpreter import collect_less
 from ..service.metrics import Metrics
-from ..service.pipeline import StageTimes
-from ..service.server import listen, server_config
 from ..service.settings import Settings
 from .random_layer import random_layer
 from .shapes import SHAPES

@@ -19,7 +19,7 @@ EPILOG = "`moe-serve COMMAND --help` describes each command; README.md has the r
 COMMAND_MODULES: tuple[str, ...] = (
     "moe_serve.weights.cli",
     "moe_serve.service.serve",
-    "moe_serve.service.ep_rank",
+    "moe_serve.service.ep.rank",
     "moe_serve.bench.cli",
 )
 

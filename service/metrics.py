@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.metrics_core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from .pipeline import StageTimes
-from .statistics import Statistics, StatisticsCollector
+from .engine.pipeline import StageTimes
+from .triton.statistics import Statistics, StatisticsCollector
 
 Metric = Counter | Gauge | Histogram
 _LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)

@@ -16,12 +16,12 @@ from ..weights.demo import demo_configs
 from ..weights.errors import describe_validation_error
 from ..weights.load import inspect_layer
 from . import logs, tracing
-from .app import create_app
-from .ep_group import leave
-from .ep_layers import initial_placement, rank_device
-from .front_ends import FrontEnds
+from .ep.group import leave
+from .ep.layers import initial_placement, rank_device
+from .frontends.supervisor import FrontEnds
+from .http.app import create_app
+from .http.server import listen, server_config
 from .interpreter import collect_less
-from .server import listen, server_config
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -105,6 +105,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="let clients register system and CUDA shared-memory regions (default off)",
     )
     p.add_argument(
+        "--shared-memory-prefix",
+        metavar="PREFIX",
+        help="accept only system shared-memory keys whose name starts with PREFIX (without "
+        "it, a key may name any /dev/shm object this server's user can open)",
+    )
+    p.add_argument(
         "--model-repository",
         type=Path,
         metavar="DIR",
@@ -126,6 +132,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+GRPC_LISTENER = "gRPC, --grpc-port; 0 turns gRPC off"
+
+
 def run(args: argparse.Namespace) -> int:
     given = {
         name: value
@@ -137,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         _check_layers(settings)
         listener = listen(settings.host, settings.port)
         if settings.grpc_port:  # gRPC binds in the app: refuse a port in use here, first
-            listen(settings.host, settings.grpc_port).close()
+            listen(settings.host, settings.grpc_port, GRPC_LISTENER).close()
     except ValidationError as err:
         return _refuse(f"invalid settings: {describe_validation_error(err, 'settings')}")
     except ValueError as err:  # LayerFileError is a ValueError

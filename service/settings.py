@@ -52,6 +52,9 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = "text"
     # Triton's shared-memory extension (system and CUDA regions); off, as newer Triton servers
     allow_shared_memory: bool = False
+    # Only system shared-memory keys ("/name") whose name starts with this are accepted: a key
+    # otherwise names any /dev/shm object the server's user can open, whoever created it
+    shared_memory_prefix: str = ""
     api_token: SecretStr | None = None  # bearer token required on every non-probe route
     cache_dir: Path = Path.home() / ".cache" / "moe-serve"  # where the demo layers are written
     # Triton-style model repository: each subdirectory a layer directory, loaded at start and

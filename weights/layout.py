@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,9 @@ def expected_tensors(m: Manifest) -> dict[str, TensorSpec]:
     return specs
 
 
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+
+
 def _raw_header(path: Path) -> bytes:
     """A safetensors file's first 8 bytes (little-endian JSON length) and the JSON header."""
     with path.open("rb") as f:
@@ -85,6 +89,9 @@ def _raw_header(path: Path) -> bytes:
         if len(raw_len) != 8:
             raise ValueError("file is shorter than a safetensors header")
         (length,) = struct.unpack("<Q", raw_len)
+        room = min(os.fstat(f.fileno()).st_size - 8, MAX_HEADER_BYTES)
+        if length > room:  # never read (or allocate) what a damaged length announces
+            raise ValueError(f"header announces {length} bytes, more than the file's {room}")
         header = f.read(length)
         if len(header) != length:
             raise ValueError(f"header announces {length} bytes, file has {len(header)}")

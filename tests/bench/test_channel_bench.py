@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from moe_serve.bench import channel_bench
-from moe_serve.service import channel_server
 from moe_serve.service.cli import main
+from moe_serve.service.frontends import channel_server
 
 
 def test_a_short_run_answers_requests_and_restores_the_pinning() -> None:

@@ -23,10 +23,10 @@ from moe_serve.bench.http_bench import (
     run_http_bench,
     split,
 )
-from moe_serve.service.app import create_app
 from moe_serve.service.cli import main
+from moe_serve.service.engine.pipeline import StageTimes
+from moe_serve.service.http.app import create_app
 from moe_serve.service.metrics import Metrics
-from moe_serve.service.pipeline import StageTimes
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import TINY, running_server, tiny_loader

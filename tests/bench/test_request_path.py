@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from moe_serve.bench import request_path
-from moe_serve.service.batcher import BatchPolicy, DynamicBatcher
-from moe_serve.service.engine import Engine
+from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher
+from moe_serve.service.engine.engine import Engine
 from moe_serve.service.metrics import Metrics
 from tests.service.layers import TINY, tiny_layers
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from moe_serve.service.app import create_app
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from tests.deploy.files import Stage
 from tests.service.conftest import wait_ready

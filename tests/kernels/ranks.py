@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch.multiprocessing as mp
 
-from moe_serve.service.ep_group import free_port
+from moe_serve.service.ep.group import free_port
 
 
 def run_ranks(fn: Callable[..., None], args: tuple, nprocs: int, timeout_s: float) -> None:

@@ -20,7 +20,7 @@ from moe_serve.kernels.prepare_finalize.naive_ep import NaiveEP
 from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
 from moe_serve.kernels.registry import experts_backends
 from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service.ep_group import leave
+from moe_serve.service.ep.group import leave
 from tests.kernels.ranks import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -227,7 +227,7 @@ def test_shared_experts_on_the_side_stream_answer_as_in_line(backend: str) -> No
 def _sender_layer_graphs(rank: int, port: int) -> None:
     """One NCCL rank that is expert parallelism's sender over all the experts: its graphs end
     a prologue where the broadcast begins and begin an epilogue where the reduce ends, which
-    may run beside other batches' forwards (service/pipeline.py) and still answer bit for bit
+    may run beside other batches' forwards (service/engine/pipeline.py) and still answer bit for bit
     as the graphs replayed one after the other."""
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=1)
     cfg = LAYERS["deepseek-like"]
@@ -270,7 +270,7 @@ def _sender_layer_graphs(rank: int, port: int) -> None:
             torch.cuda.synchronize()
             for copy, out in outputs:
                 assert torch.equal(out, alone[copy]), f"m={m} copy {copy}"
-    leave(0)  # no NCCL teardown of a communicator the graphs hold (service/ep_group.py)
+    leave(0)  # no NCCL teardown of a communicator the graphs hold (service/ep/group.py)
 
 
 def test_an_expert_parallel_senders_prologue_and_epilogue_run_beside_other_batches() -> None:

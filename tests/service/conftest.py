@@ -9,7 +9,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from moe_serve.service.app import create_app
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from tests.service.layers import tiny_loader
 
@@ -76,6 +76,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     if config.stash.get(_ENDS_THROUGH_LEAVE, False):
-        from moe_serve.service.ep_group import leave
+        from moe_serve.service.ep.group import leave
 
         leave(config.stash.get(_EXIT_STATUS, 1))

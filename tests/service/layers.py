@@ -18,9 +18,9 @@ from moe_serve.kernels.config import MoEConfig, RoutingConfig
 from moe_serve.kernels.layer import LayerWeights, RouterWeights, build_layer
 from moe_serve.kernels.random_weights import random_expert_weights
 from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service.app import create_app
-from moe_serve.service.front_ends import FrontEnds
-from moe_serve.service.server import listen, server_config
+from moe_serve.service.frontends.supervisor import FrontEnds
+from moe_serve.service.http.app import create_app
+from moe_serve.service.http.server import listen, server_config
 from moe_serve.service.settings import Settings
 
 E, H, INTER, TOP_K = 4, 64, 128, 2

@@ -14,8 +14,8 @@ from moe_serve.kernels.layer import LayerWeights, RouterWeights
 from moe_serve.kernels.quant_scheme import QuantConfig
 from moe_serve.kernels.random_weights import random_expert_weights
 from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service.batcher import BatchPolicy, DynamicBatcher
-from moe_serve.service.engine import Engine
+from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher
+from moe_serve.service.engine.engine import Engine
 from moe_serve.service.errors import BadInput, ForwardFailed, NonFiniteOutput, NotReady, Overloaded
 from moe_serve.service.metrics import Metrics
 from tests.service.layers import TINY, E, H, TinyLayer, reference_forward, tiny_layers
@@ -33,9 +33,11 @@ class RecordingEngine(Engine):
         self.batch_sizes: list[int] = []
         self.gate = threading.Event()
         self.gate.set()
+        self.entered = threading.Event()  # a forward has begun (and may wait at the gate)
         self.fail_next = False
 
     def forward(self, name: str, inputs: ForwardInputs):
+        self.entered.set()
         assert self.gate.wait(WAIT_S), "test gate never opened"
         self.batch_sizes.append(inputs.hidden_states.shape[0])
         if self.fail_next:

@@ -1,4 +1,5 @@
-"""The plain forwards without FastAPI's routing (service/fast_path.py) answer as the route does."""
+"""The plain forwards without FastAPI's routing (service/http/fast_path.py) answer as the route
+does."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ import safetensors.torch
 import torch
 from fastapi.testclient import TestClient
 
-from moe_serve.service import fast_path
-from moe_serve.service.app import create_app
-from moe_serve.service.binary_forward import BINARY as BINARY_MEDIA
-from moe_serve.service.binary_forward import JSON, plain_binary_forward, plain_forward
+from moe_serve.service.http import fast_path
+from moe_serve.service.http.app import create_app
+from moe_serve.service.http.plain_forward import BINARY as BINARY_MEDIA
+from moe_serve.service.http.plain_forward import JSON, plain_binary_forward, plain_forward
 from moe_serve.service.settings import Settings
 from tests.service.layers import TINY, H, gated_loader
 

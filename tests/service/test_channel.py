@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from moe_serve.service.batcher import BatchPolicy, DynamicBatcher
-from moe_serve.service.body_arena import BLOCK_BYTES, BodyArena
-from moe_serve.service.channel import (
+from moe_serve.service.codecs.safetensors_wire import decode_safetensors, encode_safetensors
+from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher
+from moe_serve.service.frontends.arena import BLOCK_BYTES, BodyArena
+from moe_serve.service.frontends.channel import (
     DONE,
     DONE_FIELDS,
     FORWARD,
@@ -23,11 +24,10 @@ from moe_serve.service.channel import (
     RecordReader,
     RecordWriter,
 )
-from moe_serve.service.channel_server import ChannelServer
-from moe_serve.service.deps import Runtime
+from moe_serve.service.frontends.channel_server import ChannelServer
+from moe_serve.service.http.deps import Runtime
 from moe_serve.service.metrics import Metrics
 from moe_serve.service.settings import Settings
-from moe_serve.service.wire import decode_safetensors, encode_safetensors
 from tests.service.layers import TINY, H, reference_forward, tiny_layers
 from tests.service.test_batcher import WAIT_S, RecordingEngine, rows
 
@@ -72,6 +72,21 @@ def _never() -> Awaitable:
     return asyncio.Event().wait()
 
 
+async def _forward_begun(engine: RecordingEngine) -> None:
+    """Returns once the engine's thread has begun a forward (held at its gate)."""
+    assert await asyncio.to_thread(engine.entered.wait, WAIT_S), "no forward began"
+
+
+async def _queued(metrics: Metrics, requests: int) -> None:
+    """Yields to the event loop (the channel and the batcher run on it) until `requests` wait
+    in the layer's queue: an order of events, not a span of time."""
+    for _ in range(10_000):
+        if metrics.registry.get_sample_value("moe_serve_queue_depth", {"layer": TINY}) == requests:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never {requests} requests queued")
+
+
 def test_forwards_match_the_reference_and_their_done_records_are_counted() -> None:
     inputs = [rows(t, seed) for seed, t in enumerate([1, 3, 17, 64, 2])]
 
@@ -103,7 +118,7 @@ def test_errors_keep_their_status_message_and_headers() -> None:
         bad = await client.forward(TINY, _lay(client, torch.randn(2, H + 1)), _never)
         engine.gate.clear()  # the first forward holds the engine; max_queue 1: the next is 429
         held = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(1, 1)), _never))
-        await asyncio.sleep(0.1)
+        await _forward_begun(engine)
         full = await client.forward(TINY, _lay(client, rows(1, 2)), _never)
         engine.gate.set()
         return unknown, bad, full, await held
@@ -118,13 +133,13 @@ def test_errors_keep_their_status_message_and_headers() -> None:
 
 
 def test_a_withdrawn_forward_leaves_the_queue_and_is_answered_499() -> None:
-    async def body(engine, _metrics, client):
+    async def body(engine, metrics, client):
         engine.gate.clear()
         running = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(3, 0)), _never))
-        await asyncio.sleep(0.1)  # in the engine's forward (CPU: one at a time)
+        await _forward_begun(engine)  # CPU: one forward at a time
         gone = asyncio.Event()
         queued = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(5, 1)), gone.wait))
-        await asyncio.sleep(0.1)
+        await _queued(metrics, 1)
         gone.set()  # the client went away: CANCEL
         withdrawn = await queued
         engine.gate.set()
@@ -137,21 +152,17 @@ def test_a_withdrawn_forward_leaves_the_queue_and_is_answered_499() -> None:
 
 
 def test_a_front_end_that_goes_away_takes_its_queued_forwards_with_it() -> None:
-    async def body(engine, _metrics, client):
+    async def body(engine, metrics, client):
         engine.gate.clear()
         running = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(3, 0)), _never))
-        await asyncio.sleep(0.1)
+        await _forward_begun(engine)
         queued = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(5, 1)), _never))
-        await asyncio.sleep(0.1)
+        await _queued(metrics, 1)
         await client.close()  # the engine sees the socket close
         replies = await asyncio.gather(running, queued)
-        engine.gate.set()
-        for _ in range(100):  # the running forward finishes, unheard
-            if engine.batch_sizes:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.1)
-        return replies, engine.batch_sizes
+        await _queued(metrics, 0)  # withdrawn (the held forward keeps it from being taken)
+        engine.gate.set()  # the running forward finishes, unheard
+        return replies, engine.batch_sizes  # once the batcher is closed: no more forwards
 
     replies, batch_sizes = run(BatchPolicy(64, 0.0, 16), body)
     assert [r.status for r in replies] == [503, 503]  # ENGINE_GONE, as the front end sees it

@@ -206,7 +206,9 @@ def test_serve_refuses_a_port_in_use_before_loading_anything(tmp_path: Path, cap
         port = taken.getsockname()[1]
         argv = ["serve", "--port", str(port), "--device", "cpu", "--cache-dir", str(tmp_path)]
         assert main(argv) == 2
-    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in caplog.text
+    assert f"cannot listen on 127.0.0.1:{port} (HTTP, --port): Address already in use" in (
+        caplog.text
+    )
     assert list(tmp_path.iterdir()) == []  # the demo layers were not even written
 
 
@@ -282,7 +284,7 @@ def _sigterm_with_a_request_queued(proc: subprocess.Popen, url: str) -> httpx.Re
     return replies[0]
 
 
-# Alone, or behind two front-end processes (service/front_ends.py), which drain first.
+# Alone, or behind two front-end processes (service/frontends/supervisor.py), which drain first.
 HTTP_WORKERS = pytest.mark.parametrize("workers", ["0", "2"])
 
 
@@ -335,7 +337,8 @@ def test_serve_refuses_a_grpc_port_in_use_before_loading_anything(tmp_path: Path
         grpc_port = taken.getsockname()[1]
         argv = ["serve", "--port", str(_free_port()), "--grpc-port", str(grpc_port)]
         assert main([*argv, "--device", "cpu", "--cache-dir", str(tmp_path)]) == 2
-    assert f"cannot listen on 127.0.0.1:{grpc_port}: Address already in use" in caplog.text
+    expected = f"cannot listen on 127.0.0.1:{grpc_port} (gRPC, --grpc-port; 0 turns gRPC off)"
+    assert f"{expected}: Address already in use" in caplog.text
     assert list(tmp_path.iterdir()) == []
 
 

@@ -22,9 +22,9 @@ import torch
 from moe_serve.kernels.accuracy import relative_error
 from moe_serve.kernels.layer import build_layer
 from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service import shared_memory
-from moe_serve.service.app import create_app
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
+from moe_serve.service.triton import shared_memory
 from moe_serve.weights.load import load_layer
 from tests.service.conftest import wait_ready
 from tests.service.layers import free_port, running_server

@@ -15,9 +15,9 @@ import pytest
 import torch
 from fastapi import FastAPI
 
-from moe_serve.service.app import create_app
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
-from moe_serve.service.shared_memory import DeviceRegion, Region, SharedMemory, TensorPlace
+from moe_serve.service.triton.shared_memory import DeviceRegion, Region, SharedMemory, TensorPlace
 from tests.service.conftest import wait_ready
 from tests.service.layers import TINY, H, free_port, reference_forward, running_server, tiny_loader
 
@@ -160,14 +160,16 @@ def test_unregistered_while_queued_the_request_still_reads_and_writes_its_region
     request = threading.Thread(
         target=lambda: answered.append(c.infer(TINY, inputs, outputs=outputs))
     )
-    started = time.monotonic()
     request.start()
-    time.sleep(BATCH_DELAY_MS / 1e3 / 3)
+    queue = app.state.runtime.batcher._queues[TINY]
+    deadline = time.monotonic() + 10
+    while not queue.requests:  # queued (for BATCH_DELAY_MS) before the region goes
+        assert time.monotonic() < deadline, "the request was never queued"
+        time.sleep(0.001)
     httpx.post(f"{url}/v2/cudasharedmemory/region/dev/unregister").raise_for_status()
     assert "dev" not in app.state.runtime.shared_memory.regions
     request.join(10)
     assert answered, "the request was not answered"
-    assert time.monotonic() - started >= BATCH_DELAY_MS / 1e3  # it was queued when unregistered
     torch.testing.assert_close(_get(region), reference_forward(TINY, torch.from_numpy(x)))
     with pytest.raises(grpcclient.InferenceServerException, match="no shared-memory region"):
         c.infer(TINY, inputs)

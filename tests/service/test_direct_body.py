@@ -1,4 +1,4 @@
-"""The connection reads a body a sink takes straight into its target (service/direct_body.py):
+"""The connection reads a body a sink takes straight into its target (service/http/direct_body.py):
 a real uvicorn server on both event loops, raw sockets sending the bytes as a client may."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from moe_serve.service.direct_body import DIRECT_BODY, BodyTarget, DirectBody
 from moe_serve.service.errors import ServiceError
-from moe_serve.service.server import bounded_protocol, listen
+from moe_serve.service.http.direct_body import DIRECT_BODY, BodyTarget, DirectBody
+from moe_serve.service.http.server import bounded_protocol, listen
 
 TIMEOUT_S = 1.0
 SIZE = 300_000  # over the 256 KiB the loop reads at once for other requests

@@ -19,10 +19,10 @@ from fastapi.testclient import TestClient
 
 from moe_serve.kernels.layer import build_layer
 from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service.app import create_app
 from moe_serve.service.cli import main
-from moe_serve.service.ep import EPEngine, _EPBatch
-from moe_serve.service.pipeline import BadRouting
+from moe_serve.service.engine.pipeline import BadRouting
+from moe_serve.service.ep.engine import EPEngine, _EPBatch
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from moe_serve.weights.demo import ensure_demo_layers
 from moe_serve.weights.load import load_layer

@@ -20,7 +20,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from moe_serve.kernels.accuracy import BY_DTYPE, SERVED_FP8_LAYER, relative_error
-from moe_serve.service.app import create_app
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.test_ep import _forward, _single_process

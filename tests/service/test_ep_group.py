@@ -1,4 +1,4 @@
-"""service/ep_group.py's command channel over a real TCPStore, in one process."""
+"""service/ep/group.py's command channel over a real TCPStore, in one process."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_serve.service import ep_group
-from moe_serve.service.ep_group import KEEP_COMMANDS, Commands, Rendezvous, connect, make_group
+from moe_serve.service.ep import group as ep_group
+from moe_serve.service.ep.group import KEEP_COMMANDS, Commands, Rendezvous, connect, make_group
 
 
 @pytest.fixture

@@ -20,9 +20,9 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from moe_serve.service.app import create_app
-from moe_serve.service.ep_group import Rendezvous, free_port
-from moe_serve.service.ep_worker import run_rank
+from moe_serve.service.ep.group import Rendezvous, free_port
+from moe_serve.service.ep.worker import run_rank
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from moe_serve.weights.demo import ensure_demo_layers
 from tests.service.conftest import wait_ready
@@ -279,7 +279,7 @@ def test_a_rank_from_another_host_joins_through_the_torch_distributed_environmen
 def test_a_silent_rank_of_another_host_is_served_around_after_its_heartbeat_stops(
     demo_cache: Path, expected: Callable, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr("moe_serve.service.ep.HEARTBEAT_TIMEOUT_S", 2.0)
+    monkeypatch.setattr("moe_serve.service.ep.engine.HEARTBEAT_TIMEOUT_S", 2.0)
     file = _placement_file(tmp_path, [list(range(8)), list(range(8))])
     with (
         _other_host(monkeypatch, rank=1, world=2) as other_host,

@@ -23,8 +23,8 @@ from moe_serve.kernels.layer import (
 from moe_serve.kernels.layer_graphs import can_capture, token_buckets
 from moe_serve.kernels.random_weights import random_expert_weights
 from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service.engine import Engine
-from moe_serve.service.wire import encode_safetensors
+from moe_serve.service.codecs.safetensors_wire import encode_safetensors
+from moe_serve.service.engine.engine import Engine
 from tests.service.layers import TINY, E, H, reference_forward, tiny_layers
 
 BINARY = {"Content-Type": "application/octet-stream"}

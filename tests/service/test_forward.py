@@ -15,8 +15,8 @@ from moe_serve.kernels.config import MoEConfig, RoutingConfig
 from moe_serve.kernels.layer import LayerWeights, RouterWeights
 from moe_serve.kernels.random_weights import random_expert_weights
 from moe_serve.kernels.routing import route
-from moe_serve.service import json_numbers
-from moe_serve.service.app import create_app
+from moe_serve.service.codecs import json_numbers
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import NO_ROUTER, TINY, TOP_K, E, H, TinyLayer, reference_forward
@@ -422,6 +422,18 @@ def test_a_forward_whose_output_overflows_answers_422_naming_the_layer_and_is_co
     metrics = client.get("/metrics").text
     assert f'moe_serve_nonfinite_forwards_total{{layer="{TINY}"}} 1.0' in metrics
     assert post_blob(client, hidden_states=hidden(2)).status_code == 200  # the layer still serves
+
+
+@pytest.mark.parametrize("body", ["{0}", "[[0.5], {0}]"], ids=["all deep", "one row deep"])
+def test_json_nested_a_thousand_deep_is_400_naming_the_depth(client: TestClient, body: str) -> None:
+    deep = "[" * 1000 + "1" + "]" * 1000
+    r = client.post(
+        URL,
+        content='{"hidden_states": ' + body.format(deep) + "}",
+        headers={"Content-Type": "application/json"},
+    )
+    assert r.status_code == 400
+    assert r.json()["error"] == "hidden_states is nested more than 32 arrays deep"
 
 
 def test_a_float16_reply_that_would_hold_inf_answers_422_and_is_counted(

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,13 +23,20 @@ import pytest
 import torch
 from starlette.datastructures import Headers
 
-from moe_serve.service import json_codec, json_device, logs
-from moe_serve.service.body_arena import BLOCK_BYTES, REPLY_HEADER_BYTES, BodyArena
-from moe_serve.service.front_end import RELAYED, _answering, _blob_bytes, _json_reply, _write_blob
-from moe_serve.service.front_ends import json_here_bytes
-from moe_serve.service.json_numbers import NUMBER_BYTES, ON_LOOP_BYTES, decode_forward_arrays
+from moe_serve.service import logs
+from moe_serve.service.codecs import json_device, json_tensors
+from moe_serve.service.codecs.json_numbers import NUMBER_BYTES, ON_LOOP_BYTES, decode_forward_arrays
+from moe_serve.service.codecs.safetensors_wire import decode_safetensors, encode_safetensors
+from moe_serve.service.frontends.arena import BLOCK_BYTES, REPLY_HEADER_BYTES, BodyArena
+from moe_serve.service.frontends.front_end import (
+    RELAYED,
+    _answering,
+    _blob_bytes,
+    _json_reply,
+    _write_blob,
+)
+from moe_serve.service.frontends.supervisor import json_here_bytes, remove_stale_directories
 from moe_serve.service.settings import Settings
-from moe_serve.service.wire import decode_safetensors, encode_safetensors
 from tests.service.layers import NO_ROUTER, TINY, H, reference_forward, running_front_ends
 
 BINARY = {"Content-Type": "application/octet-stream"}
@@ -62,7 +70,7 @@ def test_binary_forwards_take_the_shared_memory_path_and_match_the_reference(
     before = _count(httpx.get(f"{url}/metrics").text, FORWARD_200)
     rows = [torch.randn(t, H, generator=torch.Generator().manual_seed(t)) for t in (1, 3, 17, 64)]
     with (
-        caplog.at_level(logging.INFO, logger="moe_serve.service.middleware"),
+        caplog.at_level(logging.INFO, logger="moe_serve.service.http.middleware"),
         ThreadPoolExecutor(8) as pool,
     ):
         replies = list(
@@ -213,7 +221,7 @@ def test_json_forwards_are_decoded_by_the_front_end_and_equal_the_engines_reply(
     x = torch.randn(2, H, generator=gen)
     logits = torch.randn(2, 4, generator=gen)
     bodies.append((NO_ROUTER, {"hidden_states": x.tolist(), "router_logits": logits.tolist()}))
-    with caplog.at_level(logging.INFO, logger="moe_serve.service.middleware"):
+    with caplog.at_level(logging.INFO, logger="moe_serve.service.http.middleware"):
         plain = [httpx.post(f"{url}/v1/layers/{n}/forward", json=b) for n, b in bodies]
     assert "/forward" not in caplog.text  # answered through the channel, not relayed
     for (name, body), reply in zip(bodies, plain, strict=True):
@@ -297,12 +305,12 @@ def test_a_json_forward_asking_for_the_routing_is_relayed_with_its_body(front_en
 
 def test_a_json_body_becomes_the_float32_blob_the_engine_would_decode() -> None:
     x, logits = torch.randn(3, 5).double(), torch.randn(3, 2).double()
-    body = json_codec.dumps({"hidden_states": x, "router_logits": logits})
+    body = json_tensors.dumps({"hidden_states": x, "router_logits": logits})
     arrays = decode_forward_arrays(body)
     blob = bytearray(_blob_bytes(arrays))
     _write_blob(arrays, memoryview(blob))
     tensors = decode_safetensors(bytes(blob))
-    decoded = json_codec.decode_forward(body)
+    decoded = json_tensors.decode_forward(body)
     assert torch.equal(tensors["hidden_states"], decoded.hidden_states)
     assert torch.equal(tensors["router_logits"], decoded.router_logits)
     beyond = decode_forward_arrays(b'{"hidden_states": [[1e39, 1.0]]}')
@@ -315,7 +323,7 @@ def test_a_json_body_becomes_the_float32_blob_the_engine_would_decode() -> None:
 def test_a_reply_blob_is_written_as_the_engines_json(dtype: torch.dtype) -> None:
     out = torch.randn(3, 7, generator=torch.Generator().manual_seed(0)).to(dtype)
     blob = encode_safetensors({"output": out}, {"layer": "x", "backend": "b", "tokens": "3"})
-    expected = json_codec.dumps({"output": out, "layer": "x", "tokens": 3, "backend": "b"})
+    expected = json_tensors.dumps({"output": out, "layer": "x", "tokens": 3, "backend": "b"})
     assert _json_reply(memoryview(blob)) == expected
 
 
@@ -355,7 +363,7 @@ def test_a_forward_answered_by_the_front_end_is_counted_once_with_its_status(
 def test_front_ends_leave_large_json_bodies_to_a_gpu_engine(
     monkeypatch: pytest.MonkeyPatch, device: str, expected: int
 ) -> None:
-    """On a GPU the engine reads them on the device (service/json_device.py); on a CPU a
+    """On a GPU the engine reads them on the device (service/codecs/json_device.py); on a CPU a
     front end decodes every JSON forward up to MOE_SERVE_MAX_JSON_BYTES itself."""
     monkeypatch.setattr(Settings, "torch_device", lambda _: torch.device(device))
     assert json_here_bytes(Settings(max_json_bytes=8 << 20)) == expected
@@ -435,3 +443,29 @@ def test_a_declared_body_size_reserves_no_memory_before_its_bytes_arrive() -> No
         for conn in stalled:
             conn.close()
         assert grown < 4 * declared, f"{grown >> 20} MiB for 24 x {declared >> 20} MiB declared"
+
+
+def test_json_nested_a_thousand_deep_is_a_json_400_from_the_front_end(front_ends) -> None:
+    deep = "[" * 1000 + "1" + "]" * 1000
+    reply = httpx.post(
+        f"{_url(front_ends)}/v1/layers/{TINY}/forward",
+        content='{"hidden_states": ' + deep + "}",
+        headers={"Content-Type": "application/json"},
+    )
+    assert reply.status_code == 400
+    assert reply.json()["error"] == "hidden_states is nested more than 32 arrays deep"
+
+
+def test_directories_of_engines_that_are_gone_are_removed_at_start(tmp_path: Path) -> None:
+    """A killed engine leaves its sockets and arenas behind; the next start cleans them up and
+    leaves those of live engines (and anything not ours) alone."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = tmp_path / f"moe-serve-{gone.pid}-abc123"
+    live = tmp_path / f"moe-serve-{os.getpid()}-def456"
+    other = tmp_path / "moe-serve-test-region"
+    for path in (stale, live, other):
+        path.mkdir()
+        (path / "http.sock").touch()
+    remove_stale_directories(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])

@@ -18,9 +18,9 @@ from moe_serve.kernels.config import MoEConfig, RoutingConfig
 from moe_serve.kernels.layer import LayerWeights, RouterWeights, build_layer
 from moe_serve.kernels.random_weights import random_expert_weights
 from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service import json_device
+from moe_serve.service.codecs import json_device
+from moe_serve.service.codecs.safetensors_wire import decode_safetensors, encode_safetensors
 from moe_serve.service.settings import Settings
-from moe_serve.service.wire import decode_safetensors, encode_safetensors
 from tests.service.layers import INTER, TOP_K, E, H, TinyLayer, running_front_ends
 
 pytestmark = pytest.mark.gpu
@@ -63,7 +63,7 @@ ENGINE_LOG = _Records()  # what the engine's end of the channel logged
 def url():
     settings = Settings(device="cuda", http_workers=2, grpc_port=0, max_batch_tokens=MAX_BATCH)
     loader = lambda _settings, device: _layers(device)  # noqa: E731
-    logger = logging.getLogger("moe_serve.service.channel_server")
+    logger = logging.getLogger("moe_serve.service.frontends.channel_server")
     logger.addHandler(ENGINE_LOG)
     logger.setLevel(logging.INFO)
     try:
@@ -112,7 +112,7 @@ def test_json_forwards_match_the_reference_on_either_side_of_the_relay_size(
     url: str, tokens: int
 ) -> None:
     """A large JSON body goes to the engine, which reads it and prints its output on the GPU
-    (service/json_device.py; in pieces here: MAX_BATCH rows at a time)."""
+    (service/codecs/json_device.py; in pieces here: MAX_BATCH rows at a time)."""
     x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens)).bfloat16()
     body = json.dumps({"hidden_states": x.float().tolist()}).encode()
     assert json_device.worth_it(len(body)) == (tokens > 3)

@@ -17,9 +17,9 @@ from moe_serve.kernels.accuracy import BY_DTYPE, SERVED_FP8_LAYER, relative_erro
 from moe_serve.kernels.layer import build_layer
 from moe_serve.kernels.layer_graphs import token_buckets
 from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service import json_device
-from moe_serve.service.app import create_app
-from moe_serve.service.engine import Engine
+from moe_serve.service.codecs import json_device
+from moe_serve.service.engine.engine import Engine
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from moe_serve.weights.load import load_layer
 from tests.service.conftest import wait_ready
@@ -241,7 +241,8 @@ def test_large_binary_bodies_read_into_pinned_memory_by_a_real_server_match_the_
     gpu_client,
 ) -> None:
     """One process on a GPU: the connection reads a body of 256 KiB or more straight into
-    pinned memory (service/direct_body.py) and the reply is written after it from the device."""
+    pinned memory (service/http/direct_body.py) and the reply is written after it from the
+    device."""
     _, cache = gpu_client
     loaded = load_layer(cache / "demo", torch.device("cpu"))
     reference, _ = build_layer(loaded.config, loaded.weights, torch.device("cpu"), "reference")
@@ -282,7 +283,7 @@ def test_large_binary_bodies_read_into_pinned_memory_by_a_real_server_match_the_
 def test_large_json_forwards_are_parsed_and_printed_on_the_gpu_as_the_host_would(
     gpu_client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """service/json_device.py serves large JSON bodies: the reply is the one the
+    """service/codecs/json_device.py serves large JSON bodies: the reply is the one the
     binary forward gets; what it does not read gets the host path's 400."""
     client, _ = gpu_client
     calls = {"parsed": 0, "printed": 0}

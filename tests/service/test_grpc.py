@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_serve.service.app import create_app
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import (
@@ -83,6 +83,47 @@ def test_grpc_typed_contents_are_read_like_raw_ones(client) -> None:
     response = client._client_stub.ModelInfer(request)
     out = np.frombuffer(response.raw_output_contents[0], dtype=np.float32).reshape(2, H)
     torch.testing.assert_close(torch.tensor(out), reference_forward(TINY, torch.from_numpy(x)))
+
+
+@pytest.mark.parametrize(
+    ("datatype", "field", "message"),
+    [
+        ("FP64", "fp64_contents", "datatype 'FP64' is not supported; expected one of FP32"),
+        ("INT32", "int_contents", "datatype 'INT32' is not supported"),
+        ("INT64", "int64_contents", "datatype 'INT64' is not supported"),
+        ("FP16", "fp32_contents", "FP16 must be sent in raw_input_contents"),
+    ],
+)
+def test_grpc_typed_contents_no_layer_takes_are_invalid_argument(
+    client, datatype, field, message
+) -> None:
+    from tritonclient.grpc import service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name=TINY)
+    tensor = request.inputs.add(name="hidden_states", datatype=datatype, shape=[1, H])
+    getattr(tensor.contents, field).extend([1] * H)
+    with pytest.raises(grpcclient.grpc.RpcError) as err:
+        client._client_stub.ModelInfer(request)
+    assert err.value.code() == grpcclient.grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+
+
+def test_grpc_parameters_with_no_value_are_invalid_argument(client) -> None:
+    from tritonclient.grpc import service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name=TINY)
+    request.parameters["priority"].Clear()  # present, with none of its values set
+    tensor = request.inputs.add(name="hidden_states", datatype="FP32", shape=[1, H])
+    tensor.contents.fp32_contents.extend([0.5] * H)
+    with pytest.raises(grpcclient.grpc.RpcError) as err:
+        client._client_stub.ModelInfer(request)
+    assert err.value.code() == grpcclient.grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == "parameter 'priority' has no value set"
+    load = pb.RepositoryModelLoadRequest(model_name=TINY)
+    load.parameters["config"].Clear()
+    with pytest.raises(grpcclient.grpc.RpcError) as err:
+        client._client_stub.RepositoryModelLoad(load)
+    assert err.value.code() == grpcclient.grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_grpc_sends_router_logits(client) -> None:
@@ -216,8 +257,8 @@ def test_grpc_port_in_use_stops_the_start_naming_the_address() -> None:
     import asyncio
     import socket
 
-    from moe_serve.service.deps import Runtime
-    from moe_serve.service.grpc_server import start_grpc_server
+    from moe_serve.service.grpc.servicer import start_grpc_server
+    from moe_serve.service.http.deps import Runtime
     from moe_serve.service.metrics import Metrics
 
     with socket.socket() as taken:

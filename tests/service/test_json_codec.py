@@ -8,10 +8,19 @@ import orjson
 import pytest
 import torch
 
+from moe_serve.service.codecs.json_numbers import (
+    FORWARD_FIELDS,
+    arrays_hold_only_numbers,
+    rows_to_array,
+)
+from moe_serve.service.codecs.json_tensors import (
+    array_to_tensor,
+    decode_forward,
+    dumps,
+    rows_to_tensor,
+)
 from moe_serve.service.errors import BadInput
-from moe_serve.service.json_codec import array_to_tensor, decode_forward, dumps, rows_to_tensor
-from moe_serve.service.json_numbers import FORWARD_FIELDS, arrays_hold_only_numbers, rows_to_array
-from moe_serve.service.schemas import ForwardRequest
+from moe_serve.service.http.schemas import ForwardRequest
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
-"""service/json_device.py against the host path (service/json_codec.py): the same numbers read,
-the same text written, and every body it does not take left to the host, which explains it. The
-torch ops run on the CPU here, the Triton kernel in the interpreter against them; the gpu-marked
-test and tests/service/test_gpu.py read bodies with the kernel on a GPU."""
+"""service/codecs/json_device.py against the host path (service/codecs/json_tensors.py): the same
+numbers read, the same text written, and every body it does not take left to the host, which
+explains it. The torch ops run on the CPU here, the Triton kernel in the interpreter against them;
+the gpu-marked test and tests/service/test_gpu.py read bodies with the kernel on a GPU."""
 
 import json
 import random
@@ -11,14 +11,14 @@ import orjson
 import pytest
 import torch
 
-from moe_serve.service import json_codec, json_device
+from moe_serve.service.codecs import json_device, json_tensors
 from moe_serve.service.errors import BadInput
 
 CPU = torch.device("cpu")
 
 
 def host(body: bytes) -> torch.Tensor:
-    return json_codec.decode_forward(body).hidden_states
+    return json_tensors.decode_forward(body).hidden_states
 
 
 def device(body: bytes) -> torch.Tensor | None:
@@ -75,7 +75,7 @@ def test_hand_written_numbers() -> None:
 
 def test_an_orjson_float32_reply_reads_back_exactly() -> None:
     values = torch.randn(16, 300, generator=torch.Generator().manual_seed(5))
-    text = json_codec.dumps(values).decode()
+    text = json_tensors.dumps(values).decode()
     assert same(device(body_of(text)), values)
 
 
@@ -214,13 +214,13 @@ def test_every_16_bit_value_is_printed_as_the_host_prints_it(dtype: torch.dtype)
     for shape in ((256, -1), (-1, 7), (1, -1)):
         n = finite.numel() // 7 * 7 if shape == (-1, 7) else finite.numel()
         rows = finite[:n].reshape(shape)
-        assert bytes(json_device.print_rows(rows)) == json_codec.dumps(rows)
+        assert bytes(json_device.print_rows(rows)) == json_tensors.dumps(rows)
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (1, 5), (4, 1), (3, 64)])
 def test_printed_rows_of_awkward_shapes(shape: tuple[int, int]) -> None:
     rows = torch.randn(shape, generator=torch.Generator().manual_seed(8)).bfloat16()
-    assert bytes(json_device.print_rows(rows)) == json_codec.dumps(rows)
+    assert bytes(json_device.print_rows(rows)) == json_tensors.dumps(rows)
 
 
 def test_a_reply_is_the_host_path_s_reply() -> None:
@@ -233,7 +233,7 @@ def test_a_reply_is_the_host_path_s_reply() -> None:
         "topk_weights": torch.tensor([[0.75, 0.25], [0.5, 0.5]]),
     }
     reply = json_device.print_reply(output, rest)
-    assert reply == json_codec.dumps({"output": output} | rest)
+    assert reply == json_tensors.dumps({"output": output} | rest)
     assert orjson.loads(reply)["topk_ids"] == [[1, 0], [2, 3]]
 
 
@@ -246,7 +246,7 @@ def test_without_device_memory_the_host_reads_and_prints(monkeypatch: pytest.Mon
     assert device(body_of("[[1, 2]]")) is None
     output = torch.ones(1, 2, dtype=torch.bfloat16)
     reply = json_device.print_reply(output, {"layer": "demo"})
-    assert reply == json_codec.dumps({"output": output, "layer": "demo"})
+    assert reply == json_tensors.dumps({"output": output, "layer": "demo"})
 
 
 def _classes(text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -280,9 +280,9 @@ KERNEL_CASES = [
 
 
 def test_the_kernel_reads_numbers_as_the_torch_ops_do() -> None:
-    """service/json_device_kernel.py (run by the interpreter here, on the GPU in
+    """service/codecs/json_device_kernel.py (run by the interpreter here, on the GPU in
     test_gpu.py) against `json_device.read_numbers`: the same numbers, the same refusals."""
-    from moe_serve.service.json_device_kernel import read_numbers as read_by_kernel
+    from moe_serve.service.codecs.json_device_kernel import read_numbers as read_by_kernel
 
     where = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for text in KERNEL_CASES + _mutations(30, 12):
@@ -335,10 +335,10 @@ def test_warm_up_reads_its_body_and_builds_the_print_tables() -> None:
 
 @pytest.mark.gpu
 def test_after_warm_up_no_body_compiles_the_kernel_again() -> None:
-    """The engine warms the device path at start-up (service/app.py); the kernel is compiled
+    """The engine warms the device path at start-up (service/http/app.py); the kernel is compiled
     once for every body (no specialisation on the number or byte counts), so the first large
     request of a served layer finds it compiled."""
-    from moe_serve.service.json_device_kernel import _read_numbers_kernel
+    from moe_serve.service.codecs.json_device_kernel import _read_numbers_kernel
 
     cuda = torch.device("cuda")
     json_device.warm_up(cuda, [torch.bfloat16, torch.float32])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from moe_serve.service.app import create_app
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import (

@@ -9,13 +9,13 @@ import re
 import pytest
 import torch
 
-from moe_serve.service.errors import BadInput
-from moe_serve.service.kserve_codec import (
+from moe_serve.service.codecs.kserve import (
     InferRequest,
     decode_request,
     encode_response,
     wants_binary,
 )
+from moe_serve.service.errors import BadInput
 
 
 def _binary_request(tensor: torch.Tensor, size: int | None = None) -> tuple[bytes, int]:

@@ -1,4 +1,4 @@
-"""KServe v2 inference without FastAPI's routing (service/kserve_fast_path.py) answers every
+"""KServe v2 inference without FastAPI's routing (service/http/kserve_fast_path.py) answers every
 request as the routes do: the same requests through an app without the fast path get the same
 status, headers and body."""
 
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
-from moe_serve.service import kserve_fast_path
-from moe_serve.service.app import create_app
-from moe_serve.service.kserve_codec import HEADER_LENGTH
-from moe_serve.service.kserve_fast_path import KServeInferFastPath
+from moe_serve.service.codecs.kserve import HEADER_LENGTH
+from moe_serve.service.http import kserve_fast_path
+from moe_serve.service.http.app import create_app
+from moe_serve.service.http.kserve_fast_path import KServeInferFastPath
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import NO_ROUTER, TINY, H, tiny_loader

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service.batcher import BatchPolicy, DynamicBatcher, RequestOptions
-from moe_serve.service.deps import submit_unless, submit_unless_withdrawn
-from moe_serve.service.engine import Engine
+from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher, RequestOptions
+from moe_serve.service.engine.engine import Engine
+from moe_serve.service.engine.pipeline import BatchResult
 from moe_serve.service.errors import ClientDisconnected
-from moe_serve.service.pipeline import BatchResult
+from moe_serve.service.http.deps import submit_unless, submit_unless_withdrawn
 from tests.service.layers import TINY, H, reference_forward, tiny_layers
 from tests.service.test_batcher import RecordingEngine, run
 

@@ -1,12 +1,12 @@
 """The device pipeline's host side on the CPU: a batch's routing ids are checked before any of
-its rows are served (service/pipeline.py)."""
+its rows are served (service/engine/pipeline.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moe_serve.service.pipeline import BadRouting, _HostRows
+from moe_serve.service.engine.pipeline import BadRouting, _HostRows
 
 E, K, CAPACITY = 8, 2, 6
 

@@ -16,7 +16,7 @@ import torch
 
 from moe_serve.kernels.layer import build_layer
 from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service.app import create_app
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from moe_serve.weights.demo import ensure_demo_layers
 from moe_serve.weights.load import load_layer
@@ -140,16 +140,32 @@ def test_loading_a_broken_directory_is_400_naming_the_file(urls) -> None:
         assert not client.is_model_ready("broken")
 
 
-def test_unknown_model_directories_are_404(urls) -> None:
+def test_unknown_model_directories_are_404_naming_the_model_not_the_path(urls, repo) -> None:
     with pytest.raises(
-        httpclient.InferenceServerException, match="no model directory 'nope'"
+        httpclient.InferenceServerException, match="has no model named 'nope'"
     ) as err:
         _http(urls).load_model("nope")
     assert err.value.status() == "404"
+    assert str(repo) not in err.value.message()
     with grpcclient.InferenceServerClient(urls[1]) as client:  # no URL normalisation on gRPC
-        with pytest.raises(grpcclient.InferenceServerException, match="no model directory") as err:
+        with pytest.raises(grpcclient.InferenceServerException, match="has no model named") as err:
             client.load_model("../repo/alpha")
         assert err.value.status() == "StatusCode.NOT_FOUND"
+        assert str(repo) not in err.value.message()
+
+
+def test_a_header_announcing_a_terabyte_fails_the_load_saying_so(urls, repo) -> None:
+    shutil.copytree(repo / "alpha", repo / "huge")
+    tensors = repo / "huge" / "experts.safetensors"
+    raw = bytearray(tensors.read_bytes())
+    raw[:8] = (1 << 40).to_bytes(8, "little")
+    tensors.write_bytes(raw)
+    with grpcclient.InferenceServerClient(urls[1]) as client:
+        with pytest.raises(grpcclient.InferenceServerException, match="header announces") as err:
+            client.load_model("huge")
+        assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+        index = {m["name"]: m for m in client.get_model_repository_index(as_json=True)["models"]}
+    assert "header announces 1099511627776 bytes" in index["huge"]["reason"]
 
 
 def test_load_overrides_are_refused(urls) -> None:

@@ -13,8 +13,8 @@ from fastapi.testclient import TestClient
 
 from moe_serve.kernels import registry, selection
 from moe_serve.kernels.experts.reference import ReferenceExperts
-from moe_serve.service.app import create_app, warm_up_tokens
-from moe_serve.service.engine import Engine
+from moe_serve.service.engine.engine import Engine
+from moe_serve.service.http.app import create_app, warm_up_tokens
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import NO_ROUTER, TINY, E, H, gated_loader
@@ -195,7 +195,7 @@ def test_unexpected_error_is_a_json_500_with_the_request_id(
     def broken(served):
         raise RuntimeError("bug")
 
-    monkeypatch.setattr("moe_serve.service.routes.introspect.layer_info", broken)
+    monkeypatch.setattr("moe_serve.service.http.routes.introspect.layer_info", broken)
     r = client.get("/v1/layers", headers={"X-Request-ID": "req-42"})
     assert r.status_code == 500
     assert r.json() == {"error": "internal error; request id req-42"}

@@ -9,13 +9,11 @@ import pytest
 import torch
 
 from moe_serve.kernels.tensors import ForwardInputs
-from moe_serve.service.batcher import BatchPolicy, DynamicBatcher, RequestOptions
-from moe_serve.service.deps import submit_while_connected
+from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher, RequestOptions
 from moe_serve.service.errors import ClientDisconnected, DeadlineExceeded
+from moe_serve.service.http.deps import submit_while_connected
 from tests.service.layers import TINY, reference_forward, tiny_layers
-from tests.service.test_batcher import RecordingEngine, rows, run
-
-SETTLE_S = 0.05  # lets the scheduler take what is queued
+from tests.service.test_batcher import WAIT_S, RecordingEngine, rows, run
 
 
 class OrderEngine(RecordingEngine):
@@ -41,8 +39,24 @@ async def _busy(batcher: DynamicBatcher, engine: RecordingEngine, x: torch.Tenso
     """Hold the device with a request of `x` whose forward waits on the engine's gate."""
     engine.gate.clear()
     task = asyncio.create_task(batcher.submit(TINY, ForwardInputs(x)))
-    await asyncio.sleep(SETTLE_S)
+    await _on_the_device(engine)
     return task
+
+
+async def _on_the_device(engine: RecordingEngine) -> None:
+    """Returns once a forward has begun on the engine's thread."""
+    assert await asyncio.to_thread(engine.entered.wait, WAIT_S), "no forward began"
+    engine.entered.clear()
+
+
+async def _admitted(batcher: DynamicBatcher, requests: int) -> None:
+    """Yields to the event loop (where submitting tasks and the scheduler run) until the layer
+    has `requests` admitted and not finished: an order of events, not a span of time."""
+    for _ in range(10_000):
+        if batcher._queues[TINY].requests == requests:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never {requests} requests admitted")
 
 
 def test_a_higher_priority_request_goes_before_an_earlier_default_one() -> None:
@@ -56,7 +70,7 @@ def test_a_higher_priority_request_goes_before_an_earlier_default_one() -> None:
             asyncio.create_task(batcher.submit(TINY, ForwardInputs(later), RequestOptions(2))),
             asyncio.create_task(batcher.submit(TINY, ForwardInputs(urgent), RequestOptions(1))),
         ]
-        await asyncio.sleep(SETTLE_S)
+        await _admitted(batcher, 4)
         engine.gate.set()
         return await asyncio.gather(first, *tasks)
 
@@ -88,9 +102,10 @@ def test_a_request_that_starts_in_time_is_not_cut_short_by_its_timeout() -> None
     async def body(batcher):
         engine.gate.clear()
         task = asyncio.create_task(
-            batcher.submit(TINY, ForwardInputs(x), RequestOptions(timeout_s=0.05))
+            batcher.submit(TINY, ForwardInputs(x), RequestOptions(timeout_s=0.5))
         )
-        await asyncio.sleep(0.1)  # its first piece is running, past the timeout
+        await _on_the_device(engine)  # its first piece runs ...
+        await asyncio.sleep(0.6)  # ... and its timeout passes
         engine.gate.set()
         return await task
 
@@ -115,9 +130,9 @@ def test_a_small_request_waits_one_piece_of_a_large_one_not_all_of_it() -> None:
         batcher_ref.append(batcher)
         engine.gate.clear()
         big = asyncio.create_task(submit("large", large))
-        await asyncio.sleep(SETTLE_S)  # its first piece is on the device
+        await _on_the_device(engine)  # its first piece
         little = asyncio.create_task(submit("small", small))
-        await asyncio.sleep(SETTLE_S)
+        await _admitted(batcher, 2)
         engine.gate.set()
         return await asyncio.gather(big, little)
 
@@ -153,9 +168,9 @@ def test_a_withdrawn_request_leaves_the_queue_and_the_others_are_served() -> Non
         first = await _busy(batcher, engine, busy)
         withdrawn = asyncio.create_task(batcher.submit(TINY, ForwardInputs(gone)))
         stays = asyncio.create_task(batcher.submit(TINY, ForwardInputs(kept)))
-        await asyncio.sleep(SETTLE_S)
+        await _admitted(batcher, 3)
         withdrawn.cancel()
-        await asyncio.sleep(SETTLE_S)
+        await _admitted(batcher, 2)
         engine.gate.set()
         return await asyncio.gather(first, stays)
 
@@ -165,15 +180,13 @@ def test_a_withdrawn_request_leaves_the_queue_and_the_others_are_served() -> Non
 
 
 class _LeavingClient:
-    """A request whose client disconnects after `after_s` (or never)."""
+    """A request whose client disconnects once `leaves` is set."""
 
-    def __init__(self, after_s: float | None) -> None:
-        self.after_s = after_s
+    def __init__(self) -> None:
+        self.leaves = asyncio.Event()
 
     async def receive(self) -> dict:
-        if self.after_s is None:
-            await asyncio.Event().wait()
-        await asyncio.sleep(self.after_s)
+        await self.leaves.wait()
         return {"type": "http.disconnect"}
 
 
@@ -183,10 +196,14 @@ def test_a_client_that_disconnects_has_its_queued_rows_dropped() -> None:
 
     async def body(batcher):
         first = await _busy(batcher, engine, busy)
+        client = _LeavingClient()
+        leaving = asyncio.create_task(
+            submit_while_connected(client, batcher, TINY, ForwardInputs(gone), RequestOptions())
+        )
+        await _admitted(batcher, 2)  # queued behind the busy one
+        client.leaves.set()
         with pytest.raises(ClientDisconnected, match="withdrawn"):
-            await submit_while_connected(
-                _LeavingClient(SETTLE_S), batcher, TINY, ForwardInputs(gone), RequestOptions()
-            )
+            await leaving
         engine.gate.set()
         return await first
 
@@ -204,10 +221,10 @@ def test_a_request_cancelled_from_elsewhere_stays_cancelled_and_leaves_the_queue
         first = await _busy(batcher, engine, busy)
         waiting = asyncio.create_task(
             submit_while_connected(
-                _LeavingClient(None), batcher, TINY, ForwardInputs(cut), RequestOptions()
+                _LeavingClient(), batcher, TINY, ForwardInputs(cut), RequestOptions()
             )
         )
-        await asyncio.sleep(SETTLE_S)
+        await _admitted(batcher, 2)
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
@@ -224,7 +241,7 @@ def test_a_connected_client_gets_its_answer() -> None:
 
     async def body(batcher):
         return await submit_while_connected(
-            _LeavingClient(None), batcher, TINY, ForwardInputs(x), RequestOptions()
+            _LeavingClient(), batcher, TINY, ForwardInputs(x), RequestOptions()
         )
 
     result = run(engine, BatchPolicy(8, 0.0, 16), body)

@@ -11,8 +11,8 @@ import safetensors.torch
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from moe_serve.service.app import create_app
 from moe_serve.service.client import Client, ClientError, RetryPolicy
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import (

@@ -4,8 +4,10 @@ every bad region, offset and size refused naming the problem."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from moe_serve.service.app import create_app
 from moe_serve.service.errors import BadInput
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
-from moe_serve.service.shared_memory import SharedMemory, SystemRegion, owner_of
+from moe_serve.service.triton.shared_memory import SharedMemory, SystemRegion, owner_of
 from tests.service.conftest import wait_ready
 from tests.service.layers import TINY, H, free_port, reference_forward, running_server, tiny_loader
 
@@ -248,14 +250,14 @@ def test_a_system_region_reads_and_writes_exactly_its_bytes(region) -> None:
     r = SystemRegion("r", key, 16, 96, None)
     try:
         data = torch.arange(32, dtype=torch.bfloat16).reshape(4, 8).t()  # 64 bytes
-        r.write(8, data)
+        asyncio.run(r.write(8, data))
         raw = shm.get_contents_as_numpy(handle, np.uint8, [2 * TENSOR_BYTES])
         assert (raw[:24] == 7).all() and (raw[24 + 64 :] == 7).all()
         assert raw[24 : 24 + 64].tobytes() == data.contiguous().view(torch.uint8).numpy().tobytes()
-        read = r.read(8, 64)
-        r.write(8, torch.zeros(32, dtype=torch.bfloat16))
+        read = asyncio.run(r.read(8, 64))
+        asyncio.run(r.write(8, torch.zeros(32, dtype=torch.bfloat16)))
         torch.testing.assert_close(read.view(torch.bfloat16).reshape(8, 4), data, rtol=0, atol=0)
-        assert r.read(0, 0).numel() == 0
+        assert asyncio.run(r.read(0, 0)).numel() == 0
     finally:
         r.close()
 
@@ -286,10 +288,10 @@ def test_a_shrunk_object_is_refused_by_read_and_write_never_touched(region) -> N
     try:
         os.truncate(Path("/dev/shm") / key.lstrip("/"), 32)
         with pytest.raises(BadInput, match="region 'r': 64 bytes at offset 8 lie past the end"):
-            r.read(8, 64)
+            asyncio.run(r.read(8, 64))
         with pytest.raises(BadInput, match=f"shared-memory object '{key}', now of 32 bytes"):
-            r.write(8, torch.zeros(16))
-        assert r.read(0, 16).numel() == 16  # what is still there reads as before
+            asyncio.run(r.write(8, torch.zeros(16)))
+        assert asyncio.run(r.read(0, 16)).numel() == 16  # what is still there reads as before
     finally:
         r.close()
 
@@ -331,3 +333,76 @@ def _nonfinite_count(url: str) -> float:
     series = f'moe_serve_nonfinite_forwards_total{{layer="{TINY}"}} '
     line = next((x for x in httpx.get(url).text.splitlines() if x.startswith(series)), None)
     return 0.0 if line is None else float(line.rsplit(" ", 1)[1])
+
+
+def test_a_large_copy_runs_off_the_event_loop(monkeypatch) -> None:
+    """Reading or writing megabytes of a region must not hold the event loop (probes, other
+    requests)."""
+    key = f"/moe-serve-test-{uuid.uuid4().hex[:12]}"
+    size = 4 << 20
+    handle = shm.create_shared_memory_region("big", key, size)
+    threads = []
+    read, write = SystemRegion._read, SystemRegion._write
+    monkeypatch.setattr(SystemRegion, "_read", lambda *a: threads.append(_thread()) or read(*a))
+    monkeypatch.setattr(SystemRegion, "_write", lambda *a: threads.append(_thread()) or write(*a))
+    r = SystemRegion("big", key, 0, size, None)
+    try:
+
+        async def copies() -> None:
+            await r.write(0, torch.ones(size // 4))
+            assert (await r.read(0, size)).view(torch.float32).eq(1).all()
+            await r.read(0, 64)  # small: here
+
+        asyncio.run(copies())
+    finally:
+        r.close()
+        shm.destroy_shared_memory_region(handle)
+    assert threads == ["worker", "worker", "loop"]
+
+
+def _thread() -> str:
+    return "loop" if threading.current_thread() is threading.main_thread() else "worker"
+
+
+def test_inputs_in_system_shared_memory_count_against_the_body_limit(region) -> None:
+    key, _ = region
+    settings = Settings(device="cpu", allow_shared_memory=True, max_body_bytes=1024)
+    with running_server(create_app(settings, tiny_loader)) as url:
+        with httpx.Client(base_url=url) as http:
+            wait_ready(http.get)
+        c = httpclient.InferenceServerClient(url.removeprefix("http://"))
+        c.register_system_shared_memory("data", key, 2 * TENSOR_BYTES)
+        x = np.zeros((ROWS * 2, H), np.float32)  # 1536 bytes
+        with pytest.raises(httpclient.InferenceServerException, match="1024-byte limit") as err:
+            c.infer(TINY, _inputs(httpclient, x, size=2 * TENSOR_BYTES))
+        assert err.value.status() == "413"
+        c.unregister_system_shared_memory()
+
+
+def test_with_a_prefix_only_keys_under_it_are_accepted(region) -> None:
+    """--shared-memory-prefix: a key naming another /dev/shm object (one the client did not
+    make, say) is refused with 403; keys under the prefix register as before."""
+    key, _ = region  # "/moe-serve-test-..."
+    port = free_port()
+    settings = Settings(
+        device="cpu", grpc_port=port, allow_shared_memory=True, shared_memory_prefix="client-"
+    )
+    with running_server(create_app(settings, tiny_loader)) as url:
+        with httpx.Client(base_url=url) as http:
+            wait_ready(http.get)
+        http_client = httpclient.InferenceServerClient(url.removeprefix("http://"))
+        with pytest.raises(httpclient.InferenceServerException, match="'/client-'") as err:
+            http_client.register_system_shared_memory("data", key, 64)
+        assert err.value.status() == "403"
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as grpc_client:
+            with pytest.raises(grpcclient.InferenceServerException, match="prefix") as err:
+                grpc_client.register_system_shared_memory("data", key, 64)
+            assert err.value.status() == "StatusCode.PERMISSION_DENIED"
+        ours = f"/client-{uuid.uuid4().hex[:12]}"
+        handle = shm.create_shared_memory_region("ours", ours, 64)
+        try:
+            http_client.register_system_shared_memory("ours", ours, 64)
+            assert [r["name"] for r in http_client.get_system_shared_memory_status()] == ["ours"]
+            http_client.unregister_system_shared_memory("ours")
+        finally:
+            shm.destroy_shared_memory_region(handle)

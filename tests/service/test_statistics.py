@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from moe_serve.service.app import create_app
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import NO_ROUTER, TINY, H, free_port, running_server, tiny_loader

@@ -1,4 +1,5 @@
-"""Safetensors bodies read as views (service.wire.decode_safetensors) against the library."""
+"""Safetensors bodies read as views (service.codecs.safetensors_wire.decode_safetensors) against the
+library."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import safetensors.torch
 import torch
 from safetensors import SafetensorError
 
-from moe_serve.service.wire import decode_safetensors, encode_safetensors
+from moe_serve.service.codecs.safetensors_wire import decode_safetensors, encode_safetensors
 
 
 def _blob(header: dict, data: bytes) -> bytes:

@@ -1,0 +1,1 @@
+"""Wire formats: JSON (host and device), KServe v2 bodies, safetensors."""

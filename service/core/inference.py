@@ -1,0 +1,214 @@
+"""KServe v2 inference whatever the transport: HTTP (routes/kserve.py) and gRPC (grpc_server.py)
+decode a request into an InferRequest plus tensors, call `infer`, and encode what it returns.
+
+Each served layer is a model with version 1, inputs hidden_states [-1, H] (and optional
+router_logits [-1, E]) and output `output` [-1, H] in the input's datatype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from fastapi import Request
+
+from ... import __version__
+from ..codecs.kserve import (
+    DATATYPE_NAMES,
+    SHM_BYTE_SIZE,
+    SHM_OFFSET,
+    SHM_REGION,
+    InferOutput,
+    InferRequest,
+    ModelMetadata,
+    ServerMetadata,
+    TensorMetadata,
+    tensor_type,
+)
+from ..engine.batcher import RequestOptions
+from ..engine.engine import Engine, ServedLayer
+from ..errors import BadInput, PayloadTooLarge, UnknownLayer
+from ..http.deps import Runtime, ready, submit_while_connected
+from ..http.routes.forward import TENSOR_NAMES, schedule_options
+from ..triton.shared_memory import DeviceRegion, TensorPlace
+from .inputs import check_inputs
+
+OUTPUT = "output"
+VERSION = "1"  # a layer is a model with one version; clients may name it or not
+PLATFORM = "moe-serve"
+
+
+@dataclass(frozen=True)
+class InferenceResult:
+    outputs: dict[str, torch.Tensor]  # to send in the reply (CPU)
+    placed: list[InferOutput] = field(default_factory=list)  # written into shared memory
+
+
+def server_metadata(runtime: Runtime) -> ServerMetadata:
+    extensions = ["binary_tensor_data", "schedule_policy", "statistics"]
+    if runtime.shared_memory.allowed:
+        extensions += ["system_shared_memory", "cuda_shared_memory"]
+    if runtime.repository is not None:
+        extensions.append("model_repository")
+    return ServerMetadata(name="moe-serve", version=__version__, extensions=extensions)
+
+
+def model_metadata(served: ServedLayer) -> ModelMetadata:
+    cfg = served.config
+    return ModelMetadata(
+        name=served.name,
+        versions=[VERSION],
+        platform=PLATFORM,
+        inputs=[
+            TensorMetadata(name="hidden_states", datatype="FP32", shape=[-1, cfg.hidden_size]),
+            TensorMetadata(name="router_logits", datatype="FP32", shape=[-1, cfg.num_experts]),
+        ],
+        outputs=[TensorMetadata(name=OUTPUT, datatype="FP32", shape=[-1, cfg.hidden_size])],
+    )
+
+
+def get_model(engine: Engine, name: str, version: str = "") -> ServedLayer:
+    """The served layer `name`; `version` is empty (any) or VERSION."""
+    served = engine.get(name)  # an unknown model first
+    if version not in ("", VERSION):
+        raise UnknownLayer(f"model {name!r} has version {VERSION} only, not {version!r}")
+    return served
+
+
+async def infer(
+    runtime: Runtime,
+    name: str,
+    version: str,
+    request: InferRequest,
+    tensors: dict[str, torch.Tensor],
+    owner: str | None = None,
+    http_request: Request | None = None,
+) -> InferenceResult:
+    """One inference request: `tensors` are its inputs decoded from the body, by name; inputs
+    and outputs that name a shared-memory region are read from and written to it. `owner`:
+    who may use the regions (shared_memory.owner_of). `http_request`: withdrawn if its client
+    goes away (a gRPC call is cancelled instead, which withdraws it too)."""
+    runtime = ready(runtime)
+    served = get_model(runtime.engine, name, version)
+    held: list[DeviceRegion] = []  # CUDA regions it views: released once it is done
+    try:
+        with runtime.metrics.statistics.request(name) as timer:
+            tensors = tensors | await _read_shared_memory(runtime, request, owner, held)
+            unknown = sorted(set(tensors) - set(TENSOR_NAMES))
+            if unknown:
+                known = list(TENSOR_NAMES)
+                raise BadInput(f"unknown inputs {unknown}; model {name!r} takes {known}")
+            if "hidden_states" not in tensors:
+                raise BadInput("input hidden_states is missing")
+            hidden = tensors["hidden_states"]
+            inputs = check_inputs(served, hidden, tensors.get("router_logits"))
+            # into: a CUDA region's view, which the forward writes on the device
+            place, into = _output_place(runtime, request, name, hidden, owner, held)
+            options = schedule_policy(request.parameters)
+            timer.submit(hidden.shape[0])
+            if http_request is None:
+                result = await runtime.batcher.submit(name, inputs, options, into)
+            else:
+                result = await submit_while_connected(
+                    http_request, runtime.batcher, name, inputs, options, into
+                )
+            timer.answer()
+            if place is None:
+                return InferenceResult({OUTPUT: result.output.to(hidden.dtype)})
+            if into is None:  # a system region
+                output = result.output.to(hidden.dtype)
+                shm = runtime.shared_memory
+                await shm.write(f"output {OUTPUT}", place, output, owner)
+            return InferenceResult({}, [_placed(place, hidden)])
+    finally:
+        for region in held:  # the batcher returns once no device copy uses them
+            region.release()
+
+
+def schedule_policy(parameters: dict[str, object]) -> RequestOptions:
+    """The request parameters `priority` and `timeout` (microseconds) of Triton's schedule
+    policy extension; absent or 0: the default."""
+    values = {}
+    for key in ("priority", "timeout"):
+        value = parameters.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise BadInput(f"parameters.{key} must be an integer >= 0, got {value!r}")
+        values[key] = value
+    return schedule_options(values["priority"], values["timeout"])
+
+
+async def _read_shared_memory(
+    runtime: Runtime, request: InferRequest, owner: str | None, held: list[DeviceRegion]
+) -> dict[str, torch.Tensor]:
+    """The inputs that name a region: views of a CUDA region (on its GPU), or tensors of the
+    bytes read from a system region. What is copied out of system regions counts against the
+    body limit, as if the client had sent it: it costs the server's memory all the same."""
+    tensors, copies = {}, []
+    shm, limit = runtime.shared_memory, runtime.settings.max_body_bytes
+    for t in request.inputs:
+        what = f"input {t.name}"
+        place = TensorPlace.of(what, t.parameters)
+        if place is None:
+            continue
+        dtype, shape = tensor_type(t)
+        view = shm.view(what, place, dtype, shape, owner, True, held)
+        if view is None:
+            copies.append((t.name, what, place, dtype, shape))
+        else:
+            tensors[t.name] = view
+    copied = sum(math.prod(shape) * dtype.itemsize for *_, dtype, shape in copies)
+    if copied > limit:
+        raise PayloadTooLarge(
+            f"inputs of {copied} bytes in system shared memory exceed the {limit}-byte limit "
+            "of a request (MOE_SERVE_MAX_BODY_BYTES)"
+        )
+    for name, what, place, dtype, shape in copies:
+        tensors[name] = await shm.read(what, place, dtype, shape, owner)
+    return tensors
+
+
+def _output_place(
+    runtime: Runtime,
+    request: InferRequest,
+    name: str,
+    hidden: torch.Tensor,
+    owner: str | None,
+    held: list[DeviceRegion],
+) -> tuple[TensorPlace | None, torch.Tensor | None]:
+    """Where the output goes: (None, None) in the reply; else its shared-memory place, checked
+    before the forward so that an output that cannot fit fails first, and for a CUDA region the
+    view of it that the forward writes into."""
+    place = into = None
+    for requested in request.outputs or ():
+        if requested.name != OUTPUT:
+            raise BadInput(f"unknown output {requested.name!r}; model {name!r} has {OUTPUT!r}")
+        what = f"output {requested.name}"
+        place, into = TensorPlace.of(what, requested.parameters), None
+        if place is not None:
+            shm = runtime.shared_memory
+            into = shm.view(what, place, hidden.dtype, hidden.shape, owner, False, held)
+            if into is None:
+                shm.check(what, place, hidden.numel() * hidden.itemsize, owner, exact=False)
+    return place, into
+
+
+def _placed(place: TensorPlace, hidden: torch.Tensor) -> InferOutput:
+    """The output written at `place` (as big as the input, in its datatype), as the reply lists
+    it."""
+    parameters = {SHM_REGION: place.region, SHM_BYTE_SIZE: hidden.numel() * hidden.itemsize}
+    if place.offset:
+        parameters[SHM_OFFSET] = place.offset
+    return InferOutput(
+        name=OUTPUT,
+        shape=list(hidden.shape),
+        datatype=DATATYPE_NAMES[hidden.dtype],
+        parameters=parameters,
+    )
+
+
+def statistics(runtime: Runtime, name: str = "", version: str = "") -> dict:
+    """Triton's $stats_model_response: every model, or model `name` (of `version`)."""
+    engine = ready(runtime).engine
+    names = [get_model(engine, name, version).name] if name else sorted(engine.layers)
+    return runtime.metrics.statistics.to_json(names)

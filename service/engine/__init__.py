@@ -1,0 +1,1 @@
+"""The engine: the batcher, the 3-stream device pipeline, the layers it runs."""

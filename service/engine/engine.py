@@ -1,0 +1,327 @@
+"""Engine: layer name -> MoE layer built on the device; `start` runs one batch of one layer.
+
+The batcher's launcher thread calls `start` for every batch, so the layers can share one
+Workspace (their forwards never overlap: one compute stream runs them in order). On a GPU,
+`start` stages the batch and enqueues it (service/engine/pipeline.py) and returns at once; elsewhere
+it runs the forward before returning. Layers whose backend allows it run from whole-layer CUDA
+graphs, captured at warm-up (kernels/layer_graphs.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ...kernels.config import MoEConfig
+from ...kernels.input_checks import all_finite, all_finite_on_device
+from ...kernels.layer import LayerOutput, LayerWeights, MoELayer, build_layer, expert_tokens
+from ...kernels.layer_graphs import LayerGraphs, can_capture
+from ...kernels.modular import DEFAULT_CHUNK_TOKENS
+from ...kernels.selection import Selection
+from ...kernels.tensors import ForwardInputs, Routing
+from ...kernels.workspace import Workspace
+from ..errors import NotReady, UnknownLayer
+from .pipeline import (
+    DEPTH,
+    BatchResult,
+    DevicePipeline,
+    Finished,
+    Pending,
+    StageTimes,
+    split_rows,
+)
+
+log = logging.getLogger(__name__)
+
+
+class LayerSource(Protocol):
+    """What the engine needs of a loaded layer (weights.load.LoadedLayer fits)."""
+
+    name: str
+    config: MoEConfig
+    weights: LayerWeights  # already on the engine's device
+
+
+@dataclass(frozen=True)
+class ServedLayer:
+    name: str
+    config: MoEConfig
+    layer: MoELayer
+    selection: Selection
+    device_bytes: int  # the layer's weights on the device
+    graphs: LayerGraphs | None = None  # whole-layer CUDA graphs, where the backend captures
+
+    @property
+    def backend(self) -> str:
+        return self.selection.experts.name
+
+    @property
+    def by_tokens(self) -> tuple[tuple[int, str], ...]:
+        """(from this many tokens, the experts backend that runs), ascending."""
+        return self.layer.kernel.experts.by_tokens()
+
+    @property
+    def has_router(self) -> bool:
+        return self.layer.router.weight is not None
+
+
+class NonFiniteRows(Exception):
+    """A forward ran, but its output holds NaN or Inf; `result` is the whole output, on the CPU
+    (service.engine.batcher fails only the requests that own such rows)."""
+
+    def __init__(self, layer: str, result: LayerOutput) -> None:
+        self.result = result
+        super().__init__(f"the output of layer {layer!r} holds NaN or Inf")
+
+
+class Engine:
+    def __init__(
+        self,
+        device: torch.device,
+        backend: str = "auto",
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        cuda_graphs: bool = True,
+        batch_invariant: bool = False,
+    ) -> None:
+        self.device = device
+        self.backend = backend
+        self.chunk_tokens = chunk_tokens  # the largest batch (--max-batch-tokens): never split
+        self.cuda_graphs = cuda_graphs  # False: never capture (--no-cuda-graphs)
+        self.batch_invariant = batch_invariant  # --batch-invariant
+        self.workspace = Workspace(device)  # shared by every layer
+        self.layers: dict[str, ServedLayer] = {}
+        self.failure: str | None = None  # why this engine can serve no more; None while it can
+        self.on_failure: Callable[[str], None] = lambda _reason: None  # the app turns unready
+        self.pipeline = DevicePipeline(device, chunk_tokens) if device.type == "cuda" else None
+
+    @property
+    def enqueues(self) -> bool:
+        """True: `start` only stages and enqueues device work, returning before it is done."""
+        return self.pipeline is not None
+
+    @property
+    def captures(self) -> bool:
+        """Whether layers run from CUDA graphs where their backend allows."""
+        return self.pipeline is not None and self.cuda_graphs
+
+    @property
+    def max_in_flight(self) -> int:
+        """Batches `start` may have running at once."""
+        return DEPTH if self.enqueues else 1
+
+    @property
+    def start_may_wait(self) -> bool:
+        """Whether `start` may wait for something other than its own copies (expert
+        parallelism: a regroup or a capture in progress); the batcher then never calls it on
+        the event loop."""
+        return False
+
+    def add(self, source: LayerSource) -> ServedLayer:
+        """Build `source`'s modular kernel on the device (backend chosen per layer)."""
+        if source.name in self.layers:
+            raise ValueError(f"two layers are named {source.name!r}; layer names must be unique")
+        layer, selection = self.build(source)
+        graphs = self.layer_graphs(source.name, layer) if self.captures else None
+        served = ServedLayer(
+            source.name, source.config, layer, selection, source.weights.nbytes(), graphs
+        )
+        self.layers[source.name] = served
+        log.info(
+            "layer %s: %s + %s (%s)",
+            source.name,
+            selection.prepare_finalize.name,
+            selection.experts.name,
+            selection.reason,
+        )
+        return served
+
+    def layer_graphs(self, name: str, layer: MoELayer) -> LayerGraphs | None:
+        """Uncaptured graphs for `layer` (captured at warm-up), or None where its backend
+        cannot be captured. A backend that syncs above some size (the batched formats) is
+        captured up to it and runs eagerly above."""
+        limit = layer.kernel.prepare_finalize.max_capture_tokens or self.chunk_tokens
+        graph_tokens = min(self.chunk_tokens, limit)
+        support = can_capture(layer, self.device, graph_tokens)
+        if not support:
+            log.info("layer %s runs without CUDA graphs: %s", name, support.reason)
+            return None
+        # routed layers take no client logits in graphs; one copy per batch in flight (each
+        # pipeline slot replays its own)
+        with_logits = layer.router.weight is None
+        return LayerGraphs(
+            layer, self.device, graph_tokens, with_logits, self.max_in_flight, self.chunk_tokens
+        )
+
+    def load(self, source: LayerSource, token_counts: Sequence[int]) -> ServedLayer:
+        """Add layer `source`, or replace the one of its name, warmed up at `token_counts`.
+        Atomic: if building or warming fails, the layers are as they were (the old one serves).
+        Call it where forwards run (the batcher's worker), so that none runs meanwhile."""
+        old = self.layers.pop(source.name, None)
+        try:
+            served = self.add(source)
+            self.warm_up(token_counts, [source.name])
+        except BaseException:
+            self.layers.pop(source.name, None)
+            if old is not None:
+                self.layers[source.name] = old
+            raise
+        return served
+
+    def remove(self, name: str) -> ServedLayer:
+        """Stop serving layer `name` (its device memory goes with the last reference)."""
+        served = self.get(name)
+        del self.layers[name]
+        log.info("layer %s removed", name)
+        return served
+
+    def build(self, source: LayerSource) -> tuple[MoELayer, Selection]:
+        """`source`'s layer on the device (expert parallelism composes its own)."""
+        return build_layer(
+            source.config,
+            source.weights,
+            self.device,
+            self.backend,
+            self.workspace,
+            self.chunk_tokens,
+            batch_invariant=self.batch_invariant,
+        )
+
+    def get(self, name: str) -> ServedLayer:
+        try:
+            return self.layers[name]
+        except KeyError:
+            known = ", ".join(sorted(self.layers)) or "none"
+            raise UnknownLayer(f"no layer named {name!r}; served layers: {known}") from None
+
+    def forward(self, name: str, inputs: ForwardInputs) -> LayerOutput:
+        """One batch [M, H] of layer `name` (CPU tensors) -> output [M, H] and routing, on CPU.
+
+        The one path from a batch to the device and back: expert parallelism replaces this.
+        """
+        if self.failure is not None:
+            raise NotReady(self.failure)
+        served = self.get(name)
+        logits = inputs.router_logits
+        on_device = ForwardInputs(
+            inputs.hidden_states.to(self.device),
+            None if logits is None else logits.to(self.device),
+        )
+        try:
+            with torch.inference_mode():
+                result = served.layer.forward(on_device)
+                # one reduction on the device, read once the output has come back below
+                finite = all_finite_on_device(result.output)
+        except torch.AcceleratorError as err:
+            raise self._device_failed(err) from err
+        routing = result.routing
+        output = LayerOutput(
+            result.output.cpu(), Routing(routing.topk_ids.cpu(), routing.topk_weights.cpu())
+        )
+        if not finite.item():
+            raise NonFiniteRows(name, output)
+        return output
+
+    def _device_failed(self, err: torch.AcceleratorError) -> NotReady:
+        # A device fault (illegal address, ECC) leaves the CUDA context unusable: every later
+        # forward would fail too, so stop serving and let the orchestrator replace us.
+        self.failure = f"the device failed: {err}"
+        self.on_failure(self.failure)
+        return NotReady(self.failure)
+
+    def start(
+        self,
+        name: str,
+        parts: Sequence[ForwardInputs],
+        into: Sequence[torch.Tensor | None] | None = None,
+    ) -> Pending:
+        """Begin one batch of layer `name`: `parts` [t_i, H] on the CPU or a GPU (views of a
+        client's CUDA shared memory), in any wire dtype (cast once, to the layer's), all with
+        router logits or none. Its result holds one output per part, in the layer's dtype. On a
+        GPU this returns once the batch is enqueued, and a part's output is copied straight into
+        its `into` tensor ([t_i, H]: pinned host memory in the layer's dtype, or GPU memory)
+        where one is given; elsewhere `into` is ignored (the batcher copies)."""
+        if self.failure is not None:
+            raise NotReady(self.failure)
+        served = self.get(name)
+        if not self.enqueues:
+            return self._run_now(served, parts)
+        try:
+            with torch.inference_mode():
+                return _Guarded(self, self.pipeline.launch(served, parts, into))
+        except torch.AcceleratorError as err:
+            raise self._device_failed(err) from err
+
+    def _run_now(self, served: ServedLayer, parts: Sequence[ForwardInputs]) -> Finished:
+        cfg = served.config
+        logits = [p.router_logits for p in parts]
+        inputs = ForwardInputs(  # parts on a GPU (CUDA shared memory) come to the host here
+            torch.cat([p.hidden_states.cpu() for p in parts]).to(cfg.dtype),
+            None if logits[0] is None else torch.cat([t.cpu() for t in logits]).float(),
+        )
+        started = time.perf_counter()
+        tensors = (inputs.hidden_states, inputs.router_logits)
+        inputs_finite = all(all_finite(t) for t in tensors if t is not None)
+        try:
+            whole, finite = self.forward(served.name, inputs), True
+        except NonFiniteRows as err:
+            whole, finite = err.result, False
+        seconds = time.perf_counter() - started
+        counts = expert_tokens(whole.routing.topk_ids, cfg.num_experts)
+        sizes = [p.hidden_states.shape[0] for p in parts]
+        outputs = split_rows(whole, sizes)
+        times = StageTimes(seconds)
+        return Finished(BatchResult(outputs, counts, times, finite, inputs_finite))
+
+    def warm_up(self, token_counts: Sequence[int], names: Sequence[str] | None = None) -> None:
+        """Capture every layer's (or those named) CUDA graphs, then run each at every one of
+        `token_counts` through `start`, so no request pays for a kernel's first compile, a
+        capture or a workspace allocation (a JIT compile mid-load stalls its batch for seconds)."""
+        names = list(self.layers) if names is None else list(names)
+        for name in names:
+            served = self.layers[name]
+            if served.graphs is None:
+                continue
+            started = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    served.graphs.capture()
+            except Exception:  # a backend that claims it captures but does not: run it eagerly
+                log.exception("layer %s: CUDA graph capture failed; it runs uncaptured", name)
+                self.layers[name] = dataclasses.replace(served, graphs=None)
+                continue
+            log.info(
+                "layer %s: %d CUDA graphs captured (buckets %s) in %.1f s",
+                name,
+                len(served.graphs.captured_buckets()) * served.graphs.copies,
+                ",".join(map(str, served.graphs.buckets)),
+                time.perf_counter() - started,
+            )
+        generator = torch.Generator().manual_seed(0)
+        for name in names:
+            served = self.layers[name]
+            cfg = served.config
+            for tokens in token_counts:
+                hidden = torch.randn(tokens, cfg.hidden_size, generator=generator)
+                logits = None if served.has_router else torch.zeros(tokens, cfg.num_experts)
+                if not self.start(name, [ForwardInputs(hidden, logits)]).result().finite:
+                    raise RuntimeError(f"warm-up forward of layer {name!r} produced NaN or Inf")
+
+
+@dataclass(frozen=True)
+class _Guarded:
+    """A pipelined batch whose device fault, surfacing when it is waited for, stops the engine."""
+
+    engine: Engine
+    pending: Pending
+
+    def result(self) -> BatchResult:
+        try:
+            return self.pending.result()
+        except torch.AcceleratorError as err:
+            raise self.engine._device_failed(err) from err

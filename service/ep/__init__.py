@@ -1,0 +1,1 @@
+"""Expert parallelism: rank 0's engine, the rank group, the other ranks."""

@@ -1,0 +1,186 @@
+"""The engine's end of the front-end channel (`service/frontends/channel.py`): binary forwards whose
+bodies the front-end processes laid in their arenas, run through `serve_blob_into` (the decode,
+batcher and reply of a forward that reached this process over HTTP), the reply blob written back
+into the arena."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import ServiceError
+from ..http.deps import Runtime, ready
+from ..http.routes.forward import LayerCall, serve_blob_into
+from .arena import BodyArena, Region
+from .channel import (
+    CANCEL,
+    CANCEL_FIELDS,
+    DONE,
+    DONE_FIELDS,
+    ERROR,
+    FORWARD,
+    FORWARD_FIELDS,
+    HELLO,
+    REPLY,
+    REPLY_FIELDS,
+    RecordReader,
+    RecordWriter,
+    error_payload,
+    hello,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ChannelServer:
+    def __init__(self, runtime: Runtime, path: Path) -> None:
+        self.runtime = runtime
+        self.path = path
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._serve, self.path)
+
+    async def close(self) -> None:
+        """Stop accepting front ends (call once they have stopped: their requests finish)."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        records, out = RecordReader(reader), RecordWriter(writer)
+        got: list | None = []
+        while got == []:
+            got = await records.read()
+        if got is None or got[0][0] != HELLO:
+            out.close()
+            return
+        try:
+            request = json.loads(got[0][1])
+            arena = BodyArena.attach(Path(request["hello"]), request["size"])
+        except (TypeError, KeyError, ValueError, OSError) as err:
+            log.error("a front end's arena could not be mapped: %s", err)
+            out.send(HELLO, hello({"hello": f"refused: {err}"}))
+            out.close()
+            return
+        out.send(HELLO, hello({"hello": "ok"}))
+        link = _FrontEndLink(self.runtime, _Arena(arena), out)
+        got = got[1:]
+        try:
+            while got is not None:
+                link.handle(got)
+                got = await records.read()
+        finally:
+            await link.withdraw_all()  # the front end is gone: so are its clients
+            out.close()
+            _unpin(link.arena)  # no forward of this front end is left on the device
+            arena.close()
+
+
+class _FrontEndLink:
+    """One front end's forwards in the engine: a task each, withdrawn by its CANCEL."""
+
+    def __init__(self, runtime: Runtime, arena: _Arena, out: RecordWriter) -> None:
+        self.runtime = runtime
+        self.arena = arena
+        self.out = out
+        # id -> the forward's task and the future whose result withdraws it
+        self.running: dict[int, tuple[asyncio.Task, asyncio.Future]] = {}
+
+    def handle(self, records: list[tuple[int, bytes]]) -> None:
+        for kind, payload in records:
+            if kind == FORWARD:
+                rid, offset, body_bytes, reply_capacity, layer_dtype = FORWARD_FIELDS.unpack_from(
+                    payload
+                )
+                layer = payload[FORWARD_FIELDS.size :].decode()
+                region = Region(offset, body_bytes, reply_capacity)
+                gone = asyncio.get_running_loop().create_future()
+                task = asyncio.create_task(self._forward(rid, layer, region, layer_dtype, gone))
+                self.running[rid] = (task, gone)
+                task.add_done_callback(lambda _, rid=rid: self.running.pop(rid, None))
+            elif kind == CANCEL:
+                (rid,) = CANCEL_FIELDS.unpack(payload)
+                if rid in self.running:
+                    _withdraw(self.running[rid][1])
+            elif kind == DONE:  # a request the front end answered itself
+                status, seconds = DONE_FIELDS.unpack_from(payload)
+                route = payload[DONE_FIELDS.size :].decode()
+                self.runtime.metrics.observe_request(route, str(status), seconds)
+
+    async def withdraw_all(self) -> None:
+        for _, gone in self.running.values():
+            _withdraw(gone)
+        await asyncio.gather(*(task for task, _ in self.running.values()))
+
+    async def _forward(
+        self,
+        rid: int,
+        layer: str,
+        region: Region,
+        layer_dtype: bool,
+        gone: asyncio.Future,
+    ) -> None:
+        arena = self.arena
+        try:
+            runtime = ready(self.runtime)
+            call = LayerCall.of(runtime, layer)
+            if runtime.engine.enqueues and arena.pinning is None:  # once per arena
+                arena.pinning = asyncio.ensure_future(asyncio.to_thread(_pin, arena.arena))
+            pinned = arena.pinning is not None and await asyncio.shield(arena.pinning)
+            size = await serve_blob_into(
+                call,
+                arena.arena.body(region),
+                arena.arena.reply(region),
+                bool(pinned),
+                gone,
+                layer_dtype,
+            )
+            self.out.send(REPLY, REPLY_FIELDS.pack(rid, 200, size))
+        except ServiceError as err:
+            self.out.send(ERROR, error_payload(rid, err.status, err.message, err.headers))
+        except Exception:
+            log.exception("unhandled error in a forward from a front end")
+            error = "internal error (logged by the engine process)"
+            self.out.send(ERROR, error_payload(rid, 500, error, {}))
+
+
+def _withdraw(gone: asyncio.Future) -> None:
+    if not gone.done():  # once: a CANCEL may come, then the front end's connection end
+        gone.set_result(None)
+
+
+@dataclass
+class _Arena:
+    """A front end's arena as mapped here; `pinning`: its registration with CUDA, started by
+    the first forward (the others of that moment wait for it), whose result is the arena's
+    address, or 0 if CUDA refused."""
+
+    arena: BodyArena
+    pinning: asyncio.Future[int] | None = None
+
+
+def _pin(arena: BodyArena) -> int:
+    """Register the arena with CUDA, so bodies are copied to the device and outputs back by
+    DMA from where they lie; its address, or 0 if CUDA refused (it then serves through
+    copies)."""
+    address = torch.frombuffer(arena.view, dtype=torch.uint8).data_ptr()
+    error = int(torch.cuda.cudart().cudaHostRegister(address, arena.size, 0))
+    if error:
+        log.warning(
+            "arena %s not registered with CUDA (error %s): replies are copied", arena.path, error
+        )
+        return 0
+    log.info("arena %s registered with CUDA: bodies and replies are copied by DMA", arena.path)
+    return address
+
+
+def _unpin(arena: _Arena) -> None:
+    pinning = arena.pinning
+    if pinning is not None and pinning.done() and not pinning.exception() and pinning.result():
+        torch.cuda.cudart().cudaHostUnregister(pinning.result())

@@ -1,0 +1,512 @@
+"""One HTTP front-end process of `moe-serve serve --http-workers N`
+(`python -m moe_serve.service.frontends.front_end`, started by the engine process,
+`service/frontends/supervisor.py`; not a command for users).
+
+Under load one Python process cannot receive, decode and answer requests as fast as the GPU runs
+them (its event loop held 99.5% of the GIL on the H100 host). N front ends share the public
+socket (the kernel spreads connections over them) and do the per-byte work in parallel:
+
+- a plain binary forward (`service/http/plain_forward.py`) is checked here (connections, token),
+  its body read straight into this process's arena (`service/frontends/arena.py`) and handed to the
+  engine as a small record (`service/frontends/channel.py`); the engine decodes it in place, batches
+  it with every other front end's requests and writes the reply blob back into the arena (on a
+  GPU the body is copied to the device and the output back into the arena with no host copy);
+- a plain JSON forward is decoded here (`service/codecs/json_numbers.py`, the engine's own strict
+  decode) into a float32 blob in the arena and sent as a binary forward answered in the layer's
+  dtype, whose output is written here as the JSON the engine writes: the engine does no JSON
+  work and the request no second HTTP hop;
+- every other request (KServe v2, probes, metrics, admin, a JSON forward with return_routing)
+  is relayed unchanged to the engine's own HTTP server on a Unix socket, as is a body the arena
+  cannot hold.
+
+It imports no torch: it starts in a fraction of a second and is restarted if it dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+
+import httpx
+import numpy as np
+import uvicorn
+from starlette.datastructures import Headers
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from .. import logs
+from ..codecs.json_numbers import (
+    NUMBER_BYTES,
+    ForwardArrays,
+    decode_forward_arrays,
+    dumps,
+    run_sized,
+)
+from ..codecs.safetensors_header import read_header
+from ..errors import (
+    BadInput,
+    ServiceError,
+    ShuttingDown,
+    body_cut,
+    body_stalled,
+    body_too_large,
+    error_response,
+)
+from ..http.direct_body import DIRECT_BODY, BodyTarget, DirectBody
+from ..http.middleware import (
+    OPEN_PATHS,
+    UNAUTHORIZED,
+    authorized,
+    new_request_id,
+    over_capacity,
+)
+from ..http.plain_forward import (
+    BINARY,
+    FORWARD_PATH,
+    JSON,
+    plain_binary_forward,
+    plain_forward,
+)
+from ..http.server import OVER_CAPACITY, bounded_protocol, client_gone
+from ..interpreter import collect_less
+from .arena import BodyArena, Region
+from .channel import EngineClient, Reply
+
+log = logging.getLogger("moe_serve.service.frontends.front_end")  # also when run as __main__
+
+CONFIG_ENV = "MOE_SERVE_FRONT_END"  # the config, JSON, from the engine process
+# Per front end; a body over a quarter of it is relayed (4 requests of 1024 DeepSeek-V3 tokens
+# in bf16 fit at once). Reserved on start: a full /dev/shm fails then, not mid-request.
+ARENA_BYTES = 128 << 20
+# Not relayed: they describe one hop's connection, not the request (RFC 9110, 7.6.1).
+_HOP_BY_HOP = frozenset(
+    {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade"}
+)
+
+
+@dataclass(frozen=True)
+class FrontEndConfig:
+    listen_fd: int  # the public socket, shared by every front end
+    engine_http: str  # Unix socket of the engine's HTTP server (everything but the fast path)
+    engine_channel: str  # Unix socket of the engine's channel (service/frontends/channel.py)
+    arena_dir: str
+    api_token: str | None
+    max_connections: int
+    read_timeout_s: float
+    max_body_bytes: int  # a relayed body is read here first: it holds no engine connection
+    # a larger JSON forward is relayed: the engine answers 413 beyond MOE_SERVE_MAX_JSON_BYTES and
+    # on a GPU reads a large one on the device (service/codecs/json_device.py; bench.json_bench)
+    json_here_bytes: int
+    drain_timeout_s: float
+    log_level: str
+    log_format: str
+
+    def to_env(self) -> dict[str, str]:
+        return {CONFIG_ENV: json.dumps(asdict(self))}
+
+    @classmethod
+    def from_env(cls) -> FrontEndConfig:
+        return cls(**json.loads(os.environ.pop(CONFIG_ENV)))
+
+
+class FrontEnd:
+    """The front end's ASGI app."""
+
+    def __init__(self, config: FrontEndConfig) -> None:
+        self.config = config
+        self.token = None if config.api_token is None else config.api_token.encode()
+        try:
+            self.arena = BodyArena.create(Path(config.arena_dir), ARENA_BYTES)
+        except OSError as err:  # every request is relayed: slower, but served
+            log.error("no %d MiB arena in %s (%s): relaying every request", ARENA_BYTES >> 20,
+                      config.arena_dir, err.strerror)  # fmt: skip
+            self.arena = None
+        self.engine = EngineClient(Path(config.engine_channel), self.arena, self._engine_lost)
+        self.on_engine_lost = lambda: None  # main() stops the server: nothing left to serve
+        transport = httpx.AsyncHTTPTransport(
+            uds=config.engine_http, limits=httpx.Limits(max_connections=config.max_connections)
+        )
+        self.relay = httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=None)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        started = False
+
+        async def send_once_started(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await self._serve(scope, receive, send_once_started)
+        except asyncio.CancelledError:
+            # uvicorn cancels what still runs MOE_SERVE_DRAIN_TIMEOUT_S after SIGTERM: answer,
+            # as the engine process's RequestMiddleware does, unless the response has begun
+            if started:
+                raise
+            cut = ShuttingDown("the server shut down before this request finished; retry")
+            await error_response(cut.status, cut.message, cut.headers)(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        plain = plain_forward(scope)
+        headers = Headers(scope=scope)
+        if scope.get(OVER_CAPACITY) and scope["path"] not in OPEN_PATHS:
+            await over_capacity(self.config.max_connections)(scope, receive, send)
+        elif not authorized(scope["path"], headers, self.token):
+            with _answering(self.engine, scope, headers, UNMATCHED) as answer:
+                answer.status = 401  # before any byte of the body is read
+                await _error_response(_UNAUTHORIZED, answer.headers)(scope, receive, send)
+        elif plain and plain[1] == BINARY and (direct := scope.get(DIRECT_BODY)):
+            await self._forward(scope, receive, send, plain[0], direct)
+        elif plain and plain[1] == JSON and (size := self._json_size(scope)):
+            await self._forward_json(scope, receive, send, plain[0], size)
+        else:
+            await self._relay_read(scope, receive, send)
+
+    def _body_size(self, scope: Scope) -> int | None:
+        """The body's size when the channel can take it, or None: relayed instead (no
+        Content-Length, compressed, or the channel not up)."""
+        headers = Headers(scope=scope)
+        size = headers.get("content-length", "")
+        plain = headers.get("content-encoding", "identity").strip().lower() == "identity"
+        if not (self.arena and self.engine.connected and plain and size.isdigit()):
+            return None
+        return int(size)
+
+    def body_target(self, scope: Scope, size: int) -> BodyTarget[Region] | None:
+        """The connection reads a plain binary forward's body into a region of the arena
+        (`service/http/direct_body.py`); None: relayed instead (see `_body_size`; without the token,
+        too large, or the arena full)."""
+        headers = Headers(scope=scope)
+        if plain_binary_forward(scope) is None or not authorized(FORWARD_PATH, headers, self.token):
+            return None
+        if self._body_size(scope) != size or size > ARENA_BYTES // 4:
+            return None
+        region = self.arena.allocate(size)
+        return None if region is None else BodyTarget(self.arena.body(region), region)
+
+    def _json_size(self, scope: Scope) -> int | None:
+        """A JSON body's size when it is decoded here, or None: relayed (see `_body_size` and
+        FrontEndConfig.json_here_bytes)."""
+        size = self._body_size(scope)
+        return size if size is not None and size <= self.config.json_here_bytes else None
+
+    async def _forward(
+        self, scope: Scope, receive: Receive, send: Send, name: str, direct: DirectBody[Region]
+    ) -> None:
+        headers = Headers(scope=scope)
+        region = direct.target.holder
+        ours = True  # the region is not the engine's
+        with _answering(self.engine, scope, headers) as answer:
+            try:
+                try:
+                    await direct.read(self.config.read_timeout_s)
+                    reply = None
+                except ServiceError as err:  # 408, 499
+                    reply = _reply_of(err)
+                if reply is None:
+                    ours = False
+                    gone = partial(client_gone, receive)
+                    reply = await self.engine.forward(name, region, gone)
+                    ours = True
+                answer.status = reply.status
+                if reply.status == 200:
+                    blob = bytes(self.arena.reply(region, reply.nbytes))
+                    response = Response(blob, media_type=BINARY, headers=answer.headers)
+                else:
+                    response = _error_response(reply, answer.headers)
+                await response(scope, receive, send)
+            finally:
+                if ours:
+                    direct.discard()  # the connection writes no more of the body into it
+                    self.arena.free(region)
+
+    async def _forward_json(
+        self, scope: Scope, receive: Receive, send: Send, name: str, size: int
+    ) -> None:
+        """A JSON forward run as a binary one (the module's docstring); relayed with its body
+        when it asks for the routing or its blob finds no room in the arena."""
+        headers = Headers(scope=scope)
+        region, ours = None, True
+        with _answering(self.engine, scope, headers) as answer:
+            try:
+                body = await self._read_body(receive, size)
+                reply = body if isinstance(body, Reply) else None
+                if reply is None:
+                    try:
+                        arrays = await run_sized(size, decode_forward_arrays, body)
+                    except BadInput as err:
+                        arrays, reply = None, Reply(err.status, error=err.message)
+                    if arrays and not arrays.return_routing:
+                        region = self.arena.allocate(_blob_bytes(arrays))
+                    if reply is None and region is None:
+                        answer.status = RELAYED
+                        await self._relay(scope, body, receive, send)
+                        return
+                if reply is None:
+                    _write_blob(arrays, self.arena.body(region))
+                    ours = False
+                    gone = partial(client_gone, receive)
+                    reply = await self.engine.forward(name, region, gone, layer_dtype=True)
+                    ours = True
+                answer.status = reply.status
+                if reply.status == 200:
+                    blob = self.arena.reply(region, reply.nbytes)  # output [T, H], as hidden_states
+                    text = await run_sized(
+                        arrays.hidden_states.size * NUMBER_BYTES, _json_reply, blob
+                    )
+                    response = Response(text, media_type=JSON, headers=answer.headers)
+                else:
+                    response = _error_response(reply, answer.headers)
+                await response(scope, receive, send)
+            finally:
+                if ours and region is not None:
+                    self.arena.free(region)
+
+    async def _read_body(self, receive: Receive, limit: int) -> bytes | Reply:
+        """The whole body, grown as its bytes arrive (never sized by what the client declares),
+        or the reply when it passes `limit`, stalls past the read timeout or is cut."""
+        chunks, size, timeout_s = [], 0, self.config.read_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                more = True
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return _reply_of(body_cut(size))
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        return _reply_of(body_too_large(limit))
+                    chunks.append(chunk)
+                    more = message.get("more_body", False)
+        except TimeoutError:
+            return _reply_of(body_stalled(timeout_s, size))
+        return b"".join(chunks)
+
+    async def _relay_read(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A request for the engine's HTTP server: its body read here first, within the read
+        timeout and the body limit, so that a client that stalls holds no engine connection
+        and gets its 408 from this process."""
+        headers = Headers(scope=scope)
+        limit = self.config.max_body_bytes
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            body: bytes | Reply = _reply_of(body_too_large(limit, int(declared)))
+        else:
+            body = await self._read_body(receive, limit)
+        if isinstance(body, Reply):
+            with _answering(self.engine, scope, headers, UNMATCHED) as answer:
+                answer.status = body.status
+                await _error_response(body, answer.headers)(scope, receive, send)
+            return
+        await self._relay(scope, body, receive, send)
+
+    async def _relay(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
+        """The request, its `body` read, to the engine's HTTP server and its response back,
+        streamed; withdrawn if the client goes away first."""
+        request = self.relay.build_request(
+            scope["method"],
+            _target(scope),
+            headers=[(k, v) for k, v in scope["headers"] if k not in _HOP_BY_HOP],
+            content=body,
+        )
+        sending = asyncio.ensure_future(self.relay.send(request, stream=True))
+        gone = asyncio.ensure_future(client_gone(receive))
+        try:
+            await asyncio.wait((sending, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not sending.done():  # the client went away: closing the relay withdraws it
+                sending.cancel()
+        if not sending.done() or sending.cancelled():
+            return
+        try:
+            response = sending.result()
+        except httpx.TransportError:
+            down = ShuttingDown("the engine process is not reachable; retry")
+            await error_response(down.status, down.message, down.headers)(scope, receive, send)
+            return
+        try:
+            headers = [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP_BY_HOP]
+            start = {"type": "http.response.start", "status": response.status_code}
+            await send(start | {"headers": headers})
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await response.aclose()
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        await receive()  # lifespan.startup
+        if self.arena is not None:
+            try:
+                await self.engine.connect()
+            except (OSError, ConnectionError) as err:
+                await send({"type": "lifespan.startup.failed", "message": f"the engine: {err}"})
+                return
+            finally:
+                self.arena.unlink()  # both processes have it mapped (or it failed)
+        collect_less()
+        await send({"type": "lifespan.startup.complete"})
+        await receive()  # lifespan.shutdown
+        await self.engine.close()
+        await self.relay.aclose()
+        await send({"type": "lifespan.shutdown.complete"})
+
+    def _engine_lost(self) -> None:
+        log.warning("the engine process closed the channel: this front end stops")
+        self.on_engine_lost()
+
+
+RELAYED = -1  # an _Answer's status: the engine answers, logs and counts it
+UNMATCHED = "unmatched"  # the route label of what is answered before routing, as the engine's
+_UNAUTHORIZED = Reply(401, error=UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
+
+
+@dataclass
+class _Answer:
+    """A forward answered here: its request id and, once known, its status (0: none yet)."""
+
+    rid: str
+    status: int = 0
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-Request-ID": self.rid}
+
+
+@contextmanager
+def _answering(
+    engine: EngineClient, scope: Scope, headers: Headers, route: str = FORWARD_PATH
+) -> Iterator[_Answer]:
+    """A request answered by this front end: its request id set for the log lines while it
+    runs, then counted by `engine` under `route` and logged as the engine does (no status yet:
+    500, or cancelled: the 503 __call__ sends), unless relayed."""
+    answer = _Answer(new_request_id(headers.get("x-request-id", "")))
+    reset = logs.request_id.set(answer.rid)
+    started = time.perf_counter()
+    try:
+        yield answer
+    except asyncio.CancelledError:
+        answer.status = answer.status or ShuttingDown.status
+        raise
+    finally:
+        if answer.status != RELAYED:
+            status = answer.status or 500
+            seconds = time.perf_counter() - started
+            engine.done(route, status, seconds)
+            log.info("POST %s -> %d in %.1f ms", scope["path"], status, seconds * 1e3)
+        logs.request_id.reset(reset)
+
+
+def _reply_of(err: ServiceError) -> Reply:
+    return Reply(err.status, error=err.message, headers=err.headers)
+
+
+def _error_response(reply: Reply, headers: dict[str, str]) -> Response:
+    response = error_response(reply.status, reply.error, reply.headers)
+    response.headers.update(headers)
+    return response
+
+
+def _blob_head(arrays: ForwardArrays) -> bytes:
+    """The safetensors header of the float32 blob of `arrays` (hidden_states, router_logits)."""
+    header, offset = {}, 0
+    for name in ("hidden_states", "router_logits"):
+        array = getattr(arrays, name)
+        if array is not None:
+            end = offset + array.size * 4
+            header[name] = {
+                "dtype": "F32",
+                "shape": list(array.shape),
+                "data_offsets": [offset, end],
+            }
+            offset = end
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    return len(head).to_bytes(8, "little") + head
+
+
+def _blob_bytes(arrays: ForwardArrays) -> int:
+    logits = 0 if arrays.router_logits is None else arrays.router_logits.size
+    return len(_blob_head(arrays)) + 4 * (arrays.hidden_states.size + logits)
+
+
+def _write_blob(arrays: ForwardArrays, into: memoryview) -> None:
+    """`arrays` as a float32 safetensors blob into `into`, rounded as the engine rounds a JSON
+    body (a number beyond float32 becomes Inf, which the engine names)."""
+    head = _blob_head(arrays)
+    into[: len(head)] = head
+    at = len(head)
+    for array in (arrays.hidden_states, arrays.router_logits):
+        if array is not None:
+            with np.errstate(over="ignore"):  # beyond float32: inf, as torch casts it
+                np.frombuffer(into, np.float32, array.size, at).reshape(array.shape)[...] = array
+            at += array.size * 4
+
+
+def _json_reply(blob: memoryview) -> bytes:
+    """A reply blob (output [T, H] in the layer's dtype) -> the JSON the engine writes for a
+    JSON forward (routes.forward._encode_json): numbers in the dtype's shortest form."""
+    header = read_header(blob)
+    (entry,) = header.entries
+    at = header.data_start + entry.begin
+    if entry.dtype == "BF16":  # numpy has no bfloat16: its float32 twin holds it exactly
+        bits = np.frombuffer(blob, np.uint16, entry.numel, at).astype(np.uint32) << 16
+        output = bits.view(np.float32)
+    else:
+        output = np.frombuffer(blob, _NUMPY_DTYPES[entry.dtype], entry.numel, at)
+    meta = header.metadata
+    reply = {
+        "output": output.reshape(entry.shape),
+        "layer": meta["layer"],
+        "tokens": int(meta["tokens"]),
+        "backend": meta["backend"],
+    }
+    return dumps(reply)
+
+
+_NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16}
+
+
+def _target(scope: Scope) -> str:
+    """The request's path and query as the client sent them (still percent-encoded)."""
+    path = scope.get("raw_path") or scope["path"].encode()
+    query = scope["query_string"]
+    return (path + b"?" + query if query else path).decode("latin-1")
+
+
+def main() -> None:
+    config = FrontEndConfig.from_env()
+    logs.configure(config.log_level, config.log_format)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per relay: the engine logs it
+    app = FrontEnd(config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_config=None,
+            lifespan="on",
+            timeout_graceful_shutdown=config.drain_timeout_s,
+            http=bounded_protocol(config.max_connections, config.read_timeout_s, app.body_target),
+        )
+    )
+    app.on_engine_lost = lambda: setattr(server, "should_exit", True)
+    server.run(sockets=[socket.socket(fileno=config.listen_fd)])
+
+
+if __name__ == "__main__":
+    main()

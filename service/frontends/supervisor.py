@@ -1,0 +1,143 @@
+"""`--http-workers N`: the engine process's N HTTP front-end processes
+(`service/frontends/front_end.py`).
+
+This process keeps the layers, the GPU, the batcher, gRPC and every metric; it serves HTTP on a
+Unix socket (the front ends relay there what they do not serve themselves) and the channel
+(`service/frontends/channel_server.py`). The front ends share the public socket. One that dies is
+started again (and counted in `moe_serve_front_end_restarts_total`); on SIGTERM they stop taking
+connections and finish their requests first, then this process drains as it does alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from prometheus_client import Counter
+
+from ..codecs import json_device
+from ..http.deps import Runtime
+from ..settings import Settings
+from .arena import shm_dir
+from .channel_server import ChannelServer
+from .front_end import FrontEndConfig
+
+log = logging.getLogger(__name__)
+
+_QUICK_DEATH_S = 5.0  # a front end that dies sooner after its start waits before the next one
+_RESTART_PAUSE_S = 1.0
+
+
+class FrontEnds:
+    def __init__(self, settings: Settings, listener: socket.socket) -> None:
+        self.count = settings.http_workers
+        self.listener = listener
+        remove_stale_directories(shm_dir())
+        prefix = f"{DIRECTORY_PREFIX}{os.getpid()}-"
+        self.directory = Path(tempfile.mkdtemp(prefix=prefix, dir=shm_dir()))
+        self.http_path = self.directory / "http.sock"  # the engine's HTTP server
+        token = settings.api_token
+        self.config = FrontEndConfig(
+            listen_fd=listener.fileno(),
+            engine_http=str(self.http_path),
+            engine_channel=str(self.directory / "channel.sock"),
+            arena_dir=str(self.directory),
+            api_token=None if token is None else token.get_secret_value(),
+            max_connections=settings.max_connections,
+            read_timeout_s=settings.read_timeout_s,
+            max_body_bytes=settings.max_body_bytes,
+            json_here_bytes=json_here_bytes(settings),
+            drain_timeout_s=settings.drain_timeout_s,
+            log_level=settings.log_level,
+            log_format=settings.log_format,
+        )
+        self._processes: list[asyncio.subprocess.Process | None] = [None] * self.count
+        self._supervising: list[asyncio.Task] = []
+        self._channel: ChannelServer | None = None
+        self._stopping = False
+
+    async def start(self, runtime: Runtime) -> None:
+        self._channel = ChannelServer(runtime, Path(self.config.engine_channel))
+        await self._channel.start()
+        restarts = runtime.metrics.front_end_restarts
+        self._supervising = [
+            asyncio.create_task(self._supervise(i, restarts)) for i in range(self.count)
+        ]
+
+    def terminate(self) -> None:
+        """SIGTERM to every front end: each stops taking connections and drains."""
+        self._stopping = True
+        for process in self._processes:
+            if process is not None and process.returncode is None:
+                process.terminate()
+
+    async def stop(self, timeout_s: float) -> None:
+        """Drain the front ends (killed after `timeout_s`), then close the channel."""
+        self.terminate()
+        _, running = await asyncio.wait(self._supervising, timeout=timeout_s + 1)
+        for process in self._processes:
+            if process is not None and process.returncode is None:
+                log.warning("front end %d did not stop in %g s: killed", process.pid, timeout_s)
+                process.kill()
+        await asyncio.gather(*running, return_exceptions=True)
+        if self._channel is not None:
+            await self._channel.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    async def _supervise(self, index: int, restarts: Counter) -> None:
+        while not self._stopping:
+            started = time.monotonic()
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "moe_serve.service.frontends.front_end",
+                env=os.environ | self.config.to_env(),
+                pass_fds=(self.listener.fileno(),),
+            )
+            self._processes[index] = process
+            code = await process.wait()
+            if self._stopping:
+                return
+            log.warning(
+                "front end %d (pid %d) exited with %d: restarting", index, process.pid, code
+            )
+            restarts.inc()
+            if time.monotonic() - started < _QUICK_DEATH_S:
+                await asyncio.sleep(_RESTART_PAUSE_S)
+
+
+DIRECTORY_PREFIX = "moe-serve-"  # then the engine's pid: its sockets and the arenas
+
+
+def remove_stale_directories(where: Path) -> None:
+    """Remove what engines that are gone (killed: no stop ran) left in `where`."""
+    for path in where.glob(f"{DIRECTORY_PREFIX}*-*"):
+        pid = path.name.removeprefix(DIRECTORY_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            log.info("removing %s, left by engine process %s", path, pid)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def json_here_bytes(settings: Settings) -> int:
+    """The largest JSON forward a front end decodes itself: on a GPU engine the rest goes to the
+    engine, which reads large bodies on the device (service/codecs/json_device.py)."""
+    if settings.torch_device().type == "cuda":
+        return min(settings.max_json_bytes, json_device.HOST_UP_TO_BYTES)
+    return settings.max_json_bytes

@@ -1,0 +1,1 @@
+"""KServe v2 over gRPC: the servicer and the protobuf codec."""

@@ -1,0 +1,134 @@
+"""KServe v2 gRPC messages (tritonclient's generated protobuf) <-> the transport-free forms of
+service/codecs/kserve.py: an InferRequest plus its input tensors, and output tensors back.
+
+Input tensors come as typed `contents` or, one entry per input, `raw_input_contents`; outputs
+always go back as `raw_output_contents`, as Triton sends them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from pydantic import BaseModel
+from tritonclient.grpc import service_pb2 as pb
+
+from ..codecs.kserve import (
+    DATATYPE_NAMES,
+    SHM_REGION,
+    InferInput,
+    InferOutput,
+    InferRequest,
+    RequestedOutput,
+    tensor_bytes,
+    tensor_from_bytes,
+    tensor_type,
+)
+from ..errors import BadInput
+
+# datatype -> the InferTensorContents field that carries it: of the datatypes a layer takes
+# (kserve_codec.DATATYPES), FP16 and BF16 have no typed field and travel raw only
+TYPED_CONTENTS = {"FP32": "fp32_contents"}
+
+
+def parameters_to_dict(parameters: Mapping[str, Message]) -> dict[str, Any]:
+    """An InferParameter (or ModelRepositoryParameter) map -> plain values; BadInput for a
+    parameter with no value set."""
+    values = {}
+    for key, p in parameters.items():
+        choice = p.WhichOneof("parameter_choice")
+        if choice is None:
+            raise BadInput(f"parameter {key!r} has no value set")
+        values[key] = getattr(p, choice)
+    return values
+
+
+def dict_to_parameters(values: Mapping[str, Any], into: Any) -> None:
+    """Fill a protobuf parameters map from plain values."""
+    for key, value in values.items():
+        if isinstance(value, bool):
+            into[key].bool_param = value
+        elif isinstance(value, int):
+            into[key].int64_param = value
+        elif isinstance(value, float):
+            into[key].double_param = value
+        else:
+            into[key].string_param = str(value)
+
+
+def _typed_tensor(meta: InferInput, contents: pb.InferTensorContents) -> torch.Tensor:
+    dtype, _ = tensor_type(meta)  # a datatype no layer takes is named here
+    field = TYPED_CONTENTS.get(meta.datatype)
+    if field is None:
+        raise BadInput(f"input {meta.name}: {meta.datatype} must be sent in raw_input_contents")
+    values = getattr(contents, field)
+    # the same checks (size) as raw bytes: one path
+    array = torch.tensor(list(values), dtype=dtype)
+    return tensor_from_bytes(meta, tensor_bytes(array))
+
+
+def decode_infer(message: pb.ModelInferRequest) -> tuple[InferRequest, dict[str, torch.Tensor]]:
+    """A ModelInferRequest -> the request and its input tensors (shared-memory ones excluded)."""
+    request = InferRequest(
+        id=message.id or None,
+        parameters=parameters_to_dict(message.parameters),
+        inputs=[
+            InferInput(
+                name=t.name,
+                shape=list(t.shape),
+                datatype=t.datatype,
+                parameters=parameters_to_dict(t.parameters),
+            )
+            for t in message.inputs
+        ],
+        outputs=[
+            RequestedOutput(name=o.name, parameters=parameters_to_dict(o.parameters))
+            for o in message.outputs
+        ]
+        or None,
+    )
+    raw = message.raw_input_contents
+    in_memory = [t for t in request.inputs if SHM_REGION not in t.parameters]
+    if raw and len(raw) != len(in_memory):
+        raise BadInput(
+            f"{len(raw)} raw_input_contents for {len(in_memory)} inputs not in shared memory"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    contents = {} if raw else {t.name: t.contents for t in message.inputs}
+    for i, meta in enumerate(in_memory):
+        if meta.name in tensors:
+            raise BadInput(f"input {meta.name} is given twice")
+        if raw:
+            tensors[meta.name] = tensor_from_bytes(meta, raw[i])
+        else:
+            tensors[meta.name] = _typed_tensor(meta, contents[meta.name])
+    return request, tensors
+
+
+def encode_infer(
+    model_name: str,
+    version: str,
+    request: InferRequest,
+    outputs: dict[str, torch.Tensor],
+    placed: Sequence[InferOutput] = (),
+) -> pb.ModelInferResponse:
+    """Output tensors -> a ModelInferResponse: raw bytes per output; `placed` outputs are in
+    shared memory already and go back as metadata only, after the others."""
+    response = pb.ModelInferResponse(model_name=model_name, model_version=version, id=request.id)
+    for name, tensor in outputs.items():
+        response.outputs.add(
+            name=name, datatype=DATATYPE_NAMES[tensor.dtype], shape=list(tensor.shape)
+        )
+        response.raw_output_contents.append(tensor_bytes(tensor))
+    for entry in placed:
+        out = response.outputs.add(name=entry.name, datatype=entry.datatype, shape=entry.shape)
+        dict_to_parameters(entry.parameters or {}, out.parameters)
+    return response
+
+
+def from_model(model: BaseModel, message: type[Message]) -> Message:
+    """A pydantic body of the HTTP API -> the gRPC message of the same schema."""
+    return json_format.ParseDict(model.model_dump(exclude_none=True), message())

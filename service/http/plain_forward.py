@@ -1,0 +1,41 @@
+"""Which requests are plain forwards: `POST /v1/layers/{name}/forward` with no query string and a
+safetensors body (Content-Type application/octet-stream, a plain binary forward, the request a
+client library sends in a loop) or a JSON one. Their fast paths take exactly these
+(`service/http/fast_path.py` in the engine process, `service/frontends/front_end.py` in a front-end
+process); everything else takes the app's routes.
+"""
+
+from __future__ import annotations
+
+import re
+
+from starlette.types import Scope
+
+FORWARD_PATH = "/v1/layers/{name}/forward"
+JSON = "application/json"
+BINARY = "application/octet-stream"
+
+_PATH = re.compile(r"/v1/layers/([^/]+)/forward")
+_BINARY = BINARY.encode()
+_JSON = JSON.encode()
+
+
+def plain_forward(scope: Scope) -> tuple[str, str] | None:
+    """The layer's name and the body's media type (BINARY or JSON) when `scope` is a plain
+    forward, else None."""
+    if scope["type"] != "http" or scope["method"] != "POST" or scope["query_string"]:
+        return None
+    matched = _PATH.fullmatch(scope["path"])
+    if matched is None:
+        return None
+    media = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
+    media = media.split(b";")[0].strip().lower()
+    if media == _BINARY:
+        return matched.group(1), BINARY
+    return (matched.group(1), JSON) if media == _JSON else None
+
+
+def plain_binary_forward(scope: Scope) -> str | None:
+    """The layer's name when `scope` is a plain binary forward, else None."""
+    plain = plain_forward(scope)
+    return plain[0] if plain and plain[1] == BINARY else None

@@ -1,0 +1,149 @@
+"""The uvicorn server as `moe-serve serve` runs it, with two bounds uvicorn lacks, added to its
+HTTP protocol (which also answers bytes that are not HTTP in the service's JSON error shape):
+
+- at most `max_connections` open connections: a request on a connection beyond them gets a
+  JSON 503 (the probes and /metrics still answer) and its connection is closed;
+- a request head must arrive within `read_timeout_s` of the connection opening or of the last
+  response: uvicorn closes idle keep-alive connections, but never one whose client sent part of
+  its headers and stalled. The body's deadline is the app's (`service.http.deps.get_body`: 408).
+
+It also lets a body gather up to BODY_BUFFER_BYTES before it pauses reading the socket (uvicorn
+pauses past 64 KB until the app takes what came: a 917 KB DeepSeek-V3 request crossed the event
+loop 14 times on its way in, about 0.9 ms of one request's latency on the H100 host), and, given
+a `BodySink`, reads the bodies it takes straight into their memory (`service/http/direct_body.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import uvicorn
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http import h11_impl, httptools_impl
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+from .direct_body import BodySink, BufferedConnection, DirectBodyProtocol
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from ..settings import Settings
+
+log = logging.getLogger(__name__)
+
+OVER_CAPACITY = "moe_serve.over_capacity"  # scope key: the connection is beyond max_connections
+# Body bytes a connection holds before it stops reading (per connection, at most this much more
+# memory than uvicorn's 64 KB; max_connections bounds the connections).
+BODY_BUFFER_BYTES = 4 << 20
+
+
+def listen(host: str, port: int, what: str = "HTTP, --port") -> socket.socket:
+    """A socket bound to host:port, so that a port in use is known before anything loads
+    (uvicorn would find out after the app has started, and log it). `what`: the listener and
+    the option that sets its port, for the error."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as err:
+        listener.close()
+        raise ValueError(f"cannot listen on {host}:{port} ({what}): {err.strerror}") from None
+    return listener
+
+
+def server_config(app: FastAPI, settings: Settings, uds: str | None = None) -> uvicorn.Config:
+    """As `moe-serve serve` runs it; on a Unix socket `uds` behind the --http-workers front
+    ends, each of which may relay up to max_connections."""
+    connections = settings.max_connections * (settings.http_workers if uds else 1)
+    return uvicorn.Config(
+        app,
+        uds=uds,
+        log_config=None,  # keep the handlers service.logs installed
+        timeout_graceful_shutdown=settings.drain_timeout_s,
+        http=bounded_protocol(connections, settings.read_timeout_s, app.state.body_sink),
+    )
+
+
+def bounded_protocol(
+    max_connections: int, read_timeout_s: float, body_sink: BodySink | None = None
+) -> Callable[..., asyncio.BaseProtocol]:
+    """uvicorn's HTTP protocol (h11, or httptools when installed) with both bounds, reading the
+    bodies `body_sink` takes straight into place (with httptools only); uvicorn calls it with
+    its keyword arguments for each connection."""
+    # uvicorn has no setting for it: its protocols read the module's constant at each body chunk
+    for protocol in (h11_impl, httptools_impl):
+        protocol.HIGH_WATER_LIMIT = BODY_BUFFER_BYTES
+    direct = body_sink is not None and AutoHTTPProtocol is httptools_impl.HttpToolsProtocol
+    base = DirectBodyProtocol if direct else AutoHTTPProtocol
+
+    class BoundedHTTPProtocol(base):
+        _head_deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                self.app = _flag_over_capacity(self.app)
+                self.body_sink = _no_target  # its requests get a 503, their bodies no memory
+            self._await_head()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._await_head()
+
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps({"error": msg}).encode()
+            head = f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            self.transport.write(
+                b"HTTP/1.1 400 Bad Request\r\n"
+                + head.encode()
+                + b"connection: close\r\n\r\n"
+                + body
+            )
+            self.transport.close()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+            super().connection_lost(exc)
+
+        def _await_head(self) -> None:
+            if self._head_deadline is not None:
+                self._head_deadline.cancel()
+            overdue = self._head_overdue
+            self._head_deadline = self.loop.call_later(read_timeout_s, overdue, self.cycle)
+
+        def _head_overdue(self, cycle: object) -> None:
+            """Close the connection unless a request has started since the deadline was set."""
+            idle = cycle is None or cycle.response_complete
+            if self.cycle is cycle and idle and not self.transport.is_closing():
+                log.info("closing a connection: no request head within %g s", read_timeout_s)
+                self.transport.close()
+
+    if not direct:
+        return BoundedHTTPProtocol
+    BoundedHTTPProtocol.body_sink = staticmethod(body_sink)
+    return lambda **kwargs: BufferedConnection(BoundedHTTPProtocol(**kwargs))
+
+
+async def client_gone(receive: Receive) -> None:
+    """Returns once the client has gone (its body must have been read already)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _no_target(scope: Scope, size: int) -> None:  # noqa: ARG001 (a BodySink)
+    return None
+
+
+def _flag_over_capacity(app: object) -> object:
+    async def flagged(scope: Scope, receive: Receive, send: Send) -> None:
+        scope[OVER_CAPACITY] = True
+        await app(scope, receive, send)
+
+    return flagged

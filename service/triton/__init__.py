@@ -1,0 +1,1 @@
+"""Triton's extensions: shared memory, the model repository, statistics."""

@@ -1,0 +1,129 @@
+"""The model repository (--model-repository DIR): each subdirectory is a layer directory, served
+as the model of the subdirectory's name. Triton's repository extension loads and unloads them
+at run time, over HTTP (routes/repository.py) and gRPC.
+
+A load reads the directory onto the device off the event loop, then builds and warms the layer
+on the device worker between forwards and only then serves it (Engine.load): a failed load
+leaves the running version serving. An unload first lets the layer's admitted requests finish.
+One load or unload runs at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...weights.load import load_layer
+from ..errors import BadInput, UnknownLayer
+from ..http.deps import Runtime, ready
+from .statistics import VERSION
+
+log = logging.getLogger(__name__)
+
+READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNLOADING"
+
+
+@dataclass(frozen=True)
+class ModelIndex:
+    """One entry of Triton's repository index."""
+
+    name: str
+    state: str
+    reason: str = ""
+    version: str = ""
+
+    def to_json(self) -> dict[str, str]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v}
+
+
+class Repository:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.busy: dict[str, str] = {}  # model -> LOADING or UNLOADING, while it runs
+        self.reasons: dict[str, str] = {}  # model -> why it is not serving (failed load, unload)
+        self._lock = asyncio.Lock()
+
+    def names(self) -> list[str]:
+        """The repository's models: its subdirectories."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and p.name[0] != ".")
+
+    def path(self, name: str) -> Path:
+        """The directory of model `name`; 404 for a name that is not one of them."""
+        if name not in self.names():  # never a path built from the name alone
+            raise UnknownLayer(f"the model repository has no model named {name!r}")
+        return self.root / name
+
+    def index(self, runtime: Runtime, ready_only: bool = False) -> list[ModelIndex]:
+        served = runtime.engine.layers if runtime.engine is not None else {}
+        entries = []
+        for name in self.names():
+            if name in self.busy:
+                entry = ModelIndex(name, self.busy[name])
+            elif name in served:
+                entry = ModelIndex(name, READY, version=VERSION)
+            else:
+                entry = ModelIndex(name, UNAVAILABLE, self.reasons.get(name, "not loaded"))
+            if entry.state == READY or not ready_only:
+                entries.append(entry)
+        return entries
+
+    async def load_all(self, runtime: Runtime) -> None:
+        """At start: every model of the repository; one that fails is logged and left out."""
+        for name in self.names():
+            with contextlib.suppress(BadInput):  # logged, and its reason is in the index
+                await self._load(runtime, name)
+
+    async def load(self, runtime: Runtime, name: str) -> None:
+        """Serve model `name` from its directory, replacing the running version if any."""
+        await self._load(ready(runtime), name)
+
+    async def _load(self, runtime: Runtime, name: str) -> None:
+        path = self.path(name)
+        async with self._lock:
+            self.busy[name] = LOADING
+            try:
+                device = runtime.engine.device
+                loaded = await asyncio.to_thread(load_layer, path, device)
+                source = dataclasses.replace(loaded, name=name)  # the directory names the model
+                tokens = runtime.warm_up_tokens
+                served = await runtime.batcher.on_worker(runtime.engine.load, source, tokens)
+            except Exception as err:
+                serving = name in runtime.engine.layers
+                keeps = " (the running version keeps serving)" if serving else ""
+                why = str(err) or type(err).__name__  # MemoryError() says nothing itself
+                self.reasons[name] = f"load failed: {why}"
+                log.warning("loading model %s failed%s: %s", name, keeps, why)
+                raise BadInput(f"failed to load model {name!r}{keeps}: {why}") from None
+            finally:
+                del self.busy[name]
+            runtime.metrics.add_layer(name, served.config.num_experts)
+            runtime.batcher.add_layer(name)
+            self.reasons.pop(name, None)
+        log.info("model %s loaded from %s (%s)", name, path, served.backend)
+
+    async def unload(self, runtime: Runtime, name: str) -> None:
+        """Stop serving model `name` once its admitted requests are answered."""
+        runtime = ready(runtime)
+        async with self._lock:
+            runtime.engine.get(name)  # 404 for a model not being served
+            self.busy[name] = UNLOADING
+            try:
+                await runtime.batcher.remove_layer(name)
+                await runtime.batcher.on_worker(runtime.engine.remove, name)
+            finally:
+                del self.busy[name]
+            runtime.metrics.statistics.remove_model(name)
+            self.reasons[name] = "unloaded"
+        log.info("model %s unloaded", name)
+
+
+def require(runtime: Runtime) -> Repository:
+    if runtime.repository is None:
+        raise BadInput("this server has no model repository: start it with --model-repository")
+    return runtime.repository
