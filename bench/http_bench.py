@@ -1,4 +1,4 @@
-"""`moe-serve bench http`: an async load generator for one layer's forward route.
+"""`moe-serve bench service --mode http`: an async load generator for one layer's forward route.
 
 At each concurrency level, that many clients (asyncio tasks, spread over `processes` client
 processes) post the same request back to back until the level's duration or request count runs
@@ -19,7 +19,6 @@ from collections import Counter
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -309,8 +308,3 @@ def run_http_bench(config: HttpBenchConfig) -> HttpReport:
         processes=config.processes,
         levels=levels,
     )
-
-
-def write_report(report: HttpReport, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(report.model_dump_json(indent=1))

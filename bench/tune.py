@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TOKENS = (1, 16, 64, 512, 4096)
 # (block_n, block_k, num_warps) tried for each GEMM; stages follow from shared memory
 _GEMM_CHOICES = ((64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 64, 4))
 # GEMM2 alone also tries wide tiles: its K (I) is short and it keeps one accumulator
