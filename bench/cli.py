@@ -878,7 +878,6 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 def register(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench",
-        help="benchmarks, tuning and the performance page",
         description="Benchmarks (kernels, the service, expert parallelism), tuning for this GPU, "
         "and the performance page made from the stored results (bench/results, "
         "docs/performance.md).",

@@ -32,7 +32,6 @@ LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve",
-        help="serve MoE layers over HTTP",
         description="Serve MoE layers over HTTP (JSON, safetensors and KServe v2; the API is at "
         "/docs). Every option also reads MOE_SERVE_<OPTION> (e.g. MOE_SERVE_PORT); an option "
         "given here wins. Without --weights the demo layers are generated into "

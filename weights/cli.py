@@ -89,11 +89,10 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    what = "convert one MoE layer of a Hugging Face checkpoint into a layer directory"
     convert = subparsers.add_parser(
         "convert",
-        help=what,
-        description=f"{what.capitalize()} (written atomically: nothing is left on failure). "
+        description="Convert one MoE layer of a Hugging Face checkpoint into a layer directory "
+        "(written atomically: nothing is left on failure). "
         f"Supported model_type values: {', '.join(FAMILIES)}. Exit status 2: a bad option; "
         "1: the checkpoint cannot be converted (the message names the file and tensor).",
     )
@@ -127,21 +126,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("--name", help="layer name (default: <model dir>-layer<N>)")
     convert.set_defaults(run=run_convert)
 
-    what = "write the seeded demo layers (demo, demo-fp8) under OUT_DIR"
     demo = subparsers.add_parser(
         "demo-weights",
-        help=what,
-        description=f"{what.capitalize()}: E=8, H=256, I=512, top_k=2, with a router; the "
+        description="Write the seeded demo layers (demo, demo-fp8) under OUT_DIR: E=8, H=256, "
+        "I=512, top_k=2, with a router; the "
         "layers `moe-serve serve` serves when given no --weights. Current copies are kept.",
     )
     demo.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="where to write them")
     demo.set_defaults(run=run_demo_weights)
 
-    what = "validate a layer directory and print its manifest and tensor shapes"
     inspect = subparsers.add_parser(
         "inspect",
-        help=what,
-        description=f"{what.capitalize()}. Every byte is read: names, shapes and dtypes against "
+        description="Validate a layer directory and print its manifest and tensor shapes. "
+        "Every byte is read: names, shapes and dtypes against "
         "the manifest, each tensor's checksum, and every value finite. Exit status 1 with the "
         "file and tensor named when something does not check out.",
     )

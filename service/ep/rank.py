@@ -26,7 +26,6 @@ _ENVIRONMENT = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "ep-rank",
-        help="join a `serve --ep N` from another host as one of its expert-parallel ranks",
         description="Join a `moe-serve serve --ep N --ep-local-ranks K` as rank RANK (K <= RANK "
         "< N), reading MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK (the GPU "
         "here, default 0) from the environment. The layers and their placement come from "

@@ -1,6 +1,6 @@
 """`moe-serve bench`'s commands: each option applies to some modes with a default per mode, an
 option given to a mode that does not take it is refused, the run records the command as given,
-and building the command line loads no benchmark."""
+and the bench command line in full loads no benchmark."""
 
 from __future__ import annotations
 
@@ -57,9 +57,9 @@ def test_an_unknown_layer_is_refused_naming_the_known_ones(
     assert "unknown layers ['nope']: demo, mixtral" in caplog.text
 
 
-def test_building_the_command_line_loads_no_benchmark() -> None:
+def test_the_bench_command_line_in_full_loads_no_benchmark() -> None:
     code = (
-        "import sys; from moe_serve.service.cli import build_parser; build_parser(); "
+        "import sys; from moe_serve.service.cli import build_parser; build_parser('bench'); "
         "print(sorted(m for m in sys.modules if m.startswith('moe_serve.bench')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

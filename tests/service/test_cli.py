@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from moe_serve.kernels.config import MoEConfig, RoutingConfig
 from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
-from moe_serve.service.cli import build_parser, main
+from moe_serve.service.cli import COMMANDS, build_parser, main
 from moe_serve.service.settings import Settings
 from moe_serve.weights.demo import ensure_demo_layers
 
@@ -48,6 +48,30 @@ def test_every_command_and_option_describes_itself() -> None:
         for action in parser._actions:
             if not isinstance(action, argparse._HelpAction | argparse._SubParsersAction):
                 assert action.help, f"{command}: {'/'.join(action.option_strings) or action.dest}"
+
+
+def test_help_imports_none_of_the_commands_modules() -> None:
+    """`moe-serve --help` answers at once: torch, the service and the benchmarks stay unloaded."""
+    code = (
+        "import sys\nfrom moe_serve.service.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m in ('torch', 'fastapi', 'triton') "
+        "or m.startswith(('moe_serve.kernels', 'moe_serve.bench', 'moe_serve.weights'))))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "serve MoE layers" in run.stdout
+    assert run.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_command_is_registered_in_full_by_its_module(command: str) -> None:
+    parser = build_parser(command)
+    (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    full = commands.choices[command]  # runs, or has subcommands of its own
+    assert full.get_default("run") or any(
+        isinstance(a, argparse._SubParsersAction) for a in full._actions
+    )
+    assert set(commands.choices) == set(COMMANDS)
 
 
 def test_every_setting_reads_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
