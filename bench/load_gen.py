@@ -130,7 +130,8 @@ def run_one_client(
     duration_s: float,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Load:
-    """One keep-alive connection, one request at a time, for `duration_s` of `clock`."""
+    """One keep-alive connection, one request at a time, for `duration_s` of `clock` (one
+    request at least)."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
     head = (
@@ -145,7 +146,7 @@ def run_one_client(
         reader = sock.makefile("rb")
         begin = clock()
         deadline = begin + duration_s
-        while clock() < deadline:
+        while True:  # at least one request, however late it starts
             start = clock()
             sock.sendall(message)
             status = _read_response(reader)
@@ -153,6 +154,8 @@ def run_one_client(
                 latencies.append(clock() - start)
             else:
                 errors[str(status)] += 1
+            if clock() >= deadline:
+                break
         elapsed = clock() - begin
     return Load(1, elapsed, latencies, dict(errors), "one-client")
 

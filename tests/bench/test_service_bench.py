@@ -90,12 +90,17 @@ class _Ticks:
 
 
 def test_one_client_times_requests_on_one_connection(echo_url: str) -> None:
-    # the clock reads 1 at the start (the deadline 31), then three times a request: the loop's
-    # test (2, 5, ..., 29: ten requests; 32 ends it), the request's start and its end
+    # the clock reads 1 at the start (the deadline 31), then three times a request: its start
+    # (2, 5, ..., 29: ten requests), its end and the deadline's test (31 ends it)
     load = run_one_client(echo_url, b"x" * 70_000, "application/octet-stream", 30.0, _Ticks())
     assert load.ok == 10 and not load.errors
     assert load.latencies_s == [1.0] * 10
-    assert load.elapsed_s == 32.0  # read last at 33
+    assert load.elapsed_s == 31.0  # read last at 32
+
+
+def test_one_client_sends_one_request_however_late_it_starts(echo_url: str) -> None:
+    load = run_one_client(echo_url, b"x", "application/octet-stream", 0.0, _Ticks())
+    assert load.ok == 1 and load.latencies_s == [1.0]
 
 
 def _hey_csv(*rows: tuple[float, str, float]) -> str:
