@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# moe-serve for NVIDIA GPUs: `docker compose up -d` builds and runs it (README, "Deploy").
+# moe-serve for NVIDIA GPUs: `docker compose up -d` builds and runs it (docs/deploy.md).
 #
 # What is pinned, and where it comes from (tests/deploy checks these lines against pyproject):
 # - Base images: nvidia/cuda 13.0.2 on Ubuntu 24.04 (Docker Hub; Python 3.12 from Ubuntu).
@@ -9,7 +9,7 @@
 # - DeepGEMM 2.6.1 (deepseek-ai/DeepGEMM at a full commit hash) and OpenAI's triton_kernels
 #   (the triton repository's python/triton_kernels at release tag v3.5.1, the copy vLLM vendors;
 #   later tags drop `triton_kernels.routing`): from source, as pyproject's `deepgemm` and `oai`
-#   extras say, since neither has a working wheel on PyPI (README, "Backends").
+#   extras say, since neither has a working wheel on PyPI (docs/backends.md).
 
 ARG CUDA_IMAGE_VERSION=13.0.2
 ARG UBUNTU=ubuntu24.04

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..kernels.config import MoEConfig, RoutingConfig
+from ..service.core.runtime import Runtime
 from ..service.errors import UnknownLayer
 from ..service.frontends import channel_server
 from ..service.frontends.arena import BodyArena, shm_dir
 from ..service.frontends.channel import EngineClient
 from ..service.frontends.channel_server import ChannelServer
 from ..service.frontends.front_end import ARENA_BYTES
-from ..service.http.deps import Runtime
 from ..service.http.plain_forward import FORWARD_PATH
 from ..service.metrics import Metrics
 from ..service.settings import Settings

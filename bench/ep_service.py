@@ -87,9 +87,10 @@ def throughput(
     engine: Engine, name: str, m: int, hidden: int, seconds: float, pinned: bool
 ) -> dict:
     """Tokens per second over about `seconds`, up to max_in_flight batches at once, each
-    waited for on a completer thread as service.engine.batcher does. `pinned`: rows in pinned memory
-    and outputs copied into pinned memory, as binary requests are read and answered
-    (service/http/deps.py); else plain host tensors in and the output copied out of the slot."""
+    waited for on a completer thread as service.engine.batcher does. `pinned`: rows in pinned
+    memory and outputs copied into pinned memory, as binary requests are read and answered
+    (service/http/pinned_body.py); else plain host tensors in and the output copied out of the
+    slot."""
     batches = _inputs(m, hidden, pinned)
     first = engine.start(name, [batches[0]]).result().outputs[0]
     # an output buffer per batch in flight, and one for the batch being started

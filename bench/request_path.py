@@ -36,8 +36,8 @@ import safetensors.torch
 import torch
 
 from ..kernels.tensors import ForwardInputs
+from ..service.core.forward import LayerCall, serve_blob, serve_blob_into
 from ..service.engine.batcher import RequestOptions
-from ..service.http.routes.forward import LayerCall, serve_blob, serve_blob_into
 from .load_gen import run_one_client
 from .schema import Environment, write_result
 from .service_bench import _free_port, _tcp_ready, http_ready, process
@@ -68,10 +68,6 @@ async def _timed(call: Callable[[], Awaitable[object] | object]) -> tuple[float,
     return statistics.median(samples), statistics.quantiles(samples, n=10)[8]
 
 
-async def _never() -> None:
-    await asyncio.Event().wait()
-
-
 async def time_levels(runtime, tokens: list[int]) -> list[dict]:
     """Each in-process level at each token count: dicts of tokens, level, median_us, p90_us."""
     engine, batcher, metrics = runtime.engine, runtime.batcher, runtime.metrics
@@ -80,7 +76,7 @@ async def time_levels(runtime, tokens: list[int]) -> list[dict]:
     layer_call = LayerCall(served, batcher, metrics)
     cuda = engine.device.type == "cuda"
     generator = torch.Generator().manual_seed(2)
-    never = asyncio.get_running_loop().create_future()  # serve_blob_into's client stays
+    never = asyncio.get_running_loop().create_future()  # the client stays
     rows = []
     for t in tokens:
         hidden = torch.randn(t, cfg.hidden_size, generator=generator).to(cfg.dtype)
@@ -110,7 +106,7 @@ async def time_levels(runtime, tokens: list[int]) -> list[dict]:
             levels["batcher-pinned"] = lambda p=pinned, o=into: batcher.submit(
                 name, p, output_into=o
             )
-        levels["blob"] = lambda b=blob: serve_blob(layer_call, b, RequestOptions(), False, _never)
+        levels["blob"] = lambda b=blob: serve_blob(layer_call, b, RequestOptions(), False, never)
         if cuda and logits is None:
             arena = torch.empty(2 * len(blob) + (64 << 10), dtype=torch.uint8).pin_memory()
             view = memoryview(arena.numpy())

@@ -53,10 +53,10 @@ from ..kernels.config import MoEConfig
 from ..kernels.layer import LayerWeights
 from ..kernels.tensors import ForwardInputs
 from ..service import logs
-from ..service.engine.engine import LayerSource, ServedLayer
-from ..service.engine.pipeline import StageTimes
+from ..service.core.runtime import LayerLoader
+from ..service.engine.interface import LayerSource, ServedLayer, StageTimes
 from ..service.frontends.supervisor import FrontEnds
-from ..service.http.app import LayerLoader, create_app
+from ..service.http.app import create_app
 from ..service.http.server import listen, server_config
 from ..service.interpreter import collect_less
 from ..service.metrics import Metrics

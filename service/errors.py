@@ -118,6 +118,12 @@ class DeadlineExceeded(ServiceError):
     status = 503
 
 
+class Unprocessable(ServiceError):
+    """Request parameters that fail their validation, named as FastAPI names them."""
+
+    status = 422
+
+
 class NonFiniteOutput(ServiceError):
     """The layer's output for this request holds NaN or Inf. Weights are checked finite at load
     and inputs before batching, so the inputs overflowed the layer's arithmetic (or a kernel is
@@ -176,6 +182,7 @@ GRPC_STATUS: dict[type[ServiceError], grpc.StatusCode] = {
     UnsupportedMediaType: grpc.StatusCode.INVALID_ARGUMENT,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotReady: grpc.StatusCode.UNAVAILABLE,
+    Unprocessable: grpc.StatusCode.INVALID_ARGUMENT,
     NonFiniteOutput: grpc.StatusCode.INVALID_ARGUMENT,  # the inputs overflowed the layer: 422
     ServiceError: grpc.StatusCode.INTERNAL,  # ForwardFailed, and any 500
 }

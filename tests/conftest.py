@@ -33,7 +33,7 @@ from moe_serve.kernels.config import MoEConfig, RoutingConfig  # noqa: E402
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if HAS_CUDA:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU; run on the device machine (DEVELOPERS.md)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; DEVELOPERS.md says how to run the GPU suite")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU suite on the device machine, one pytest process per test file, three files at a time:
-#     source .deps/device-env.sh; bash tests/gpu_suite.sh OUT_DIR
+# The GPU suite on a CUDA machine, one pytest process per test file, three files at a time, with
+# the venv that has the GPU extras active (DEVELOPERS.md, "GPU suite"):
+#     bash tests/gpu_suite.sh OUT_DIR
 # One process per file because tests of different files share CUDA state in one process (a
 # graph of one test freed while another captures): `pytest -n 3` mixed them and failed where
 # every file passes on its own. Prints a line per file and the failures; the logs go to

@@ -1,8 +1,9 @@
 """JSON rows of numbers read and written by the GPU: a /v1 forward's JSON body parsed where its
 numbers go, and its 16-bit output printed there.
 
-A DeepSeek-V3-sized JSON forward (64 tokens, 5.5 MB of text in, 4.8 MB out) spent tens of ms in
-orjson on one host core, half a million Python floats each way (`service/codecs/json_numbers.py`).
+A DeepSeek-V3-sized JSON forward (64 tokens, megabytes of text each way) costs tens of ms in
+orjson on one host core, half a million Python floats each way (`service/codecs/json_numbers.py`;
+`bench/json_bench.py` times both paths).
 Here the body's bytes go to the device as they are: one Triton kernel reads every number
 (`service/codecs/json_device_kernel.py`; `read_numbers` does the same with torch ops, on the CPU and
 as its reference) and torch ops check the layout; the output's text comes from a table of the
@@ -33,7 +34,9 @@ from functools import lru_cache
 
 import torch
 
-from . import json_numbers, json_tensors
+from .. import off_loop
+from . import json_tensors
+from .json_limits import LIMITS
 from .safetensors_wire import byte_view
 
 log = logging.getLogger(__name__)
@@ -63,30 +66,16 @@ _TAIL = re.compile(rb"\]" + _WS + rb"(?:," + _WS + _ROUTING + _WS + rb")?\}" + _
 _TAIL_BYTES = 64
 
 
-# JSON work on up to this many bytes of text stays on the host. On the H100 (bench.json_bench,
-# bench/results/json-h100-2026-11-25.md) a 90 KB body read in 0.73 ms with orjson and 1.79 ms
-# here (launches and copies, whatever the size), a 200 KB one in 1.76 and 1.82 ms, a 5.5 MB one
-# (64 DeepSeek-V3 tokens) in 64.0 and 3.1 ms; printing 4.8 MB took 15.2 and 1.7 ms. They cross
-# about where JSON work leaves the event loop (a thread then waits for the device, not the loop).
-HOST_UP_TO_BYTES = json_numbers.ON_LOOP_BYTES
+# JSON work on up to this many bytes of text stays on the host: the device's launches and copies
+# cost about the same whatever the size, and orjson catches up with them about where JSON work
+# leaves the event loop (a thread then waits for the device, not the loop); measured with
+# `bench/json_bench.py`.
+HOST_UP_TO_BYTES = off_loop.JSON.on_loop_bytes
 
 
 def worth_it(nbytes: int) -> bool:
     """Whether JSON work on about `nbytes` of text is done on a GPU."""
     return nbytes > HOST_UP_TO_BYTES
-
-
-@dataclass(frozen=True)
-class NumberLimits:
-    """The numbers read on the device; the host reads a body holding any other."""
-
-    token_bytes: int = 40  # float64's longest shortest form is 24 bytes
-    significant_digits: int = 18  # int64 holds 10^18 - 1
-    exponent_digits: int = 3
-    exact_power: int = 22  # float64 holds 10^22 exactly, not 10^23; 10^±44 in two steps at most
-
-
-LIMITS = NumberLimits()
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,11 @@ time on a GPU)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from .json_device import NumberLimits
+from .json_limits import NumberLimits
 
 _BLOCK = 1024
 # states of a number's reading, in the order the grammar meets them

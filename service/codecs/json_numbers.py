@@ -11,51 +11,25 @@ times, and hold the GIL for as long).
 
 from __future__ import annotations
 
-import asyncio
 import struct
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import orjson
 
 from ..errors import BadInput
 
-T = TypeVar("T")
-
 # The fields of a /v1 forward's JSON body (service.http.schemas.ForwardRequest, which imports torch)
 FORWARD_FIELDS = ("hidden_states", "router_logits", "return_routing")
 _NUMBERS = frozenset({float, int})
 # every byte of a JSON number, and the brackets, commas and whitespace between them
 _ARRAY_BYTES = b"0123456789+-.eE[], \t\n\r"
-# JSON work on larger bodies runs on these threads, off the event loop. Two bound how many bodies
-# are decoded at once (each costs a few times its size in memory) and how many threads sit in a
-# C parser holding the GIL, which the event loop needs to answer /health.
-_THREADS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="moe-json")
-# JSON work on up to this many bytes (a 64-token demo request, 200 KB, decodes in about 0.8 ms on
-# a CI core) runs on the event loop: a thread's two hops cost 0.2-0.4 ms per request there, and
-# the work is mostly a few C calls (orjson's parse and print) that hold the GIL, so a thread
-# freed the loop only between them. A DeepSeek-V3-sized body (64 tokens, 5.5 MB) goes to a thread.
-ON_LOOP_BYTES = 512 << 10
 # what a number costs as JSON text at most, about: float32's shortest form (up to 15 bytes,
 # 10-12 for most values) and its comma; sizes a reply's JSON before it is written
 NUMBER_BYTES = 16
-
-
-async def off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` on a JSON thread."""
-    return await asyncio.get_running_loop().run_in_executor(_THREADS, fn, *args)
-
-
-async def run_sized(nbytes: int, fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)`, JSON work on about `nbytes` of text: here up to ON_LOOP_BYTES, else on a
-    JSON thread."""
-    if nbytes <= ON_LOOP_BYTES:
-        return fn(*args)
-    return await off_loop(fn, *args)
 
 
 def parse(body: bytes | bytearray, what: str = "body") -> Any:
@@ -104,7 +78,8 @@ def _first_non_number(value: list, index: tuple[int, ...]) -> tuple[tuple[int, .
 
 def arrays_hold_only_numbers(body: bytes | bytearray, value: Any) -> bool:
     """Whether every item of every array in `value`, the parsed JSON object `body`, is a number
-    or an array, found without visiting the items (a tenth of the type checks' time).
+    or an array, found without visiting the items (much faster than the type checks; measured
+    with `bench/json_bench.py`).
 
     Deleted from the text, the bytes of numbers, brackets, commas and whitespace leave of an
     array only its other items (strings, true, false, null, objects); of the rest of the object
@@ -163,8 +138,8 @@ def _row_format(width: int) -> struct.Struct:
 
 def _packed_rows(rows: list[list], width: int) -> np.ndarray:
     """Rows of `width` numbers (ints and floats) -> float64 [T, width] through struct, a C loop
-    over each row's numbers (PyFloat_AsDouble, as numpy converts them): a third of the time of
-    numpy's conversion of nested lists, which finds their shape first. struct.error when a row
+    over each row's numbers (PyFloat_AsDouble, as numpy converts them): faster than numpy's
+    conversion of nested lists, which finds their shape first. struct.error when a row
     holds anything else (which would be an array here)."""
     row = _row_format(width)
     packed = bytearray(len(rows) * row.size)

@@ -34,7 +34,8 @@ DTYPE_BYTES = {
 _MAX_HEADER_BYTES = 100 << 20  # the library's own bound
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 # Headers up to this size are remembered: a service sees the same few (one per request shape)
-# over and over, and parsing one cost the engine a tenth of a binary forward's time on its loop.
+# over and over, and parsing one per request would be a large share of a binary forward's time
+# on the engine's loop.
 _CACHED_HEADER_BYTES = 4096
 
 

@@ -1,26 +1,21 @@
-"""The request path's host work outside the batcher: safetensors bodies read as views of the
-body, replies written straight from the output tensors, and where that work runs.
+"""Safetensors on the wire: bodies read as views of the body, replies written straight from the
+output tensors.
 
 A body is read without copying its data (`safetensors.torch.load` copies every tensor once, a
-sixth of the event loop's time under load on the H100 host); a reply is built with one copy of
-the tensors instead of the library's three.
+large share of the event loop's time under load); a reply is built with one copy of the tensors
+instead of the library's three.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import struct
 import warnings
-from collections.abc import Callable
-from typing import TypeVar
 
 import torch
 
 from .safetensors_header import read_header
-
-T = TypeVar("T")
 
 _SAFETENSORS_DTYPES = {
     torch.float32: "F32",
@@ -74,13 +69,6 @@ def decode_safetensors(body: bytes | memoryview) -> dict[str, torch.Tensor]:
     }
 
 
-# Bodies above this are decoded (and replies above it encoded) on a worker thread: below it a
-# thread hop costs more than the work it would take off the event loop. A 64 x 7168 bf16 body
-# (917 KB, DeepSeek-V3) decodes and checks in 0.15 ms in one thread and encodes in 0.08 ms on a
-# CI core; on a worker thread its decode stage measured 0.56 ms (H200 host, one client).
-OFF_LOOP_BYTES = 1 << 20
-
-
 def safetensors_head(
     tensors: dict[str, tuple[torch.dtype, list[int]]], metadata: dict[str, str]
 ) -> bytes:
@@ -118,10 +106,3 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 def encode_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
     """Tensors (CPU) -> a safetensors blob that `safetensors.torch.load` reads back."""
     return b"".join(safetensors_parts(tensors, metadata))
-
-
-async def run_sized(nbytes: int, fn: Callable[[], T]) -> T:
-    """fn() on a worker thread when it handles more than OFF_LOOP_BYTES, else here."""
-    if nbytes > OFF_LOOP_BYTES:
-        return await asyncio.to_thread(fn)
-    return fn()

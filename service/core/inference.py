@@ -1,5 +1,6 @@
-"""KServe v2 inference whatever the transport: HTTP (routes/kserve.py) and gRPC (grpc_server.py)
-decode a request into an InferRequest plus tensors, call `infer`, and encode what it returns.
+"""KServe v2 inference whatever the transport: HTTP (service/http/routes/kserve.py) and gRPC
+(service/grpc/servicer.py) decode a request into an InferRequest plus tensors, call `infer`, and
+encode what it returns.
 
 Each served layer is a model with version 1, inputs hidden_states [-1, H] (and optional
 router_logits [-1, E]) and output `output` [-1, H] in the input's datatype.
@@ -7,11 +8,11 @@ router_logits [-1, E]) and output `output` [-1, H] in the input's datatype.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass, field
 
 import torch
-from fastapi import Request
 
 from ... import __version__
 from ..codecs.kserve import (
@@ -27,12 +28,12 @@ from ..codecs.kserve import (
     tensor_type,
 )
 from ..engine.batcher import RequestOptions
-from ..engine.engine import Engine, ServedLayer
+from ..engine.interface import ServedLayer, ServingEngine
 from ..errors import BadInput, PayloadTooLarge, UnknownLayer
-from ..http.deps import Runtime, ready, submit_while_connected
-from ..http.routes.forward import TENSOR_NAMES, schedule_options
 from ..triton.shared_memory import DeviceRegion, TensorPlace
+from .forward import TENSOR_NAMES, schedule_options, submit_unless_withdrawn
 from .inputs import check_inputs
+from .runtime import Runtime, ready
 
 OUTPUT = "output"
 VERSION = "1"  # a layer is a model with one version; clients may name it or not
@@ -68,7 +69,7 @@ def model_metadata(served: ServedLayer) -> ModelMetadata:
     )
 
 
-def get_model(engine: Engine, name: str, version: str = "") -> ServedLayer:
+def get_model(engine: ServingEngine, name: str, version: str = "") -> ServedLayer:
     """The served layer `name`; `version` is empty (any) or VERSION."""
     served = engine.get(name)  # an unknown model first
     if version not in ("", VERSION):
@@ -83,12 +84,13 @@ async def infer(
     request: InferRequest,
     tensors: dict[str, torch.Tensor],
     owner: str | None = None,
-    http_request: Request | None = None,
+    withdrawn: asyncio.Future | None = None,
 ) -> InferenceResult:
     """One inference request: `tensors` are its inputs decoded from the body, by name; inputs
     and outputs that name a shared-memory region are read from and written to it. `owner`:
-    who may use the regions (shared_memory.owner_of). `http_request`: withdrawn if its client
-    goes away (a gRPC call is cancelled instead, which withdraws it too)."""
+    who may use the regions (shared_memory.owner_of). `withdrawn`: done once an HTTP client has
+    gone away, which withdraws the request (a gRPC call is cancelled instead, which withdraws it
+    too)."""
     runtime = ready(runtime)
     served = get_model(runtime.engine, name, version)
     held: list[DeviceRegion] = []  # CUDA regions it views: released once it is done
@@ -107,11 +109,11 @@ async def infer(
             place, into = _output_place(runtime, request, name, hidden, owner, held)
             options = schedule_policy(request.parameters)
             timer.submit(hidden.shape[0])
-            if http_request is None:
+            if withdrawn is None:
                 result = await runtime.batcher.submit(name, inputs, options, into)
             else:
-                result = await submit_while_connected(
-                    http_request, runtime.batcher, name, inputs, options, into
+                result = await submit_unless_withdrawn(
+                    runtime.batcher, name, inputs, options, withdrawn, into
                 )
             timer.answer()
             if place is None:

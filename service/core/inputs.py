@@ -6,7 +6,7 @@ import torch
 
 from ...kernels.input_checks import InputError, check_shapes
 from ...kernels.tensors import ForwardInputs
-from ..engine.engine import ServedLayer
+from ..engine.interface import ServedLayer
 from ..errors import BadInput
 
 

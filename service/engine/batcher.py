@@ -3,7 +3,7 @@
     submit(layer, inputs, options) -> a request in the layer's queue, at its priority level
     scheduler (one asyncio task per layer): once a forward may start (fewer than
       engine.max_in_flight running) and the batch is full or its oldest request has waited
-      max_batch_delay -> rows taken from the queued requests -> Engine.start on the launcher
+      max_batch_delay -> rows taken from the queued requests -> engine.start on the launcher
       thread -> the result on the completer thread -> each request's rows
 
 Requests are taken by priority level (lowest number first), then by turns and age. A request
@@ -37,8 +37,7 @@ from ...kernels.input_checks import InputError, check_values
 from ...kernels.layer import LayerOutput
 from ...kernels.quant_scheme import ActQuant
 from ...kernels.tensors import ForwardInputs, Routing
-from .. import tracing
-from ..codecs.safetensors_wire import OFF_LOOP_BYTES
+from .. import off_loop, tracing
 from ..errors import (
     BadInput,
     DeadlineExceeded,
@@ -51,8 +50,7 @@ from ..errors import (
 )
 from ..interpreter import switch_gil_often
 from ..metrics import Metrics
-from .engine import Engine, ServedLayer
-from .pipeline import BatchResult
+from .interface import BatchResult, ServedLayer, ServingEngine
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +227,7 @@ class _Launched:
 
 
 class DynamicBatcher:
-    def __init__(self, engine: Engine, policy: BatchPolicy, metrics: Metrics) -> None:
+    def __init__(self, engine: ServingEngine, policy: BatchPolicy, metrics: Metrics) -> None:
         self.engine = engine
         self.policy = policy
         self.metrics = metrics
@@ -453,7 +451,7 @@ class DynamicBatcher:
         )
         try:
             async with self._launching:  # one launch at a time: the streams take them in order
-                if not self.engine.start_may_wait and nbytes <= OFF_LOOP_BYTES:
+                if not self.engine.start_may_wait and nbytes <= off_loop.BINARY.on_loop_bytes:
                     # staging a small batch and enqueueing it takes less than a thread hop
                     pending = self.engine.start(name, parts, into)
                 else:

@@ -14,73 +14,37 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from ...kernels.config import MoEConfig
 from ...kernels.input_checks import all_finite, all_finite_on_device
-from ...kernels.layer import LayerOutput, LayerWeights, MoELayer, build_layer, expert_tokens
+from ...kernels.layer import LayerOutput, MoELayer, build_layer, expert_tokens
 from ...kernels.layer_graphs import LayerGraphs, can_capture
 from ...kernels.modular import DEFAULT_CHUNK_TOKENS
+from ...kernels.placement import Placement
 from ...kernels.selection import Selection
 from ...kernels.tensors import ForwardInputs, Routing
 from ...kernels.workspace import Workspace
-from ..errors import NotReady, UnknownLayer
-from .pipeline import (
-    DEPTH,
+from ..errors import Conflict, NotReady, UnknownLayer
+from .interface import (
     BatchResult,
-    DevicePipeline,
-    Finished,
+    LayerSource,
+    NonFiniteRows,
     Pending,
+    ServedLayer,
+    ServingEngine,
     StageTimes,
-    split_rows,
 )
+from .pipeline import DEPTH, DevicePipeline, Finished, split_rows
 
 log = logging.getLogger(__name__)
 
-
-class LayerSource(Protocol):
-    """What the engine needs of a loaded layer (weights.load.LoadedLayer fits)."""
-
-    name: str
-    config: MoEConfig
-    weights: LayerWeights  # already on the engine's device
+_NO_PLACEMENTS = "placements exist only with expert parallelism (--ep N, N > 1)"
 
 
-@dataclass(frozen=True)
-class ServedLayer:
-    name: str
-    config: MoEConfig
-    layer: MoELayer
-    selection: Selection
-    device_bytes: int  # the layer's weights on the device
-    graphs: LayerGraphs | None = None  # whole-layer CUDA graphs, where the backend captures
+class Engine(ServingEngine):
+    """One process's engine: every layer whole on one device."""
 
-    @property
-    def backend(self) -> str:
-        return self.selection.experts.name
-
-    @property
-    def by_tokens(self) -> tuple[tuple[int, str], ...]:
-        """(from this many tokens, the experts backend that runs), ascending."""
-        return self.layer.kernel.experts.by_tokens()
-
-    @property
-    def has_router(self) -> bool:
-        return self.layer.router.weight is not None
-
-
-class NonFiniteRows(Exception):
-    """A forward ran, but its output holds NaN or Inf; `result` is the whole output, on the CPU
-    (service.engine.batcher fails only the requests that own such rows)."""
-
-    def __init__(self, layer: str, result: LayerOutput) -> None:
-        self.result = result
-        super().__init__(f"the output of layer {layer!r} holds NaN or Inf")
-
-
-class Engine:
     def __init__(
         self,
         device: torch.device,
@@ -98,6 +62,7 @@ class Engine:
         self.layers: dict[str, ServedLayer] = {}
         self.failure: str | None = None  # why this engine can serve no more; None while it can
         self.on_failure: Callable[[str], None] = lambda _reason: None  # the app turns unready
+        self.on_degraded: Callable[[str], None] = lambda _reason: None  # expert parallelism's
         self.pipeline = DevicePipeline(device, chunk_tokens) if device.type == "cuda" else None
 
     @property
@@ -226,6 +191,20 @@ class Engine:
         if not finite.item():
             raise NonFiniteRows(name, output)
         return output
+
+    def placement(self, name: str) -> dict:  # noqa: ARG002 (ServingEngine's signature)
+        raise Conflict(_NO_PLACEMENTS)
+
+    def rebalance(
+        self,
+        name: str,  # noqa: ARG002 (ServingEngine's signature)
+        ranks: Sequence[Sequence[int]] | None,  # noqa: ARG002
+        redundant: int | None = None,  # noqa: ARG002
+    ) -> Placement:
+        raise Conflict(_NO_PLACEMENTS)
+
+    def close(self) -> None:
+        """Nothing to stop: the layers' device memory goes with the engine."""
 
     def _device_failed(self, err: torch.AcceleratorError) -> NotReady:
         # A device fault (illegal address, ECC) leaves the CUDA context unusable: every later

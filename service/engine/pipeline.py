@@ -1,7 +1,7 @@
 """The device side of a batch: staged on the host, copied in, run, copied out, with DEPTH (3)
-batches in flight so that the next ones are copied in while the current one computes (two left
-the GPU idle between batches whenever the host was late by a few ms: 54% busy against 62% with
-three at 64 clients, H100, DeepSeek-V3-sized layer behind 8 front ends).
+batches in flight so that the next ones are copied in while the current one computes (with two,
+the GPU idles between batches whenever the host is late by a few ms; `moe-serve bench service`
+shows the GPU's busy time).
 
     launcher thread:  parts -> the slot's pinned buffer (cast to the layer's dtype, the one host
                       copy) -> copy-in stream: H2D, straight into the slot's copy of the
@@ -29,7 +29,6 @@ import queue
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -37,43 +36,13 @@ import torch
 from ...kernels.input_checks import all_finite_on_device, finite_flag
 from ...kernels.layer import LayerOutput, expert_tokens
 from ...kernels.tensors import ForwardInputs, Routing
-
-if TYPE_CHECKING:
-    from .engine import ServedLayer
+from .interface import BatchResult, Pending, ServedLayer, StageTimes
 
 DEPTH = 3  # batches in flight: one computing, the next ones copied in and queued behind it
 
 
-@dataclass(frozen=True)
-class StageTimes:
-    """Where one batch's time went."""
-
-    forward_s: float  # device time from CUDA events on a GPU; host time elsewhere
-    stage_s: float = 0.0  # host: copying the parts into the pinned staging buffer
-    h2d_s: float | None = None  # device: host-to-device copy (None off the GPU)
-    d2h_s: float | None = None  # device: device-to-host copy (None off the GPU)
-
-
-@dataclass(frozen=True)
-class BatchResult:
-    outputs: list[LayerOutput]  # one per part, on the CPU, output in the layer's dtype
-    expert_tokens: torch.Tensor  # [E] int64 pairs per expert over the batch, on the CPU
-    times: StageTimes
-    # every output value is finite: one reduction where the forward ran, copied out with the
-    # output; only when False are the parts' rows looked at (service.engine.batcher)
-    finite: bool
-    # every input value is finite (the batch as staged, in the layer's dtype, so also within its
-    # range); only when False are the parts' values checked on the host (service.engine.batcher)
-    inputs_finite: bool
-
-
 class BadRouting(RuntimeError):
     """A batch's results came back damaged: none of it is served (a 500 for its requests)."""
-
-
-class Pending(Protocol):
-    def result(self) -> BatchResult:
-        """Block until the batch is done; raises what its forward raised."""
 
 
 @dataclass(frozen=True)
@@ -120,8 +89,8 @@ class _Run:
 
 # A part smaller than this is staged in the slot's pinned buffer even where it could be copied
 # to the device in place: a host copy of it costs less than a copy of its own and than asking
-# CUDA whether its memory is pinned (py-spy, H100 host: 8 front ends of 64-token demo requests
-# spent a tenth of the engine's loop on those per-part calls).
+# CUDA whether its memory is pinned (under many small requests those per-part calls would take
+# much of the engine's event loop; `bench/request_path.py`, engine against engine-pinned).
 DIRECT_BYTES = 256 << 10
 
 
@@ -351,7 +320,7 @@ class DevicePipeline:
         d2h: list[tuple[_Run, torch.Tensor]],
     ) -> None:
         # Streams are set directly, not through `torch.cuda.stream()`, whose enter and exit
-        # cost more host time than the copies they order (py-spy on the H100 host).
+        # cost more host time than the copies they order.
         ev = slot.events
         graphs = slot.graphs
         replays = (

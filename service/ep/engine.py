@@ -34,7 +34,7 @@ import logging
 import multiprocessing.connection
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,8 +51,8 @@ from ...kernels.selection import Selection
 from ...kernels.tensors import ForwardInputs, Routing
 from ...kernels.workspace import Workspace
 from ...weights.load import load_layer, read_manifest
-from ..engine.engine import Engine, LayerSource, NonFiniteRows, ServedLayer
-from ..engine.pipeline import BatchResult, Pending
+from ..engine.engine import Engine
+from ..engine.interface import BatchResult, LayerSource, NonFiniteRows, Pending, ServedLayer
 from ..errors import NotReady
 from ..settings import Settings
 from . import group
@@ -111,7 +111,6 @@ class EPEngine(Engine):
         if self.pipeline is not None:
             self.pipeline.on_forward = self._announce
         self.degraded: str | None = None  # why fewer ranks serve than started; None: all do
-        self.on_degraded: Callable[[str], None] = lambda _reason: None
         self._closing = False
         self._lock = threading.RLock()  # one forward, regroup or switch at a time
         self.members = list(range(self.world_size))  # live global ranks; group rank = index

@@ -17,7 +17,7 @@ from ...kernels.prepare_finalize.naive_ep import NaiveEP
 from ...kernels.selection import Selection
 from ...kernels.workspace import Workspace
 from ...weights.placement_file import read_expert_counts, read_placement
-from ..engine.engine import LayerSource
+from ..engine.interface import LayerSource
 from ..settings import Settings
 from .group import Generation
 

@@ -19,7 +19,7 @@ from ...kernels.placement import Placement
 from ...kernels.tensors import Routing
 from ...kernels.workspace import Workspace
 from ...weights.load import load_layer
-from ..engine.engine import LayerSource
+from ..engine.interface import LayerSource
 from ..engine.profiling import kernel_profiler, write_profile
 from . import group
 from .group import Commands, Generation, Rendezvous, leave

@@ -56,8 +56,8 @@ class BodyArena:
         self.path = path
         self.size = size
         with open(path, "r+b") as f:
-            # page tables filled now: a fault per 4 KB page on first touch cost the engine
-            # about a third of its copy of a batch into pinned memory
+            # page tables filled now: a fault per page on first touch would slow the engine's
+            # copy of a batch into pinned memory
             self._map = mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | _POPULATE)
         self.view = memoryview(self._map)
         self._used = bytearray(size // BLOCK_BYTES) if owner else None  # 1: block allocated

@@ -1,7 +1,7 @@
-"""The engine's end of the front-end channel (`service/frontends/channel.py`): binary forwards whose
-bodies the front-end processes laid in their arenas, run through `serve_blob_into` (the decode,
-batcher and reply of a forward that reached this process over HTTP), the reply blob written back
-into the arena."""
+"""The engine's end of the front-end channel (`service/frontends/channel.py`): binary forwards
+whose bodies the front-end processes laid in their arenas, run through the forward core
+(`serve_blob_into` of service/core/forward.py, as a forward that reached this process over
+HTTP), the reply blob written back into the arena."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
+from ..core.forward import LayerCall, serve_blob_into
+from ..core.runtime import Runtime, ready
 from ..errors import ServiceError
-from ..http.deps import Runtime, ready
-from ..http.routes.forward import LayerCall, serve_blob_into
 from .arena import BodyArena, Region
 from .channel import (
     CANCEL,

@@ -3,7 +3,7 @@
 `service/frontends/supervisor.py`; not a command for users).
 
 Under load one Python process cannot receive, decode and answer requests as fast as the GPU runs
-them (its event loop held 99.5% of the GIL on the H100 host). N front ends share the public
+them: its event loop holds the GIL nearly all the time. N front ends share the public
 socket (the kernel spreads connections over them) and do the per-byte work in parallel:
 
 - a plain binary forward (`service/http/plain_forward.py`) is checked here (connections, token),
@@ -43,13 +43,12 @@ from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from .. import logs
+from .. import logs, off_loop
 from ..codecs.json_numbers import (
     NUMBER_BYTES,
     ForwardArrays,
     decode_forward_arrays,
     dumps,
-    run_sized,
 )
 from ..codecs.safetensors_header import read_header
 from ..errors import (
@@ -66,7 +65,6 @@ from ..http.middleware import (
     OPEN_PATHS,
     UNAUTHORIZED,
     authorized,
-    new_request_id,
     over_capacity,
 )
 from ..http.plain_forward import (
@@ -78,6 +76,7 @@ from ..http.plain_forward import (
 )
 from ..http.server import OVER_CAPACITY, bounded_protocol, client_gone
 from ..interpreter import collect_less
+from ..logs import new_request_id
 from .arena import BodyArena, Region
 from .channel import EngineClient, Reply
 
@@ -96,7 +95,7 @@ _HOP_BY_HOP = frozenset(
 @dataclass(frozen=True)
 class FrontEndConfig:
     listen_fd: int  # the public socket, shared by every front end
-    engine_http: str  # Unix socket of the engine's HTTP server (everything but the fast path)
+    engine_http: str  # Unix socket of the engine's HTTP server (what is relayed)
     engine_channel: str  # Unix socket of the engine's channel (service/frontends/channel.py)
     arena_dir: str
     api_token: str | None
@@ -247,7 +246,7 @@ class FrontEnd:
                 reply = body if isinstance(body, Reply) else None
                 if reply is None:
                     try:
-                        arrays = await run_sized(size, decode_forward_arrays, body)
+                        arrays = await off_loop.JSON.run(size, decode_forward_arrays, body)
                     except BadInput as err:
                         arrays, reply = None, Reply(err.status, error=err.message)
                     if arrays and not arrays.return_routing:
@@ -265,7 +264,7 @@ class FrontEnd:
                 answer.status = reply.status
                 if reply.status == 200:
                     blob = self.arena.reply(region, reply.nbytes)  # output [T, H], as hidden_states
-                    text = await run_sized(
+                    text = await off_loop.JSON.run(
                         arrays.hidden_states.size * NUMBER_BYTES, _json_reply, blob
                     )
                     response = Response(text, media_type=JSON, headers=answer.headers)

@@ -23,7 +23,7 @@ from pathlib import Path
 from prometheus_client import Counter
 
 from ..codecs import json_device
-from ..http.deps import Runtime
+from ..core.runtime import Runtime
 from ..settings import Settings
 from .arena import shm_dir
 from .channel_server import ChannelServer

@@ -30,7 +30,7 @@ from ..codecs.kserve import (
 from ..errors import BadInput
 
 # datatype -> the InferTensorContents field that carries it: of the datatypes a layer takes
-# (kserve_codec.DATATYPES), FP16 and BF16 have no typed field and travel raw only
+# (service.codecs.kserve.DATATYPES), FP16 and BF16 have no typed field and travel raw only
 TYPED_CONTENTS = {"FP32": "fp32_contents"}
 
 

@@ -21,12 +21,11 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
 from .. import logs, tracing
+from ..auth import bearer_matches
 from ..core import inference
+from ..core.runtime import Runtime, ready, repository_of
 from ..errors import ServiceError, Unauthorized, UnknownLayer, capped, grpc_status
-from ..http.deps import Runtime, ready
-from ..http.middleware import bearer_matches, new_request_id
-from ..http.routes.repository import check_load_parameters
-from ..triton import repository
+from ..triton.repository import check_load_parameters
 from ..triton.shared_memory import owner_of
 from .codec import decode_infer, encode_infer, from_model, parameters_to_dict
 
@@ -63,7 +62,7 @@ def rpc(*, open_to_all: bool = False) -> Callable[[Method], Handler]:
             self: InferenceServicer, request: Request, context: grpc.aio.ServicerContext
         ) -> Reply:
             request_id, authorization = _metadata(context)
-            reset = logs.request_id.set(new_request_id(request_id))
+            reset = logs.request_id.set(logs.new_request_id(request_id))
             caller.set(None if self.token is None else owner_of(authorization))
             started = time.perf_counter()
             code = grpc.StatusCode.OK
@@ -151,7 +150,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest
     ) -> pb.RepositoryIndexResponse:
-        entries = repository.require(self.runtime).index(self.runtime, request.ready)
+        entries = repository_of(self.runtime).index(self.runtime, request.ready)
         return pb.RepositoryIndexResponse(
             models=[pb.RepositoryIndexResponse.ModelIndex(**e.to_json()) for e in entries]
         )
@@ -161,14 +160,14 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         self, request: pb.RepositoryModelLoadRequest
     ) -> pb.RepositoryModelLoadResponse:
         check_load_parameters(parameters_to_dict(request.parameters))
-        await repository.require(self.runtime).load(self.runtime, request.model_name)
+        await repository_of(self.runtime).load(ready(self.runtime), request.model_name)
         return pb.RepositoryModelLoadResponse()
 
     @rpc()
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest
     ) -> pb.RepositoryModelUnloadResponse:
-        await repository.require(self.runtime).unload(self.runtime, request.model_name)
+        await repository_of(self.runtime).unload(ready(self.runtime), request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
     # Triton's shared-memory extension (service/triton/shared_memory.py); regions are the HTTP ones

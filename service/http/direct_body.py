@@ -4,9 +4,8 @@ from: pinned host memory in one process on a GPU, the front end's arena region b
 
 uvicorn hands a body to the app in chunks: each is copied into a bytes object, appended to the
 request's buffer and taken by the app's task at its next turn of the event loop, which copies it
-once more into place. A 917 KB DeepSeek-V3-sized request's body was in place 0.55 ms after the
-client's send returned in one process and 0.8 ms in a front end (H100 host,
-`bench.request_timeline`), most of a request's host time. Here the connection's protocol is an
+once more into place: for a DeepSeek-V3-sized body, most of a request's host time
+(`bench/request_timeline.py` stamps it). Here the connection's protocol is an
 asyncio BufferedProtocol (uvloop and asyncio both read into the buffer it names): once the head
 of a request that a `BodySink` takes is parsed, the socket is read into that body's own memory,
 and the app awaits one future. Every other request's bytes go through a reused buffer to

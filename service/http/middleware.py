@@ -5,10 +5,7 @@ BaseHTTPMiddleware would spawn a task per request.)"""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import os
-import re
 import time
 from typing import TYPE_CHECKING
 
@@ -17,7 +14,9 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import logs
+from ..auth import bearer_matches
 from ..errors import ShuttingDown, error_response
+from ..logs import new_request_id
 from . import docs
 from .server import OVER_CAPACITY
 
@@ -27,16 +26,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 UNAUTHORIZED = "missing or wrong bearer token"
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's id is echoed and logged
 
 # Probes and scrapes answer without the bearer token: orchestrators and Prometheus hold none.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v2/health/live", "/v2/health/ready"})
-
-
-def bearer_matches(authorization: str, token: bytes) -> bool:
-    """Whether an `Authorization` value ("Bearer <token>") carries `token` (constant time)."""
-    scheme, _, given = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.encode(), token)
 
 
 def authorized(path: str, headers: Headers, token: bytes | None) -> bool:
@@ -45,13 +37,6 @@ def authorized(path: str, headers: Headers, token: bytes | None) -> bool:
     if token is None or path in OPEN_PATHS or docs.is_docs(path):
         return True
     return bearer_matches(headers.get("authorization", ""), token)
-
-
-def new_request_id(given: str) -> str:
-    """The client's request id when it is safe to echo and log, else a fresh one."""
-    if given and _REQUEST_ID.fullmatch(given):  # no log injection
-        return given
-    return os.urandom(16).hex()  # as random as uuid4().hex, in a quarter of its time
 
 
 def over_capacity(max_connections: int) -> Response:

@@ -1,8 +1,8 @@
 """Which requests are plain forwards: `POST /v1/layers/{name}/forward` with no query string and a
 safetensors body (Content-Type application/octet-stream, a plain binary forward, the request a
-client library sends in a loop) or a JSON one. Their fast paths take exactly these
-(`service/http/fast_path.py` in the engine process, `service/frontends/front_end.py` in a front-end
-process); everything else takes the app's routes.
+client library sends in a loop) or a JSON one. A front-end process answers exactly these itself
+(service/frontends/front_end.py) and relays the rest to the engine; in one process on a GPU, a
+plain binary forward's body is read into pinned memory (service/http/pinned_body.py).
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@ HTTP protocol (which also answers bytes that are not HTTP in the service's JSON 
   JSON 503 (the probes and /metrics still answer) and its connection is closed;
 - a request head must arrive within `read_timeout_s` of the connection opening or of the last
   response: uvicorn closes idle keep-alive connections, but never one whose client sent part of
-  its headers and stalled. The body's deadline is the app's (`service.http.deps.get_body`: 408).
+  its headers and stalled. The body's deadline is the app's (`service.http.body.read_body`: 408).
 
 It also lets a body gather up to BODY_BUFFER_BYTES before it pauses reading the socket (uvicorn
-pauses past 64 KB until the app takes what came: a 917 KB DeepSeek-V3 request crossed the event
-loop 14 times on its way in, about 0.9 ms of one request's latency on the H100 host), and, given
-a `BodySink`, reads the bodies it takes straight into their memory (`service/http/direct_body.py`).
+pauses past 64 KB until the app takes what came, so a DeepSeek-V3-sized request would cross the
+event loop a dozen times on its way in), and, given a `BodySink`, reads the bodies it takes
+straight into their memory (`service/http/direct_body.py`).
 """
 
 from __future__ import annotations

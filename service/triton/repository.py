@@ -1,9 +1,9 @@
 """The model repository (--model-repository DIR): each subdirectory is a layer directory, served
 as the model of the subdirectory's name. Triton's repository extension loads and unloads them
-at run time, over HTTP (routes/repository.py) and gRPC.
+at run time, over HTTP (service/http/routes/repository.py) and gRPC.
 
 A load reads the directory onto the device off the event loop, then builds and warms the layer
-on the device worker between forwards and only then serves it (Engine.load): a failed load
+on the device worker between forwards and only then serves it (ServingEngine.load): a failed load
 leaves the running version serving. An unload first lets the layer's admitted requests finish.
 One load or unload runs at a time.
 """
@@ -16,10 +16,13 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 from ...weights.load import load_layer
+from ..engine.batcher import DynamicBatcher
+from ..engine.interface import ServingEngine
 from ..errors import BadInput, UnknownLayer
-from ..http.deps import Runtime, ready
+from ..metrics import Metrics
 from .statistics import VERSION
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,24 @@ class ModelIndex:
 
     def to_json(self) -> dict[str, str]:
         return {k: v for k, v in dataclasses.asdict(self).items() if v}
+
+
+class Serving(Protocol):
+    """What the repository loads models into (service.core.runtime.Runtime): a load or unload
+    needs the engine and the batcher, which a server that is not ready yet lacks."""
+
+    engine: ServingEngine | None
+    batcher: DynamicBatcher | None
+    metrics: Metrics
+    warm_up_tokens: list[int]
+
+
+def check_load_parameters(parameters: dict[str, Any]) -> None:
+    """Triton can load a model from a config or files sent with the request; we load only the
+    repository's directories."""
+    overrides = sorted(k for k in parameters if k == "config" or k.startswith("file:"))
+    if overrides:
+        raise BadInput(f"load parameters {overrides} are not supported: models load from disk")
 
 
 class Repository:
@@ -59,8 +80,8 @@ class Repository:
             raise UnknownLayer(f"the model repository has no model named {name!r}")
         return self.root / name
 
-    def index(self, runtime: Runtime, ready_only: bool = False) -> list[ModelIndex]:
-        served = runtime.engine.layers if runtime.engine is not None else {}
+    def index(self, serving: Serving, ready_only: bool = False) -> list[ModelIndex]:
+        served = serving.engine.layers if serving.engine is not None else {}
         entries = []
         for name in self.names():
             if name in self.busy:
@@ -73,57 +94,47 @@ class Repository:
                 entries.append(entry)
         return entries
 
-    async def load_all(self, runtime: Runtime) -> None:
+    async def load_all(self, serving: Serving) -> None:
         """At start: every model of the repository; one that fails is logged and left out."""
         for name in self.names():
             with contextlib.suppress(BadInput):  # logged, and its reason is in the index
-                await self._load(runtime, name)
+                await self.load(serving, name)
 
-    async def load(self, runtime: Runtime, name: str) -> None:
+    async def load(self, serving: Serving, name: str) -> None:
         """Serve model `name` from its directory, replacing the running version if any."""
-        await self._load(ready(runtime), name)
-
-    async def _load(self, runtime: Runtime, name: str) -> None:
         path = self.path(name)
         async with self._lock:
             self.busy[name] = LOADING
             try:
-                device = runtime.engine.device
+                device = serving.engine.device
                 loaded = await asyncio.to_thread(load_layer, path, device)
                 source = dataclasses.replace(loaded, name=name)  # the directory names the model
-                tokens = runtime.warm_up_tokens
-                served = await runtime.batcher.on_worker(runtime.engine.load, source, tokens)
+                tokens = serving.warm_up_tokens
+                served = await serving.batcher.on_worker(serving.engine.load, source, tokens)
             except Exception as err:
-                serving = name in runtime.engine.layers
-                keeps = " (the running version keeps serving)" if serving else ""
+                kept = name in serving.engine.layers
+                keeps = " (the running version keeps serving)" if kept else ""
                 why = str(err) or type(err).__name__  # MemoryError() says nothing itself
                 self.reasons[name] = f"load failed: {why}"
                 log.warning("loading model %s failed%s: %s", name, keeps, why)
                 raise BadInput(f"failed to load model {name!r}{keeps}: {why}") from None
             finally:
                 del self.busy[name]
-            runtime.metrics.add_layer(name, served.config.num_experts)
-            runtime.batcher.add_layer(name)
+            serving.metrics.add_layer(name, served.config.num_experts)
+            serving.batcher.add_layer(name)
             self.reasons.pop(name, None)
         log.info("model %s loaded from %s (%s)", name, path, served.backend)
 
-    async def unload(self, runtime: Runtime, name: str) -> None:
+    async def unload(self, serving: Serving, name: str) -> None:
         """Stop serving model `name` once its admitted requests are answered."""
-        runtime = ready(runtime)
         async with self._lock:
-            runtime.engine.get(name)  # 404 for a model not being served
+            serving.engine.get(name)  # 404 for a model not being served
             self.busy[name] = UNLOADING
             try:
-                await runtime.batcher.remove_layer(name)
-                await runtime.batcher.on_worker(runtime.engine.remove, name)
+                await serving.batcher.remove_layer(name)
+                await serving.batcher.on_worker(serving.engine.remove, name)
             finally:
                 del self.busy[name]
-            runtime.metrics.statistics.remove_model(name)
+            serving.metrics.statistics.remove_model(name)
             self.reasons[name] = "unloaded"
         log.info("model %s unloaded", name)
-
-
-def require(runtime: Runtime) -> Repository:
-    if runtime.repository is None:
-        raise BadInput("this server has no model repository: start it with --model-repository")
-    return runtime.repository

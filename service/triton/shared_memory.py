@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import off_loop
 from ..codecs.kserve import DATATYPE_NAMES, SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION
-from ..codecs.safetensors_wire import run_sized
 from ..errors import BadInput, Conflict, Forbidden, UnknownRegion
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class SystemRegion(Region):
         """A copy of the `size` bytes at `offset` (uint8): one copy, straight from the object,
         off the event loop when it is large."""
         with self._own_descriptor() as fd:
-            return await run_sized(size, lambda: self._read(fd, offset, size))
+            return await off_loop.BINARY.run(size, self._read, fd, offset, size)
 
     def _read(self, fd: int, offset: int, size: int) -> torch.Tensor:
         data = np.empty(size, dtype=np.uint8)
@@ -186,7 +186,7 @@ class SystemRegion(Region):
         event loop when it is large); visible to the client when this returns."""
         raw = memoryview(data.contiguous().view(-1).view(torch.uint8).numpy())
         with self._own_descriptor() as fd:
-            await run_sized(raw.nbytes, lambda: self._write(fd, offset, raw))
+            await off_loop.BINARY.run(raw.nbytes, self._write, fd, offset, raw)
 
     def _write(self, fd: int, offset: int, raw: memoryview) -> None:
         what = (

@@ -24,7 +24,7 @@ from moe_serve.bench.http_bench import (
     split,
 )
 from moe_serve.service.cli import main
-from moe_serve.service.engine.pipeline import StageTimes
+from moe_serve.service.engine.interface import StageTimes
 from moe_serve.service.http.app import create_app
 from moe_serve.service.metrics import Metrics
 from moe_serve.service.settings import Settings

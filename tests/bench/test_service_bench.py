@@ -188,7 +188,7 @@ def test_the_bare_forward_is_compared_at_each_batch_size_the_level_formed() -> N
 
 def test_forward_sizes_counts_what_the_metrics_record_until_taken() -> None:
     from moe_serve.bench.service_server import ForwardSizes
-    from moe_serve.service.engine.pipeline import StageTimes
+    from moe_serve.service.engine.interface import StageTimes
     from moe_serve.service.metrics import Metrics
 
     metrics = Metrics()

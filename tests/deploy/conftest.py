@@ -3,7 +3,6 @@ engine runs here: these tests read the files, validate them and run what can run
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import pytest
@@ -40,9 +39,6 @@ def setting_env_names() -> set[str]:
 
 
 @pytest.fixture(scope="session")
-def deploy_section() -> str:
-    """The README's `## Deploy` section, up to the next level-2 heading."""
-    readme = (ROOT / "README.md").read_text()
-    match = re.search(r"^## Deploy\n(.*?)(?=^## |\Z)", readme, flags=re.M | re.S)
-    assert match, "README.md has no '## Deploy' section"
-    return match.group(1)
+def deploy_doc() -> str:
+    """The deployment guide, docs/deploy.md."""
+    return (ROOT / "docs" / "deploy.md").read_text()

@@ -1,5 +1,6 @@
 """Every environment variable the deployment files set is a real setting, valid, and documented
-in the README's Deploy section; every compose-level ${VARIABLE} is documented there too."""
+in the deployment guide, docs/deploy.md; every compose-level ${VARIABLE} is documented there
+too."""
 
 from __future__ import annotations
 
@@ -47,18 +48,16 @@ def test_every_deployed_variable_is_a_setting(
     assert deployed_names - setting_env_names == set()
 
 
-def test_every_deployed_variable_is_documented_in_the_readme(
-    deployed_names: set[str], deploy_section: str
+def test_every_deployed_variable_is_documented_in_the_deploy_guide(
+    deployed_names: set[str], deploy_doc: str
 ) -> None:
-    assert {n for n in deployed_names if f"`{n}`" not in deploy_section} == set()
+    assert {n for n in deployed_names if f"`{n}`" not in deploy_doc} == set()
 
 
-def test_compose_interpolation_variables_are_documented(
-    compose_text: str, deploy_section: str
-) -> None:
+def test_compose_interpolation_variables_are_documented(compose_text: str, deploy_doc: str) -> None:
     names = set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)", compose_text))
     assert names  # the checkpoint directory is one
-    assert {n for n in names if f"`{n}`" not in deploy_section} == set()
+    assert {n for n in names if f"`{n}`" not in deploy_doc} == set()
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from moe_serve.service.codecs.safetensors_wire import decode_safetensors, encode_safetensors
+from moe_serve.service.core.runtime import Runtime
 from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher
 from moe_serve.service.frontends.arena import BLOCK_BYTES, BodyArena
 from moe_serve.service.frontends.channel import (
@@ -25,7 +26,6 @@ from moe_serve.service.frontends.channel import (
     RecordWriter,
 )
 from moe_serve.service.frontends.channel_server import ChannelServer
-from moe_serve.service.http.deps import Runtime
 from moe_serve.service.metrics import Metrics
 from moe_serve.service.settings import Settings
 from tests.service.layers import TINY, H, reference_forward, tiny_layers

@@ -4,8 +4,8 @@ both ranks) loses or spoils no reply and leaves the layer captured again; then t
 answering on rank 0 alone once rank 1 is killed (the first request right after the kill,
 launched on the broken group, included).
 
-Run on nvidia-h200-x2:
-    source .deps/device-env.sh; python3 -m pytest -q -m gpu tests/service/test_ep_gpu.py
+Run on a machine with two GPUs:
+    python3 -m pytest -q -m gpu tests/service/test_ep_gpu.py
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from moe_serve.kernels.random_weights import random_expert_weights
 from moe_serve.kernels.routing import route
 from moe_serve.service.codecs import json_numbers
 from moe_serve.service.http.app import create_app
+from moe_serve.service.off_loop import JSON
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import NO_ROUTER, TINY, TOP_K, E, H, TinyLayer, reference_forward
@@ -83,14 +84,14 @@ def test_json_work_on_either_side_of_the_on_loop_limit_gets_the_same_reply(
     sizes = {"body": len(body), "reply": 5 * H * json_numbers.NUMBER_BYTES}
     assert sizes["body"] < sizes["reply"] - 1
     expected = client.post(URL, content=body, headers={"Content-Type": JSON_TYPE})
-    ran, off_loop = set(), json_numbers.off_loop
+    ran, off_loop = set(), JSON.off_loop
 
     async def spy(fn, *args):
         ran.add(fn.__name__)
         return await off_loop(fn, *args)
 
-    monkeypatch.setattr(json_numbers, "off_loop", spy)
-    monkeypatch.setattr(json_numbers, "ON_LOOP_BYTES", sizes[limit_at] - over)
+    monkeypatch.setattr(JSON, "off_loop", spy)
+    monkeypatch.setattr(JSON, "on_loop_bytes", sizes[limit_at] - over)
     r = client.post(URL, content=body, headers={"Content-Type": JSON_TYPE})
     assert (r.status_code, expected.status_code) == (200, 200), r.text
     assert r.content == expected.content
@@ -228,7 +229,7 @@ def test_bad_json_returns_4xx_naming_the_problem(client: TestClient, case: str) 
 def test_bad_json_decoded_on_a_json_thread_gets_the_same_4xx(
     client: TestClient, monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
-    monkeypatch.setattr(json_numbers, "ON_LOOP_BYTES", 0)  # every body goes to a thread
+    monkeypatch.setattr(JSON, "on_loop_bytes", 0)  # every body goes to a thread
     body, status, message = BAD_JSON[case]
     r = client.post(URL, json=body)
     assert r.status_code == status, r.text

@@ -23,9 +23,9 @@ import pytest
 import torch
 from starlette.datastructures import Headers
 
-from moe_serve.service import logs
+from moe_serve.service import logs, off_loop
 from moe_serve.service.codecs import json_device, json_tensors
-from moe_serve.service.codecs.json_numbers import NUMBER_BYTES, ON_LOOP_BYTES, decode_forward_arrays
+from moe_serve.service.codecs.json_numbers import NUMBER_BYTES, decode_forward_arrays
 from moe_serve.service.codecs.safetensors_wire import decode_safetensors, encode_safetensors
 from moe_serve.service.frontends.arena import BLOCK_BYTES, REPLY_HEADER_BYTES, BodyArena
 from moe_serve.service.frontends.front_end import (
@@ -241,6 +241,7 @@ def _short_rows(tokens: int) -> list[list[float]]:
     return (torch.randint(-8, 8, (tokens, H), generator=gen) / 4).tolist()
 
 
+ON_LOOP_BYTES = off_loop.JSON.on_loop_bytes
 REPLY_AT_LIMIT = ON_LOOP_BYTES // (H * NUMBER_BYTES)  # tokens whose reply is taken to fill it
 
 

@@ -257,8 +257,8 @@ def test_grpc_port_in_use_stops_the_start_naming_the_address() -> None:
     import asyncio
     import socket
 
+    from moe_serve.service.core.runtime import Runtime
     from moe_serve.service.grpc.servicer import start_grpc_server
-    from moe_serve.service.http.deps import Runtime
     from moe_serve.service.metrics import Metrics
 
     with socket.socket() as taken:

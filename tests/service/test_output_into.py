@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.service.core.forward import submit_unless_withdrawn
 from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher, RequestOptions
 from moe_serve.service.engine.engine import Engine
-from moe_serve.service.engine.pipeline import BatchResult
+from moe_serve.service.engine.interface import BatchResult
 from moe_serve.service.errors import ClientDisconnected
-from moe_serve.service.http.deps import submit_unless, submit_unless_withdrawn
 from tests.service.layers import TINY, H, reference_forward, tiny_layers
 from tests.service.test_batcher import RecordingEngine, run
 
@@ -96,10 +96,10 @@ def test_the_output_is_the_callers_buffer_filled_with_the_layers_output(
 
 @pytest.mark.parametrize("how", ["gone", "withdrawn", "cancelled"])
 def test_a_withdrawn_request_returns_only_once_its_batch_is_done_with_the_buffer(how: str) -> None:
-    """The client leaves while its rows are on the device: a route's `gone()` returns
-    (submit_unless) or the front ends' channel completes `withdrawn` (submit_unless_withdrawn,
-    in the caller's own task); both raise ClientDisconnected, and a caller cancelled from
-    elsewhere stays cancelled, all only once the device is done with the buffer."""
+    """The client leaves while its rows are on the device: a route's watch of its client ends,
+    or the front ends' channel completes `withdrawn` (submit_unless_withdrawn, in the caller's
+    own task); both raise ClientDisconnected, and a caller cancelled from elsewhere stays
+    cancelled, all only once the device is done with the buffer."""
     engine = EnqueuingEngine()
     engine.gate.clear()  # the batch stays "on the device"
     x = _rows(4, seed=2)
@@ -108,12 +108,12 @@ def test_a_withdrawn_request_returns_only_once_its_batch_is_done_with_the_buffer
 
     async def body(batcher: DynamicBatcher):
         gone = asyncio.Event()
+        watch = asyncio.ensure_future(gone.wait())  # as an HTTP route watches its client
         withdrawn = asyncio.get_running_loop().create_future()
         inputs, options = ForwardInputs(x), RequestOptions()
+        ends = watch if how == "gone" else withdrawn
         work = asyncio.create_task(
-            submit_unless(batcher, TINY, inputs, options, gone.wait, buffer)
-            if how == "gone"
-            else submit_unless_withdrawn(batcher, TINY, inputs, options, withdrawn, buffer)
+            submit_unless_withdrawn(batcher, TINY, inputs, options, ends, buffer)
         )
         await asyncio.to_thread(engine.launched.wait, WAIT_S)
         if how == "gone":
@@ -129,6 +129,7 @@ def test_a_withdrawn_request_returns_only_once_its_batch_is_done_with_the_buffer
         with pytest.raises(raised):
             await work
         order.append("returned")
+        watch.cancel()
 
     _run(engine, body)
     assert engine.writes + order == ["wrote", "returned"]

@@ -13,8 +13,9 @@ from fastapi.testclient import TestClient
 
 from moe_serve.kernels import registry, selection
 from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.service.core.runtime import warm_up_tokens
 from moe_serve.service.engine.engine import Engine
-from moe_serve.service.http.app import create_app, warm_up_tokens
+from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import NO_ROUTER, TINY, E, H, gated_loader

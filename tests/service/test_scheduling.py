@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.service.core.forward import submit_unless_withdrawn
 from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher, RequestOptions
 from moe_serve.service.errors import ClientDisconnected, DeadlineExceeded
-from moe_serve.service.http.deps import submit_while_connected
+from moe_serve.service.http.server import client_gone
 from tests.service.layers import TINY, reference_forward, tiny_layers
 from tests.service.test_batcher import WAIT_S, RecordingEngine, rows, run
 
@@ -188,6 +189,15 @@ class _LeavingClient:
     async def receive(self) -> dict:
         await self.leaves.wait()
         return {"type": "http.disconnect"}
+
+
+async def submit_while_connected(client, batcher, name, inputs, options):
+    """batcher.submit as the HTTP routes call it: withdrawn once the client has gone."""
+    watch = asyncio.ensure_future(client_gone(client.receive))
+    try:
+        return await submit_unless_withdrawn(batcher, name, inputs, options, watch)
+    finally:
+        watch.cancel()
 
 
 def test_a_client_that_disconnects_has_its_queued_rows_dropped() -> None:

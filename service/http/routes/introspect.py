@@ -8,7 +8,7 @@ import torch
 from fastapi import APIRouter
 
 from ....kernels.registry import experts_backends, prepare_finalize_backends
-from ...engine.engine import ServedLayer
+from ...engine.interface import ServedLayer
 from ..deps import EngineDep
 from ..schemas import (
     BackendInfo,

@@ -1,10 +1,18 @@
 """KServe v2 / Open Inference Protocol over HTTP: stock clients (tritonclient) work unchanged.
-The models and the inference itself are service/core/inference.py, shared with gRPC."""
+The models and the inference itself are service/core/inference.py, shared with gRPC.
+
+The infer routes are `InferEndpoint`, which service/http/endpoints.py hands every such request
+(without FastAPI's routing and dependency solving); FastAPI documents them from the declarations
+below."""
 
 from __future__ import annotations
 
+import asyncio
+import re
+
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from starlette.types import Receive, Scope, Send
 
 from ... import tracing
 from ...codecs.kserve import (
@@ -17,14 +25,19 @@ from ...codecs.kserve import (
     encode_response,
 )
 from ...core import inference
-from ...errors import BadInput
-from ..deps import BodyDep, EngineDep, Runtime, RuntimeDep
+from ...core.runtime import Runtime
+from ...errors import BadInput, ServiceError, error_response
+from ..body import read_body
+from ..deps import EngineDep, RuntimeDep
 from ..examples import DEMO_ROWS
 from ..plain_forward import BINARY
 from ..schemas import ErrorBody, inline_json_schema
+from ..server import client_gone
 from .shared_memory import caller
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2"])
+INFER_PATH = "/models/{name}/infer"
+VERSION_INFER_PATH = "/models/{name}/versions/{version}/infer"
 
 
 @router.get("", summary="Server metadata")
@@ -143,44 +156,71 @@ _INFER_OPENAPI = {
 }
 
 
-async def infer_response(
-    name: str, version: str, request: Request, body: bytes, runtime: Runtime
-) -> Response:
-    """The reply to an infer request (both routes, and service/http/kserve_fast_path.py)."""
-    infer_request, tensors = decode_request(body, _header_length(request))
-    owner = caller(request, runtime)
-    result = await inference.infer(
-        runtime, name, version, infer_request, tensors, owner, http_request=request
-    )
-    with tracing.reply_span():
-        encoded = encode_response(name, infer_request, result.outputs, result.placed)
-    if encoded.header_length is None:
-        return Response(encoded.body, media_type="application/json")
-    return Response(
-        encoded.body,
-        media_type=BINARY,
-        headers={HEADER_LENGTH: str(encoded.header_length)},
-    )
-
-
 @router.post(
-    "/models/{name}/infer",
+    INFER_PATH,
     summary="Inference with JSON tensors or the binary tensor data extension",
     response_model=InferResponse,
     responses={400: {"model": ErrorBody}, 404: {"model": ErrorBody}, 429: {"model": ErrorBody}},
     openapi_extra=_INFER_OPENAPI,
 )
-async def infer(name: str, request: Request, body: BodyDep, runtime: RuntimeDep) -> Response:
-    return await infer_response(name, "", request, body, runtime)
+async def infer(name: str) -> Response:  # noqa: ARG001 (InferEndpoint answers)
+    raise AssertionError(f"InferEndpoint answers {INFER_PATH}, before FastAPI's routing")
 
 
 @router.post(
-    "/models/{name}/versions/{version}/infer",
+    VERSION_INFER_PATH,
     summary="Inference on a named version (as /v2/models/{name}/infer)",
     responses={400: {"model": ErrorBody}, 404: {"model": ErrorBody}, 429: {"model": ErrorBody}},
     openapi_extra=_INFER_OPENAPI,
 )
 async def version_infer(
-    name: str, version: str, request: Request, body: BodyDep, runtime: RuntimeDep
+    name: str,  # noqa: ARG001 (InferEndpoint answers)
+    version: str,  # noqa: ARG001
 ) -> Response:
-    return await infer_response(name, version, request, body, runtime)
+    raise AssertionError(f"InferEndpoint answers {VERSION_INFER_PATH}, before FastAPI's routing")
+
+
+class InferEndpoint:
+    """The two infer routes' whole work: the body (413), the KServe decode (400), inference
+    (service/core/inference.py: readiness, the model, shared memory, the batcher, withdrawn if
+    the client goes away), the reply."""
+
+    path = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        by_path = {getattr(r, "path", None): r for r in router.routes}
+        # the declarations, by whether a version is named: the request metrics' labels
+        self.routes = (
+            by_path[router.prefix + INFER_PATH],
+            by_path[router.prefix + VERSION_INFER_PATH],
+        )
+
+    async def __call__(
+        self, scope: Scope, receive: Receive, send: Send, name: str, version: str | None
+    ) -> None:
+        scope["route"] = self.routes[version is not None]
+        request = Request(scope, receive)
+        runtime = self.runtime
+        withdrawn = None
+        try:
+            body = await read_body(request, runtime)
+            infer_request, tensors = decode_request(body, _header_length(request))
+            owner = caller(request, runtime)
+            withdrawn = asyncio.ensure_future(client_gone(receive))
+            result = await inference.infer(
+                runtime, name, version or "", infer_request, tensors, owner, withdrawn
+            )
+            with tracing.reply_span():
+                encoded = encode_response(name, infer_request, result.outputs, result.placed)
+            if encoded.header_length is None:
+                response = Response(encoded.body, media_type="application/json")
+            else:
+                length = {HEADER_LENGTH: str(encoded.header_length)}
+                response = Response(encoded.body, media_type=BINARY, headers=length)
+        except ServiceError as err:
+            response = error_response(err.status, err.message, err.headers)
+        finally:
+            if withdrawn is not None:
+                withdrawn.cancel()
+        await response(scope, receive, send)

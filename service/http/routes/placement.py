@@ -10,10 +10,9 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, model_validator
 
-from ...engine.engine import Engine
-from ...ep.engine import EPEngine
 from ...errors import BadInput, Conflict
-from ..deps import BodyDep, EngineDep, parse_body
+from ..body import parse_body
+from ..deps import BodyDep, EngineDep
 from ..schemas import ErrorBody
 
 router = APIRouter(prefix="/v1/layers", tags=["expert parallelism"])
@@ -45,12 +44,6 @@ class PlacementRequest(BaseModel):
         return self
 
 
-def _ep(engine: Engine) -> EPEngine:
-    if not isinstance(engine, EPEngine):
-        raise Conflict("placements exist only with expert parallelism (--ep N, N > 1)")
-    return engine
-
-
 @router.get(
     "/{name}/placement",
     summary="The experts each expert-parallel rank holds, the live ranks, the last step's "
@@ -58,7 +51,7 @@ def _ep(engine: Engine) -> EPEngine:
     responses=_ERRORS,
 )
 async def get_placement(name: str, engine: EngineDep) -> dict:
-    return _ep(engine).placement(name)
+    return engine.placement(name)
 
 
 @router.post(
@@ -71,9 +64,10 @@ async def get_placement(name: str, engine: EngineDep) -> dict:
 )
 async def post_placement(name: str, body: BodyDep, engine: EngineDep) -> JSONResponse:
     request = parse_body(PlacementRequest, body)
-    ep = _ep(engine)
     try:  # on a thread: it waits for the forward in progress
-        placement = await asyncio.to_thread(ep.rebalance, name, request.ranks, request.redundant)
+        placement = await asyncio.to_thread(
+            engine.rebalance, name, request.ranks, request.redundant
+        )
     except ValueError as err:
         raise BadInput(f"placement for layer {name!r}: {err}") from None
     except RuntimeError as err:

@@ -8,9 +8,10 @@ from typing import Any
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from ...errors import BadInput
-from ...triton import repository
-from ..deps import BodyDep, RuntimeDep, parse_body
+from ...core.runtime import ready, repository_of
+from ...triton.repository import check_load_parameters
+from ..body import parse_body
+from ..deps import BodyDep, RuntimeDep
 from ..schemas import ErrorBody
 
 router = APIRouter(prefix="/v2/repository", tags=["kserve-v2 model repository"])
@@ -29,18 +30,10 @@ class ModelRequest(BaseModel):
     parameters: dict[str, Any] = Field(default_factory=dict)
 
 
-def check_load_parameters(parameters: dict[str, Any]) -> None:
-    """Triton can load a model from a config or files sent with the request; we load only the
-    repository's directories."""
-    overrides = sorted(k for k in parameters if k == "config" or k.startswith("file:"))
-    if overrides:
-        raise BadInput(f"load parameters {overrides} are not supported: models load from disk")
-
-
 @router.post("/index", summary="Every model directory of the repository and its state")
 async def index(body: BodyDep, runtime: RuntimeDep) -> list[dict[str, str]]:
     request = parse_body(IndexRequest, body)
-    entries = repository.require(runtime).index(runtime, request.ready)
+    entries = repository_of(runtime).index(runtime, request.ready)
     return [entry.to_json() for entry in entries]
 
 
@@ -51,7 +44,7 @@ async def index(body: BodyDep, runtime: RuntimeDep) -> list[dict[str, str]]:
 )
 async def load(name: str, body: BodyDep, runtime: RuntimeDep) -> dict:
     check_load_parameters(parse_body(ModelRequest, body).parameters)
-    await repository.require(runtime).load(runtime, name)
+    await repository_of(runtime).load(ready(runtime), name)
     return {}
 
 
@@ -62,5 +55,5 @@ async def load(name: str, body: BodyDep, runtime: RuntimeDep) -> dict:
 )
 async def unload(name: str, body: BodyDep, runtime: RuntimeDep) -> dict:
     parse_body(ModelRequest, body)
-    await repository.require(runtime).unload(runtime, name)
+    await repository_of(runtime).unload(ready(runtime), name)
     return {}

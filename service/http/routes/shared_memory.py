@@ -10,9 +10,11 @@ import binascii
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
+from ...core.runtime import Runtime
 from ...errors import BadInput
 from ...triton.shared_memory import owner_of
-from ..deps import BodyDep, Runtime, RuntimeDep, parse_body
+from ..body import parse_body
+from ..deps import BodyDep, RuntimeDep
 from ..schemas import ErrorBody
 
 router = APIRouter(prefix="/v2", tags=["kserve-v2 shared memory"])

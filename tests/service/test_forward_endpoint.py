@@ -1,5 +1,6 @@
-"""The plain forwards without FastAPI's routing (service/http/fast_path.py) answer as the route
-does."""
+"""POST /v1/layers/{name}/forward is one endpoint (service/http/routes/forward.py), answered
+before FastAPI's routing: every forward, with a query string or without, takes it and gets the
+same reply; errors, limits, the token and readiness are the route's."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import safetensors.torch
 import torch
 from fastapi.testclient import TestClient
 
-from moe_serve.service.http import fast_path
 from moe_serve.service.http.app import create_app
 from moe_serve.service.http.plain_forward import BINARY as BINARY_MEDIA
 from moe_serve.service.http.plain_forward import JSON, plain_binary_forward, plain_forward
+from moe_serve.service.http.routes import forward as forward_route
 from moe_serve.service.settings import Settings
 from tests.service.layers import TINY, H, gated_loader
 
@@ -26,41 +27,41 @@ def _blob(rows: int = 3, seed: int = 0) -> bytes:
     return safetensors.torch.save({"hidden_states": hidden})
 
 
-def _paths_answered_by(monkeypatch: pytest.MonkeyPatch, handler: str) -> list[str]:
-    """Paths of the requests `fast_path.<handler>` answered."""
+def _layers_answered_by(monkeypatch: pytest.MonkeyPatch, handler: str) -> list[str]:
+    """Layers of the forwards the endpoint answered through `handler` of the forward core."""
     seen: list[str] = []
-    real = getattr(fast_path, handler)
+    real = getattr(forward_route, handler)
 
-    async def spy(request, *args, **kwargs):
-        seen.append(request.url.path)
-        return await real(request, *args, **kwargs)
+    async def spy(call, *args, **kwargs):
+        seen.append(call.served.name)
+        return await real(call, *args, **kwargs)
 
-    monkeypatch.setattr(fast_path, handler, spy)
+    monkeypatch.setattr(forward_route, handler, spy)
     return seen
 
 
 @pytest.fixture
 def taken(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Paths of the requests the fast path answered."""
-    return _paths_answered_by(monkeypatch, "forward_binary")
+    """Layers of the binary forwards the endpoint answered."""
+    return _layers_answered_by(monkeypatch, "serve_blob")
 
 
 @pytest.fixture
 def taken_json(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Paths of the JSON requests the fast path answered."""
-    return _paths_answered_by(monkeypatch, "forward_json")
+    """Layers of the JSON forwards the endpoint answered."""
+    return _layers_answered_by(monkeypatch, "serve_json")
 
 
-def test_a_plain_binary_forward_takes_the_fast_path_and_equals_the_route(
+def test_a_binary_forward_with_or_without_a_query_takes_the_endpoint_and_gets_one_reply(
     client: TestClient, taken: list[str]
 ) -> None:
-    fast = client.post(ROUTE, content=_blob(), headers=BINARY)
-    routed = client.post(f"{ROUTE}?priority=0", content=_blob(), headers=BINARY)  # via FastAPI
-    assert taken == [ROUTE]
-    assert (fast.status_code, routed.status_code) == (200, 200)
-    assert fast.headers["content-type"] == routed.headers["content-type"]
-    assert fast.content == routed.content
-    assert "X-Request-ID" in fast.headers  # RequestMiddleware wraps it
+    plain = client.post(ROUTE, content=_blob(), headers=BINARY)
+    queried = client.post(f"{ROUTE}?priority=0", content=_blob(), headers=BINARY)
+    assert taken == [TINY, TINY]
+    assert (plain.status_code, queried.status_code) == (200, 200)
+    assert plain.headers["content-type"] == queried.headers["content-type"]
+    assert plain.content == queried.content
+    assert "X-Request-ID" in plain.headers  # RequestMiddleware wraps it
     counted = 'moe_serve_requests_total{route="/v1/layers/{name}/forward",status="200"} 2.0'
     assert counted in client.get("/metrics").text
 
@@ -77,6 +78,12 @@ def test_errors_are_the_routes(client: TestClient, path, headers, body, status, 
     r = client.post(path, content=body, headers=headers)
     assert r.status_code == status
     assert error in r.json()["error"]
+
+
+def test_other_methods_and_a_trailing_slash_are_routed_by_fastapi(client: TestClient) -> None:
+    assert client.get(ROUTE).status_code == 405  # the declared route allows POST only
+    r = client.post(f"{ROUTE}/", content=_blob(), headers=BINARY, follow_redirects=False)
+    assert r.status_code == 307 and r.headers["location"].endswith(ROUTE)
 
 
 def test_a_body_over_the_limit_gets_413(make_client) -> None:
@@ -116,18 +123,18 @@ def test_only_plain_binary_posts_to_the_forward_route_are_taken() -> None:
     assert not plain_binary_forward(scope(path=f"{ROUTE}/x"))
 
 
-def test_a_plain_json_forward_takes_the_fast_path_and_equals_the_route(
+def test_a_json_forward_with_or_without_a_query_takes_the_endpoint_and_gets_one_reply(
     client: TestClient, taken_json: list[str]
 ) -> None:
     rows = torch.randn(3, H, generator=torch.Generator().manual_seed(0)).tolist()
     body = {"hidden_states": rows, "return_routing": True}
-    fast = client.post(ROUTE, json=body)
-    routed = client.post(f"{ROUTE}?priority=0", json=body)  # via FastAPI
-    assert taken_json == [ROUTE]
-    assert (fast.status_code, routed.status_code) == (200, 200)
-    assert fast.headers["content-type"] == routed.headers["content-type"]
-    assert fast.content == routed.content
-    assert "X-Request-ID" in fast.headers
+    plain = client.post(ROUTE, json=body)
+    queried = client.post(f"{ROUTE}?priority=0", json=body)
+    assert taken_json == [TINY, TINY]
+    assert (plain.status_code, queried.status_code) == (200, 200)
+    assert plain.headers["content-type"] == queried.headers["content-type"]
+    assert plain.content == queried.content
+    assert "X-Request-ID" in plain.headers
     assert client.post(ROUTE, json={"hidden_states": [[1.0, True]]}).json() == {
         "error": "hidden_states[0][1] is true; expected a number"
     }
@@ -135,7 +142,7 @@ def test_a_plain_json_forward_takes_the_fast_path_and_equals_the_route(
     assert counted in client.get("/metrics").text
 
 
-def test_a_json_body_over_its_limit_gets_413_on_the_fast_path(make_client) -> None:
+def test_a_json_body_over_its_limit_gets_413(make_client) -> None:
     client = make_client(max_json_bytes=1024)
     rows = torch.zeros(64, H).tolist()
     r = client.post(ROUTE, json={"hidden_states": rows})

@@ -1,0 +1,103 @@
+"""A request's body as the app reads it: whole, within its size limit, in time, its
+Content-Encoding undone; and a JSON body as a pydantic model."""
+
+from __future__ import annotations
+
+import asyncio
+import zlib
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect, Request
+
+from ..codecs.kserve import HEADER_LENGTH
+from ..core.runtime import Runtime
+from ..errors import (
+    BadInput,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+    body_cut,
+    body_stalled,
+    describe_validation_error,
+)
+from ..settings import Settings
+
+Body = TypeVar("Body", bound=BaseModel)
+# Content-Encoding -> zlib window bits (None: not compressed)
+_ZLIB_WBITS = {"identity": None, "gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def _body_limit(request: Request, settings: Settings) -> tuple[int, str]:
+    """The byte limit of the request's body, and how to name it in a 413.
+
+    JSON has its own, lower limit: decoding it holds the GIL (the event loop waits) and costs a
+    few times its size in memory; binary bodies cost neither.
+    """
+    json_limit = settings.max_json_bytes
+    binary_hint = (
+        "send larger requests in binary: a safetensors blob (Content-Type: "
+        "application/octet-stream) on /v1, binary tensors on /v2"
+    )
+    header = request.headers.get(HEADER_LENGTH)  # KServe: the JSON part's length
+    if header is not None and header.isascii() and header.isdigit() and int(header) > json_limit:
+        raise PayloadTooLarge(
+            f"the JSON part of {header} bytes exceeds the {json_limit}-byte limit of JSON "
+            f"(MOE_SERVE_MAX_JSON_BYTES); {binary_hint}"
+        )
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media == "application/json" and header is None and json_limit < settings.max_body_bytes:
+        return json_limit, (
+            f"the {json_limit}-byte limit of a JSON body (MOE_SERVE_MAX_JSON_BYTES); {binary_hint}"
+        )
+    return settings.max_body_bytes, f"the {settings.max_body_bytes}-byte limit"
+
+
+async def read_body(request: Request, runtime: Runtime) -> bytes:
+    """The request body (gzip/deflate undone), refused with 413 once it passes its limit."""
+    limit, what = _body_limit(request, runtime.settings)
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds {what}")
+    chunks, size = [], 0
+    timeout_s = runtime.settings.read_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):  # a client that stalls mid-body holds nothing long
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge(f"request body exceeds {what}")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise body_stalled(timeout_s, size) from None
+    except ClientDisconnect:
+        raise body_cut(size) from None
+    encoding = request.headers.get("content-encoding", "identity")
+    return _decode(b"".join(chunks), encoding, limit, what)
+
+
+def _decode(body: bytes, encoding: str, limit: int, what: str) -> bytes:
+    """Undo Content-Encoding (tritonclient can gzip or deflate), never inflating past `limit`."""
+    encoding = encoding.strip().lower()
+    if encoding not in _ZLIB_WBITS:
+        accepted = ", ".join(_ZLIB_WBITS)
+        raise UnsupportedMediaType(f"content encoding {encoding!r} is not accepted: {accepted}")
+    if encoding == "identity":
+        return body
+    inflate = zlib.decompressobj(_ZLIB_WBITS[encoding])
+    try:
+        plain = inflate.decompress(body, limit + 1)
+    except zlib.error as err:
+        raise BadInput(f"body is not valid {encoding} data: {err}") from None
+    if len(plain) > limit:
+        raise PayloadTooLarge(f"request body inflates past {what}")
+    if not inflate.eof:  # zlib returns what it could of a cut stream without complaint
+        raise BadInput(f"body is truncated {encoding} data: the compressed stream ends early")
+    return plain
+
+
+def parse_body(model: type[Body], body: bytes) -> Body:
+    """A JSON body as `model` (tritonclient sends no Content-Type), or a 400 naming the field."""
+    try:
+        return model.model_validate_json(body or b"{}")
+    except ValidationError as err:
+        raise BadInput(f"request body: {describe_validation_error(err, 'body')}") from None

@@ -1,0 +1,47 @@
+"""Where a request's host work runs: on the event loop, or on a thread once it is large enough
+that the loop would wait on it longer than a thread hop costs. One policy, by kind of work:
+
+- BINARY: safetensors bodies decoded and replies encoded, shared-memory copies, a batch staged
+  for the device. Up to 1 MiB (a 64-token DeepSeek-V3 bf16 body is 917 KB) the work takes less
+  than a hop to the default thread pool and back.
+- JSON: bodies parsed and replies printed. Up to 512 KiB (a 64-token demo request is 200 KB) it
+  runs on the loop: the work is mostly a few C calls (orjson's parse and print) that hold the
+  GIL, so a thread would free the loop only between them. Larger work goes to two threads of
+  its own, which bound how many bodies are decoded at once (each costs a few times its size in
+  memory) and how many threads sit in a C parser holding the GIL that the loop needs to answer
+  /health.
+
+Both limits were chosen with `bench/request_path.py` (the decode and encode stages, one client)
+and `bench/json_bench.py`. Torch-free: the front-end processes use it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class OffLoop:
+    def __init__(self, on_loop_bytes: int, executor: Executor | None) -> None:
+        self.on_loop_bytes = on_loop_bytes  # work on more bytes than this leaves the loop
+        self.executor = executor  # None: asyncio's default thread pool
+
+    async def run(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, work on about `nbytes`: here up to `on_loop_bytes`, else on a thread."""
+        if nbytes <= self.on_loop_bytes:
+            return fn(*args)
+        return await self.off_loop(fn, *args)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on a thread, in the caller's context (its log lines keep the request id)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, contextvars.copy_context().run, fn, *args)
+
+
+BINARY = OffLoop(1 << 20, None)
+JSON = OffLoop(512 << 10, ThreadPoolExecutor(max_workers=2, thread_name_prefix="moe-json"))
