@@ -28,7 +28,7 @@ from pathlib import Path
 from ..kernels.registry import experts_backends
 from ..kernels.selection import COMPOSED, rule_key, token_plan
 from ..kernels.tensors import Format
-from ..kernels.tuned import TUNED_DIR
+from ..kernels.tuned import PROVENANCE, TUNED_DIR
 from .schema import AUTO_ROW, BackendResult, BenchRun, gpu_name
 from .shapes import SHAPES
 
@@ -120,6 +120,18 @@ def shape_rule(shape: str, rows: dict[int, list[BackendResult]]) -> dict:
     return body
 
 
+def kernels_command(run: BenchRun) -> str:
+    """The `moe-serve bench kernels` command of `run`, with the settings the run records."""
+    s = run.settings
+    return (
+        f"moe-serve bench kernels --shapes {','.join(shape.name for shape in run.shapes)} "
+        f"--tokens {','.join(map(str, s.tokens))} --loads {','.join(s.loads)} "
+        f"--reference-max-tokens {s.reference_max_tokens} --check-rows {s.check_rows} "
+        f"--warmup {s.warmup} --min-iters {s.min_iters} --max-iters {s.max_iters} "
+        f"--budget-ms {s.budget_s * 1e3:g}"
+    )
+
+
 def rule_table(run: BenchRun) -> dict:
     """The rule table of `run`'s shapes; ValueError when it cannot make one rule per key."""
     rules: dict[str, dict] = {}
@@ -139,6 +151,8 @@ def rule_table(run: BenchRun) -> dict:
     return {
         "device": run.environment.device,
         "commit": run.environment.commit,
+        "date": run.environment.created[:10],
+        "command": kernels_command(run),
         "method": (
             f"medians, {LOAD} load: served_us of the whole-layer forward from router logits, "
             f"replayed from a CUDA graph of that many tokens for the backends in `captured`, "
@@ -154,13 +168,17 @@ def rule_table(run: BenchRun) -> dict:
 
 def merged(table: dict, existing: dict) -> dict:
     """`existing` (a table on disk) with `table`'s rules in place of its rules of the same keys,
-    the others kept; each rule names the commit it was measured at (`commit`)."""
+    the others kept; each rule names the run it was measured in (`commit`, `date`, `command`)."""
     if existing["device"] != table["device"]:
         raise ValueError(
             f"the table holds rules measured on {existing['device']}, the run {table['device']}"
         )
-    rules = {key: {"commit": existing["commit"]} | rule for key, rule in existing["rules"].items()}
-    rules |= {key: rule | {"commit": table["commit"]} for key, rule in table["rules"].items()}
+
+    def measured(body: dict) -> dict:
+        return {name: body[name] for name in PROVENANCE if name in body}
+
+    rules = {key: measured(existing) | rule for key, rule in existing["rules"].items()}
+    rules |= {key: rule | measured(table) for key, rule in table["rules"].items()}
     return existing | {"rules": rules}
 
 

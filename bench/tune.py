@@ -21,8 +21,11 @@ import argparse
 import json
 import logging
 import os
+import shlex
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -204,10 +207,16 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
     from ..kernels.routing import route
     from ..kernels.stages import DispatchSpec
     from ..kernels.workspace import Workspace
+    from .environment import current_commit
     from .random_layer import random_layer
     from .timing import Timer, TimingPlan
 
     cfg = request.cfg
+    measured = {  # each bucket searched says where (kernels/tuned: PROVENANCE)
+        "commit": current_commit(),
+        "date": f"{datetime.now(UTC):%Y-%m-%d}",
+        "command": shlex.join(["moe-serve", *sys.argv[1:]]),
+    }
     key = TileKey.of(cfg, device_name(device))
     body = {"key": asdict(key), "buckets": {}}
     if request.out.exists():
@@ -274,7 +283,7 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
                 finalists.append(current)
             routings = [dispatched(m) for _ in range(_CONFIRM_ROUTINGS)]
             best, us = confirmed(finalists, routings, lambda t, r: time_one(t, r) or float("inf"))
-            body["buckets"][str(m)] = best.to_json() | {"us": round(us, 2)}
+            body["buckets"][str(m)] = best.to_json() | {"us": round(us, 2)} | measured
             _write_atomically(request.out, body)
             log.info("M=%d: %s (%.1f us, mean of %d routings)", m, best, us, len(routings))
     return body

@@ -3,8 +3,8 @@
 A kernel launched with `launch_pdl=True` may start while the kernel before it in its stream still
 runs: its launch and the start of its programs hide behind that kernel's last wave. A one-token
 DeepSeek-V3 forward chains six small-to-mid kernels (quantiser, align, GEMM1, quantiser, GEMM2,
-top-k sum), each waiting for the one before, with a gap of 1-2 us at each launch in the H100
-traces (bench/results/layer-profile-h100-2026-11-27-seventh.md).
+top-k sum), each waiting for the one before: in a profiler trace each launch leaves a gap of
+a microsecond or two, a visible share of the forward.
 
 The rule every kernel launched this way keeps: each program calls `begin` before its first load
 or store of memory any other kernel reads or writes (only arithmetic on arguments and program
@@ -12,8 +12,8 @@ ids comes before it). Because every program waits there, a kernel that starts ea
 the output of one further back unfinished: the kernel just before it ended only after its own
 programs' waits. A kernel launched without it (torch's) waits for all before it as usual; one
 launched with it after torch's starts when that one ends. Inside a CUDA graph capture the
-launches become programmatic edges. DeepSeek-V3's experts at one token on the H100: 159.3 ->
-156.2 us (bench/results/eighth-session-2026-11-27.md).
+launches become programmatic edges. `moe-serve bench kernels` times the one-token forwards it
+shortens.
 
 Triton's CPU interpreter has no grid dependency control: there `PDL` is False, so `begin`
 compiles to nothing, and the launch's `launch_pdl=False` is an option it ignores.

@@ -3,7 +3,7 @@
 Python's garbage collector is held off while a graph captures: a collection that frees an
 unreachable CUDAGraph (a replaced layer's, an earlier test's) resets it, which CUDA refuses while a
 stream captures, and that invalidates the capture in progress ("operation failed due to a
-previous error during capture"; seen on the H200 in tests/kernels/test_layer_graphs_gpu.py).
+previous error during capture", as tests/kernels/test_layer_graphs_gpu.py can meet it).
 torch no longer collects before a capture unless TORCH_CUDAGRAPH_GC is set. Collections wait
 until the capture ends.
 
@@ -15,8 +15,7 @@ stream it was captured on (torch instantiates graphs with cudaGraphInstantiateFl
 Work forked onto a stream of default priority inside the capture (the shared experts' side
 stream, kernels/modular.py) then gives way to the forward's own chain: when an SM frees, the
 chain's next block goes first. Without it, the one-token DeepSeek-V3 forward's single-program
-align kernel waited behind the shared experts' GEMM blocks, 17.6 us instead of 1.8 (H100 trace,
-bench/results/layer-profile-h100-2026-11-27-seventh.md).
+align kernel waits behind the shared experts' GEMM blocks, several times its own time.
 """
 
 from __future__ import annotations

@@ -86,8 +86,8 @@ NONFINITE_BITS = {
 
 def all_finite(t: torch.Tensor) -> bool:
     """Whether a tensor of a layer dtype holds no NaN or Inf. On the CPU through numpy on the
-    bits: torch.isfinite takes milliseconds on a 64 x 7168 bfloat16 request, this a tenth of
-    that; on a GPU one reduction there, and a sync to read its flag."""
+    bits, several times faster than torch.isfinite on a bfloat16 request; on a GPU one reduction
+    there, and a sync to read its flag."""
     if t.device.type != "cpu":
         return bool(torch.isfinite(t).all())
     bits, exponent = NONFINITE_BITS[t.dtype]

@@ -22,10 +22,9 @@ pool of its own, shared by its buckets' graphs (captured largest first, so the s
 reuse its memory). A graph captured into a pool may keep its outputs where an earlier graph of
 that pool had temporaries, so replaying the earlier one overwrites them: safe within a copy,
 whose outputs are read before the copy's next replay, not across copies, whose outputs are
-copied out while the next copy's graph runs (service/pipeline.py). With one pool for every
-copy, a DeepSeek-V3-sized deep-gemm layer's routing ids came back under pipelining holding what
-reads as bf16 values (2 x H200, bench/results/ep-h200x2-2026-11-27-pipelined.md): the likely
-cause, not yet confirmed on a GPU. The experts' buffers come from a private workspace
+copied out while the next copy's graph runs (service/pipeline.py): with one pool for every
+copy, a copy's outputs (a layer's routing ids, say) could be overwritten by another copy's
+temporaries while they are copied out. The experts' buffers come from a private workspace
 allocated inside the capture, never from the shared Workspace, whose buffers move when another
 layer grows them. A batch-invariant layer's valid rows are untouched by the padding: its router
 and shared-expert GEMMs run one fixed tile, its experts skip the padded pairs
@@ -61,7 +60,7 @@ FINE_FROM = 64  # buckets double up to here, then grow by a quarter (in steps of
 def token_buckets(max_tokens: int) -> tuple[int, ...]:
     """1, 2, 4, ..., 64, then about 1.25x apart in multiples of 64 (128, 192, 256, 320, 448,
     576, 768, 960, ...), then `max_tokens`. Padded rows skip the experts but not the router and
-    the shared experts: a batch of 269 tokens ran as 512 with doubling buckets, now as 320."""
+    the shared experts: a batch of 269 tokens runs as 320, where doubling buckets ran it as 512."""
     buckets, size = [], 1
     while size < max_tokens:
         buckets.append(size)

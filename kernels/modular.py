@@ -11,14 +11,13 @@ split and the workspace holds exactly the largest batch.
 A layer's shared experts run beside the routed experts: on GPUs `MoELayer` has them queued on a
 side stream after the first prepare, which the side stream waits for, and their output
 (`SideOutput`) is waited for only by the pass that adds it. In line, a one-token DeepSeek-V3
-forward ran their three cuBLAS GEMMs (33 us of kernels on one H200, ef7e912's trace) between the
-routing and the routed experts. Queued before the router, they held up its GEMM and the routing
-kernel; queued before naive-ep's broadcast completes, they slowed its sender's broadcast and so
-every other rank (2 x H200, 4096 tokens: 1.65x one GPU against 1.72x in line, 45b344d). Their
-float32 output joins the routed sum before its one rounding: experts that reduce top-k add it in
-their own sum's pass (`PrepareFinalize.sum_target` says where that sum goes), else the finalize
-does. Adding it afterwards to the rounded routed output took two more passes over the output
-(0.16 ms of an 8.1 ms forward on one H200, 326f3fe's trace) and rounded twice.
+forward runs their three cuBLAS GEMMs between the routing and the routed experts, on the
+forward's critical path. Queued before the router, they hold up its GEMM and the routing
+kernel; queued before naive-ep's broadcast completes, they slow its sender's broadcast and so
+every other rank. Their float32 output joins the routed sum before its one rounding: experts
+that reduce top-k add it in their own sum's pass (`PrepareFinalize.sum_target` says where that
+sum goes), else the finalize does; adding it afterwards to the rounded routed output would take
+two more passes over the output and round twice.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from .experts.deep_gemm import DeepGemmBatchedExperts, DeepGemmExperts
 from .experts.deep_gemm_fp4 import DeepGemmFp4Experts
 from .experts.oai_triton import OaiTritonExperts, UnfusedOaiTritonExperts
 from .experts.reference import BatchedReferenceExperts, ReferenceExperts
+from .experts.token_switch import TritonOrDeepGemmExperts
 from .experts.triton import TritonBatchedExperts, TritonExperts
-from .experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
 from .prepare_finalize.batched import Batched
 from .prepare_finalize.naive_ep import NaiveEP
 from .prepare_finalize.no_ep import NoEP

@@ -4,30 +4,22 @@
   inputs and on its output (API: `kernels.input_checks.all_finite_on_device`). Each value is
   read once as bits: a value is NaN or Inf exactly when all its format's mask bits are set
   (kernels/nonfinite.py). `torch.isfinite(x).all()` runs four elementwise kernels and a
-  reduction: 0.12 ms per 4096 x 7168 bfloat16 tensor on the H200, this kernel 0.018 ms
-  (profiles of 658ea2f and 7719a0e, bench/results/profiles/).
+  reduction over the whole tensor, several times this pass's time in a profile of the layer.
 - `zero_rows_from`: a CUDA graph's padding rows (from its valid_rows on) set to zero, the
-  others not read or written (a broadcast masked_fill_ read and wrote all of them: 0.08 ms at
-  4096 x 7168 in the same profiles, this kernel 0.004 ms).
+  others not read or written (a broadcast masked_fill_ reads and writes all of them).
 - `batch_stats_into`: what a CUDA graph reports of its batch, in one pass: tokens per expert over
-  the valid rows, whether the valid output rows and every input row are finite. Torch took
-  about 17 small kernels for it (a mask, a scatter, two flags, their stack): with this pass
-  (7.2 us, a program per row) a one-token DeepSeek-V3 forward's kernels went from 170.7 to
-  152.7 us on the H200 (7e4d3a4 against ef7e912, one call:
-  bench/results/layer-profile-h200-2026-11-27.md). Programs now split each row's columns: a
-  one-row batch is no longer one program's serial loop.
+  the valid rows, whether the valid output rows and every input row are finite. Torch takes
+  about 17 small kernels for it (a mask, a scatter, two flags, their stack), a visible share of
+  a one-token forward. Programs split each row's columns, so a one-row batch is not one
+  program's serial loop.
 - `router_logits_into`: a batch of a token or two, its router logits as one GEMV pass over the
-  router's rows, float32 sums of the 16-bit products plus the bias. cuBLAS ran a split-K GEMM
-  and its reduce for it, two launches: in the H100's one-token replays the routing kernel now
-  starts at 4.7 us instead of 8.3 (gpt-oss) and at 7.2 instead of 10.4 (DeepSeek-V3), the
-  kernels' sum of gpt-oss' replay 66.7 / 66.5 -> 63.7 / 63.4 us in two rounds; the replay's
-  own median moved less than its noise there (bench/results/fourteenth-session-2026-11-27.md).
-  Each row is summed in one order whatever the batch, but a larger batch goes to cuBLAS: not
-  for batch-invariant layers.
+  router's rows, float32 sums of the 16-bit products plus the bias. cuBLAS runs a split-K GEMM
+  and its reduce for it, two launches before the routing kernel can start (a one-token replay's
+  critical path). Each row is summed in one order whatever the batch, but a larger batch goes
+  to cuBLAS: not for batch-invariant layers.
 - `silu_and_mul`: the shared experts' activation, float32 GEMM output [M, 2I] -> silu(gate) * up
   rounded once to the layer's dtype for their second GEMM: torch's `silu`, `*` and `.to` bit for
-  bit on a GPU (kernels/triton_math.py), one pass instead of three (76 us at 4096 DeepSeek-V3
-  tokens on the H200, da1f6a4's profile).
+  bit on a GPU (kernels/triton_math.py), one pass over the intermediate instead of three.
 """
 
 from __future__ import annotations

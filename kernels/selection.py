@@ -2,7 +2,7 @@
 
 `--backend auto` chooses among the available backends by measured rules.
 
-A rule table (`kernels/tuned/auto_<gpu>.json`, written by `moe-serve bench auto-table` from a
+A rule table (`kernels/tuned/auto_<gpu>.json`, written by `moe-serve bench tune --mode rules` from a
 `moe-serve bench kernels` run: bench/auto_table.py) holds, per GPU, for each
 `<scheme>/<shape class>` key every backend's median time at a few token counts in two modes:
 served (`served_us`: the whole-layer forward, router and routing included, replayed from a CUDA
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .config import MoEConfig
-from .experts.token_switch import TokenSwitchExperts
+from .experts.token_switch import TokenSwitchExperts, TritonOrDeepGemmExperts
 from .registry import experts_backends, prepare_finalize_backends
 from .stages import Support
 from .tensors import Format
@@ -46,9 +46,8 @@ LARGE_LAYER = 1 << 22  # H * I from which a layer counts as full-size (DeepSeek-
 
 # Without a rule for this GPU and layer, `auto` tries these in order and the first that supports
 # the layer wins: fast GPU paths first, the exact torch reference last (it runs everywhere).
-# Ordered as the H100 measured them served (whole-layer CUDA graphs, bench/results): oai-triton
-# beat our triton on gpt-oss at every M, and our triton beat deep-gemm (its torch glue and host
-# syncs; it cannot be captured) at every M on DeepSeek-V3.
+# Ordered by the served times (whole-layer CUDA graphs) of `moe-serve bench kernels` on the H100:
+# oai-triton ahead of our triton on gpt-oss, our triton ahead of deep-gemm on DeepSeek-V3.
 AUTO_ORDER: tuple[str, ...] = (
     "oai-triton",
     "triton",
@@ -60,12 +59,12 @@ AUTO_ORDER: tuple[str, ...] = (
 
 
 # switches by token count itself (its threshold from this table): never a member of a plan
-COMPOSED = frozenset({"triton-or-deep-gemm"})
+COMPOSED = frozenset({TritonOrDeepGemmExperts.name})
 # A pair of backends replaces the best one alone only where it lowers the worst ratio to the
-# fastest by more than this. Auto's target is 3% (bench/targets.py AUTO_SLACK) and the same layer
-# timed twice in one run differs by up to 0.8%, once 2.2% (auto's own row against the backend it
-# ran, kernels-h100-2026-11-25): a plan 1% off leaves the rest for that noise. A smaller gain is
-# within the noise and not worth a second member's weight memory (a switch holds its larger one).
+# fastest by more than this. Auto's target is 3% (bench/targets.py AUTO_SLACK), and `moe-serve
+# bench kernels` times the same layer up to a percent or two apart within one run (auto's own
+# row against the backend it ran): a plan 1% off leaves the rest for that noise. A smaller gain
+# is within the noise and not worth a second member's weight memory (a switch holds its larger).
 SWITCH_MARGIN = 1.01
 MAX_BACKENDS = 2  # backends one layer holds under auto (a member may keep its own weight layout)
 
@@ -296,6 +295,14 @@ def _expert_parallel_problem(experts: type[Experts]) -> str:
     return ""
 
 
+def _bound(cls: type[Experts], cfg: MoEConfig, device: torch.device) -> type[Experts]:
+    """`cls` as a layer builds it: triton-or-deep-gemm with the token count from which it runs
+    deep-gemm, from this GPU's rule table."""
+    if cls is TritonOrDeepGemmExperts:
+        return cls.at(cfg, device, *deep_gemm_min_tokens(cfg, device))
+    return cls
+
+
 def select(
     cfg: MoEConfig,
     device: torch.device,
@@ -332,15 +339,16 @@ def select(
             raise ValueError(f"unknown backend {requested!r}; registered: {', '.join(backends)}")
         if requested in rejected:
             raise ValueError(f"backend {requested!r} cannot run this layer: {rejected[requested]}")
-        cls = backends[requested]
+        cls = _bound(backends[requested], cfg, device)
         pf = _prepare_finalize_for(cls, device, expert_parallel)
         return Selection(cls, pf, "forced by --backend", rejected)
     available = [name for name in backends if name not in rejected]
     choice = auto_choice(cfg, device, available, AUTO_ORDER, rejected, not batch_invariant, rules)
     if choice is not None:
-        cls = backends[choice.name]
         if choice.plan:
             cls = TokenSwitchExperts.over(tuple((m, backends[n]) for m, n in choice.plan))
+        else:
+            cls = _bound(backends[choice.name], cfg, device)
         pf = _prepare_finalize_for(cls, device, expert_parallel)
         return Selection(cls, pf, choice.reason, rejected)
     details = "; ".join(f"{n}: {r}" for n, r in rejected.items())

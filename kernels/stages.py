@@ -55,6 +55,7 @@ def resolve_device(name: str) -> torch.device:
 
 # triton ships with CUDA builds of torch; without it the Triton paths say why they cannot run
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+NO_TRITON = Support(False, "triton is not installed (pip install 'moe-serve[gpu]')")
 
 
 def cuda_capability(device: torch.device) -> tuple[int, int] | None:

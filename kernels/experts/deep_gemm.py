@@ -29,17 +29,19 @@ import torch
 from ..arith import ceil_div, round_up
 from ..config import MoEConfig
 from ..quant_scheme import FP8, FP8_BLOCK, QuantScheme
-from ..stages import YES, Experts, SumTarget, Support, cuda_capability
+from ..stages import HAS_TRITON, NO_TRITON, YES, Experts, SumTarget, Support, cuda_capability
 from ..tensors import Dispatched, ExpertWeights, Format
 from ..workspace import Workspace
-from ._triton.act_quant import MaskedRows, PairRows, act_quant
-from ._triton.align import aligned_capacity
-from ._triton.psum_layout import (
-    PsumLayout,
-    gather_rows,
-    psum_layout,
-    weighted_sum,
-)
+
+if HAS_TRITON:  # without it the backends stay registered and say why they cannot run
+    from ._triton.act_quant import MaskedRows, PairRows, act_quant
+    from ._triton.align import aligned_capacity
+    from ._triton.psum_layout import (
+        PsumLayout,
+        gather_rows,
+        psum_layout,
+        weighted_sum,
+    )
 
 MASKED_M_ALIGNMENT = 128  # the masked kernel's largest BLOCK_M: no block may cross two experts
 
@@ -65,6 +67,13 @@ def deep_gemm_environment(device: torch.device, major: int = 9) -> Support:
         arch = {9: "SM90 (Hopper)", 10: "SM100 (Blackwell)"}[major]
         return Support(False, f"requires {arch}; this GPU is sm_{cap[0]}{cap[1]}")
     return YES
+
+
+def deep_gemm_glue_environment(device: torch.device) -> Support:
+    """deep_gemm_environment for the experts whose passes between the GEMMs (the psum layout,
+    act_quant) are our Triton kernels: those need triton as well."""
+    support = deep_gemm_environment(device)
+    return NO_TRITON if support and not HAS_TRITON else support
 
 
 def check_block_shape(cfg: MoEConfig) -> Support:
@@ -99,7 +108,7 @@ class DeepGemmBase(Experts):
 
     @classmethod
     def environment(cls, device: torch.device) -> Support:
-        return deep_gemm_environment(device)
+        return deep_gemm_glue_environment(device)
 
     @classmethod
     def check_config(cls, cfg: MoEConfig) -> Support:

@@ -23,6 +23,7 @@ from ..config import MoEConfig
 from ..quant_scheme import ActQuant, QuantScheme
 from ..stages import (
     HAS_TRITON,
+    NO_TRITON,
     YES,
     ColumnBlocks,
     Experts,
@@ -73,14 +74,15 @@ class _TritonBase(Experts):
         batch_invariant: bool = False,
     ) -> None:
         super().__init__(cfg, weights, batch_invariant)
-        self.fixed_tiles = fixed_tiles  # `moe-serve tune` times candidates; None: file/heuristic
+        # `moe-serve bench tune` times candidates; None: the tuned file or the heuristic
+        self.fixed_tiles = fixed_tiles
         self.w13 = ExpertMatrix(weights.w13, weights.w13_scale, weights.w13_bias, cfg.quant)
         self.w2 = ExpertMatrix(weights.w2, weights.w2_scale, weights.w2_bias, cfg.quant)
 
     @classmethod
     def environment(cls, device: torch.device) -> Support:
         if not HAS_TRITON:
-            return Support(False, "triton is not installed (pip install 'moe-serve[gpu]')")
+            return NO_TRITON
         if cuda_capability(device) is None:
             return Support(False, f"needs a CUDA GPU, {device} has none")
         return YES

@@ -24,16 +24,15 @@ service forms a new one among the live ranks when a rank dies); collectives are 
 What travels, packed into one byte buffer so a dispatch is one collective: the activations, the
 global topk ids and the weights. The activations go as fp8 with their scales wherever the
 experts compute in fp8 (`Experts.wire_quant`: also where they would quantise the 16-bit rows
-themselves, as triton's do), quantised once on the rank that brings them: 30 MB instead of 59
-for 4096 DeepSeek-V3 tokens, and the receiving ranks quantise nothing. The sender's broadcast
-carries them end to end, each arriving as a view of the buffer (`pack_segments`); rows
-interleaved per token had to be copied apart again, 0.12 ms of every forward on every rank at
-4096 DeepSeek-V3 tokens (2 x H200, 68fbac8's trace). The ranks that receive it compute nothing
-before it (`received_like`). An all-gather carries one byte row per token (`pack_rows`), since
-it concatenates the ranks' rows. A per-tensor fp8 scale depends on every token of the batch,
-which only a sender holds: in the other modes the 16-bit rows travel and the gathered batch is
-quantised once, as on one GPU. Partial outputs are summed in float32, so the sum over ranks
-rounds once, like the single-GPU combine.
+themselves, as triton's do), quantised once on the rank that brings them: about half the bytes
+of 16-bit rows, and the receiving ranks quantise nothing. The sender's broadcast carries them
+end to end, each arriving as a view of the buffer (`pack_segments`); rows interleaved per token
+would have to be copied apart again on every rank, in every forward. The ranks that receive it
+compute nothing before it (`received_like`). An all-gather carries one byte row per token
+(`pack_rows`), since it concatenates the ranks' rows. A per-tensor fp8 scale depends on every
+token of the batch, which only a sender holds: in the other modes the 16-bit rows travel and the
+gathered batch is quantised once, as on one GPU. Partial outputs are summed in float32, so the
+sum over ranks rounds once, like the single-GPU combine.
 
 The sender mode's reduce overlaps the experts' last GEMM: experts that can
 (`Experts.sum_in_column_blocks`) compute GEMM2 and the top-k sum in blocks of output columns, and
@@ -73,7 +72,7 @@ from ..tensors import Dispatched, Format, Routing
 from ..workspace import Workspace
 from .no_ep import dispatch_locally, quantize_input
 
-# Renamed in torch 2.13 (the old names warn there); the device machine runs torch 2.11.
+# Renamed in torch 2.13 (the old names warn there); older torch has only the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

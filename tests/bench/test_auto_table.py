@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moe_serve.bench.auto_table import crossover_tokens, rank_backends, rule_table, summary
-from moe_serve.bench.kernel_bench import KernelBench, KernelBenchConfig
+from moe_serve.bench.kernel_bench import KernelBench, KernelBenchConfig, read_run
 from moe_serve.bench.router_loads import Load
 from moe_serve.bench.schema import Point, write_result
 from moe_serve.bench.timing import TimingPlan
@@ -215,3 +215,26 @@ def test_a_backend_captured_at_one_count_but_not_another_is_not_planned() -> Non
     assert "triton" not in body["served_us"]["4"]
     assert body["failed"]["triton"] == "M=4: not captured: it syncs with the host"
     assert body["plan"] == [[1, "oai-triton"]]
+
+
+def test_a_rule_table_names_the_run_that_measured_it_and_a_merge_each_rules_own(
+    tiny_run: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "auto_cpu.json"
+    kept = {"shape": "gpt-oss", "order": ["oai-triton"], "times_us": {"1": {"oai-triton": 9.0}},
+            "failed": {}}  # fmt: skip
+    command = "moe-serve bench kernels --shapes gpt-oss"
+    out.write_text(json.dumps({"device": "cpu", "commit": "old1234", "date": "2026-01-02",
+                               "command": command, "rules": {"mxfp4/large": kept}}))  # fmt: skip
+    assert main([*RULES, str(tiny_run), "--out", str(out), "--merge"]) == 0
+
+    body = json.loads(out.read_text())
+    environment = json.loads(tiny_run.read_text())["environment"]
+    measured = {"commit": environment["commit"], "date": environment["created"][:10],
+                "command": "moe-serve bench kernels --shapes tiny --tokens 1,3 --loads uniform,"
+                "skewed --reference-max-tokens 64 --check-rows 32 --warmup 1 --min-iters 2 "
+                "--max-iters 3 --budget-ms 1"}  # fmt: skip
+    assert {name: body["rules"]["none/small"][name] for name in measured} == measured
+    old = {"commit": "old1234", "date": "2026-01-02", "command": command}
+    assert {name: body["rules"]["mxfp4/large"][name] for name in old} == old
+    assert {name: rule_table(read_run(tiny_run))[name] for name in measured} == measured

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
 
 import pytest
 import torch
 
+from moe_serve.bench import environment
 from moe_serve.bench.tune import (
     TuneRequest,
     buckets_to_search,
@@ -22,7 +25,9 @@ from moe_serve.bench.tune import (
     per_pair_choices,
     tune,
 )
+from moe_serve.kernels.experts import triton as triton_experts
 from moe_serve.kernels.experts._triton import tiles
+from moe_serve.kernels.experts.triton import TritonExperts
 from moe_serve.kernels.quant_scheme import QuantScheme
 from moe_serve.service.cli import main
 from tests.kernels.triton_cases import Case
@@ -114,6 +119,32 @@ def test_tune_resumes_without_retiming_buckets_already_in_the_file(tmp_path) -> 
     out.write_text(json.dumps({"key": {}, "buckets": {"1": done}}))
     body = tune(TuneRequest(cfg, (1,), out), CPU)
     assert body["buckets"] == {"1": done}
+
+
+def test_tune_writes_each_bucket_with_the_commit_date_and_command_that_searched_it(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The search itself runs against experts that return at once: only what is written counts."""
+
+    class Instant(TritonExperts):
+        def apply(self, x, ws, into=None):
+            return x.hidden
+
+    monkeypatch.setattr(triton_experts, "TritonExperts", Instant)
+    monkeypatch.setattr(environment, "current_commit", lambda: "abc1234")
+    argv = ["/venv/bin/moe-serve", "bench", "tune", "--shape", "8,64,96,2", "--tokens", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    cfg = Case().config()
+    out = tmp_path / "t.json"
+    body = tune(TuneRequest(cfg, (1,), out), CPU)
+    entry = json.loads(out.read_text())["buckets"]["1"]
+    assert entry == body["buckets"]["1"]
+    assert tiles.LayerTiles.from_json(entry) and entry["us"] > 0
+    assert (entry["commit"], entry["command"]) == (
+        "abc1234",
+        "moe-serve bench tune --shape 8,64,96,2 --tokens 1",
+    )
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", entry["date"])
 
 
 def test_tune_refuses_to_run_without_a_gpu() -> None:

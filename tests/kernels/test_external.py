@@ -14,9 +14,10 @@ from moe_serve.kernels import selection
 from moe_serve.kernels.accuracy import relative_error
 from moe_serve.kernels.activations import apply_activation
 from moe_serve.kernels.config import Activation, ActivationSpec, GateUp, MoEConfig, RoutingConfig
-from moe_serve.kernels.experts import deep_gemm, deep_gemm_fp4, oai_triton, triton_or_deep_gemm
+from moe_serve.kernels.experts import deep_gemm, deep_gemm_fp4, oai_triton
 from moe_serve.kernels.experts._triton.sort_pairs import sort_pairs
 from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.kernels.experts.token_switch import TritonOrDeepGemmExperts
 from moe_serve.kernels.modular import ModularKernel
 from moe_serve.kernels.prepare_finalize.batched import Batched
 from moe_serve.kernels.prepare_finalize.no_ep import NoEP
@@ -25,6 +26,7 @@ from moe_serve.kernels.quantize import dequantize_mxfp4, dequantize_weight, quan
 from moe_serve.kernels.random_weights import random_expert_weights
 from moe_serve.kernels.registry import experts_backends
 from moe_serve.kernels.routing import route
+from moe_serve.kernels.stages import NO_TRITON
 from moe_serve.kernels.tensors import Routing
 from moe_serve.kernels.workspace import Workspace
 
@@ -104,6 +106,18 @@ def test_deep_gemm_fp4_needs_blackwell_when_the_package_is_there(
     assert deep_gemm.DeepGemmExperts.environment(CUDA).ok
 
 
+def test_deep_gemm_glue_needs_triton_where_the_fp4_backend_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(deep_gemm, "import_deep_gemm", lambda: types.ModuleType("deep_gemm"))
+    monkeypatch.setattr(deep_gemm, "cuda_capability", lambda device: (9, 0))
+    monkeypatch.setattr(deep_gemm, "HAS_TRITON", False)
+    for name in ("deep-gemm", "deep-gemm-batched", "triton-or-deep-gemm"):
+        assert experts_backends()[name].environment(CUDA) == NO_TRITON, name
+    monkeypatch.setattr(deep_gemm, "cuda_capability", lambda device: (10, 0))
+    assert deep_gemm_fp4.DeepGemmFp4Experts.environment(CUDA).ok  # torch between its GEMMs
+
+
 @pytest.mark.parametrize(
     ("kw", "reason"),
     [
@@ -112,7 +126,7 @@ def test_deep_gemm_fp4_needs_blackwell_when_the_package_is_there(
     ],
 )
 def test_deep_gemm_refuses_partial_blocks(kw: dict, reason: str) -> None:
-    for cls in (deep_gemm.DeepGemmExperts, triton_or_deep_gemm.TritonOrDeepGemmExperts):
+    for cls in (deep_gemm.DeepGemmExperts, TritonOrDeepGemmExperts):
         assert cls.check_config(_fp8_block_config(**kw)).reason == reason
 
 
@@ -360,21 +374,18 @@ def test_sorted_pairs_reproduce_the_moe_through_gather_and_scatter() -> None:
 
 @pytest.mark.parametrize(("m", "ran"), [(3, "small"), (40, "deep-gemm")])
 def test_triton_or_deep_gemm_switches_at_the_measured_token_count(
-    fake_deep_gemm: types.ModuleType,
-    monkeypatch: pytest.MonkeyPatch,
-    device: torch.device,
-    m: int,
-    ran: str,
+    fake_deep_gemm: types.ModuleType, device: torch.device, m: int, ran: str
 ) -> None:
-    monkeypatch.setattr(selection, "deep_gemm_min_tokens", lambda cfg, device: (32, "test rule"))
     cfg = _fp8_block_config()
     weights = random_expert_weights(cfg, seed=9).to(device)
-    experts = triton_or_deep_gemm.TritonOrDeepGemmExperts(cfg, weights)
+    experts = TritonOrDeepGemmExperts.at(cfg, device, 32, "test rule")(cfg, weights)
     # the triton experts cannot run on the CPU: there the reference stands in
-    assert experts.small.name == ("triton" if device.type == "cuda" else "reference")
+    small = experts.member(1).name
+    assert small == ("triton" if device.type == "cuda" else "reference")
+    assert experts.by_tokens() == ((1, small), (32, "deep-gemm"))
     hidden, routing = _routing(cfg, m, seed=10, device=device)
     actual = _run(experts, cfg, hidden, routing)
-    assert experts.last_ran == (experts.small.name if ran == "small" else ran)
+    assert experts.last_ran == (small if ran == "small" else ran)
     expected = _run(ReferenceExperts(cfg, weights), cfg, hidden, routing)
     assert relative_error(actual, expected) < 2e-2
 
@@ -383,14 +394,19 @@ def test_triton_or_deep_gemm_without_a_measurement_runs_deep_gemm_at_every_size(
     fake_deep_gemm: types.ModuleType,
 ) -> None:
     cfg = _fp8_block_config()
-    experts = triton_or_deep_gemm.TritonOrDeepGemmExperts(cfg, random_expert_weights(cfg))
-    assert experts.min_tokens == 0 and experts.uses_deep_gemm(1)
+    min_tokens, source = selection.deep_gemm_min_tokens(cfg, CPU)  # no rule table for the CPU
+    experts = TritonOrDeepGemmExperts.at(cfg, CPU, min_tokens, source)(
+        cfg, random_expert_weights(cfg)
+    )
+    assert min_tokens == 0 and experts.member(1).name == "deep-gemm"
+    assert experts.by_tokens() == ((1, "deep-gemm"),)
 
 
 def test_triton_or_deep_gemm_where_deep_gemm_never_won_runs_triton(
-    fake_deep_gemm: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+    fake_deep_gemm: types.ModuleType,
 ) -> None:
-    monkeypatch.setattr(selection, "deep_gemm_min_tokens", lambda cfg, device: (None, "test rule"))
     cfg = _fp8_block_config()
-    experts = triton_or_deep_gemm.TritonOrDeepGemmExperts(cfg, random_expert_weights(cfg))
-    assert not experts.uses_deep_gemm(1 << 20)
+    switch = TritonOrDeepGemmExperts.at(cfg, CPU, None, "test rule")
+    experts = switch(cfg, random_expert_weights(cfg))
+    assert experts.member(1 << 20).name == "reference"  # triton's stand-in on the CPU
+    assert experts.by_tokens() == ((1, "reference"),)

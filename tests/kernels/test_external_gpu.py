@@ -47,7 +47,7 @@ def _check(name: str, backend: str, m: int, crowded: bool = False) -> str:
 @pytest.mark.parametrize("backend", DEEPSEEK_BACKENDS)
 def test_deepseek_v3_matches_reference(backend: str, name: str, m: int) -> None:
     ran = _check(name, backend, m)
-    assert ran != "reference"  # on the H100 every fp8-block path has a fast backend
+    assert ran != "reference"  # on Hopper every fp8-block path has a fast backend
 
 
 @pytest.mark.parametrize("m", TOKENS)
@@ -82,7 +82,7 @@ def test_unfused_runs_any_activation() -> None:
 
 
 def test_backends_report_on_this_gpu() -> None:
-    """What /backends shows on the H100: every external backend available but the SM100 one."""
+    """What /backends shows on Hopper: every external backend available but the SM100 one."""
     rejected = selection.select(SHAPES["deepseek-v3"], CUDA).rejected
     assert {"deep-gemm", "deep-gemm-batched", "triton-or-deep-gemm"}.isdisjoint(rejected)
     if torch.cuda.get_device_capability() == (9, 0):

@@ -111,8 +111,8 @@ def test_a_boundary_outside_a_phased_capture_changes_nothing(
 
 @pytest.mark.gpu
 def test_an_unreachable_graph_is_not_collected_while_another_captures() -> None:
-    """What broke a layer's capture on the H200: a collection during a capture freed another
-    graph, whose reset CUDA refuses while a stream captures, invalidating the capture."""
+    """What breaks a layer's capture: a collection during a capture frees another graph, whose
+    reset CUDA refuses while a stream captures, invalidating the capture."""
     x = torch.ones(4, device="cuda")
 
     def leave_a_graph_in_a_cycle() -> None:

@@ -2,12 +2,11 @@
 
 On a CPU the suite runs the kernels in Triton's interpreter, which accepts code the compiler
 refuses: a module global that is not a constexpr, code after a compile-time branch's `return`
-(which the compiler still builds). Both reached the device in the ninth session and cost a run
-each. Here tiny forwards launch every
-kernel in the interpreter while a hook records each launch's arguments; a child process without
-the interpreter (tests/kernels/hopper_compile.py) then compiles each recorded variant for sm_90
-with the compiler and ptxas that ship with Triton, as the GPU would, and reads back each one's
-registers, spills and shared memory.
+(which the compiler still builds); both would fail only on the device. Here tiny forwards launch
+every kernel in the interpreter while a hook records each launch's arguments; a child process
+without the interpreter (tests/kernels/hopper_compile.py) then compiles each recorded variant
+for sm_90 with the compiler and ptxas that ship with Triton, as the GPU would, and reads back
+each one's registers, spills and shared memory.
 """
 
 from __future__ import annotations

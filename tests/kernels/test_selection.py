@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
 from moe_serve.kernels import registry, selection
 from moe_serve.kernels.config import MoEConfig, RoutingConfig
+from moe_serve.kernels.experts.deep_gemm import DeepGemmExperts
+from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.kernels.experts.token_switch import TritonOrDeepGemmExperts
 from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.kernels.stages import YES
 from moe_serve.kernels.tuned import TUNED_DIR
 
 GPU = torch.device("cuda")
@@ -74,6 +79,22 @@ def test_deep_gemm_threshold_comes_from_the_rule(measured: None) -> None:
     assert threshold == 0 and why.endswith("deep-gemm at every size")
 
 
+def test_triton_or_deep_gemm_is_built_with_the_count_of_its_rule(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Selection binds the count from the rule table; here on the CPU, where the reference
+    stands in for the Triton experts below it."""
+    rule = selection.Rule("fp8-block/large", ("triton-or-deep-gemm",), TIMES, 4096)
+    monkeypatch.setattr(selection, "rule_table", lambda device: _table(**{rule.key: rule}))
+    monkeypatch.setattr(TritonOrDeepGemmExperts, "devices", frozenset({"cpu"}))
+    monkeypatch.setattr(TritonOrDeepGemmExperts, "environment", classmethod(lambda cls, d: YES))
+    for requested in ("triton-or-deep-gemm", "auto"):  # auto: the first of the rule's order
+        experts = selection.select(LARGE, torch.device("cpu"), requested).experts
+        assert experts.name == "triton-or-deep-gemm"
+        assert experts.plan == ((1, ReferenceExperts), (4096, DeepGemmExperts))
+        assert experts.source == "rule fp8-block/large of auto_h100.json"
+
+
 def test_a_rule_without_triton_timings_loads_as_unmeasured(tmp_path) -> None:
     body = {"order": ["deep-gemm"], "times_us": {"1": {"deep-gemm": 5.0}}}
     path = tmp_path / "auto_x.json"
@@ -94,3 +115,12 @@ def test_shipped_rule_tables_name_registered_backends(path) -> None:
         assert rule.key.split("/")[0] in {s.value for s in QuantScheme}
         assert list(rule.times_us) == sorted(rule.times_us, key=int)
     assert json.loads(path.read_text())["device"].startswith("NVIDIA")
+
+
+@pytest.mark.parametrize("path", sorted(TUNED_DIR.glob("auto_*.json")), ids=str)
+def test_shipped_rule_tables_say_what_measured_them_and_each_merged_rule(path) -> None:
+    body = json.loads(path.read_text())
+    for where in (body, *(rule for rule in body["rules"].values() if "commit" in rule)):
+        assert re.fullmatch(r"[0-9a-f]{7,}(-dirty)?", where["commit"])
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", where["date"])
+        assert where["command"].startswith("moe-serve bench kernels --shapes ")

@@ -11,15 +11,17 @@ import torch
 from moe_serve.kernels import registry, selection
 from moe_serve.kernels.accuracy import relative_error
 from moe_serve.kernels.config import MoEConfig, RoutingConfig
+from moe_serve.kernels.experts.deep_gemm import DeepGemmExperts
 from moe_serve.kernels.experts.reference import ReferenceExperts
-from moe_serve.kernels.experts.token_switch import TokenSwitchExperts
+from moe_serve.kernels.experts.token_switch import TokenSwitchExperts, TritonOrDeepGemmExperts
 from moe_serve.kernels.layer import LayerWeights, RouterWeights, build_layer
 from moe_serve.kernels.modular import ModularKernel
 from moe_serve.kernels.prepare_finalize.no_ep import NoEP
 from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.kernels.quantize import dequantize_activation, quantize_activation
 from moe_serve.kernels.random_weights import random_expert_weights
 from moe_serve.kernels.routing import route
-from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.kernels.tensors import ForwardInputs, Routing
 from moe_serve.kernels.tuned import TUNED_DIR
 from moe_serve.kernels.workspace import Workspace
 
@@ -239,6 +241,29 @@ def test_a_member_that_wants_fp8_gets_it_quantised_when_the_other_does_not() -> 
     assert not torch.equal(kernel.forward(few, routing), reference.forward(few, routing))
 
 
+def test_a_member_that_takes_16_bits_gets_the_fp8_input_of_the_switch_dequantised() -> None:
+    """A switch that takes fp8 (triton-or-deep-gemm, as deep-gemm takes it) hands a member that
+    takes 16 bits the input dequantised."""
+    cfg = _config(QuantScheme.FP8_TOKEN)
+    plain, fp8 = _member("plain", quantized_input=False), _member("fp8")
+    pair = TokenSwitchExperts.over(((1, plain), (4, fp8)))
+    switch = type("Fp8In", (pair,), {"takes_quantized_input": True})
+    weights = random_expert_weights(cfg, seed=5)
+    kernel = ModularKernel(NoEP(), switch(cfg, weights), Workspace(CPU))
+    reference = ModularKernel(NoEP(), ReferenceExperts(cfg, weights), Workspace(CPU))
+    unquantized = ModularKernel(NoEP(), plain(cfg, weights), Workspace(CPU))
+    hidden = torch.randn(9, 64)
+    routing = route(torch.randn(9, 6), cfg.routing)
+    assert torch.equal(kernel.forward(hidden, routing), reference.forward(hidden, routing))
+    few = hidden[:2]  # below 4: plain, on the numbers the fp8 input holds
+    routing = Routing(routing.topk_ids[:2], routing.topk_weights[:2])
+    how = cfg.quant.spec.act_quant
+    fp8_values = dequantize_activation(*quantize_activation(few, how), how).to(cfg.dtype)
+    assert torch.equal(kernel.forward(few, routing), unquantized.forward(fp8_values, routing))
+    assert kernel.experts.last_ran == "plain"
+    assert plain.calls == [2, 2] and fp8.calls == [9]
+
+
 def test_workspace_holds_each_member_at_the_largest_call_it_runs() -> None:
     class Buffered(_Named):
         def workspace_shapes(self, num_tokens: int) -> dict:
@@ -270,6 +295,26 @@ def test_a_switch_is_never_built_batch_invariant() -> None:
     switch = TokenSwitchExperts.over(((1, _member("a")), (8, _member("b"))))
     with pytest.raises(ValueError, match="not batch-invariant"):
         switch(cfg, random_expert_weights(cfg), batch_invariant=True)
+
+
+def test_triton_or_deep_gemm_is_built_only_with_the_count_selection_binds() -> None:
+    cfg = _config(QuantScheme.FP8_BLOCK)
+    with pytest.raises(ValueError, match=r"kernels\.selection\.select binds"):
+        TritonOrDeepGemmExperts(cfg, random_expert_weights(cfg))
+    plans = {  # the count deep-gemm runs from -> the plan; the reference stands in for triton
+        None: ((1, ReferenceExperts),),
+        0: ((1, DeepGemmExperts),),
+        1: ((1, DeepGemmExperts),),
+        64: ((1, ReferenceExperts), (64, DeepGemmExperts)),
+    }
+    for min_tokens, plan in plans.items():
+        switch = TritonOrDeepGemmExperts.at(cfg, CPU, min_tokens, "test rule")
+        assert (switch.name, switch.plan, switch.source) == (
+            "triton-or-deep-gemm",
+            plan,
+            "test rule",
+        )
+        assert switch.takes_quantized_input  # fp8 in, as deep-gemm takes it
 
 
 def test_build_layer_under_auto_holds_the_switch_the_table_plans(

@@ -8,6 +8,7 @@ bf16 runs on the GPU only (tests/kernels/test_triton_gpu.py): the interpreter's 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -31,8 +32,8 @@ from moe_serve.kernels.experts._triton.grouped_gemm import (
 from moe_serve.kernels.experts._triton.quantize import quantize_into
 from moe_serve.kernels.experts.deep_gemm import DeepGemmExperts
 from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.kernels.experts.token_switch import TritonOrDeepGemmExperts
 from moe_serve.kernels.experts.triton import TritonBatchedExperts, TritonExperts
-from moe_serve.kernels.experts.triton_or_deep_gemm import TritonOrDeepGemmExperts
 from moe_serve.kernels.modular import ModularKernel
 from moe_serve.kernels.prepare_finalize.naive_ep import column_blocks
 from moe_serve.kernels.prepare_finalize.no_ep import NoEP
@@ -339,10 +340,17 @@ def test_tuned_file_wins_over_the_heuristic_within_twice_the_nearest_bucket(
         tiles._tuned_table.cache_clear()
 
 
-def test_shipped_tuned_files_parse() -> None:
+def test_shipped_tuned_files_parse_and_each_bucket_says_what_measured_it() -> None:
     for path in tiles.TUNED_DIR.glob("E*_H*_I*.json"):  # tile files; the directory holds others
         table = tiles._tuned_table(path.name)
         assert table, f"{path.name} has no buckets"
+        body = json.loads(path.read_text())
+        assert set(body) == {"key", "search", "buckets"}, path.name
+        assert body["key"]["device_name"].startswith("NVIDIA"), path.name
+        for m, entry in body["buckets"].items():
+            assert re.fullmatch(r"[0-9a-f]{7,}(-dirty)?", entry["commit"]), (path.name, m)
+            assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", entry["date"]), (path.name, m)
+            assert entry["command"], (path.name, m)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

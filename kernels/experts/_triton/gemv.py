@@ -18,25 +18,19 @@ Pairs whose expert is not here (-1) write nothing. The epilogue is the grouped G
 fp8-block: a column tile lies within one 128-row scale block (`pair_gemv` narrows BLOCK_N to
 fit); the activation and weight scales of each K column fold into the activations.
 
-mxfp4 (`_mxfp4_sums`) has a loop of its own, because the generic one was bound by instructions
-(about a third of the copy bandwidth): the bytes are read as [BLOCK_N, BLOCK_K / 2] with a
+mxfp4 (`_mxfp4_sums`) has a loop of its own, because the generic one is bound by instructions
+there, far below the copy bandwidth: the bytes are read as [BLOCK_N, BLOCK_K / 2] with a
 thread on whole 16-byte scale groups, each nibble becomes float32 bits in two or three integer
 steps (no reordering of the nibbles), it meets the activation of its parity, read as one 32-bit
 word a byte, and each group is summed and scaled in its thread, summed over groups once after
 the loop. The tiles are wide along K (1024 columns: 3 steps for gpt-oss' K = 2880).
 
-Measured on the H100, experts alone from CUDA graphs at one token (tenth session): per pair
-against the grouped GEMM, DeepSeek-V3 153.6 / 156.0 us, Mixtral-fp8 162.8 / 187.4, Qwen3 (bf16)
-58.9 / 55.8; at 8 tokens the grouped GEMM is faster on all but gpt-oss. gpt-oss: 111.9 per pair
-(188.9 grouped), 81 and 78 with the generic loop's fp16- then bf16-bit decoders (tenth and
-eleventh sessions), 62 with `_mxfp4_sums` (fourteenth session: 79 -> 62 us against the bf16-bit
-decoder in one call; the whole layer as served 77 -> 61, where triton_kernels serves it in 77;
-bench/results/fourteenth-session-2026-11-27.md). The per-thread sums of `_row_sums` (fifteenth
-session, against the first loop in one call): DeepSeek-V3 153.2 -> 152.0 us, Mixtral-fp8 162.5
--> 156.8. Measured slower and dropped: [BLOCK_K, BLOCK_N] accumulators summed after the loop;
-4-bit nibbles met by even and odd activations (first loop); fp8-block GEMVs quantising their
-16/32-bit input rows per 128-column group as they read them, one launch fewer (DeepSeek-V3
-157.9 us at one token against 152.0, 284 against 267 at two).
+Per pair beats the grouped GEMM at a token or two on most shapes and loses from a few tokens on
+(gpt-oss' mxfp4 keeps it longest): the tile tables' `per_pair` buckets (`moe-serve bench tune`) and
+the heuristic's PER_PAIR_ROWS_PER_EXPERT (tiles.py) say where it runs, as `moe-serve bench
+kernels` measures the experts. Slower there, so not used: [BLOCK_K, BLOCK_N] accumulators summed
+after the loop; 4-bit nibbles met by even and odd activations; fp8-block GEMVs quantising their
+16/32-bit input rows per 128-column group as they read them (one launch fewer).
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ class GemmTile:
 def _load_tile(ptrs, mask, MASKED: tl.constexpr, AS_BYTES: tl.constexpr):
     """tl.load, with zeros where masked when MASKED. On the interpreter, which cannot load fp8,
     fp8 tensors arrive as their bytes (uint8) and are reinterpreted here; not on the GPU, where
-    the round trip through registers cost the pipeline ~25% at prefill."""
+    the round trip through registers stalls the load pipeline at prefill."""
     if MASKED:  # noqa: SIM108 (compile-time branch: only one side is built)
         tile = tl.load(ptrs, mask=mask, other=0.0)
     else:
@@ -520,8 +520,8 @@ def grouped_gemm(
         num_m_blocks=grid_m, BATCHED=isinstance(rows, BatchedRows),
         ONE_BLOCK=split_one_block and group % tile.block_n == 0,
         DOT_DTYPE=_dot_dtype(a.data),
-        # mxfp4 decoded in bf16 (H100, gpt-oss, 16 / 4096 tokens: 615 -> 469 / 4,284 -> 3,807
-        # us served); not on the interpreter, whose bf16 bit casts are wrong
+        # mxfp4 decoded in bf16, faster than through fp16 (`moe-serve bench kernels`, gpt-oss);
+        # not on the interpreter, whose bf16 bit casts are wrong
         BF16_CODES=kind == WeightKind.MXFP4 and a.data.dtype == torch.bfloat16 and a.data.is_cuda,
         DOT_PRECISION="ieee" if a.data.dtype == torch.float32 else "tf32",
         GROUP_M=tile.group_m, BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,

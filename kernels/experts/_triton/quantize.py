@@ -29,8 +29,8 @@ AMAX_ROWS = 8  # rows of GROUPS_PER_PROGRAM groups one program of the tensor-wid
 @triton.jit
 def _amax_kernel(x_ptr, amax_ptr, rows, k, stride_x, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                  PDL: tl.constexpr):  # fmt: skip
-    """ROWS rows x BLOCK columns a program, one atomic each: one atomic per row and group had
-    Mixtral-fp8's 8192 x 14336 intermediate wait 1.1 ms on the H100 for its one address."""
+    """ROWS rows x BLOCK columns a program, one atomic each: one atomic per row and group
+    serialises a large intermediate (Mixtral-fp8's at prefill) on the one address."""
     begin(PDL)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     first = tl.program_id(0) * ROWS

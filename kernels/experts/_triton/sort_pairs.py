@@ -4,9 +4,9 @@ order and each expert's count.
 
 `sort_pairs_torch` does it with torch's stable argsort, about ten launches. Decode-sized inputs
 take `sort_pairs`' one single-program kernel instead, each pair ranked against every other (as
-align.py's), with identical results. In a captured gpt-oss forward at one token, around two GEMMs
-of 22-24 us, that took `oai-triton` from 94.8 to 66.6 us (H100;
-bench/results/ninth-session-2026-11-27.md).
+align.py's), with identical results: in a captured one-token gpt-oss forward, whose two GEMMs
+are short, torch's launches were a large share of `oai-triton`'s time (`moe-serve bench
+kernels`).
 """
 
 from __future__ import annotations
