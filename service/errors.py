@@ -142,10 +142,13 @@ MAX_MESSAGE_CHARS = 2000  # a hostile request must not buy a megabyte-long error
 
 
 def capped(message: str) -> str:
-    """`message`, cut to MAX_MESSAGE_CHARS with a note of how much was left out."""
-    if len(message) <= MAX_MESSAGE_CHARS:
-        return message
-    return f"{message[:MAX_MESSAGE_CHARS]}… ({len(message) - MAX_MESSAGE_CHARS} more characters)"
+    """`message`, cut to MAX_MESSAGE_CHARS with a note of how much was left out, and sendable:
+    a character UTF-8 cannot encode (a lone surrogate from a client's JSON escape) is written as
+    its escape, never a failure to answer."""
+    if len(message) > MAX_MESSAGE_CHARS:
+        more = len(message) - MAX_MESSAGE_CHARS
+        message = f"{message[:MAX_MESSAGE_CHARS]}… ({more} more characters)"
+    return message.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(

@@ -16,6 +16,7 @@ from ..weights.demo import demo_configs
 from ..weights.errors import describe_validation_error
 from ..weights.load import inspect_layer
 from . import logs, tracing
+from .core.runtime import Runtime
 from .ep.group import leave
 from .ep.layers import initial_placement, rank_device
 from .frontends.supervisor import FrontEnds
@@ -160,12 +161,13 @@ def run(args: argparse.Namespace) -> int:
     if settings.http_workers:
         front_ends = FrontEnds(settings, listener)
         app = create_app(settings, front_ends=front_ends)
-        server = _FrontedServer(server_config(app, settings, str(front_ends.http_path)))
+        config = server_config(app, settings, str(front_ends.http_path))
+        server = _FrontedServer(config, app.state.runtime)
         server.front_ends = front_ends
         sockets = None  # the front ends listen; this process serves them on a Unix socket
     else:
         app = create_app(settings)
-        server = uvicorn.Server(server_config(app, settings))
+        server = _DrainingServer(server_config(app, settings), app.state.runtime)
         sockets = [listener]
     # a start that fails after the checks above (a layer's data, the device) ends the process
     app.state.runtime.on_start_failure = lambda: setattr(server, "should_exit", True)
@@ -177,7 +179,20 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
-class _FrontedServer(uvicorn.Server):
+class _DrainingServer(uvicorn.Server):
+    """On SIGTERM the runtime starts draining at once, alongside uvicorn's HTTP: gRPC answers
+    not ready and refuses new calls while its calls in flight finish."""
+
+    def __init__(self, config: uvicorn.Config, runtime: Runtime) -> None:
+        super().__init__(config)
+        self.runtime = runtime
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.runtime.drain()
+        super().handle_exit(sig, frame)
+
+
+class _FrontedServer(_DrainingServer):
     """On SIGTERM the front ends start draining at once, alongside this process's server."""
 
     front_ends: FrontEnds

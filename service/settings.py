@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     # Only system shared-memory keys ("/name") whose name starts with this are accepted: a key
     # otherwise names any /dev/shm object the server's user can open, whoever created it
     shared_memory_prefix: str = ""
+    # Regions one token (or, without auth, all clients) may have registered at once: each holds
+    # a descriptor (system) or a mapping (CUDA) until it is unregistered; beyond, 429
+    max_shared_memory_regions: int = Field(256, ge=1)
     api_token: SecretStr | None = None  # bearer token required on every non-probe route
     cache_dir: Path = Path.home() / ".cache" / "moe-serve"  # where the demo layers are written
     # Triton-style model repository: each subdirectory a layer directory, loaded at start and

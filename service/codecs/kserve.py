@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_validator
 
 from ...weights.errors import describe_validation_error
 from ..errors import BadInput
 from .json_tensors import array_to_tensor
+from .shapes import too_large, too_large_message
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # The shared-memory extension's tensor parameters (inputs and requested outputs)
@@ -62,6 +63,14 @@ class InferInput(BaseModel):
     datatype: str
     parameters: dict[str, Any] = Field(default_factory=dict)
     data: list[Any] | None = None
+
+    @field_validator("shape", mode="before")
+    @classmethod
+    def _integers(cls, shape: object, info: ValidationInfo) -> object:
+        """Integers only: pydantic would read true, "1" and 1.0 as 1."""
+        if isinstance(shape, list) and not all(type(size) is int for size in shape):
+            raise ValueError(f"input {info.data.get('name')}: shape must be integers, got {shape}")
+        return shape
 
 
 class RequestedOutput(BaseModel):
@@ -109,6 +118,8 @@ def _dtype(t: InferInput) -> torch.dtype:
 def _shape(t: InferInput) -> list[int]:
     if any(d < 0 for d in t.shape):
         raise BadInput(f"input {t.name}: shape {t.shape} has a negative dimension")
+    if too_large(t.shape):
+        raise BadInput(f"input {t.name}: {too_large_message(t.shape)}")
     return t.shape
 
 
@@ -173,6 +184,8 @@ def decode_request(
         if size is None:
             tensors[t.name] = _from_json(t)
             continue
+        if t.data is not None:
+            raise BadInput(f"input {t.name}: both data and parameters.binary_data_size are given")
         if type(size) is not int or size < 0 or offset + size > len(binary):  # True is no size
             raise BadInput(
                 f"input {t.name}: binary_data_size {size!r} does not fit the "

@@ -7,13 +7,16 @@ when the library writes it), then the tensors' bytes, each at its `data_offsets`
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from types import MappingProxyType
+
+import orjson
+
+from .shapes import too_large, too_large_message
 
 # Every dtype safetensors names, by its bytes per value (a dtype torch lacks is refused later,
 # by name, where the tensors are made).
@@ -89,10 +92,12 @@ def _parse_cached(text: bytes, data_bytes: int) -> Header:
 
 
 def _parse(text: bytes, data_bytes: int) -> Header:
-    """The JSON header `text` of a blob with `data_bytes` of data after it, checked."""
+    """The JSON header `text` of a blob with `data_bytes` of data after it, checked. orjson
+    parses it: no recursion of ours over nesting (it refuses past 1024 levels), and no string
+    that is not UTF-8 (a lone surrogate escape is refused, never a tensor name)."""
     try:
-        header = json.loads(text)
-    except ValueError as err:
+        header = orjson.loads(text)
+    except orjson.JSONDecodeError as err:
         raise ValueError(f"the header is not JSON: {err}") from None
     if not isinstance(header, dict):
         raise ValueError("the header is not a JSON object")
@@ -109,6 +114,8 @@ def _parse(text: bytes, data_bytes: int) -> Header:
         shape, offsets = entry["shape"], entry["data_offsets"]
         if not isinstance(shape, list) or not all(map(_is_count, shape)):
             raise ValueError(f"tensor {name!r} has shape {shape!r}")
+        if too_large(shape):
+            raise ValueError(f"tensor {name!r}: {too_large_message(shape)}")
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_is_count, offsets)):
             raise ValueError(f"tensor {name!r} has data_offsets {offsets!r}")
         begin, end = offsets

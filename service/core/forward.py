@@ -34,6 +34,9 @@ from .inputs import check_inputs
 from .runtime import Runtime
 
 TENSOR_NAMES = ("hidden_states", "router_logits")
+# The largest `priority` and `timeout` (microseconds): Triton's are unsigned 64-bit integers. A
+# larger timeout would not even convert to seconds as a float.
+MAX_SCHEDULE_VALUE = 2**64 - 1
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from ..engine.batcher import RequestOptions
 from ..engine.interface import ServedLayer, ServingEngine
 from ..errors import BadInput, PayloadTooLarge, UnknownLayer
 from ..triton.shared_memory import DeviceRegion, TensorPlace
-from .forward import TENSOR_NAMES, schedule_options, submit_unless_withdrawn
+from .forward import MAX_SCHEDULE_VALUE, TENSOR_NAMES, schedule_options, submit_unless_withdrawn
 from .inputs import check_inputs
 from .runtime import Runtime, ready
 
@@ -136,6 +136,11 @@ def schedule_policy(parameters: dict[str, object]) -> RequestOptions:
         value = parameters.get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise BadInput(f"parameters.{key} must be an integer >= 0, got {value!r}")
+        if value > MAX_SCHEDULE_VALUE:
+            raise BadInput(
+                f"parameters.{key} is out of range: an integer from 0 to 2^64 - 1 (Triton's), "
+                f"got {value!r}"
+            )
         values[key] = value
     return schedule_options(values["priority"], values["timeout"])
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -47,6 +48,14 @@ class Runtime:
     shared_memory: SharedMemory = field(default_factory=lambda: SharedMemory(allowed=False))
     repository: Repository | None = None  # --model-repository
     warm_up_tokens: list[int] = field(default_factory=list)  # token counts a new layer runs
+    # Set on SIGTERM (drain): the time.monotonic() by which in-flight requests must be done.
+    drain_deadline: float | None = None
+
+    def drain(self) -> None:
+        """SIGTERM came: in-flight requests have drain_timeout_s to finish. From now on gRPC
+        answers not ready and refuses new calls (uvicorn closes HTTP's listener). Idempotent."""
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + self.settings.drain_timeout_s
 
 
 def ready(runtime: Runtime) -> Runtime:

@@ -17,7 +17,8 @@ socket (the kernel spreads connections over them) and do the per-byte work in pa
   work and the request no second HTTP hop;
 - every other request (KServe v2, probes, metrics, admin, a JSON forward with return_routing)
   is relayed unchanged to the engine's own HTTP server on a Unix socket, as is a body the arena
-  cannot hold.
+  cannot hold. Probes and scrapes have connections of their own to the engine: relayed
+  responses that slow clients read slowly hold the others.
 
 It imports no torch: it starts in a fraction of a second and is restarted if it dies.
 """
@@ -90,6 +91,12 @@ ARENA_BYTES = 128 << 20
 _HOP_BY_HOP = frozenset(
     {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade"}
 )
+# Nor, in a response, what this process's server adds to every response itself
+_NOT_RELAYED_BACK = _HOP_BY_HOP | {b"date", b"server"}
+# The engine's server closes a connection idle for uvicorn's keep-alive timeout (5 s): the relay
+# lets one go sooner, so as not to send a request down a connection being closed.
+_RELAY_KEEPALIVE_S = 2.0
+_PROBE_CONNECTIONS = 4  # to the engine, for probes and scrapes alone
 
 
 @dataclass(frozen=True)
@@ -131,10 +138,8 @@ class FrontEnd:
             self.arena = None
         self.engine = EngineClient(Path(config.engine_channel), self.arena, self._engine_lost)
         self.on_engine_lost = lambda: None  # main() stops the server: nothing left to serve
-        transport = httpx.AsyncHTTPTransport(
-            uds=config.engine_http, limits=httpx.Limits(max_connections=config.max_connections)
-        )
-        self.relay = httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=None)
+        self.relay = _relay_client(config.engine_http, config.max_connections)
+        self.probes = _relay_client(config.engine_http, _PROBE_CONNECTIONS)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -317,13 +322,8 @@ class FrontEnd:
     async def _relay(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         """The request, its `body` read, to the engine's HTTP server and its response back,
         streamed; withdrawn if the client goes away first."""
-        request = self.relay.build_request(
-            scope["method"],
-            _target(scope),
-            headers=[(k, v) for k, v in scope["headers"] if k not in _HOP_BY_HOP],
-            content=body,
-        )
-        sending = asyncio.ensure_future(self.relay.send(request, stream=True))
+        client = self.probes if scope["path"] in OPEN_PATHS else self.relay
+        sending = asyncio.ensure_future(_send_to_engine(client, scope, body))
         gone = asyncio.ensure_future(client_gone(receive))
         try:
             await asyncio.wait((sending, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -340,7 +340,9 @@ class FrontEnd:
             await error_response(down.status, down.message, down.headers)(scope, receive, send)
             return
         try:
-            headers = [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP_BY_HOP]
+            headers = [
+                (k, v) for k, v in response.headers.raw if k.lower() not in _NOT_RELAYED_BACK
+            ]
             start = {"type": "http.response.start", "status": response.status_code}
             await send(start | {"headers": headers})
             async for chunk in response.aiter_raw():
@@ -364,11 +366,36 @@ class FrontEnd:
         await receive()  # lifespan.shutdown
         await self.engine.close()
         await self.relay.aclose()
+        await self.probes.aclose()
         await send({"type": "lifespan.shutdown.complete"})
 
     def _engine_lost(self) -> None:
         log.warning("the engine process closed the channel: this front end stops")
         self.on_engine_lost()
+
+
+def _relay_client(engine_http: str, connections: int) -> httpx.AsyncClient:
+    """A client of the engine's HTTP server, at most `connections` open to it."""
+    limits = httpx.Limits(max_connections=connections, keepalive_expiry=_RELAY_KEEPALIVE_S)
+    transport = httpx.AsyncHTTPTransport(uds=engine_http, limits=limits)
+    return httpx.AsyncClient(transport=transport, base_url="http://engine", timeout=None)
+
+
+async def _send_to_engine(client: httpx.AsyncClient, scope: Scope, body: bytes) -> httpx.Response:
+    """The engine's response (its head; the body streams) to the request of `scope` with its
+    `body`. Sent again, once, if the connection failed before any byte of a response came: the
+    engine may close an idle connection just as it is taken for a request, which the engine
+    then never saw (every relayed body is whole in memory, so it can be sent again)."""
+    try:
+        return await client.send(_relayed_request(client, scope, body), stream=True)
+    except httpx.TransportError as err:
+        log.info("no response on a connection to the engine (%r): sending again", err)
+    return await client.send(_relayed_request(client, scope, body), stream=True)
+
+
+def _relayed_request(client: httpx.AsyncClient, scope: Scope, body: bytes) -> httpx.Request:
+    headers = [(k, v) for k, v in scope["headers"] if k not in _HOP_BY_HOP]
+    return client.build_request(scope["method"], _target(scope), headers=headers, content=body)
 
 
 RELAYED = -1  # an _Answer's status: the engine answers, logs and counts it
@@ -500,7 +527,12 @@ def main() -> None:
             log_config=None,
             lifespan="on",
             timeout_graceful_shutdown=config.drain_timeout_s,
-            http=bounded_protocol(config.max_connections, config.read_timeout_s, app.body_target),
+            http=bounded_protocol(
+                config.max_connections,
+                config.read_timeout_s,
+                app.body_target,
+                write_timeout_s=config.read_timeout_s,
+            ),
         )
     )
     app.on_engine_lost = lambda: setattr(server, "should_exit", True)

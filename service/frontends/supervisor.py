@@ -72,8 +72,12 @@ class FrontEnds:
         ]
 
     def terminate(self) -> None:
-        """SIGTERM to every front end: each stops taking connections and drains."""
+        """SIGTERM to every front end: each stops taking connections and drains. This process
+        lets go of the public socket too: while any process holds it open, the kernel goes on
+        queueing connections that no one will take (they would hang until the drain ends);
+        once every holder has closed it, a new connection is refused at once."""
         self._stopping = True
+        self.listener.close()
         for process in self._processes:
             if process is not None and process.returncode is None:
                 process.terminate()

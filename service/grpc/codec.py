@@ -64,10 +64,22 @@ def _typed_tensor(meta: InferInput, contents: pb.InferTensorContents) -> torch.T
     field = TYPED_CONTENTS.get(meta.datatype)
     if field is None:
         raise BadInput(f"input {meta.name}: {meta.datatype} must be sent in raw_input_contents")
-    values = getattr(contents, field)
+    given = [f.name for f, _ in contents.ListFields()]
+    if given and given != [field]:
+        raise BadInput(f"input {meta.name}: {meta.datatype} values go in {field}, not {given}")
+    # Serialized, the one field is its tag, its length, then the values as little-endian bytes
+    # (packed, as proto3 writes repeated numbers): read those, one copy at C speed, where a
+    # Python float per value would hold the GIL for seconds on a large input.
+    wire = contents.SerializeToString()
+    values = len(getattr(contents, field)) * dtype.itemsize
     # the same checks (size) as raw bytes: one path
-    array = torch.tensor(list(values), dtype=dtype)
-    return tensor_from_bytes(meta, tensor_bytes(array))
+    return tensor_from_bytes(meta, memoryview(wire)[len(wire) - values :])
+
+
+def input_bytes(message: pb.ModelInferRequest) -> int:
+    """The bytes of a request's input values, raw or typed: the work of decoding them."""
+    raw = sum(len(contents) for contents in message.raw_input_contents)
+    return raw + sum(4 * len(t.contents.fp32_contents) for t in message.inputs)
 
 
 def decode_infer(message: pb.ModelInferRequest) -> tuple[InferRequest, dict[str, torch.Tensor]]:

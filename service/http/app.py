@@ -15,7 +15,7 @@ from .. import tracing
 from ..core.runtime import LayerLoader, Runtime, load_from_disk, shut_down, start_up
 from ..errors import install_handlers
 from ..frontends.supervisor import FrontEnds
-from ..grpc.servicer import start_grpc_server
+from ..grpc.server import GrpcServer
 from ..metrics import Metrics
 from ..settings import Settings
 from ..triton.repository import Repository
@@ -47,15 +47,19 @@ def create_app(
         settings,
         Metrics(),
         shared_memory=SharedMemory(
-            allowed=settings.allow_shared_memory, key_prefix=settings.shared_memory_prefix
+            allowed=settings.allow_shared_memory,
+            key_prefix=settings.shared_memory_prefix,
+            max_regions=settings.max_shared_memory_regions,
         ),
         repository=None if root is None else Repository(root),
     )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        grpc_server = GrpcServer(runtime) if settings.grpc_port else None
         try:
-            grpc_server = await start_grpc_server(runtime) if settings.grpc_port else None
+            if grpc_server is not None:
+                await grpc_server.start()
         except OSError:
             runtime.start_failed = True  # uvicorn stops; `moe-serve serve` exits 1
             raise
@@ -66,8 +70,8 @@ def create_app(
         runtime.not_ready = "shutting down"
         if front_ends is not None:  # their requests finish first
             await front_ends.stop(settings.drain_timeout_s)
-        if grpc_server is not None:  # in-flight RPCs finish first
-            await grpc_server.stop(settings.drain_timeout_s)
+        if grpc_server is not None:  # in-flight calls finish first, by the drain's deadline
+            await grpc_server.stop()
         await starting  # a load in progress finishes before the process exits
         await shut_down(runtime)
 

@@ -1,11 +1,14 @@
-"""The uvicorn server as `moe-serve serve` runs it, with two bounds uvicorn lacks, added to its
+"""The uvicorn server as `moe-serve serve` runs it, with the bounds uvicorn lacks, added to its
 HTTP protocol (which also answers bytes that are not HTTP in the service's JSON error shape):
 
 - at most `max_connections` open connections: a request on a connection beyond them gets a
   JSON 503 (the probes and /metrics still answer) and its connection is closed;
 - a request head must arrive within `read_timeout_s` of the connection opening or of the last
   response: uvicorn closes idle keep-alive connections, but never one whose client sent part of
-  its headers and stalled. The body's deadline is the app's (`service.http.body.read_body`: 408).
+  its headers and stalled. The body's deadline is the app's (`service.http.body.read_body`: 408);
+- a response the client stops reading: once the connection's send buffer is full, it must
+  drain within `write_timeout_s`, else the connection is dropped (uvicorn would wait forever,
+  holding the response and whatever the request holds).
 
 It also lets a body gather up to BODY_BUFFER_BYTES before it pauses reading the socket (uvicorn
 pauses past 64 KB until the app takes what came, so a DeepSeek-V3-sized request would cross the
@@ -19,6 +22,7 @@ import asyncio
 import json
 import logging
 import socket
+import struct
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -59,23 +63,31 @@ def listen(host: str, port: int, what: str = "HTTP, --port") -> socket.socket:
 
 def server_config(app: FastAPI, settings: Settings, uds: str | None = None) -> uvicorn.Config:
     """As `moe-serve serve` runs it; on a Unix socket `uds` behind the --http-workers front
-    ends, each of which may relay up to max_connections."""
+    ends, each of which may relay up to max_connections (and reads what it relays as fast as
+    its client does: the front end's own connection has the write timeout)."""
     connections = settings.max_connections * (settings.http_workers if uds else 1)
+    timeout_s = settings.read_timeout_s
     return uvicorn.Config(
         app,
         uds=uds,
         log_config=None,  # keep the handlers service.logs installed
         timeout_graceful_shutdown=settings.drain_timeout_s,
-        http=bounded_protocol(connections, settings.read_timeout_s, app.state.body_sink),
+        http=bounded_protocol(
+            connections, timeout_s, app.state.body_sink, None if uds else timeout_s
+        ),
     )
 
 
 def bounded_protocol(
-    max_connections: int, read_timeout_s: float, body_sink: BodySink | None = None
+    max_connections: int,
+    read_timeout_s: float,
+    body_sink: BodySink | None = None,
+    write_timeout_s: float | None = None,
 ) -> Callable[..., asyncio.BaseProtocol]:
-    """uvicorn's HTTP protocol (h11, or httptools when installed) with both bounds, reading the
-    bodies `body_sink` takes straight into place (with httptools only); uvicorn calls it with
-    its keyword arguments for each connection."""
+    """uvicorn's HTTP protocol (h11, or httptools when installed) with the bounds (no write
+    timeout when `write_timeout_s` is None), reading the bodies `body_sink` takes straight into
+    place (with httptools only); uvicorn calls it with its keyword arguments for each
+    connection."""
     # uvicorn has no setting for it: its protocols read the module's constant at each body chunk
     for protocol in (h11_impl, httptools_impl):
         protocol.HIGH_WATER_LIMIT = BODY_BUFFER_BYTES
@@ -84,6 +96,7 @@ def bounded_protocol(
 
     class BoundedHTTPProtocol(base):
         _head_deadline: asyncio.TimerHandle | None = None
+        _write_deadline: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
@@ -110,7 +123,34 @@ def bounded_protocol(
         def connection_lost(self, exc: Exception | None) -> None:
             if self._head_deadline is not None:
                 self._head_deadline.cancel()
+            self._written()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if write_timeout_s is not None and self._write_deadline is None:
+                self._write_deadline = self.loop.call_later(write_timeout_s, self._write_overdue)
+
+        def resume_writing(self) -> None:
+            self._written()
+            super().resume_writing()
+
+        def _written(self) -> None:
+            if self._write_deadline is not None:
+                self._write_deadline.cancel()
+                self._write_deadline = None
+
+        def _write_overdue(self) -> None:
+            """The client has not drained a full send buffer in time: reset the connection.
+            Abort, as close would wait for the buffer to be sent, and linger 0, else the kernel
+            would go on holding its own buffer for the client."""
+            self._write_deadline = None
+            log.info("resetting a connection: its client did not read its response for %g s",
+                     write_timeout_s)  # fmt: skip
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.transport.abort()
 
         def _await_head(self) -> None:
             if self._head_deadline is not None:

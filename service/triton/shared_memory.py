@@ -10,7 +10,9 @@ registration, with cuda-python: a request gets tensors that view the buffer, whi
 pipeline copies device to device (service/engine/pipeline.py), so no tensor byte goes through the
 host. Both kinds share one namespace of names. Every offset and size is checked against the region
 (a CUDA buffer's real size is asked of the driver), so nothing is read or written outside it; a
-region is visible only to the token that registered it. A CUDA region unregistered while a
+region is visible only to the token that registered it, which may hold at most `max_regions` of
+them (a system region holds a descriptor of its object, a CUDA region a mapping of the client's
+buffer, until it is unregistered, whenever its client left). A CUDA region unregistered while a
 request uses it stays open until the last such request is done (its device copies finished); a
 system region is read when a request arrives and written when its forward is done, each time
 found by name (unregistered meanwhile: that request's output is a 400).
@@ -19,11 +21,13 @@ found by name (unregistered meanwhile: that request's output is a 400).
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import logging
 import math
 import os
 import re
+import resource
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -38,13 +42,20 @@ import torch
 
 from .. import off_loop
 from ..codecs.kserve import DATATYPE_NAMES, SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION
-from ..errors import BadInput, Conflict, Forbidden, UnknownRegion
+from ..errors import BadInput, Conflict, Forbidden, NotReady, Overloaded, UnknownRegion
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")  # where Linux keeps POSIX shared-memory objects (shm_open)
 _KEY = re.compile(r"/*([^/\0]+)")  # shm_open names: leading slashes, then no slash
 CUDA_IPC_HANDLE_BYTES = 64
+# A region's name and a key are kept (and listed by status) as long as the region is: Triton's
+# are short, and a file name has at most 255 bytes.
+MAX_NAME_CHARS = 256
+# A system region holds a descriptor of its object. One is refused once fewer than this many
+# descriptors of the process's limit (RLIMIT_NOFILE) would be left: connections need them, the
+# probes' among them.
+DESCRIPTOR_RESERVE = 128
 
 
 def owner_of(authorization: str) -> str:
@@ -105,6 +116,17 @@ class Region(ABC):
         """The region in the status response's schema."""
 
 
+def _descriptor_limit() -> int:
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def _short_of_descriptors(key: str) -> NotReady:
+    return NotReady(
+        f"no file descriptor left for shared-memory object {key!r}: the server keeps "
+        f"{DESCRIPTOR_RESERVE} of its limit for connections; unregister regions first"
+    )
+
+
 class SystemRegion(Region):
     kind = "system"
 
@@ -118,6 +140,8 @@ class SystemRegion(Region):
         key_prefix: str = "",
     ):
         super().__init__(name, byte_size, owner)
+        if len(key) > MAX_NAME_CHARS:
+            raise BadInput(f"key of {len(key)} characters is longer than {MAX_NAME_CHARS}")
         match = _KEY.fullmatch(key)
         if match is None or match[1] in (".", ".."):
             raise BadInput(f"key {key!r} is not a shared-memory object name ('/name')")
@@ -131,12 +155,23 @@ class SystemRegion(Region):
         try:
             self._fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)  # a symlink could lead anywhere
         except OSError as err:
+            if err.errno in (errno.EMFILE, errno.ENFILE):
+                raise _short_of_descriptors(key) from None
             raise BadInput(f"cannot open shared-memory object {key!r}: {err.strerror}") from None
         try:
-            if not S_ISREG(os.fstat(self._fd).st_mode):
+            # open() returns the lowest free descriptor: every one below it is in use
+            if self._fd >= _descriptor_limit() - DESCRIPTOR_RESERVE:
+                raise _short_of_descriptors(key)
+            stat = os.fstat(self._fd)
+            if not S_ISREG(stat.st_mode):
                 raise BadInput(f"shared-memory object {key!r} is not a regular object")
+            if key_prefix and stat.st_nlink > 1:
+                raise Forbidden(
+                    f"shared-memory object {key!r} has {stat.st_nlink} links: a hard link could "
+                    "name another's object under the prefix (--shared-memory-prefix)"
+                )
             self._check_object(f"offset {offset} + byte_size {byte_size} exceed", byte_size)
-        except BadInput:
+        except Exception:
             os.close(self._fd)
             raise
 
@@ -154,7 +189,12 @@ class SystemRegion(Region):
     def _own_descriptor(self) -> Iterator[int]:
         """A descriptor of the object for one copy, which may run on a worker thread: an
         unregister meanwhile closes the region's, not this one."""
-        fd = os.dup(self._fd)
+        try:
+            fd = os.dup(self._fd)
+        except OSError as err:
+            if err.errno in (errno.EMFILE, errno.ENFILE):
+                raise _short_of_descriptors(self.key) from None
+            raise
         try:
             yield fd
         finally:
@@ -386,6 +426,7 @@ class SharedMemory:
 
     allowed: bool  # --allow-shared-memory
     key_prefix: str = ""  # --shared-memory-prefix
+    max_regions: int = 256  # per owner: MOE_SERVE_MAX_SHARED_MEMORY_REGIONS
     regions: dict[str, Region] = field(default_factory=dict)
 
     def _check_allowed(self) -> None:
@@ -395,17 +436,26 @@ class SharedMemory:
     def register_system(
         self, name: str, key: str, offset: int, byte_size: int, owner: str | None
     ) -> None:
-        self._add(name, lambda: SystemRegion(name, key, offset, byte_size, owner, self.key_prefix))
+        self._add(
+            name, owner, lambda: SystemRegion(name, key, offset, byte_size, owner, self.key_prefix)
+        )
 
     def register_cuda(
         self, name: str, raw_handle: bytes, device_id: int, byte_size: int, owner: str | None
     ) -> None:
-        self._add(name, lambda: CudaRegion(name, raw_handle, device_id, byte_size, owner))
+        self._add(name, owner, lambda: CudaRegion(name, raw_handle, device_id, byte_size, owner))
 
-    def _add(self, name: str, open_region: Callable[[], Region]) -> None:
+    def _add(self, name: str, owner: str | None, open_region: Callable[[], Region]) -> None:
         self._check_allowed()
+        if len(name) > MAX_NAME_CHARS:
+            raise BadInput(f"region name of {len(name)} characters is longer than {MAX_NAME_CHARS}")
         if name in self.regions:
             raise Conflict(f"a shared-memory region named {name!r} is already registered")
+        if sum(r.owner == owner for r in self.regions.values()) >= self.max_regions:
+            raise Overloaded(
+                f"{self.max_regions} shared-memory regions are registered, the limit "
+                "(MOE_SERVE_MAX_SHARED_MEMORY_REGIONS); unregister one first"
+            )
         region = open_region()  # checks the key or handle, offset and size
         self.regions[name] = region
         log.info(

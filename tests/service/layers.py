@@ -80,10 +80,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(app: FastAPI) -> Iterator[str]:
+def running_server(app: FastAPI, server: uvicorn.Server | None = None) -> Iterator[str]:
     """A real uvicorn server for `app` on a free 127.0.0.1 port, configured as `moe-serve serve`
-    configures it; yields its base URL."""
-    server = uvicorn.Server(server_config(app, app.state.runtime.settings))
+    configures it (or `server`, made for `app`); yields its base URL."""
+    server = server or uvicorn.Server(server_config(app, app.state.runtime.settings))
     listener = listen("127.0.0.1", 0)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()

@@ -3,15 +3,19 @@ the open connections are bounded."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
+import uvicorn
 
 from moe_serve.service.http.app import create_app
+from moe_serve.service.http.server import bounded_protocol, listen
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import TINY, running_server, tiny_loader
@@ -156,3 +160,48 @@ def test_a_body_gathers_up_to_the_buffer_before_reading_pauses() -> None:
     assert "HIGH_WATER_LIMIT" in h11_impl.H11Protocol.handle_events.__code__.co_names
     assert httptools_impl.HIGH_WATER_LIMIT == h11_impl.HIGH_WATER_LIMIT == BODY_BUFFER_BYTES
     assert BODY_BUFFER_BYTES >= 1 << 20  # a 64-token DeepSeek-V3 body (917 KB) in one go
+
+
+def test_a_client_that_stops_reading_its_response_is_dropped() -> None:
+    """Once the connection's send buffer is full, the response must drain within the write
+    timeout: else the connection is dropped, and the app's sends return (uvicorn alone would
+    hold the response, and whatever its request holds, until the client reads)."""
+    size, chunk = 64 << 20, bytes(1 << 20)
+    sent = threading.Event()
+
+    async def app(scope, receive, send) -> None:
+        headers = [(b"content-length", str(size).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for _ in range(size // len(chunk)):
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        sent.set()
+
+    protocol = bounded_protocol(8, READ_TIMEOUT_S, write_timeout_s=READ_TIMEOUT_S)
+    config = uvicorn.Config(app, lifespan="off", log_config=None, http=protocol)
+    with _serving(uvicorn.Server(config)) as port:
+        sock = _connect(port)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sent.wait(WAIT_S), "the response's sends still wait on a client that reads none"
+        received = b""
+        with contextlib.suppress(ConnectionResetError):
+            received = _read_until_closed(sock)
+        sock.close()
+    assert len(received) < size
+
+
+@contextlib.contextmanager
+def _serving(server: uvicorn.Server) -> Iterator[int]:
+    listener = listen("127.0.0.1", 0)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + WAIT_S
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_S)

@@ -17,6 +17,7 @@ from moe_serve.service.http.plain_forward import JSON, plain_binary_forward, pla
 from moe_serve.service.http.routes import forward as forward_route
 from moe_serve.service.settings import Settings
 from tests.service.layers import TINY, H, gated_loader
+from tests.service.test_wire import HOSTILE_HEADERS
 
 BINARY = {"Content-Type": "application/octet-stream"}
 ROUTE = f"/v1/layers/{TINY}/forward"
@@ -78,6 +79,28 @@ def test_errors_are_the_routes(client: TestClient, path, headers, body, status, 
     r = client.post(path, content=body, headers=headers)
     assert r.status_code == status
     assert error in r.json()["error"]
+
+
+@pytest.mark.parametrize("case", HOSTILE_HEADERS)
+def test_hostile_blobs_are_a_json_400(client: TestClient, case: str) -> None:
+    body, says = HOSTILE_HEADERS[case]
+    r = client.post(ROUTE, content=body, headers=BINARY)
+    assert r.status_code == 400
+    assert says in r.json()["error"]
+
+
+@pytest.mark.parametrize(
+    "query", [f"timeout={10**400}", f"priority={2**64}"], ids=["timeout 10^400", "priority 2^64"]
+)
+def test_schedule_values_past_64_bits_are_refused_naming_the_range(
+    client: TestClient, query: str
+) -> None:
+    r = client.post(f"{ROUTE}?{query}", content=_blob(), headers=BINARY)
+    assert r.status_code == 422
+    name = query.split("=")[0]
+    assert f"query.{name}: Input should be less than or equal to {2**64 - 1}" in r.json()["error"]
+    largest = f"{ROUTE}?timeout={2**64 - 1}&priority={2**64 - 1}"
+    assert client.post(largest, content=_blob(), headers=BINARY).status_code == 200
 
 
 def test_other_methods_and_a_trailing_slash_are_routed_by_fastapi(client: TestClient) -> None:

@@ -30,6 +30,8 @@ from moe_serve.service.codecs.safetensors_wire import decode_safetensors, encode
 from moe_serve.service.frontends.arena import BLOCK_BYTES, REPLY_HEADER_BYTES, BodyArena
 from moe_serve.service.frontends.front_end import (
     RELAYED,
+    FrontEnd,
+    FrontEndConfig,
     _answering,
     _blob_bytes,
     _json_reply,
@@ -38,6 +40,7 @@ from moe_serve.service.frontends.front_end import (
 from moe_serve.service.frontends.supervisor import json_here_bytes, remove_stale_directories
 from moe_serve.service.settings import Settings
 from tests.service.layers import NO_ROUTER, TINY, H, reference_forward, running_front_ends
+from tests.service.test_wire import HOSTILE_HEADERS
 
 BINARY = {"Content-Type": "application/octet-stream"}
 TOKEN = "front-end-test-token-0123456789"
@@ -470,3 +473,133 @@ def test_directories_of_engines_that_are_gone_are_removed_at_start(tmp_path: Pat
         (path / "http.sock").touch()
     remove_stale_directories(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
+
+
+def _infer_held(port: int) -> socket.socket:
+    """A connection whose KServe infer waits in the engine's batcher (for company, up to
+    max_batch_delay_ms): the front end holds one relay connection to the engine for it."""
+    body = json.dumps(
+        {"inputs": [{"name": "hidden_states", "shape": [1, H], "datatype": "FP32",
+                     "data": [0.0] * H}]}
+    ).encode()  # fmt: skip
+    conn = socket.create_connection(("127.0.0.1", port))
+    head = f"POST /v2/models/{TINY}/infer HTTP/1.1\r\nContent-Length: {len(body)}\r\n\r\n"
+    conn.sendall(head.encode() + body)
+    return conn
+
+
+def test_probes_have_connections_to_the_engine_that_relayed_requests_cannot_take() -> None:
+    """As many relayed requests as the relay may hold connections to the engine (max_connections)
+    are held in the engine; the probes and /metrics still answer."""
+    settings = Settings(
+        device="cpu", http_workers=1, grpc_port=0, max_connections=2, max_batch_delay_ms=600_000
+    )
+    with running_front_ends(settings) as front_ends:
+        port = front_ends.listener.getsockname()[1]
+        held = [_infer_held(port) for _ in range(settings.max_connections)]
+        try:
+            for probe in ("/health", "/ready", "/metrics", "/v2/health/ready"):
+                assert httpx.get(f"{_url(front_ends)}{probe}", timeout=20).status_code == 200
+        finally:
+            for conn in held:
+                conn.close()  # the front end withdraws them from the engine
+
+
+def test_during_the_drain_a_new_connection_is_refused_at_once() -> None:
+    """SIGTERM with a request in flight: the front ends drain it, and a new connection is
+    refused (as in one process), not queued where no one takes it."""
+    settings = Settings(
+        device="cpu", http_workers=1, grpc_port=0, drain_timeout_s=120, read_timeout_s=120
+    )
+    with running_front_ends(settings) as front_ends:
+        port = front_ends.listener.getsockname()[1]
+        in_flight = _stalled(port, f"/v2/models/{TINY}/infer", 1000, b"{", None)
+        try:
+            front_ends.terminate()  # what SIGTERM to the engine process does first
+            deadline = time.monotonic() + 30
+            while (answer := _new_connection(port)) == "HTTP/1.1 200 OK":  # not stopped yet
+                assert time.monotonic() < deadline, "the front end did not stop taking requests"
+                time.sleep(0.05)
+            assert answer in ("refused", "closed", "HTTP/1.1 503 Service Unavailable")
+        finally:
+            in_flight.close()
+
+
+def _new_connection(port: int) -> str:
+    """What a new connection's GET /health gets: the status line, "refused", "closed" (taken
+    just as the server stopped, and closed unanswered), or "no answer" within 10 s."""
+    try:
+        conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+    except ConnectionRefusedError:
+        return "refused"
+    try:
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        return _status_line(conn, 10) or "closed"
+    except (ConnectionResetError, BrokenPipeError):
+        return "refused"
+
+
+def test_a_relayed_response_has_one_date_and_one_server_header(front_ends) -> None:
+    with socket.create_connection(("127.0.0.1", front_ends.listener.getsockname()[1])) as conn:
+        conn.sendall(b"GET /v1/layers HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        received = b""
+        while chunk := conn.recv(65536):
+            received += chunk
+    head = received.partition(b"\r\n\r\n")[0].decode("latin-1").lower().split("\r\n")
+    assert head[0] == "http/1.1 200 ok"
+    names = [line.split(":", 1)[0] for line in head[1:]]
+    assert (names.count("date"), names.count("server")) == (1, 1)
+
+
+@pytest.mark.parametrize("case", HOSTILE_HEADERS)
+def test_hostile_blobs_are_a_json_400_from_the_front_end(front_ends, case: str) -> None:
+    body, says = HOSTILE_HEADERS[case]
+    r = httpx.post(f"{_url(front_ends)}/v1/layers/{TINY}/forward", content=body, headers=BINARY)
+    assert r.status_code == 400
+    assert says in r.json()["error"]
+
+
+def test_a_request_the_engine_closed_the_connection_on_is_sent_again(tmp_path: Path) -> None:
+    """The engine closes an idle connection just as the relay takes it for a request (the fake
+    engine here closes its first connection unanswered): the request is sent again, once, on a
+    new connection, and the client gets the engine's answer, not a 503."""
+    engine_http = tmp_path / "http.sock"
+    connections = []
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(await reader.readuntil(b"\r\n\r\n"))
+        if len(connections) > 1:
+            body = b'{"served": true}'
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            await writer.drain()
+        writer.close()
+
+    async def relayed() -> httpx.Response:
+        server = await asyncio.start_unix_server(engine, path=str(engine_http))
+        app = FrontEnd(_config(tmp_path, engine_http))
+        transport = httpx.ASGITransport(app=app)
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://fe") as client:
+                return await client.get("/v2/models/x")
+        finally:
+            await app.relay.aclose()
+            await app.probes.aclose()
+            server.close()
+            await server.wait_closed()
+
+    r = asyncio.run(relayed())
+    assert (r.status_code, r.json()) == (200, {"served": True})
+    assert len(connections) == 2 and all(c.startswith(b"GET /v2/models/x ") for c in connections)
+
+
+def _config(tmp_path: Path, engine_http: Path) -> FrontEndConfig:
+    """A front end with no arena (every request relayed) and no channel."""
+    return FrontEndConfig(
+        listen_fd=-1, engine_http=str(engine_http), engine_channel=str(tmp_path / "channel.sock"),
+        arena_dir=str(tmp_path / "no-arena"), api_token=None, max_connections=4,
+        read_timeout_s=10.0, max_body_bytes=1 << 20, json_here_bytes=1 << 20,
+        drain_timeout_s=1.0, log_level="info", log_format="text",
+    )  # fmt: skip

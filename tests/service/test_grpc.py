@@ -3,6 +3,9 @@ one batcher)."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import math
 from collections.abc import Iterator
 
 import httpx
@@ -83,6 +86,50 @@ def test_grpc_typed_contents_are_read_like_raw_ones(client) -> None:
     response = client._client_stub.ModelInfer(request)
     out = np.frombuffer(response.raw_output_contents[0], dtype=np.float32).reshape(2, H)
     torch.testing.assert_close(torch.tensor(out), reference_forward(TINY, torch.from_numpy(x)))
+
+
+def test_grpc_large_typed_contents_are_decoded_off_the_event_loop(client, monkeypatch) -> None:
+    """Over 1 MiB of fp32_contents (service/off_loop.py's BINARY): the loop keeps answering."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    from moe_serve.service.grpc import servicer
+
+    decoded_on_loop = []
+
+    def decode(message: pb.ModelInferRequest) -> object:
+        try:
+            asyncio.get_running_loop()
+            decoded_on_loop.append(True)
+        except RuntimeError:
+            decoded_on_loop.append(False)
+        return decode_infer(message)
+
+    decode_infer = servicer.decode_infer
+    monkeypatch.setattr(servicer, "decode_infer", decode)
+    x = np.random.default_rng(4).standard_normal((4200, H)).astype(np.float32)  # 1.08 MB
+    request = pb.ModelInferRequest(model_name=TINY)
+    tensor = request.inputs.add(name="hidden_states", datatype="FP32", shape=list(x.shape))
+    tensor.contents.fp32_contents.extend(x.ravel())
+    response = client._client_stub.ModelInfer(request)
+    out = np.frombuffer(response.raw_output_contents[0], dtype=np.float32).reshape(x.shape)
+    torch.testing.assert_close(torch.tensor(out), reference_forward(TINY, torch.from_numpy(x)))
+    assert decoded_on_loop == [False]
+
+
+def test_grpc_typed_contents_in_a_field_not_their_datatypes_are_invalid_argument(client) -> None:
+    from tritonclient.grpc import service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name=TINY)
+    tensor = request.inputs.add(name="hidden_states", datatype="FP32", shape=[1, H])
+    tensor.contents.fp32_contents.extend([0.5] * H)
+    tensor.contents.int_contents.extend([1])
+    with pytest.raises(grpcclient.grpc.RpcError) as err:
+        client._client_stub.ModelInfer(request)
+    assert err.value.code() == grpcclient.grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == (
+        "input hidden_states: FP32 values go in fp32_contents, not ['int_contents', "
+        "'fp32_contents']"
+    )
 
 
 @pytest.mark.parametrize(
@@ -199,6 +246,65 @@ def test_grpc_errors_are_status_codes_naming_the_problem(
     assert err.value.status() == f"StatusCode.{code}"
 
 
+def _infer_message(shape: list[int], **parameters: tuple[str, object]) -> bytes:
+    """A ModelInferRequest for TINY with no bytes, serialized; parameters as (field, value)."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name=TINY)
+    request.inputs.add(name="hidden_states", datatype="FP32", shape=shape)
+    for key, (field, value) in parameters.items():
+        setattr(request.parameters[key], field, value)
+    values = math.prod(shape)
+    request.raw_input_contents.append(bytes(4 * values if values < 1 << 20 else 0))
+    return request.SerializeToString()
+
+
+GOOD = _infer_message([1, H])
+MALFORMED = {
+    "input name not UTF-8": (GOOD.replace(b"hidden_states", b"hidden\xed\xa0\x80tes"), "parsed"),
+    "model name not UTF-8": (GOOD.replace(TINY.encode(), b"t\xffny"), "parsed"),
+    "not a message": (b"\xff\xff\xff", "parsed"),
+    "shape [0, 2^63-1]": (_infer_message([0, (1 << 63) - 1]), "empty"),
+    "shape [2^40, 2^40]": (_infer_message([1 << 40, 1 << 40]), "binary bytes for shape"),
+    "negative priority": (_infer_message([1, H], priority=("int64_param", -1)), ">= 0"),
+    "timeout a double": (_infer_message([1, H], timeout=("double_param", 1e300)), ">= 0"),
+    "timeout a string": (_infer_message([1, H], timeout=("string_param", "9" * 400)), ">= 0"),
+}
+
+
+@pytest.mark.parametrize(("message", "why"), MALFORMED.values(), ids=MALFORMED)
+def test_grpc_malformed_requests_are_invalid_argument_never_internal(urls, message, why) -> None:
+    grpc = grpcclient.grpc
+    with grpc.insecure_channel(urls[1]) as channel, pytest.raises(grpc.RpcError) as err:
+        channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")(message, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert why in err.value.details()
+
+
+def test_grpc_schedule_policy_values_at_the_top_of_their_range_are_served(client) -> None:
+    """priority and timeout arrive as 64-bit integers; the largest are a valid request."""
+    from tritonclient.grpc import service_pb2 as pb
+
+    most = ("uint64_param", (1 << 64) - 1)
+    request = pb.ModelInferRequest.FromString(_infer_message([1, H], priority=most, timeout=most))
+    response = client._client_stub.ModelInfer(request)
+    assert np.frombuffer(response.raw_output_contents[0], np.float32).shape == (H,)
+
+
+def test_grpc_rpcs_not_served_answer_unimplemented_without_an_error_logged(client, caplog):
+    from tritonclient.grpc import service_pb2 as pb
+
+    stub = client._client_stub
+    with pytest.raises(grpcclient.grpc.RpcError) as config:
+        stub.ModelConfig(pb.ModelConfigRequest(name=TINY))
+    with pytest.raises(grpcclient.grpc.RpcError) as stream:
+        next(stub.ModelStreamInfer(iter([pb.ModelInferRequest(model_name=TINY)])))
+    for err, rpc in ((config, "ModelConfig"), (stream, "ModelStreamInfer")):
+        assert err.value.code() == grpcclient.grpc.StatusCode.UNIMPLEMENTED
+        assert err.value.details() == f"moe-serve does not serve {rpc}"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
 def test_grpc_raw_contents_of_the_wrong_size_are_refused(client) -> None:
     tensor = grpcclient.InferInput("hidden_states", [2, H], "FP32")
     tensor.set_data_from_numpy(np.zeros((2, H), np.float32))
@@ -254,11 +360,10 @@ def test_grpc_needs_the_bearer_token_when_one_is_set() -> None:
 
 
 def test_grpc_port_in_use_stops_the_start_naming_the_address() -> None:
-    import asyncio
     import socket
 
     from moe_serve.service.core.runtime import Runtime
-    from moe_serve.service.grpc.servicer import start_grpc_server
+    from moe_serve.service.grpc.server import GrpcServer
     from moe_serve.service.metrics import Metrics
 
     with socket.socket() as taken:
@@ -266,5 +371,9 @@ def test_grpc_port_in_use_stops_the_start_naming_the_address() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         runtime = Runtime(Settings(device="cpu", grpc_port=port), Metrics())
+
+        async def start() -> None:
+            await GrpcServer(runtime).start()
+
         with pytest.raises(OSError, match=f"gRPC cannot listen on 127.0.0.1:{port}"):
-            asyncio.run(start_grpc_server(runtime))
+            asyncio.run(start())

@@ -122,7 +122,51 @@ CODEC_ERRORS = {
         lambda: (_BOOL_SIZE + b"x", len(_BOOL_SIZE)),
         "binary_data_size True does not fit",
     ),
+    "a shape of booleans": (
+        lambda: (_shaped([True, 1], [0.5]), None),
+        "input a: shape must be integers, got [True, 1]",
+    ),
+    "a shape of strings": (
+        lambda: (_shaped(["1", 1], [0.5]), None),
+        "input a: shape must be integers, got ['1', 1]",
+    ),
+    "a shape of floats": (
+        lambda: (_shaped([1.0, 1], [0.5]), None),
+        "input a: shape must be integers, got [1.0, 1]",
+    ),
+    "an empty json shape torch cannot lay out": (
+        lambda: (_shaped([0, 2**63], []), None),
+        "input a: shape [0, 9223372036854775808] is too large",
+    ),
+    "an empty binary shape torch cannot lay out": (
+        lambda: _empty_binary([2**62, 4, 0]),
+        "input a: shape [4611686018427387904, 4, 0] is too large",
+    ),
+    "data and binary data both": (
+        lambda: _binary_with_data(),
+        "input hidden_states: both data and parameters.binary_data_size are given",
+    ),
 }
+
+
+def _shaped(shape: list, data: list) -> bytes:
+    return json.dumps(
+        {"inputs": [{"name": "a", "shape": shape, "datatype": "FP32", "data": data}]}
+    ).encode()
+
+
+def _empty_binary(shape: list[int]) -> tuple[bytes, int]:
+    entry = {"name": "a", "shape": shape, "datatype": "FP32", "parameters": {"binary_data_size": 0}}
+    header = json.dumps({"inputs": [entry]}).encode()
+    return header, len(header)
+
+
+def _binary_with_data() -> tuple[bytes, int]:
+    body, length = _binary_request(torch.zeros(1, 2))
+    request = json.loads(body[:length])
+    request["inputs"][0]["data"] = [9.0, 9.0]
+    header = json.dumps(request).encode()
+    return header + body[length:], len(header)
 
 
 def _json_input(datatype: str, data: list) -> bytes:

@@ -4,6 +4,7 @@ error body, token check, limit and request metrics of a route."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 
@@ -73,6 +74,12 @@ CASES = {
     "bad header length": (f"/v2/models/{TINY}/infer", b"{}", {HEADER_LENGTH: "x9"}),
     "not json": (f"/v2/models/{TINY}/infer", b"{nope", {}),
     "bad priority": (f"/v2/models/{TINY}/infer", *_json(1, parameters={"priority": -1})),
+    "timeout of 10^400": (f"/v2/models/{TINY}/infer", *_json(1, parameters={"timeout": 10**400})),
+    "priority of 2^64": (f"/v2/models/{TINY}/infer", *_json(1, parameters={"priority": 2**64})),
+    "largest schedule values": (
+        f"/v2/models/{TINY}/infer",
+        *_json(1, parameters={"priority": 2**64 - 1, "timeout": 2**64 - 1}),
+    ),
     "unknown region": (f"/v2/models/{TINY}/infer", *_shm("nowhere")),
     "gzip that is not": (f"/v2/models/{TINY}/infer", b"{}", {"Content-Encoding": "gzip"}),
     "query string": (f"/v2/models/{TINY}/infer?x=1", *_json(1)),
@@ -94,6 +101,17 @@ EXPECTED = {
     "bad header length": (400, "application/json", f"{HEADER_LENGTH} must be a byte count"),
     "not json": (400, "application/json", "inference request: body: Invalid JSON"),
     "bad priority": (400, "application/json", "parameters.priority must be an integer >= 0"),
+    "timeout of 10^400": (
+        400,
+        "application/json",
+        "parameters.timeout is out of range: an integer from 0 to 2^64 - 1",
+    ),
+    "priority of 2^64": (
+        400,
+        "application/json",
+        "parameters.priority is out of range: an integer from 0 to 2^64 - 1",
+    ),
+    "largest schedule values": (200, "application/json", 1),
     "unknown region": (400, "application/json", "no shared-memory region named 'nowhere'"),
     "gzip that is not": (400, "application/json", "body is not valid gzip data"),
     "query string": (200, "application/json", 1),
@@ -165,3 +183,62 @@ def test_metrics_token_and_413_are_the_routes(make_client) -> None:
     metrics = client.get("/metrics").text
     assert 'moe_serve_requests_total{route="/v2/models/{name}/infer",status="413"} 1.0' in metrics
     assert 'moe_serve_requests_total{route="/v2/models/{name}/infer",status="400"} 1.0' in metrics
+
+
+def test_a_json_output_over_the_json_limit_is_413_before_the_forward(
+    make_client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A binary input of 2 rows asks for 2 x 64 numbers of JSON, about 2 kB: over a 1 kB limit.
+    The message says how to ask for binary output; with it, the same request is served."""
+    client = make_client(max_json_bytes=1024)
+    ran = []
+    infer = kserve_route.inference.infer
+    monkeypatch.setattr(
+        kserve_route.inference, "infer", lambda *a, **k: ran.append(1) or infer(*a, **k)
+    )
+    body, headers = _binary(2, binary_output=False)
+    r = client.post(f"/v2/models/{TINY}/infer", content=body, headers=headers)
+    assert r.status_code == 413
+    assert "1024-byte limit of JSON (MOE_SERVE_MAX_JSON_BYTES)" in r.json()["error"]
+    assert '"binary_data_output": true' in r.json()["error"]
+    assert ran == []
+    body, headers = _binary(2, binary_output=True)
+    assert client.post(f"/v2/models/{TINY}/infer", content=body, headers=headers).status_code == 200
+    assert ran == [1]
+
+
+def _on_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("rows", "binary_output", "expected"),
+    [
+        (2, False, {"decode": True, "encode": True}),  # small: on the loop
+        (1024, False, {"decode": True, "encode": False}),  # about 1 MiB of JSON out
+        (5000, True, {"decode": False, "encode": False}),  # 1.3 MB in and out
+    ],
+)
+def test_large_bodies_and_replies_are_decoded_and_encoded_off_the_event_loop(
+    make_client, monkeypatch: pytest.MonkeyPatch, rows, binary_output, expected
+) -> None:
+    on_loop = {}
+
+    def spy(stage: str, real):
+        def call(*args):
+            on_loop[stage] = _on_loop()
+            return real(*args)
+
+        return call
+
+    for name, stage in (("decode_request", "decode"), ("encode_response", "encode")):
+        monkeypatch.setattr(kserve_route, name, spy(stage, getattr(kserve_route, name)))
+    client = make_client()
+    body, headers = _binary(rows, binary_output=binary_output)
+    r = client.post(f"/v2/models/{TINY}/infer", content=body, headers=headers)
+    assert r.status_code == 200, r.text
+    assert on_loop == expected

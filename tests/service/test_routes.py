@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import ClassVar
@@ -15,6 +16,7 @@ from moe_serve.kernels import registry, selection
 from moe_serve.kernels.experts.reference import ReferenceExperts
 from moe_serve.service.core.runtime import warm_up_tokens
 from moe_serve.service.engine.engine import Engine
+from moe_serve.service.errors import error_response
 from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
@@ -52,6 +54,12 @@ def test_error_messages_are_capped(client: TestClient) -> None:
     message = r.json()["error"]
     assert len(message) < 2100
     assert message.endswith(" more characters)")
+
+
+def test_an_error_quoting_what_utf8_cannot_encode_is_still_sent() -> None:
+    """A lone surrogate, from a client's JSON escape, quoted in a message is sent escaped."""
+    r = error_response(400, "unknown tensor \ud800")
+    assert json.loads(r.body) == {"error": "unknown tensor \\ud800"}
 
 
 def test_ready_reports_why_loading_failed() -> None:

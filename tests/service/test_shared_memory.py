@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import re
 import threading
 import uuid
 from collections.abc import Iterator
@@ -17,9 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from moe_serve.service.errors import BadInput
+from moe_serve.service.errors import BadInput, Forbidden, Overloaded
 from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
+from moe_serve.service.triton import shared_memory
 from moe_serve.service.triton.shared_memory import SharedMemory, SystemRegion, owner_of
 from tests.service.conftest import wait_ready
 from tests.service.layers import TINY, H, free_port, reference_forward, running_server, tiny_loader
@@ -406,3 +408,127 @@ def test_with_a_prefix_only_keys_under_it_are_accepted(region) -> None:
             http_client.unregister_system_shared_memory("ours")
         finally:
             shm.destroy_shared_memory_region(handle)
+
+
+def test_the_regions_a_token_may_hold_are_capped(region) -> None:
+    """Each region holds a descriptor until it is unregistered, however long ago its client
+    left: a token may hold max_regions, another token its own, and an unregistered one frees
+    its place."""
+    key, _ = region
+    regions = SharedMemory(allowed=True, max_regions=2)
+    alice, bob = owner_of("Bearer alice-token"), owner_of("Bearer bob-token")
+    regions.register_system("a1", key, 0, 64, alice)
+    regions.register_system("a2", key, 0, 64, alice)
+    with pytest.raises(Overloaded, match=re.escape(CAPPED)) as err:
+        regions.register_system("a3", key, 0, 64, alice)
+    assert err.value.status == 429 and not err.value.headers  # no Retry-After: waiting won't do
+    regions.register_system("b1", key, 0, 64, bob)
+    regions.unregister("system", "a1", alice)
+    regions.register_system("a3", key, 0, 64, alice)
+    assert sorted(regions.regions) == ["a2", "a3", "b1"]
+    regions.close()
+
+
+CAPPED = "2 shared-memory regions are registered, the limit (MOE_SERVE_MAX_SHARED_MEMORY_REGIONS)"
+
+
+def test_over_http_the_cap_is_a_429_and_registrations_take_integers_only(
+    make_client, region
+) -> None:
+    client = make_client(allow_shared_memory=True, max_shared_memory_regions=2)
+    key, _ = region
+    for name in ("a", "b"):
+        register = {"key": key, "offset": 0, "byte_size": 64}
+        r = client.post(f"/v2/systemsharedmemory/region/{name}/register", json=register)
+        assert r.status_code == 200, r.text
+    r = client.post("/v2/systemsharedmemory/region/c/register", json=register)
+    assert r.status_code == 429 and CAPPED in r.json()["error"]
+    client.post("/v2/systemsharedmemory/unregister")
+    for field, value in (("offset", True), ("byte_size", 64.0), ("byte_size", "64")):
+        register = {"key": key, "offset": 0, "byte_size": 64, field: value}
+        r = client.post("/v2/systemsharedmemory/region/d/register", json=register)
+        assert r.status_code == 400
+        assert f"{field}: Input should be a valid integer" in r.json()["error"]
+
+
+def test_region_names_and_keys_longer_than_256_characters_are_refused(region) -> None:
+    key, _ = region
+    regions = SharedMemory(allowed=True)
+    with pytest.raises(BadInput, match="region name of 257 characters is longer than 256"):
+        regions.register_system("n" * 257, key, 0, 64, None)
+    with pytest.raises(BadInput, match="key of 258 characters is longer than 256"):
+        regions.register_system("n", "/" + "k" * 257, 0, 64, None)
+    regions.register_system("n" * 256, key, 0, 64, None)
+    regions.close()
+
+
+def test_with_a_prefix_an_object_with_a_second_link_is_refused() -> None:
+    """A hard link under the prefix to another program's object would carry that object past
+    --shared-memory-prefix: with a prefix set, an object of more than one link is refused."""
+    token = uuid.uuid4().hex[:12]
+    other, link = Path(f"/dev/shm/other-{token}"), Path(f"/dev/shm/client-{token}")
+    other.write_bytes(bytes(64))
+    os.link(other, link)
+    regions = SharedMemory(allowed=True, key_prefix="client-")
+    try:
+        with pytest.raises(Forbidden, match=f"'/{link.name}' has 2 links"):
+            regions.register_system("data", f"/{link.name}", 0, 64, None)
+        other.unlink()  # the link is now the object's one name
+        regions.register_system("data", f"/{link.name}", 0, 64, None)
+    finally:
+        regions.close()
+        link.unlink()
+        other.unlink(missing_ok=True)
+
+
+def test_regions_leave_descriptors_for_connections_and_the_probes_answer(
+    region, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Registering region after region stops, with a 503, while the process still has
+    DESCRIPTOR_RESERVE descriptors left; new connections, the probes', are still served. (The
+    limit is lowered here, as if the process were close to `ulimit -n`.)"""
+    key, _ = region
+    limit = []
+
+    def descriptor_limit() -> int:
+        """A few more than the server holds at its first registration, plus the reserve."""
+        if not limit:
+            lowest_free = os.open("/dev/null", os.O_RDONLY)
+            os.close(lowest_free)
+            limit.append(lowest_free + 4 + shared_memory.DESCRIPTOR_RESERVE)
+        return limit[0]
+
+    monkeypatch.setattr(shared_memory, "_descriptor_limit", descriptor_limit)
+    settings = Settings(device="cpu", allow_shared_memory=True, max_shared_memory_regions=1000)
+    with running_server(create_app(settings, tiny_loader)) as url:
+        with httpx.Client(base_url=url) as http:
+            wait_ready(http.get)
+            register = {"key": key, "byte_size": 64}
+            for i in range(100):
+                r = http.post(f"/v2/systemsharedmemory/region/r{i}/register", json=register)
+                if r.status_code != 200:
+                    break
+            assert r.status_code == 503, r.text
+            assert "no file descriptor left" in r.json()["error"]
+            assert 0 < i < 100
+        for probe in ("/health", "/ready", "/metrics"):  # each on a new connection
+            assert httpx.get(f"{url}{probe}", timeout=WAIT_S).status_code == 200
+        httpx.post(f"{url}/v2/systemsharedmemory/unregister")
+
+
+WAIT_S = 30.0  # what a probe may take before it counts as hung
+
+
+def test_an_empty_shared_memory_input_of_a_shape_torch_cannot_lay_out_is_400(
+    make_client, region
+) -> None:
+    client = make_client(allow_shared_memory=True)
+    key, _ = region
+    register = {"key": key, "byte_size": 64}
+    assert client.post("/v2/systemsharedmemory/region/io/register", json=register).is_success
+    place = {"shared_memory_region": "io", "shared_memory_byte_size": 0}
+    body = {"inputs": [{"name": "hidden_states", "shape": [0, 2**63], "datatype": "FP32",
+                        "parameters": place}]}  # fmt: skip
+    r = client.post(f"/v2/models/{TINY}/infer", json=body)
+    assert r.status_code == 400
+    assert "shape [0, 9223372036854775808] is too large" in r.json()["error"]

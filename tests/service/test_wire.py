@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import struct
 
 import pytest
@@ -96,3 +97,35 @@ def test_refuses_what_the_library_refuses_naming_it(body: bytes, says: str) -> N
 
 def test_the_good_case_of_the_refusals_is_read() -> None:
     assert decode_safetensors(_blob(GOOD, bytes(8)))["t"].tolist() == [0.0, 0.0]
+
+
+def _raw_blob(header: bytes) -> bytes:
+    return struct.pack("<Q", len(header)) + header
+
+
+# Headers a client may send that no tensor can come of: each a ValueError naming the problem,
+# never another exception (a 500)
+HOSTILE_HEADERS = {
+    "an empty shape torch cannot lay out": (
+        _raw_blob(
+            b'{"t": {"dtype": "F32", "shape": [0, 9223372036854775808], "data_offsets": [0, 0]}}'
+        ),
+        "shape [0, 9223372036854775808] is too large",
+    ),
+    "a name that is a lone surrogate": (
+        _raw_blob(b'{"\\ud800": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}')
+        + bytes(4),
+        "the header is not JSON",
+    ),
+    "nested 100,000 deep": (
+        _raw_blob(b"[" * 100_000 + b"]" * 100_000),
+        "the header is not JSON",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_HEADERS)
+def test_hostile_headers_are_refused_naming_the_problem(case: str) -> None:
+    body, says = HOSTILE_HEADERS[case]
+    with pytest.raises(ValueError, match=re.escape(says)):
+        decode_safetensors(body)

@@ -16,7 +16,14 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field, ValidationError
 from starlette.types import Receive, Scope, Send
 
-from ...core.forward import LayerCall, schedule_options, serve_blob, serve_blob_into, serve_json
+from ...core.forward import (
+    MAX_SCHEDULE_VALUE,
+    LayerCall,
+    schedule_options,
+    serve_blob,
+    serve_blob_into,
+    serve_json,
+)
 from ...core.runtime import Runtime, ready
 from ...engine.batcher import RequestOptions
 from ...errors import (
@@ -82,10 +89,16 @@ class ForwardQuery(BaseModel):
 
     return_routing: bool = False
     priority: int = Field(
-        0, ge=0, description="1 goes first, then 2, ...; 0: the default, after all"
+        0,
+        ge=0,
+        le=MAX_SCHEDULE_VALUE,
+        description="1 goes first, then 2, ...; 0: the default, after all",
     )
     timeout: int = Field(
-        0, ge=0, description="microseconds the request may wait in the queue; 0: no limit"
+        0,
+        ge=0,
+        le=MAX_SCHEDULE_VALUE,
+        description="microseconds the request may wait in the queue; 0: no limit",
     )
 
 

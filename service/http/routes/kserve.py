@@ -8,25 +8,31 @@ below."""
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 
+import torch
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
-from ... import tracing
+from ... import off_loop, tracing
+from ...codecs.json_numbers import NUMBER_BYTES
 from ...codecs.kserve import (
     HEADER_LENGTH,
+    SHM_REGION,
+    Encoded,
     InferRequest,
     InferResponse,
     ModelMetadata,
     ServerMetadata,
     decode_request,
     encode_response,
+    wants_binary,
 )
 from ...core import inference
 from ...core.runtime import Runtime
-from ...errors import BadInput, ServiceError, error_response
+from ...errors import BadInput, PayloadTooLarge, ServiceError, error_response
 from ..body import read_body
 from ..deps import EngineDep, RuntimeDep
 from ..examples import DEMO_ROWS
@@ -181,9 +187,11 @@ async def version_infer(
 
 
 class InferEndpoint:
-    """The two infer routes' whole work: the body (413), the KServe decode (400), inference
-    (service/core/inference.py: readiness, the model, shared memory, the batcher, withdrawn if
-    the client goes away), the reply."""
+    """The two infer routes' whole work: the body (413), the KServe decode (400), a JSON reply
+    that would be too large (413, before the forward), inference (service/core/inference.py:
+    readiness, the model, shared memory, the batcher, withdrawn if the client goes away), the
+    reply. A large body is decoded, and a large reply encoded, off the event loop
+    (service/off_loop.py)."""
 
     path = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 
@@ -205,14 +213,15 @@ class InferEndpoint:
         withdrawn = None
         try:
             body = await read_body(request, runtime)
-            infer_request, tensors = decode_request(body, _header_length(request))
+            infer_request, tensors = await _decode(body, _header_length(request))
+            _check_json_reply(infer_request, runtime.settings.max_json_bytes)
             owner = caller(request, runtime)
             withdrawn = asyncio.ensure_future(client_gone(receive))
             result = await inference.infer(
                 runtime, name, version or "", infer_request, tensors, owner, withdrawn
             )
             with tracing.reply_span():
-                encoded = encode_response(name, infer_request, result.outputs, result.placed)
+                encoded = await _encode(name, infer_request, result)
             if encoded.header_length is None:
                 response = Response(encoded.body, media_type="application/json")
             else:
@@ -224,3 +233,45 @@ class InferEndpoint:
             if withdrawn is not None:
                 withdrawn.cancel()
         await response(scope, receive, send)
+
+
+async def _decode(
+    body: bytes, header_length: int | None
+) -> tuple[InferRequest, dict[str, torch.Tensor]]:
+    """decode_request, off the loop when large: a large JSON part on the JSON threads, else a
+    large body (its binary tensors copied) on a thread."""
+    json_bytes = len(body) if header_length is None else header_length
+    if json_bytes > off_loop.JSON.on_loop_bytes:
+        return await off_loop.JSON.off_loop(decode_request, body, header_length)
+    return await off_loop.BINARY.run(len(body), decode_request, body, header_length)
+
+
+async def _encode(name: str, request: InferRequest, result: inference.InferenceResult) -> Encoded:
+    """encode_response, off the loop when large (a JSON output by its numbers)."""
+    outputs = result.outputs
+    numbers = sum(t.numel() for n, t in outputs.items() if not wants_binary(request, n))
+    args = (encode_response, name, request, outputs, result.placed)
+    if numbers:
+        return await off_loop.JSON.run(numbers * NUMBER_BYTES, *args)
+    return await off_loop.BINARY.run(sum(t.nbytes for t in outputs.values()), *args)
+
+
+def _check_json_reply(request: InferRequest, limit: int) -> None:
+    """Refuse, before the forward, an output the reply would carry as JSON beyond `limit` bytes
+    (MOE_SERVE_MAX_JSON_BYTES, as for JSON bodies): printing it holds the GIL, and its text is
+    several times its binary size. The output is as large as hidden_states; its size is
+    reckoned at NUMBER_BYTES a number."""
+    hidden = next((t for t in request.inputs if t.name == "hidden_states"), None)
+    if hidden is None or wants_binary(request, inference.OUTPUT):
+        return
+    requested = [o for o in request.outputs or () if o.name == inference.OUTPUT]
+    if any(SHM_REGION in o.parameters for o in requested):  # written into a region
+        return
+    size = math.prod(hidden.shape) * NUMBER_BYTES
+    if size > limit:
+        raise PayloadTooLarge(
+            f"output {inference.OUTPUT} of shape {hidden.shape} would be about {size} bytes of "
+            f"JSON, over the {limit}-byte limit of JSON (MOE_SERVE_MAX_JSON_BYTES); ask for it "
+            'in binary: "parameters": {"binary_data_output": true} on the request, or '
+            '"binary_data": true in the output\'s parameters'
+        )

@@ -22,18 +22,22 @@ router = APIRouter(prefix="/v2", tags=["kserve-v2 shared memory"])
 _ERRORS = {
     status: {"model": ErrorBody, "description": what}
     for status, what in {
-        400: "bad key, handle, offset or size",
-        403: "shared memory is off (--allow-shared-memory)",
+        400: "bad key, handle, offset or size; a name or key over 256 characters",
+        403: "shared memory is off (--allow-shared-memory); with --shared-memory-prefix, a key "
+        "outside it or an object with more than one link",
         404: "no region of that name",
         409: "a region of that name is already registered",
+        429: "as many regions as MOE_SERVE_MAX_SHARED_MEMORY_REGIONS are registered",
+        503: "no file descriptor to spare for another system region",
     }.items()
 }
 
 
+# Strict: pydantic would read true as 1 and "8" or 8.0 as 8.
 class SystemRegister(BaseModel):
     key: str  # the shared-memory object's name, as given to shm_open ("/name")
-    offset: int = Field(0, ge=0)  # where the region starts in the object
-    byte_size: int = Field(ge=0)
+    offset: int = Field(0, ge=0, strict=True)  # where the region starts in the object
+    byte_size: int = Field(ge=0, strict=True)
 
 
 class RawHandle(BaseModel):
@@ -42,8 +46,8 @@ class RawHandle(BaseModel):
 
 class CudaRegister(BaseModel):
     raw_handle: RawHandle  # the cudaIpcMemHandle_t bytes, base64
-    device_id: int = Field(ge=0)
-    byte_size: int = Field(ge=0)
+    device_id: int = Field(ge=0, strict=True)
+    byte_size: int = Field(ge=0, strict=True)
 
 
 def caller(request: Request, runtime: Runtime) -> str | None:
