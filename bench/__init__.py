@@ -1,6 +1,4 @@
-"""Benchmarks: kernel forwards against measured hardware ceilings, and the HTTP service under load.
-
-moe-serve bench kernels   -> bench/results/DEVICE-DATE.json (schema: bench/schema.py)
-moe-serve bench plot FILE -> PNGs and a markdown summary beside FILE
-moe-serve bench http      -> throughput and latency of a running server
+"""Benchmarks, tuning and the performance page: `moe-serve bench kernels | service | ep | tune |
+report` (bench/cli.py). Results: bench/results/<gpu>/<bench>-<date>-<commit>.json (bench/schema.py);
+docs/performance.md is made from them. Nothing in kernels/ or service/ imports this package.
 """

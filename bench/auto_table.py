@@ -1,4 +1,4 @@
-"""`moe-serve bench auto-table RUN.json`: the rule table `--backend auto` follows
+"""`moe-serve bench tune --mode rules --from RUN.json`: the rule table `--backend auto` follows
 (`kernels/tuned/auto_<gpu>.json`, read by kernels/selection.py), from a kernel benchmark run.
 
 One rule per layer shape of the run, keyed `<scheme>/<shape class>` (`selection.rule_key`), from
@@ -29,8 +29,7 @@ from ..kernels.registry import experts_backends
 from ..kernels.selection import COMPOSED, rule_key, token_plan
 from ..kernels.tensors import Format
 from ..kernels.tuned import PROVENANCE, TUNED_DIR
-from .environment import device_slug
-from .schema import AUTO_ROW, BackendResult, BenchRun
+from .schema import AUTO_ROW, BackendResult, BenchRun, gpu_name
 from .shapes import SHAPES
 
 LOAD = "uniform"  # the load the rules are measured under (random router logits)
@@ -160,8 +159,8 @@ def rule_table(run: BenchRun) -> dict:
             f"uncaptured for the others; times_us of the modular forward (prepare, experts, "
             f"finalize) on fixed routing, uncaptured. CUDA events, L2 flushed, {s.warmup} "
             f"warm-up calls, {s.min_iters}-{s.max_iters} iterations, about "
-            f"{s.budget_s * 1e3:g} ms per point (bench/timing.py); `moe-serve bench auto-table` "
-            f"of a `moe-serve bench kernels` run of {run.environment.created}"
+            f"{s.budget_s * 1e3:g} ms per point (bench/timing.py); `moe-serve bench tune --mode "
+            f"rules` of a `moe-serve bench kernels` run of {run.environment.created}"
         ),
         "rules": rules,
     }
@@ -225,7 +224,7 @@ def summary(table: dict) -> str:
 
 def default_path(run: BenchRun) -> Path:
     """kernels/tuned/auto_<gpu>.json, e.g. auto_h100.json."""
-    return TUNED_DIR / f"auto_{device_slug(run.environment)}.json"
+    return TUNED_DIR / f"auto_{gpu_name(run.environment.device)}.json"
 
 
 def write_table(table: dict, path: Path) -> None:

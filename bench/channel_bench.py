@@ -1,23 +1,21 @@
 """The engine's end of the front-end channel (`--http-workers`) under load, on the CPU: what one
-binary forward costs the engine process's event loop, apart from the batcher and the device.
-
-    python -m bench.channel_bench [--front-ends 4] [--clients 64] [--seconds 5] [--tokens 64]
-        [--hidden 7168] [--loop uvloop|asyncio]
+binary forward costs the engine process's event loop, apart from the batcher and the device:
+`moe-serve bench service --mode channel`.
 
 The engine side runs in this process: the real ChannelServer (service/frontends/channel_server.py)
 and serve_blob_into, in front of a stub batcher that answers every request submitted in one turn of
 the event loop on the next, together (as a finished batch does), and with each arena taken as
 registered with CUDA (a GPU engine's direct path: the reply's header written in place, the
 output left to the device). `--front-ends` processes hold `--clients` forwards in flight
-between them through the real EngineClient (service/frontends/channel.py), as the HTTP front ends do
-(a forward, its answer, a "done" report); the bodies (`--tokens` bf16 rows of `--hidden`, values
-found finite) are laid once in each process's arena and reused. Prints the requests per second
-the engine answered and its CPU time per request (all its threads, over the timed window).
+between them through the real EngineClient (service/frontends/channel.py), as the HTTP front
+ends do (a forward, its answer, a "done" report); the bodies (`--tokens` bf16 rows of the
+layer's hidden size, values found finite) are laid once in each process's arena and reused.
+Reports the requests per second the engine answered and its CPU time per request (all its
+threads, over the timed window).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import multiprocessing
@@ -37,6 +35,7 @@ from ..service.frontends.front_end import ARENA_BYTES
 from ..service.http.plain_forward import FORWARD_PATH
 from ..service.metrics import Metrics
 from ..service.settings import Settings
+from .schema import Environment, write_result
 
 LAYER = "deepseek-v3"
 WARM_UP_S = 1.0
@@ -131,18 +130,28 @@ def _run(main, loop: str) -> None:
         asyncio.run(main)
 
 
-async def _engine(args: argparse.Namespace) -> dict:
+@dataclass(frozen=True)
+class ChannelLoad:
+    front_ends: int  # front-end processes
+    clients: int  # forwards in flight in all
+    seconds: float  # the timed window
+    tokens: int  # rows per request
+    hidden: int  # H (DeepSeek-V3: 7168)
+    loop: str = "uvloop"  # the event loop of every process: uvloop or asyncio
+
+
+async def _engine(load: ChannelLoad) -> dict:
     pin, unpin = channel_server._pin, channel_server._unpin
     channel_server._pin = lambda _arena: 1  # as if CUDA registered the arena
     channel_server._unpin = lambda _arena: None
     try:
-        return await _measure(args)
+        return await _measure(load)
     finally:
         channel_server._pin, channel_server._unpin = pin, unpin
 
 
-async def _measure(args: argparse.Namespace) -> dict:
-    served = _Served(LAYER, MoEConfig(256, args.hidden, 2048, RoutingConfig(top_k=8)))
+async def _measure(load: ChannelLoad) -> dict:
+    served = _Served(LAYER, MoEConfig(256, load.hidden, 2048, RoutingConfig(top_k=8)))
     metrics = Metrics()
     metrics.add_layer(LAYER, served.config.num_experts)
     engine = _Engine(served)
@@ -153,24 +162,24 @@ async def _measure(args: argparse.Namespace) -> dict:
         server = ChannelServer(runtime, path)
         await server.start()
         spawn = multiprocessing.get_context("spawn")
-        body = _body(args.tokens, args.hidden)
-        shares = [args.clients // args.front_ends] * args.front_ends
-        for i in range(args.clients % args.front_ends):
+        body = _body(load.tokens, load.hidden)
+        shares = [load.clients // load.front_ends] * load.front_ends
+        for i in range(load.clients % load.front_ends):
             shares[i] += 1
         processes = [
-            spawn.Process(target=_front_end, args=(str(path), n, body, args.loop), daemon=True)
+            spawn.Process(target=_front_end, args=(str(path), n, body, load.loop), daemon=True)
             for n in shares
         ]
         for p in processes:
             p.start()
         try:
-            while batcher.answered < args.clients:  # every front end up and answered
+            while batcher.answered < load.clients:  # every front end up and answered
                 if not all(p.is_alive() for p in processes):
                     raise RuntimeError("a front-end process exited (its error is above)")
                 await asyncio.sleep(0.05)
             await asyncio.sleep(WARM_UP_S)
             answered, cpu, wall = batcher.answered, time.process_time(), time.perf_counter()
-            await asyncio.sleep(args.seconds)
+            await asyncio.sleep(load.seconds)
             answered = batcher.answered - answered
             cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
         finally:
@@ -183,44 +192,46 @@ async def _measure(args: argparse.Namespace) -> dict:
             others = asyncio.all_tasks() - {asyncio.current_task()}
             await asyncio.wait(others, timeout=10)
     return {
-        "front_ends": args.front_ends,
-        "clients": args.clients,
+        "front_ends": load.front_ends,
+        "clients": load.clients,
+        "tokens": load.tokens,
+        "hidden": load.hidden,
         "requests_per_s": answered / wall,
         "engine_cpu_us_per_request": cpu / answered * 1e6,
         "engine_cpu_busy": cpu / wall,
     }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--front-ends", type=int, default=4, help="front-end processes")
-    parser.add_argument("--clients", type=int, default=64, help="forwards in flight in all")
-    parser.add_argument("--seconds", type=float, default=5.0, help="timed window")
-    parser.add_argument("--tokens", type=int, default=64, help="rows per request")
-    parser.add_argument("--hidden", type=int, default=7168, help="H (DeepSeek-V3: 7168)")
-    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
-    return parser.parse_args(argv)
-
-
-def measure(args: argparse.Namespace) -> dict:
+def measure(load: ChannelLoad) -> dict:
     """One timed window: requests/s, engine CPU microseconds per request and busy fraction."""
     holder: dict = {}
 
     async def run() -> None:
-        holder.update(await _engine(args))
+        holder.update(await _engine(load))
 
-    _run(run(), args.loop)
+    _run(run(), load.loop)
     return holder
 
 
-def main() -> None:
-    r = measure(parse_args())
-    print(  # noqa: T201
-        f"{r['front_ends']} front ends, {r['clients']} in flight: "
-        f"{r['requests_per_s']:,.0f} req/s, engine CPU {r['engine_cpu_us_per_request']:.1f} "
-        f"us/request ({r['engine_cpu_busy']:.0%} of a core)"
-    )
+def render(result: dict) -> str:
+    env = Environment.model_validate(result["environment"])
+    lines = [
+        f"# The engine's end of the front ends' channel: {env.device}, commit {env.commit}",
+        "",
+        "| front ends | in flight | tokens x H | req/s | engine CPU us / request | CPU busy |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {r['front_ends']} | {r['clients']} | {r['tokens']}x{r['hidden']} "
+        f"| {r['requests_per_s']:,.0f} | {r['engine_cpu_us_per_request']:.1f} "
+        f"| {r['engine_cpu_busy']:.0%} |"
+        for r in result["rows"]
+    ]
+    return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":
-    main()
+def run(loads: list[ChannelLoad], env: Environment, path: Path) -> dict:
+    """Each load in turn; writes `path` and its .md."""
+    result = {"environment": env.model_dump(), "rows": [measure(load) for load in loads]}
+    write_result(path, result, render(result))
+    return result

@@ -1,6 +1,7 @@
-"""A trivial HTTP server: reads each request's body and answers 200 with two bytes.
+"""A trivial HTTP server: reads each request's body and answers 200 with two bytes. An internal
+entry point: `moe-serve bench service` starts it in its own process,
 
-    python -m bench.echo_server --port 8900 [--processes 4]
+    python -m moe_serve.bench.echo_server --port 8900 [--processes 4]
 
 The service benchmark loads it with the same bodies and clients as the real server, to show
 what the load generator itself can drive (it must be well above every rate reported). HTTP/1.1

@@ -43,8 +43,11 @@ def _triton_version() -> str | None:
     return triton.__version__
 
 
-def capture(device: torch.device, commit: str | None = None) -> Environment:
-    """Describe `device` and the software stack; `commit` overrides what git says."""
+def capture(
+    device: torch.device, commit: str | None = None, command: str | None = None, gpus: int = 1
+) -> Environment:
+    """Describe `device` and the software stack; `commit` overrides what git says, `command` is
+    the `moe-serve bench ...` command of the run, `gpus` how many GPUs it used."""
     is_cuda = device.type == "cuda"
     driver = None
     if is_cuda:
@@ -53,17 +56,13 @@ def capture(device: torch.device, commit: str | None = None) -> Environment:
     return Environment(
         device=torch.cuda.get_device_name(device) if is_cuda else "cpu",
         device_type="cuda" if is_cuda else "cpu",
+        gpus=gpus,
+        commit=commit or current_commit(),
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+        command=command,
         driver=driver,
         torch=torch.__version__,
         cuda=torch.version.cuda,
         triton=_triton_version(),
         python=platform.python_version(),
-        commit=commit or current_commit(),
-        created=datetime.now(UTC).isoformat(timespec="seconds"),
     )
-
-
-def device_slug(env: Environment) -> str:
-    """ "NVIDIA H100 80GB HBM3" -> "h100"; the short name used in result file names."""
-    words = env.device.lower().replace("nvidia", "").split()
-    return words[0] if words else "device"

@@ -1,11 +1,7 @@
-"""Expert parallelism in service mode against one GPU (issue 20's targets), without HTTP.
-
-    python3 -m bench.ep_service --out OUT [--shape deepseek-v3] [--tokens 64,512,4096] [--ep 2]
-        [--inputs pageable,pinned] [--placement FILE] [--redundant N] [--backend NAME]
-        [--profile]
+"""Expert parallelism in service mode against one GPU, without HTTP: `moe-serve bench ep`.
 
 Writes a random layer of the shape (router and DeepSeek-V3's shared expert included) as a layer
-directory under OUT, then for each engine, one after the other on the same GPUs:
+directory in a temporary directory, then for each engine, one after the other on the same GPUs:
 - "1 GPU": service.engine.engine.Engine on cuda:0 (pipelined, CUDA graphs), as `serve` runs it;
 - "EP N": service.ep.engine.EPEngine over cuda:0..N-1, as `serve --ep N` runs it (rank 0 brings
   every batch; the others replay the same graph bucket);
@@ -22,24 +18,25 @@ first batch's routing must be the same, and every batch's routing ids must be ex
 service.engine.pipeline.BadRouting), and UNLIKE_BATCHES batches in flight are compared bit for bit
 with the same rows run alone.
 
-OUT/ep_service.json holds every figure, OUT/ep_service.md the table with the targets.
-`--profile`: then OUT/profile-1gpu.txt and OUT/profile-ep.txt, rank 0's GPU kernels (those
+The result holds every figure, its .md the table with the targets. With `profile`, in a folder
+beside them (DIR): DIR/profile-1gpu.txt and DIR/profile-ep.txt, rank 0's GPU kernels (those
 replayed from the graphs included) over PROFILED_BATCHES batches of the largest M, by total
 time: where a forward's time goes (the collectives' kernels include their waits for the
-other ranks); OUT/profile-ep-rank{r}.txt, the same forwards on each other rank; beside each its
-Chrome trace (`.trace.json`), which `python -m bench.ep_timeline OUT` lays side by side.
+other ranks); DIR/profile-ep-rank{r}.txt, the same forwards on each other rank; beside each its
+Chrome trace (`.trace.json`); and DIR/ep-timeline.md, the ranks' forwards side by side
+(bench/ep_timeline.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import logging
 import statistics
-import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,7 +52,9 @@ from ..service.settings import Settings
 from ..weights.load import load_layer
 from ..weights.manifest import Manifest, Source
 from ..weights.write import write_layer
+from .ep_timeline import write_ep_timeline
 from .random_layer import random_layer
+from .schema import Environment, write_result
 from .shapes import SHAPES
 
 log = logging.getLogger(__name__)
@@ -213,143 +212,133 @@ def run_engine(
     return rows
 
 
-def write_report(
-    args: argparse.Namespace,
+@dataclass(frozen=True)
+class EpBenchConfig:
+    shape: str = "deepseek-v3"
+    tokens: tuple[int, ...] = (64, 512, 4096)
+    ep: int = 2
+    backend: str = "auto"
+    redundant: int = 0  # --ep-redundant for the EP engine
+    placement: Path | None = None  # --ep-placement for the EP engine; None: even slices
+    device: str = "cuda"  # cpu (gloo) only checks the benchmark
+    seconds: float = SECONDS_PER_POINT  # per point
+    inputs: tuple[str, ...] = ("pageable", "pinned")  # cpu: pageable only
+    profile: bool = False
+
+
+def report(
+    config: EpBenchConfig,
+    env: Environment,
     backend: str,
-    gpu: str,
     one_gpu: list[dict],
     ep_rows: list[dict],
     balance: float,
-) -> str:
-    """OUT/ep_service.json and .md; returns the table."""
+) -> dict:
+    """The result: every figure of both engines, point by point."""
+    points = []
+    for one, many in zip(one_gpu, ep_rows, strict=True):
+        err = relative_error(many.pop("first_output"), one.pop("first_output"))
+        same_routing = torch.equal(many.pop("first_ids"), one.pop("first_ids"))
+        points.append({
+            "one_gpu": one,
+            "ep": many,
+            "speedup": many["tokens_per_s"] / one["tokens_per_s"],
+            "rel_err": err,
+            "same_routing": same_routing,
+        })  # fmt: skip
+    placement = None if config.placement is None else json.loads(config.placement.read_text())
+    return {
+        "environment": env.model_dump(),
+        "shape": config.shape,
+        "ep": config.ep,
+        "redundant": config.redundant,
+        "placement": placement,
+        "backend": backend,
+        "last_balancedness": balance,
+        "points": points,
+    }
+
+
+def render(result: dict) -> str:
+    env = Environment.model_validate(result["environment"])
     table = [
+        f"{result['shape']}, {result['backend']}, EP {result['ep']} vs 1 GPU ({env.device}, "
+        f"commit {env.commit})",
+        "",
         "inputs | M | 1 GPU tokens/s | EP tokens/s | speedup | target | ms/batch 1 GPU "
         "| ms/batch EP | forward ms 1 GPU | forward ms EP | rel err vs 1 GPU | same routing "
         "| bad routing batches 1 GPU / EP | in flight unlike alone 1 GPU / EP",
         "--- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | ---",
     ]
-    results = []
-    for one, many in zip(one_gpu, ep_rows, strict=True):
-        m, speedup = one["M"], many["tokens_per_s"] / one["tokens_per_s"]
-        err = relative_error(many.pop("first_output"), one.pop("first_output"))
-        same_routing = torch.equal(many.pop("first_ids"), one.pop("first_ids"))
-        target = TARGETS.get(m)
+    for point in result["points"]:
+        one, many, speedup = point["one_gpu"], point["ep"], point["speedup"]
+        target = TARGETS.get(one["M"])
         verdict = (
             "" if target is None else f">= {target} {'met' if speedup >= target else 'MISSED'}"
         )
         table.append(
-            f"{one['inputs']} | {m} | {one['tokens_per_s']:.0f} | {many['tokens_per_s']:.0f} | "
-            f"{speedup:.2f}x | "
+            f"{one['inputs']} | {one['M']} | {one['tokens_per_s']:.0f} | "
+            f"{many['tokens_per_s']:.0f} | {speedup:.2f}x | "
             f"{verdict} | {one['ms_per_batch']:.2f} | {many['ms_per_batch']:.2f} | "
-            f"{one['forward_ms_p50']:.2f} | {many['forward_ms_p50']:.2f} | {err:.1e} | "
-            f"{'yes' if same_routing else 'NO'} | "
+            f"{one['forward_ms_p50']:.2f} | {many['forward_ms_p50']:.2f} | {point['rel_err']:.1e} "
+            f"| {'yes' if point['same_routing'] else 'NO'} | "
             f"{one['bad_routing_batches']} / {many['bad_routing_batches']} | "
             f"{one['unlike_alone']} / {many['unlike_alone']} of {UNLIKE_BATCHES}"
         )
-        results.append(
-            {
-                "one_gpu": one,
-                "ep": many,
-                "speedup": speedup,
-                "rel_err": err,
-                "same_routing": same_routing,
-            }
-        )
-    report = {
-        "shape": args.shape,
-        "ep": args.ep,
-        "redundant": args.redundant,
-        "placement": None if args.placement is None else json.loads(args.placement.read_text()),
-        "backend": backend,
-        "gpu": gpu,
-        "last_balancedness": balance,
-        "points": results,
-    }
-    (args.out / "ep_service.json").write_text(json.dumps(report, indent=2))
-    text = f"{args.shape}, {backend}, EP {args.ep} vs 1 GPU ({gpu})\n\n" + "\n".join(table)
-    (args.out / "ep_service.md").write_text(text + "\n")
-    return text
+    return "\n".join(table) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m bench.ep_service", description=__doc__)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--shape", default="deepseek-v3")
-    p.add_argument("--tokens", default="64,512,4096")
-    p.add_argument("--ep", type=int, default=2)
-    p.add_argument("--backend", default="auto")
-    p.add_argument("--redundant", type=int, default=0, help="--ep-redundant for the EP engine")
-    p.add_argument(
-        "--placement",
-        type=Path,
-        default=None,
-        help="--ep-placement for the EP engine (JSON: experts per rank); default even slices",
-    )
-    p.add_argument("--device", default="cuda", help="cuda; cpu (gloo) only checks the script")
-    p.add_argument("--seconds", type=float, default=SECONDS_PER_POINT, help="per point")
-    p.add_argument(
-        "--inputs",
-        default="pageable,pinned",
-        help="rows in plain host memory, in pinned memory (outputs into pinned memory, as "
-        "binary requests), or both; cpu: pageable only",
-    )
-    p.add_argument(
-        "--profile",
-        action="store_true",
-        help="also OUT/profile-{1gpu,ep}.txt: rank 0's GPU kernels at the largest M, by time",
-    )
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    tokens = [int(t) for t in args.tokens.split(",")]
-    kinds = [
-        kind == "pinned"
-        for kind in args.inputs.split(",")
-        if args.device == "cuda" or kind == "pageable"
-    ]
-    args.out.mkdir(parents=True, exist_ok=True)
-    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
-    path = write_random_layer(args.shape, args.out, device)
-    hidden = SHAPES[args.shape].hidden_size
+def run(config: EpBenchConfig, env: Environment, path: Path) -> dict:
+    """One GPU, then EP over `config.ep`; writes `path` and its .md (profiles beside them)."""
+    tokens = list(config.tokens)
+    cuda = config.device == "cuda"
+    kinds = [kind == "pinned" for kind in config.inputs if cuda or kind == "pageable"]
+    device = torch.device(config.device, 0) if config.device == "cuda" else torch.device("cpu")
+    hidden = SHAPES[config.shape].hidden_size
     top = max(tokens)
+    profiles = path.with_suffix("")
+    if config.profile:
+        profiles.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="moe-serve-ep-bench-") as work:
+        layer = write_random_layer(config.shape, Path(work), device)
+        single = Engine(device, config.backend, top)
+        served = single.add(load_layer(layer, single.device))
+        one_gpu = run_engine(single, config.shape, tokens, hidden, config.seconds, kinds)
+        if config.profile:
+            profile_kernels(single, config.shape, top, hidden, profiles / "profile-1gpu.txt")
+        backend = served.backend
+        del single, served
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
-    single = Engine(device, args.backend, top)
-    served = single.add(load_layer(path, single.device))
-    one_gpu = run_engine(single, args.shape, tokens, hidden, args.seconds, kinds)
-    if args.profile:
-        profile_kernels(single, args.shape, top, hidden, args.out / "profile-1gpu.txt")
-    backend = served.backend
-    del single, served
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-    settings = Settings(
-        device=args.device,
-        ep=args.ep,
-        ep_redundant=args.redundant,
-        ep_placement=args.placement,
-        weights=(path,),
-        backend=backend,
-        max_batch_tokens=top,
-    )
-    ep = EPEngine(settings, [path])
-    try:
-        for source in ep.load():
-            ep.add(source)
-        ep_rows = run_engine(ep, args.shape, tokens, hidden, args.seconds, kinds)
-        if args.profile:
-            profile_kernels(ep, args.shape, top, hidden, args.out / "profile-ep.txt")
-        balance = ep.placement(args.shape)["balancedness"]
-        gpu = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
-        text = write_report(args, backend, gpu, one_gpu, ep_rows, balance)  # before any close
-    finally:
-        closing = time.perf_counter()
-        ep.close()
-        log.info("EPEngine.close took %.1f s", time.perf_counter() - closing)
-    sys.stdout.write(text + "\n")
+        settings = Settings(
+            device=config.device,
+            ep=config.ep,
+            ep_redundant=config.redundant,
+            ep_placement=config.placement,
+            weights=(layer,),
+            backend=backend,
+            max_batch_tokens=top,
+        )
+        ep = EPEngine(settings, [layer])
+        try:
+            for source in ep.load():
+                ep.add(source)
+            ep_rows = run_engine(ep, config.shape, tokens, hidden, config.seconds, kinds)
+            if config.profile:
+                profile_kernels(ep, config.shape, top, hidden, profiles / "profile-ep.txt")
+            balance = ep.placement(config.shape)["balancedness"]
+            result = report(config, env, backend, one_gpu, ep_rows, balance)  # before any close
+        finally:
+            closing = time.perf_counter()
+            ep.close()
+            log.info("EPEngine.close took %.1f s", time.perf_counter() - closing)
+    if config.profile:
+        try:
+            write_ep_timeline(profiles)
+        except ValueError as err:  # no collectives in the traces (gloo on a CPU)
+            log.warning("no timeline of the ranks: %s", err)
+    write_result(path, result, render(result))
     if device.type == "cuda":
         leave(0)  # NCCL's abort of the group at the interpreter's exit waits 60 s, then hangs
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return result

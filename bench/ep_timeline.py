@@ -1,6 +1,5 @@
-"""Expert-parallel ranks' forwards side by side, from `bench.ep_service --profile`'s traces.
-
-    python -m bench.ep_timeline DIR  # DIR/profile-ep.trace.json, DIR/profile-ep-rank*.trace.json
+"""Expert-parallel ranks' forwards side by side, from the traces `moe-serve bench ep --profile`
+writes (DIR/profile-ep.trace.json, DIR/profile-ep-rank*.trace.json).
 
 Each forward of the sender mode holds one broadcast (rank 0's tokens to every rank) and one
 reduce (every rank's partial sums onto rank 0), and a broadcast ends on every rank at about
@@ -17,15 +16,13 @@ Where a forward's own kernels began is not told: a rank's eager kernels of other
 flight (staging, checks) fall between its graphs, and under the profiler the host, not the
 device, spaces the forwards.
 
-Writes the table to stdout and DIR/ep-timeline.md.
+`write_ep_timeline` writes the table to DIR/ep-timeline.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,23 +96,15 @@ def render(medians: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "dir", type=Path, help="moe_serve.bench.ep_service --profile's output directory"
-    )
-    args = parser.parse_args(argv)
-    traces = {"rank 0": args.dir / "profile-ep.trace.json"}
-    for path in sorted(args.dir.glob("profile-ep-rank*.trace.json")):
+def write_ep_timeline(directory: Path) -> str:
+    """The ranks' traces in `directory` side by side -> DIR/ep-timeline.md; the table."""
+    traces = {"rank 0": directory / "profile-ep.trace.json"}
+    for path in sorted(directory.glob("profile-ep-rank*.trace.json")):
         traces[f"rank {path.name.removeprefix('profile-ep-rank').split('.')[0]}"] = path
     missing = [str(p) for p in traces.values() if not p.exists()]
     if missing or len(traces) < 2:
-        parser.error(f"needs rank 0's and another rank's traces; missing: {missing or 'rank 1+'}")
+        missing = missing or ["rank 1+"]
+        raise ValueError(f"needs rank 0's and another rank's traces; missing: {missing}")
     table = render(timeline(traces))
-    (args.dir / "ep-timeline.md").write_text(table)
-    sys.stdout.write(table)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    (directory / "ep-timeline.md").write_text(table)
+    return table

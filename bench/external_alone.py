@@ -1,7 +1,5 @@
-"""Each external backend against its library called alone on the same inputs (issue 17, target 3:
-within 1.15x at every M).
-
-    python3 -m bench.external_alone --out DIR [--tokens 1,16,64,512,4096] [--backends a,b]
+"""Each external backend against its library called alone on the same inputs (the target: within
+TARGET_RATIO at every M): `moe-serve bench kernels --mode external-alone`.
 
 Per shape (DeepSeek-V3 for the DeepGEMM backends, gpt-oss for the triton_kernels ones) and token
 count, on one routing: the backend's modular forward (prepare, experts, finalize; routing
@@ -11,15 +9,12 @@ excluded) and the library alone, whose inputs are laid out before the timing:
 - deep-gemm-batched: its two masked GEMMs on [E, max_m, K] inputs;
 - oai-triton*: the two matmul_ogs calls on routing objects made beforehand.
 Each is timed uncaptured and captured in a CUDA graph (replay), L2 flushed before every
-iteration, medians (bench/timing.py). Writes DIR/external_alone.{json,md}; prints the table.
+iteration, medians (bench/timing.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,6 +32,7 @@ from ..kernels.tensors import Routing
 from ..kernels.workspace import Workspace
 from .random_layer import random_layer
 from .router_loads import Load, router_logits
+from .schema import Environment, write_result
 from .shapes import SHAPES
 from .timing import Timer, TimingPlan
 
@@ -164,7 +160,7 @@ def time_point(timer: Timer, kernel, hidden: torch.Tensor, routing: Routing) -> 
     return row
 
 
-def run(tokens: tuple[int, ...], plan: TimingPlan, only: frozenset[str]) -> list[dict]:
+def measure(tokens: tuple[int, ...], plan: TimingPlan, only: frozenset[str]) -> list[dict]:
     """The backends of BACKENDS named in `only`, at every token count."""
     timer = Timer(CUDA, plan)
     rows = []
@@ -192,7 +188,9 @@ def run(tokens: tuple[int, ...], plan: TimingPlan, only: frozenset[str]) -> list
     return rows
 
 
-def table(rows: list[dict]) -> str:
+def render(result: dict) -> str:
+    env = Environment.model_validate(result["environment"])
+
     def us(v: float | None) -> str:
         return "-" if v is None else f"{v:.1f}"
 
@@ -200,11 +198,13 @@ def table(rows: list[dict]) -> str:
         return "-" if v is None else f"{v:.2f}" + ("" if v <= TARGET_RATIO else " !")
 
     lines = [
+        f"# External backends against their libraries alone: {env.device}, commit {env.commit}",
+        "",
         "| shape | backend | M | eager us | alone eager | ratio | captured us | alone captured"
         " | ratio |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for r in rows:
+    for r in result["rows"]:
         lines.append(
             f"| {r['shape']} | {r['backend']} | {r['tokens']} | {us(r['eager_us'])} | "
             f"{us(r['alone_eager_us'])} | {ratio(r.get('eager_ratio'))} | "
@@ -214,33 +214,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + f"\n\n`!`: above the {TARGET_RATIO}x target.\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="directory for the results")
-    parser.add_argument(
-        "--tokens", default="1,16,64,512,4096", help="token counts, comma-separated"
-    )
-    known = [b for backends in BACKENDS.values() for b in backends]
-    parser.add_argument(
-        "--backends",
-        default=",".join(known),
-        help=f"backends to time, comma-separated (of {', '.join(known)})",
-    )
-    args = parser.parse_args()
-    only = frozenset(args.backends.split(","))
-    if only - set(known):
-        parser.error(f"unknown backends {sorted(only - set(known))}; known: {', '.join(known)}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    tokens = tuple(int(t) for t in args.tokens.split(","))
-    plan = TimingPlan(warmup=3, min_iters=5, max_iters=50, budget_s=0.15)
+def run(
+    tokens: tuple[int, ...], plan: TimingPlan, only: frozenset[str], env: Environment, path: Path
+) -> dict:
+    """The backends of BACKENDS named in `only`; writes `path` and its .md."""
+    unknown = only - {b for names in BACKENDS.values() for b in names}
+    if unknown:
+        known = ", ".join(b for names in BACKENDS.values() for b in names)
+        raise ValueError(f"unknown external backends {sorted(unknown)}; known: {known}")
+    if not torch.cuda.is_available():
+        raise ValueError("the external libraries run on a CUDA GPU; none is visible here")
     with torch.inference_mode():
-        rows = run(tokens, plan, only)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "external_alone.json").write_text(json.dumps(rows, indent=1))
-    text = table(rows)
-    (args.out / "external_alone.md").write_text(text)
-    sys.stdout.write(text)
-
-
-if __name__ == "__main__":
-    main()
+        rows = measure(tokens, plan, only)
+    result = {"environment": env.model_dump(), "rows": rows}
+    write_result(path, result, render(result))
+    return result

@@ -1,4 +1,4 @@
-"""`moe-serve bench http`: an async load generator for one layer's forward route.
+"""`moe-serve bench service --mode http`: an async load generator for one layer's forward route.
 
 At each concurrency level, that many clients (asyncio tasks, spread over `processes` client
 processes) post the same request back to back until the level's duration or request count runs
@@ -19,7 +19,6 @@ from collections import Counter
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -178,8 +177,10 @@ class Tally:
 
 
 async def _client(http: httpx.AsyncClient, request: Request, deadline: float, tally: Tally) -> None:
+    """Requests one after another while the budget lasts, until the deadline: at least one, so
+    that a level whose clients start late (a loaded host) still measures."""
     headers = {"content-type": request.content_type}
-    while time.monotonic() < deadline and tally.budget > 0:
+    while tally.budget > 0:
         tally.budget -= 1  # one event loop per process: no lock needed
         start = time.perf_counter()
         try:
@@ -192,6 +193,8 @@ async def _client(http: httpx.AsyncClient, request: Request, deadline: float, ta
         else:
             tally.errors[kind] += 1
         tally.last_done = time.time()
+        if time.monotonic() >= deadline:
+            break
 
 
 async def _drive(share: ClientShare) -> Tally:
@@ -309,8 +312,3 @@ def run_http_bench(config: HttpBenchConfig) -> HttpReport:
         processes=config.processes,
         levels=levels,
     )
-
-
-def write_report(report: HttpReport, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(report.model_dump_json(indent=1))

@@ -1,18 +1,16 @@
 """A JSON forward's numbers read and printed on the host (orjson, `service/codecs/json_tensors.py`)
 and on a GPU (`service/codecs/json_device.py`), side by side in one process, each checked to give
-the other's result byte for byte.
+the other's result byte for byte: `moe-serve bench service --mode json` (needs a GPU).
 
-    python -m bench.json_bench --out DIR [--shapes 1x7168,64x256,64x7168,512x7168] [--commit C]
-
-The bodies are what the service benchmark sends (bf16 values as Python floats through
+The bodies (tokens x H of SHAPES: a DeepSeek-V3 row, the demo layer's 64 tokens, DeepSeek-V3's 64
+and 512) are what the service benchmark sends (bf16 values as Python floats through
 `json.dumps`); the outputs bf16. Each figure is the median of `--repeats` calls after two
 warm-ups, from the call to its result in host memory (the device's result complete: its last
-step is a copy to the host). Writes DIR/json-bench.json and .md and prints the table.
+step is a copy to the host).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import statistics
@@ -24,10 +22,10 @@ import torch
 from pydantic import BaseModel
 
 from ..service.codecs import json_device, json_tensors
-from .environment import capture
-from .schema import Environment
+from .schema import Environment, write_result
 
-log = logging.getLogger("bench.json")
+log = logging.getLogger(__name__)
+SHAPES = ((1, 7168), (64, 256), (64, 7168), (512, 7168))  # (tokens, H) of the bodies
 
 
 class JsonRow(BaseModel):
@@ -68,10 +66,10 @@ def measure(tokens: int, hidden: int, repeats: int) -> JsonRow:
     if read is None or not torch.equal(
         read.hidden_states.cpu(), json_tensors.decode_forward(body).hidden_states
     ):
-        raise SystemExit(f"{tokens}x{hidden}: the device read the body differently")
+        raise RuntimeError(f"{tokens}x{hidden}: the device read the body differently")
     reply = json_tensors.dumps({"output": output} | rest)
     if json_device.print_reply(on_device, rest) != reply:
-        raise SystemExit(f"{tokens}x{hidden}: the device printed the output differently")
+        raise RuntimeError(f"{tokens}x{hidden}: the device printed the output differently")
     return JsonRow(
         tokens=tokens,
         hidden=hidden,
@@ -104,28 +102,14 @@ def render(result: JsonBench) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--shapes", default="1x7168,64x256,64x7168,512x7168")
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--commit", help="the commit measured (default: what git says)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+def run(repeats: int, env: Environment, path: Path) -> JsonBench:
+    """Every body of SHAPES; writes `path` and its .md."""
     if not torch.cuda.is_available():
-        raise SystemExit("moe_serve.bench.json_bench needs a GPU")
-    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+        raise ValueError("the JSON benchmark compares the host with a GPU; none is visible here")
     rows = []
-    for tokens, hidden in shapes:
-        rows.append(measure(tokens, hidden, args.repeats))
+    for tokens, hidden in SHAPES:
+        rows.append(measure(tokens, hidden, repeats))
         log.info("%dx%d: %s", tokens, hidden, rows[-1])
-    result = JsonBench(environment=capture(torch.device("cuda"), args.commit), rows=rows)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "json-bench.json").write_text(result.model_dump_json(indent=1))
-    (args.out / "json-bench.md").write_text(render(result))
-    log.info("%s", render(result))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    result = JsonBench(environment=env, rows=rows)
+    write_result(path, result, render(result))
+    return result

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +53,7 @@ from .schema import (
     Point,
     Settings,
     ShapeResult,
+    write_result,
 )
 from .shapes import SHAPES, precision
 from .timing import Timer, TimingPlan
@@ -443,16 +443,8 @@ class KernelBench:
                 log.warning("shape %s not run: %s", name, why)
                 update = {"shapes_not_run": result.shapes_not_run | {name: why}}
             result = result.model_copy(update=update)
-            write_run(result, self.out)  # after each shape: a cut-off run keeps what it measured
+            write_result(self.out, result)  # after each shape: a cut-off run keeps what it measured
         return result
-
-
-def write_run(run: BenchRun, path: Path) -> None:
-    """Write atomically, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(run.model_dump_json(indent=1))
-    os.replace(tmp, path)
 
 
 def read_run(path: Path) -> BenchRun:

@@ -1,4 +1,4 @@
-"""`moe-serve bench plot FILE`: PNGs beside a kernel-benchmark result file.
+"""`moe-serve bench report --mode plot FILE`: PNGs beside a kernel-benchmark result file.
 
 - FILE-time.png: median forward time (routing excluded) against tokens, one panel per shape and
   load, one line per backend, the roofline dashed;

@@ -1,6 +1,5 @@
-"""One replay of a captured forward kernel by kernel, from `bench.layer_profile`'s traces.
-
-    python3 -m bench.replay_timeline TRACE.json --replays N   # writes TRACE's .timeline.md
+"""One replay of a captured forward kernel by kernel, from the traces of `moe-serve bench kernels
+--mode profile` (bench/layer_profile.py), written beside each as its .timeline.md.
 
 The profiled replays run back to back on one stream, so the trace's kernels (copies and fills
 included) fall into N runs of equal length, in time order. Within a run a kernel is known by its
@@ -8,15 +7,12 @@ name and its rank among that run's kernels of the name (the grouped GEMM's first
 launch are GEMM1 and GEMM2), so that two kernels side by side on two streams may start in
 either order. Per kernel, in the order of its median start: that start (us after its replay's
 first kernel started) and its median duration; then the median end of a replay. This is where
-a forward's time goes between its kernels, what runs beside what and what waits: the seventh
-and eighth sessions read it off the traces by hand (bench/results/eighth-session-2026-11-27.md).
+a forward's time goes between its kernels, what runs beside what and what waits.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,24 +86,3 @@ def write_timeline(trace: Path, replays: int, title: str) -> Timeline:
     timeline = replay_timeline(read_kernels(trace), replays)
     timeline_path(trace).write_text(render(timeline, title))
     return timeline
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python3 -m bench.replay_timeline", description=__doc__.splitlines()[0]
-    )
-    parser.add_argument("trace", type=Path, help="a Chrome trace of back-to-back replays")
-    parser.add_argument("--replays", type=int, required=True, help="how many it holds")
-    args = parser.parse_args(argv)
-    if not args.trace.exists():
-        parser.error(f"no trace at {args.trace}")
-    try:
-        write_timeline(args.trace, args.replays, args.trace.name)
-    except ValueError as err:
-        parser.error(str(err))
-    sys.stdout.write(timeline_path(args.trace).read_text())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,6 @@
 """Where one request's time goes: each level of the server's path timed alone, one request at a
-time, beside the one-client HTTP latency of the same layer (issue 16, target 1).
-
-    python -m bench.request_path --out DIR [--layers demo,deepseek-v3] [--tokens 1,64]
+time, beside the one-client HTTP latency of the same layer: `moe-serve bench service --mode
+path`.
 
 For each layer a bench server (bench/service_server.py) is started, in one process and behind
 front ends, and timed at each level, by the host clock, medians:
@@ -16,7 +15,7 @@ front ends, and timed at each level, by the host clock, medians:
 | blob | `serve_blob`: decode a safetensors body, submit, encode the reply (one process) |
 | blob-into | `serve_blob_into`: the engine's side of a front end's forward (pinned arena) |
 | http | one client over HTTP (a lean keep-alive client, `load_gen.run_one_client`), one process |
-| http-front-ends | the same through 8 front-end processes |
+| http-front-ends | the same through the front-end processes (`--front-ends`) |
 | http-floor | the same body posted to bench/echo_server.py (client, loopback and HTTP alone) |
 
 The first six run inside the server (POST /bench/path); consecutive levels differ by one stage.
@@ -24,9 +23,7 @@ The first six run inside the server (POST /bench/path); consecutive levels diffe
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import statistics
 import sys
 import tempfile
@@ -42,12 +39,12 @@ from ..kernels.tensors import ForwardInputs
 from ..service.core.forward import LayerCall, serve_blob, serve_blob_into
 from ..service.engine.batcher import RequestOptions
 from .load_gen import run_one_client
+from .schema import Environment, write_result
 from .service_bench import _free_port, _tcp_ready, http_ready, process
 
 _BUDGET_S = 0.5  # timed work per level and token count
 _MIN_CALLS, _MAX_CALLS, _WARMUP = 30, 2000, 10
 _HTTP_SECONDS = 4.0
-FRONT_ENDS = 8
 
 
 async def _timed(call: Callable[[], Awaitable[object] | object]) -> tuple[float, float]:
@@ -144,15 +141,6 @@ def _bodies(hidden_size: int, tokens: list[int], where: Path) -> dict[int, Path]
     return files
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options this benchmark and bench/request_timeline.py share."""
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--layers", default="demo,deepseek-v3")
-    parser.add_argument("--tokens", default="1,64")
-    parser.add_argument("--shared-intermediate", type=int, default=2048,
-                        help="shared expert of random (non-demo) layers")  # fmt: skip
-
-
 def server_command(layer: str, port: int, front_ends: int, shared: int) -> list[str]:
     """bench/service_server.py serving `layer` (the demo layer has no shared expert to add)."""
     command = [sys.executable, "-m", "moe_serve.bench.service_server", "--layer", layer,
@@ -160,9 +148,11 @@ def server_command(layer: str, port: int, front_ends: int, shared: int) -> list[
     return command if layer == "demo" else [*command, "--shared-intermediate", str(shared)]
 
 
-def measure_layer(layer: str, tokens: list[int], work: Path, logs: Path, shared: int) -> list[dict]:
+def measure_layer(
+    layer: str, tokens: list[int], work: Path, logs: Path, shared: int, front_ends: int
+) -> list[dict]:
     rows: list[dict] = []
-    for workers in (0, FRONT_ENDS):
+    for workers in sorted({0, front_ends}):
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         command = server_command(layer, port, workers, shared)
@@ -189,9 +179,10 @@ def measure_layer(layer: str, tokens: list[int], work: Path, logs: Path, shared:
     return rows
 
 
-def render(results: dict[str, list[dict]]) -> str:
-    lines = []
-    for layer, rows in results.items():
+def render(result: dict) -> str:
+    env = Environment.model_validate(result["environment"])
+    lines = [f"# One request, level by level: {env.device}, commit {env.commit}", ""]
+    for layer, rows in result["layers"].items():
         tokens = sorted({r["tokens"] for r in rows})
         levels = list(dict.fromkeys(r["level"] for r in rows))
         lines += [f"## {layer}", "", "| level | " + " | ".join(f"{t} tok p50 us" for t in tokens)
@@ -206,23 +197,17 @@ def render(results: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    tokens = [int(t) for t in args.tokens.split(",")]
-    args.out.mkdir(parents=True, exist_ok=True)
-    results = {}
+def run(
+    layers: list[str], tokens: int, shared: int, front_ends: int, env: Environment, path: Path
+) -> dict:
+    """Each layer at one token and at `tokens`; writes `path` (after each layer) and its .md."""
+    logs = path.with_suffix("")
+    logs.mkdir(parents=True, exist_ok=True)
+    result: dict = {"environment": env.model_dump(), "layers": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for layer in args.layers.split(","):
-            shared = args.shared_intermediate
-            results[layer] = measure_layer(layer, tokens, Path(tmp), args.out, shared)
-            (args.out / "request-path.json").write_text(json.dumps(results, indent=1))
-    text = render(results)
-    (args.out / "request-path.md").write_text(text)
-    sys.stdout.write(text + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        for layer in layers:
+            counts = sorted({1, tokens})
+            rows = measure_layer(layer, counts, Path(tmp), logs, shared, front_ends)
+            result["layers"][layer] = rows
+            write_result(path, result, render(result))
+    return result

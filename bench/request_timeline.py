@@ -1,63 +1,69 @@
-"""A one-client request's timeline across the client, the front-end processes and the engine:
-when, after the client starts sending, each function of the server's path is entered (`>`) and
-left (`<`), medians over the requests (issue 16, target 1).
+"""One client's requests on a timeline made of the spans the service records:
+`moe-serve bench service --mode timeline`. When, after the client starts sending, each span of
+a request begins (`>`) and ends (`<`), medians over the requests.
 
-    python -m bench.request_timeline --out DIR [--layers demo,deepseek-v3] [--tokens 1,64]
-        [--front-ends 8] [--requests 200] [--body binary|json]
-
-Each layer is served by bench/service_server.py in one process and behind `--front-ends`
-processes, with bench/timeline_site/ on PYTHONPATH: its sitecustomize wraps the path's
-functions in every server process to stamp the shared monotonic clock (the list of points is
-there). A lean keep-alive client sends one bf16 request at a time (binary, or JSON with
-`--body json`; 1 ms apart) and stamps
-the same clock: `~sent` (its sendall returned), `~first byte`, `~done`. Where bench/request_path.py
-times each level alone, this shows the gaps between them (thread hops, process hops, the event
-loop's turns). The stamps cost a few microseconds each: compare timelines with each other, and
-latencies with the service benchmark.
+Each layer is served by bench/service_server.py in one process with `--spans`: the service
+records its OpenTelemetry spans (service/tracing.py) and the benchmark takes them from
+`GET /bench/spans`. A lean keep-alive client sends one bf16 request at a time (safetensors, or
+JSON), GAP_S apart, and notes on the clock the spans carry (time.time_ns): `~sent` (its sendall
+returned), `~first byte` and `~done`. One request at a time, so requests and traces pair in
+order. A span is labelled by its name without the route: `request` (the server span),
+`http receive`, `http send`, `queue`, `forward`, numbered where a request has several of a name
+(`http send 2`). Where `--mode path` times each level alone, this shows how one request's time
+falls between them; the spans cost microseconds each, so compare timelines with each other and
+latencies with `--mode load`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import socket
 import statistics
-import sys
-import tempfile
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import safetensors.torch
 import torch
 
-from .request_path import add_arguments, server_command
+from .request_path import server_command
+from .schema import Environment, write_result
 from .service_bench import _free_port, http_ready, process
 
-SITE = Path(__file__).parent / "timeline_site"
-_WARMUP = 20
-_GAP_S = 0.001
+ROUTE = "POST /v1/layers/{name}/forward"  # the forward's server span, as FastAPI names it
+WARMUP = 20  # requests sent before the timed ones, left out of the medians
+GAP_S = 0.001  # between one request's answer and the next request
+CLIENT = ("~sent", "~first byte", "~done")
 
 
-def _client(
-    port: int, path: str, body: bytes, media: str, count: int
-) -> list[tuple[int, int, int, int]]:
-    """`count` requests -> (start, sent, first byte, done) perf_counter_ns of each."""
+@dataclass(frozen=True)
+class Sent:
+    """One request as the client saw it, time.time_ns() stamps."""
+
+    start: int
+    sent: int
+    first_byte: int
+    done: int
+
+
+def _client(port: int, path: str, body: bytes, media: str, count: int) -> list[Sent]:
+    """`count` requests, one at a time on one keep-alive connection."""
     head = (
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {media}\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode()
-    message, times = head + body, []
+    message, sent = head + body, []
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for _ in range(count):
-            start = time.perf_counter_ns()
+            start = time.time_ns()
             sock.sendall(message)
-            sent = time.perf_counter_ns()
+            written = time.time_ns()
             data = sock.recv(1 << 20)
-            first = time.perf_counter_ns()
+            first = time.time_ns()
             while b"\r\n\r\n" not in data:
                 data += sock.recv(1 << 20)
             head_bytes, rest = data.split(b"\r\n\r\n", 1)
@@ -70,43 +76,57 @@ def _client(
             )
             while len(rest) < length:
                 rest += sock.recv(1 << 20)
-            times.append((start, sent, first, time.perf_counter_ns()))
-            time.sleep(_GAP_S)
-    return times
+            sent.append(Sent(start, written, first, time.time_ns()))
+            time.sleep(GAP_S)
+    return sent
 
 
-def _read_stamps(directory: Path) -> tuple[list[tuple[int, str]], set[str]]:
-    stamps, missing = [], set()
-    for path in directory.glob("stamps-*.txt"):
-        for line in path.read_text().splitlines():
-            ns, label = line.split()
-            if label.startswith("missing:"):
-                missing.add(label.removeprefix("missing:"))
-            else:
-                stamps.append((int(ns), label))
-    return sorted(stamps), missing
+def label(name: str) -> str:
+    """A span's name without the forward's route: `request` for the server span itself."""
+    if name == ROUTE:
+        return "request"
+    return name.removeprefix(ROUTE + " ")
 
 
-def timeline(times: list[tuple[int, int, int, int]], stamps: list[tuple[int, str]]) -> list[dict]:
-    """Per label, the median of its first stamp's offset from each request's start (us)."""
+def traces(spans: Iterable[dict]) -> list[dict[str, tuple[int, int]]]:
+    """Spans ({trace, name, start_ns, end_ns}) -> per request with a server span, in the order
+    the requests came, label -> (start, end); a name seen again gets its count (`http send 2`)."""
+    by_trace: dict[str, list[dict]] = defaultdict(list)
+    for span in spans:
+        by_trace[span["trace"]].append(span)
+    found = []
+    for members in by_trace.values():
+        root = [s for s in members if s["name"] == ROUTE]
+        if len(root) != 1:
+            continue  # not a forward request (a probe, the /bench routes)
+        seen: Counter = Counter()
+        labelled = {}
+        for span in sorted(members, key=lambda s: (s["start_ns"], s["name"])):
+            name = label(span["name"])
+            seen[name] += 1
+            key = name if seen[name] == 1 else f"{name} {seen[name]}"
+            labelled[key] = (span["start_ns"], span["end_ns"])
+        found.append((root[0]["start_ns"], labelled))
+    return [labelled for _, labelled in sorted(found, key=lambda pair: pair[0])]
+
+
+def timeline(sent: list[Sent], requests: list[dict[str, tuple[int, int]]]) -> list[dict]:
+    """Per point (`label>`, `label<`, the client's), the median of its offset from each
+    request's start, in us, over the requests after the first WARMUP; sorted by median."""
+    if len(sent) != len(requests):
+        raise ValueError(f"{len(sent)} requests sent but {len(requests)} traced")
     offsets: dict[str, list[float]] = defaultdict(list)
-    at = 0
-    for start, sent, first, done in times[_WARMUP:]:
-        while at < len(stamps) and stamps[at][0] < start:
-            at += 1
-        seen: dict[str, int] = {}
-        for ns, label in stamps[at:]:
-            if ns > done:
-                break
-            seen.setdefault(label, ns)
-        client = {"~sent": sent, "~first byte": first, "~done": done}
-        for label, ns in (seen | client).items():
-            offsets[label].append((ns - start) / 1e3)
+    for client, spans in list(zip(sent, requests, strict=True))[WARMUP:]:
+        points = dict(zip(CLIENT, (client.sent, client.first_byte, client.done), strict=True))
+        for name, (start, end) in spans.items():
+            points[f"{name}>"], points[f"{name}<"] = start, end
+        for point, ns in points.items():
+            offsets[point].append((ns - client.start) / 1e3)
     rows = [
-        {"label": label, "median_us": statistics.median(v), "requests": len(v)}
-        for label, v in offsets.items()
+        {"label": point, "median_us": statistics.median(v), "requests": len(v)}
+        for point, v in offsets.items()
     ]
-    return sorted(rows, key=lambda row: row["median_us"])
+    return sorted(rows, key=lambda row: (row["median_us"], row["label"]))
 
 
 def _body(hidden: torch.Tensor, kind: str) -> tuple[bytes, str]:
@@ -118,74 +138,51 @@ def _body(hidden: torch.Tensor, kind: str) -> tuple[bytes, str]:
 
 
 def measure(
-    layer: str, tokens: list[int], args: argparse.Namespace, work: Path
-) -> tuple[list[dict], set[str]]:
-    results, missing = [], set()
-    for workers in sorted({0, args.front_ends}):
-        stamps_dir = work / f"{layer}-{workers}"
-        stamps_dir.mkdir()
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        command = server_command(layer, port, workers, args.shared_intermediate)
-        python_path = [str(SITE), os.getcwd(), os.environ.get("PYTHONPATH")]
-        env = os.environ | {"MOE_SERVE_TIMELINE_DIR": str(stamps_dir),
-                            "PYTHONPATH": os.pathsep.join(filter(None, python_path))}  # fmt: skip
-        log = args.out / f"timeline-{layer}-{workers}.log"
-        with process(command, log, http_ready(url), 600, env=env):
-            hidden = httpx.get(f"{url}/v1/layers/{layer}").json()["hidden_size"]
-            for t in tokens:
-                body, media = _body(torch.randn(t, hidden).bfloat16(), args.body)
-                for stamps_file in stamps_dir.glob("stamps-*.txt"):
-                    stamps_file.write_text("")
-                forward = f"/v1/layers/{layer}/forward"
-                times = _client(port, forward, body, media, args.requests + _WARMUP)
-                stamps, gone = _read_stamps(stamps_dir)
-                missing |= gone
-                results.append({"layer": layer, "front_ends": workers, "tokens": t,
-                                "body": args.body,
-                                "timeline": timeline(times, stamps)})  # fmt: skip
-    return results, missing
+    layer: str, tokens: list[int], requests: int, body: str, shared: int, logs: Path
+) -> list[dict]:
+    """The layer served in one process with spans kept: a timeline per token count."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [*server_command(layer, port, 0, shared), "--spans"]
+    results = []
+    with process(command, logs / f"timeline-{layer}.log", http_ready(url), 600):
+        hidden = httpx.get(f"{url}/v1/layers/{layer}").json()["hidden_size"]
+        for t in tokens:
+            data, media = _body(torch.randn(t, hidden).bfloat16(), body)
+            httpx.get(f"{url}/bench/spans")  # forget the spans of what came before
+            sent = _client(port, f"/v1/layers/{layer}/forward", data, media, requests + WARMUP)
+            spans = httpx.get(f"{url}/bench/spans", timeout=60).json()
+            results.append({"layer": layer, "tokens": t, "body": body,
+                            "timeline": timeline(sent, traces(spans))})  # fmt: skip
+    return results
 
 
-def render(results: list[dict], missing: set[str]) -> str:
-    lines = []
-    for run in results:
-        title = (
-            f"{run['layer']}, {run['tokens']} tokens, {run['body']}, {run['front_ends']} front ends"
-        )
-        lines += [f"## {title}", "",
+def render(result: dict) -> str:
+    env = Environment.model_validate(result["environment"])
+    lines = [f"# One request's spans: {env.device}, commit {env.commit}", ""]
+    for run in result["runs"]:
+        lines += [f"## {run['layer']}, {run['tokens']} tokens, {run['body']}", "",
                   "| us after the client starts sending | point |", "| ---: | --- |"]  # fmt: skip
         lines += [f"| {row['median_us']:,.0f} | {row['label']} |" for row in run["timeline"]]
         lines.append("")
-    if missing:
-        lines.append(f"Points not found (renamed?): {', '.join(sorted(missing))}")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    parser.add_argument("--front-ends", type=int, default=8, help="0: one process only")
-    parser.add_argument("--requests", type=int, default=200, help="timed, after 20 warm-up")
-    parser.add_argument("--body", choices=("binary", "json"), default="binary",
-                        help="the requests' body: bf16 safetensors or JSON")  # fmt: skip
-    args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    tokens = [int(t) for t in args.tokens.split(",")]
-    results, missing = [], set()
-    with tempfile.TemporaryDirectory() as tmp:
-        for layer in args.layers.split(","):
-            runs, gone = measure(layer, tokens, args, Path(tmp))
-            results += runs
-            missing |= gone
-    (args.out / "timeline.json").write_text(
-        json.dumps({"runs": results, "missing": sorted(missing)}, indent=1)
-    )
-    text = render(results, missing)
-    (args.out / "timeline.md").write_text(text)
-    sys.stdout.write(text + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def run(
+    layers: list[str],
+    tokens: int,
+    requests: int,
+    body: str,
+    shared: int,
+    env: Environment,
+    path: Path,
+) -> dict:
+    """Each layer at one token and at `tokens`; writes `path` and its .md."""
+    runs = []
+    logs = path.with_suffix("")
+    logs.mkdir(parents=True, exist_ok=True)
+    for layer in layers:
+        runs += measure(layer, sorted({1, tokens}), requests, body, shared, logs)
+    result = {"environment": env.model_dump(), "runs": runs}
+    write_result(path, result, render(result))
+    return result

@@ -1,4 +1,9 @@
-"""The kernel benchmark's result file, as pydantic models: this module is its documentation.
+"""Benchmark results as pydantic models: this module is their documentation.
+
+Every stored result, of any benchmark, is one JSON object with an `environment` (`Environment`:
+the GPU, the commit measured, when, and the command that makes the run), stored as
+bench/results/<gpu>/<bench>-<date>-<commit>.json (`result_path`); `moe-serve bench report` reads
+them all. The rest of this module is the kernel benchmark's result (`BenchRun`).
 
 One JSON file holds one run: where it ran, the ceilings measured there, the layer shapes, and
 one `Point` per (shape, load, tokens) with every backend's times. Times are microseconds of one
@@ -18,6 +23,9 @@ shape, timed as built; the shape's `auto` names what it built.
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -31,15 +39,51 @@ class _Model(BaseModel):
 
 
 class Environment(_Model):
-    device: str  # e.g. "NVIDIA H100 80GB HBM3" or "cpu"
+    """Where a result comes from: every stored result (of any benchmark) holds one, as its
+    `environment`; bench/results/<gpu>/<bench>-<date>-<commit>.json names it (`result_path`)."""
+
+    device: str  # the GPU, e.g. "NVIDIA H100 80GB HBM3", or "cpu"
     device_type: Literal["cuda", "cpu"]
-    driver: str | None  # NVIDIA driver version, None on CPU
-    torch: str
-    cuda: str | None  # CUDA runtime torch was built with
-    triton: str | None  # None when triton is not importable
-    python: str
+    gpus: int = 1  # GPUs the run used (expert parallelism: its N)
     commit: str  # git commit of the code measured ("-dirty" when the tree had changes)
-    created: str  # ISO 8601 UTC
+    created: str  # ISO 8601 UTC; its date names the file
+    command: str | None = None  # the `moe-serve bench ...` command that makes this run
+    # the software stack; None where the run did not record it (or, driver and cuda, on a CPU)
+    driver: str | None = None  # NVIDIA driver version
+    torch: str | None = None
+    cuda: str | None = None  # CUDA runtime torch was built with
+    triton: str | None = None
+    python: str | None = None
+
+    def date(self) -> str:
+        return self.created[:10]
+
+
+def gpu_name(device: str) -> str:
+    """ "NVIDIA H100 80GB HBM3" -> "h100": a result's folder under bench/results."""
+    words = device.lower().replace("nvidia", "").split()
+    return words[0] if words else "device"
+
+
+def write_result(path: Path, result: BaseModel | dict, markdown: str | None = None) -> None:
+    """The result as JSON at `path` (and `markdown` beside it as .md), each written atomically,
+    so that a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = (
+        result.model_dump_json(indent=1)
+        if isinstance(result, BaseModel)
+        else json.dumps(result, indent=1)
+    )
+    files = [(path, text + "\n")] + ([(path.with_suffix(".md"), markdown)] if markdown else [])
+    for target, content in files:
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_text(content)
+        os.replace(tmp, target)
+
+
+def result_path(results: Path, env: Environment, bench: str, suffix: str = ".json") -> Path:
+    """results/<gpu>/<bench>-<date>-<commit>.json: where a run of `bench` is stored."""
+    return results / gpu_name(env.device) / f"{bench}-{env.date()}-{env.commit}{suffix}"
 
 
 class Settings(_Model):

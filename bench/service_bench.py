@@ -1,4 +1,4 @@
-"""`moe-serve bench service`: the service's fast-path figures (issue 16) in one run.
+"""`moe-serve bench service` (`--mode load`): the service as deployed, under load, in one run.
 
 For each layer (the demo layer; a DeepSeek-V3-sized fp8-block layer with a router and a shared
 expert, drawn on the device) a server (bench/service_server.py) runs in its own process and is
@@ -14,8 +14,8 @@ clients; the demo layer on uvicorn's pure-Python stack (h11, asyncio loop) besid
 trivial server (bench/echo_server.py) with the same bodies. Every part is guarded: one that
 fails is recorded and the others run.
 
-Writes OUT/service.json (everything), OUT/service.md (the tables) and the servers' logs, and
-prints the tables, the targets last.
+Writes the result (everything) and its .md (the tables, the targets last), the servers' logs in
+a folder beside them, and prints the tables.
 """
 
 from __future__ import annotations
@@ -42,9 +42,8 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
-from .environment import capture
 from .load_gen import Load, hey_binary, run_hey, run_one_client, run_python
-from .schema import Environment
+from .schema import Environment, write_result
 from .shapes import SHAPES
 
 log = logging.getLogger(__name__)
@@ -58,7 +57,6 @@ _READY_POLL_S = 0.5
 
 @dataclass(frozen=True)
 class ServiceBenchConfig:
-    out_dir: Path
     layers: tuple[str, ...] = ("deepseek-v3", DEMO)  # demo, or a shape of bench/shapes.py
     clients: tuple[int, ...] = (1, 16, 64, 256)
     tokens: int = 64  # per request
@@ -323,20 +321,20 @@ def _tcp_ready(port: int) -> Callable[[], bool]:
 
 
 class ServiceBench:
-    def __init__(self, config: ServiceBenchConfig, commit: str | None = None) -> None:
+    def __init__(self, config: ServiceBenchConfig, env: Environment, path: Path) -> None:
+        """Writes the result to `path` (and its .md) as it goes, the logs in a folder beside."""
         self.config = config
-        self.out = config.out_dir
+        self.path = path
+        self.out = path.with_suffix("")  # the servers' logs
         self.out.mkdir(parents=True, exist_ok=True)
         self.started = time.monotonic()
         self.generator = config.generator
         if self.generator == "auto":
             self.generator = "hey" if hey_binary() else "python"
-        device = torch.device("cuda" if config.device in ("auto", "cuda") and
-                              torch.cuda.is_available() else "cpu")  # fmt: skip
         stack = {name: importlib.util.find_spec(name) is not None
                  for name in ("httptools", "uvloop")}  # fmt: skip
         self.result = ServiceBenchResult(
-            environment=capture(device, commit),
+            environment=env,
             config={k: str(v) for k, v in asdict(config).items()},
             http_stack=stack,
         )
@@ -495,8 +493,7 @@ class ServiceBench:
                     log.info("%s", _row(level))
 
     def save(self) -> None:
-        (self.out / "service.json").write_text(self.result.model_dump_json(indent=1))
-        (self.out / "service.md").write_text(render(self.result))
+        write_result(self.path, self.result, render(self.result))
 
 
 def _ms(value: float | None, digits: int = 2) -> str:
@@ -584,7 +581,7 @@ def _bare_ms(result: ServiceBenchResult, layer: str, variant: str, tokens: int) 
 
 
 def checks(result: ServiceBenchResult, c: ServiceBenchConfig) -> list[Check]:
-    """The issue's targets against what this run measured, for the layer served by one process
+    """The targets against what this run measured, for the layer served by one process
     and behind front-end processes."""
     out: list[Check] = []
     served = ["default"] + ([front_ends_variant(c.http_workers)] if c.http_workers else [])
@@ -669,10 +666,3 @@ def _layer_checks(
             met=extra <= 3.0,
         ))  # fmt: skip
     return out
-
-
-def run_service_bench(config: ServiceBenchConfig, commit: str | None = None) -> ServiceBenchResult:
-    bench = ServiceBench(config, commit)
-    result = bench.run()
-    sys.stdout.write(render(result))
-    return result

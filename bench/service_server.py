@@ -1,9 +1,10 @@
-"""The service as the service benchmark runs it: `create_app` on one layer made where it runs,
-plus a `/bench/bare` route that times the same layer's bare forward in the same process.
+"""The service as the service benchmarks run it: `create_app` on one layer made where it runs,
+plus `/bench/...` routes that time the same layer in the same process. An internal entry point:
+`moe-serve bench service` starts it in its own process,
 
-    python -m bench.service_server --layer demo|deepseek-v3|... --port 8901 [--backend triton]
-        [--shared-intermediate 2048] [--max-batch-tokens 1024] [--http h11] [--loop asyncio]
-        [--grpc-port 8001] [--allow-shared-memory]
+    python -m moe_serve.bench.service_server --layer demo|deepseek-v3|... --port 8901
+        [--backend triton] [--shared-intermediate 2048] [--max-batch-tokens 1024] [--http h11]
+        [--loop asyncio] [--grpc-port 8001] [--allow-shared-memory] [--spans]
 
 `--layer demo` serves the seeded demo layer (bf16) from the cache directory; any shape of
 bench/shapes.py is drawn at random on the device with a stored router (and a shared expert
@@ -21,6 +22,11 @@ level is which), so that a one-client HTTP latency can be split into where its t
 POST /bench/forwards returns the forwards run since its last call, by batch size (how many, their
 device time in all, as the server's metrics recorded them), and starts counting afresh: the
 benchmark compares each size with the bare forward of that size.
+
+GET /bench/spans (with `--spans`) returns the OpenTelemetry spans the service recorded since its
+last call (service/tracing.py: each request's server span, its body's receive and reply's send
+events, `queue` and `forward`), and forgets them: `--spans` installs a tracer provider that keeps
+them in memory, as a tracing back end would receive them.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ from pathlib import Path
 import torch
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from pydantic import BaseModel
 
 from ..kernels.config import MoEConfig
@@ -175,6 +185,39 @@ async def forwards(request: Request) -> list[ForwardSize]:
     return state.forward_sizes.take()
 
 
+class RecordedSpan(BaseModel):
+    trace: str  # the request's trace id, hex
+    name: str
+    start_ns: int  # time.time_ns() clock
+    end_ns: int
+
+
+_recorded: InMemorySpanExporter | None = None  # with --spans
+
+
+def record_spans() -> None:
+    """Keep every span the service records from here on (before create_app: the app instruments
+    itself when a tracer provider is installed)."""
+    global _recorded
+    _recorded = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(_recorded))
+    trace.set_tracer_provider(provider)
+
+
+@bare_router.get("/spans")
+async def spans() -> list[RecordedSpan]:
+    if _recorded is None:
+        return []
+    finished = _recorded.get_finished_spans()
+    _recorded.clear()
+    return [
+        RecordedSpan(trace=f"{s.context.trace_id:032x}", name=s.name, start_ns=s.start_time,
+                     end_ns=s.end_time)
+        for s in finished
+    ]  # fmt: skip
+
+
 @bare_router.post("/bare")
 async def bare(body: BareRequest, request: Request) -> list[BareTiming]:
     engine = request.app.state.runtime.engine
@@ -224,10 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow-shared-memory", action="store_true", help="Triton's extension")
     parser.add_argument("--http", default="auto", help="uvicorn's parser: auto, h11, httptools")
     parser.add_argument("--loop", default="auto", help="uvicorn's loop: auto, asyncio, uvloop")
+    parser.add_argument("--spans", action="store_true", help="keep spans for GET /bench/spans")
     args = parser.parse_args(argv)
     if args.layer != DEMO and args.layer not in SHAPES:
         parser.error(f"unknown layer {args.layer!r}")
     settings = build_settings(args)
+    if args.spans:
+        record_spans()
     collect_less()  # as `moe-serve serve` does
     if args.http_workers:  # as `moe-serve serve --http-workers N` runs
         front_ends = FrontEnds(settings, listen("127.0.0.1", args.port))

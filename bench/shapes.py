@@ -1,9 +1,9 @@
 """The layer shapes the kernel benchmark and the GPU tests run, by name: one table.
 
-The four reference shapes of the Triton issue at full size (Mixtral twice: bf16 and fp8
-per-tensor), Qwen3 with GPTQ-style int4 weights as well, DeepSeek-V3 and gpt-oss scaled down
-(`-small`: the rule table `--backend auto` follows has a row for small layers too; the GPU tests
-of the external backends), and `tiny` for CPU runs and tests.
+The four reference shapes (Mixtral, Qwen3, DeepSeek-V3, gpt-oss) at full size (Mixtral twice:
+bf16 and fp8 per-tensor), Qwen3 with GPTQ-style int4 weights as well, DeepSeek-V3 and gpt-oss
+scaled down (`-small`: the rule table `--backend auto` follows has a row for small layers too;
+the GPU tests of the external backends), and `tiny` for CPU runs and tests.
 """
 
 from __future__ import annotations

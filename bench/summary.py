@@ -1,4 +1,4 @@
-"""`moe-serve bench summary FILE`: the run as markdown tables, for the README and reviews."""
+"""`moe-serve bench report --mode summary FILE`: a kernel run as markdown tables."""
 
 from __future__ import annotations
 

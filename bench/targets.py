@@ -1,4 +1,4 @@
-"""The kernel performance targets of issue 8, checked against one result file.
+"""The kernel performance targets, checked against one result file.
 
 - decode: at M <= 64 the best backend moves bytes at >= 80% of the measured copy bandwidth;
 - prefill: at M >= 4096 the best backend reaches >= 65% of the measured dense GEMM peak;

@@ -1,9 +1,6 @@
 """One request at a time through each KServe transport: binary HTTP, gRPC, and system and CUDA
 shared memory over both, on the demo layer and the DeepSeek-V3-sized one, against the server's
-own forward time; issue 18's target checked last.
-
-    python -m bench.transport_bench --out DIR [--layers demo,deepseek-v3] [--tokens 64]
-        [--requests 300] [--device cuda]
+own forward time: `moe-serve bench service --mode transport`; its target checked last.
 
 Each layer is served by `bench.service_server` in a subprocess (CUDA IPC needs the client in
 another process) with gRPC and shared memory on: the demo layer from the cache, a shape of
@@ -17,13 +14,12 @@ metrics: CUDA events around the captured forward as served) and, once per layer,
 captured forward (/bench/bare). Where the time goes comes from the server's own numbers over the
 same requests: its infer handler (moe_serve_request_seconds), `inference.infer` (the model's
 statistics) and the forward; the client and wire floor is a call that does no work (gRPC
-ServerLive, HTTP /v2/health/live). Writes DIR/transport-bench.json and .md and prints the
-tables, the targets last: CUDA shared memory p50 <= the server's forward + 0.2 ms.
+ServerLive, HTTP /v2/health/live). The target: CUDA shared memory p50 <= the server's forward
++ TARGET_SLACK_MS.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -37,20 +33,17 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import torch
 
-from .environment import current_commit
+from .schema import Environment, write_result
 from .service_bench import http_ready, process
-from .shapes import SHAPES
 
-log = logging.getLogger("bench.transport")
+log = logging.getLogger(__name__)
 
 DEMO = "demo"
-LAYERS = (DEMO, "deepseek-v3")
 SHARED_INTERMEDIATE = 2048  # DeepSeek-V3's shared expert, as `moe-serve bench service` draws it
 WARM_UP = 30
 READY_TIMEOUT_S = 300.0
-TARGET_SLACK_MS = 0.2  # issue 18: CUDA shared memory p50 <= the captured forward + this
+TARGET_SLACK_MS = 0.2  # CUDA shared memory p50 <= the captured forward + this
 CUDA_SHM = ("http-cuda-shm", "grpc-cuda-shm")
 
 
@@ -317,7 +310,7 @@ class Check:
 
 
 def checks(report: dict) -> list[Check]:
-    """Issue 18's target on each layer: CUDA shared memory p50 <= the captured forward (the
+    """The target on each layer: CUDA shared memory p50 <= the captured forward (the
     server's, over the same requests) + TARGET_SLACK_MS."""
     found = []
     for layer, result in report["layers"].items():
@@ -343,9 +336,9 @@ def _ms(value: float | None) -> str:
 
 
 def render(report: dict) -> str:
+    env = Environment.model_validate(report["environment"])
     lines = [
-        f"# KServe transports, one request at a time: {report['device']}, "
-        f"commit {report['commit']}",
+        f"# KServe transports, one request at a time: {env.device}, commit {env.commit}",
         "",
         f"{report['tokens']} FP32 rows per request, {report['requests']} sequential requests per "
         f"transport after {WARM_UP} warm-up ones; latency from sending to the reply (shared "
@@ -410,51 +403,28 @@ def render(report: dict) -> str:
             lines.append(f"- {layer}: FAILED: {result['error']}")
     met = {True: "yes", False: "NO", None: "-"}
     lines += ["", "| target | measured | met |", "| --- | --- | --- |"]
-    lines += [f"| {c.target} | {c.figure} | {met[c.met]} |" for c in report["checks"]]
+    lines += [f"| {c['target']} | {c['figure']} | {met[c['met']]} |" for c in report["checks"]]
     return "\n".join(lines) + "\n"
 
 
-def run(out_dir: Path, layers: list[str], tokens: int, requests: int, device: str) -> dict:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    report = {
-        "commit": current_commit(),
-        "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
+def run(
+    layers: list[str], tokens: int, requests: int, device: str, env: Environment, path: Path
+) -> dict:
+    """Every transport on each layer; writes `path` and its .md, the servers' logs beside them."""
+    logs = path.with_suffix("")
+    logs.mkdir(parents=True, exist_ok=True)
+    report: dict = {
+        "environment": env.model_dump(),
         "tokens": tokens,
         "requests": requests,
         "layers": {},
     }
     for layer in layers:
         try:
-            report["layers"][layer] = run_layer(layer, out_dir, tokens, requests, device)
+            report["layers"][layer] = run_layer(layer, logs, tokens, requests, device)
         except Exception as err:  # one layer's failure leaves the others' figures
             log.exception("layer %s failed", layer)
             report["layers"][layer] = {"error": f"{type(err).__name__}: {err}"}
-    report["checks"] = checks(report)
-    (out_dir / "transport-bench.json").write_text(
-        json.dumps({**report, "checks": [c.__dict__ for c in report["checks"]]}, indent=1)
-    )
-    (out_dir / "transport-bench.md").write_text(render(report))
+    report["checks"] = [c.__dict__ for c in checks(report)]
+    write_result(path, report, render(report))
     return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="directory for the results")
-    parser.add_argument("--layers", default=",".join(LAYERS), help="demo and/or bench shapes")
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--device", default="cuda")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    layers = [name.strip() for name in args.layers.split(",") if name.strip()]
-    unknown = [name for name in layers if name != DEMO and name not in SHAPES]
-    if unknown or not layers:
-        parser.error(f"unknown layers {unknown}: {DEMO} or one of {', '.join(SHAPES)}")
-    report = run(args.out, layers, args.tokens, args.requests, args.device)
-    sys.stdout.write(render(report))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

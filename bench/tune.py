@@ -1,5 +1,6 @@
-"""`moe-serve tune`: search tile sizes of the `triton` experts for one layer on this GPU and write
-them as a tuned file, which kernels/experts/_triton/tiles.py then prefers over its heuristic.
+"""`moe-serve bench tune` (`--mode tiles`): search tile sizes of the `triton` experts for one
+layer on this GPU and write them as a tuned file, which kernels/experts/_triton/tiles.py then
+prefers over its heuristic.
 
 For each token-count bucket M it times the experts (align, both GEMMs, top-k sum; L2 flushed,
 median of CUDA-event timings) in rounds, each around the best so far: a small set of
@@ -10,9 +11,8 @@ time is how many weight bytes are in flight. Buckets of at most one row per expe
 per-pair GEMVs (gemv.py), each GEMM's column tile, K step and warps in turn. Last, the
 fastest few (and, with --retune, the bucket's current tiles) are timed again on fresh routings
 and the fastest on average wins: one timing on one routing picks among tiles within noise of
-each other by chance (in the eleventh session three retuned buckets chose tiles that
-`bench kernels` then served 2-10% slower than the ones they replaced). Resumable: buckets
-already in --out are kept, and the file is rewritten after each one.
+each other by chance, and `bench kernels` then serves the pick slower than tiles it beat by a
+hair. Resumable: buckets already in --out are kept, and the file is rewritten after each one.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TOKENS = (1, 16, 64, 512, 4096)
 # (block_n, block_k, num_warps) tried for each GEMM; stages follow from shared memory
 _GEMM_CHOICES = ((64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 64, 4))
 # GEMM2 alone also tries wide tiles: its K (I) is short and it keeps one accumulator
@@ -290,54 +289,21 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
     return body
 
 
-def run_tune(args: argparse.Namespace) -> int:
+def run_tune(
+    shape: MoEConfig,
+    scheme: QuantScheme | None,
+    tokens: tuple[int, ...],
+    out: Path | None,
+    retune: bool,
+) -> Path:
+    """Tune `shape` (in `scheme` where given) on this GPU; returns the tuned file written."""
     from ..kernels.experts._triton.tiles import TileKey, device_name
     from ..kernels.tuned import TUNED_DIR
 
     if not torch.cuda.is_available():
-        log.error("moe-serve tune times kernels on a CUDA GPU; none is visible here")
-        return 2
+        raise ValueError("tuning times kernels on a CUDA GPU; none is visible here")
     device = torch.device("cuda")
-    cfg = replace(args.shape, quant=QuantConfig(args.scheme)) if args.scheme else args.shape
-    out = args.out or TUNED_DIR / TileKey.of(cfg, device_name(device)).filename()
-    tune(TuneRequest(cfg, tuple(args.tokens), out, args.retune), device)
-    log.info("wrote %s", out)
-    return 0
-
-
-def _tokens(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"--tokens must be integers, got {text!r}") from err
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"--tokens must be >= 1, got {text!r}")
-    return values
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser(
-        "tune",
-        description="Search Triton tile sizes for a layer on this GPU, one token-count bucket at "
-        "a time, and write the best "
-        "to a tuned file that the triton backend reads (resumes: buckets already there are kept).",
-    )
-    shapes = "mixtral, mixtral-fp8, qwen3, deepseek-v3, gpt-oss, or E,H,I,top_k"
-    p.add_argument("--shape", type=parse_shape, required=True, help=shapes)
-    p.add_argument(
-        "--scheme", type=QuantScheme, choices=list(QuantScheme), help="default: the shape's"
-    )
-    p.add_argument(
-        "--tokens",
-        type=_tokens,
-        default=list(DEFAULT_TOKENS),
-        help=f"token-count buckets, comma list (default {','.join(map(str, DEFAULT_TOKENS))})",
-    )
-    p.add_argument("--out", type=Path, help="tuned file (default: kernels/tuned/<key>.json)")
-    p.add_argument(
-        "--retune",
-        action="store_true",
-        help="search the --tokens buckets again even where the file has them (their current "
-        "tiles compete); the file's other buckets are kept",
-    )
-    p.set_defaults(run=run_tune)
+    cfg = replace(shape, quant=QuantConfig(scheme)) if scheme else shape
+    out = out or TUNED_DIR / TileKey.of(cfg, device_name(device)).filename()
+    tune(TuneRequest(cfg, tokens, out, retune), device)
+    return out

@@ -1,20 +1,18 @@
-"""Time `load_layer` onto a GPU for a random DeepSeek-V3-sized fp8-block layer (~11 GB).
+"""Time `load_layer` onto a GPU for a random DeepSeek-V3-sized fp8-block layer (~11 GB):
+`moe-serve bench service --mode weights`.
 
-    python -m bench.weight_loading [--dir /tmp/moe-serve-bench-layer] [--repeats 3]
-
-Writes the layer (generated on the GPU, so it takes seconds), then loads it: once with its pages
-dropped from the OS cache (posix_fadvise DONTNEED: read from disk), then `--repeats` times warm
-(page cache), beside `safetensors.torch.load_file(device=...)` as the stock baseline. Prints a
-summary table; every load is checked bit for bit against the first.
+Writes the layer in a temporary directory (generated on the GPU, so it takes seconds), then
+loads it: once with its pages dropped from the OS cache (posix_fadvise DONTNEED: read from
+disk), then `repeats` times warm (page cache), beside `safetensors.torch.load_file(device=...)`
+as the stock baseline; every load is checked bit for bit against what was written.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import statistics
-import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from ..kernels.tensors import ExpertWeights
 from ..weights.load import load_layer
 from ..weights.manifest import TENSORS_FILE, Manifest, Source
 from ..weights.write import write_layer
+from .schema import Environment, write_result
 from .shapes import SHAPES
 
 log = logging.getLogger(__name__)
@@ -73,12 +72,10 @@ class Timing:
     seconds: list[float]
     nbytes: int
 
-    def row(self) -> str:
+    def row(self) -> dict:
         median = statistics.median(self.seconds)
-        return (
-            f"| {self.what:<42} | {len(self.seconds):>4} | {median:>8.2f} | "
-            f"{self.nbytes / 1e9 / median:>6.2f} |"
-        )
+        return {"load": self.what, "runs": len(self.seconds), "median_s": median,
+                "gb_per_s": self.nbytes / 1e9 / median}  # fmt: skip
 
 
 def _same(loaded: torch.Tensor, written: torch.Tensor) -> bool:
@@ -108,63 +105,64 @@ def timed(load: Callable[[], dict[str, torch.Tensor]], device: torch.device) -> 
     return time.perf_counter() - start, tensors
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", type=Path, default=Path("/tmp/moe-serve-bench-layer"))
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+def render(result: dict) -> str:
+    env = Environment.model_validate(result["environment"])
+    lines = [
+        f"# Loading a DeepSeek-V3-sized layer: {env.device}, commit {env.commit}",
+        "",
+        f"file {result['bytes'] / 1e9:.2f} GB (E=256, H=7168, I=2048, fp8-block)",
+        "",
+        "| load | runs | median s | GB/s |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {r['load']} | {r['runs']} | {r['median_s']:.2f} | {r['gb_per_s']:.2f} |"
+        for r in result["rows"]
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def run(repeats: int, env: Environment, path: Path) -> dict:
+    """Cold, then warm loads; writes `path` and its .md."""
     if not torch.cuda.is_available():
-        log.error("needs a CUDA GPU")
-        return 1
+        raise ValueError("the weight-loading benchmark loads onto a CUDA GPU; none is visible")
     device = torch.device("cuda")
+    with tempfile.TemporaryDirectory(prefix="moe-serve-bench-layer-") as work:
+        directory = Path(work)
+        start = time.perf_counter()
+        weights = random_fp8_layer(DSV3, device)
+        source = Source(family="deepseek_v3", model="random", layer=3)
+        manifest = Manifest.from_config(DSV3, weights, name="dsv3-random", source=source)
+        write_layer(directory, weights, manifest)
+        reference = weights.tensors()
+        del weights
+        log.info("generated and wrote the layer in %.1f s", time.perf_counter() - start)
+        file = directory / TENSORS_FILE
+        nbytes = file.stat().st_size
 
-    start = time.perf_counter()
-    weights = random_fp8_layer(DSV3, device)
-    source = Source(family="deepseek_v3", model="random", layer=3)
-    manifest = Manifest.from_config(DSV3, weights, name="dsv3-random", source=source)
-    write_layer(args.dir, weights, manifest)
-    reference = weights.tensors()
-    del weights
-    log.info("generated and wrote the layer in %.1f s", time.perf_counter() - start)
-    file = args.dir / TENSORS_FILE
-    nbytes = file.stat().st_size
+        def ours() -> dict[str, torch.Tensor]:
+            return load_layer(directory, device).weights.tensors()
 
-    def ours() -> dict[str, torch.Tensor]:
-        return load_layer(args.dir, device).weights.tensors()
+        def stock() -> dict[str, torch.Tensor]:
+            return load_file(file, device=str(device))
 
-    def stock() -> dict[str, torch.Tensor]:
-        return load_file(file, device=str(device))
-
-    timings = []
-    for what, load, cold in (
-        ("load_layer, cold (page cache dropped)", ours, True),
-        ("load_layer, warm page cache", ours, False),
-        ("safetensors load_file, warm page cache", stock, False),
-    ):
-        seconds = []
-        for _ in range(1 if cold else args.repeats):
-            if cold:
-                drop_page_cache(file)
-            took, tensors = timed(load, device)
-            bad = [n for n, t in reference.items() if not _same(tensors[n], t)]
-            if bad:
-                log.error("%s: tensors differ from what was written: %s", what, bad)
-                return 1
-            del tensors
-            seconds.append(took)
-        timings.append(Timing(what, seconds, nbytes))
-
-    sys.stdout.write(
-        f"\ndevice: {torch.cuda.get_device_name(device)}, file {nbytes / 1e9:.2f} GB "
-        f"(E=256, H=7168, I=2048, fp8-block)\n"
-        "| load                                       | runs | median s |   GB/s |\n"
-        "| ------------------------------------------ | ---- | -------- | ------ |\n"
-        + "\n".join(t.row() for t in timings)
-        + "\n"
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        timings = []
+        for what, load, cold in (
+            ("load_layer, cold (page cache dropped)", ours, True),
+            ("load_layer, warm page cache", ours, False),
+            ("safetensors load_file, warm page cache", stock, False),
+        ):
+            seconds = []
+            for _ in range(1 if cold else repeats):
+                if cold:
+                    drop_page_cache(file)
+                took, tensors = timed(load, device)
+                bad = [n for n, t in reference.items() if not _same(tensors[n], t)]
+                if bad:
+                    raise RuntimeError(f"{what}: tensors differ from what was written: {bad}")
+                del tensors
+                seconds.append(took)
+            timings.append(Timing(what, seconds, nbytes))
+    result = {"environment": env.model_dump(), "bytes": nbytes, "rows": [t.row() for t in timings]}
+    write_result(path, result, render(result))
+    return result

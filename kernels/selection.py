@@ -2,7 +2,7 @@
 
 `--backend auto` chooses among the available backends by measured rules.
 
-A rule table (`kernels/tuned/auto_<gpu>.json`, written by `moe-serve bench auto-table` from a
+A rule table (`kernels/tuned/auto_<gpu>.json`, written by `moe-serve bench tune --mode rules` from a
 `moe-serve bench kernels` run: bench/auto_table.py) holds, per GPU, for each
 `<scheme>/<shape class>` key every backend's median time at a few token counts in two modes:
 served (`served_us`: the whole-layer forward, router and routing included, replayed from a CUDA

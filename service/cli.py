@@ -39,8 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "moe_serve.service.ep.rank",
         "join a `serve --ep N` from another host as one of its expert-parallel ranks",
     ),
-    "bench": ("moe_serve.bench.cli", "kernel and service benchmarks"),
-    "tune": ("moe_serve.bench.tune", "search Triton tile sizes for a layer on this GPU"),
+    "bench": ("moe_serve.bench.cli", "benchmarks, tuning for this GPU and the performance page"),
 }
 
 

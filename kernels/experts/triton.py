@@ -74,7 +74,8 @@ class _TritonBase(Experts):
         batch_invariant: bool = False,
     ) -> None:
         super().__init__(cfg, weights, batch_invariant)
-        self.fixed_tiles = fixed_tiles  # `moe-serve tune` times candidates; None: file/heuristic
+        # `moe-serve bench tune` times candidates; None: the tuned file or the heuristic
+        self.fixed_tiles = fixed_tiles
         self.w13 = ExpertMatrix(weights.w13, weights.w13_scale, weights.w13_bias, cfg.quant)
         self.w2 = ExpertMatrix(weights.w2, weights.w2_scale, weights.w2_bias, cfg.quant)
 

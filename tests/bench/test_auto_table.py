@@ -1,4 +1,5 @@
-"""`moe-serve bench auto-table`: the rule table `--backend auto` follows, from a kernel run."""
+"""`moe-serve bench tune --mode rules`: the rule table `--backend auto` follows, from a kernel
+run."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import pytest
 import torch
 
 from moe_serve.bench.auto_table import crossover_tokens, rank_backends, rule_table, summary
-from moe_serve.bench.kernel_bench import KernelBench, KernelBenchConfig, read_run, write_run
+from moe_serve.bench.kernel_bench import KernelBench, KernelBenchConfig, read_run
 from moe_serve.bench.router_loads import Load
-from moe_serve.bench.schema import Point
+from moe_serve.bench.schema import Point, write_result
 from moe_serve.bench.timing import TimingPlan
 from moe_serve.kernels import registry, selection
 from moe_serve.kernels.experts.reference import ReferenceExperts
@@ -24,6 +25,7 @@ TIMES = {
     "64": {"triton": 80.0, "deep-gemm": 85.0},
     "4096": {"triton": 900.0, "deep-gemm": 500.0},
 }
+RULES = ["bench", "tune", "--mode", "rules", "--from"]
 QUICK = TimingPlan(warmup=1, min_iters=2, max_iters=3, budget_s=0.001)
 
 
@@ -85,7 +87,7 @@ def test_auto_table_command_writes_the_rules_auto_reads_from_a_benchmark_run(
     tiny_run: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "tuned" / "auto_cpu.json"
-    assert main(["bench", "auto-table", str(tiny_run), "--out", str(out)]) == 0
+    assert main([*RULES, str(tiny_run), "--out", str(out)]) == 0
 
     table = selection.RuleTable.from_json(out)
     rule = table.rules["none/small"]  # the tiny shape: unquantised, small
@@ -127,7 +129,7 @@ def test_auto_table_merge_replaces_the_measured_rules_and_keeps_the_others(
              "failed": {}}  # fmt: skip
     out.write_text(json.dumps({"device": "cpu", "commit": "old1234", "method": "m",
                                "rules": {"mxfp4/large": other, "none/small": stale}}))  # fmt: skip
-    assert main(["bench", "auto-table", str(tiny_run), "--out", str(out), "--merge"]) == 0
+    assert main([*RULES, str(tiny_run), "--out", str(out), "--merge"]) == 0
 
     table = selection.RuleTable.from_json(out)
     run_commit = json.loads(tiny_run.read_text())["environment"]["commit"]
@@ -138,7 +140,7 @@ def test_auto_table_merge_replaces_the_measured_rules_and_keeps_the_others(
     assert f"Measured at commit {run_commit}." in out.with_suffix(".md").read_text()
 
     out.write_text(json.dumps({"device": "NVIDIA H100", "commit": "x", "rules": {}}))
-    assert main(["bench", "auto-table", str(tiny_run), "--out", str(out), "--merge"]) == 2
+    assert main([*RULES, str(tiny_run), "--out", str(out), "--merge"]) == 2
     assert json.loads(out.read_text())["device"] == "NVIDIA H100"  # refused, left as it was
 
 
@@ -162,8 +164,8 @@ def test_a_run_without_the_uniform_load_is_refused_naming_it(
 ) -> None:
     run = sample_run()
     skewed_only = run.model_copy(update={"points": [p for p in run.points if p.load != "uniform"]})
-    write_run(skewed_only, tmp_path / "skewed.json")
-    assert main(["bench", "auto-table", str(tmp_path / "skewed.json")]) == 2
+    write_result(tmp_path / "skewed.json", skewed_only)
+    assert main([*RULES, str(tmp_path / "skewed.json")]) == 2
     assert "shape tiny has no uniform-load points" in caplog.text
 
 
@@ -224,7 +226,7 @@ def test_a_rule_table_names_the_run_that_measured_it_and_a_merge_each_rules_own(
     command = "moe-serve bench kernels --shapes gpt-oss"
     out.write_text(json.dumps({"device": "cpu", "commit": "old1234", "date": "2026-01-02",
                                "command": command, "rules": {"mxfp4/large": kept}}))  # fmt: skip
-    assert main(["bench", "auto-table", str(tiny_run), "--out", str(out), "--merge"]) == 0
+    assert main([*RULES, str(tiny_run), "--out", str(out), "--merge"]) == 0
 
     body = json.loads(out.read_text())
     environment = json.loads(tiny_run.read_text())["environment"]

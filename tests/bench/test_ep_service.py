@@ -1,4 +1,4 @@
-"""bench/ep_service.py end to end on the CPU (gloo, a small layer): the GPU run's script works."""
+"""`moe-serve bench ep` end to end on the CPU (gloo, a small layer): the GPU run's code works."""
 
 from __future__ import annotations
 
@@ -6,20 +6,24 @@ import json
 from pathlib import Path
 
 from moe_serve.bench import ep_service
+from moe_serve.service.cli import main
 
 
 def test_the_ep_service_benchmark_writes_its_table_and_matches_one_process(tmp_path: Path) -> None:
-    argv = ["--out", str(tmp_path), "--device", "cpu", "--shape", "deepseek-v3-small"]
-    argv += ["--tokens", "1,5", "--backend", "reference", "--seconds", "0.2", "--redundant", "2"]
-    argv += ["--profile"]
-    assert ep_service.main(argv) == 0
-    report = json.loads((tmp_path / "ep_service.json").read_text())
+    argv = ["bench", "ep", "--out", str(tmp_path), "--commit", "test", "--device", "cpu"]
+    argv += ["--shape", "deepseek-v3-small", "--tokens", "1,5", "--backend", "reference"]
+    argv += ["--duration", "0.2", "--redundant", "2", "--profile"]
+    assert main(argv) == 0
+    (path,) = tmp_path.glob("cpu/ep2-*-test.json")
+    report = json.loads(path.read_text())
+    assert report["environment"]["gpus"] == 2
     assert [p["one_gpu"]["M"] for p in report["points"]] == [1, 5]
     assert all(p["rel_err"] < 1e-2 and p["ep"]["batches"] > 0 for p in report["points"])
     # batches in flight answered bit for bit as alone
     assert all(p[e]["unlike_alone"] == 0 for p in report["points"] for e in ("one_gpu", "ep"))
     assert 0 < report["last_balancedness"] <= 1
-    assert "speedup" in (tmp_path / "ep_service.md").read_text()
+    assert "speedup" in path.with_suffix(".md").read_text()
+    tmp_path = path.with_suffix("")  # the profiles, beside the result
     for engine in ("1gpu", "ep"):  # rank 0's kernels (here the CPU's ops) at the largest M
         assert "batches of M=5" in (tmp_path / f"profile-{engine}.txt").read_text()
     rank1 = (tmp_path / "profile-ep-rank1.txt").read_text()  # the same forwards on rank 1

@@ -59,7 +59,14 @@ def test_a_trace_without_matching_collectives_is_refused(tmp_path: Path) -> None
         ep_timeline.timeline({"rank 0": trace})
 
 
-def test_the_command_line_names_a_missing_trace(tmp_path: Path, capsys) -> None:
-    with pytest.raises(SystemExit):
-        ep_timeline.main([str(tmp_path)])
-    assert "profile-ep.trace.json" in capsys.readouterr().err
+def test_a_missing_trace_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"profile-ep\.trace\.json"):
+        ep_timeline.write_ep_timeline(tmp_path)
+
+
+def test_the_ranks_side_by_side_are_written_beside_their_traces(tmp_path: Path) -> None:
+    _trace(tmp_path / "profile-ep.trace.json", _forward(0.0, 300, 4000, 0))
+    _trace(tmp_path / "profile-ep-rank1.trace.json", _forward(1e6 + 300, 0, 3000, 1000))
+    table = ep_timeline.write_ep_timeline(tmp_path)
+    assert (tmp_path / "ep-timeline.md").read_text() == table
+    assert "| rank 1 | -0.100 | 3.000 | 4.050 | 3.000 |" in table

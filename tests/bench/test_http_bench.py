@@ -81,20 +81,22 @@ def server_url() -> Iterator[str]:
 def test_bounded_run_against_the_service_reports_throughput_latency_and_forward_time(
     server_url: str, binary: bool
 ) -> None:
+    # each level ended by its request budget, not a short duration: on a loaded machine a level
+    # of a fraction of a second may end before its clients have sent anything
     config = HttpBenchConfig(
-        url=server_url, layer=TINY, tokens=4, concurrency=(1, 4), duration_s=0.4, binary=binary
-    )
+        url=server_url, layer=TINY, tokens=4, concurrency=(1, 4), duration_s=30, max_requests=8,
+        binary=binary,
+    )  # fmt: skip
     report = run_http_bench(config)
     assert [lv.concurrency for lv in report.levels] == [1, 4]
     for level in report.levels:
-        assert level.errors == 0 and level.requests > 0
+        assert level.errors == 0 and level.requests == 8
         assert level.requests_per_s > 0 and level.tokens_per_s == pytest.approx(
             4 * level.requests_per_s
         )
         assert 0 < level.p50_ms <= level.p90_ms <= level.p99_ms
         assert 0 < level.server_forward_ms < level.p99_ms
         assert level.server_batch_tokens >= 4
-        assert level.elapsed_s < config.duration_s + 2
 
 
 def test_request_count_bound_stops_a_level_early(server_url: str) -> None:
@@ -102,8 +104,7 @@ def test_request_count_bound_stops_a_level_early(server_url: str) -> None:
         url=server_url, layer=TINY, tokens=2, concurrency=(3,), duration_s=30, max_requests=5
     )
     (level,) = run_http_bench(config).levels
-    assert level.requests + level.errors == 5
-    assert level.elapsed_s < 10
+    assert level.requests + level.errors == 5  # not 30 s of requests
 
 
 def test_clients_spread_over_two_processes_are_merged_into_one_level(server_url: str) -> None:
@@ -117,7 +118,6 @@ def test_clients_spread_over_two_processes_are_merged_into_one_level(server_url:
     (level,) = report.levels
     assert report.processes == 2
     assert level.errors == 0 and level.requests == 8
-    assert level.elapsed_s < 30
 
 
 def test_unknown_layer_is_an_error_naming_it(server_url: str) -> None:
@@ -126,10 +126,11 @@ def test_unknown_layer_is_an_error_naming_it(server_url: str) -> None:
         run_http_bench(config)
 
 
-def test_http_command_writes_its_report(server_url: str, tmp_path: Path) -> None:
-    out = tmp_path / "http.json"
-    args = ["bench", "http", "--url", server_url, "--layer", TINY, "--tokens", "2"]
-    level = ["--concurrency", "2", "--duration", "0.2", "--processes", "1"]
-    assert main([*args, *level, "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert report["body"] == "binary" and report["levels"][0]["requests"] > 0
+def test_http_mode_writes_its_report(server_url: str, tmp_path: Path) -> None:
+    args = ["bench", "service", "--mode", "http", "--url", server_url, "--layers", TINY]
+    level = ["--tokens", "2", "--clients", "2", "--max-requests", "2", "--processes", "1"]
+    assert main([*args, *level, "--out", str(tmp_path), "--commit", "test"]) == 0
+    (path,) = tmp_path.glob("*/http-*-test.json")
+    report = json.loads(path.read_text())["layers"][TINY]
+    assert report["body"] == "binary" and report["levels"][0]["requests"] == 2
+    assert f"## {TINY}" in path.with_suffix(".md").read_text()

@@ -127,12 +127,18 @@ def test_kernel_bench_records_unsupported_backends_with_their_reason(
 def test_kernels_command_writes_a_valid_result_and_refuses_unknown_backends(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    out = tmp_path / "cli.json"
     quick = ["--warmup", "1", "--min-iters", "2", "--max-iters", "2", "--budget-ms", "1"]
     args = ["bench", "kernels", "--device", "cpu", "--shapes", "tiny", "--tokens", "3"]
-    assert main([*args, "--loads", "uniform", "--out", str(out), *quick]) == 0
-    assert json.loads(out.read_text())["settings"]["tokens"] == [3]
-    assert main([*args, "--backends", "nope", "--out", str(tmp_path / "x.json"), *quick]) == 2
+    out = ["--out", str(tmp_path), "--commit", "test"]
+    assert main([*args, "--loads", "uniform", *out, *quick]) == 0
+    (path,) = tmp_path.glob("cpu/kernels-tiny-*-test.json")  # one shape: named by it
+    result = json.loads(path.read_text())
+    assert result["settings"]["tokens"] == [3]
+    assert result["environment"]["command"] == (
+        "moe-serve bench kernels --mode backends --shapes tiny --tokens 3 --loads uniform "
+        "--device cpu --warmup 1 --min-iters 2 --max-iters 2 --budget-ms 1.0"
+    )
+    assert main([*args, "--backends", "nope", "--out", str(tmp_path / "x"), *quick]) == 2
     assert "unknown backend(s) ['nope']" in caplog.text
 
 

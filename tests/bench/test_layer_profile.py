@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_serve.bench import layer_profile
+from moe_serve.service.cli import main
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU machine")
-def test_refuses_without_a_gpu_saying_why(tmp_path, capsys) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        layer_profile.main(["--out", str(tmp_path), "--shape", "tiny"])
-    assert exit_info.value.code == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+def test_refuses_without_a_gpu_saying_why(tmp_path, caplog) -> None:
+    argv = ["bench", "kernels", "--mode", "profile", "--shapes", "tiny", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert "--mode profile runs on a CUDA GPU; none is visible here" in caplog.text
     assert not any(tmp_path.iterdir())

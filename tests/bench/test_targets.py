@@ -1,4 +1,4 @@
-"""Scoring a point (ratios, fractions, best) and checking the issue's targets on it."""
+"""Scoring a point (ratios, fractions, best) and checking the targets on it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The transport benchmark runs end to end on the CPU (no CUDA regions there) and every
-transport returns the same output as binary HTTP; issue 18's target is judged from the figures."""
+transport returns the same output as binary HTTP; its target is judged from the figures."""
 
 from __future__ import annotations
 
@@ -8,15 +8,20 @@ from pathlib import Path
 
 import pytest
 
+from moe_serve.bench.schema import Environment
 from moe_serve.bench.transport_bench import Check, checks, render, run
 
 pytest.importorskip("tritonclient.grpc")
 
+ENV = Environment(device="NVIDIA H100", device_type="cuda", commit="abc", created="2026-01-01")
+
 
 @pytest.mark.slow
 def test_transport_bench_times_every_transport_and_writes_json(tmp_path: Path) -> None:
-    report = run(tmp_path, ["demo"], tokens=4, requests=3, device="cpu")
-    saved = json.loads((tmp_path / "transport-bench.json").read_text())
+    cpu = ENV.model_copy(update={"device": "cpu", "device_type": "cpu"})
+    path = tmp_path / "cpu" / "transport-2026-01-01-abc.json"
+    report = run(["demo"], tokens=4, requests=3, device="cpu", env=cpu, path=path)
+    saved = json.loads(path.read_text())
     assert saved["layers"] == report["layers"]
     demo = report["layers"]["demo"]
     transports = demo["transports"]
@@ -32,8 +37,8 @@ def test_transport_bench_times_every_transport_and_writes_json(tmp_path: Path) -
     assert set(demo["floor"]) == {"grpc", "http"}
     assert all(floor["p50_ms"] > 0 for floor in demo["floor"].values())
     assert demo["bare_forward_ms"] > 0
-    assert [c.met for c in report["checks"]] == [None, None]  # no CUDA regions on the CPU
-    markdown = (tmp_path / "transport-bench.md").read_text()
+    assert [c["met"] for c in report["checks"]] == [None, None]  # no CUDA regions on the CPU
+    markdown = path.with_suffix(".md").read_text()
     assert markdown.rstrip().endswith(
         "| demo: grpc-cuda-shm p50 <= server forward + 0.2 ms | not measured | - |"
     )
@@ -46,7 +51,7 @@ def _figures(p50_ms: float, forward_ms: float) -> dict:
 
 def _report(layers: dict) -> dict:
     """A report of `layers` as bench.transport_bench.run writes it (300 requests of 64 tokens)."""
-    return {"device": "H100", "commit": "abc", "tokens": 64, "requests": 300, "layers": layers}
+    return {"environment": ENV.model_dump(), "tokens": 64, "requests": 300, "layers": layers}
 
 
 def test_cuda_shared_memory_target_is_p50_within_0_2_ms_of_the_server_forward() -> None:
@@ -76,7 +81,7 @@ def test_cuda_shared_memory_target_is_p50_within_0_2_ms_of_the_server_forward() 
         Check("demo: grpc-cuda-shm p50 <= server forward + 0.2 ms",
               "RuntimeError: exited with 1 before ready", None),
     ]  # fmt: skip
-    markdown = render({**report, "checks": found})
+    markdown = render({**report, "checks": [c.__dict__ for c in found]})
     assert (
         "| deepseek-v3 | http-cuda-shm | 4.000 | 4.000 | 4.000 | 250 | 3.810 | 0.190 | yes |"
         in markdown

@@ -42,7 +42,7 @@ def _parsers(parser: argparse.ArgumentParser, name: str) -> Iterator[tuple[str, 
 
 def test_every_command_and_option_describes_itself() -> None:
     commands = dict(_parsers(build_parser(), "moe-serve"))
-    assert {"moe-serve serve", "moe-serve convert", "moe-serve bench http"} <= set(commands)
+    assert {"moe-serve serve", "moe-serve convert", "moe-serve bench service"} <= set(commands)
     for command, parser in commands.items():
         assert parser.description, f"{command} --help has no description"
         for action in parser._actions:

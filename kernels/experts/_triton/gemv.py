@@ -26,7 +26,7 @@ word a byte, and each group is summed and scaled in its thread, summed over grou
 the loop. The tiles are wide along K (1024 columns: 3 steps for gpt-oss' K = 2880).
 
 Per pair beats the grouped GEMM at a token or two on most shapes and loses from a few tokens on
-(gpt-oss' mxfp4 keeps it longest): the tile tables' `per_pair` buckets (`moe-serve tune`) and
+(gpt-oss' mxfp4 keeps it longest): the tile tables' `per_pair` buckets (`moe-serve bench tune`) and
 the heuristic's PER_PAIR_ROWS_PER_EXPERT (tiles.py) say where it runs, as `moe-serve bench
 kernels` measures the experts. Slower there, so not used: [BLOCK_K, BLOCK_N] accumulators summed
 after the loop; 4-bit nibbles met by even and odd activations; fp8-block GEMVs quantising their

@@ -1,6 +1,6 @@
 """Tile sizes for one layer and batch: a tuned JSON file when one matches, else a heuristic.
 
-Files live in kernels/tuned/ (written by `moe-serve tune`), one per layer shape, scheme, dtype
+Files live in kernels/tuned/ (written by `moe-serve bench tune`), one per layer shape, scheme, dtype
 and GPU; inside, one entry per token-count bucket M. Both GEMMs share block_m, because they
 share the expert-aligned row order; each has its own block_n / block_k / warps / stages. A
 `per_pair` entry runs both GEMMs as one GEMV per (token, expert) pair instead (gemv.py), for
@@ -123,7 +123,8 @@ def heuristic_tiles(cfg: MoEConfig, num_tokens: int, per_pair: bool = True) -> L
     # GEMM1 keeps gate and up accumulators: halve its N tile at BLOCK_M 128 to stay in registers
     n1 = block_n // 2 if block_m == 128 else block_n
     # prefill: row blocks swizzled in groups of 8, faster than row blocks first on DeepSeek-V3,
-    # Qwen3 and Mixtral at prefill sizes and equal in decode (`moe-serve tune`'s program order)
+    # Qwen3 and Mixtral at prefill sizes and equal in decode (`moe-serve bench tune`'s program
+    # order)
     group_m = 8 if rows_per_expert > 64 else 0
     gemm1 = GemmTile(n1, block_k, warps, stages_for(block_m, n1, block_k, 2, elem), group_m)
     gemm2 = GemmTile(block_n, block_k, warps, stages_for(block_m, block_n, block_k, 1, elem),
@@ -136,7 +137,8 @@ def per_pair_tiles(cfg: MoEConfig) -> LayerTiles:
     (2 warps) or 256 columns of 8-bit and int4 ones (4 warps), the best of a per-pair tile
     sweep for DeepSeek-V3 and Qwen3 at 1-8 tokens (gemv.py); mxfp4 (gemv._mxfp4_sums) K steps
     of 1024 columns (at most K's next power of two), GEMM1 4 columns on 2 warps, GEMM2 8 on 4,
-    the best for gpt-oss at 1-4 tokens. `moe-serve tune` searches the same tiles per bucket."""
+    the best for gpt-oss at 1-4 tokens. `moe-serve bench tune` searches the same tiles per
+    bucket."""
     if cfg.quant.scheme == QuantScheme.MXFP4:
         gemm1 = GemmTile(4, min(1024, triton.next_power_of_2(cfg.hidden_size)), 2, 1)
         gemm2 = GemmTile(8, min(1024, triton.next_power_of_2(cfg.intermediate_size)), 4, 1)
