@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import grpc
 from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2, service_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
-from tritonclient.grpc import service_pb2_grpc
 
 from .. import tracing
 from ..core import inference
@@ -64,6 +64,14 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     ) -> pb.ModelMetadataResponse:
         served = inference.get_model(ready(self.runtime).engine, request.name, request.version)
         return from_model(inference.model_metadata(served), pb.ModelMetadataResponse)
+
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, _context: Context
+    ) -> pb.ModelConfigResponse:
+        config = inference.model_config(self.runtime, request.name, request.version)
+        return pb.ModelConfigResponse(
+            config=json_format.ParseDict(config, model_config_pb2.ModelConfig())
+        )
 
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, _context: Context

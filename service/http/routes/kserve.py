@@ -96,6 +96,24 @@ async def model_metadata(name: str, engine: EngineDep) -> ModelMetadata:
 
 
 @router.get(
+    "/models/{name}/config",
+    summary="Model configuration in Triton's schema: tensors, batching, queue policy, instances",
+    responses={404: {"model": ErrorBody}},
+)
+async def model_config(name: str, runtime: RuntimeDep) -> dict:
+    return inference.model_config(runtime, name)
+
+
+@router.get(
+    "/models/{name}/versions/{version}/config",
+    summary="Model configuration of a named version",
+    responses={404: {"model": ErrorBody}},
+)
+async def version_config(name: str, version: str, runtime: RuntimeDep) -> dict:
+    return inference.model_config(runtime, name, version)
+
+
+@router.get(
     "/models/{name}/ready",
     summary="200 when the model can serve",
     responses={404: {"model": ErrorBody}},
