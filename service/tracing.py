@@ -2,8 +2,10 @@
 
 Per request: the server span of the FastAPI or gRPC instrumentation (the request), then, for
 each piece of it the batcher runs, `queue` (waiting for its forward) and `forward` (the batch's
-forward: layer, backend, tokens), then `reply` (encoding the answer). Spans go through the OTLP
-exporter (or the console one) that opentelemetry-sdk configures from the environment.
+forward: layer, backend, tokens), then `reply` (encoding the answer). A gRPC stream's span holds
+one `ModelStreamInfer message` span per request it carries, and those hold the rest. Spans go
+through the OTLP exporter (or the console one) that opentelemetry-sdk configures from the
+environment.
 
 Only opentelemetry-api is needed while tracing is off: its tracer is a no-op then.
 """
@@ -146,11 +148,12 @@ def record_forward(
 
 
 @contextmanager
-def reply_span() -> Iterator[None]:
-    """The `reply` span: encoding the answer, in a request that is traced (as record_forward:
-    the no-op tracer's span costs more than the encoding of a small reply)."""
+def span(name: str) -> Iterator[None]:
+    """A child span of the current one, only in a request that is traced (as record_forward:
+    the no-op tracer's span costs more than the encoding of a small reply): `reply` (encoding
+    the answer), or one message of a gRPC stream."""
     if not trace.get_current_span().is_recording():
         yield
         return
-    with tracer.start_as_current_span("reply"):
+    with tracer.start_as_current_span(name):
         yield

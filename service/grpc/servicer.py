@@ -82,13 +82,24 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: pb.ModelInferRequest, _context: Context
     ) -> pb.ModelInferResponse:
+        return await self._infer(request)
+
+    async def ModelStreamInfer(
+        self, request: pb.ModelInferRequest, _context: Context
+    ) -> pb.ModelStreamInferResponse:
+        """One request of a stream: CallGate reads the stream, calls this for each request it
+        carries and answers them in order (a model here is never decoupled: one response per
+        request)."""
+        return pb.ModelStreamInferResponse(infer_response=await self._infer(request))
+
+    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         infer_request, tensors = await BINARY.run(input_bytes(request), decode_infer, request)
         name, version = request.model_name, request.model_version
         result = await inference.infer(
             self.runtime, name, version, infer_request, tensors, caller.get()
         )
         output_bytes = sum(t.numel() * t.element_size() for t in result.outputs.values())
-        with tracing.reply_span():
+        with tracing.span("reply"):
             return await BINARY.run(
                 output_bytes,
                 encode_infer,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -131,8 +132,13 @@ def test_http_and_grpc_requests_are_traced_through_queue_forward_and_reply(tmp_p
             tensor = grpcclient.InferInput("hidden_states", [4, 256], "FP32")
             tensor.set_data_from_numpy(x)
             client.infer("demo", [tensor])
+            answers: queue.Queue = queue.Queue()
+            client.start_stream(lambda result, error: answers.put(error))
+            client.async_stream_infer("demo", [tensor])
+            assert answers.get(timeout=SPANS_TIMEOUT_S) is None
+            client.stop_stream()
         deadline = time.monotonic() + SPANS_TIMEOUT_S
-        while out.text.count('"name": "reply"') < 2:
+        while out.text.count('"name": "reply"') < 3 or 'ModelStreamInfer"' not in out.text:
             assert time.monotonic() < deadline, f"spans never came: {out.text[-2000:]}"
             time.sleep(0.05)
     finally:
@@ -150,3 +156,12 @@ def test_http_and_grpc_requests_are_traced_through_queue_forward_and_reply(tmp_p
         assert attributes["moe.layer"] == "demo" and attributes["moe.tokens"] == 4
         assert attributes["moe.backend"] == "reference"
         assert trace["queue"]["end_time"] <= trace["forward"]["start_time"]
+    # a stream: a span per request it carries, holding that request's
+    trace = _trace(spans, "/inference.GRPCInferenceService/ModelStreamInfer")
+    message = trace["ModelStreamInfer message"]
+    assert (
+        message["parent_id"]
+        == trace["/inference.GRPCInferenceService/ModelStreamInfer"]["context"]["span_id"]
+    )
+    for name in ("queue", "forward", "reply"):
+        assert trace[name]["parent_id"] == message["context"]["span_id"], name

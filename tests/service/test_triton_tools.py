@@ -4,7 +4,9 @@ settings, the metrics page."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import queue
+from collections.abc import Callable, Iterator
 
 import httpx
 import numpy as np
@@ -47,7 +49,11 @@ def grpc(urls: tuple[str, str]) -> Iterator[grpcclient.InferenceServerClient]:
 def test_model_config_in_tritons_schema_over_http_and_grpc(http, grpc) -> None:
     config = http.get_model_config(TINY)
     assert config == http.get_model_config(TINY, "1")
-    assert (config["name"], config["platform"], config["backend"]) == (TINY, "moe-serve", "reference")
+    assert (config["name"], config["platform"], config["backend"]) == (
+        TINY,
+        "moe-serve",
+        "reference",
+    )
     assert config["max_batch_size"] == 32  # rows per forward; dims leave them out
     assert config["input"] == [
         {
@@ -94,3 +100,83 @@ def test_model_config_of_an_unknown_model_or_version_is_not_found(urls, grpc) ->
 
 def _rows(rows: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((rows, H)).astype(np.float32)
+
+
+def _into(answers: queue.Queue) -> Callable[[object, object], None]:
+    """A stream callback that queues each (result, error)."""
+    return lambda result, error: answers.put((result, error))
+
+
+def _stream(grpc, requests: list[tuple[str, np.ndarray, str]]) -> list[tuple[object, object]]:
+    """Send (model, rows, request id) over one stream; the (result, error) of each, in the
+    order they came back."""
+    answers: queue.Queue = queue.Queue()
+    grpc.start_stream(_into(answers))
+    try:
+        for model, rows, request_id in requests:
+            tensor = grpcclient.InferInput("hidden_states", list(rows.shape), "FP32")
+            tensor.set_data_from_numpy(rows)
+            grpc.async_stream_infer(model, [tensor], request_id=request_id)
+        return [answers.get(timeout=20) for _ in requests]
+    finally:
+        grpc.stop_stream()
+
+
+def test_stream_infer_answers_each_request_in_order_with_its_own_errors(http, grpc) -> None:
+    before = http.get_inference_statistics(TINY)["model_stats"][0]["inference_stats"]
+    requests = [(TINY, _rows(rows, rows), f"r{i}") for i, rows in enumerate((1, 3, 40, 2))]
+    requests.insert(2, (NO_ROUTER, _rows(2), "no-logits"))  # a request that fails
+    requests.insert(3, ("nope", _rows(1), "unknown"))
+    answers = _stream(grpc, requests)
+    assert len(answers) == len(requests)
+    for (model, rows, request_id), (result, error) in zip(requests, answers, strict=True):
+        if model != TINY:
+            assert result is None and error is not None, request_id
+            continue
+        assert error is None, error
+        response = result.get_response()
+        assert (response.id, response.model_name, response.model_version) == (request_id, TINY, "1")
+        expected = http.infer(TINY, [_http_input(rows)]).as_numpy("output")
+        np.testing.assert_allclose(result.as_numpy("output"), expected, rtol=1e-5, atol=1e-6)
+    assert "router_logits" in str(answers[2][1])  # the layer has no router: logits needed
+    assert "nope" in str(answers[3][1])
+    after = http.get_inference_statistics(TINY)["model_stats"][0]["inference_stats"]
+    # the stream's four requests and the four HTTP ones that checked them
+    assert after["success"]["count"] - before["success"]["count"] == 8
+
+
+def test_stream_infer_needs_the_token_and_a_silent_stream_ends() -> None:
+    token = "stream-test-token-0123456789"
+    port = free_port()
+    settings = Settings(device="cpu", grpc_port=port, api_token=token, read_timeout_s=0.5)
+    app = create_app(settings, tiny_loader)
+    with running_server(app) as url:
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as client:
+            wait_ready(client.get)
+        for headers in ({}, {"authorization": f"Bearer {token}"}):
+            with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as grpc:
+                answers: queue.Queue = queue.Queue()
+                grpc.start_stream(_into(answers), headers=headers)
+                tensor = grpcclient.InferInput("hidden_states", [1, H], "FP32")
+                tensor.set_data_from_numpy(_rows(1))
+                with contextlib.suppress(grpcclient.InferenceServerException):  # refused already
+                    grpc.async_stream_infer(TINY, [tensor])
+                result, error = answers.get(timeout=20)
+                grpc.stop_stream()
+            if headers:
+                assert error is None and result.as_numpy("output").shape == (1, H)
+            else:
+                assert result is None and error.status() == "StatusCode.UNAUTHENTICATED"
+        with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as grpc:
+            answers = queue.Queue()
+            grpc.start_stream(_into(answers), headers={"authorization": f"Bearer {token}"})
+            result, error = answers.get(timeout=20)  # nothing sent
+            grpc.stop_stream()
+        assert error.status() == "StatusCode.DEADLINE_EXCEEDED"
+        assert "MOE_SERVE_READ_TIMEOUT_S" in error.message()
+
+
+def _http_input(rows: np.ndarray) -> httpclient.InferInput:
+    tensor = httpclient.InferInput("hidden_states", list(rows.shape), "FP32")
+    tensor.set_data_from_numpy(rows)
+    return tensor

@@ -238,7 +238,7 @@ class InferEndpoint:
             result = await inference.infer(
                 runtime, name, version or "", infer_request, tensors, owner, withdrawn
             )
-            with tracing.reply_span():
+            with tracing.span("reply"):
                 encoded = await _encode(name, infer_request, result)
             if encoded.header_length is None:
                 response = Response(encoded.body, media_type="application/json")
