@@ -140,11 +140,18 @@ class Metrics:
         tokens: int,
         expert_tokens: torch.Tensor,  # [E] pairs per expert
         times: StageTimes,
-        queued_s: Sequence[float] = (),
+        queued_ns: Sequence[int] = (),
     ) -> None:
         """One forward batch: its time per stage, its size and where its tokens went;
-        queued_s: how long each request piece in the batch waited for it."""
-        self.statistics.record_execution(layer, tokens, times.forward_s, queued_s)
+        queued_ns: how long each request piece in the batch waited for it."""
+        self.statistics.record_execution(
+            layer,
+            tokens,
+            _ns(times.stage_s + (times.h2d_s or 0.0)),  # inputs onto the device
+            _ns(times.forward_s),
+            _ns(times.d2h_s or 0.0),  # the output off it
+            queued_ns,
+        )
         self.series(self.forward_seconds, layer, backend).observe(times.forward_s)
         self.series(self.batch_tokens, layer).observe(tokens)
         self.series(self.tokens, layer).inc(tokens)
@@ -169,6 +176,10 @@ class Metrics:
         if series is None:
             series = self._series[key] = metric.labels(*labels)
         return series
+
+
+def _ns(seconds: float) -> int:
+    return round(seconds * 1e9)
 
 
 class ExpertTokens(Collector):

@@ -293,4 +293,14 @@ def statistics(runtime: Runtime, name: str = "", version: str = "") -> dict:
     """Triton's $stats_model_response: every model, or model `name` (of `version`)."""
     engine = ready(runtime).engine
     names = [get_model(engine, name, version).name] if name else sorted(engine.layers)
-    return runtime.metrics.statistics.to_json(names)
+    stats = runtime.metrics.statistics.to_json(names)
+    device = engine.device
+    for model in stats["model_stats"]:  # the layer's weights, on its device
+        model["memory_usage"] = [
+            {
+                "type": "GPU" if device.type == "cuda" else "CPU",
+                "id": device.index or 0,
+                "byte_size": engine.layers[model["name"]].device_bytes,
+            }
+        ]
+    return stats

@@ -26,9 +26,9 @@ class Duration:
     count: int = 0
     ns: int = 0
 
-    def add(self, seconds: float, times: int = 1) -> None:
+    def add(self, ns: int, times: int = 1) -> None:
         self.count += times
-        self.ns += round(seconds * 1e9)
+        self.ns += ns
 
     def to_json(self) -> dict[str, int]:
         return {"count": self.count, "ns": self.ns}
@@ -68,7 +68,8 @@ class ModelStatistics:
                 "compute_output",
             )
         }
-        stats["cache_hit"] = Duration().to_json()  # there is no response cache
+        # there is no response cache
+        stats["cache_hit"] = stats["cache_miss"] = Duration().to_json()
         return {
             "name": name,
             "version": VERSION,
@@ -85,6 +86,8 @@ class ModelStatistics:
                 }
                 for size, b in sorted(self.batches.items())
             ],
+            "memory_usage": [],
+            "response_stats": {},  # for decoupled models; ours answer each request once
         }
 
 
@@ -96,27 +99,27 @@ class RequestTimer:
 
     def __init__(self, model: ModelStatistics, lock: threading.Lock) -> None:
         self.model, self.lock = model, lock
-        self.started = 0.0
-        self.submitted: float | None = None  # inputs ready, handed to the batcher
-        self.answered: float | None = None  # the batcher's result is back
+        self.started = 0  # time.perf_counter_ns(), as every time here
+        self.submitted: int | None = None  # inputs ready, handed to the batcher
+        self.answered: int | None = None  # the batcher's result is back
         self.tokens = 0
 
     def submit(self, tokens: int) -> None:
-        self.submitted, self.tokens = time.perf_counter(), tokens
+        self.submitted, self.tokens = time.perf_counter_ns(), tokens
 
     def answer(self) -> None:
-        self.answered = time.perf_counter()
+        self.answered = time.perf_counter_ns()
 
     def __enter__(self) -> RequestTimer:
         model = self.model
         with self.lock:
             model.pending += 1
             model.last_inference_ms = int(time.time() * 1e3)
-        self.started = time.perf_counter()
+        self.started = time.perf_counter_ns()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        ended, model = time.perf_counter(), self.model
+        ended, model = time.perf_counter_ns(), self.model
         with self.lock:
             model.pending -= 1
             if kind is not None:
@@ -154,17 +157,27 @@ class Statistics:
         return RequestTimer(model, self.lock)
 
     def record_execution(
-        self, name: str, tokens: int, seconds: float, queued_s: Sequence[float]
+        self,
+        name: str,
+        tokens: int,
+        input_ns: int,
+        infer_ns: int,
+        output_ns: int,
+        queued_ns: Sequence[int],
     ) -> None:
-        """One forward of `tokens` rows that took `seconds`, for requests (pieces) that had
-        waited `queued_s` each."""
+        """One forward of `tokens` rows: its inputs took `input_ns` onto the device, the forward
+        `infer_ns` and the output `output_ns` back (0 where nothing is copied: the CPU), for
+        requests (pieces) that had waited `queued_ns` each."""
         with self.lock:
             model = self.models.setdefault(name, ModelStatistics())
             model.execution_count += 1
-            model.compute_infer.add(seconds * len(queued_s), len(queued_s))
-            for wait in queued_s:
+            model.compute_infer.add(infer_ns * len(queued_ns), len(queued_ns))
+            for wait in queued_ns:
                 model.queue.add(wait)
-            model.batches.setdefault(tokens, BatchStatistics()).compute_infer.add(seconds)
+            batch = model.batches.setdefault(tokens, BatchStatistics())
+            batch.compute_input.add(input_ns)
+            batch.compute_infer.add(infer_ns)
+            batch.compute_output.add(output_ns)
 
     def to_json(self, names: Sequence[str]) -> dict:
         """Triton's $stats_model_response for `names`."""
