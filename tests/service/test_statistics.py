@@ -82,11 +82,11 @@ def test_stats_of_an_unknown_model_or_version_are_404(urls) -> None:
     assert err.value.status() == "StatusCode.NOT_FOUND"
 
 
-def _samples(url: str, metric: str) -> dict[str, float]:
-    """{model: value} of one metric's samples labelled version="1"."""
+def _samples(url: str, metric: str, label: str = "") -> dict[str, float]:
+    """{model: value} of one metric's samples labelled version="1" (and `label`)."""
     values = {}
     for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(metric + "{"):
+        if line.startswith(metric + "{") and label in line:
             labels, value = line[len(metric) + 1 :].split("} ")
             fields = dict(kv.split("=") for kv in labels.split(","))
             assert fields["version"] == '"1"'
@@ -102,7 +102,12 @@ def test_nv_inference_metrics_beside_moe_serve_ones(urls) -> None:
     with pytest.raises(httpclient.InferenceServerException):
         _infer(client, 1, NO_ROUTER)
     assert _samples(url, "nv_inference_request_success") == {TINY: 2, NO_ROUTER: 0}
-    assert _samples(url, "nv_inference_request_failure") == {TINY: 0, NO_ROUTER: 1}
+    failures = _samples(url, "nv_inference_request_failure", 'reason="OTHER"')
+    assert failures == {TINY: 0, NO_ROUTER: 1}  # bad input
+    assert _samples(url, "nv_inference_request_failure", 'reason="BACKEND"') == {
+        TINY: 0,
+        NO_ROUTER: 0,
+    }
     assert _samples(url, "nv_inference_count")[TINY] == 6
     assert _samples(url, "nv_inference_exec_count")[TINY] == 2
     assert _samples(url, "nv_inference_pending_request_count") == {TINY: 0, NO_ROUTER: 0}
@@ -111,7 +116,9 @@ def test_nv_inference_metrics_beside_moe_serve_ones(urls) -> None:
     durations = {  # the same numbers as /stats, in microseconds
         "nv_inference_request_duration_us": inference["success"]["ns"] + inference["fail"]["ns"],
         "nv_inference_queue_duration_us": inference["queue"]["ns"],
+        "nv_inference_compute_input_duration_us": inference["compute_input"]["ns"],
         "nv_inference_compute_infer_duration_us": inference["compute_infer"]["ns"],
+        "nv_inference_compute_output_duration_us": inference["compute_output"]["ns"],
     }
     for metric, ns in durations.items():
         assert _samples(url, metric)[TINY] == ns // 1000, metric

@@ -7,13 +7,16 @@ from __future__ import annotations
 import contextlib
 import queue
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
+from moe_serve.service.triton.metrics import GpuCollector, exposition
 from tests.service.conftest import wait_ready
 from tests.service.layers import NO_ROUTER, TINY, E, H, free_port, running_server, tiny_loader
 
@@ -21,12 +24,20 @@ httpclient = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
 
+METRICS_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def urls() -> Iterator[tuple[str, str]]:
-    """(HTTP base URL, gRPC host:port) of one server."""
+    """(HTTP base URL, gRPC host:port) of one server; its metrics port is METRICS_PORT."""
     port = free_port()
     settings = Settings(
-        device="cpu", grpc_port=port, max_batch_tokens=32, max_batch_delay_ms=0.5, max_queue=8
+        device="cpu",
+        grpc_port=port,
+        metrics_port=METRICS_PORT,
+        max_batch_tokens=32,
+        max_batch_delay_ms=0.5,
+        max_queue=8,
     )
     app = create_app(settings, tiny_loader)
     with running_server(app) as url:
@@ -180,3 +191,96 @@ def _http_input(rows: np.ndarray) -> httpclient.InferInput:
     tensor = httpclient.InferInput("hidden_states", list(rows.shape), "FP32")
     tensor.set_data_from_numpy(rows)
     return tensor
+
+
+# Triton's metrics and their types
+TRITON_METRICS = {
+    **dict.fromkeys(
+        [
+            "nv_inference_request_success",
+            "nv_inference_request_failure",
+            "nv_inference_count",
+            "nv_inference_exec_count",
+            "nv_inference_request_duration_us",
+            "nv_inference_queue_duration_us",
+            "nv_inference_compute_input_duration_us",
+            "nv_inference_compute_infer_duration_us",
+            "nv_inference_compute_output_duration_us",
+        ],
+        "counter",
+    ),
+    "nv_inference_pending_request_count": "gauge",
+    "nv_cpu_utilization": "gauge",
+    "nv_cpu_memory_total_bytes": "gauge",
+    "nv_cpu_memory_used_bytes": "gauge",
+}
+
+
+def test_metrics_port_serves_tritons_metrics_with_tritons_names_and_types(urls, http) -> None:
+    http.infer(TINY, [_http_input(_rows(2))])
+    page = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(page.text)}
+    assert {name: families[name].type for name in TRITON_METRICS} == TRITON_METRICS
+    for name, kind in TRITON_METRICS.items():
+        if kind == "counter":  # named as Triton names them: no _total
+            assert f"# TYPE {name} counter" in page.text and f"\n{name}{{" in page.text, name
+    success = families["nv_inference_request_success"].samples
+    assert {"model": TINY, "version": "1"} in [s.labels for s in success]
+    assert 0 <= families["nv_cpu_utilization"].samples[0].value <= 1
+    memory = {
+        n: families[n].samples[0].value
+        for n in ("nv_cpu_memory_total_bytes", "nv_cpu_memory_used_bytes")
+    }
+    assert 0 < memory["nv_cpu_memory_used_bytes"] < memory["nv_cpu_memory_total_bytes"]
+    assert "moe_serve_tokens_total" in page.text  # the same page as on the HTTP port
+    assert "nv_inference_request_success" in httpx.get(f"{urls[0]}/metrics").text
+    assert httpx.get(f"http://127.0.0.1:{METRICS_PORT}/other").status_code == 404
+
+
+class _FakeNvml:
+    """pynvml's calls the GPU collector makes, for two GPUs; the second has no power reading."""
+
+    class NVMLError(Exception):
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        return index
+
+    def nvmlDeviceGetUUID(self, handle: int) -> bytes:
+        return f"GPU-{handle}".encode()
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> SimpleNamespace:
+        return SimpleNamespace(gpu=50 + handle)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> SimpleNamespace:
+        return SimpleNamespace(total=80 << 30, used=(handle + 1) << 30)
+
+    def nvmlDeviceGetPowerUsage(self, handle: int) -> int:
+        if handle:
+            raise self.NVMLError("not supported")
+        return 250_000  # mW
+
+    def nvmlDeviceGetPowerManagementLimit(self, handle: int) -> int:
+        return 700_000
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: int) -> int:
+        return 5_000_000  # mJ
+
+
+def test_gpu_metrics_are_labelled_by_uuid_in_tritons_units() -> None:
+    collector = GpuCollector()
+    collector.nvml = _FakeNvml()
+    page = exposition([collector]).decode()
+    families = {f.name: f for f in text_string_to_metric_families(page)}
+    values = {(f.name, s.labels["gpu_uuid"]): s.value for f in families.values() for s in f.samples}
+    assert values[("nv_gpu_utilization", "GPU-1")] == 0.51
+    assert values[("nv_gpu_memory_used_bytes", "GPU-0")] == 1 << 30
+    assert values[("nv_gpu_power_usage", "GPU-0")] == 250.0
+    assert ("nv_gpu_power_usage", "GPU-1") not in values  # not supported: left out
+    assert values[("nv_energy_consumption", "GPU-0")] == 5000.0
+    assert families["nv_energy_consumption"].type == "counter"
+    assert families["nv_gpu_memory_total_bytes"].type == "gauge"
