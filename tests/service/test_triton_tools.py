@@ -284,3 +284,11 @@ def test_gpu_metrics_are_labelled_by_uuid_in_tritons_units() -> None:
     assert values[("nv_energy_consumption", "GPU-0")] == 5000.0
     assert families["nv_energy_consumption"].type == "counter"
     assert families["nv_gpu_memory_total_bytes"].type == "gauge"
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_http_infer_replies_name_the_model_version(urls, http, binary) -> None:
+    output = httpclient.InferRequestedOutput("output", binary_data=binary)
+    for version in ("", "1"):
+        result = http.infer(TINY, [_http_input(_rows(1))], model_version=version, outputs=[output])
+        assert result.get_response()["model_version"] == "1"

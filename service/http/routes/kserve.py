@@ -268,7 +268,7 @@ async def _encode(name: str, request: InferRequest, result: inference.InferenceR
     """encode_response, off the loop when large (a JSON output by its numbers)."""
     outputs = result.outputs
     numbers = sum(t.numel() for n, t in outputs.items() if not wants_binary(request, n))
-    args = (encode_response, name, request, outputs, result.placed)
+    args = (encode_response, name, inference.VERSION, request, outputs, result.placed)
     if numbers:
         return await off_loop.JSON.run(numbers * NUMBER_BYTES, *args)
     return await off_loop.BINARY.run(sum(t.nbytes for t in outputs.values()), *args)
