@@ -11,7 +11,7 @@ from google.protobuf import json_format
 from tritonclient.grpc import model_config_pb2, service_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 
-from .. import tracing
+from .. import logs, tracing
 from ..core import inference
 from ..core.runtime import Runtime, ready, repository_of
 from ..errors import UnknownLayer
@@ -110,6 +110,39 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 result.placed,
             )
 
+    # Triton's trace and log settings (service/tracing.py, service/logs.py)
+    async def TraceSetting(
+        self, request: pb.TraceSettingRequest, _context: Context
+    ) -> pb.TraceSettingResponse:
+        model = request.model_name
+        if model:
+            model = inference.get_model(ready(self.runtime).engine, model).name
+        changes = {key: list(setting.value) for key, setting in request.settings.items()}
+        settings = (
+            tracing.SETTINGS.update(changes, model) if changes else tracing.SETTINGS.get(model)
+        )
+        Value = pb.TraceSettingResponse.SettingValue
+        return pb.TraceSettingResponse(
+            settings={
+                key: Value(value=value if isinstance(value, list) else [value])
+                for key, value in settings.items()
+            }
+        )
+
+    async def LogSettings(
+        self, request: pb.LogSettingsRequest, _context: Context
+    ) -> pb.LogSettingsResponse:
+        changes = {
+            key: None if choice is None else getattr(setting, choice)
+            for key, setting in request.settings.items()
+            for choice in [setting.WhichOneof("parameter_choice")]
+        }
+        settings = logs.update_log_settings(changes) if changes else logs.log_settings()
+        Value = pb.LogSettingsResponse.SettingValue
+        return pb.LogSettingsResponse(
+            settings={key: _log_value(Value, value) for key, value in settings.items()}
+        )
+
     # Triton's model repository extension (service/triton/repository.py)
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, _context: Context
@@ -180,6 +213,15 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     ) -> pb.CudaSharedMemoryUnregisterResponse:
         self.runtime.shared_memory.unregister("cuda", request.name, caller.get())
         return pb.CudaSharedMemoryUnregisterResponse()
+
+
+def _log_value(value_type: type, value: object) -> object:
+    """A log setting's value in the field of its type."""
+    if isinstance(value, bool):
+        return value_type(bool_param=value)
+    if isinstance(value, int):
+        return value_type(uint32_param=value)
+    return value_type(string_param=str(value))
 
 
 # the RPCs InferenceServicer answers: those it defines, not the stubs' UNIMPLEMENTED defaults

@@ -34,6 +34,7 @@ from .routes import (
     placement,
     repository,
     shared_memory,
+    trace_logging,
 )
 
 
@@ -90,7 +91,17 @@ def create_app(
     app.state.runtime = runtime
     app.state.body_sink = pinned_body_sink(runtime)  # the server's connections read into it
     install_handlers(app)
-    routers = (health, metrics, introspect, forward, kserve, shared_memory, repository, placement)
+    routers = (
+        health,
+        metrics,
+        introspect,
+        forward,
+        kserve,
+        shared_memory,
+        repository,
+        placement,
+        trace_logging,
+    )
     for module in routers:
         app.include_router(module.router)
     # innermost: the tracing middleware and RequestMiddleware wrap them as they wrap the routes

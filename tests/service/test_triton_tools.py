@@ -5,6 +5,7 @@ settings, the metrics page."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from moe_serve.service import tracing
 from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from moe_serve.service.triton.metrics import GpuCollector, exposition
@@ -292,3 +294,122 @@ def test_http_infer_replies_name_the_model_version(urls, http, binary) -> None:
     for version in ("", "1"):
         result = http.infer(TINY, [_http_input(_rows(1))], model_version=version, outputs=[output])
         assert result.get_response()["model_version"] == "1"
+
+
+@pytest.fixture
+def log_level() -> Iterator[None]:
+    """The root logger's level, put back after the test changes it through the API."""
+    root = logging.getLogger()
+    level = root.level
+    yield
+    root.setLevel(level)
+
+
+def test_log_settings_over_http_and_grpc_change_the_level(http, grpc, log_level) -> None:
+    root = logging.getLogger()
+    settings = http.update_log_settings({"log_verbose_level": 1})
+    assert root.level == logging.DEBUG
+    assert settings == {
+        "log_file": "",
+        "log_verbose_level": 1,
+        "log_info": True,
+        "log_warning": True,
+        "log_error": True,
+        "log_format": "text",
+    }
+    grpc.update_log_settings({"log_verbose_level": 0, "log_info": False})
+    assert root.level == logging.WARNING
+    assert http.get_log_settings()["log_info"] is False
+    message = grpc.get_log_settings().settings
+    assert (message["log_info"].bool_param, message["log_warning"].bool_param) == (False, True)
+    assert message["log_verbose_level"].uint32_param == 0
+    for bad, why in (
+        ({"log_info": True, "log_error": False}, "log_info on shows log_error"),  # a threshold
+        ({"log_file": "/tmp/x.log"}, "stderr"),
+        ({"log_colour": True}, "unknown log settings"),
+    ):
+        with pytest.raises(httpclient.InferenceServerException) as err:
+            http.update_log_settings(bad)
+        assert err.value.status() == "400" and why in err.value.message(), bad
+        with pytest.raises(grpcclient.InferenceServerException) as err:
+            grpc.update_log_settings(bad)
+        assert err.value.status() == "StatusCode.INVALID_ARGUMENT", bad
+    assert root.level == logging.WARNING  # refused changes change nothing
+
+
+def test_trace_settings_over_http_and_grpc_global_and_per_model(http, grpc) -> None:
+    """Tracing is off in this process (no OTEL_* variables): the rate and count still change,
+    and a model's own settings follow the global ones until set."""
+    try:
+        assert http.get_trace_settings() == {
+            "trace_level": ["OFF"],
+            "trace_rate": "1",
+            "trace_count": "-1",
+            "log_frequency": "0",
+            "trace_file": "",
+            "trace_mode": "opentelemetry",
+        }
+        http.update_trace_settings(settings={"trace_rate": "10"})
+        grpc.update_trace_settings(TINY, {"trace_count": "5"})
+        assert http.get_trace_settings(TINY)["trace_rate"] == "10"  # the global one
+        assert http.get_trace_settings(TINY)["trace_count"] == "5"  # its own
+        assert http.get_trace_settings(NO_ROUTER)["trace_count"] == "-1"
+        http.update_trace_settings(settings={"trace_rate": "4"})
+        message = grpc.get_trace_settings(TINY).settings
+        assert list(message["trace_rate"].value) == ["4"]
+        assert list(message["trace_count"].value) == ["5"]
+        http.update_trace_settings(TINY, {"trace_count": None})  # back to the global one
+        assert grpc.get_trace_settings(TINY, as_json=True)["settings"]["trace_count"] == {
+            "value": ["-1"]
+        }
+        for bad, why in (
+            ({"trace_level": ["TIMESTAMPS"]}, "tracing is off"),
+            ({"trace_rate": "0"}, "trace_rate must be an integer from 1"),
+            ({"trace_file": "trace.json"}, "OpenTelemetry exporter"),
+            ({"trace_sampler": "1"}, "unknown trace setting"),
+        ):
+            with pytest.raises(httpclient.InferenceServerException) as err:
+                http.update_trace_settings(settings=bad)
+            assert err.value.status() == "400" and why in err.value.message(), bad
+            with pytest.raises(grpcclient.InferenceServerException) as err:
+                grpc.update_trace_settings(settings=bad)
+            assert err.value.status() == "StatusCode.INVALID_ARGUMENT", bad
+        with pytest.raises(httpclient.InferenceServerException) as err:
+            http.get_trace_settings("nope")
+        assert err.value.status() == "404"
+    finally:
+        tracing.SETTINGS.reset()
+
+
+def test_trace_settings_decide_which_requests_are_traced(monkeypatch) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+
+    monkeypatch.setattr(tracing, "enabled", lambda: True)
+    settings = tracing.TraceSettings()
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(sampler=tracing.SettingsSampler(settings, ALWAYS_ON))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+
+    def requests(path: str, n: int) -> int:
+        """How many of n requests to `path` were traced (each with a child span)."""
+        exporter.clear()
+        for _ in range(n):
+            with tracer.start_as_current_span("request", attributes={"url.path": path}):
+                tracer.start_span("queue").end()
+        traced = exporter.get_finished_spans()
+        return sum(span.name == "request" for span in traced)
+
+    assert requests("/v2/models/a/infer", 4) == 4  # on, as at start
+    settings.update({"trace_rate": "3"})
+    assert requests("/v2/models/a/infer", 6) == 2
+    settings.update({"trace_count": "1"}, "b")
+    assert requests("/v2/models/b/infer", 6) == 1  # b's count; the global rate
+    assert settings.get("b")["trace_count"] == "0"
+    assert requests("/v1/layers/a/forward", 3) == 1
+    settings.update({"trace_level": "OFF"})
+    assert requests("/v2/models/a/infer", 3) == 0
+    assert len(exporter.get_finished_spans()) == 0  # their children too
