@@ -71,11 +71,16 @@ def configure_from_environment() -> bool:
         protocol = os.environ.get(
             "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
             os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
-        )
-        if protocol != "grpc":
-            raise ValueError(f"OTLP protocol {protocol!r}: this server exports traces over grpc")
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
+        ).strip()
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        elif protocol == "http/protobuf":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        else:
+            raise ValueError(
+                f"OTLP protocol {protocol!r}: this server exports traces over grpc or "
+                "http/protobuf"
+            )
         exporter = OTLPSpanExporter()  # endpoint, headers, TLS: OTEL_EXPORTER_OTLP_*
     # a service.name from OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES wins over ours
     named = "OTEL_SERVICE_NAME" in os.environ or "service.name=" in os.environ.get(
