@@ -78,8 +78,7 @@ def configure_from_environment() -> bool:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         else:
             raise ValueError(
-                f"OTLP protocol {protocol!r}: this server exports traces over grpc or "
-                "http/protobuf"
+                f"OTLP protocol {protocol!r}: this server exports traces over grpc or http/protobuf"
             )
         exporter = OTLPSpanExporter()  # endpoint, headers, TLS: OTEL_EXPORTER_OTLP_*
     # a service.name from OTEL_SERVICE_NAME or OTEL_RESOURCE_ATTRIBUTES wins over ours
