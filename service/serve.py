@@ -47,6 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, help="default 8000")
     p.add_argument("--grpc-port", type=int, help="KServe v2 over gRPC (default 8001; 0: off)")
     p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="Prometheus /metrics on a port of its own (default 8002; 0: off; /metrics on "
+        "--port stays)",
+    )
+    p.add_argument(
         "--http-workers",
         type=int,
         metavar="N",
@@ -133,6 +139,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 GRPC_LISTENER = "gRPC, --grpc-port; 0 turns gRPC off"
+METRICS_LISTENER = "metrics, --metrics-port; 0 turns the metrics port off"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
         listener = listen(settings.host, settings.port)
         if settings.grpc_port:  # gRPC binds in the app: refuse a port in use here, first
             listen(settings.host, settings.grpc_port, GRPC_LISTENER).close()
+        if settings.metrics_port:
+            listen(settings.host, settings.metrics_port, METRICS_LISTENER).close()
     except ValidationError as err:
         return _refuse(f"invalid settings: {describe_validation_error(err, 'settings')}")
     except ValueError as err:  # LayerFileError is a ValueError

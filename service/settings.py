@@ -27,6 +27,8 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"  # loopback unless asked: the API has no auth by default
     port: int = Field(8000, ge=0, le=65535)
     grpc_port: int = Field(8001, ge=0, le=65535)  # KServe v2 over gRPC, as Triton; 0: off
+    # GET /metrics on a port of its own, as Triton's; 0: off (/metrics on `port` stays)
+    metrics_port: int = Field(8002, ge=0, le=65535)
     # HTTP front-end processes sharing the port (binary forwards laid in shared memory, the rest
     # relayed) around this one, which keeps the GPU; 0: this process serves HTTP itself
     http_workers: int = Field(0, ge=0, le=64)
@@ -90,11 +92,19 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_repository(self) -> Settings:
-        if self.port and self.port == self.grpc_port:
-            raise ValueError(
-                f"port and grpc_port are both {self.port}: HTTP and gRPC need a port each "
-                "(gRPC's default is 8001, as Triton's; grpc_port 0 turns gRPC off)"
-            )
+        ports = {"port": self.port, "grpc_port": self.grpc_port, "metrics_port": self.metrics_port}
+        by_port: dict[int, list[str]] = {}
+        for name, port in ports.items():
+            if port:
+                by_port.setdefault(port, []).append(name)
+        for port, names in by_port.items():
+            if len(names) > 1:
+                raise ValueError(
+                    f"{' and '.join(names)} are {'both' if len(names) == 2 else 'all'} {port}: "
+                    "HTTP, gRPC and metrics need a port "
+                    "each (gRPC's default is 8001 and metrics' 8002, as Triton's; 0 turns gRPC "
+                    "or metrics off)"
+                )
         if self.model_repository is not None and self.ep > 1:
             raise ValueError("model_repository cannot be used with expert parallelism (ep > 1)")
         if self.batch_invariant and self.ep > 1:
