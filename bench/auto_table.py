@@ -159,7 +159,7 @@ def rule_table(run: BenchRun) -> dict:
             f"uncaptured for the others; times_us of the modular forward (prepare, experts, "
             f"finalize) on fixed routing, uncaptured. CUDA events, L2 flushed, {s.warmup} "
             f"warm-up calls, {s.min_iters}-{s.max_iters} iterations, about "
-            f"{s.budget_s * 1e3:g} ms per point (bench/timing.py); `moe-serve bench tune --mode "
+            f"{s.budget_s * 1e3:g} ms per point (kernels/timing.py); `moe-serve bench tune --mode "
             f"rules` of a `moe-serve bench kernels` run of {run.environment.created}"
         ),
         "rules": rules,

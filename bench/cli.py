@@ -231,8 +231,8 @@ def run_kernels(args: argparse.Namespace) -> int:
             raise ValueError(f"--mode {args.mode} runs on a CUDA GPU; none is visible here")
         env = capture(device, args.commit, args.command)
         if args.mode == "external-alone":
+            from ..kernels.timing import TimingPlan
             from .external_alone import run
-            from .timing import TimingPlan
 
             plan = TimingPlan(args.warmup, args.min_iters, args.max_iters, args.budget_ms / 1e3)
             path = result_path(args.out, env, "external-alone")
@@ -244,9 +244,9 @@ def run_kernels(args: argparse.Namespace) -> int:
             inline = args.shared_in_line
             run(args.shapes, args.backends, args.tokens, args.replays, inline, env, path)
         else:
+            from ..kernels.timing import TimingPlan
             from .kernel_bench import KernelBench, KernelBenchConfig
             from .router_loads import Load
-            from .timing import TimingPlan
 
             plan = TimingPlan(args.warmup, args.min_iters, args.max_iters, args.budget_ms / 1e3)
             config = KernelBenchConfig(

@@ -4,6 +4,7 @@ run."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -14,9 +15,9 @@ from moe_serve.bench.auto_table import crossover_tokens, rank_backends, rule_tab
 from moe_serve.bench.kernel_bench import KernelBench, KernelBenchConfig, read_run
 from moe_serve.bench.router_loads import Load
 from moe_serve.bench.schema import Point, write_result
-from moe_serve.bench.timing import TimingPlan
 from moe_serve.kernels import registry, selection
 from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.kernels.timing import TimingPlan
 from moe_serve.service.cli import main
 from tests.bench.sample import sample_run
 
@@ -111,7 +112,7 @@ def _timed(point: Point, medians_us: dict[str, float]) -> Point:
         template.model_copy(
             update={
                 "backend": backend,
-                "routing_excluded": template.routing_excluded.model_copy(update={"median_us": us}),
+                "routing_excluded": replace(template.routing_excluded, median_us=us),
             }
         )
         for backend, us in medians_us.items()
@@ -174,7 +175,7 @@ def _served(point: Point, served_us: dict[str, tuple[float, bool]]) -> Point:
     template = point.results[0]
     results = []
     for backend, (us, captured) in served_us.items():
-        timing = template.routing_included.model_copy(update={"median_us": us})
+        timing = replace(template.routing_included, median_us=us)
         update = {"backend": backend, "captured": timing if captured else None}
         if not captured:
             update |= {"routing_included": timing, "not_captured": "it syncs with the host"}
