@@ -110,9 +110,12 @@ class RuleTable:
 
     @classmethod
     def from_json(cls, path: Path) -> RuleTable:
-        raw = json.loads(path.read_text())
+        return cls.from_body(json.loads(path.read_text()), path.name)
+
+    @classmethod
+    def from_body(cls, raw: dict, source: str) -> RuleTable:
         rules = {key: Rule.from_json(key, body) for key, body in raw["rules"].items()}
-        return cls(raw["device"], raw["commit"], path.name, rules)
+        return cls(raw["device"], raw["commit"], source, rules)
 
 
 @functools.cache
