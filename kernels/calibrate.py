@@ -392,9 +392,15 @@ def calibrate(
         measured = measure(names, buckets, open_candidate, limit, budget_s, progress)
         del open_candidate, inputs, timer  # the reference output and the L2 flush buffer
         _free_device_memory()
+    return rule_table(cfg, _device_name(device), measured, timing), measured
+
+
+def rule_table(cfg: MoEConfig, device: str, measured: Measured, timing: TimingPlan) -> dict:
+    """The rule table of one calibration: one rule, keyed as the tuned tables key it, in their
+    form (kernels/rules.py), its backends not ranked and why under `failed`."""
     body = make_rule(measured.served_us, measured.captured) | {"failed": measured.not_ranked}
-    table = {
-        "device": torch.cuda.get_device_name(device),
+    return {
+        "device": device,
         "commit": code_version(),
         "date": datetime.now(UTC).date().isoformat(),
         "command": COMMAND,
@@ -408,7 +414,10 @@ def calibrate(
         ),
         "rules": {rule_key(cfg): body},
     }
-    return table, measured
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def plan_text(body: dict) -> str:
@@ -433,7 +442,7 @@ def calibrated_rules(
         return None
     if calibration.mode == Mode.ONCE and rule_for(cfg, device)[0] is not None:
         return None
-    gpu = torch.cuda.get_device_name(device)
+    gpu = _device_name(device)
     key = CacheKey(
         gpu, repr(cfg), token_buckets(chunk_tokens), candidates(cfg, device), code_version()
     )
