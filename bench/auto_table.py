@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 
 from ..kernels.registry import experts_backends
-from ..kernels.rules import COMPOSED, make_rule
+from ..kernels.rules import COMPOSED, make_rule, plan_text
 from ..kernels.selection import rule_key
 from ..kernels.tuned import PROVENANCE, TUNED_DIR
 from .schema import AUTO_ROW, BackendResult, BenchRun, gpu_name
@@ -168,12 +168,13 @@ def summary(table: dict) -> str:
         if "commit" in rule:
             lines += [f"Measured at commit {rule['commit']}.", ""]
         if rule.get("plan"):
-            steps = ", ".join(f"{name} from M={m}" for m, name in rule["plan"])
-            lines += [f"Auto runs {steps}; {_plan_ratios(rule)}.", ""]
+            lines += [f"Auto runs {plan_text(rule['plan'])}; {_plan_ratios(rule)}.", ""]
             lines += ["Served, whole layer (* replayed from a CUDA graph):"]
             lines += ["", *_times(rule["served_us"], frozenset(rule["captured"])), ""]
-            lines += ["Modular forward, fixed routing, uncaptured:", ""]
-        lines += _times(rule["times_us"])
+            if "times_us" in rule:
+                lines += ["Modular forward, fixed routing, uncaptured:", ""]
+        if "times_us" in rule:  # a calibrated rule times the layer as served only
+            lines += _times(rule["times_us"])
         lines += [f"- {b} not ranked: {why}" for b, why in rule["failed"].items()]
     return "\n".join(lines) + "\n"
 

@@ -50,7 +50,7 @@ from .config import MoEConfig
 from .layer import LayerWeights, build_layer
 from .layer_graphs import LayerGraphs, can_capture, token_buckets
 from .registry import experts_backends
-from .rules import COMPOSED, make_rule
+from .rules import COMPOSED, make_rule, plan_text
 from .selection import AUTO_ORDER, RuleTable, rule_for, rule_key
 from .tensors import ForwardInputs
 from .timing import Timer, TimingPlan
@@ -420,11 +420,6 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
-def plan_text(body: dict) -> str:
-    """A rule's plan as `/backends` reasons spell it: "triton from M=1, deep-gemm from M=512"."""
-    return ", ".join(f"{name} from M={m}" for m, name in body["plan"]) or "nothing"
-
-
 def calibrated_rules(
     name: str,
     cfg: MoEConfig,
@@ -488,5 +483,5 @@ def calibrated_rules(
     else:
         source = "this start's calibration"
     log.info("layer %s calibrated in %.1f s: auto runs %s", name, measured.seconds,
-             plan_text(body))  # fmt: skip
+             plan_text(body["plan"]))  # fmt: skip
     return RuleTable.from_body(table, source)

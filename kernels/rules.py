@@ -15,6 +15,7 @@ A rule's body, as `kernels/tuned/auto_<gpu>.json` holds it under `rules`:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from itertools import permutations
 
 from .experts.token_switch import TritonOrDeepGemmExperts
@@ -31,6 +32,11 @@ COMPOSED = frozenset({TritonOrDeepGemmExperts.name})
 SWITCH_MARGIN = 1.01
 
 Plan = tuple[tuple[int, str], ...]  # (from this many tokens, backend), ascending, from 1
+
+
+def plan_text(plan: Sequence[Sequence]) -> str:
+    """A plan as reasons spell it: "triton from M=1, deep-gemm from M=512"."""
+    return ", ".join(f"{name} from M={m}" for m, name in plan)
 
 
 def token_plan(

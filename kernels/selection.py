@@ -35,7 +35,7 @@ import torch
 from .config import MoEConfig
 from .experts.token_switch import TokenSwitchExperts, TritonOrDeepGemmExperts
 from .registry import experts_backends, prepare_finalize_backends
-from .rules import COMPOSED, Plan, token_plan
+from .rules import COMPOSED, Plan, plan_text, token_plan
 from .stages import Support
 from .tensors import Format
 from .tuned import TUNED_DIR
@@ -180,7 +180,7 @@ def _planned(
     if len(plan) == 1:
         reason = f"auto: {source}: one backend at every size, by the {served} times of M={counts}"
         return Choice(plan[0][1], reason + why)
-    steps = ", ".join(f"{name} from M={m}" for m, name in plan)
+    steps = plan_text(plan)
     reason = f"auto: {source}: per token count, by the {served} times of M={counts}: {steps}"
     return Choice(plan[0][1], reason + why, plan)
 
