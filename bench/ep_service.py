@@ -306,7 +306,7 @@ def run(config: EpBenchConfig, env: Environment, path: Path) -> dict:
         one_gpu = run_engine(single, config.shape, tokens, hidden, config.seconds, kinds)
         if config.profile:
             profile_kernels(single, config.shape, top, hidden, profiles / "profile-1gpu.txt")
-        backend = served.backend
+        backend = served.backend  # what auto chose on one GPU, for the report
         del single, served
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -317,7 +317,7 @@ def run(config: EpBenchConfig, env: Environment, path: Path) -> dict:
             ep_redundant=config.redundant,
             ep_placement=config.placement,
             weights=(layer,),
-            backend=backend,
+            backend=config.backend,  # as `serve --ep N --backend B` hands it to the ranks
             max_batch_tokens=top,
         )
         ep = EPEngine(settings, [layer])

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from moe_serve.bench import ep_service
 from moe_serve.service.cli import main
 
@@ -33,3 +35,26 @@ def test_the_ep_service_benchmark_writes_its_table_and_matches_one_process(tmp_p
     for trace in ("profile-ep.trace.json", "profile-ep-rank1.trace.json"):
         events = json.loads((tmp_path / trace).read_text())["traceEvents"]
         assert any(e.get("name", "").startswith("aten::") for e in events)
+
+
+def test_the_ep_engine_gets_the_backend_asked_for_not_what_it_resolved_to(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """`--backend auto` (the default) reaches the ranks as "auto", as `serve --ep N` hands it
+    over: the name auto resolved to on one GPU (on a GPU, the token switch's
+    "triton<1024<=deep-gemm") is no backend a rank can build."""
+    handed = []
+
+    class Stop(Exception):
+        pass
+
+    def ep_engine(settings, layers):
+        handed.append(settings.backend)
+        raise Stop
+
+    monkeypatch.setattr(ep_service, "EPEngine", ep_engine)
+    argv = ["bench", "ep", "--out", str(tmp_path), "--commit", "test", "--device", "cpu"]
+    argv += ["--shape", "deepseek-v3-small", "--tokens", "1", "--duration", "0.05"]
+    with pytest.raises(Stop):
+        main(argv)
+    assert handed == ["auto"]
