@@ -55,8 +55,9 @@ def test_a_calibrated_rule_is_cached_followed_and_serves_the_reference_results(
 
     layer, choice = build_layer(cfg, weights, CUDA, chunk_tokens=MAX_TOKENS, rules=cached)
     assert str(path) in choice.reason
-    assert can_capture(layer, CUDA, MAX_TOKENS) or not rule.captured
-    graphs = LayerGraphs(layer, CUDA, MAX_TOKENS, with_logits=True) if rule.captured else None
+    graphs = None  # as the service runs it: from CUDA graphs where the layer can be captured
+    if can_capture(layer, CUDA, MAX_TOKENS):
+        graphs = LayerGraphs(layer, CUDA, MAX_TOKENS, with_logits=True)
     steps = {m for m, _ in rule.plan}
     sizes = sorted({1, MAX_TOKENS} | steps | {max(1, m - 1) for m in steps})
     with torch.inference_mode():
