@@ -10,6 +10,7 @@ from types import FrameType
 import uvicorn
 from pydantic import ValidationError
 
+from ..kernels.calibrate import DEFAULT_BUDGET_S, Mode
 from ..kernels.registry import experts_backends
 from ..kernels.selection import select
 from ..weights.demo import demo_configs
@@ -102,7 +103,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="info")
     p.add_argument("--log-format", choices=["text", "json"], help="json: one object per line")
     p.add_argument(
-        "--cache-dir", type=Path, metavar="DIR", help="where the demo layers are generated"
+        "--cache-dir",
+        type=Path,
+        metavar="DIR",
+        help="where the demo layers are generated and calibrated rules cached (default "
+        "~/.cache/moe-serve)",
+    )
+    p.add_argument(
+        "--calibrate",
+        choices=[mode.value for mode in Mode],
+        help="time each layer's backends on this GPU at start-up for --backend auto: once "
+        "(default: where no tuned rule table fits the layer and no rule is cached in "
+        "CACHE_DIR/calibration), always (at each start), off (docs/backends.md)",
+    )
+    p.add_argument(
+        "--calibrate-budget-s",
+        type=float,
+        metavar="S",
+        help=f"seconds one layer's calibration may take (default {DEFAULT_BUDGET_S:g})",
     )
     p.add_argument(
         "--allow-shared-memory",

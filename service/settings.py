@@ -10,6 +10,7 @@ import torch
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from ..kernels.calibrate import DEFAULT_BUDGET_S, Mode
 from ..kernels.stages import resolve_device
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -45,6 +46,13 @@ class Settings(BaseSettings):
     # Each row's output bit for bit independent of the rest of its batch and of the chunking
     # (reference and triton; fp8-tensor and expert parallelism refused): kernels/batch_invariant.py
     batch_invariant: bool = False
+    # `--backend auto`'s rule measured on this GPU at start-up (kernels/calibrate.py), per
+    # layer: once (where no tuned table fits and none is cached in cache_dir), always (at each
+    # start), off (the tuned tables, else auto's fixed order)
+    calibrate: Mode = Mode.ONCE
+    calibrate_budget_s: float = Field(
+        DEFAULT_BUDGET_S, gt=0
+    )  # per layer; then the rest is not timed
     max_body_bytes: int = Field(64 << 20, ge=1024)  # request bodies above this get 413
     # JSON bodies above this get 413 pointing to the binary formats: decoding JSON holds the GIL
     # (the event loop, /health included, waits) and costs a few times the body in memory. 16 MiB
@@ -61,7 +69,8 @@ class Settings(BaseSettings):
     # a descriptor (system) or a mapping (CUDA) until it is unregistered; beyond, 429
     max_shared_memory_regions: int = Field(256, ge=1)
     api_token: SecretStr | None = None  # bearer token required on every non-probe route
-    cache_dir: Path = Path.home() / ".cache" / "moe-serve"  # where the demo layers are written
+    # where the demo layers are written and calibrated rules cached (its calibration/ folder)
+    cache_dir: Path = Path.home() / ".cache" / "moe-serve"
     # Triton-style model repository: each subdirectory a layer directory, loaded at start and
     # loaded/unloaded at run time (POST /v2/repository/...)
     model_repository: Path | None = None
