@@ -6,6 +6,8 @@ HTTP protocol (which also answers bytes that are not HTTP in the service's JSON 
 - a request head must arrive within `read_timeout_s` of the connection opening or of the last
   response: uvicorn closes idle keep-alive connections, but never one whose client sent part of
   its headers and stalled. The body's deadline is the app's (`service.http.body.read_body`: 408);
+- a request head may hold at most MAX_HEAD_BYTES, else a JSON 431 and the connection closed:
+  httptools buffers a head of any size (h11, uvicorn's other parser, has a limit of its own);
 - a response the client stops reading: once the connection's send buffer is full, it must
   drain within `write_timeout_s`, else the connection is dropped (uvicorn would wait forever,
   holding the response and whatever the request holds).
@@ -44,6 +46,9 @@ OVER_CAPACITY = "moe_serve.over_capacity"  # scope key: the connection is beyond
 # Body bytes a connection holds before it stops reading (per connection, at most this much more
 # memory than uvicorn's 64 KB; max_connections bounds the connections).
 BODY_BUFFER_BYTES = 4 << 20
+# A request head's bytes (request line and headers) before the connection is refused: h11's limit
+# is 16 KiB, nginx's default 32 KiB; bearer tokens and KServe's headers take a few KiB.
+MAX_HEAD_BYTES = 64 << 10
 
 
 def listen(host: str, port: int, what: str = "HTTP, --port") -> socket.socket:
@@ -93,8 +98,9 @@ def bounded_protocol(
         protocol.HIGH_WATER_LIMIT = BODY_BUFFER_BYTES
     direct = body_sink is not None and AutoHTTPProtocol is httptools_impl.HttpToolsProtocol
     base = DirectBodyProtocol if direct else AutoHTTPProtocol
+    bases = (_HeadLimit, base) if issubclass(base, httptools_impl.HttpToolsProtocol) else (base,)
 
-    class BoundedHTTPProtocol(base):
+    class BoundedHTTPProtocol(*bases):
         _head_deadline: asyncio.TimerHandle | None = None
         _write_deadline: asyncio.TimerHandle | None = None
 
@@ -111,13 +117,7 @@ def bounded_protocol(
 
         def send_400_response(self, msg: str) -> None:
             body = json.dumps({"error": msg}).encode()
-            head = f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            self.transport.write(
-                b"HTTP/1.1 400 Bad Request\r\n"
-                + head.encode()
-                + b"connection: close\r\n\r\n"
-                + body
-            )
+            self.transport.write(_reply_head("400 Bad Request", body) + body)
             self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -169,6 +169,60 @@ def bounded_protocol(
         return BoundedHTTPProtocol
     BoundedHTTPProtocol.body_sink = staticmethod(body_sink)
     return lambda **kwargs: BufferedConnection(BoundedHTTPProtocol(**kwargs))
+
+
+class _HeadLimit(httptools_impl.HttpToolsProtocol):
+    """Counts the bytes of each request head as they arrive; past MAX_HEAD_BYTES, a 431. A
+    chunk is counted when the parser was reading a head before and after it; the chunk that ends
+    one message and starts the next (pipelining) is not, so a head may pass the limit by one
+    read's worth before it is refused. After the 431 the connection discards what the client
+    still sends for a moment before it closes: closing on unread bytes would reset the
+    connection, and the client would lose the reply."""
+
+    _in_head = True  # awaiting or reading a request head
+    _head_bytes = 0
+    _discarding = False
+
+    def data_received(self, data: bytes) -> None:
+        if self._discarding:
+            self._head_bytes += len(data)
+            if self._head_bytes > _DISCARD_BYTES:
+                self.transport.abort()
+            return
+        in_head = self._in_head
+        super().data_received(data)
+        if in_head and self._in_head and not self.transport.is_closing():
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse_head()
+
+    def _refuse_head(self) -> None:
+        log.info("refusing a request head of over %d bytes", MAX_HEAD_BYTES)
+        what = f"the request head (request line and headers) is over {MAX_HEAD_BYTES} bytes"
+        body = json.dumps({"error": what}).encode()
+        self.transport.write(_reply_head("431 Request Header Fields Too Large", body) + body)
+        self.transport.write_eof()
+        self._discarding = True
+        self.loop.call_later(_DISCARD_S, self.transport.close)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_bytes = 0
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_head = True
+
+
+_DISCARD_S = 1.0  # how long a refused head's connection discards the client's bytes at most
+_DISCARD_BYTES = 1 << 20  # and how many: past them it is reset
+
+
+def _reply_head(status: str, body: bytes) -> bytes:
+    """The head of a JSON error in the service's shape, closing the connection."""
+    head = f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n"
+    return (head + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
 
 
 async def client_gone(receive: Receive) -> None:

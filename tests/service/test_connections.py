@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 
 from moe_serve.service.http.app import create_app
-from moe_serve.service.http.server import bounded_protocol, listen
+from moe_serve.service.http.server import MAX_HEAD_BYTES, bounded_protocol, listen
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
 from tests.service.layers import TINY, running_server, tiny_loader
@@ -69,6 +69,30 @@ def test_a_request_head_that_stalls_has_its_connection_closed(server) -> None:
     with _connect(port) as sock:
         sock.sendall(b"POST /v1/layers/tiny/forward HTTP/1.1\r\nHost: t\r\nContent-Le")
         assert _read_until_closed(sock) == b""
+
+
+@pytest.mark.parametrize("endless", ["header lines", "one header"])
+def test_a_request_head_past_the_limit_gets_a_json_431_and_is_closed(server, endless) -> None:
+    """httptools would buffer a head of any size until the read timeout; past MAX_HEAD_BYTES the
+    server answers at once, token or not, and the next connection is served."""
+    url, port = server
+    line = b"X-Filler: " + b"a" * 8000 + (b"\r\n" if endless == "header lines" else b"")
+    with _connect(port) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n")
+        with contextlib.suppress(OSError):  # the server closes while the client still sends
+            for _ in range(4 * MAX_HEAD_BYTES // len(line)):
+                sock.sendall(line)
+        reply = _read_until_closed(sock)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 431 "), reply[:200]
+    assert json.loads(body)["error"].startswith("the request head (request line and headers)")
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_head_under_the_limit_is_served(server) -> None:
+    url, _ = server
+    filler = {f"x-filler-{i}": "a" * 4000 for i in range(MAX_HEAD_BYTES // 8000)}
+    assert httpx.get(f"{url}/health", headers=filler).status_code == 200
 
 
 def test_a_connection_that_never_sends_is_closed(server) -> None:

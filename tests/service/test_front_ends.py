@@ -38,6 +38,7 @@ from moe_serve.service.frontends.front_end import (
     _write_blob,
 )
 from moe_serve.service.frontends.supervisor import json_here_bytes, remove_stale_directories
+from moe_serve.service.http.server import MAX_HEAD_BYTES
 from moe_serve.service.settings import Settings
 from tests.service.layers import NO_ROUTER, TINY, H, reference_forward, running_front_ends
 from tests.service.test_wire import HOSTILE_HEADERS
@@ -458,6 +459,21 @@ def test_json_nested_a_thousand_deep_is_a_json_400_from_the_front_end(front_ends
     )
     assert reply.status_code == 400
     assert reply.json()["error"] == "hidden_states is nested more than 32 arrays deep"
+
+
+def test_a_request_head_past_the_limit_is_a_json_431_from_the_front_end(front_ends) -> None:
+    port = front_ends.listener.getsockname()[1]
+    line = b"X-Filler: " + b"a" * 8000 + b"\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n")
+        with contextlib.suppress(OSError):  # the front end closes while the client still sends
+            for _ in range(4 * MAX_HEAD_BYTES // len(line)):
+                sock.sendall(line)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 431 "), reply[:200]
+    assert httpx.get(f"{_url(front_ends)}/health").status_code == 200
 
 
 def test_directories_of_engines_that_are_gone_are_removed_at_start(tmp_path: Path) -> None:
