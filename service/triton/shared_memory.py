@@ -539,6 +539,8 @@ class SharedMemory:
         size must be the tensor's."""
         region = self._region_of(tensor, place, owner, "system")
         region.check(tensor, place, math.prod(shape) * dtype.itemsize, exact=True)
+        if not place.byte_size:  # no bytes to read (and none to view as `dtype`)
+            return torch.empty(shape, dtype=dtype)
         data = await region.read(place.offset, place.byte_size)
         return data.view(dtype).reshape(shape)
 

@@ -532,3 +532,23 @@ def test_an_empty_shared_memory_input_of_a_shape_torch_cannot_lay_out_is_400(
     r = client.post(f"/v2/models/{TINY}/infer", json=body)
     assert r.status_code == 400
     assert "shape [0, 9223372036854775808] is too large" in r.json()["error"]
+
+
+EMPTY = {"[0, H]": ([0, H], "hidden_states is empty"), "[4, 0]": ([4, 0], "has 0 columns"),
+         "[0, 0]": ([0, 0], "hidden_states is empty")}  # fmt: skip
+
+
+@pytest.mark.parametrize(("shape", "message"), EMPTY.values(), ids=EMPTY)
+@pytest.mark.parametrize("offset", [0, TENSOR_BYTES], ids=["start", "second-tensor"])
+def test_an_empty_shared_memory_input_is_400_as_any_empty_input(
+    client, region, shape, message, offset
+) -> None:
+    c, module = client
+    key, _ = region
+    c.register_system_shared_memory("data", key, 2 * TENSOR_BYTES)
+    tensor = module.InferInput("hidden_states", shape, "FP32")
+    tensor.set_shared_memory("data", 0, offset)
+    with pytest.raises(module.InferenceServerException) as err:
+        c.infer(TINY, [tensor], outputs=_output(module, size=0, offset=offset))
+    assert message in err.value.message(), err.value.message()
+    assert err.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
