@@ -47,7 +47,8 @@ class StateBlock:
         self.path = path
         with open(path, "r+b" if access == mmap.ACCESS_WRITE else "rb") as f:
             self._map = mmap.mmap(f.fileno(), BLOCK_BYTES, access=access)
-        self._generation = 0
+        self._generation = 0  # a writer's: the generations and each slot's sequence written
+        self._sequences = [0, 0]
         # a reader's last parse, by (slot, sequence): the state is parsed once per write
         self._seen: tuple[tuple[int, int], ProbeState] | None = None
 
@@ -74,12 +75,13 @@ class StateBlock:
             data = replace(state, models=()).to_json()
         generation = self._generation + 1
         at = _SLOTS[generation % 2]
-        (sequence, _, _) = _SLOT_HEAD.unpack_from(self._map, at)
+        sequence = self._sequences[generation % 2]
         _SLOT_HEAD.pack_into(self._map, at, sequence + 1, 0.0, 0)
         self._map[at + _SLOT_HEAD.size : at + _SLOT_HEAD.size + len(data)] = data
         _SLOT_HEAD.pack_into(self._map, at, sequence + 2, time.monotonic(), len(data))
         _GENERATION.pack_into(self._map, 0, generation)
         self._generation = generation
+        self._sequences[generation % 2] = sequence + 2
 
     def read(self, stale_s: float) -> ProbeState:
         """The engine's state as the probes answer it now: not live and not ready when its
