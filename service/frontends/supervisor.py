@@ -40,7 +40,7 @@ _RESTART_PAUSE_S = 1.0
 
 class FrontEnds:
     def __init__(self, settings: Settings, listener: socket.socket) -> None:
-        self.count = settings.http_workers
+        self.count = settings.front_ends()
         self.listener = listener
         remove_stale_directories(shm_dir())
         prefix = f"{DIRECTORY_PREFIX}{os.getpid()}-"
