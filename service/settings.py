@@ -15,9 +15,9 @@ from ..kernels.stages import resolve_device
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 MIN_TOKEN_CHARS = 16  # a shorter bearer token is a placeholder, not a secret
-# --http-workers auto on a GPU: the most front ends, chosen by `moe-serve bench service` (8 kept
-# the GPU busiest from 16 to 256 clients on a 16-core host); half the cores leaves the rest to
-# the engine process, its copies and the batcher
+# --http-workers auto on a GPU: the most front ends, chosen by `moe-serve bench service` on a
+# 16-core H200 host; half the cores leaves the rest to the engine process, its copies and the
+# batcher
 AUTO_FRONT_ENDS = 8
 
 
