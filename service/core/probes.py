@@ -26,7 +26,7 @@ class ProbeState:
     `models`: the layers served."""
 
     not_live: str | None = None
-    not_ready: str | None = "loading layers"
+    not_ready: str | None = None
     degraded: str | None = None
     draining: bool = False
     models: tuple[str, ...] = ()

@@ -61,9 +61,12 @@ class Runtime:
 
     def probe_state(self) -> ProbeState:
         """What the probes answer now."""
-        models = () if self.engine is None else tuple(self.engine.layers)
-        draining = self.drain_deadline is not None
-        return ProbeState(None, self.not_ready, self.degraded, draining, models)
+        return ProbeState(
+            not_ready=self.not_ready,
+            degraded=self.degraded,
+            draining=self.drain_deadline is not None,
+            models=() if self.engine is None else tuple(self.engine.layers),
+        )
 
     def drain(self) -> None:
         """SIGTERM came: in-flight requests have drain_timeout_s to finish. From now on gRPC

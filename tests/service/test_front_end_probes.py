@@ -222,7 +222,7 @@ def test_a_reader_finds_the_last_whole_state_and_its_age() -> None:
         writer = StateBlock.create(path)
         reader = StateBlock.attach(path)
         assert reader.read(math.inf).not_live == "the engine process has published no state yet"
-        published = ProbeState(not_ready=None, degraded="rank 1 lost", models=(TINY,))
+        published = ProbeState(degraded="rank 1 lost", models=(TINY,))
         writer.write(published)
         assert reader.read(math.inf) == published
         # the next write, stopped after it marked its slot (sequence odd)
