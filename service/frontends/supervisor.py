@@ -108,12 +108,14 @@ class FrontEnds:
             await self._channel.close()
         if self._beating is not None:
             self._beating.cancel()
+            self._beating = None  # and a change still scheduled publishes nothing
             self._runtime.on_change = lambda: None
         self.state.close()
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def _publish(self) -> None:
-        self.state.write(self._runtime.probe_state())
+        if self._beating is not None:
+            self.state.write(self._runtime.probe_state())
 
     async def _beat(self) -> None:
         """The state every HEARTBEAT_S, from this event loop: its time stamp is the heartbeat
