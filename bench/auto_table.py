@@ -7,7 +7,7 @@ failed or were wrong are never ranked):
 - `served_us`: each backend's median time as the service runs it, at every token count: the
   whole-layer forward replayed from a CUDA graph where the backend captures (`captured` names
   those), uncaptured where it cannot; `fastest`: the fastest there per count; `plan`: what auto
-  runs, per token count (`selection.token_plan`: the backend closest to the fastest alone, or
+  runs, per token count (`rules.token_plan`: the backend closest to the fastest alone, or
   a pair switching once where that lowers the worst ratio to the fastest by more than 1%);
 - `times_us`: the modular forward uncaptured on fixed routing, its `order` (backends timed at
   every count, by geometric mean) and, where both ran, the token count from which DeepGEMM
@@ -21,41 +21,17 @@ would run there; it is never part of a plan (its members are). Nor is auto's own
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 
 from ..kernels.registry import experts_backends
-from ..kernels.selection import COMPOSED, rule_key, token_plan
-from ..kernels.tensors import Format
+from ..kernels.rules import COMPOSED, make_rule, plan_text
+from ..kernels.selection import rule_key
 from ..kernels.tuned import PROVENANCE, TUNED_DIR
 from .schema import AUTO_ROW, BackendResult, BenchRun, gpu_name
 from .shapes import SHAPES
 
 LOAD = "uniform"  # the load the rules are measured under (random router logits)
-
-
-def rank_backends(times_us: dict[str, dict[str, float]]) -> tuple[str, ...]:
-    """Backends measured at every token count, by geometric mean of their times, fastest first
-    (a tie, such as triton-or-deep-gemm running triton everywhere, goes by name)."""
-    counts = list(times_us)
-    common = set.intersection(*(set(times_us[m]) for m in counts)) if counts else set()
-
-    def geomean(name: str) -> float:
-        return math.exp(sum(math.log(times_us[m][name]) for m in counts) / len(counts))
-
-    return tuple(sorted(common, key=lambda name: (geomean(name), name)))
-
-
-def crossover_tokens(times_us: dict[str, dict[str, float]], fast: str, base: str) -> int | None:
-    """The smallest measured token count from which `fast` beats `base` at every larger count."""
-    counts = sorted((int(m) for m in times_us if {fast, base} <= set(times_us[m])), reverse=True)
-    best = None
-    for m in counts:
-        if times_us[str(m)][fast] >= times_us[str(m)][base]:
-            break
-        best = m
-    return best
 
 
 def _served(
@@ -94,27 +70,7 @@ def shape_rule(shape: str, rows: dict[int, list[BackendResult]]) -> dict:
             elif r.routing_excluded is not None:
                 row[r.backend] = r.routing_excluded.median_us
     served, captured = _served(rows, failed)
-    backends = experts_backends()
-    standard = frozenset(n for n, cls in backends.items() if cls.format == Format.STANDARD)
-    plan = token_plan(
-        served, sorted({n for row in served.values() for n in row}), frozenset(captured), standard
-    )
-    body: dict = {
-        "shape": shape,
-        "plan": [list(step) for step in plan],
-        "fastest": {m: min(row, key=row.get) for m, row in served.items() if row},
-        "served_us": served,
-        "captured": sorted(captured),
-        "times_us": times,
-        "failed": failed,
-    }
-    if all("deep-gemm" in row and "triton" in row for row in times.values()):
-        threshold = crossover_tokens(times, "deep-gemm", "triton")
-        body["deep_gemm_min_tokens"] = threshold
-        for m, row in times.items():
-            pick = "deep-gemm" if threshold is not None and int(m) >= threshold else "triton"
-            row["triton-or-deep-gemm"] = row[pick]
-    body["order"] = list(rank_backends(times))
+    body = {"shape": shape, **make_rule(served, frozenset(captured), times), "failed": failed}
     if not body["order"]:
         raise ValueError(f"shape {shape}: no backend was timed correctly at every token count")
     return body
@@ -159,7 +115,7 @@ def rule_table(run: BenchRun) -> dict:
             f"uncaptured for the others; times_us of the modular forward (prepare, experts, "
             f"finalize) on fixed routing, uncaptured. CUDA events, L2 flushed, {s.warmup} "
             f"warm-up calls, {s.min_iters}-{s.max_iters} iterations, about "
-            f"{s.budget_s * 1e3:g} ms per point (bench/timing.py); `moe-serve bench tune --mode "
+            f"{s.budget_s * 1e3:g} ms per point (kernels/timing.py); `moe-serve bench tune --mode "
             f"rules` of a `moe-serve bench kernels` run of {run.environment.created}"
         ),
         "rules": rules,
@@ -212,12 +168,13 @@ def summary(table: dict) -> str:
         if "commit" in rule:
             lines += [f"Measured at commit {rule['commit']}.", ""]
         if rule.get("plan"):
-            steps = ", ".join(f"{name} from M={m}" for m, name in rule["plan"])
-            lines += [f"Auto runs {steps}; {_plan_ratios(rule)}.", ""]
+            lines += [f"Auto runs {plan_text(rule['plan'])}; {_plan_ratios(rule)}.", ""]
             lines += ["Served, whole layer (* replayed from a CUDA graph):"]
             lines += ["", *_times(rule["served_us"], frozenset(rule["captured"])), ""]
-            lines += ["Modular forward, fixed routing, uncaptured:", ""]
-        lines += _times(rule["times_us"])
+            if "times_us" in rule:
+                lines += ["Modular forward, fixed routing, uncaptured:", ""]
+        if "times_us" in rule:  # a calibrated rule times the layer as served only
+            lines += _times(rule["times_us"])
         lines += [f"- {b} not ranked: {why}" for b, why in rule["failed"].items()]
     return "\n".join(lines) + "\n"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.quant_scheme import FP8
-from .timing import Timer
+from ..kernels.timing import Timer
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

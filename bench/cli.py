@@ -231,8 +231,8 @@ def run_kernels(args: argparse.Namespace) -> int:
             raise ValueError(f"--mode {args.mode} runs on a CUDA GPU; none is visible here")
         env = capture(device, args.commit, args.command)
         if args.mode == "external-alone":
+            from ..kernels.timing import TimingPlan
             from .external_alone import run
-            from .timing import TimingPlan
 
             plan = TimingPlan(args.warmup, args.min_iters, args.max_iters, args.budget_ms / 1e3)
             path = result_path(args.out, env, "external-alone")
@@ -244,9 +244,9 @@ def run_kernels(args: argparse.Namespace) -> int:
             inline = args.shared_in_line
             run(args.shapes, args.backends, args.tokens, args.replays, inline, env, path)
         else:
+            from ..kernels.timing import TimingPlan
             from .kernel_bench import KernelBench, KernelBenchConfig
             from .router_loads import Load
-            from .timing import TimingPlan
 
             plan = TimingPlan(args.warmup, args.min_iters, args.max_iters, args.budget_ms / 1e3)
             config = KernelBenchConfig(
@@ -697,6 +697,8 @@ def run_tune(args: argparse.Namespace) -> int:
     try:
         if args.mode == "rules":
             return _rules(args)
+        if args.mode == "calibrate":
+            return _calibrate(args)
         if args.shape is None:
             raise ValueError("--mode tiles needs --shape")
         from .tune import run_tune as tune
@@ -737,6 +739,18 @@ def _rules(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .calibration import calibrate_shapes
+
+    if not torch.cuda.is_available():
+        raise ValueError("--mode calibrate measures on a GPU: none is visible")
+    device = torch.device("cuda", torch.cuda.current_device())
+    _show(calibrate_shapes(args.shapes, args.max_batch_tokens, args.budget_s, device))
+    return 0
+
+
 def _add_tune(sub: argparse._SubParsersAction) -> None:
     modes = {
         "tiles": "search Triton tile sizes for a layer on this GPU, one token-count bucket at a "
@@ -745,6 +759,9 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         "rules": "write the rule table --backend auto follows (per layer shape, each backend's "
         "median as served at each token count and which backend auto runs where) from a "
         "`bench kernels` result, with its markdown summary beside it",
+        "calibrate": "run the service's self-calibration (serve --calibrate) on random layers "
+        "of --shapes and print the time it took and its rules beside this GPU's tuned table "
+        "(nothing is written)",
     }
     c = Command(
         sub,
@@ -795,9 +812,30 @@ def _add_tune(sub: argparse._SubParsersAction) -> None:
         action="store_true",
     )
     c.add(
+        "--shapes",
+        "layer shapes of bench/shapes.py, comma list",
+        {"calibrate": ["deepseek-v3", "mixtral"]},
+        type=_shapes,
+    )
+    c.add(
+        "--max-batch-tokens",
+        "as serve's: the graph buckets calibrated are those of this many tokens",
+        {"calibrate": 1024},
+        type=int,
+        metavar="N",
+    )
+    c.add(
+        "--budget-s",
+        "as serve's --calibrate-budget-s: seconds one layer's calibration may take",
+        {"calibrate": 60.0},
+        type=float,
+        metavar="S",
+    )
+    c.add(
         "--out",
         "the tuned file (tiles default: kernels/tuned/<key>.json; rules: "
         "kernels/tuned/auto_<gpu>.json, its .md beside it)",
+        {"tiles": None, "rules": None},
         type=Path,
         dest="tuned",
         metavar="FILE",

@@ -9,7 +9,7 @@ excluded) and the library alone, whose inputs are laid out before the timing:
 - deep-gemm-batched: its two masked GEMMs on [E, max_m, K] inputs;
 - oai-triton*: the two matmul_ogs calls on routing objects made beforehand.
 Each is timed uncaptured and captured in a CUDA graph (replay), L2 flushed before every
-iteration, medians (bench/timing.py).
+iteration, medians (kernels/timing.py).
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from ..kernels.quant_scheme import FP8_BLOCK, ActQuant
 from ..kernels.quantize import quantize_activation
 from ..kernels.routing import route
 from ..kernels.tensors import Routing
+from ..kernels.timing import Timer, TimingPlan
 from ..kernels.workspace import Workspace
 from .random_layer import random_layer
 from .router_loads import Load, router_logits
 from .schema import Environment, write_result
 from .shapes import SHAPES
-from .timing import Timer, TimingPlan
 
 log = logging.getLogger(__name__)
 CUDA = torch.device("cuda")

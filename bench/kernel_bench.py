@@ -38,6 +38,7 @@ from ..kernels.registry import experts_backends
 from ..kernels.routing import route
 from ..kernels.selection import Rule, RuleTable, rule_key, select
 from ..kernels.tensors import ForwardInputs, Routing
+from ..kernels.timing import Timer, TimingPlan
 from . import ceilings as measured
 from .auto_table import shape_rule
 from .environment import capture
@@ -56,7 +57,6 @@ from .schema import (
     write_result,
 )
 from .shapes import SHAPES, precision
-from .timing import Timer, TimingPlan
 
 log = logging.getLogger(__name__)
 

@@ -30,6 +30,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..kernels.timing import Timing
+
 SCHEMA_VERSION = 1
 AUTO_ROW = "auto"  # the backend name of auto's own row
 
@@ -115,12 +117,6 @@ class ShapeResult(_Model):
     weight_bytes: int  # all experts' weights, scales and biases
     auto: str | None  # the backend `auto` picks (with an AUTO_ROW: the one it built) here
     not_run: dict[str, str] = Field(default_factory=dict)  # backend -> why it was not timed
-
-
-class Timing(_Model):
-    median_us: float
-    p90_us: float
-    iters: int
 
 
 class BackendResult(_Model):

@@ -12,7 +12,7 @@ when `--shared-intermediate` is given), so an 11 GB DeepSeek-V3 layer is never w
 
 POST /bench/bare {"tokens": [1, 64, ...]} times, for each token count, the forward as the server
 runs it (graph replay where the layer has graphs, else the eager layer) on random inputs already
-on the device, with bench/timing.py (CUDA events, L2 not flushed: back-to-back forwards, as
+on the device, with kernels/timing.py (CUDA events, L2 not flushed: back-to-back forwards, as
 served). Call it only while no load runs.
 
 POST /bench/path {"tokens": [1, 64]} times one request at a time through each level of the
@@ -52,6 +52,7 @@ from pydantic import BaseModel
 from ..kernels.config import MoEConfig
 from ..kernels.layer import LayerWeights
 from ..kernels.tensors import ForwardInputs
+from ..kernels.timing import Timer, TimingPlan
 from ..service import logs
 from ..service.core.runtime import LayerLoader
 from ..service.engine.interface import LayerSource, ServedLayer, StageTimes
@@ -63,7 +64,6 @@ from ..service.metrics import Metrics
 from ..service.settings import Settings
 from .random_layer import random_layer
 from .shapes import SHAPES
-from .timing import Timer, TimingPlan
 
 log = logging.getLogger(__name__)
 

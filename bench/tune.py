@@ -206,10 +206,10 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
     from ..kernels.prepare_finalize.no_ep import NoEP
     from ..kernels.routing import route
     from ..kernels.stages import DispatchSpec
+    from ..kernels.timing import Timer, TimingPlan
     from ..kernels.workspace import Workspace
     from .environment import current_commit
     from .random_layer import random_layer
-    from .timing import Timer, TimingPlan
 
     cfg = request.cfg
     measured = {  # each bucket searched says where (kernels/tuned: PROVENANCE)

@@ -11,10 +11,12 @@ the modular forward uncaptured on fixed routing (`times_us`, its geometric-mean 
 for fp8-block, the token count from which DeepGEMM beats our Triton experts). From the served
 times it records the `plan`: per token count, which backend runs.
 
-A layer with a served rule runs its plan (`token_plan`): the backend closest to the fastest at
-every measured count, or a pair of backends (one below a measured count, the other from it:
-kernels/experts/token_switch.py) where that lowers the worst ratio to the fastest by more than
-SWITCH_MARGIN (1%); so a backend within 1% of the fastest everywhere runs alone. Where a
+A layer with a served rule runs its plan (kernels/rules.py `token_plan`): the backend closest to
+the fastest at every measured count, or a pair of backends (one below a measured count, the other
+from it: kernels/experts/token_switch.py) where that lowers the worst ratio to the fastest by more
+than SWITCH_MARGIN (1%); so a backend within 1% of the fastest everywhere runs alone. A rule may
+also come from the service's self-calibration on this GPU (kernels/calibrate.py), in the same
+form, passed in as `rules`. Where a
 backend of the plan cannot run here the plan is made again among those that can, and the reason
 says so. A rule without served times (an older table) takes the first available backend of its
 order; any other layer the first available backend of `AUTO_ORDER`. The reason says which.
@@ -24,9 +26,7 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from dataclasses import dataclass, field
-from itertools import permutations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,6 +35,7 @@ import torch
 from .config import MoEConfig
 from .experts.token_switch import TokenSwitchExperts, TritonOrDeepGemmExperts
 from .registry import experts_backends, prepare_finalize_backends
+from .rules import COMPOSED, Plan, plan_text, token_plan
 from .stages import Support
 from .tensors import Format
 from .tuned import TUNED_DIR
@@ -58,17 +59,7 @@ AUTO_ORDER: tuple[str, ...] = (
 )
 
 
-# switches by token count itself (its threshold from this table): never a member of a plan
-COMPOSED = frozenset({TritonOrDeepGemmExperts.name})
-# A pair of backends replaces the best one alone only where it lowers the worst ratio to the
-# fastest by more than this. Auto's target is 3% (bench/targets.py AUTO_SLACK), and `moe-serve
-# bench kernels` times the same layer up to a percent or two apart within one run (auto's own
-# row against the backend it ran): a plan 1% off leaves the rest for that noise. A smaller gain
-# is within the noise and not worth a second member's weight memory (a switch holds its larger).
-SWITCH_MARGIN = 1.01
 MAX_BACKENDS = 2  # backends one layer holds under auto (a member may keep its own weight layout)
-
-Plan = tuple[tuple[int, str], ...]  # (from this many tokens, backend), ascending, from 1
 
 
 def shape_class(cfg: MoEConfig) -> str:
@@ -83,7 +74,9 @@ def rule_key(cfg: MoEConfig) -> str:
 class Rule:
     key: str  # "<scheme>/<shape class>"
     order: tuple[str, ...]  # backends, fastest first
-    times_us: dict[str, dict[str, float]]  # tokens -> backend -> median microseconds
+    # tokens -> backend -> median microseconds of the modular forward; empty in a calibrated rule
+    # (its order is by served times)
+    times_us: dict[str, dict[str, float]]
     # from here on deep-gemm beats triton; None: measured, never; 0: not measured (no triton
     # timings), so deep-gemm runs every size, as vLLM's TritonOrDeepGemm does where it applies
     deep_gemm_min_tokens: int | None = 0
@@ -99,7 +92,7 @@ class Rule:
         return cls(
             key,
             tuple(body["order"]),
-            body["times_us"],
+            body.get("times_us", {}),
             body.get("deep_gemm_min_tokens", 0),
             body.get("served_us", {}),
             frozenset(body.get("captured", ())),
@@ -117,55 +110,12 @@ class RuleTable:
 
     @classmethod
     def from_json(cls, path: Path) -> RuleTable:
-        raw = json.loads(path.read_text())
+        return cls.from_body(json.loads(path.read_text()), path.name)
+
+    @classmethod
+    def from_body(cls, raw: dict, source: str) -> RuleTable:
         rules = {key: Rule.from_json(key, body) for key, body in raw["rules"].items()}
-        return cls(raw["device"], raw["commit"], path.name, rules)
-
-
-def token_plan(
-    served_us: dict[str, dict[str, float]],
-    candidates: list[str],
-    captured: frozenset[str],
-    composable: frozenset[str],
-) -> Plan:
-    """What auto runs, from served times: () when no candidate was timed at every count.
-
-    Options are each candidate alone and each ordered pair of `composable` (standard-format)
-    ones that both capture or both do not (a layer's CUDA graphs hold the whole layer or none of
-    it), the first member below a measured count and the second from it: one switch, as the
-    times cross once, so that close times alternating between counts (noise) add none. An
-    option's ratio at a count is its time over the fastest of every backend timed there; the
-    best option of a kind has the smallest worst ratio, then the smallest geometric mean. The
-    best pair runs where its worst ratio is lower than the best single backend's by more than
-    SWITCH_MARGIN, else that backend alone.
-    """
-    counts = sorted(served_us, key=int)
-    timed = sorted(n for n in candidates if counts and all(n in served_us[m] for m in counts))
-    if not timed:
-        return ()
-    fastest = {m: min(served_us[m].values()) for m in counts}
-
-    def score(picks: tuple[str, ...]) -> tuple[float, float, tuple[str, ...]]:
-        ratios = [served_us[m][n] / fastest[m] for m, n in zip(counts, picks, strict=True)]
-        return max(ratios), math.exp(sum(map(math.log, ratios)) / len(ratios)), picks
-
-    pairable = [n for n in timed if n in composable]
-    pairs = [
-        (a,) * below + (b,) * (len(counts) - below)
-        for a, b in permutations(pairable, 2)
-        if (a in captured) == (b in captured)
-        for below in range(1, len(counts))
-    ]
-    worst, _, picks = min(score((n,) * len(counts)) for n in timed)
-    if pairs and (pair := min(map(score, pairs)))[0] * SWITCH_MARGIN < worst:
-        picks = pair[2]
-    steps = [(1, picks[0])]  # below the smallest count measured: its backend
-    steps += [
-        (int(m), n)
-        for m, n, before in zip(counts[1:], picks[1:], picks[:-1], strict=True)
-        if n != before
-    ]
-    return tuple(steps)
+        return cls(raw["device"], raw["commit"], source, rules)
 
 
 @functools.cache
@@ -230,7 +180,7 @@ def _planned(
     if len(plan) == 1:
         reason = f"auto: {source}: one backend at every size, by the {served} times of M={counts}"
         return Choice(plan[0][1], reason + why)
-    steps = ", ".join(f"{name} from M={m}" for m, name in plan)
+    steps = plan_text(plan)
     reason = f"auto: {source}: per token count, by the {served} times of M={counts}: {steps}"
     return Choice(plan[0][1], reason + why, plan)
 
@@ -257,7 +207,8 @@ def auto_choice(
                 return Choice(
                     name,
                     f"auto: {_source(rule, table)}: fastest available at "
-                    f"M={','.join(rule.times_us)} by geometric mean of median times",
+                    f"M={','.join(rule.times_us or rule.served_us)} "
+                    "by geometric mean of median times",
                 )
     where = f"no measured rules for {device}" if table is None else f"no rule for {rule_key(cfg)}"
     order = tuple(dict.fromkeys((*fallback, "reference")))  # reference always last

@@ -1,4 +1,5 @@
-"""Prometheus metrics, one registry per app (so tests can build several apps in one process)."""
+"""Prometheus metrics, one registry per app (so tests can build several apps in one process),
+and Triton's (service/triton/metrics.py) beside them on the same page (`Metrics.page`)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,19 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.metrics_core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from .engine.interface import StageTimes
+from .triton.metrics import GpuCollector, HostCollector, exposition
 from .triton.statistics import Statistics, StatisticsCollector
 
 Metric = Counter | Gauge | Histogram
@@ -34,9 +43,10 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, CPU seconds
-        # Triton's per-model statistics; also shown as its nv_inference_* metrics
+        # Triton's per-model statistics, also shown as its nv_inference_* metrics, and its host
+        # and GPU metrics: printed as Triton prints them
         self.statistics = Statistics()
-        r.register(StatisticsCollector(self.statistics))
+        self.triton = (StatisticsCollector(self.statistics), HostCollector(), GpuCollector())
         self.requests = Counter(
             "moe_serve_requests",
             "HTTP requests by route and status",
@@ -118,6 +128,10 @@ class Metrics:
         # labelled series looked up once, for what is observed per request
         self._series: dict[tuple, Counter | Histogram] = {}
 
+    def page(self) -> bytes:
+        """The Prometheus text page: ours, then Triton's."""
+        return generate_latest(self.registry) + exposition(self.triton)
+
     def add_layer(self, layer: str, num_experts: int) -> None:
         """Start the layer's series at 0, so a cold expert shows up as 0 rather than missing."""
         self.expert_tokens.add_layer(layer, num_experts)
@@ -140,11 +154,18 @@ class Metrics:
         tokens: int,
         expert_tokens: torch.Tensor,  # [E] pairs per expert
         times: StageTimes,
-        queued_s: Sequence[float] = (),
+        queued_ns: Sequence[int] = (),
     ) -> None:
         """One forward batch: its time per stage, its size and where its tokens went;
-        queued_s: how long each request piece in the batch waited for it."""
-        self.statistics.record_execution(layer, tokens, times.forward_s, queued_s)
+        queued_ns: how long each request piece in the batch waited for it."""
+        self.statistics.record_execution(
+            layer,
+            tokens,
+            _ns(times.stage_s + (times.h2d_s or 0.0)),  # inputs onto the device
+            _ns(times.forward_s),
+            _ns(times.d2h_s or 0.0),  # the output off it
+            queued_ns,
+        )
         self.series(self.forward_seconds, layer, backend).observe(times.forward_s)
         self.series(self.batch_tokens, layer).observe(tokens)
         self.series(self.tokens, layer).inc(tokens)
@@ -171,6 +192,10 @@ class Metrics:
         return series
 
 
+def _ns(seconds: float) -> int:
+    return round(seconds * 1e9)
+
+
 class ExpertTokens(Collector):
     """moe_serve_expert_tokens_total{layer, expert}: tokens routed to each expert, kept as one
     array per layer and turned into series only when scraped. A batch adds its counts in one
@@ -180,6 +205,10 @@ class ExpertTokens(Collector):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._totals: dict[str, np.ndarray] = {}
+
+    def page(self) -> bytes:
+        """The Prometheus text page: ours, then Triton's."""
+        return generate_latest(self.registry) + exposition(self.triton)
 
     def add_layer(self, layer: str, num_experts: int) -> None:
         """Start the layer's series at 0 (a cold expert shows up as 0 rather than missing)."""

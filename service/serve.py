@@ -10,6 +10,7 @@ from types import FrameType
 import uvicorn
 from pydantic import ValidationError
 
+from ..kernels.calibrate import DEFAULT_BUDGET_S, Mode
 from ..kernels.registry import experts_backends
 from ..kernels.selection import select
 from ..weights.demo import demo_configs
@@ -46,6 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="default 8000")
     p.add_argument("--grpc-port", type=int, help="KServe v2 over gRPC (default 8001; 0: off)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="Prometheus /metrics on a port of its own (default 8002; 0: off; /metrics on "
+        "--port stays)",
+    )
     p.add_argument(
         "--http-workers",
         metavar="N|auto",
@@ -96,7 +103,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="info")
     p.add_argument("--log-format", choices=["text", "json"], help="json: one object per line")
     p.add_argument(
-        "--cache-dir", type=Path, metavar="DIR", help="where the demo layers are generated"
+        "--cache-dir",
+        type=Path,
+        metavar="DIR",
+        help="where the demo layers are generated and calibrated rules cached (default "
+        "~/.cache/moe-serve)",
+    )
+    p.add_argument(
+        "--calibrate",
+        choices=[mode.value for mode in Mode],
+        help="time each layer's backends on this GPU at start-up for --backend auto: once "
+        "(default: where no tuned rule table fits the layer and no rule is cached in "
+        "CACHE_DIR/calibration), always (at each start), off (docs/backends.md)",
+    )
+    p.add_argument(
+        "--calibrate-budget-s",
+        type=float,
+        metavar="S",
+        help=f"seconds one layer's calibration may take (default {DEFAULT_BUDGET_S:g})",
     )
     p.add_argument(
         "--allow-shared-memory",
@@ -133,6 +157,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 GRPC_LISTENER = "gRPC, --grpc-port; 0 turns gRPC off"
+METRICS_LISTENER = "metrics, --metrics-port; 0 turns the metrics port off"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -147,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
         listener = listen(settings.host, settings.port)
         if settings.grpc_port:  # gRPC binds in the app: refuse a port in use here, first
             listen(settings.host, settings.grpc_port, GRPC_LISTENER).close()
+        if settings.metrics_port:
+            listen(settings.host, settings.metrics_port, METRICS_LISTENER).close()
     except ValidationError as err:
         return _refuse(f"invalid settings: {describe_validation_error(err, 'settings')}")
     except ValueError as err:  # LayerFileError is a ValueError

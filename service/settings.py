@@ -11,6 +11,7 @@ import torch
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from ..kernels.calibrate import DEFAULT_BUDGET_S, Mode
 from ..kernels.stages import resolve_device
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -48,6 +49,8 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"  # loopback unless asked: the API has no auth by default
     port: int = Field(8000, ge=0, le=65535)
     grpc_port: int = Field(8001, ge=0, le=65535)  # KServe v2 over gRPC, as Triton; 0: off
+    # GET /metrics on a port of its own, as Triton's; 0: off (/metrics on `port` stays)
+    metrics_port: int = Field(8002, ge=0, le=65535)
     # HTTP front-end processes sharing the port (binary forwards laid in shared memory, the rest
     # relayed) around this one, which keeps the GPU; 0: this process serves HTTP itself; auto:
     # `front_ends()`
@@ -65,6 +68,13 @@ class Settings(BaseSettings):
     # Each row's output bit for bit independent of the rest of its batch and of the chunking
     # (reference and triton; fp8-tensor and expert parallelism refused): kernels/batch_invariant.py
     batch_invariant: bool = False
+    # `--backend auto`'s rule measured on this GPU at start-up (kernels/calibrate.py), per
+    # layer: once (where no tuned table fits and none is cached in cache_dir), always (at each
+    # start), off (the tuned tables, else auto's fixed order)
+    calibrate: Mode = Mode.ONCE
+    calibrate_budget_s: float = Field(
+        DEFAULT_BUDGET_S, gt=0
+    )  # per layer; then the rest is not timed
     max_body_bytes: int = Field(64 << 20, ge=1024)  # request bodies above this get 413
     # JSON bodies above this get 413 pointing to the binary formats: decoding JSON holds the GIL
     # (the event loop, /health included, waits) and costs a few times the body in memory. 16 MiB
@@ -81,7 +91,8 @@ class Settings(BaseSettings):
     # a descriptor (system) or a mapping (CUDA) until it is unregistered; beyond, 429
     max_shared_memory_regions: int = Field(256, ge=1)
     api_token: SecretStr | None = None  # bearer token required on every non-probe route
-    cache_dir: Path = Path.home() / ".cache" / "moe-serve"  # where the demo layers are written
+    # where the demo layers are written and calibrated rules cached (its calibration/ folder)
+    cache_dir: Path = Path.home() / ".cache" / "moe-serve"
     # Triton-style model repository: each subdirectory a layer directory, loaded at start and
     # loaded/unloaded at run time (POST /v2/repository/...)
     model_repository: Path | None = None
@@ -112,11 +123,19 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_repository(self) -> Settings:
-        if self.port and self.port == self.grpc_port:
-            raise ValueError(
-                f"port and grpc_port are both {self.port}: HTTP and gRPC need a port each "
-                "(gRPC's default is 8001, as Triton's; grpc_port 0 turns gRPC off)"
-            )
+        ports = {"port": self.port, "grpc_port": self.grpc_port, "metrics_port": self.metrics_port}
+        by_port: dict[int, list[str]] = {}
+        for name, port in ports.items():
+            if port:
+                by_port.setdefault(port, []).append(name)
+        for port, names in by_port.items():
+            if len(names) > 1:
+                raise ValueError(
+                    f"{' and '.join(names)} are {'both' if len(names) == 2 else 'all'} {port}: "
+                    "HTTP, gRPC and metrics need a port "
+                    "each (gRPC's default is 8001 and metrics' 8002, as Triton's; 0 turns gRPC "
+                    "or metrics off)"
+                )
         if self.model_repository is not None and self.ep > 1:
             raise ValueError("model_repository cannot be used with expert parallelism (ep > 1)")
         if self.batch_invariant and self.ep > 1:

@@ -21,9 +21,10 @@ if not HAS_CUDA:
     # is imported (by any test): on a CPU machine every Triton kernel runs in the interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# No gRPC listener unless a test asks for one (grpc_port=...): the servers that tests start,
-# module-scoped ones included, would all claim the default port 8001.
+# No gRPC or metrics listener unless a test asks for one (grpc_port=..., metrics_port=...): the
+# servers that tests start, module-scoped ones included, would all claim the default ports.
 os.environ["MOE_SERVE_GRPC_PORT"] = "0"
+os.environ["MOE_SERVE_METRICS_PORT"] = "0"
 
 import pytest  # noqa: E402
 

@@ -95,6 +95,7 @@ class InferOutput(BaseModel):
 
 class InferResponse(BaseModel):
     model_name: str
+    model_version: str
     id: str | None = None
     outputs: list[InferOutput]
 
@@ -214,6 +215,7 @@ def wants_binary(request: InferRequest, output: str) -> bool:
 
 def encode_response(
     model_name: str,
+    version: str,
     request: InferRequest,
     outputs: dict[str, torch.Tensor],
     placed: Sequence[InferOutput] = (),
@@ -232,7 +234,9 @@ def encode_response(
         else:
             entry.data = tensor.flatten().tolist()
         entries.append(entry)
-    header = InferResponse(model_name=model_name, id=request.id, outputs=[*entries, *placed])
+    header = InferResponse(
+        model_name=model_name, model_version=version, id=request.id, outputs=[*entries, *placed]
+    )
     json_bytes = header.model_dump_json(exclude_none=True).encode()
     if not blobs:
         return Encoded(json_bytes, None)

@@ -3,7 +3,8 @@
 encode what it returns.
 
 Each served layer is a model with version 1, inputs hidden_states [-1, H] (and optional
-router_logits [-1, E]) and output `output` [-1, H] in the input's datatype.
+router_logits [-1, E]) and output `output` [-1, H] in the input's datatype. Its metadata and its
+Triton model configuration are both read from the layer and the batcher that serve it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from .runtime import Runtime, ready
 
 OUTPUT = "output"
 PLATFORM = "moe-serve"
+# The datatype the metadata and the model configuration name; FP16 and BF16 are taken as well
+DATATYPE = "FP32"
 
 
 @dataclass(frozen=True)
@@ -56,18 +59,90 @@ def server_metadata(runtime: Runtime) -> ServerMetadata:
     return ServerMetadata(name="moe-serve", version=__version__, extensions=extensions)
 
 
-def model_metadata(served: ServedLayer) -> ModelMetadata:
+@dataclass(frozen=True)
+class Tensor:
+    """One of a model's tensors: rows of `width` values, as many rows as the request has."""
+
+    name: str
+    width: int
+    optional: bool = False
+
+
+def model_tensors(served: ServedLayer) -> tuple[list[Tensor], list[Tensor]]:
+    """The model's (inputs, outputs); router_logits is optional where the layer has a router."""
     cfg = served.config
+    inputs = [
+        Tensor("hidden_states", cfg.hidden_size),
+        Tensor("router_logits", cfg.num_experts, optional=served.has_router),
+    ]
+    return inputs, [Tensor(OUTPUT, cfg.hidden_size)]
+
+
+def model_metadata(served: ServedLayer) -> ModelMetadata:
+    inputs, outputs = model_tensors(served)
     return ModelMetadata(
         name=served.name,
         versions=[VERSION],
         platform=PLATFORM,
         inputs=[
-            TensorMetadata(name="hidden_states", datatype="FP32", shape=[-1, cfg.hidden_size]),
-            TensorMetadata(name="router_logits", datatype="FP32", shape=[-1, cfg.num_experts]),
+            TensorMetadata(name=t.name, datatype=DATATYPE, shape=[-1, t.width]) for t in inputs
         ],
-        outputs=[TensorMetadata(name=OUTPUT, datatype="FP32", shape=[-1, cfg.hidden_size])],
+        outputs=[
+            TensorMetadata(name=t.name, datatype=DATATYPE, shape=[-1, t.width]) for t in outputs
+        ],
     )
+
+
+def model_config(runtime: Runtime, name: str, version: str = "") -> dict:
+    """Model `name`'s configuration in Triton's schema (model_config.proto, as Triton's HTTP API
+    prints it), read from what serves it. The rows of a request are Triton's batch dimension:
+    max_batch_size is the batcher's rows per forward (a larger request runs in pieces), dims
+    leave the batch out. Priorities are Triton's unsigned 64-bit levels, 1 first and 0 (the
+    default) after every numbered one; a request's queue timeout may be set per request."""
+    runtime = ready(runtime)
+    served = get_model(runtime.engine, name, version)
+    policy, device = runtime.batcher.policy, runtime.engine.device
+    inputs, outputs = model_tensors(served)
+    on_gpu = device.type == "cuda"
+    return {
+        "name": served.name,
+        "platform": PLATFORM,
+        "backend": served.backend,
+        "version_policy": {"specific": {"versions": [int(VERSION)]}},
+        "max_batch_size": policy.max_batch_tokens,
+        "input": [
+            {
+                "name": t.name,
+                "data_type": f"TYPE_{DATATYPE}",
+                "format": "FORMAT_NONE",
+                "dims": [t.width],
+                "optional": t.optional,
+            }
+            for t in inputs
+        ],
+        "output": [
+            {"name": t.name, "data_type": f"TYPE_{DATATYPE}", "dims": [t.width]} for t in outputs
+        ],
+        "dynamic_batching": {
+            "max_queue_delay_microseconds": round(policy.max_delay_s * 1e6),
+            "priority_levels": MAX_SCHEDULE_VALUE,
+            "default_priority_level": MAX_SCHEDULE_VALUE,
+            "default_queue_policy": {
+                "timeout_action": "REJECT",
+                "default_timeout_microseconds": 0,
+                "allow_timeout_override": True,
+                "max_queue_size": policy.max_queue,
+            },
+        },
+        "instance_group": [
+            {
+                "name": served.name,
+                "kind": "KIND_GPU" if on_gpu else "KIND_CPU",
+                "count": 1,
+                **({"gpus": [device.index or 0]} if on_gpu else {}),
+            }
+        ],
+    }
 
 
 def get_model(engine: ServingEngine, name: str, version: str = "") -> ServedLayer:
@@ -218,4 +293,14 @@ def statistics(runtime: Runtime, name: str = "", version: str = "") -> dict:
     """Triton's $stats_model_response: every model, or model `name` (of `version`)."""
     engine = ready(runtime).engine
     names = [get_model(engine, name, version).name] if name else sorted(engine.layers)
-    return runtime.metrics.statistics.to_json(names)
+    stats = runtime.metrics.statistics.to_json(names)
+    device = engine.device
+    for model in stats["model_stats"]:  # the layer's weights, on its device
+        model["memory_usage"] = [
+            {
+                "type": "GPU" if device.type == "cuda" else "CPU",
+                "id": device.index or 0,
+                "byte_size": engine.layers[model["name"]].device_bytes,
+            }
+        ]
+    return stats

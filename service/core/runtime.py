@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ...kernels.calibrate import Calibration
 from ..codecs import json_device
 from ..engine.batcher import BatchPolicy, DynamicBatcher
 from ..engine.engine import Engine
@@ -118,7 +119,11 @@ def warm_up_tokens(max_batch_tokens: int, device: torch.device) -> list[int]:
     return [*powers, max_batch_tokens]
 
 
-def _build_engine(settings: Settings, loader: LayerLoader, metrics: Metrics) -> ServingEngine:
+def _build_engine(
+    settings: Settings, loader: LayerLoader, metrics: Metrics, status: Callable[[str], None]
+) -> ServingEngine:
+    """The engine with its layers loaded and warm; `status` hears what a layer waits for
+    (its calibration's progress)."""
     device = settings.torch_device()
     engine: ServingEngine
     if settings.ep > 1:  # this process is rank 0; each rank loads only its experts from disk
@@ -131,7 +136,11 @@ def _build_engine(settings: Settings, loader: LayerLoader, metrics: Metrics) -> 
             settings.max_batch_tokens,
             cuda_graphs=settings.cuda_graphs,
             batch_invariant=settings.batch_invariant,
+            calibration=Calibration(
+                settings.calibrate, settings.calibrate_budget_s, settings.cache_dir
+            ),
         )
+        engine.on_status = status
         sources = loader(settings, device)
     try:
         for source in sources:
@@ -153,7 +162,8 @@ async def start_up(runtime: Runtime, loader: LayerLoader) -> None:
     repository's models; then the runtime is ready. A failure leaves it not ready, saying why."""
     settings = runtime.settings
     try:
-        engine = await asyncio.to_thread(_build_engine, settings, loader, runtime.metrics)
+        status = partial(setattr, runtime, "not_ready")
+        engine = await asyncio.to_thread(_build_engine, settings, loader, runtime.metrics, status)
     except Exception as err:
         # a bad layer file names itself; anything else is a bug, worth its traceback
         log.error("loading the layers failed: %s", err, exc_info=not isinstance(err, ValueError))
@@ -175,6 +185,7 @@ async def start_up(runtime: Runtime, loader: LayerLoader) -> None:
     runtime.warm_up_tokens = warm_up_tokens(settings.max_batch_tokens, engine.device)
     if runtime.repository is not None:
         await runtime.repository.load_all(runtime)
+    engine.on_status = lambda _status: None  # a layer loaded from now on leaves /ready as it is
     runtime.not_ready = None
     log.info("ready: %s on %s", ", ".join(engine.layers), engine.device)
 

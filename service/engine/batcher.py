@@ -12,7 +12,8 @@ requests that have had fewer: the pieces of different requests interleave, and a
 request waits for at most one piece of a 100k-token one. A request whose queue time passes its
 timeout gets DeadlineExceeded and nothing of it runs; one whose client goes away (its `submit`
 cancelled) leaves the queue. A full queue raises Overloaded (429) instead of growing; a forward
-that raises fails only the requests in its batch.
+that raises fails only the requests in its batch. Waits are measured on time.perf_counter_ns:
+the event loop's clock (uvloop's) moves in whole milliseconds, and most waits are shorter.
 
 One launcher thread starts every batch, so the device has one owner and the event loop never
 blocks (on a GPU a small batch is staged and enqueued on the loop itself, which costs less than
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -90,7 +92,7 @@ class RequestOptions:
 class _Request:
     inputs: ForwardInputs  # [T, H] on the CPU, in its wire dtype
     options: RequestOptions
-    arrived: float  # event-loop time
+    arrived_ns: int  # time.perf_counter_ns()
     future: asyncio.Future[LayerOutput]
     trace: tracing.Arrival  # its trace context, for the queue and forward spans
     # [T, H] pinned host rows the output is copied straight into (its wire dtype is the
@@ -198,8 +200,8 @@ class _LayerQueue:
     def waiting(self) -> int:
         return sum(len(level) for level in self.levels.values())
 
-    def oldest(self) -> float:
-        return min(level[0].arrived for level in self.levels.values() if level)
+    def oldest_ns(self) -> int:
+        return min(level[0].arrived_ns for level in self.levels.values() if level)
 
     def remove(self, request: _Request) -> None:
         """Take a request that has rows waiting out of the queue."""
@@ -217,12 +219,12 @@ def _new_queue(served: ServedLayer) -> _LayerQueue:
 @dataclass(frozen=True)
 class _Launched:
     """A batch on the device: its layer and pieces, when it was launched (its trace spans), how
-    long each piece had waited, and the future `close` waits on (done once it is answered)."""
+    long each piece had waited (ns), and the future `close` waits on (done once it is answered)."""
 
     name: str
     pieces: list[_Piece]
     ns: int
-    queued_s: list[float]
+    queued_ns: list[int]
     answered: asyncio.Future[None]
 
 
@@ -292,14 +294,15 @@ class DynamicBatcher:
         options = options or RequestOptions()
         loop = asyncio.get_running_loop()
         trace = tracing.Arrival(tracing.current_context(), tracing.now_ns())
-        request = _Request(inputs, options, loop.time(), loop.create_future(), trace, output_into)
+        arrived_ns = time.perf_counter_ns()
+        request = _Request(inputs, options, arrived_ns, loop.create_future(), trace, output_into)
         q.requests += 1
         q.levels.setdefault(options.level, deque()).append(request)
         q.tokens += request.tokens
         self.metrics.series(self.metrics.queue_depth, name).set(q.waiting())
         expiry = None
         if options.timeout_s is not None:
-            expiry = loop.call_at(request.arrived + options.timeout_s, self._expire, q, request)
+            expiry = loop.call_later(options.timeout_s, self._expire, q, request)
         q.arrived.set()
         try:
             return await request.future
@@ -325,7 +328,7 @@ class DynamicBatcher:
         if request.taken or request.future.done():
             return  # it started in time: a running request is not cut short
         q.remove(request)
-        waited_us = (asyncio.get_running_loop().time() - request.arrived) * 1e6
+        waited_us = (time.perf_counter_ns() - request.arrived_ns) / 1e3
         request.future.set_exception(
             DeadlineExceeded(
                 f"request timeout expired: it waited {waited_us:.0f} us in the queue "
@@ -358,7 +361,7 @@ class DynamicBatcher:
             return await asyncio.get_running_loop().run_in_executor(self._launcher, call, *args)
 
     async def _schedule(self, name: str, q: _LayerQueue) -> None:
-        loop = asyncio.get_running_loop()
+        max_delay_ns = round(self.policy.max_delay_s * 1e9)
         while True:
             while not q.tokens:
                 if self._closing:
@@ -369,7 +372,7 @@ class DynamicBatcher:
             launched = False
             try:
                 while q.merge and not self._closing and 0 < q.tokens < self.policy.max_batch_tokens:
-                    remaining = q.oldest() + self.policy.max_delay_s - loop.time()
+                    remaining = (q.oldest_ns() + max_delay_ns - time.perf_counter_ns()) / 1e9
                     if remaining <= 0:
                         break
                     q.arrived.clear()
@@ -402,7 +405,7 @@ class DynamicBatcher:
         with_logits: bool | None = None
         for level in sorted(q.levels):
             line = q.levels[level]
-            for request in sorted(line, key=lambda r: (r.pieces_taken, r.arrived)):
+            for request in sorted(line, key=lambda r: (r.pieces_taken, r.arrived_ns)):
                 if (batch and not q.merge) or tokens == budget:
                     return batch
                 if with_logits is not None and request.has_logits != with_logits:
@@ -426,11 +429,11 @@ class DynamicBatcher:
     async def _launch(self, name: str, batch: list[_Piece]) -> bool:
         """Start `batch` on the launcher thread; False (and its requests failed) if it raised."""
         loop = asyncio.get_running_loop()
-        now = loop.time()
-        queued_s = [now - piece.request.arrived for piece in batch]
-        for piece, waited in zip(batch, queued_s, strict=True):
+        now_ns = time.perf_counter_ns()
+        queued_ns = [now_ns - piece.request.arrived_ns for piece in batch]
+        for piece, waited_ns in zip(batch, queued_ns, strict=True):
             if piece.start == 0:
-                self.metrics.observe_stage(name, "queue", waited)
+                self.metrics.observe_stage(name, "queue", waited_ns / 1e9)
         self.metrics.series(self.metrics.batch_requests, name).observe(len(batch))
         parts = [piece.inputs() for piece in batch]
         into = [piece.output_into() for piece in batch]
@@ -438,7 +441,7 @@ class DynamicBatcher:
             # A synchronous engine (CPU) runs the batch to its end on the launcher thread, which
             # hands the result straight to the loop: an executor future and the completer's hop
             # cost the reply a loop turn and a thread wake-up more
-            launched = self._launched(name, batch, queued_s)
+            launched = self._launched(name, batch, queued_ns)
             result_of = lambda: self.engine.start(name, parts, into).result()  # noqa: E731
             self._launcher.submit(self._complete, loop, launched, result_of)
             return True
@@ -463,14 +466,14 @@ class DynamicBatcher:
                 piece.ended()
             self._fail(name, batch, err)
             return False
-        launched = self._launched(name, batch, queued_s)
+        launched = self._launched(name, batch, queued_ns)
         self._completer.submit(self._complete, loop, launched, pending.result)
         return True
 
-    def _launched(self, name: str, batch: list[_Piece], queued_s: list[float]) -> _Launched:
+    def _launched(self, name: str, batch: list[_Piece], queued_ns: list[int]) -> _Launched:
         """`batch`, launched now: `close` waits until it is answered."""
         launched = _Launched(
-            name, batch, tracing.now_ns(), queued_s, asyncio.get_running_loop().create_future()
+            name, batch, tracing.now_ns(), queued_ns, asyncio.get_running_loop().create_future()
         )
         self._running.add(launched.answered)
         launched.answered.add_done_callback(self._running.discard)
@@ -527,7 +530,7 @@ class DynamicBatcher:
         name = launched.name
         tokens = sum(piece.rows for piece in launched.pieces)
         self.metrics.record_batch(
-            name, backend, tokens, result.expert_tokens, result.times, launched.queued_s
+            name, backend, tokens, result.expert_tokens, result.times, launched.queued_ns
         )
         if nonfinite:
             self.metrics.nonfinite_forwards.labels(name).inc()

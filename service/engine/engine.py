@@ -17,12 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels.calibrate import NOT_CALIBRATED, Calibration, calibrated_rules
 from ...kernels.input_checks import all_finite, all_finite_on_device
 from ...kernels.layer import LayerOutput, MoELayer, build_layer, expert_tokens
 from ...kernels.layer_graphs import LayerGraphs, can_capture
 from ...kernels.modular import DEFAULT_CHUNK_TOKENS
 from ...kernels.placement import Placement
-from ...kernels.selection import Selection
+from ...kernels.selection import RuleTable, Selection
 from ...kernels.tensors import ForwardInputs, Routing
 from ...kernels.workspace import Workspace
 from ..errors import Conflict, NotReady, no_layer
@@ -52,17 +53,21 @@ class Engine(ServingEngine):
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         cuda_graphs: bool = True,
         batch_invariant: bool = False,
+        calibration: Calibration = NOT_CALIBRATED,
     ) -> None:
         self.device = device
         self.backend = backend
         self.chunk_tokens = chunk_tokens  # the largest batch (--max-batch-tokens): never split
         self.cuda_graphs = cuda_graphs  # False: never capture (--no-cuda-graphs)
         self.batch_invariant = batch_invariant  # --batch-invariant
+        self.calibration = calibration  # --calibrate: auto's rules measured here
         self.workspace = Workspace(device)  # shared by every layer
         self.layers: dict[str, ServedLayer] = {}
         self.failure: str | None = None  # why this engine can serve no more; None while it can
         self.on_failure: Callable[[str], None] = lambda _reason: None  # the app turns unready
         self.on_degraded: Callable[[str], None] = lambda _reason: None  # expert parallelism's
+        # what a layer being built is waiting for (a calibration's progress): the app's /ready
+        self.on_status: Callable[[str], None] = lambda _status: None
         self.pipeline = DevicePipeline(device, chunk_tokens) if device.type == "cuda" else None
 
     @property
@@ -146,7 +151,8 @@ class Engine(ServingEngine):
         return served
 
     def build(self, source: LayerSource) -> tuple[MoELayer, Selection]:
-        """`source`'s layer on the device (expert parallelism composes its own)."""
+        """`source`'s layer on the device (expert parallelism composes its own); under auto,
+        by the rule calibrated for it where --calibrate measures or caches one."""
         return build_layer(
             source.config,
             source.weights,
@@ -155,7 +161,34 @@ class Engine(ServingEngine):
             self.workspace,
             self.chunk_tokens,
             batch_invariant=self.batch_invariant,
+            rules=self.calibrated(source),
         )
+
+    def calibrated(self, source: LayerSource) -> RuleTable | None:
+        """The rules calibrated for `source` (kernels/calibrate.py), or None: not auto, batch
+        invariance (one backend at every size), or nothing calibrated."""
+        if self.backend != "auto" or self.batch_invariant:
+            return None
+
+        measured = []
+
+        def progress(done: int, total: int) -> None:
+            measured.append(done)
+            self.on_status(f"calibrating layer {source.name}: {done}/{total}")
+
+        rules = calibrated_rules(
+            source.name,
+            source.config,
+            source.weights,
+            self.device,
+            self.calibration,
+            self.chunk_tokens,
+            self.captures,
+            progress,
+        )
+        if measured:
+            self.on_status(f"loading layers (layer {source.name} calibrated)")
+        return rules
 
     def get(self, name: str) -> ServedLayer:
         try:

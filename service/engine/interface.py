@@ -99,6 +99,7 @@ class ServingEngine(Protocol):
     failure: str | None  # why the engine can serve no more; None while it can
     on_failure: Callable[[str], None]  # called with `failure` once it is set
     on_degraded: Callable[[str], None]  # serving on fewer expert-parallel ranks, and why
+    on_status: Callable[[str], None]  # what a layer being added waits for (its calibration)
 
     @property
     def enqueues(self) -> bool:

@@ -15,6 +15,13 @@ came of it is dropped), and large messages are parsed, and large replies printed
 loop (service/off_loop.py). Every call gets a request id (metadata `x-request-id`) and a log
 line and counts in the request metrics; our errors answer as the gRPC status of GRPC_STATUS,
 with the same message as over HTTP.
+
+A stream (ModelStreamInfer) is admitted as a call is, but not counted; then each request it
+carries is admitted, timed, logged and counted as a call of its own (the drain and the cap on
+calls in flight refuse that request alone), runs beside the stream's others (up to
+STREAM_IN_FLIGHT) and is answered in order, an error as that response's `error_message`. A
+stream that stays silent for MOE_SERVE_READ_TIMEOUT_S with none of its requests in flight ends
+(DEADLINE_EXCEEDED), as an idle keep-alive connection is closed.
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ from contextvars import ContextVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
+from tritonclient.grpc import service_pb2 as pb
 
-from .. import logs
+from .. import logs, tracing
 from ..auth import bearer_matches
 from ..core.runtime import Runtime
 from ..errors import (
@@ -50,6 +58,10 @@ SERVICE = "inference.GRPCInferenceService"
 OPEN = frozenset({"ServerLive", "ServerReady"})  # answered without the bearer token
 # answered while draining and beyond the cap on calls in flight, and not counted in it
 PROBES = OPEN | {"ModelReady"}
+
+# a stream's requests in flight at once, as a connection's calls (server.STREAMS_PER_CONNECTION);
+# beyond, the stream is read no further until its oldest is answered
+STREAM_IN_FLIGHT = 100
 
 # whose shared-memory regions the call may use (shared_memory.owner_of; None without a token)
 caller: ContextVar[str | None] = ContextVar("caller", default=None)
@@ -86,6 +98,15 @@ class CallGate(grpc.aio.ServerInterceptor):
         if service != SERVICE:
             return await continuation(details)  # none: grpc answers UNIMPLEMENTED
         handler = await continuation(details) if rpc in self.served else None
+        if handler is not None and handler.response_streaming:
+
+            async def stream(
+                requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+            ) -> AsyncIterator[bytes]:
+                async for reply in self._stream(rpc, handler, requests, context):
+                    yield reply
+
+            return grpc.stream_stream_rpc_method_handler(stream)
 
         async def call(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes:
             return await self._call(rpc, handler, requests, context)
@@ -110,10 +131,7 @@ class CallGate(grpc.aio.ServerInterceptor):
             if handler is None:  # the stubs' own answer logs a traceback
                 raise _Refused(grpc.StatusCode.UNIMPLEMENTED, f"moe-serve does not serve {rpc}")
             self._admit(rpc, authorization)
-            if rpc not in PROBES:
-                counted = True
-                self.in_flight += 1
-                self.idle.clear()
+            counted = self._count(rpc)
             raw = await self._message(requests)
             request = await BINARY.run(len(raw), _parse, handler.request_deserializer, raw)
             reply = await handler.unary_unary(request, context)
@@ -132,19 +150,150 @@ class CallGate(grpc.aio.ServerInterceptor):
             code = grpc.StatusCode.INTERNAL
             await context.abort(code, f"internal error; request id {logs.request_id.get()}")
         finally:
-            if counted:
-                self.in_flight -= 1
-                if not self.in_flight:
-                    self.idle.set()
-            seconds = time.perf_counter() - started
-            self.runtime.metrics.observe_request(route, code.name, seconds)
-            log.info("%s -> %s in %.1f ms", route, code.name, seconds * 1e3)
+            self._done(route, code, started, counted)
             logs.request_id.reset(reset)
 
-    def _admit(self, rpc: str, authorization: str) -> None:
-        """Refuse, before its message is read, a call the server will not take now."""
+    async def _stream(
+        self,
+        rpc: str,
+        handler: grpc.RpcMethodHandler,
+        requests: AsyncIterator[bytes],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[bytes]:
+        """A stream's responses, in the order of its requests."""
+        request_id, authorization = _metadata(context)
+        logs.request_id.set(logs.new_request_id(request_id))  # the stream's task's own context
+        caller.set(None if self.token is None else owner_of(authorization))
+        try:
+            self._admit(rpc, authorization)
+        except ServiceError as err:
+            self.runtime.metrics.observe_request(f"grpc {rpc}", grpc_status(err).name, 0.0)
+            await context.abort(grpc_status(err), err.message)
+        answers: asyncio.Queue[asyncio.Task[bytes] | None] = asyncio.Queue()
+        slots = asyncio.Semaphore(STREAM_IN_FLIGHT)  # requests read and not yet answered
+        reader = asyncio.create_task(
+            self._read_stream(rpc, handler, requests, context, answers, slots)
+        )
+        try:
+            while (answer := await answers.get()) is not None:
+                yield await answer
+                slots.release()
+            await reader  # a stream that went silent: its error
+        except RequestTimeout as err:
+            await context.abort(grpc_status(err), err.message)
+        finally:
+            reader.cancel()
+            while not answers.empty():
+                answer = answers.get_nowait()
+                if answer is not None:
+                    answer.cancel()
+
+    async def _read_stream(
+        self,
+        rpc: str,
+        handler: grpc.RpcMethodHandler,
+        requests: AsyncIterator[bytes],
+        context: grpc.aio.ServicerContext,
+        answers: asyncio.Queue[asyncio.Task[bytes] | None],
+        slots: asyncio.Semaphore,
+    ) -> None:
+        """Each request of the stream, as it comes, started and queued for its answer; then
+        None, once the client ends the stream (or it went silent: RequestTimeout)."""
+        running: set[asyncio.Task[bytes]] = set()
+        try:
+            while True:
+                await slots.acquire()
+                raw = await self._next_of_stream(requests, running)
+                if raw is None:
+                    return
+                answer = asyncio.create_task(self._stream_request(rpc, handler, raw, context))
+                running.add(answer)
+                answer.add_done_callback(running.discard)
+                answers.put_nowait(answer)
+        finally:
+            answers.put_nowait(None)
+
+    async def _next_of_stream(
+        self, requests: AsyncIterator[bytes], running: set[asyncio.Task[bytes]]
+    ) -> bytes | None:
+        """The stream's next request message (None at its end); RequestTimeout once it has been
+        silent for the read timeout with nothing of it `running`."""
+        reading = asyncio.ensure_future(anext(requests, None))
+        try:
+            while not reading.done():
+                await asyncio.wait([reading], timeout=self.read_timeout_s)
+                if not reading.done() and not running:
+                    raise RequestTimeout(
+                        f"the stream carried no request for {self.read_timeout_s:g} s with "
+                        "none in flight (MOE_SERVE_READ_TIMEOUT_S)"
+                    )
+        finally:
+            if not reading.done():
+                reading.add_done_callback(_retrieve)
+        return reading.result()
+
+    async def _stream_request(
+        self,
+        rpc: str,
+        handler: grpc.RpcMethodHandler,
+        raw: bytes,
+        context: grpc.aio.ServicerContext,
+    ) -> bytes:
+        """One request of a stream, answered as a call would be but for its errors, which are
+        its response's error_message."""
+        route = f"grpc {rpc}"
+        started = time.perf_counter()
+        code = grpc.StatusCode.OK
+        counted = False
+        request = None
+        try:
+            with tracing.span(f"{rpc} message"):
+                self._admit(rpc, None)  # the stream's token was checked as it opened
+                counted = self._count(rpc)
+                request = await BINARY.run(len(raw), _parse, handler.request_deserializer, raw)
+                reply = await handler.stream_stream(request, context)
+        except ServiceError as err:
+            code = grpc_status(err)
+            reply = _stream_error(request, capped(err.message))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception:
+            log.exception("unhandled error in %s", route)
+            code = grpc.StatusCode.INTERNAL
+            reply = _stream_error(request, f"internal error; request id {logs.request_id.get()}")
+        finally:
+            self._done(route, code, started, counted)
+        return await BINARY.run(reply.ByteSize(), handler.response_serializer, reply)
+
+    def _count(self, rpc: str) -> bool:
+        """Count an admitted call in flight (not a probe); whether it was."""
+        if rpc in PROBES:
+            return False
+        self.in_flight += 1
+        self.idle.clear()
+        return True
+
+    def _done(self, route: str, code: grpc.StatusCode, started: float, counted: bool) -> None:
+        """A call (or a stream's request) is answered: uncounted, measured, logged."""
+        if counted:
+            self.in_flight -= 1
+            if not self.in_flight:
+                self.idle.set()
+        seconds = time.perf_counter() - started
+        self.runtime.metrics.observe_request(route, code.name, seconds)
+        log.info("%s -> %s in %.1f ms", route, code.name, seconds * 1e3)
+
+    def _admit(self, rpc: str, authorization: str | None) -> None:
+        """Refuse, before its message is read, a call the server will not take now;
+        `authorization` None: checked already (a stream's request)."""
         token = self.token
-        if rpc not in OPEN and token is not None and not bearer_matches(authorization, token):
+        if (
+            authorization is not None
+            and rpc not in OPEN
+            and token is not None
+            and not bearer_matches(authorization, token)
+        ):
             raise Unauthorized("missing or wrong bearer token (metadata 'authorization')")
         if rpc in PROBES:
             return
@@ -185,6 +334,17 @@ def _metadata(context: grpc.aio.ServicerContext) -> tuple[str, str]:
         elif key == "authorization" and not authorization:
             authorization = value
     return request_id, authorization
+
+
+def _stream_error(
+    request: pb.ModelInferRequest | None, message: str
+) -> pb.ModelStreamInferResponse:
+    """A stream's response to a request that failed (None: its message did not parse)."""
+    answered = pb.ModelInferResponse()
+    if request is not None:
+        answered.model_name, answered.model_version = request.model_name, request.model_version
+        answered.id = request.id
+    return pb.ModelStreamInferResponse(error_message=message, infer_response=answered)
 
 
 def _parse(deserialize: Callable[[bytes], Message], raw: bytes) -> Message:

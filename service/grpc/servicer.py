@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import grpc
 from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2, service_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
-from tritonclient.grpc import service_pb2_grpc
 
-from .. import tracing
+from .. import logs, tracing
 from ..core import inference
 from ..core.runtime import Runtime, ready, repository_of
 from ..errors import UnknownLayer
@@ -65,6 +65,14 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         served = inference.get_model(ready(self.runtime).engine, request.name, request.version)
         return from_model(inference.model_metadata(served), pb.ModelMetadataResponse)
 
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, _context: Context
+    ) -> pb.ModelConfigResponse:
+        config = inference.model_config(self.runtime, request.name, request.version)
+        return pb.ModelConfigResponse(
+            config=json_format.ParseDict(config, model_config_pb2.ModelConfig())
+        )
+
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, _context: Context
     ) -> pb.ModelStatisticsResponse:
@@ -74,13 +82,24 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: pb.ModelInferRequest, _context: Context
     ) -> pb.ModelInferResponse:
+        return await self._infer(request)
+
+    async def ModelStreamInfer(
+        self, request: pb.ModelInferRequest, _context: Context
+    ) -> pb.ModelStreamInferResponse:
+        """One request of a stream: CallGate reads the stream, calls this for each request it
+        carries and answers them in order (a model here is never decoupled: one response per
+        request)."""
+        return pb.ModelStreamInferResponse(infer_response=await self._infer(request))
+
+    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         infer_request, tensors = await BINARY.run(input_bytes(request), decode_infer, request)
         name, version = request.model_name, request.model_version
         result = await inference.infer(
             self.runtime, name, version, infer_request, tensors, caller.get()
         )
         output_bytes = sum(t.numel() * t.element_size() for t in result.outputs.values())
-        with tracing.reply_span():
+        with tracing.span("reply"):
             return await BINARY.run(
                 output_bytes,
                 encode_infer,
@@ -90,6 +109,39 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 result.outputs,
                 result.placed,
             )
+
+    # Triton's trace and log settings (service/tracing.py, service/logs.py)
+    async def TraceSetting(
+        self, request: pb.TraceSettingRequest, _context: Context
+    ) -> pb.TraceSettingResponse:
+        model = request.model_name
+        if model:
+            model = inference.get_model(ready(self.runtime).engine, model).name
+        changes = {key: list(setting.value) for key, setting in request.settings.items()}
+        settings = (
+            tracing.SETTINGS.update(changes, model) if changes else tracing.SETTINGS.get(model)
+        )
+        Value = pb.TraceSettingResponse.SettingValue
+        return pb.TraceSettingResponse(
+            settings={
+                key: Value(value=value if isinstance(value, list) else [value])
+                for key, value in settings.items()
+            }
+        )
+
+    async def LogSettings(
+        self, request: pb.LogSettingsRequest, _context: Context
+    ) -> pb.LogSettingsResponse:
+        changes = {
+            key: None if choice is None else getattr(setting, choice)
+            for key, setting in request.settings.items()
+            for choice in [setting.WhichOneof("parameter_choice")]
+        }
+        settings = logs.update_log_settings(changes) if changes else logs.log_settings()
+        Value = pb.LogSettingsResponse.SettingValue
+        return pb.LogSettingsResponse(
+            settings={key: _log_value(Value, value) for key, value in settings.items()}
+        )
 
     # Triton's model repository extension (service/triton/repository.py)
     async def RepositoryIndex(
@@ -161,6 +213,15 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     ) -> pb.CudaSharedMemoryUnregisterResponse:
         self.runtime.shared_memory.unregister("cuda", request.name, caller.get())
         return pb.CudaSharedMemoryUnregisterResponse()
+
+
+def _log_value(value_type: type, value: object) -> object:
+    """A log setting's value in the field of its type."""
+    if isinstance(value, bool):
+        return value_type(bool_param=value)
+    if isinstance(value, int):
+        return value_type(uint32_param=value)
+    return value_type(string_param=str(value))
 
 
 # the RPCs InferenceServicer answers: those it defines, not the stubs' UNIMPLEMENTED defaults

@@ -1,6 +1,6 @@
 """create_app(settings): the FastAPI app. Its lifespan starts the runtime in the background
-(service/core/runtime.py: the layers loaded and warmed, then the batcher), gRPC and the front ends;
-/ready turns 200 only once the runtime is ready."""
+(service/core/runtime.py: the layers loaded and warmed, then the batcher), gRPC, the metrics port
+and the front ends; /ready turns 200 only once the runtime is ready."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from ..triton.repository import Repository
 from ..triton.shared_memory import SharedMemory
 from . import docs
 from .endpoints import Endpoints
+from .metrics_port import MetricsPort
 from .middleware import OPEN_PATHS, RequestMiddleware
 from .pinned_body import pinned_body_sink
 from .routes import (
@@ -34,6 +35,7 @@ from .routes import (
     placement,
     repository,
     shared_memory,
+    trace_logging,
 )
 
 
@@ -58,9 +60,12 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         grpc_server = GrpcServer(runtime) if settings.grpc_port else None
+        metrics_port = MetricsPort(settings, runtime.metrics) if settings.metrics_port else None
         try:
             if grpc_server is not None:
                 await grpc_server.start()
+            if metrics_port is not None:
+                await metrics_port.start()
         except OSError:
             runtime.start_failed = True  # uvicorn stops; `moe-serve serve` exits 1
             raise
@@ -75,6 +80,8 @@ def create_app(
             await grpc_server.stop()
         await starting  # a load in progress finishes before the process exits
         await shut_down(runtime)
+        if metrics_port is not None:  # scraped to the end
+            await metrics_port.stop()
 
     app = docs.offline_app(
         title="moe-serve",
@@ -85,7 +92,17 @@ def create_app(
     app.state.runtime = runtime
     app.state.body_sink = pinned_body_sink(runtime)  # the server's connections read into it
     install_handlers(app)
-    routers = (health, metrics, introspect, forward, kserve, shared_memory, repository, placement)
+    routers = (
+        health,
+        metrics,
+        introspect,
+        forward,
+        kserve,
+        shared_memory,
+        repository,
+        placement,
+        trace_logging,
+    )
     for module in routers:
         app.include_router(module.router)
     # innermost: the tracing middleware and RequestMiddleware wrap them as they wrap the routes

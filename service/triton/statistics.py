@@ -2,19 +2,29 @@
 
 One ModelStatistics per served layer holds the counts; `GET /v2/models/{name}/stats` and the
 ModelStatistics RPC show them as Triton's statistics extension does, and StatisticsCollector
-shows the same numbers to Prometheus under Triton's metric names. Requests are the KServe v2
-ones (HTTP and gRPC); executions are every forward of the layer.
+shows the same numbers to Prometheus under Triton's metric names and types (metrics.py).
+Requests are the KServe v2 ones (HTTP and gRPC); executions are every forward of the layer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from prometheus_client.core import GaugeMetricFamily, UnknownMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+from ..errors import (
+    ClientDisconnected,
+    DeadlineExceeded,
+    ForwardFailed,
+    NonFiniteOutput,
+    Overloaded,
+)
+from .metrics import COUNTER, GAUGE, family
 
 VERSION = "1"  # every layer is a model with one version
 
@@ -26,9 +36,9 @@ class Duration:
     count: int = 0
     ns: int = 0
 
-    def add(self, seconds: float, times: int = 1) -> None:
+    def add(self, ns: int, times: int = 1) -> None:
         self.count += times
-        self.ns += round(seconds * 1e9)
+        self.ns += ns
 
     def to_json(self) -> dict[str, int]:
         return {"count": self.count, "ns": self.ns}
@@ -54,6 +64,8 @@ class ModelStatistics:
     compute_infer: Duration = field(default_factory=Duration)
     compute_output: Duration = field(default_factory=Duration)
     batches: dict[int, BatchStatistics] = field(default_factory=dict)  # by tokens per forward
+    # failed requests by Triton's reason (nv_inference_request_failure's label)
+    failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
 
     def to_json(self, name: str) -> dict:
         """Triton's $model_stat."""
@@ -68,7 +80,8 @@ class ModelStatistics:
                 "compute_output",
             )
         }
-        stats["cache_hit"] = Duration().to_json()  # there is no response cache
+        # there is no response cache
+        stats["cache_hit"] = stats["cache_miss"] = Duration().to_json()
         return {
             "name": name,
             "version": VERSION,
@@ -85,7 +98,25 @@ class ModelStatistics:
                 }
                 for size, b in sorted(self.batches.items())
             ],
+            "memory_usage": [],
+            "response_stats": {},  # for decoupled models; ours answer each request once
         }
+
+
+REJECTED, CANCELED, BACKEND, OTHER = "REJECTED", "CANCELED", "BACKEND", "OTHER"
+REASONS = (REJECTED, CANCELED, BACKEND, OTHER)
+
+
+def _reason(kind: type[BaseException]) -> str:
+    """Triton's reason for a failed request: refused by the queue (full, or its timeout
+    passed), withdrawn by its client, failed in the forward, or anything else (bad input)."""
+    if issubclass(kind, Overloaded | DeadlineExceeded):
+        return REJECTED
+    if issubclass(kind, ClientDisconnected | asyncio.CancelledError):
+        return CANCELED
+    if issubclass(kind, ForwardFailed | NonFiniteOutput):
+        return BACKEND
+    return OTHER
 
 
 class RequestTimer:
@@ -96,31 +127,32 @@ class RequestTimer:
 
     def __init__(self, model: ModelStatistics, lock: threading.Lock) -> None:
         self.model, self.lock = model, lock
-        self.started = 0.0
-        self.submitted: float | None = None  # inputs ready, handed to the batcher
-        self.answered: float | None = None  # the batcher's result is back
+        self.started = 0  # time.perf_counter_ns(), as every time here
+        self.submitted: int | None = None  # inputs ready, handed to the batcher
+        self.answered: int | None = None  # the batcher's result is back
         self.tokens = 0
 
     def submit(self, tokens: int) -> None:
-        self.submitted, self.tokens = time.perf_counter(), tokens
+        self.submitted, self.tokens = time.perf_counter_ns(), tokens
 
     def answer(self) -> None:
-        self.answered = time.perf_counter()
+        self.answered = time.perf_counter_ns()
 
     def __enter__(self) -> RequestTimer:
         model = self.model
         with self.lock:
             model.pending += 1
             model.last_inference_ms = int(time.time() * 1e3)
-        self.started = time.perf_counter()
+        self.started = time.perf_counter_ns()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        ended, model = time.perf_counter(), self.model
+        ended, model = time.perf_counter_ns(), self.model
         with self.lock:
             model.pending -= 1
             if kind is not None:
                 model.fail.add(ended - self.started)
+                model.failures[_reason(kind)] += 1
                 return
             model.success.add(ended - self.started)
             model.inference_count += self.tokens
@@ -154,17 +186,27 @@ class Statistics:
         return RequestTimer(model, self.lock)
 
     def record_execution(
-        self, name: str, tokens: int, seconds: float, queued_s: Sequence[float]
+        self,
+        name: str,
+        tokens: int,
+        input_ns: int,
+        infer_ns: int,
+        output_ns: int,
+        queued_ns: Sequence[int],
     ) -> None:
-        """One forward of `tokens` rows that took `seconds`, for requests (pieces) that had
-        waited `queued_s` each."""
+        """One forward of `tokens` rows: its inputs took `input_ns` onto the device, the forward
+        `infer_ns` and the output `output_ns` back (0 where nothing is copied: the CPU), for
+        requests (pieces) that had waited `queued_ns` each."""
         with self.lock:
             model = self.models.setdefault(name, ModelStatistics())
             model.execution_count += 1
-            model.compute_infer.add(seconds * len(queued_s), len(queued_s))
-            for wait in queued_s:
+            model.compute_infer.add(infer_ns * len(queued_ns), len(queued_ns))
+            for wait in queued_ns:
                 model.queue.add(wait)
-            model.batches.setdefault(tokens, BatchStatistics()).compute_infer.add(seconds)
+            batch = model.batches.setdefault(tokens, BatchStatistics())
+            batch.compute_input.add(input_ns)
+            batch.compute_infer.add(infer_ns)
+            batch.compute_output.add(output_ns)
 
     def to_json(self, names: Sequence[str]) -> dict:
         """Triton's $stats_model_response for `names`."""
@@ -172,48 +214,73 @@ class Statistics:
             return {"model_stats": [self.models[n].to_json(n) for n in names if n in self.models]}
 
 
-# Triton's metric name -> what it reads (a cumulative value, shown untyped without `_total`
-# as Triton names them, or the pending gauge)
+# Triton's metric name -> what it reads (cumulative: a counter, named without `_total` as
+# Triton names it)
 _CUMULATIVE = {
-    "nv_inference_request_success": ("successful inference requests", lambda m: m.success.count),
-    "nv_inference_request_failure": ("failed inference requests", lambda m: m.fail.count),
-    "nv_inference_count": ("inferences performed (tokens)", lambda m: m.inference_count),
-    "nv_inference_exec_count": ("model executions (forwards)", lambda m: m.execution_count),
+    "nv_inference_request_success": (
+        "Number of successful inference requests, all batch sizes",
+        lambda m: m.success.count,
+    ),
+    "nv_inference_count": (
+        "Number of inferences performed (tokens: a request's rows)",
+        lambda m: m.inference_count,
+    ),
+    "nv_inference_exec_count": (
+        "Number of model executions performed (forwards)",
+        lambda m: m.execution_count,
+    ),
     "nv_inference_request_duration_us": (
-        "cumulative inference request duration in microseconds",
+        "Cumulative inference request duration in microseconds",
         lambda m: (m.success.ns + m.fail.ns) // 1000,
     ),
     "nv_inference_queue_duration_us": (
-        "cumulative time requests waited in the queue, in microseconds",
+        "Cumulative inference queuing duration in microseconds",
         lambda m: m.queue.ns // 1000,
     ),
+    "nv_inference_compute_input_duration_us": (
+        "Cumulative compute input duration in microseconds",
+        lambda m: m.compute_input.ns // 1000,
+    ),
     "nv_inference_compute_infer_duration_us": (
-        "cumulative forward time of requests, in microseconds",
+        "Cumulative compute inference duration in microseconds",
         lambda m: m.compute_infer.ns // 1000,
+    ),
+    "nv_inference_compute_output_duration_us": (
+        "Cumulative inference compute output duration in microseconds",
+        lambda m: m.compute_output.ns // 1000,
     ),
 }
 
 
 class StatisticsCollector(Collector):
-    """The nv_inference_* metrics, labelled model and version, read from Statistics."""
+    """The nv_inference_* metrics, labelled model and version (and a failure's reason), read
+    from Statistics."""
 
     def __init__(self, statistics: Statistics) -> None:
         self.statistics = statistics
 
-    def collect(self) -> Iterator[UnknownMetricFamily | GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         families = [
-            UnknownMetricFamily(metric, help_text, labels=["model", "version"])
-            for metric, (help_text, _) in _CUMULATIVE.items()
+            family(name, help_text, COUNTER) for name, (help_text, _) in _CUMULATIVE.items()
         ]
-        pending = GaugeMetricFamily(
+        failure = family(
+            "nv_inference_request_failure",
+            "Number of failed inference requests, all batch sizes",
+            COUNTER,
+        )
+        pending = family(
             "nv_inference_pending_request_count",
-            "inference requests received and not yet answered",
-            labels=["model", "version"],
+            "Instantaneous number of pending requests awaiting execution per-model.",
+            GAUGE,
         )
         with self.statistics.lock:
             for name, model in self.statistics.models.items():
-                for family, (_, read) in zip(families, _CUMULATIVE.values(), strict=True):
-                    family.add_metric([name, VERSION], read(model))
-                pending.add_metric([name, VERSION], model.pending)
+                labels = {"model": name, "version": VERSION}
+                for metric, (_, read) in zip(families, _CUMULATIVE.values(), strict=True):
+                    metric.add_sample(metric.name, labels, read(model))
+                for reason, count in model.failures.items():
+                    failure.add_sample(failure.name, {**labels, "reason": reason}, count)
+                pending.add_sample(pending.name, labels, model.pending)
         yield from families
+        yield failure
         yield pending

@@ -4,27 +4,23 @@ run."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
 import torch
 
-from moe_serve.bench.auto_table import crossover_tokens, rank_backends, rule_table, summary
+from moe_serve.bench.auto_table import rule_table, summary
 from moe_serve.bench.kernel_bench import KernelBench, KernelBenchConfig, read_run
 from moe_serve.bench.router_loads import Load
 from moe_serve.bench.schema import Point, write_result
-from moe_serve.bench.timing import TimingPlan
 from moe_serve.kernels import registry, selection
 from moe_serve.kernels.experts.reference import ReferenceExperts
+from moe_serve.kernels.timing import TimingPlan
 from moe_serve.service.cli import main
 from tests.bench.sample import sample_run
 
-TIMES = {
-    "1": {"triton": 40.0, "deep-gemm": 90.0},
-    "64": {"triton": 80.0, "deep-gemm": 85.0},
-    "4096": {"triton": 900.0, "deep-gemm": 500.0},
-}
 RULES = ["bench", "tune", "--mode", "rules", "--from"]
 QUICK = TimingPlan(warmup=1, min_iters=2, max_iters=3, budget_s=0.001)
 
@@ -34,36 +30,6 @@ class _WrongExperts(ReferenceExperts):
 
     def apply(self, x, ws):
         return super().apply(x, ws) * 2
-
-
-def test_ranking_is_by_geometric_mean_over_token_counts() -> None:
-    # triton: 40 * 80 * 900 = 2.88e6; deep-gemm: 90 * 85 * 500 = 3.8e6
-    assert rank_backends(TIMES) == ("triton", "deep-gemm")
-    partial = TIMES | {"1": {"triton": 40.0}}  # deep-gemm missing at one count: not ranked
-    assert rank_backends(partial) == ("triton",)
-    tie = {
-        "1": {"triton-or-deep-gemm": 40.0, "triton": 40.0},
-        "4": {"triton-or-deep-gemm": 80.0, "triton": 80.0},
-    }
-    assert rank_backends(tie) == ("triton", "triton-or-deep-gemm")  # by name, run after run
-
-
-@pytest.mark.parametrize(
-    ("times", "expected"),
-    [
-        (TIMES, 4096),
-        (TIMES | {"64": {"triton": 90.0, "deep-gemm": 85.0}}, 64),
-        (TIMES | {"4096": {"triton": 400.0, "deep-gemm": 500.0}}, None),
-        # a win at 64 that is lost again at 4096 does not count
-        (
-            TIMES
-            | {"64": {"triton": 90.0, "deep-gemm": 85.0}, "4096": {"triton": 1, "deep-gemm": 2}},
-            None,
-        ),
-    ],
-)
-def test_crossover_is_where_deep_gemm_wins_for_good(times: dict, expected: int | None) -> None:
-    assert crossover_tokens(times, "deep-gemm", "triton") == expected
 
 
 @pytest.fixture
@@ -111,7 +77,7 @@ def _timed(point: Point, medians_us: dict[str, float]) -> Point:
         template.model_copy(
             update={
                 "backend": backend,
-                "routing_excluded": template.routing_excluded.model_copy(update={"median_us": us}),
+                "routing_excluded": replace(template.routing_excluded, median_us=us),
             }
         )
         for backend, us in medians_us.items()
@@ -174,7 +140,7 @@ def _served(point: Point, served_us: dict[str, tuple[float, bool]]) -> Point:
     template = point.results[0]
     results = []
     for backend, (us, captured) in served_us.items():
-        timing = template.routing_included.model_copy(update={"median_us": us})
+        timing = replace(template.routing_included, median_us=us)
         update = {"backend": backend, "captured": timing if captured else None}
         if not captured:
             update |= {"routing_included": timing, "not_captured": "it syncs with the host"}

@@ -12,11 +12,11 @@ from moe_serve.bench import shapes
 from moe_serve.bench.auto_table import rule_table
 from moe_serve.bench.kernel_bench import KernelBench, KernelBenchConfig
 from moe_serve.bench.router_loads import Load
-from moe_serve.bench.timing import TimingPlan
 from moe_serve.kernels.config import MoEConfig, RoutingConfig
 from moe_serve.kernels.prepare_finalize.batched import SYNC_FREE_TOKENS
 from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
 from moe_serve.kernels.registry import EXPERTS
+from moe_serve.kernels.timing import TimingPlan
 
 pytestmark = pytest.mark.gpu
 

@@ -13,13 +13,13 @@ from moe_serve.bench import random_layer as random_layer_module
 from moe_serve.bench.kernel_bench import KernelBench, KernelBenchConfig
 from moe_serve.bench.random_layer import random_layer
 from moe_serve.bench.router_loads import Load, router_logits
-from moe_serve.bench.timing import TimingPlan
 from moe_serve.kernels import registry
 from moe_serve.kernels.config import MoEConfig, RoutingConfig
 from moe_serve.kernels.experts.reference import ReferenceExperts
 from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
 from moe_serve.kernels.random_weights import random_expert_weights
 from moe_serve.kernels.routing import route
+from moe_serve.kernels.timing import TimingPlan
 from moe_serve.service.cli import main
 
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from moe_serve.kernels import registry, selection
+from moe_serve.kernels import registry, rules, selection
 from moe_serve.kernels.accuracy import relative_error
 from moe_serve.kernels.config import MoEConfig, RoutingConfig
 from moe_serve.kernels.experts.deep_gemm import DeepGemmExperts
@@ -40,8 +40,8 @@ SERVED = {
 BOTH = ["triton", "oai-triton", "triton-batched"]
 
 
-def _plan(served: dict = SERVED, candidates: list[str] = BOTH) -> selection.Plan:
-    return selection.token_plan(served, candidates, CAPTURED, STANDARD)
+def _plan(served: dict = SERVED, candidates: list[str] = BOTH) -> rules.Plan:
+    return rules.token_plan(served, candidates, CAPTURED, STANDARD)
 
 
 def test_the_plan_runs_the_fastest_per_count_from_the_first_count_it_wins() -> None:
@@ -69,7 +69,7 @@ def test_a_captured_and_an_uncaptured_backend_never_share_a_layer() -> None:
     # triton-batched, not in CAPTURED here: paired with triton every bucket would run uncaptured
     fast_prefill = SERVED | {"4096": {"triton": 8000.0, "triton-batched": 3000.0}}
     composable = STANDARD | {"triton-batched"}
-    plan = selection.token_plan(fast_prefill, ["triton", "triton-batched"], CAPTURED, composable)
+    plan = rules.token_plan(fast_prefill, ["triton", "triton-batched"], CAPTURED, composable)
     assert plan == ((1, "triton"),)
 
 
@@ -80,7 +80,7 @@ def test_with_more_than_two_winners_the_closest_pair_runs() -> None:
         "64": {"a": 31.0, "b": 30.0, "c": 11.0},
     }
     abc = frozenset("abc")
-    plan = selection.token_plan(three, ["a", "b", "c"], abc, abc)
+    plan = rules.token_plan(three, ["a", "b", "c"], abc, abc)
     assert plan == ((1, "a"), (16, "b"))  # (a, b) is 2.7x off at 64; (a, c) or (b, c): 3x
 
 
@@ -97,29 +97,29 @@ def _slower(times: dict, name: str, factors: dict[str, float]) -> dict:
 def test_a_backend_two_percent_off_at_one_count_gets_a_second_backend_there() -> None:
     # a alone is 2% off at 256, b alone 2% off below it: the pair meets each count's fastest
     served = _slower(_slower(TIE, "a", {"256": 1.02}), "b", {"1": 1.02, "16": 1.02})
-    assert selection.token_plan(served, ["a", "b"], AB, AB) == ((1, "a"), (256, "b"))
+    assert rules.token_plan(served, ["a", "b"], AB, AB) == ((1, "a"), (256, "b"))
     # b 2% off nowhere: it runs alone, no second layout
-    assert selection.token_plan(_slower(TIE, "a", {"256": 1.02}), ["a", "b"], AB, AB) == ((1, "b"),)
+    assert rules.token_plan(_slower(TIE, "a", {"256": 1.02}), ["a", "b"], AB, AB) == ((1, "b"),)
 
 
 def test_a_backend_within_half_a_percent_everywhere_runs_alone() -> None:
     served = _slower(_slower(TIE, "a", {"256": 1.005}), "b", {"1": 1.005, "16": 1.005})
-    assert selection.token_plan(served, ["a", "b"], AB, AB) == ((1, "a"),)
+    assert rules.token_plan(served, ["a", "b"], AB, AB) == ((1, "a"),)
 
 
 def test_a_pair_must_gain_more_than_the_margin_over_the_best_alone() -> None:
     # c, timed at 4096 only (no option), is 5% faster there than a; b gains 0.5% on a there
     served = _slower(_slower(TIE, "a", {"4096": 1.05}), "b", {"1": 1.06, "4096": 1.045})
     served["4096"]["c"] = 800.0
-    assert selection.token_plan(served, ["a", "b", "c"], AB, AB) == ((1, "a"),)
+    assert rules.token_plan(served, ["a", "b", "c"], AB, AB) == ((1, "a"),)
     served["4096"]["b"] = 800.0 * 1.02  # a gain of 3%: worth a second backend
-    assert selection.token_plan(served, ["a", "b", "c"], AB, AB) == ((1, "a"), (4096, "b"))
+    assert rules.token_plan(served, ["a", "b", "c"], AB, AB) == ((1, "a"), (4096, "b"))
 
 
 def test_a_pair_switches_once_even_where_close_times_alternate() -> None:
     # fastest per count: a, b, a, b, by 0.2-0.3% in the middle: the pair switches once
     served = _slower(_slower(TIE, "a", {"16": 1.002, "4096": 1.05}), "b", {"1": 1.05, "256": 1.003})
-    assert selection.token_plan(served, ["a", "b"], AB, AB) == ((1, "a"), (4096, "b"))
+    assert rules.token_plan(served, ["a", "b"], AB, AB) == ((1, "a"), (4096, "b"))
 
 
 def _rule(plan: selection.Plan = ((1, "triton"), (64, "oai-triton"))) -> selection.Rule:

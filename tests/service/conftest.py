@@ -32,7 +32,8 @@ def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("MOE_SERVE_"):
             monkeypatch.delenv(name)
-    monkeypatch.setenv("MOE_SERVE_GRPC_PORT", "0")  # as tests/conftest.py sets it
+    monkeypatch.setenv("MOE_SERVE_GRPC_PORT", "0")  # as tests/conftest.py sets them
+    monkeypatch.setenv("MOE_SERVE_METRICS_PORT", "0")
 
 
 @pytest.fixture

@@ -79,7 +79,9 @@ def test_every_setting_reads_its_environment_variable(monkeypatch: pytest.Monkey
     monkeypatch.setenv("MOE_SERVE_WEIGHTS", "/w/a, /w/b,")  # spaces and a trailing comma
     monkeypatch.setenv("MOE_SERVE_MAX_BATCH_TOKENS", "64")
     monkeypatch.setenv("MOE_SERVE_LOG_FORMAT", "json")
+    monkeypatch.setenv("MOE_SERVE_CALIBRATE", "always")
     settings = Settings()
+    assert (settings.calibrate, settings.calibrate_budget_s) == ("always", 60.0)
     assert (settings.port, settings.max_batch_tokens, settings.log_format) == (9001, 64, "json")
     assert settings.weights == (Path("/w/a"), Path("/w/b"))
     assert settings.host == "127.0.0.1"
@@ -94,6 +96,8 @@ def test_every_setting_reads_its_environment_variable(monkeypatch: pytest.Monkey
         ("port", 70000, "less than or equal to 65535"),
         ("max_batch_tokens", 0, "greater than or equal to 1"),
         ("log_format", "xml", "'text' or 'json'"),
+        ("calibrate", "sometimes", "'off', 'once' or 'always'"),
+        ("calibrate_budget_s", 0, "greater than 0"),
     ],
 )
 def test_bad_setting_is_refused_naming_the_field(field: str, value: object, message: str) -> None:

@@ -331,3 +331,20 @@ def test_large_json_forwards_are_parsed_and_printed_on_the_gpu_as_the_host_would
         )
         assert r.status_code == 400, r.text
         assert error in r.json()["error"]
+
+
+def test_the_gpu_metrics_come_from_nvml_for_the_gpu_served_on(gpu_client) -> None:
+    """nv_gpu_* from the real NVML: the total memory is the device's, the used memory holds
+    at least what this process allocated, labelled by the GPU's UUID."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    pytest.importorskip("pynvml", reason="nvidia-ml-py is a dependency; install it")
+    client, _ = gpu_client
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    total = families["nv_gpu_memory_total_bytes"].samples
+    used = families["nv_gpu_memory_used_bytes"].samples
+    assert total and all(s.labels["gpu_uuid"].startswith("GPU-") for s in total)
+    device_total = torch.cuda.get_device_properties(0).total_memory
+    assert any(abs(s.value - device_total) <= 0.05 * device_total for s in total)
+    assert max(s.value for s in used) >= torch.cuda.memory_reserved(0)
+    assert "nv_gpu_utilization" in families and "nv_gpu_power_usage" in families

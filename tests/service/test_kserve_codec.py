@@ -39,7 +39,7 @@ def test_codec_round_trips_binary_tensors() -> None:
     x = torch.randn(3, 4)
     request, tensors = decode_request(*_binary_request(x))
     assert torch.equal(tensors["hidden_states"], x)
-    encoded = encode_response("m", request, {"output": x.half()})
+    encoded = encode_response("m", "1", request, {"output": x.half()})
     header = json.loads(encoded.body[: encoded.header_length])
     assert header["outputs"][0] == {
         "name": "output",

@@ -20,7 +20,7 @@ from moe_serve.service.errors import error_response
 from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
-from tests.service.layers import NO_ROUTER, TINY, E, H, gated_loader
+from tests.service.layers import NO_ROUTER, TINY, E, H, gated_loader, tiny_loader
 
 TOKEN = "s3cret-token-of-32-characters-xx"
 BINARY = {"Content-Type": "application/octet-stream"}
@@ -368,3 +368,45 @@ def test_backends_and_layers_say_which_backend_runs_at_which_token_count(
     assert switching.get(f"/v1/layers/{TINY}").json()["by_tokens"] == two
     forward = switching.post(f"/v1/layers/{TINY}/forward", json={"hidden_states": [[0.1] * H] * 9})
     assert forward.status_code == 200, forward.text
+
+
+def test_ready_says_which_layer_calibrates_and_how_far_and_auto_follows_its_rule(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reached, release = threading.Event(), threading.Event()
+    calls = []
+
+    def calibrated(name, cfg, _weights, _device, calibration, _tokens, _captures, progress):
+        calls.append((name, calibration.mode, calibration.budget_s))
+        progress(3, 12)
+        reached.set()
+        release.wait(10)
+        progress(12, 12)
+        served = {"1": {"reference": 1.0}}
+        key = selection.rule_key(cfg)
+        rule = selection.Rule(key, ("reference",), {}, 0, served, frozenset(), ((1, "reference"),))
+        return selection.RuleTable("cpu", "1.0+abc", "this start's calibration", {key: rule})
+
+    monkeypatch.setattr("moe_serve.service.engine.engine.calibrated_rules", calibrated)
+    settings = Settings(device="cpu", calibrate="always", calibrate_budget_s=5)
+    with TestClient(create_app(settings, tiny_loader)) as client:
+        assert reached.wait(10)
+        r = client.get("/ready")
+        assert (r.status_code, r.json()) == (
+            503,
+            {"ready": False, "reason": f"calibrating layer {TINY}: 3/12"},
+        )
+        release.set()
+        wait_ready(client.get)
+        layer = client.get("/backends").json()["layers"][0]
+    assert calls == [(TINY, "always", 5.0), (NO_ROUTER, "always", 5.0)]
+    assert "rule none/small of this start's calibration" in layer["reason"]
+
+
+def test_a_forced_backend_is_never_calibrated(make_client, monkeypatch: pytest.MonkeyPatch) -> None:
+    def calibrated(*_args):
+        raise AssertionError("calibrated a forced backend")
+
+    monkeypatch.setattr("moe_serve.service.engine.engine.calibrated_rules", calibrated)
+    client = make_client(backend="reference", calibrate="always")
+    assert client.get("/backends").json()["layers"][0]["reason"] == "forced by --backend"

@@ -3,6 +3,7 @@ the stock tritonclient) and the nv_inference_* metrics beside moe_serve_*."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import httpx
@@ -81,11 +82,11 @@ def test_stats_of_an_unknown_model_or_version_are_404(urls) -> None:
     assert err.value.status() == "StatusCode.NOT_FOUND"
 
 
-def _samples(url: str, metric: str) -> dict[str, float]:
-    """{model: value} of one metric's samples labelled version="1"."""
+def _samples(url: str, metric: str, label: str = "") -> dict[str, float]:
+    """{model: value} of one metric's samples labelled version="1" (and `label`)."""
     values = {}
     for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(metric + "{"):
+        if line.startswith(metric + "{") and label in line:
             labels, value = line[len(metric) + 1 :].split("} ")
             fields = dict(kv.split("=") for kv in labels.split(","))
             assert fields["version"] == '"1"'
@@ -101,7 +102,12 @@ def test_nv_inference_metrics_beside_moe_serve_ones(urls) -> None:
     with pytest.raises(httpclient.InferenceServerException):
         _infer(client, 1, NO_ROUTER)
     assert _samples(url, "nv_inference_request_success") == {TINY: 2, NO_ROUTER: 0}
-    assert _samples(url, "nv_inference_request_failure") == {TINY: 0, NO_ROUTER: 1}
+    failures = _samples(url, "nv_inference_request_failure", 'reason="OTHER"')
+    assert failures == {TINY: 0, NO_ROUTER: 1}  # bad input
+    assert _samples(url, "nv_inference_request_failure", 'reason="BACKEND"') == {
+        TINY: 0,
+        NO_ROUTER: 0,
+    }
     assert _samples(url, "nv_inference_count")[TINY] == 6
     assert _samples(url, "nv_inference_exec_count")[TINY] == 2
     assert _samples(url, "nv_inference_pending_request_count") == {TINY: 0, NO_ROUTER: 0}
@@ -110,9 +116,38 @@ def test_nv_inference_metrics_beside_moe_serve_ones(urls) -> None:
     durations = {  # the same numbers as /stats, in microseconds
         "nv_inference_request_duration_us": inference["success"]["ns"] + inference["fail"]["ns"],
         "nv_inference_queue_duration_us": inference["queue"]["ns"],
+        "nv_inference_compute_input_duration_us": inference["compute_input"]["ns"],
         "nv_inference_compute_infer_duration_us": inference["compute_infer"]["ns"],
+        "nv_inference_compute_output_duration_us": inference["compute_output"]["ns"],
     }
     for metric, ns in durations.items():
         assert _samples(url, metric)[TINY] == ns // 1000, metric
     assert _samples(url, "nv_inference_compute_infer_duration_us")[TINY] > 0  # two forwards
     assert "moe_serve_forward_seconds" in httpx.get(f"{url}/metrics").text
+
+
+def test_times_are_measured_in_nanoseconds_for_sequential_requests(urls) -> None:
+    """Each sequential request adds its own queue, compute and request time, on a clock finer
+    than the event loop's milliseconds; every forward fills its batch size's three phases."""
+    client = httpclient.InferenceServerClient(urls[0].removeprefix("http://"))
+    phases = ("success", "queue", "compute_input", "compute_infer", "compute_output")
+    seen = []
+    for rows in (1, 2, 1, 2):
+        _infer(client, rows)
+        stats = client.get_inference_statistics(TINY)["model_stats"][0]
+        seen.append({p: stats["inference_stats"][p]["ns"] for p in phases})
+    for earlier, later in itertools.pairwise(seen):
+        for phase in phases:
+            assert later[phase] > earlier[phase], phase
+    assert any(ns % 1_000_000 for ns in (s["queue"] for s in seen))
+    for batch in stats["batch_stats"]:
+        counts = {
+            p: batch[p]["count"] for p in ("compute_input", "compute_infer", "compute_output")
+        }
+        assert set(counts.values()) == {2}, batch  # two forwards of each size
+    (usage,) = stats["memory_usage"]  # the layer's weights
+    assert usage["type"] == "CPU" and usage["byte_size"] > 0
+    with grpcclient.InferenceServerClient(urls[1]) as c:
+        message = c.get_inference_statistics(TINY).model_stats[0]
+    assert message.memory_usage[0].byte_size == stats["memory_usage"][0]["byte_size"]
+    assert message.batch_stats[0].compute_input.count == 2

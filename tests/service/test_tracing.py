@@ -3,8 +3,10 @@ shows its request span with queue, forward (layer, backend, tokens) and reply sp
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -51,8 +53,8 @@ def test_tracing_is_on_only_when_the_environment_asks(monkeypatch, environment, 
     [
         ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER 'zipkin'"),
         (
-            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
-            "exports traces over grpc",
+            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
+            "exports traces over grpc or http/protobuf",
         ),
     ],
 )
@@ -131,8 +133,13 @@ def test_http_and_grpc_requests_are_traced_through_queue_forward_and_reply(tmp_p
             tensor = grpcclient.InferInput("hidden_states", [4, 256], "FP32")
             tensor.set_data_from_numpy(x)
             client.infer("demo", [tensor])
+            answers: queue.Queue = queue.Queue()
+            client.start_stream(lambda result, error: answers.put(error))
+            client.async_stream_infer("demo", [tensor])
+            assert answers.get(timeout=SPANS_TIMEOUT_S) is None
+            client.stop_stream()
         deadline = time.monotonic() + SPANS_TIMEOUT_S
-        while out.text.count('"name": "reply"') < 2:
+        while out.text.count('"name": "reply"') < 3 or 'ModelStreamInfer"' not in out.text:
             assert time.monotonic() < deadline, f"spans never came: {out.text[-2000:]}"
             time.sleep(0.05)
     finally:
@@ -150,3 +157,80 @@ def test_http_and_grpc_requests_are_traced_through_queue_forward_and_reply(tmp_p
         assert attributes["moe.layer"] == "demo" and attributes["moe.tokens"] == 4
         assert attributes["moe.backend"] == "reference"
         assert trace["queue"]["end_time"] <= trace["forward"]["start_time"]
+    # a stream: a span per request it carries, holding that request's
+    trace = _trace(spans, "/inference.GRPCInferenceService/ModelStreamInfer")
+    message = trace["ModelStreamInfer message"]
+    assert (
+        message["parent_id"]
+        == trace["/inference.GRPCInferenceService/ModelStreamInfer"]["context"]["span_id"]
+    )
+    for name in ("queue", "forward", "reply"):
+        assert trace[name]["parent_id"] == message["context"]["span_id"], name
+
+
+class _Receiver(http.server.BaseHTTPRequestHandler):
+    """An OTLP/HTTP receiver: each POST /v1/traces's span names go to `spans`."""
+
+    spans: queue.Queue
+
+    def do_POST(self) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path == "/v1/traces":
+            request = ExportTraceServiceRequest.FromString(body)
+            for resource in request.resource_spans:
+                for scope in resource.scope_spans:
+                    for span in scope.spans:
+                        self.spans.put(span.name)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.slow
+def test_spans_go_over_otlp_http_protobuf(tmp_path) -> None:
+    _Receiver.spans = queue.Queue()
+    receiver = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Receiver)
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    port = free_port()
+    env = {
+        **os.environ,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.server_address[1]}",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+        "MOE_SERVE_CACHE_DIR": str(tmp_path),
+    }
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moe_serve.service.cli", "serve", "--device", "cpu",
+         "--port", str(port), "--log-level", "warning"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                if httpx.get(f"{url}/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and server.poll() is None, "never ready"
+            time.sleep(0.1)
+        body = {"inputs": [{"name": "hidden_states", "shape": [1, 256], "datatype": "FP32",
+                            "data": [0.01] * 256}]}  # fmt: skip
+        assert httpx.post(f"{url}/v2/models/demo/infer", json=body).status_code == 200
+        names = set()
+        while "reply" not in names:
+            names.add(_Receiver.spans.get(timeout=SPANS_TIMEOUT_S))
+        assert {"queue", "forward"} <= names
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
+        receiver.shutdown()

@@ -103,6 +103,24 @@ async def model_metadata(name: str, engine: EngineDep) -> ModelMetadata:
 
 
 @router.get(
+    "/models/{name}/config",
+    summary="Model configuration in Triton's schema: tensors, batching, queue policy, instances",
+    responses={404: {"model": ErrorBody}},
+)
+async def model_config(name: str, runtime: RuntimeDep) -> dict:
+    return inference.model_config(runtime, name)
+
+
+@router.get(
+    "/models/{name}/versions/{version}/config",
+    summary="Model configuration of a named version",
+    responses={404: {"model": ErrorBody}},
+)
+async def version_config(name: str, version: str, runtime: RuntimeDep) -> dict:
+    return inference.model_config(runtime, name, version)
+
+
+@router.get(
     probes.MODEL_READY.removeprefix(router.prefix),
     summary="200 when the model can serve",
     response_model=dict[str, bool],
@@ -227,7 +245,7 @@ class InferEndpoint:
             result = await inference.infer(
                 runtime, name, version or "", infer_request, tensors, owner, withdrawn
             )
-            with tracing.reply_span():
+            with tracing.span("reply"):
                 encoded = await _encode(name, infer_request, result)
             if encoded.header_length is None:
                 response = Response(encoded.body, media_type="application/json")
@@ -257,7 +275,7 @@ async def _encode(name: str, request: InferRequest, result: inference.InferenceR
     """encode_response, off the loop when large (a JSON output by its numbers)."""
     outputs = result.outputs
     numbers = sum(t.numel() for n, t in outputs.items() if not wants_binary(request, n))
-    args = (encode_response, name, request, outputs, result.placed)
+    args = (encode_response, name, inference.VERSION, request, outputs, result.placed)
     if numbers:
         return await off_loop.JSON.run(numbers * NUMBER_BYTES, *args)
     return await off_loop.BINARY.run(sum(t.nbytes for t in outputs.values()), *args)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..deps import RuntimeDep
 
@@ -17,4 +17,4 @@ router = APIRouter(tags=["health"])
     responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
 )
 async def metrics(runtime: RuntimeDep) -> Response:
-    return Response(generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(runtime.metrics.page(), media_type=CONTENT_TYPE_LATEST)

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from moe_serve.bench.timing import Timer, TimingPlan, summarize
+from moe_serve.kernels.timing import Timer, TimingPlan, summarize
 
 
 def test_summarize_reports_median_and_p90_in_microseconds() -> None:

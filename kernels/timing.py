@@ -1,4 +1,5 @@
-"""Timing a device call: warm-up, L2 flushed before every iteration, median and p90.
+"""Timing a device call: warm-up, L2 flushed before every iteration, median and p90 (the
+benchmarks and the service's self-calibration, kernels/calibrate.py, time with it).
 
 On CUDA each iteration is bracketed by CUDA events (the host never waits inside the loop); a
 write of twice the L2 size before each start event evicts what the previous iteration left in
@@ -15,9 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .schema import Timing
-
 _DEFAULT_L2_BYTES = 50 * 2**20  # H100; used when the device does not report its L2 size
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_us: float
+    p90_us: float
+    iters: int
 
 
 @dataclass(frozen=True)
