@@ -7,6 +7,7 @@ names the tensor or field; a 500 means a bug or a failed forward, never bad inpu
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import grpc
 from fastapi import FastAPI, Request
@@ -42,6 +43,12 @@ class Forbidden(ServiceError):
 
 class UnknownLayer(ServiceError):
     status = 404
+
+
+def no_layer(name: str, served: Iterable[str]) -> UnknownLayer:
+    """The 404 of a layer (a model) `name` that is not among those `served`."""
+    known = ", ".join(sorted(served)) or "none"
+    return UnknownLayer(f"no layer named {name!r}; served layers: {known}")
 
 
 class RequestTimeout(ServiceError):

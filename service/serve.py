@@ -55,10 +55,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--http-workers",
-        type=int,
-        metavar="N",
-        help="HTTP front-end processes that share the port around the GPU process (default 0: "
-        "this process serves HTTP; see README, Performance)",
+        metavar="N|auto",
+        help="HTTP front-end processes that share the port around the GPU process; 0: this "
+        "process serves HTTP (default auto: none on the CPU, on a GPU one per two usable CPU "
+        "cores, at most 8; docs/serving.md, Which mode to run)",
     )
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument(
@@ -185,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         return _refuse(f"tracing: {err}")
     if settings.api_token is None and settings.host not in LOOPBACK:
         log.warning("listening on %s with no MOE_SERVE_API_TOKEN: open to all", settings.host)
-    if settings.http_workers:
+    if settings.front_ends():
         front_ends = FrontEnds(settings, listener)
         app = create_app(settings, front_ends=front_ends)
         config = server_config(app, settings, str(front_ends.http_path))

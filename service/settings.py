@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -15,6 +16,26 @@ from ..kernels.stages import resolve_device
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 MIN_TOKEN_CHARS = 16  # a shorter bearer token is a placeholder, not a secret
+# --http-workers auto on a GPU: the most front ends, chosen by `moe-serve bench service` on a
+# 16-core H200 host; half the cores leaves the rest to the engine process, its copies and the
+# batcher
+AUTO_FRONT_ENDS = 8
+
+
+CPU_QUOTA = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max <period>"
+
+
+def usable_cpus(quota_file: Path = CPU_QUOTA) -> int:
+    """The CPU cores this process may run on: its affinity, within its cgroup's CPU quota (a
+    container limited to N CPUs sees the host's cores otherwise)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = quota_file.read_text().split()
+    except (OSError, ValueError):
+        return cores
+    if quota == "max":
+        return cores
+    return max(1, min(cores, int(quota) // int(period)))
 
 
 class Settings(BaseSettings):
@@ -31,8 +52,9 @@ class Settings(BaseSettings):
     # GET /metrics on a port of its own, as Triton's; 0: off (/metrics on `port` stays)
     metrics_port: int = Field(8002, ge=0, le=65535)
     # HTTP front-end processes sharing the port (binary forwards laid in shared memory, the rest
-    # relayed) around this one, which keeps the GPU; 0: this process serves HTTP itself
-    http_workers: int = Field(0, ge=0, le=64)
+    # relayed) around this one, which keeps the GPU; 0: this process serves HTTP itself; auto:
+    # `front_ends()`
+    http_workers: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     backend: str = "auto"  # experts backend for every layer, or auto per layer
     max_batch_tokens: int = Field(1024, ge=1)  # tokens per forward; larger requests are chunked
@@ -143,6 +165,16 @@ class Settings(BaseSettings):
 
     def api_token_bytes(self) -> bytes | None:
         return None if self.api_token is None else self.api_token.get_secret_value().encode()
+
+    def front_ends(self) -> int:
+        """The HTTP front-end processes to start: http_workers, or for auto none on the CPU
+        (the layers' own forwards leave no core for them) and on a GPU one per two usable CPU
+        cores, at most AUTO_FRONT_ENDS."""
+        if self.http_workers != "auto":
+            return self.http_workers
+        if self.torch_device().type != "cuda":
+            return 0
+        return min(AUTO_FRONT_ENDS, max(1, usable_cpus() // 2))
 
     def torch_device(self) -> torch.device:
         """The device layers run on: `auto` is the first GPU when there is one, else the CPU."""

@@ -30,11 +30,12 @@ from ..codecs.kserve import (
 )
 from ..engine.batcher import RequestOptions
 from ..engine.interface import ServedLayer, ServingEngine
-from ..errors import BadInput, PayloadTooLarge, UnknownLayer
+from ..errors import BadInput, PayloadTooLarge
 from ..triton.shared_memory import DeviceRegion, TensorPlace
 from ..triton.statistics import VERSION
 from .forward import MAX_SCHEDULE_VALUE, TENSOR_NAMES, schedule_options, submit_unless_withdrawn
 from .inputs import check_inputs
+from .probes import check_version
 from .runtime import Runtime, ready
 
 OUTPUT = "output"
@@ -147,8 +148,7 @@ def model_config(runtime: Runtime, name: str, version: str = "") -> dict:
 def get_model(engine: ServingEngine, name: str, version: str = "") -> ServedLayer:
     """The served layer `name`; `version` is empty (any) or VERSION."""
     served = engine.get(name)  # an unknown model first
-    if version not in ("", VERSION):
-        raise UnknownLayer(f"model {name!r} has version {VERSION} only, not {version!r}")
+    check_version(name, version)
     return served
 
 

@@ -20,15 +20,15 @@ from ..engine.batcher import BatchPolicy, DynamicBatcher
 from ..engine.engine import Engine
 from ..engine.interface import LayerSource, ServingEngine
 from ..ep.engine import EPEngine
-from ..errors import BadInput, NotReady
+from ..errors import BadInput
 from ..metrics import Metrics
 from ..settings import Settings
 from ..triton.repository import Repository
 from ..triton.shared_memory import SharedMemory
+from .probes import ProbeState, not_ready_error
 
 log = logging.getLogger(__name__)
 
-RETRY_WHILE_LOADING_S = "5"
 # A loader turns settings into layers whose weights are on `device`.
 LayerLoader = Callable[[Settings, torch.device], Sequence[LayerSource]]
 
@@ -51,6 +51,23 @@ class Runtime:
     warm_up_tokens: list[int] = field(default_factory=list)  # token counts a new layer runs
     # Set on SIGTERM (drain): the time.monotonic() by which in-flight requests must be done.
     drain_deadline: float | None = None
+    # Called (on any thread) when what the probes answer changes: --http-workers publishes the
+    # probe state to the front ends (service/frontends/engine_state.py)
+    on_change: Callable[[], None] = lambda: None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        super().__setattr__(name, value)
+        if name in _PROBED and "on_change" in self.__dict__:
+            self.on_change()
+
+    def probe_state(self) -> ProbeState:
+        """What the probes answer now."""
+        return ProbeState(
+            not_ready=self.not_ready,
+            degraded=self.degraded,
+            draining=self.drain_deadline is not None,
+            models=() if self.engine is None else tuple(self.engine.layers),
+        )
 
     def drain(self) -> None:
         """SIGTERM came: in-flight requests have drain_timeout_s to finish. From now on gRPC
@@ -59,10 +76,14 @@ class Runtime:
             self.drain_deadline = time.monotonic() + self.settings.drain_timeout_s
 
 
+# The fields the probes answer from, besides the engine's layers (published on each beat)
+_PROBED = frozenset({"not_ready", "degraded", "drain_deadline", "engine"})
+
+
 def ready(runtime: Runtime) -> Runtime:
     """`runtime` once it can serve (engine and batcher set); NotReady (503) before."""
     if runtime.not_ready is not None:
-        raise NotReady(f"not ready: {runtime.not_ready}", {"Retry-After": RETRY_WHILE_LOADING_S})
+        raise not_ready_error(runtime.not_ready)
     return runtime
 
 

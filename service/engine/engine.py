@@ -26,7 +26,7 @@ from ...kernels.placement import Placement
 from ...kernels.selection import RuleTable, Selection
 from ...kernels.tensors import ForwardInputs, Routing
 from ...kernels.workspace import Workspace
-from ..errors import Conflict, NotReady, UnknownLayer
+from ..errors import Conflict, NotReady, no_layer
 from .interface import (
     BatchResult,
     LayerSource,
@@ -194,8 +194,7 @@ class Engine(ServingEngine):
         try:
             return self.layers[name]
         except KeyError:
-            known = ", ".join(sorted(self.layers)) or "none"
-            raise UnknownLayer(f"no layer named {name!r}; served layers: {known}") from None
+            raise no_layer(name, self.layers) from None
 
     def forward(self, name: str, inputs: ForwardInputs) -> LayerOutput:
         """One batch [M, H] of layer `name` (CPU tensors) -> output [M, H] and routing, on CPU.

@@ -15,10 +15,13 @@ socket (the kernel spreads connections over them) and do the per-byte work in pa
   decode) into a float32 blob in the arena and sent as a binary forward answered in the layer's
   dtype, whose output is written here as the JSON the engine writes: the engine does no JSON
   work and the request no second HTTP hop;
-- every other request (KServe v2, probes, metrics, admin, a JSON forward with return_routing)
-  is relayed unchanged to the engine's own HTTP server on a Unix socket, as is a body the arena
-  cannot hold. Probes and scrapes have connections of their own to the engine: relayed
-  responses that slow clients read slowly hold the others.
+- the probes (/health, /ready, KServe's live, ready and model ready) are answered here, from
+  the state the engine publishes with its heartbeat (`service/frontends/engine_state.py`):
+  answered at once whatever the engine is doing, and not live once its event loop stops;
+- every other request (KServe v2, metrics, admin, a JSON forward with return_routing) is relayed
+  unchanged to the engine's own HTTP server on a Unix socket, as is a body the arena cannot
+  hold. Scrapes have connections of their own to the engine: relayed responses that slow
+  clients read slowly hold the others.
 
 It imports no torch: it starts in a fraction of a second and is restarted if it dies.
 """
@@ -61,6 +64,7 @@ from ..errors import (
     body_too_large,
     error_response,
 )
+from ..http import probes
 from ..http.direct_body import DIRECT_BODY, BodyTarget, DirectBody
 from ..http.middleware import (
     OPEN_PATHS,
@@ -80,6 +84,7 @@ from ..interpreter import collect_less
 from ..logs import new_request_id
 from .arena import BodyArena, Region
 from .channel import EngineClient, Reply
+from .engine_state import StateBlock
 
 log = logging.getLogger("moe_serve.service.frontends.front_end")  # also when run as __main__
 
@@ -96,7 +101,7 @@ _NOT_RELAYED_BACK = _HOP_BY_HOP | {b"date", b"server"}
 # The engine's server closes a connection idle for uvicorn's keep-alive timeout (5 s): the relay
 # lets one go sooner, so as not to send a request down a connection being closed.
 _RELAY_KEEPALIVE_S = 2.0
-_PROBE_CONNECTIONS = 4  # to the engine, for probes and scrapes alone
+_SCRAPE_CONNECTIONS = 2  # to the engine, for /metrics alone
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,8 @@ class FrontEndConfig:
     listen_fd: int  # the public socket, shared by every front end
     engine_http: str  # Unix socket of the engine's HTTP server (what is relayed)
     engine_channel: str  # Unix socket of the engine's channel (service/frontends/channel.py)
+    engine_state: str  # the engine's probe state (service/frontends/engine_state.py)
+    engine_stale_s: float  # a heartbeat older than this: the engine is not live
     arena_dir: str
     api_token: str | None
     max_connections: int
@@ -138,8 +145,10 @@ class FrontEnd:
             self.arena = None
         self.engine = EngineClient(Path(config.engine_channel), self.arena, self._engine_lost)
         self.on_engine_lost = lambda: None  # main() stops the server: nothing left to serve
+        self.state = StateBlock.attach(Path(config.engine_state))
         self.relay = _relay_client(config.engine_http, config.max_connections)
-        self.probes = _relay_client(config.engine_http, _PROBE_CONNECTIONS)
+        # /metrics is relayed: the engine keeps every metric, the front ends' requests included
+        self.scrapes = _relay_client(config.engine_http, _SCRAPE_CONNECTIONS)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -173,6 +182,12 @@ class FrontEnd:
             with _answering(self.engine, scope, headers, UNMATCHED) as answer:
                 answer.status = 401  # before any byte of the body is read
                 await _error_response(_UNAUTHORIZED, answer.headers)(scope, receive, send)
+        elif probe := probes.probe(scope["method"], scope["path"]):
+            with _answering(self.engine, scope, headers, probe[0]) as answer:
+                response = probes.answer(self.state.read(self.config.engine_stale_s), *probe)
+                answer.status = response.status_code
+                response.headers.update(answer.headers)
+                await response(scope, receive, send)
         elif plain and plain[1] == BINARY and (direct := scope.get(DIRECT_BODY)):
             await self._forward(scope, receive, send, plain[0], direct)
         elif plain and plain[1] == JSON and (size := self._json_size(scope)):
@@ -322,7 +337,7 @@ class FrontEnd:
     async def _relay(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         """The request, its `body` read, to the engine's HTTP server and its response back,
         streamed; withdrawn if the client goes away first."""
-        client = self.probes if scope["path"] in OPEN_PATHS else self.relay
+        client = self.scrapes if scope["path"] in OPEN_PATHS else self.relay
         sending = asyncio.ensure_future(_send_to_engine(client, scope, body))
         gone = asyncio.ensure_future(client_gone(receive))
         try:
@@ -366,7 +381,8 @@ class FrontEnd:
         await receive()  # lifespan.shutdown
         await self.engine.close()
         await self.relay.aclose()
-        await self.probes.aclose()
+        await self.scrapes.aclose()
+        self.state.close()
         await send({"type": "lifespan.shutdown.complete"})
 
     def _engine_lost(self) -> None:
@@ -435,7 +451,9 @@ def _answering(
             status = answer.status or 500
             seconds = time.perf_counter() - started
             engine.done(route, status, seconds)
-            log.info("POST %s -> %d in %.1f ms", scope["path"], status, seconds * 1e3)
+            log.info(
+                "%s %s -> %d in %.1f ms", scope["method"], scope["path"], status, seconds * 1e3
+            )
         logs.request_id.reset(reset)
 
 

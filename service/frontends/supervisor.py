@@ -3,9 +3,11 @@
 
 This process keeps the layers, the GPU, the batcher, gRPC and every metric; it serves HTTP on a
 Unix socket (the front ends relay there what they do not serve themselves) and the channel
-(`service/frontends/channel_server.py`). The front ends share the public socket. One that dies is
-started again (and counted in `moe_serve_front_end_restarts_total`); on SIGTERM they stop taking
-connections and finish their requests first, then this process drains as it does alone.
+(`service/frontends/channel_server.py`), and publishes its probe state with a heartbeat
+(`service/frontends/engine_state.py`), from which the front ends answer the probes. The front
+ends share the public socket. One that dies is started again (and counted in
+`moe_serve_front_end_restarts_total`); on SIGTERM they stop taking connections and finish their
+requests first, then this process drains as it does alone.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..core.runtime import Runtime
 from ..settings import Settings
 from .arena import shm_dir
 from .channel_server import ChannelServer
+from .engine_state import HEARTBEAT_S, STALE_S, StateBlock
 from .front_end import FrontEndConfig
 
 log = logging.getLogger(__name__)
@@ -37,17 +40,20 @@ _RESTART_PAUSE_S = 1.0
 
 class FrontEnds:
     def __init__(self, settings: Settings, listener: socket.socket) -> None:
-        self.count = settings.http_workers
+        self.count = settings.front_ends()
         self.listener = listener
         remove_stale_directories(shm_dir())
         prefix = f"{DIRECTORY_PREFIX}{os.getpid()}-"
         self.directory = Path(tempfile.mkdtemp(prefix=prefix, dir=shm_dir()))
         self.http_path = self.directory / "http.sock"  # the engine's HTTP server
+        self.state = StateBlock.create(self.directory / "state")
         token = settings.api_token
         self.config = FrontEndConfig(
             listen_fd=listener.fileno(),
             engine_http=str(self.http_path),
             engine_channel=str(self.directory / "channel.sock"),
+            engine_state=str(self.state.path),
+            engine_stale_s=STALE_S,
             arena_dir=str(self.directory),
             api_token=None if token is None else token.get_secret_value(),
             max_connections=settings.max_connections,
@@ -61,9 +67,16 @@ class FrontEnds:
         self._processes: list[asyncio.subprocess.Process | None] = [None] * self.count
         self._supervising: list[asyncio.Task] = []
         self._channel: ChannelServer | None = None
+        self._beating: asyncio.Task | None = None
+        self._runtime: Runtime | None = None
         self._stopping = False
 
     async def start(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+        loop = asyncio.get_running_loop()
+        # written on this event loop alone, whichever thread changed the state (or a signal)
+        runtime.on_change = lambda: loop.call_soon_threadsafe(self._publish)
+        self._beating = asyncio.create_task(self._beat())  # publishes before the front ends start
         self._channel = ChannelServer(runtime, Path(self.config.engine_channel))
         await self._channel.start()
         restarts = runtime.metrics.front_end_restarts
@@ -93,7 +106,24 @@ class FrontEnds:
         await asyncio.gather(*running, return_exceptions=True)
         if self._channel is not None:
             await self._channel.close()
+        if self._beating is not None:
+            self._beating.cancel()
+            self._beating = None  # and a change still scheduled publishes nothing
+            self._runtime.on_change = lambda: None
+        self.state.close()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _publish(self) -> None:
+        if self._beating is not None:
+            self.state.write(self._runtime.probe_state())
+
+    async def _beat(self) -> None:
+        """The state every HEARTBEAT_S, from this event loop: its time stamp is the heartbeat
+        that tells the front ends this loop runs (the engine's own layers change without a
+        notice too: a model loaded or unloaded shows at the next beat)."""
+        while True:
+            self._publish()
+            await asyncio.sleep(HEARTBEAT_S)
 
     async def _supervise(self, index: int, restarts: Counter) -> None:
         while not self._stopping:

@@ -12,6 +12,7 @@ from fastapi import FastAPI
 
 from ... import __version__
 from .. import tracing
+from ..core.probes import SHUTTING_DOWN
 from ..core.runtime import LayerLoader, Runtime, load_from_disk, shut_down, start_up
 from ..errors import install_handlers
 from ..frontends.supervisor import FrontEnds
@@ -72,7 +73,7 @@ def create_app(
         if front_ends is not None:
             await front_ends.start(runtime)
         yield
-        runtime.not_ready = "shutting down"
+        runtime.not_ready = SHUTTING_DOWN
         if front_ends is not None:  # their requests finish first
             await front_ends.stop(settings.drain_timeout_s)
         if grpc_server is not None:  # in-flight calls finish first, by the drain's deadline

@@ -70,7 +70,7 @@ def server_config(app: FastAPI, settings: Settings, uds: str | None = None) -> u
     """As `moe-serve serve` runs it; on a Unix socket `uds` behind the --http-workers front
     ends, each of which may relay up to max_connections (and reads what it relays as fast as
     its client does: the front end's own connection has the write timeout)."""
-    connections = settings.max_connections * (settings.http_workers if uds else 1)
+    connections = settings.max_connections * (settings.front_ends() if uds else 1)
     timeout_s = settings.read_timeout_s
     return uvicorn.Config(
         app,

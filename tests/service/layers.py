@@ -102,11 +102,15 @@ def running_server(app: FastAPI, server: uvicorn.Server | None = None) -> Iterat
 
 @contextlib.contextmanager
 def running_front_ends(
-    settings: Settings, loader: Callable = tiny_loader, start_timeout_s: float = START_TIMEOUT_S
+    settings: Settings,
+    loader: Callable = tiny_loader,
+    start_timeout_s: float = START_TIMEOUT_S,
+    started: Callable[[str], bool] | None = None,
 ) -> Iterator[FrontEnds]:
     """`moe-serve serve --http-workers N` as serve.run sets it up, this process the engine (its
     uvicorn on a thread, on the Unix socket), the front ends real processes on a free
-    127.0.0.1 port; yields the FrontEnds (`.listener` has the port) once the service is ready."""
+    127.0.0.1 port; yields the FrontEnds (`.listener` has the port) once the service is ready
+    (or once `started(url)`)."""
     listener = listen("127.0.0.1", 0)
     front_ends = FrontEnds(settings, listener)
     app = create_app(settings, loader, front_ends=front_ends)
@@ -115,7 +119,7 @@ def running_front_ends(
     thread.start()
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     deadline = time.monotonic() + start_timeout_s
-    while not _ready(url):
+    while not (started or _ready)(url):
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("the front ends did not start")
         time.sleep(0.05)

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from moe_serve.kernels.config import MoEConfig, RoutingConfig
 from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
 from moe_serve.service.cli import COMMANDS, build_parser, main
-from moe_serve.service.settings import Settings
+from moe_serve.service.settings import Settings, usable_cpus
 from moe_serve.weights.demo import ensure_demo_layers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -383,3 +383,39 @@ def test_serve_refuses_batch_invariance_for_an_fp8_tensor_layer_saying_why(
 def test_batch_invariance_with_expert_parallelism_is_refused() -> None:
     with pytest.raises(ValidationError, match="batch_invariant cannot be used with expert"):
         Settings(batch_invariant=True, ep=2)
+
+
+@pytest.mark.parametrize(
+    ("device", "cpus", "expected"),
+    [("cpu", 16, 0), ("cuda", 16, 8), ("cuda", 64, 8), ("cuda", 6, 3), ("cuda", 1, 1)],
+)
+def test_http_workers_auto_runs_front_ends_on_a_gpu_host_only(
+    monkeypatch: pytest.MonkeyPatch, device: str, cpus: int, expected: int
+) -> None:
+    """The default: one process on the CPU, where the forwards need the cores; on a GPU one
+    front end per two usable cores, at most 8. A number given is taken as it is."""
+    monkeypatch.setattr(Settings, "torch_device", lambda _: torch.device(device))
+    monkeypatch.setattr("moe_serve.service.settings.usable_cpus", lambda: cpus)
+    assert Settings().http_workers == "auto"
+    assert Settings().front_ends() == expected
+    monkeypatch.setenv("MOE_SERVE_HTTP_WORKERS", "auto")
+    assert Settings().front_ends() == expected
+    assert Settings(http_workers="0").front_ends() == 0
+    assert Settings(http_workers=3).front_ends() == 3
+    with pytest.raises(ValidationError, match="http_workers"):
+        Settings(http_workers="some")
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "expected"),
+    [(None, 12), ("max 100000", 12), ("400000 100000", 4), ("50000 100000", 1)],
+    ids=["no cgroup", "no quota", "quota of 4", "half a core"],
+)
+def test_usable_cpus_are_the_affinity_within_the_cgroup_quota(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cpu_max: str | None, expected: int
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(12)))
+    quota = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        quota.write_text(cpu_max + "\n")
+    assert usable_cpus(quota) == expected

@@ -28,6 +28,7 @@ from moe_serve.service.codecs import json_device, json_tensors
 from moe_serve.service.codecs.json_numbers import NUMBER_BYTES, decode_forward_arrays
 from moe_serve.service.codecs.safetensors_wire import decode_safetensors, encode_safetensors
 from moe_serve.service.frontends.arena import BLOCK_BYTES, REPLY_HEADER_BYTES, BodyArena
+from moe_serve.service.frontends.engine_state import STALE_S, StateBlock
 from moe_serve.service.frontends.front_end import (
     RELAYED,
     FrontEnd,
@@ -348,7 +349,8 @@ def test_a_forward_answered_by_the_front_end_is_counted_once_with_its_status(
 ) -> None:
     done: list[int] = []
     engine = SimpleNamespace(done=lambda _route, status, _seconds: done.append(status))
-    scope = {"type": "http", "path": "/forward", "headers": [(b"x-request-id", b"rid-1")]}
+    scope = {"type": "http", "method": "POST", "path": "/forward",
+             "headers": [(b"x-request-id", b"rid-1")]}  # fmt: skip
     before = logs.request_id.get()
     with (
         pytest.raises(raised) if raised else contextlib.nullcontext(),
@@ -602,7 +604,7 @@ def test_a_request_the_engine_closed_the_connection_on_is_sent_again(tmp_path: P
                 return await client.get("/v2/models/x")
         finally:
             await app.relay.aclose()
-            await app.probes.aclose()
+            await app.scrapes.aclose()
             server.close()
             await server.wait_closed()
 
@@ -612,10 +614,12 @@ def test_a_request_the_engine_closed_the_connection_on_is_sent_again(tmp_path: P
 
 
 def _config(tmp_path: Path, engine_http: Path) -> FrontEndConfig:
-    """A front end with no arena (every request relayed) and no channel."""
+    """A front end with no arena (every request relayed), no channel and no state published."""
+    state = StateBlock.create(tmp_path / "state")
+    state.close()
     return FrontEndConfig(
         listen_fd=-1, engine_http=str(engine_http), engine_channel=str(tmp_path / "channel.sock"),
-        arena_dir=str(tmp_path / "no-arena"), api_token=None, max_connections=4,
-        read_timeout_s=10.0, max_body_bytes=1 << 20, json_here_bytes=1 << 20,
-        drain_timeout_s=1.0, log_level="info", log_format="text",
+        engine_state=str(state.path), engine_stale_s=STALE_S, arena_dir=str(tmp_path / "no-arena"),
+        api_token=None, max_connections=4, read_timeout_s=10.0, max_body_bytes=1 << 20,
+        json_here_bytes=1 << 20, drain_timeout_s=1.0, log_level="info", log_format="text",
     )  # fmt: skip

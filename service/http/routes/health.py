@@ -1,10 +1,12 @@
-"""Probes: /health (the process answers) and /ready (layers loaded and warmed up)."""
+"""Probes: /health (the process answers) and /ready (layers loaded and warmed up), answered
+from the runtime's probe state as a front end answers them (service/http/probes.py)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
+from starlette.responses import Response
 
+from .. import probes
 from ..deps import RuntimeDep
 from ..schemas import HealthResponse, ReadyResponse
 
@@ -13,23 +15,21 @@ router = APIRouter(tags=["health"])
 
 # HEAD too: some load balancers and uptime checkers probe with it
 @router.api_route(
-    "/health", methods=["GET", "HEAD"], summary="Liveness: 200 while the process serves"
+    probes.HEALTH,
+    methods=["GET", "HEAD"],
+    summary="Liveness: 200 while the process serves",
+    response_model=HealthResponse,
 )
-async def health() -> HealthResponse:
-    return HealthResponse()
+async def health(runtime: RuntimeDep) -> Response:
+    return probes.health(runtime.probe_state())
 
 
 @router.api_route(
-    "/ready",
+    probes.READY,
     methods=["GET", "HEAD"],
     summary="Readiness: 200 once every layer is loaded and warmed up, else 503 with the reason",
+    response_model=ReadyResponse,
     responses={503: {"model": ReadyResponse}},
 )
-async def ready(runtime: RuntimeDep) -> JSONResponse:
-    if runtime.not_ready is None:
-        if runtime.degraded is None:
-            return JSONResponse(ReadyResponse(ready=True).model_dump(exclude_none=True))
-        body = ReadyResponse(ready=True, degraded=True, reason=runtime.degraded)
-        return JSONResponse(body.model_dump())
-    body = ReadyResponse(ready=False, reason=runtime.not_ready)
-    return JSONResponse(body.model_dump(exclude_none=True), status_code=503)
+async def ready(runtime: RuntimeDep) -> Response:
+    return probes.ready(runtime.probe_state())

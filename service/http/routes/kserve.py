@@ -13,7 +13,6 @@ import re
 
 import torch
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 from ... import off_loop, tracing
@@ -33,6 +32,7 @@ from ...codecs.kserve import (
 from ...core import inference
 from ...core.runtime import Runtime
 from ...errors import BadInput, PayloadTooLarge, ServiceError, error_response
+from .. import probes
 from ..body import read_body
 from ..deps import EngineDep, RuntimeDep
 from ..examples import DEMO_ROWS
@@ -51,16 +51,23 @@ async def server_metadata(runtime: RuntimeDep) -> ServerMetadata:
     return inference.server_metadata(runtime)
 
 
-@router.get("/health/live", summary="200 while the process serves")
-async def live() -> dict[str, bool]:
-    return {"live": True}
+# The probes are answered from the runtime's probe state as a front end answers them
+# (service/http/probes.py)
+@router.get(
+    probes.LIVE_V2.removeprefix(router.prefix),
+    summary="200 while the process serves",
+    response_model=dict[str, bool],
+)
+async def live(runtime: RuntimeDep) -> Response:
+    return probes.live_v2(runtime.probe_state())
 
 
-@router.get("/health/ready", summary="200 once every layer is loaded and warm, else 503")
-async def ready(runtime: RuntimeDep) -> JSONResponse:
-    if runtime.not_ready is not None:
-        return JSONResponse({"error": f"not ready: {runtime.not_ready}"}, status_code=503)
-    return JSONResponse({"ready": True})
+@router.get(
+    probes.READY_V2.removeprefix(router.prefix),
+    summary="200 once every layer is loaded and warm, else 503",
+)
+async def ready(runtime: RuntimeDep) -> Response:
+    return probes.ready_v2(runtime.probe_state())
 
 
 @router.get("/models/stats", summary="Statistics of every model, in Triton's schema")
@@ -114,13 +121,13 @@ async def version_config(name: str, version: str, runtime: RuntimeDep) -> dict:
 
 
 @router.get(
-    "/models/{name}/ready",
+    probes.MODEL_READY.removeprefix(router.prefix),
     summary="200 when the model can serve",
+    response_model=dict[str, bool],
     responses={404: {"model": ErrorBody}},
 )
-async def model_ready(name: str, engine: EngineDep) -> dict[str, bool]:
-    inference.get_model(engine, name)
-    return {"ready": True}
+async def model_ready(name: str, runtime: RuntimeDep) -> Response:
+    return probes.model_ready(runtime.probe_state(), name)
 
 
 @router.get(
@@ -133,13 +140,13 @@ async def version_metadata(name: str, version: str, engine: EngineDep) -> ModelM
 
 
 @router.get(
-    "/models/{name}/versions/{version}/ready",
+    probes.VERSION_READY.removeprefix(router.prefix),
     summary="200 when the version can serve",
+    response_model=dict[str, bool],
     responses={404: {"model": ErrorBody}},
 )
-async def version_ready(name: str, version: str, engine: EngineDep) -> dict[str, bool]:
-    inference.get_model(engine, name, version)
-    return {"ready": True}
+async def version_ready(name: str, version: str, runtime: RuntimeDep) -> Response:
+    return probes.model_ready(runtime.probe_state(), name, version)
 
 
 def _header_length(request: Request) -> int | None:
