@@ -168,11 +168,11 @@ class Settings(BaseSettings):
 
     def front_ends(self) -> int:
         """The HTTP front-end processes to start: http_workers, or for auto none on the CPU
-        (the layers' own forwards leave no core for them) and on a GPU one per two usable CPU
-        cores, at most AUTO_FRONT_ENDS."""
+        (the layers' own forwards leave no core for them) or with --ep (its ranks' processes
+        take the cores), and on a GPU one per two usable CPU cores, at most AUTO_FRONT_ENDS."""
         if self.http_workers != "auto":
             return self.http_workers
-        if self.torch_device().type != "cuda":
+        if self.torch_device().type != "cuda" or self.ep > 1:
             return 0
         return min(AUTO_FRONT_ENDS, max(1, usable_cpus() // 2))
 

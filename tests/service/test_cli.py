@@ -402,6 +402,7 @@ def test_http_workers_auto_runs_front_ends_on_a_gpu_host_only(
     assert Settings().front_ends() == expected
     assert Settings(http_workers="0").front_ends() == 0
     assert Settings(http_workers=3).front_ends() == 3
+    assert Settings(ep=2).front_ends() == 0  # expert parallelism runs in one process
     with pytest.raises(ValidationError, match="http_workers"):
         Settings(http_workers="some")
 
