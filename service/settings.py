@@ -90,6 +90,9 @@ class Settings(BaseSettings):
     # Regions one token (or, without auth, all clients) may have registered at once: each holds
     # a descriptor (system) or a mapping (CUDA) until it is unregistered; beyond, 429
     max_shared_memory_regions: int = Field(256, ge=1)
+    # Bytes that requests in flight may hold copied out of system regions (a request names
+    # them in a few hundred bytes); beyond, 429. One request alone may take up to the body limit
+    max_shared_memory_copy_bytes: int = Field(1 << 30, ge=1)
     api_token: SecretStr | None = None  # bearer token required on every non-probe route
     # where the demo layers are written and calibrated rules cached (its calibration/ folder)
     cache_dir: Path = Path.home() / ".cache" / "moe-serve"

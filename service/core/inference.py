@@ -31,7 +31,7 @@ from ..codecs.kserve import (
 from ..engine.batcher import RequestOptions
 from ..engine.interface import ServedLayer, ServingEngine
 from ..errors import BadInput, PayloadTooLarge
-from ..triton.shared_memory import DeviceRegion, TensorPlace
+from ..triton.shared_memory import CopyReservation, DeviceRegion, TensorPlace
 from ..triton.statistics import VERSION
 from .forward import MAX_SCHEDULE_VALUE, TENSOR_NAMES, schedule_options, submit_unless_withdrawn
 from .inputs import check_inputs
@@ -168,7 +168,9 @@ async def infer(
     too)."""
     runtime = ready(runtime)
     served = get_model(runtime.engine, name, version)
-    held: list[DeviceRegion] = []  # CUDA regions it views: released once it is done
+    # CUDA regions it views, and the room of what it copied out of system regions: released
+    # once it is done
+    held: list[DeviceRegion | CopyReservation] = []
     try:
         with runtime.metrics.statistics.request(name) as timer:
             tensors = tensors | await _read_shared_memory(runtime, request, owner, held)
@@ -221,11 +223,15 @@ def schedule_policy(parameters: dict[str, object]) -> RequestOptions:
 
 
 async def _read_shared_memory(
-    runtime: Runtime, request: InferRequest, owner: str | None, held: list[DeviceRegion]
+    runtime: Runtime,
+    request: InferRequest,
+    owner: str | None,
+    held: list[DeviceRegion | CopyReservation],
 ) -> dict[str, torch.Tensor]:
     """The inputs that name a region: views of a CUDA region (on its GPU), or tensors of the
     bytes read from a system region. What is copied out of system regions counts against the
-    body limit, as if the client had sent it: it costs the server's memory all the same."""
+    body limit, as if the client had sent it: it costs the server's memory all the same; and
+    against what all requests in flight may hold (SharedMemory.reserve_copies)."""
     tensors, copies = {}, []
     shm, limit = runtime.shared_memory, runtime.settings.max_body_bytes
     for t in request.inputs:
@@ -245,6 +251,8 @@ async def _read_shared_memory(
             f"inputs of {copied} bytes in system shared memory exceed the {limit}-byte limit "
             "of a request (MOE_SERVE_MAX_BODY_BYTES)"
         )
+    if copied:
+        held.append(shm.reserve_copies(copied))
     for name, what, place, dtype, shape in copies:
         tensors[name] = await shm.read(what, place, dtype, shape, owner)
     return tensors

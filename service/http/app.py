@@ -53,6 +53,7 @@ def create_app(
             allowed=settings.allow_shared_memory,
             key_prefix=settings.shared_memory_prefix,
             max_regions=settings.max_shared_memory_regions,
+            max_copied_bytes=settings.max_shared_memory_copy_bytes,
         ),
         repository=None if root is None else Repository(root),
     )

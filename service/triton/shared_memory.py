@@ -420,6 +420,17 @@ def _cuda_bindings() -> tuple[Any, Any]:
     return cudart, driver
 
 
+@dataclass(frozen=True)
+class CopyReservation:
+    """Bytes a request copied out of system regions, counted until it is done."""
+
+    memory: SharedMemory
+    nbytes: int
+
+    def release(self) -> None:
+        self.memory.copied_bytes -= self.nbytes
+
+
 @dataclass
 class SharedMemory:
     """The registered regions of both kinds, by name."""
@@ -427,7 +438,25 @@ class SharedMemory:
     allowed: bool  # --allow-shared-memory
     key_prefix: str = ""  # --shared-memory-prefix
     max_regions: int = 256  # per owner: MOE_SERVE_MAX_SHARED_MEMORY_REGIONS
+    # what requests in flight may hold copied out of system regions:
+    # MOE_SERVE_MAX_SHARED_MEMORY_COPY_BYTES
+    max_copied_bytes: int = 1 << 30
     regions: dict[str, Region] = field(default_factory=dict)
+    copied_bytes: int = 0  # held now by requests in flight
+
+    def reserve_copies(self, nbytes: int) -> CopyReservation:
+        """Room for `nbytes` of inputs copied out of system regions, held until the request
+        releases it: a request of a few hundred bytes would otherwise have the server hold up to
+        MOE_SERVE_MAX_BODY_BYTES of its memory each. One request alone always gets its room."""
+        if self.copied_bytes and self.copied_bytes + nbytes > self.max_copied_bytes:
+            raise Overloaded(
+                f"requests in flight hold {self.copied_bytes} bytes copied out of system "
+                f"shared memory; {nbytes} more would pass the limit of {self.max_copied_bytes} "
+                "(MOE_SERVE_MAX_SHARED_MEMORY_COPY_BYTES): retry once they are answered",
+                {"Retry-After": "1"},
+            )
+        self.copied_bytes += nbytes
+        return CopyReservation(self, nbytes)
 
     def _check_allowed(self) -> None:
         if not self.allowed:

@@ -552,3 +552,29 @@ def test_an_empty_shared_memory_input_is_400_as_any_empty_input(
         c.infer(TINY, [tensor], outputs=_output(module, size=0, offset=offset))
     assert message in err.value.message(), err.value.message()
     assert err.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+
+
+def test_the_copies_requests_in_flight_hold_out_of_system_regions_are_bounded(
+    make_client, region
+) -> None:
+    """A request names 64 MiB of a region in a few hundred bytes, and the server copies them:
+    past MOE_SERVE_MAX_SHARED_MEMORY_COPY_BYTES held by requests in flight, a 429 with
+    Retry-After; once they are answered the room is back, and answered requests hold none."""
+    client = make_client(allow_shared_memory=True, max_shared_memory_copy_bytes=TENSOR_BYTES)
+    key, handle = region
+    register = {"key": key, "byte_size": 2 * TENSOR_BYTES}
+    assert client.post("/v2/systemsharedmemory/region/data/register", json=register).is_success
+    shm.set_shared_memory_region(handle, [np.zeros((ROWS, H), np.float32)])
+    place = {"shared_memory_region": "data", "shared_memory_byte_size": TENSOR_BYTES}
+    body = {"inputs": [{"name": "hidden_states", "shape": [ROWS, H], "datatype": "FP32",
+                        "parameters": place}]}  # fmt: skip
+    memory = client.app.state.runtime.shared_memory
+    in_flight = memory.reserve_copies(1)  # another request's copy, not yet answered
+    refused = client.post(f"/v2/models/{TINY}/infer", json=body)
+    assert refused.status_code == 429, refused.text
+    assert "MOE_SERVE_MAX_SHARED_MEMORY_COPY_BYTES" in refused.json()["error"]
+    assert refused.headers["retry-after"] == "1"
+    in_flight.release()
+    for _ in range(2):
+        assert client.post(f"/v2/models/{TINY}/infer", json=body).status_code == 200
+    assert memory.copied_bytes == 0
