@@ -368,6 +368,7 @@ class FrontEnd:
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         await receive()  # lifespan.startup
+        asyncio.get_running_loop().set_exception_handler(_quiet_cancelled_wakeups)
         if self.arena is not None:
             try:
                 await self.engine.connect()
@@ -525,6 +526,19 @@ def _json_reply(blob: memoryview) -> bytes:
 
 
 _NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16}
+
+
+def _quiet_cancelled_wakeups(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """The loop's exception handler, less one harmless error: anyio's Unix-socket streams (the
+    relay's connections to the engine) wait for their socket with a reader callback that is a
+    future's bare set_result; when a client leaves, its relay is cancelled, and a reader that
+    fires in the same turn sets a cancelled future. Nothing is lost; logged at debug level."""
+    if isinstance(context.get("exception"), asyncio.InvalidStateError) and (
+        "Future.set_result" in repr(context.get("handle"))
+    ):
+        log.debug("a cancelled relay's socket became ready: %s", context.get("message"))
+        return
+    loop.default_exception_handler(context)
 
 
 def _target(scope: Scope) -> str:

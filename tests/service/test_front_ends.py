@@ -623,3 +623,27 @@ def _config(tmp_path: Path, engine_http: Path) -> FrontEndConfig:
         api_token=None, max_connections=4, read_timeout_s=10.0, max_body_bytes=1 << 20,
         json_here_bytes=1 << 20, drain_timeout_s=1.0, log_level="info", log_format="text",
     )  # fmt: skip
+
+
+def test_a_cancelled_relays_socket_wakeup_is_not_logged_as_an_error(caplog) -> None:
+    """anyio's Unix-socket reader sets a bare future's result: after a client left and its
+    relay was cancelled, that is harmless and not an ERROR; other callback errors still are."""
+    from moe_serve.service.frontends.front_end import _quiet_cancelled_wakeups
+
+    def broken() -> None:
+        raise RuntimeError("a real error")
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(_quiet_cancelled_wakeups)
+        waiter = loop.create_future()
+        waiter.cancel()
+        loop.call_soon(waiter.set_result, None)  # as anyio's reader callback fires
+        loop.call_soon(broken)
+        await asyncio.sleep(0.01)
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(run())
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert [str(r.exc_info[1]) for r in errors] == ["a real error"]
+    assert any("cancelled relay" in r.getMessage() for r in caplog.records)
