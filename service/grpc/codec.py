@@ -104,6 +104,9 @@ def decode_infer(message: pb.ModelInferRequest) -> tuple[InferRequest, dict[str,
     )
     raw = message.raw_input_contents
     in_memory = [t for t in request.inputs if SHM_REGION not in t.parameters]
+    if raw and any(t.HasField("contents") and t.contents.ListFields() for t in message.inputs):
+        # Triton's rule too: which of the two holds an input's values would be a guess
+        raise BadInput("inputs come in raw_input_contents or in typed contents, not both")
     if raw and len(raw) != len(in_memory):
         raise BadInput(
             f"{len(raw)} raw_input_contents for {len(in_memory)} inputs not in shared memory"

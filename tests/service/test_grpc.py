@@ -260,12 +260,23 @@ def _infer_message(shape: list[int], **parameters: tuple[str, object]) -> bytes:
 
 
 GOOD = _infer_message([1, H])
+
+
+def _typed_and_raw() -> bytes:
+    from tritonclient.grpc import service_pb2 as pb
+
+    request = pb.ModelInferRequest.FromString(GOOD)
+    request.inputs[0].contents.fp32_contents.extend([0.5] * H)
+    return request.SerializeToString()
+
+
 MALFORMED = {
     "input name not UTF-8": (GOOD.replace(b"hidden_states", b"hidden\xed\xa0\x80tes"), "parsed"),
     "model name not UTF-8": (GOOD.replace(TINY.encode(), b"t\xffny"), "parsed"),
     "not a message": (b"\xff\xff\xff", "parsed"),
     "shape [0, 2^63-1]": (_infer_message([0, (1 << 63) - 1]), "empty"),
     "shape [2^40, 2^40]": (_infer_message([1 << 40, 1 << 40]), "too large"),
+    "typed and raw contents": (_typed_and_raw(), "not both"),
     "negative priority": (_infer_message([1, H], priority=("int64_param", -1)), ">= 0"),
     "timeout a double": (_infer_message([1, H], timeout=("double_param", 1e300)), ">= 0"),
     "timeout a string": (_infer_message([1, H], timeout=("string_param", "9" * 400)), ">= 0"),
