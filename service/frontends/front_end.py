@@ -63,6 +63,7 @@ from ..errors import (
     body_stalled,
     body_too_large,
     error_response,
+    no_layer,
 )
 from ..http import probes
 from ..http.direct_body import DIRECT_BODY, BodyTarget, DirectBody
@@ -263,7 +264,7 @@ class FrontEnd:
         with _answering(self.engine, scope, headers) as answer:
             try:
                 body = await self._read_body(receive, size)
-                reply = body if isinstance(body, Reply) else None
+                reply = body if isinstance(body, Reply) else self._unknown_layer(name)
                 if reply is None:
                     try:
                         arrays = await off_loop.JSON.run(size, decode_forward_arrays, body)
@@ -294,6 +295,15 @@ class FrontEnd:
             finally:
                 if ours and region is not None:
                     self.arena.free(region)
+
+    def _unknown_layer(self, name: str) -> Reply | None:
+        """The engine's 404 for a layer it does not serve, before the body is decoded (as the
+        engine's route looks up the layer first); None when it serves it, or when the published
+        state cannot tell (the engine not ready: it answers itself)."""
+        state = self.state.read(self.config.engine_stale_s)
+        if state.ready_reason is not None or not state.models or name in state.models:
+            return None
+        return _reply_of(no_layer(name, state.models))
 
     async def _read_body(self, receive: Receive, limit: int) -> bytes | Reply:
         """The whole body, grown as its bytes arrive (never sized by what the client declares),

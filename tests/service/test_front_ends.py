@@ -647,3 +647,11 @@ def test_a_cancelled_relays_socket_wakeup_is_not_logged_as_an_error(caplog) -> N
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert [str(r.exc_info[1]) for r in errors] == ["a real error"]
     assert any("cancelled relay" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("body", ["{}", '{"hidden_states": [[1.0]]}'], ids=["empty", "bad"])
+def test_a_json_forward_to_an_unknown_layer_is_the_engines_404(front_ends, body) -> None:
+    url = f"{_url(front_ends)}/v1/layers/nope/forward"
+    reply = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
+    assert reply.status_code == 404, reply.text
+    assert reply.json()["error"].startswith("no layer named 'nope'; served layers: ")
