@@ -173,13 +173,14 @@ def bounded_protocol(
 
 class _HeadLimit(httptools_impl.HttpToolsProtocol):
     """Counts the bytes of each request head as they arrive; past MAX_HEAD_BYTES, a 431. A
-    chunk is counted when the parser was reading a head before and after it; the chunk that ends
-    one message and starts the next (pipelining) is not, so a head may pass the limit by one
-    read's worth before it is refused. After the 431 the connection discards what the client
-    still sends for a moment before it closes: closing on unread bytes would reset the
-    connection, and the client would lose the reply."""
+    chunk is counted when the parser was reading a head before and after it and no head ended
+    in it; the chunk that ends one message and starts the next (pipelining) is not, so a head
+    may pass the limit by one read's worth before it is refused. After the 431 the connection
+    discards what the client still sends for a moment before it closes: closing on unread bytes
+    would reset the connection, and the client would lose the reply."""
 
     _in_head = True  # awaiting or reading a request head
+    _heads = 0  # heads parsed on this connection
     _head_bytes = 0
     _discarding = False
 
@@ -189,9 +190,10 @@ class _HeadLimit(httptools_impl.HttpToolsProtocol):
             if self._head_bytes > _DISCARD_BYTES:
                 self.transport.abort()
             return
-        in_head = self._in_head
+        in_head, heads = self._in_head, self._heads
         super().data_received(data)
-        if in_head and self._in_head and not self.transport.is_closing():
+        still = in_head and self._in_head and self._heads == heads
+        if still and not self.transport.is_closing():
             self._head_bytes += len(data)
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._refuse_head()
@@ -207,6 +209,7 @@ class _HeadLimit(httptools_impl.HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._heads += 1
         self._head_bytes = 0
         super().on_headers_complete()
 

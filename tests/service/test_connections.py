@@ -18,7 +18,7 @@ from moe_serve.service.http.app import create_app
 from moe_serve.service.http.server import MAX_HEAD_BYTES, bounded_protocol, listen
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
-from tests.service.layers import TINY, running_server, tiny_loader
+from tests.service.layers import TINY, H, running_server, tiny_loader
 
 READ_TIMEOUT_S = 1.0
 MAX_CONNECTIONS = 3
@@ -87,6 +87,23 @@ def test_a_request_head_past_the_limit_gets_a_json_431_and_is_closed(server, end
     assert head.startswith(b"HTTP/1.1 431 "), reply[:200]
     assert json.loads(body)["error"].startswith("the request head (request line and headers)")
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_a_whole_request_in_one_read_past_the_head_limit_is_served(server) -> None:
+    """Head, a body larger than MAX_HEAD_BYTES and the message's end arrive in one read: only
+    the head counts against the limit."""
+    _, port = server
+    rows = [[0.001 * i] * H for i in range(8)]
+    body = json.dumps({"hidden_states": rows * (4 * MAX_HEAD_BYTES // (8 * H * 6) + 1)})
+    assert len(body) > 2 * MAX_HEAD_BYTES
+    head = (
+        f"POST /v1/layers/{TINY}/forward HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
+        f"\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    with _connect(port) as sock:
+        sock.sendall(head.encode() + body.encode())
+        reply = _read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 200 "), reply[:200]
 
 
 def test_a_head_under_the_limit_is_served(server) -> None:
