@@ -31,7 +31,7 @@ class EnqueuingEngine(Engine):
     with an `into` tensor gets its output written there."""
 
     def __init__(self) -> None:
-        super().__init__(torch.device("cpu"))
+        super().__init__([torch.device("cpu")])
         for layer in tiny_layers():
             self.add(layer)
         self.gate = threading.Event()
