@@ -18,14 +18,16 @@ import torch
 from moe_serve.bench.random_layer import random_layer
 from moe_serve.kernels.accuracy import BY_DTYPE, SERVED_FP8_LAYER, relative_error
 from moe_serve.kernels.config import MoEConfig, RoutingConfig
+from moe_serve.kernels.layer import MoELayer, build_layer
 from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
+from moe_serve.kernels.tensors import ForwardInputs
 from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
+from moe_serve.weights.load import load_layer
 from moe_serve.weights.manifest import Manifest, Source
 from moe_serve.weights.write import write_layer
 from tests.service.conftest import wait_ready
 from tests.service.layers import running_server
-from tests.service.test_ep import _single_process
 
 pytestmark = pytest.mark.gpu
 
@@ -59,13 +61,25 @@ def _hidden(tokens: int, seed: int) -> torch.Tensor:
     return hidden.to(torch.bfloat16).float()
 
 
-def _check(url: str, root: Path, name: str, tokens: int, seed: int) -> None:
+def _references(root: Path) -> dict[str, MoELayer]:
+    """Each layer on the exact reference backend, on the CPU."""
+    cpu = torch.device("cpu")
+    references = {}
+    for name in LAYERS:
+        source = load_layer(root / name, cpu)
+        references[name], _ = build_layer(source.config, source.weights, cpu, "reference")
+    return references
+
+
+def _check(url: str, references: dict[str, MoELayer], name: str, tokens: int, seed: int) -> None:
     hidden = _hidden(tokens, seed)
     r = httpx.post(
         f"{url}/v1/layers/{name}/forward", json={"hidden_states": hidden.tolist()}, timeout=60
     )
     assert r.status_code == 200, r.text
-    got, want = torch.tensor(r.json()["output"]), _single_process(root, name, hidden)
+    with torch.inference_mode():
+        want = references[name].forward(ForwardInputs(hidden)).output.float()
+    got = torch.tensor(r.json()["output"])
     assert relative_error(got, want) < TOLERANCE[LAYERS[name][1]], (name, tokens, seed)
 
 
@@ -76,6 +90,7 @@ def test_layers_placed_over_two_gpus_answer_as_the_reference_each_on_its_own_gpu
         pytest.skip(f"needs 2 GPUs (nvidia-h200-x2), found {torch.cuda.device_count()}")
     _write_layers(tmp_path)
     torch.cuda.empty_cache()
+    references = _references(tmp_path)
     settings = Settings(
         devices="cuda:0,cuda:1",
         weights=tuple(tmp_path / name for name in LAYERS),
@@ -102,9 +117,9 @@ def test_layers_placed_over_two_gpus_answer_as_the_reference_each_on_its_own_gpu
         assert {name: b["device"] for name, b in backends.items()} == devices
 
         for name in LAYERS:
-            for tokens in (1, 37, 256, 300):  # one piece, a graph bucket, two pieces
-                _check(url, tmp_path, name, tokens, seed=tokens)
+            for tokens in (1, 37, 256, 300):  # between buckets, the largest, two pieces
+                _check(url, references, name, tokens, seed=tokens)
         spread = [(name, 1 + 13 * i, 100 + i) for i in range(6) for name in LAYERS]
         with ThreadPoolExecutor(len(spread)) as pool:  # every layer's GPU busy at once
-            for done in [pool.submit(_check, url, tmp_path, *args) for args in spread]:
+            for done in [pool.submit(_check, url, references, *args) for args in spread]:
                 done.result()
