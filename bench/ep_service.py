@@ -163,7 +163,8 @@ def profile_kernels(engine: Engine, name: str, m: int, hidden: int, path: Path) 
     the throughput runs keep them, by total time -> `path` and its Chrome trace beside it; an
     EP engine's other ranks write theirs beside it (`profile-ep-rank{r}.txt`, on their own
     host), over one batch more: the one rank 0 runs unprofiled while they start profiling."""
-    on_gpu = engine.device.type == "cuda"
+    device = engine.get(name).device
+    on_gpu = device.type == "cuda"
     inputs = _inputs(m, hidden, pinned=on_gpu, count=1)
     engine.start(name, inputs).result()
     header = f"{PROFILED_BATCHES} batches of M={m} on {type(engine).__name__}"
@@ -173,7 +174,7 @@ def profile_kernels(engine: Engine, name: str, m: int, hidden: int, path: Path) 
         # ends once every rank has run it, so has started its profiler (which takes seconds):
         # rank 0's profile then holds no wait for that
         engine.start(name, inputs).result()
-    with kernel_profiler(engine.device) as prof, ThreadPoolExecutor(1) as completer:
+    with kernel_profiler(device) as prof, ThreadPoolExecutor(1) as completer:
         pending: collections.deque = collections.deque()
         for _ in range(PROFILED_BATCHES):
             if len(pending) == engine.max_in_flight:
@@ -183,7 +184,7 @@ def profile_kernels(engine: Engine, name: str, m: int, hidden: int, path: Path) 
             batch.result()
     if ranks:
         engine.stop_rank_profiles(path.parent / "profile-ep-rank{rank}.txt", f"{header} (+1)")
-    write_profile(prof, engine.device, header, path)
+    write_profile(prof, device, header, path)
 
 
 def run_engine(
@@ -301,8 +302,8 @@ def run(config: EpBenchConfig, env: Environment, path: Path) -> dict:
         profiles.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="moe-serve-ep-bench-") as work:
         layer = write_random_layer(config.shape, Path(work), device)
-        single = Engine(device, config.backend, top)
-        served = single.add(load_layer(layer, single.device))
+        single = Engine([device], config.backend, top)
+        served = single.add(load_layer(layer, device))
         one_gpu = run_engine(single, config.shape, tokens, hidden, config.seconds, kinds)
         if config.profile:
             profile_kernels(single, config.shape, top, hidden, profiles / "profile-1gpu.txt")

@@ -74,7 +74,7 @@ async def time_levels(runtime, tokens: list[int]) -> list[dict]:
     served = next(iter(engine.layers.values()))
     cfg, name = served.config, served.name
     layer_call = LayerCall(served, batcher, metrics)
-    cuda = engine.device.type == "cuda"
+    cuda = served.device.type == "cuda"
     generator = torch.Generator().manual_seed(2)
     never = asyncio.get_running_loop().create_future()  # the client stays
     rows = []
@@ -88,12 +88,12 @@ async def time_levels(runtime, tokens: list[int]) -> list[dict]:
         levels: dict[str, Callable[[], object]] = {}
         if cuda and served.graphs is not None and t <= served.graphs.max_tokens:
             on_device = ForwardInputs(
-                hidden.to(engine.device), None if logits is None else logits.to(engine.device)
+                hidden.to(served.device), None if logits is None else logits.to(served.device)
             )
 
             def device(on_device=on_device) -> None:
                 served.graphs.forward(on_device)
-                torch.cuda.synchronize(engine.device)
+                torch.cuda.synchronize(served.device)
 
             levels["device"] = device
         levels["engine"] = lambda cpu=cpu: engine.start(name, [cpu]).result()

@@ -76,12 +76,14 @@ class RandomLayer:
     name: str
     config: MoEConfig
     weights: LayerWeights
+    device: torch.device
 
 
 def layer_loader(layer: str, shared_intermediate: int | None) -> LayerLoader:
     """A loader for create_app: the demo layer from disk, or a random layer of a bench shape."""
 
-    def load(settings: Settings, device: torch.device) -> list[LayerSource]:
+    def load(settings: Settings, devices: Sequence[torch.device]) -> list[LayerSource]:
+        device = devices[0]  # one layer
         if layer == DEMO:
             from ..weights.demo import ensure_demo_layers
             from ..weights.load import load_layer
@@ -90,7 +92,7 @@ def layer_loader(layer: str, shared_intermediate: int | None) -> LayerLoader:
             return [load_layer(path, device)]
         cfg = SHAPES[layer]
         weights = random_layer(cfg, device, router=True, shared_intermediate=shared_intermediate)
-        return [RandomLayer(layer, cfg, weights)]
+        return [RandomLayer(layer, cfg, weights, device)]
 
     return load
 
@@ -222,7 +224,7 @@ async def spans() -> list[RecordedSpan]:
 async def bare(body: BareRequest, request: Request) -> list[BareTiming]:
     engine = request.app.state.runtime.engine
     served = next(iter(engine.layers.values()))
-    return await asyncio.to_thread(time_bare, served, engine.device, body.tokens)
+    return await asyncio.to_thread(time_bare, served, served.device, body.tokens)
 
 
 def build_settings(args: argparse.Namespace) -> Settings:

@@ -18,6 +18,7 @@ from ..weights.errors import describe_validation_error
 from ..weights.load import inspect_layer
 from . import logs, tracing
 from .core.runtime import Runtime
+from .engine.devices import place_directories
 from .ep.group import leave
 from .ep.layers import initial_placement, rank_device
 from .frontends.supervisor import FrontEnds
@@ -61,6 +62,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "cores, at most 8; docs/serving.md, Which mode to run)",
     )
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
+    p.add_argument(
+        "--devices",
+        metavar="all|cuda:N,...",
+        help="place whole layers over these GPUs by memory, the largest first (all: every "
+        "visible GPU); default: every layer on --device",
+    )
     p.add_argument(
         "--backend", help="experts backend for every layer (GET /backends lists them), or auto"
     )
@@ -231,8 +238,8 @@ class _FrontedServer(_DrainingServer):
 
 def _check_layers(settings: Settings) -> None:
     """Refuse here, naming the file or backend, what would otherwise never get ready."""
-    device = settings.torch_device()
-    rank_device(device, (settings.ep_local_ranks or settings.ep) - 1)  # a GPU for each rank here
+    devices = settings.layer_devices()  # refuses GPUs that are not there
+    rank_device(devices[0], (settings.ep_local_ranks or settings.ep) - 1)  # a GPU for each rank
     backends = experts_backends()
     if settings.backend != "auto" and settings.backend not in backends:
         raise ValueError(f"unknown backend {settings.backend!r}; registered: {', '.join(backends)}")
@@ -245,10 +252,11 @@ def _check_layers(settings: Settings) -> None:
                 "layer names must be unique"
             )
         named[manifest.name] = where
+    place_directories(settings.weights, devices)  # a layer no device has room for
     configs = {where: manifest.config for where, manifest in manifests.items()}
     for where, cfg in (configs or demo_configs()).items():
         try:
-            select(cfg, device, settings.backend, settings.ep > 1, settings.batch_invariant)
+            select(cfg, devices[0], settings.backend, settings.ep > 1, settings.batch_invariant)
             if settings.ep > 1:
                 initial_placement(settings, cfg.num_experts)
         except ValueError as err:

@@ -15,6 +15,7 @@ from ..kernels.calibrate import DEFAULT_BUDGET_S, Mode
 from ..kernels.stages import resolve_device
 
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+_DEVICES = re.compile(r"all|cuda:\d+(,cuda:\d+)*")
 MIN_TOKEN_CHARS = 16  # a shorter bearer token is a placeholder, not a secret
 # --http-workers auto on a GPU: the most front ends, chosen by `moe-serve bench service` on a
 # 16-core H200 host; half the cores leaves the rest to the engine process, its copies and the
@@ -56,6 +57,9 @@ class Settings(BaseSettings):
     # `front_ends()`
     http_workers: Annotated[int, Field(ge=0, le=64)] | Literal["auto"] = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # GPUs whole layers are placed on, by memory (service/engine/devices.py): all, or a comma
+    # list (cuda:0,cuda:1); None: every layer on `device`
+    devices: str | None = None
     backend: str = "auto"  # experts backend for every layer, or auto per layer
     max_batch_tokens: int = Field(1024, ge=1)  # tokens per forward; larger requests are chunked
     # How long a batch waits for company once the device is free. 0: go at once; requests that
@@ -150,6 +154,16 @@ class Settings(BaseSettings):
             raise ValueError("ep_redundant and ep_local_ranks need expert parallelism (ep > 1)")
         if self.ep_local_ranks is not None and self.ep_local_ranks > self.ep:
             raise ValueError(f"ep_local_ranks ({self.ep_local_ranks}) exceeds ep ({self.ep})")
+        if self.devices is not None and self.ep > 1:
+            raise ValueError(
+                "devices cannot be used with expert parallelism (ep > 1): its ranks take one GPU "
+                "each, counting from device"
+            )
+        if self.devices is not None and "device" in self.model_fields_set:
+            raise ValueError(
+                "device and devices are both given: devices places the layers over several "
+                "GPUs, device puts every layer on one; give one of them"
+            )
         return self
 
     @field_validator("device")
@@ -158,6 +172,20 @@ class Settings(BaseSettings):
         if not _DEVICE.fullmatch(value):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {value!r}")
         return value
+
+    @field_validator("devices")
+    @classmethod
+    def _check_devices(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        names = value.replace(" ", "")
+        if not _DEVICES.fullmatch(names):
+            raise ValueError(f"devices must be all or a comma list of cuda:N, got {value!r}")
+        listed = names.split(",")
+        twice = sorted({name for name in listed if listed.count(name) > 1})
+        if twice:
+            raise ValueError(f"devices names {', '.join(twice)} more than once")
+        return names
 
     @field_validator("api_token")
     @classmethod
@@ -180,5 +208,24 @@ class Settings(BaseSettings):
         return min(AUTO_FRONT_ENDS, max(1, usable_cpus() // 2))
 
     def torch_device(self) -> torch.device:
-        """The device layers run on: `auto` is the first GPU when there is one, else the CPU."""
+        """The device layers run on: `auto` is the first GPU when there is one, else the CPU
+        (with `devices`, the first GPU: `layer_devices` are where they run)."""
         return resolve_device(self.device)
+
+    def layer_devices(self) -> tuple[torch.device, ...]:
+        """The devices layers are placed on: `devices` (`all`: every visible GPU), else the
+        one `device`. A GPU named that is not visible is a ValueError."""
+        if self.devices is None:
+            return (self.torch_device(),)
+        visible = torch.cuda.device_count()
+        if self.devices == "all":
+            if not visible:
+                raise ValueError("devices all: no CUDA GPU is visible")
+            return tuple(torch.device("cuda", index) for index in range(visible))
+        devices = tuple(torch.device(name) for name in self.devices.split(","))
+        missing = [str(device) for device in devices if device.index >= visible]
+        if missing:
+            raise ValueError(
+                f"devices names {', '.join(missing)}, but {visible} CUDA GPUs are visible"
+            )
+        return devices

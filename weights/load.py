@@ -11,6 +11,7 @@ next one is read; the values are then checked finite on the device (weights.inte
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -48,6 +49,7 @@ class LoadedLayer:
     name: str
     config: MoEConfig  # num_experts is the global count, also when `experts` selected a subset
     weights: LayerWeights  # expert tensors hold the selected experts, in the order asked
+    device: torch.device  # where the weights are: the device that serves the layer
     manifest: Manifest
     path: Path
     load_seconds: float
@@ -92,7 +94,14 @@ def load_layer(
         seconds,
         nbytes / 1e9 / max(seconds, 1e-9),
     )
-    return LoadedLayer(manifest.name, manifest.config, weights, manifest, path, seconds, nbytes)
+    return LoadedLayer(
+        manifest.name, manifest.config, weights, device, manifest, path, seconds, nbytes
+    )
+
+
+def weight_bytes(manifest: Manifest) -> int:
+    """The bytes the whole layer's weights take on a device, from its manifest alone."""
+    return sum(math.prod(s.shape) * s.dtype.itemsize for s in expected_tensors(manifest).values())
 
 
 def inspect_layer(path: Path) -> Manifest:

@@ -65,7 +65,7 @@ async def serve_json(
     """A JSON body -> the JSON reply. On a GPU engine a large body is parsed, and its 16-bit
     output printed, on the device (service/codecs/json_device.py)."""
     served, metrics = call.served, call.metrics
-    device = call.batcher.engine.device
+    device = served.device
     if device.type != "cuda" or not json_device.worth_it(len(body)):
         device = None
     started = time.perf_counter()

@@ -101,7 +101,7 @@ def model_config(runtime: Runtime, name: str, version: str = "") -> dict:
     default) after every numbered one; a request's queue timeout may be set per request."""
     runtime = ready(runtime)
     served = get_model(runtime.engine, name, version)
-    policy, device = runtime.batcher.policy, runtime.engine.device
+    policy, device = runtime.batcher.policy, served.device
     inputs, outputs = model_tensors(served)
     on_gpu = device.type == "cuda"
     return {
@@ -302,13 +302,13 @@ def statistics(runtime: Runtime, name: str = "", version: str = "") -> dict:
     engine = ready(runtime).engine
     names = [get_model(engine, name, version).name] if name else sorted(engine.layers)
     stats = runtime.metrics.statistics.to_json(names)
-    device = engine.device
     for model in stats["model_stats"]:  # the layer's weights, on its device
+        served = engine.layers[model["name"]]
         model["memory_usage"] = [
             {
-                "type": "GPU" if device.type == "cuda" else "CPU",
-                "id": device.index or 0,
-                "byte_size": engine.layers[model["name"]].device_bytes,
+                "type": "GPU" if served.device.type == "cuda" else "CPU",
+                "id": served.device.index or 0,
+                "byte_size": served.device_bytes,
             }
         ]
     return stats

@@ -17,6 +17,7 @@ import torch
 from ...kernels.calibrate import Calibration
 from ..codecs import json_device
 from ..engine.batcher import BatchPolicy, DynamicBatcher
+from ..engine.devices import place_directories
 from ..engine.engine import Engine
 from ..engine.interface import LayerSource, ServingEngine
 from ..ep.engine import EPEngine
@@ -29,8 +30,8 @@ from .probes import ProbeState, not_ready_error
 
 log = logging.getLogger(__name__)
 
-# A loader turns settings into layers whose weights are on `device`.
-LayerLoader = Callable[[Settings, torch.device], Sequence[LayerSource]]
+# A loader turns settings into layers, each with its weights on one of the devices.
+LayerLoader = Callable[[Settings, Sequence[torch.device]], Sequence[LayerSource]]
 
 
 @dataclass
@@ -103,10 +104,13 @@ def layer_paths(settings: Settings) -> list[Path]:
     return ensure_demo_layers(settings.cache_dir)
 
 
-def load_from_disk(settings: Settings, device: torch.device) -> list[LayerSource]:
+def load_from_disk(settings: Settings, devices: Sequence[torch.device]) -> list[LayerSource]:
+    """The layers of `layer_paths`, each loaded onto its device of `devices` (placed by
+    memory where there are several)."""
     from ...weights.load import load_layer
 
-    return [load_layer(path, device) for path in layer_paths(settings)]
+    paths = layer_paths(settings)
+    return [load_layer(p, d) for p, d in zip(paths, place_directories(paths, devices), strict=True)]
 
 
 def warm_up_tokens(max_batch_tokens: int, device: torch.device) -> list[int]:
@@ -124,14 +128,14 @@ def _build_engine(
 ) -> ServingEngine:
     """The engine with its layers loaded and warm; `status` hears what a layer waits for
     (its calibration's progress)."""
-    device = settings.torch_device()
     engine: ServingEngine
     if settings.ep > 1:  # this process is rank 0; each rank loads only its experts from disk
         engine = EPEngine(settings, layer_paths(settings), metrics)
         sources = engine.load()
     else:
+        devices = settings.layer_devices()
         engine = Engine(
-            device,
+            devices,
             settings.backend,
             settings.max_batch_tokens,
             cuda_graphs=settings.cuda_graphs,
@@ -141,16 +145,18 @@ def _build_engine(
             ),
         )
         engine.on_status = status
-        sources = loader(settings, device)
+        sources = loader(settings, devices)
     try:
         for source in sources:
             served = engine.add(source)
             metrics.add_layer(served.name, served.config.num_experts)
         if not engine.layers and settings.model_repository is None:
             raise ValueError("no layers to serve")
-        engine.warm_up(warm_up_tokens(settings.max_batch_tokens, device))
-        if engine.device.type == "cuda":  # where large JSON bodies are read and printed
-            json_device.warm_up(engine.device, {s.config.dtype for s in engine.layers.values()})
+        engine.warm_up(warm_up_tokens(settings.max_batch_tokens, engine.devices[0]))
+        dtypes = {s.config.dtype for s in engine.layers.values()}
+        for device in engine.devices:  # where large JSON bodies are read and printed
+            if device.type == "cuda":
+                json_device.warm_up(device, dtypes)
     except BaseException:
         engine.close()  # expert parallelism's ranks are up: stop them, or nothing will
         raise
@@ -182,12 +188,12 @@ async def start_up(runtime: Runtime, loader: LayerLoader) -> None:
     runtime.batcher = DynamicBatcher(engine, policy, runtime.metrics)
     runtime.batcher.start()
     runtime.engine = engine
-    runtime.warm_up_tokens = warm_up_tokens(settings.max_batch_tokens, engine.device)
+    runtime.warm_up_tokens = warm_up_tokens(settings.max_batch_tokens, engine.devices[0])
     if runtime.repository is not None:
         await runtime.repository.load_all(runtime)
     engine.on_status = lambda _status: None  # a layer loaded from now on leaves /ready as it is
     runtime.not_ready = None
-    log.info("ready: %s on %s", ", ".join(engine.layers), engine.device)
+    log.info("ready: %s", ", ".join(f"{s.name} on {s.device}" for s in engine.layers.values()))
 
 
 async def shut_down(runtime: Runtime) -> None:

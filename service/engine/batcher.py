@@ -2,9 +2,10 @@
 
     submit(layer, inputs, options) -> a request in the layer's queue, at its priority level
     scheduler (one asyncio task per layer): once a forward may start (fewer than
-      engine.max_in_flight running) and the batch is full or its oldest request has waited
-      max_batch_delay -> rows taken from the queued requests -> engine.start on the launcher
-      thread -> the result on the completer thread -> each request's rows
+      engine.max_in_flight running on the layer's device) and the batch is full or its oldest
+      request has waited max_batch_delay -> rows taken from the queued requests ->
+      engine.start on the launcher thread -> the result on the device's completer thread ->
+      each request's rows
 
 Requests are taken by priority level (lowest number first), then by turns and age. A request
 larger than max_batch_tokens goes in pieces, one per forward, and each piece waits for the
@@ -15,10 +16,12 @@ cancelled) leaves the queue. A full queue raises Overloaded (429) instead of gro
 that raises fails only the requests in its batch. Waits are measured on time.perf_counter_ns:
 the event loop's clock (uvloop's) moves in whole milliseconds, and most waits are shorter.
 
-One launcher thread starts every batch, so the device has one owner and the event loop never
-blocks (on a GPU a small batch is staged and enqueued on the loop itself, which costs less than
-the hop); a completer thread waits for each batch's device work to finish. A synchronous engine
-(the CPU) runs each batch to its end on the launcher thread, which answers it from there.
+One launcher thread starts every batch, so the devices have one owner and the event loop
+never blocks (on a GPU a small batch is staged and enqueued on the loop itself, which costs less
+than the hop); a completer thread per device waits for each of its batches' device work to
+finish (so that a batch done on one GPU never waits behind a longer one on another). A
+synchronous engine (the CPU) runs each batch to its end on the launcher thread, which answers
+it from there.
 """
 
 from __future__ import annotations
@@ -217,12 +220,23 @@ def _new_queue(served: ServedLayer) -> _LayerQueue:
 
 
 @dataclass(frozen=True)
+class _Lane:
+    """What the batches of the layers on one device share: how many more may be in flight, and
+    the thread that waits for them to finish."""
+
+    in_flight: asyncio.Semaphore
+    completer: ThreadPoolExecutor
+
+
+@dataclass(frozen=True)
 class _Launched:
-    """A batch on the device: its layer and pieces, when it was launched (its trace spans), how
-    long each piece had waited (ns), and the future `close` waits on (done once it is answered)."""
+    """A batch on the device: its layer and pieces, its device's lane, when it was launched
+    (its trace spans), how long each piece had waited (ns), and the future `close` waits on
+    (done once it is answered)."""
 
     name: str
     pieces: list[_Piece]
+    lane: _Lane
     ns: int
     queued_ns: list[int]
     answered: asyncio.Future[None]
@@ -234,11 +248,10 @@ class DynamicBatcher:
         self.policy = policy
         self.metrics = metrics
         self._launcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-device")
-        self._completer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-complete")
+        self._lanes: dict[torch.device, _Lane] = {}
         self._queues = {name: _new_queue(served) for name, served in engine.layers.items()}
         self._tasks: list[asyncio.Task[None]] = []
         self._running: set[asyncio.Future[None]] = set()  # batches in flight
-        self._in_flight = asyncio.Semaphore(engine.max_in_flight)
         self._launching = asyncio.Lock()
         self._closing = False
         if engine.enqueues:  # process-wide: this process serves the device
@@ -257,7 +270,7 @@ class DynamicBatcher:
             q.arrived.set()
         await asyncio.gather(*self._tasks)
         await asyncio.gather(*self._running)
-        for pool in (self._launcher, self._completer):
+        for pool in (self._launcher, *(lane.completer for lane in self._lanes.values())):
             await asyncio.to_thread(pool.shutdown, wait=True)
 
     async def submit(
@@ -360,6 +373,17 @@ class DynamicBatcher:
         async with self._launching:
             return await asyncio.get_running_loop().run_in_executor(self._launcher, call, *args)
 
+    def _lane(self, name: str) -> _Lane:
+        """The lane of the device that serves layer `name` now."""
+        device = self.engine.get(name).device
+        lane = self._lanes.get(device)
+        if lane is None:
+            lane = self._lanes[device] = _Lane(
+                asyncio.Semaphore(self.engine.max_in_flight),
+                ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"moe-complete-{device}"),
+            )
+        return lane
+
     async def _schedule(self, name: str, q: _LayerQueue) -> None:
         max_delay_ns = round(self.policy.max_delay_s * 1e9)
         while True:
@@ -368,7 +392,8 @@ class DynamicBatcher:
                     return
                 q.arrived.clear()
                 await q.arrived.wait()
-            await self._in_flight.acquire()
+            lane = self._lane(name)
+            await lane.in_flight.acquire()
             launched = False
             try:
                 while q.merge and not self._closing and 0 < q.tokens < self.policy.max_batch_tokens:
@@ -383,10 +408,10 @@ class DynamicBatcher:
                 batch = self._take(q)
                 self.metrics.series(self.metrics.queue_depth, name).set(q.waiting())
                 if batch:
-                    launched = await self._launch(name, batch)
+                    launched = await self._launch(name, batch, lane)
             finally:
                 if not launched:
-                    self._in_flight.release()
+                    lane.in_flight.release()
 
     def _take(self, q: _LayerQueue) -> list[_Piece]:
         """Rows for one forward: by level; within a level, requests that had fewer pieces
@@ -426,7 +451,7 @@ class DynamicBatcher:
                     line.remove(request)
         return batch
 
-    async def _launch(self, name: str, batch: list[_Piece]) -> bool:
+    async def _launch(self, name: str, batch: list[_Piece], lane: _Lane) -> bool:
         """Start `batch` on the launcher thread; False (and its requests failed) if it raised."""
         loop = asyncio.get_running_loop()
         now_ns = time.perf_counter_ns()
@@ -441,7 +466,7 @@ class DynamicBatcher:
             # A synchronous engine (CPU) runs the batch to its end on the launcher thread, which
             # hands the result straight to the loop: an executor future and the completer's hop
             # cost the reply a loop turn and a thread wake-up more
-            launched = self._launched(name, batch, queued_ns)
+            launched = self._launched(name, batch, lane, queued_ns)
             result_of = lambda: self.engine.start(name, parts, into).result()  # noqa: E731
             self._launcher.submit(self._complete, loop, launched, result_of)
             return True
@@ -466,15 +491,16 @@ class DynamicBatcher:
                 piece.ended()
             self._fail(name, batch, err)
             return False
-        launched = self._launched(name, batch, queued_ns)
-        self._completer.submit(self._complete, loop, launched, pending.result)
+        launched = self._launched(name, batch, lane, queued_ns)
+        lane.completer.submit(self._complete, loop, launched, pending.result)
         return True
 
-    def _launched(self, name: str, batch: list[_Piece], queued_ns: list[int]) -> _Launched:
+    def _launched(
+        self, name: str, batch: list[_Piece], lane: _Lane, queued_ns: list[int]
+    ) -> _Launched:
         """`batch`, launched now: `close` waits until it is answered."""
-        launched = _Launched(
-            name, batch, tracing.now_ns(), queued_ns, asyncio.get_running_loop().create_future()
-        )
+        answered = asyncio.get_running_loop().create_future()
+        launched = _Launched(name, batch, lane, tracing.now_ns(), queued_ns, answered)
         self._running.add(launched.answered)
         launched.answered.add_done_callback(self._running.discard)
         return launched
@@ -496,7 +522,7 @@ class DynamicBatcher:
 
     def _finish(self, launched: _Launched, result: BatchResult | Exception) -> None:
         name, batch = launched.name, launched.pieces
-        self._in_flight.release()
+        launched.lane.in_flight.release()
         for piece in batch:
             piece.ended()
         launched.answered.set_result(None)

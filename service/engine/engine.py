@@ -1,18 +1,22 @@
-"""Engine: layer name -> MoE layer built on the device; `start` runs one batch of one layer.
+"""Engine: layer name -> MoE layer built on its device; `start` runs one batch of one layer.
 
-The batcher's launcher thread calls `start` for every batch, so the layers can share one
-Workspace (their forwards never overlap: one compute stream runs them in order). On a GPU,
-`start` stages the batch and enqueues it (service/engine/pipeline.py) and returns at once; elsewhere
-it runs the forward before returning. Layers whose backend allows it run from whole-layer CUDA
-graphs, captured at warm-up (kernels/layer_graphs.py).
+Each layer sits whole on one of the engine's devices (`--devices`: service/engine/devices.py
+places them). The batcher's launcher thread calls `start` for every batch, so the layers of one
+device can share its Workspace (their forwards never overlap: the device's one compute stream
+runs them in order). On a GPU, `start` stages the batch and enqueues it on the device pipeline
+of the layer's GPU (service/engine/pipeline.py) and returns at once; elsewhere it runs the
+forward before returning. Layers whose backend allows it run from whole-layer CUDA graphs,
+captured at warm-up (kernels/layer_graphs.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -43,46 +47,57 @@ log = logging.getLogger(__name__)
 _NO_PLACEMENTS = "placements exist only with expert parallelism (--ep N, N > 1)"
 
 
+def on_device(device: torch.device) -> AbstractContextManager:
+    """`device` current within: Triton launches its kernels on the current GPU, whichever
+    GPU their tensors are on."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 class Engine(ServingEngine):
-    """One process's engine: every layer whole on one device."""
+    """One process's engine: every layer whole on one of `devices` (all GPUs, or the CPU)."""
 
     def __init__(
         self,
-        device: torch.device,
+        devices: Sequence[torch.device],
         backend: str = "auto",
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         cuda_graphs: bool = True,
         batch_invariant: bool = False,
         calibration: Calibration = NOT_CALIBRATED,
     ) -> None:
-        self.device = device
+        self.devices = tuple(devices)
         self.backend = backend
         self.chunk_tokens = chunk_tokens  # the largest batch (--max-batch-tokens): never split
         self.cuda_graphs = cuda_graphs  # False: never capture (--no-cuda-graphs)
         self.batch_invariant = batch_invariant  # --batch-invariant
         self.calibration = calibration  # --calibrate: auto's rules measured here
-        self.workspace = Workspace(device)  # shared by every layer
+        # shared by the layers of each device
+        self.workspaces = {device: Workspace(device) for device in self.devices}
         self.layers: dict[str, ServedLayer] = {}
         self.failure: str | None = None  # why this engine can serve no more; None while it can
         self.on_failure: Callable[[str], None] = lambda _reason: None  # the app turns unready
         self.on_degraded: Callable[[str], None] = lambda _reason: None  # expert parallelism's
         # what a layer being built is waiting for (a calibration's progress): the app's /ready
         self.on_status: Callable[[str], None] = lambda _status: None
-        self.pipeline = DevicePipeline(device, chunk_tokens) if device.type == "cuda" else None
+        self.pipelines = {
+            device: DevicePipeline(device, chunk_tokens)
+            for device in self.devices
+            if device.type == "cuda"
+        }
 
     @property
     def enqueues(self) -> bool:
         """True: `start` only stages and enqueues device work, returning before it is done."""
-        return self.pipeline is not None
+        return bool(self.pipelines)
 
     @property
     def captures(self) -> bool:
         """Whether layers run from CUDA graphs where their backend allows."""
-        return self.pipeline is not None and self.cuda_graphs
+        return self.enqueues and self.cuda_graphs
 
     @property
     def max_in_flight(self) -> int:
-        """Batches `start` may have running at once."""
+        """Batches `start` may have running at once on one device."""
         return DEPTH if self.enqueues else 1
 
     @property
@@ -93,31 +108,37 @@ class Engine(ServingEngine):
         return False
 
     def add(self, source: LayerSource) -> ServedLayer:
-        """Build `source`'s modular kernel on the device (backend chosen per layer)."""
+        """Build `source`'s modular kernel on its device (backend chosen per layer)."""
         if source.name in self.layers:
             raise ValueError(f"two layers are named {source.name!r}; layer names must be unique")
-        layer, selection = self.build(source)
-        graphs = self.layer_graphs(source.name, layer) if self.captures else None
+        device = source.device
+        if device not in self.workspaces:
+            served_on = ", ".join(map(str, self.devices))
+            raise ValueError(f"layer {source.name!r} is on {device}, not on one of {served_on}")
+        with on_device(device):
+            layer, selection = self.build(source)
+            graphs = self.layer_graphs(source.name, layer, device) if self.captures else None
         served = ServedLayer(
-            source.name, source.config, layer, selection, source.weights.nbytes(), graphs
+            source.name, source.config, layer, selection, source.weights.nbytes(), device, graphs
         )
         self.layers[source.name] = served
         log.info(
-            "layer %s: %s + %s (%s)",
+            "layer %s on %s: %s + %s (%s)",
             source.name,
+            device,
             selection.prepare_finalize.name,
             selection.experts.name,
             selection.reason,
         )
         return served
 
-    def layer_graphs(self, name: str, layer: MoELayer) -> LayerGraphs | None:
+    def layer_graphs(self, name: str, layer: MoELayer, device: torch.device) -> LayerGraphs | None:
         """Uncaptured graphs for `layer` (captured at warm-up), or None where its backend
         cannot be captured. A backend that syncs above some size (the batched formats) is
         captured up to it and runs eagerly above."""
         limit = layer.kernel.prepare_finalize.max_capture_tokens or self.chunk_tokens
         graph_tokens = min(self.chunk_tokens, limit)
-        support = can_capture(layer, self.device, graph_tokens)
+        support = can_capture(layer, device, graph_tokens)
         if not support:
             log.info("layer %s runs without CUDA graphs: %s", name, support.reason)
             return None
@@ -125,7 +146,7 @@ class Engine(ServingEngine):
         # pipeline slot replays its own)
         with_logits = layer.router.weight is None
         return LayerGraphs(
-            layer, self.device, graph_tokens, with_logits, self.max_in_flight, self.chunk_tokens
+            layer, device, graph_tokens, with_logits, self.max_in_flight, self.chunk_tokens
         )
 
     def load(self, source: LayerSource, token_counts: Sequence[int]) -> ServedLayer:
@@ -151,14 +172,14 @@ class Engine(ServingEngine):
         return served
 
     def build(self, source: LayerSource) -> tuple[MoELayer, Selection]:
-        """`source`'s layer on the device (expert parallelism composes its own); under auto,
+        """`source`'s layer on its device (expert parallelism composes its own); under auto,
         by the rule calibrated for it where --calibrate measures or caches one."""
         return build_layer(
             source.config,
             source.weights,
-            self.device,
+            source.device,
             self.backend,
-            self.workspace,
+            self.workspaces[source.device],
             self.chunk_tokens,
             batch_invariant=self.batch_invariant,
             rules=self.calibrated(source),
@@ -180,7 +201,7 @@ class Engine(ServingEngine):
             source.name,
             source.config,
             source.weights,
-            self.device,
+            source.device,
             self.calibration,
             self.chunk_tokens,
             self.captures,
@@ -205,13 +226,13 @@ class Engine(ServingEngine):
             raise NotReady(self.failure)
         served = self.get(name)
         logits = inputs.router_logits
-        on_device = ForwardInputs(
-            inputs.hidden_states.to(self.device),
-            None if logits is None else logits.to(self.device),
+        device = served.device
+        there = ForwardInputs(
+            inputs.hidden_states.to(device), None if logits is None else logits.to(device)
         )
         try:
-            with torch.inference_mode():
-                result = served.layer.forward(on_device)
+            with torch.inference_mode(), on_device(device):
+                result = served.layer.forward(there)
                 # one reduction on the device, read once the output has come back below
                 finite = all_finite_on_device(result.output)
         except torch.AcceleratorError as err:
@@ -264,7 +285,8 @@ class Engine(ServingEngine):
             return self._run_now(served, parts)
         try:
             with torch.inference_mode():
-                return _Guarded(self, self.pipeline.launch(served, parts, into))
+                pending = self.pipelines[served.device].launch(served, parts, into)
+                return _Guarded(self, pending)
         except torch.AcceleratorError as err:
             raise self._device_failed(err) from err
 

@@ -25,7 +25,8 @@ class LayerSource(Protocol):
 
     name: str
     config: MoEConfig
-    weights: LayerWeights  # already on the engine's device
+    weights: LayerWeights  # already on `device`
+    device: torch.device  # one of the engine's devices: the one that serves the layer
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class ServedLayer:
     layer: MoELayer
     selection: Selection
     device_bytes: int  # the layer's weights on the device
+    device: torch.device  # where it runs: its own streams, workspace and graphs there
     graphs: LayerGraphs | None = None  # whole-layer CUDA graphs, where the backend captures
 
     @property
@@ -89,11 +91,11 @@ class Pending(Protocol):
 
 
 class ServingEngine(Protocol):
-    """Layer name -> layer on the device; `start` runs one batch of one layer. The batcher's
-    launcher thread calls `start`; `add`, `load` and `remove` run where no forward does (at
-    start-up, or on the batcher's worker)."""
+    """Layer name -> layer on one of the engine's devices; `start` runs one batch of one layer.
+    The batcher's launcher thread calls `start`; `add`, `load` and `remove` run where no
+    forward does (at start-up, or on the batcher's worker)."""
 
-    device: torch.device
+    devices: tuple[torch.device, ...]  # where layers may be placed (ServedLayer.device)
     chunk_tokens: int  # the largest batch: the batcher never sends more tokens at once
     layers: dict[str, ServedLayer]
     failure: str | None  # why the engine can serve no more; None while it can
@@ -108,7 +110,7 @@ class ServingEngine(Protocol):
 
     @property
     def max_in_flight(self) -> int:
-        """Batches `start` may have running at once."""
+        """Batches `start` may have running at once on one device."""
         ...
 
     @property
@@ -118,7 +120,7 @@ class ServingEngine(Protocol):
         ...
 
     def add(self, source: LayerSource) -> ServedLayer:
-        """Serve `source` (built on the device, not yet warmed up)."""
+        """Serve `source` (built on its device, not yet warmed up)."""
         ...
 
     def load(self, source: LayerSource, token_counts: Sequence[int]) -> ServedLayer:

@@ -101,15 +101,16 @@ class EPEngine(Engine):
         self, settings: Settings, paths: Sequence[Path], metrics: object | None = None
     ) -> None:
         self.world_size = settings.ep
+        self.device = rank_device(settings.torch_device(), 0)  # rank 0's, every layer's
         super().__init__(
-            rank_device(settings.torch_device(), 0),
+            [self.device],
             settings.backend,
             settings.max_batch_tokens,
             cuda_graphs=settings.cuda_graphs,
         )
         self.metrics = metrics  # service.metrics.Metrics: the EP gauges
-        if self.pipeline is not None:
-            self.pipeline.on_forward = self._announce
+        for pipeline in self.pipelines.values():
+            pipeline.on_forward = self._announce
         self.degraded: str | None = None  # why fewer ranks serve than started; None: all do
         self._closing = False
         self._lock = threading.RLock()  # one forward, regroup or switch at a time
@@ -202,7 +203,13 @@ class EPEngine(Engine):
     def build(self, source: LayerSource) -> tuple[MoELayer, Selection]:
         placement = self._layers[source.name].placement
         return build_ep_kernel(
-            source, placement, 0, lambda: self.gen, self.spec, self.device, self.workspace
+            source,
+            placement,
+            0,
+            lambda: self.gen,
+            self.spec,
+            self.device,
+            self.workspaces[self.device],
         )
 
     def _worker(self, rank: int) -> mp.Process | None:
@@ -246,7 +253,7 @@ class EPEngine(Engine):
         parts: Sequence[ForwardInputs],
         into: Sequence[torch.Tensor | None] | None = None,
     ) -> Pending:
-        if self.pipeline is None:
+        if not self.enqueues:
             return super().start(name, parts, into)
         with self._lock:
             gen = self.gen
@@ -522,7 +529,7 @@ class EPEngine(Engine):
         """Capture a switched layer's graphs on every rank (between two forwards: holds the
         lock); a layer that cannot be captured runs eagerly."""
         served = self.get(name)
-        graphs = self.layer_graphs(name, served.layer) if self.captures else None
+        graphs = self.layer_graphs(name, served.layer, self.device) if self.captures else None
         if graphs is None:
             return
         self._post_capture(name, graphs)

@@ -165,12 +165,16 @@ class _Arena:
     pinning: asyncio.Future[int] | None = None
 
 
+_PORTABLE = 1  # cudaHostRegisterPortable
+
+
 def _pin(arena: BodyArena) -> int:
     """Register the arena with CUDA, so bodies are copied to the device and outputs back by
     DMA from where they lie; its address, or 0 if CUDA refused (it then serves through
     copies)."""
     address = torch.frombuffer(arena.view, dtype=torch.uint8).data_ptr()
-    error = int(torch.cuda.cudart().cudaHostRegister(address, arena.size, 0))
+    # portable: pinned for every GPU's context, as the layers may sit on several (--devices)
+    error = int(torch.cuda.cudart().cudaHostRegister(address, arena.size, _PORTABLE))
     if error:
         log.warning(
             "arena %s not registered with CUDA (error %s): replies are copied", arena.path, error

@@ -83,6 +83,7 @@ class LayerInfo(BaseModel):
     dtype: str
     has_bias: bool = Field(description="per-expert biases on both GEMMs")
     apply_router_weight_on_input: bool
+    device: str = Field(description="where the layer runs (placed by --devices)")
     device_bytes: int
     shared_experts: bool
     backend: str
@@ -110,12 +111,13 @@ class BackendInfo(BaseModel):
 
 class LayerBackend(BaseModel):
     layer: str
+    device: str = Field(description="where the layer runs (placed by --devices)")
     experts: str
     prepare_finalize: str
     reason: str = Field(description="why this pair: forced by --backend, or the auto rule")
     rejected: dict[str, str] = Field(description="other experts backends and why not")
     by_tokens: list[TokenRange] = Field(description=BY_TOKENS)
-    workspace_bytes: int = Field(description="scratch memory, shared by all layers")
+    workspace_bytes: int = Field(description="scratch memory, shared by the layers of its device")
     batch_invariant: bool = Field(
         description="each row's output is independent of its batch (--batch-invariant)"
     )
@@ -133,7 +135,10 @@ class DeviceInfo(BaseModel):
 
 
 class BackendsResponse(BaseModel):
-    device: DeviceInfo
+    device: DeviceInfo = Field(
+        description="the (first) device the layers are placed on, where the backends' "
+        "availability is judged"
+    )
     experts: list[BackendInfo]
     prepare_finalize: list[BackendInfo]
     layers: list[LayerBackend]

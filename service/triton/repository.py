@@ -2,8 +2,9 @@
 as the model of the subdirectory's name. Triton's repository extension loads and unloads them
 at run time, over HTTP (service/http/routes/repository.py) and gRPC.
 
-A load reads the directory onto the device off the event loop, then builds and warms the layer
-on the device worker between forwards and only then serves it (ServingEngine.load): a failed load
+A load reads the directory onto a device off the event loop (of several, the one with the most
+memory free that holds it: service/engine/devices.py), then builds and warms the layer on the
+device worker between forwards and only then serves it (ServingEngine.load): a failed load
 leaves the running version serving. An unload first lets the layer's admitted requests finish.
 One load or unload runs at a time.
 """
@@ -18,8 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ...weights.load import load_layer
+import torch
+
+from ...weights.load import LoadedLayer, load_layer, read_manifest, weight_bytes
 from ..engine.batcher import DynamicBatcher
+from ..engine.devices import place_directories
 from ..engine.interface import ServingEngine
 from ..errors import BadInput, UnknownLayer
 from ..metrics import Metrics
@@ -95,10 +99,22 @@ class Repository:
         return entries
 
     async def load_all(self, serving: Serving) -> None:
-        """At start: every model of the repository; one that fails is logged and left out."""
-        for name in self.names():
+        """At start: every model of the repository; one that fails is logged and left out.
+        Over several devices the largest go first, each where the most memory is free then."""
+        names = self.names()
+        if len(serving.engine.devices) > 1:
+            names.sort(key=lambda name: -self._weight_bytes(name))
+        for name in names:
             with contextlib.suppress(BadInput):  # logged, and its reason is in the index
                 await self.load(serving, name)
+
+    def _weight_bytes(self, name: str) -> int:
+        """Model `name`'s weights in bytes; 0 where its manifest is unreadable (its load fails
+        and says why)."""
+        try:
+            return weight_bytes(read_manifest(self.root / name))
+        except ValueError:
+            return 0
 
     async def load(self, serving: Serving, name: str) -> None:
         """Serve model `name` from its directory, replacing the running version if any."""
@@ -106,8 +122,7 @@ class Repository:
         async with self._lock:
             self.busy[name] = LOADING
             try:
-                device = serving.engine.device
-                loaded = await asyncio.to_thread(load_layer, path, device)
+                loaded = await asyncio.to_thread(_load_placed, path, serving.engine.devices)
                 source = dataclasses.replace(loaded, name=name)  # the directory names the model
                 tokens = serving.warm_up_tokens
                 served = await serving.batcher.on_worker(serving.engine.load, source, tokens)
@@ -138,3 +153,9 @@ class Repository:
             serving.metrics.statistics.remove_model(name)
             self.reasons[name] = "unloaded"
         log.info("model %s unloaded", name)
+
+
+def _load_placed(path: Path, devices: tuple[torch.device, ...]) -> LoadedLayer:
+    """Layer directory `path` loaded onto its device of `devices`."""
+    (device,) = place_directories([path], devices)
+    return load_layer(path, device)

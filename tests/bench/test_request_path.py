@@ -20,7 +20,7 @@ def test_each_level_runs_the_servers_own_path_and_is_timed(
 ) -> None:
     monkeypatch.setattr(request_path, "_BUDGET_S", 0.0)
     monkeypatch.setattr(request_path, "_MIN_CALLS", 3)
-    engine = Engine(torch.device("cpu"), "reference")
+    engine = Engine([torch.device("cpu")], "reference")
     engine.add(tiny_layers()[0])
     submitted = []
 

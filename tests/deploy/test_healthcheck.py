@@ -8,7 +8,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -25,7 +25,7 @@ from tests.service.layers import running_server, tiny_loader
 FAIL_TIMEOUT_S = 20.0
 
 
-def failing_loader(settings: Settings, device: torch.device) -> list[Any]:
+def failing_loader(settings: Settings, devices: Sequence[torch.device]) -> list[Any]:
     raise ValueError("weights missing")
 
 

@@ -6,7 +6,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -24,6 +24,7 @@ from moe_serve.service.http.server import listen, server_config
 from moe_serve.service.settings import Settings
 
 E, H, INTER, TOP_K = 4, 64, 128, 2
+CPU = torch.device("cpu")
 TINY = "tiny"  # float32, stored router
 NO_ROUTER = "tiny-no-router"  # clients must send router logits
 START_TIMEOUT_S = 20.0
@@ -34,6 +35,7 @@ class TinyLayer:
     name: str
     config: MoEConfig
     weights: LayerWeights
+    device: torch.device = CPU  # where `weights` are
 
 
 def tiny_layers(seed: int = 0) -> list[TinyLayer]:
@@ -47,16 +49,18 @@ def tiny_layers(seed: int = 0) -> list[TinyLayer]:
     ]
 
 
-def tiny_loader(settings: object, device: torch.device) -> list[TinyLayer]:
+def tiny_loader(settings: object, devices: Sequence[torch.device]) -> list[TinyLayer]:
     return tiny_layers()
 
 
-def gated_loader(release: threading.Event) -> Callable[[object, torch.device], list[TinyLayer]]:
+def gated_loader(
+    release: threading.Event,
+) -> Callable[[object, Sequence[torch.device]], list[TinyLayer]]:
     """tiny_loader that waits for `release` (up to 10 s): a server that stays loading."""
 
-    def loader(settings: object, device: torch.device) -> list[TinyLayer]:
+    def loader(settings: object, devices: Sequence[torch.device]) -> list[TinyLayer]:
         release.wait(10)
-        return tiny_loader(settings, device)
+        return tiny_loader(settings, devices)
 
     return loader
 

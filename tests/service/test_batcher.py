@@ -27,7 +27,7 @@ class RecordingEngine(Engine):
     """An Engine that records each batch's size and can hold or fail a forward."""
 
     def __init__(self, layers: list[TinyLayer]) -> None:
-        super().__init__(torch.device("cpu"))
+        super().__init__([torch.device("cpu")])
         for layer in layers:
             self.add(layer)
         self.batch_sizes: list[int] = []

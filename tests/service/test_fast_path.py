@@ -62,7 +62,7 @@ def test_the_finite_check_finds_nan_and_inf_in_every_wire_dtype() -> None:
 
 
 def test_a_batch_of_parts_in_mixed_wire_dtypes_answers_each_part_in_the_layer_dtype() -> None:
-    engine = Engine(CPU)
+    engine = Engine([CPU])
     for layer in tiny_layers():
         engine.add(layer)
     parts = [

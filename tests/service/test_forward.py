@@ -459,7 +459,7 @@ def test_a_float16_reply_that_would_hold_inf_answers_422_and_is_counted(
 def test_a_value_beyond_the_layers_dtype_is_refused_naming_row_and_column() -> None:
     cfg = MoEConfig(E, H, 2 * H, RoutingConfig(top_k=TOP_K), dtype=torch.float16)
     layer = TinyLayer("half", cfg, LayerWeights(random_expert_weights(cfg), RouterWeights()))
-    app = create_app(Settings(device="cpu"), lambda settings, device: [layer])
+    app = create_app(Settings(device="cpu"), lambda settings, devices: [layer])
     with TestClient(app) as half:
         wait_ready(half.get)
         x = hidden(3)

@@ -120,7 +120,7 @@ def test_probes_say_the_engine_drains(front_ends) -> None:
 
 
 def test_probes_give_the_reason_a_load_failed() -> None:
-    def broken_loader(settings, device):
+    def broken_loader(settings, devices):
         raise ValueError(
             "/w/layer0/experts.safetensors: tensor 'w13': shape [4, 8] expected [4, 9]"
         )

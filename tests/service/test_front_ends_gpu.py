@@ -37,7 +37,7 @@ def _layers(device: torch.device) -> list[TinyLayer]:
         router = torch.randn(E, H, generator=torch.Generator().manual_seed(seed)) / H**0.5
         weights = LayerWeights(random_expert_weights(cfg, seed), RouterWeights(router))
         on_device = {n: t.to(device) for n, t in weights.tensors().items()}
-        layers.append(TinyLayer(name, cfg, LayerWeights.from_tensors(on_device)))
+        layers.append(TinyLayer(name, cfg, LayerWeights.from_tensors(on_device), device))
     return layers
 
 
@@ -62,7 +62,7 @@ ENGINE_LOG = _Records()  # what the engine's end of the channel logged
 @pytest.fixture(scope="module")
 def url():
     settings = Settings(device="cuda", http_workers=2, grpc_port=0, max_batch_tokens=MAX_BATCH)
-    loader = lambda _settings, device: _layers(device)  # noqa: E731
+    loader = lambda _settings, devices: _layers(devices[0])  # noqa: E731
     logger = logging.getLogger("moe_serve.service.frontends.channel_server")
     logger.addHandler(ENGINE_LOG)
     logger.setLevel(logging.INFO)

@@ -203,7 +203,7 @@ def test_a_backend_captured_up_to_its_limit_runs_larger_batches_eagerly(gpu_clie
     batch runs eagerly from the same slots, equal to the reference either side."""
     _, cache = gpu_client
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    engine = Engine(cuda, backend="triton-batched", chunk_tokens=320)
+    engine = Engine([cuda], backend="triton-batched", chunk_tokens=320)
     served = engine.add(load_layer(cache / "demo", cuda))
     assert served.graphs is not None and served.graphs.max_tokens == 256
     engine.warm_up([1])
@@ -222,7 +222,7 @@ def test_small_and_large_parts_of_one_batch_each_get_their_rows(gpu_client) -> N
     where it gave one) matches the same rows run alone."""
     _, cache = gpu_client
     cuda = torch.device("cuda")
-    engine = Engine(cuda, chunk_tokens=1024)
+    engine = Engine([cuda], chunk_tokens=1024)
     engine.add(load_layer(cache / "demo", cuda))
     engine.warm_up([1])
     sizes = [3, 600, 5, 2]  # 600 rows of bf16 H=256: over the in-place threshold

@@ -7,6 +7,7 @@ front end then reuses it)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections.abc import Sequence
 
@@ -19,7 +20,7 @@ from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher, Reques
 from moe_serve.service.engine.engine import Engine
 from moe_serve.service.engine.interface import BatchResult
 from moe_serve.service.errors import ClientDisconnected
-from tests.service.layers import TINY, H, reference_forward, tiny_layers
+from tests.service.layers import CPU, TINY, H, reference_forward, tiny_layers
 from tests.service.test_batcher import RecordingEngine, run
 
 WAIT_S = 10.0
@@ -30,10 +31,10 @@ class EnqueuingEngine(Engine):
     completes when `result()` is called on the completer thread (held by `gate`), and a part
     with an `into` tensor gets its output written there."""
 
-    def __init__(self) -> None:
-        super().__init__(torch.device("cpu"))
-        for layer in tiny_layers():
-            self.add(layer)
+    def __init__(self, devices: Sequence[torch.device] = (CPU,)) -> None:
+        super().__init__(devices)  # the tiny layers in turn on each
+        for i, layer in enumerate(tiny_layers()):
+            self.add(dataclasses.replace(layer, device=devices[i % len(devices)]))
         self.gate = threading.Event()
         self.gate.set()
         self.launched = threading.Event()

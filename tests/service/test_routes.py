@@ -63,7 +63,7 @@ def test_an_error_quoting_what_utf8_cannot_encode_is_still_sent() -> None:
 
 
 def test_ready_reports_why_loading_failed() -> None:
-    def broken_loader(settings, device):
+    def broken_loader(settings, devices):
         raise ValueError(
             "/w/layer0/experts.safetensors: tensor 'w13': shape [4, 8] expected [4, 9]"
         )

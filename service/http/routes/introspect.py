@@ -46,6 +46,7 @@ def layer_info(served: ServedLayer) -> LayerInfo:
         name=served.name,
         top_k=cfg.top_k,
         **cfg.as_json(),
+        device=str(served.device),
         device_bytes=served.device_bytes,
         shared_experts=served.layer.shared is not None,
         backend=served.backend,
@@ -56,7 +57,7 @@ def layer_info(served: ServedLayer) -> LayerInfo:
 
 @router.get("/backends", summary="Registered backends, whether they run here, and each layer's")
 async def backends(engine: EngineDep) -> BackendsResponse:
-    device = engine.device
+    device = engine.devices[0]
     experts = []
     for name, cls in experts_backends().items():
         support = cls.supports(None, device)
@@ -80,6 +81,7 @@ async def backends(engine: EngineDep) -> BackendsResponse:
     layers = [
         LayerBackend(
             layer=served.name,
+            device=str(served.device),
             experts=served.selection.experts.name,
             prepare_finalize=served.selection.prepare_finalize.name,
             reason=served.selection.reason,
