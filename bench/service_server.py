@@ -239,6 +239,7 @@ def build_settings(args: argparse.Namespace) -> Settings:
         max_body_bytes=256 << 20,
         http_workers=args.http_workers,
         grpc_port=args.grpc_port,
+        metrics_port=0,  # the benchmark scrapes /metrics on the HTTP port
         allow_shared_memory=args.allow_shared_memory,
     )
 
