@@ -8,9 +8,10 @@ TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0)
 
 .PHONY: serve test lint
 
-# pip's own progress bars show each download; -q keeps its per-package lines out. The build
-# backend's notes on editable installs are setuptools', not ours: PYTHONWARNINGS keeps them out.
-PIP := PYTHONWARNINGS=ignore $(BIN)/pip install -q --progress-bar on
+# pip's own lines (each package collected, its download's progress bar) show the install moving;
+# the build backend's notes on editable installs are setuptools', not ours: PYTHONWARNINGS keeps
+# them out.
+PIP := PYTHONWARNINGS=ignore $(BIN)/pip install --progress-bar on
 
 $(BIN)/moe-serve: pyproject.toml
 	@echo "[1/3] creating $(VENV)"

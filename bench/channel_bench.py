@@ -102,8 +102,10 @@ def _front_end(path: str, in_flight: int, body: bytes, loop: str) -> None:
     async def run() -> None:
         arena = BodyArena.create(shm_dir(), ARENA_BYTES)
         client = EngineClient(Path(path), arena, on_lost=lambda: None)
-        await client.connect()
-        arena.unlink()
+        try:
+            await client.connect()
+        finally:
+            arena.unlink()  # mapped by both processes, or the connection failed: no file left
         regions = [arena.allocate(len(body)) for _ in range(in_flight)]
         if None in regions:
             raise SystemExit(f"{in_flight} bodies do not fit an arena: add front ends")

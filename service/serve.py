@@ -107,8 +107,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="start ranks 0..K-1 here; the others join from other hosts with `moe-serve "
         "ep-rank` at MASTER_ADDR:MASTER_PORT (default: all --ep ranks here)",
     )
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="info")
-    p.add_argument("--log-format", choices=["text", "json"], help="json: one object per line")
+    p.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="the lowest level logged (default info)",
+    )
+    p.add_argument(
+        "--log-format", choices=["text", "json"], help="json: one object per line (default text)"
+    )
     p.add_argument(
         "--cache-dir",
         type=Path,
@@ -158,7 +164,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="make each row's output bit for bit independent of the rows it is batched with "
         "and of the chunking (reference and triton backends; refuses fp8-tensor layers and "
-        "--ep; costs speed: README, Batch invariance)",
+        "--ep; costs speed: docs/backends.md, Batch invariance)",
     )
     p.set_defaults(run=run)
 
