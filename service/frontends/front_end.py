@@ -189,6 +189,11 @@ class FrontEnd:
                 answer.status = response.status_code
                 response.headers.update(answer.headers)
                 await response(scope, receive, send)
+        elif refused := probes.other_method(scope["method"], scope["path"]):
+            with _answering(self.engine, scope, headers, refused[0]) as answer:
+                answer.status = 405  # at once: a body that never comes is not waited for
+                refused[1].headers.update(answer.headers)
+                await refused[1](scope, receive, send)
         elif plain and plain[1] == BINARY and (direct := scope.get(DIRECT_BODY)):
             await self._forward(scope, receive, send, plain[0], direct)
         elif plain and plain[1] == JSON and (size := self._json_size(scope)):
