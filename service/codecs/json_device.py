@@ -86,7 +86,7 @@ class DeviceForward:
     return_routing: bool
 
 
-def forward_span(body: bytes | bytearray) -> tuple[slice, bool] | None:
+def forward_span(body: bytes | bytearray | memoryview) -> tuple[slice, bool] | None:
     """Where hidden_states' array lies in a /v1 forward body holding only it and, before or after
     it, return_routing; and return_routing. None for any other body."""
     head = _HEAD.match(body)
@@ -100,10 +100,12 @@ def forward_span(body: bytes | bytearray) -> tuple[slice, bool] | None:
     return slice(head.end(), tail.start() + 1), routing
 
 
-def decode_forward(body: bytes | bytearray, device: torch.device) -> DeviceForward | None:
-    """A /v1 forward's JSON body -> hidden_states on `device`; None where the host path must
-    decode it (see the module's docstring), or the device has no memory left for the ops'
-    temporaries."""
+def decode_forward(
+    body: bytes | bytearray | memoryview, device: torch.device
+) -> DeviceForward | None:
+    """A /v1 forward's JSON body -> hidden_states on `device`, copied there from where it lies
+    (by DMA from pinned or registered memory); None where the host path must decode it (see the
+    module's docstring), or the device has no memory left for the ops' temporaries."""
     span = forward_span(body)
     if span is None:
         return None
@@ -165,17 +167,17 @@ def print_rows(values: torch.Tensor) -> memoryview:
     return memoryview(host.numpy())
 
 
-def print_reply(output: torch.Tensor, rest: dict) -> bytes:
-    """The JSON object {"output": output, **rest} as `json_tensors.dumps` writes it, `output`
-    (16-bit, on the device) printed by `print_rows` (by orjson when the device has no memory
-    left for it)."""
+def print_reply(output: torch.Tensor, rest: dict) -> list[bytes | memoryview]:
+    """The JSON object {"output": output, **rest} as `json_tensors.dumps` writes it, in pieces
+    (the rows' text stays in the host memory it was copied to), `output` (16-bit, on the
+    device) printed by `print_rows` (by orjson when the device has no memory left for it)."""
     try:
         with _on_stream(output.device):
             rows = print_rows(output)
     except torch.OutOfMemoryError:
         log.warning("no device memory to print a %s output: printed on the host", output.shape)
-        return json_tensors.dumps({"output": output} | rest)
-    return b"".join([b'{"output":', rows, b",", json_tensors.dumps(rest)[1:]])
+        return [json_tensors.dumps({"output": output} | rest)]
+    return [b'{"output":', rows, b"," + json_tensors.dumps(rest)[1:]]
 
 
 @lru_cache(maxsize=8)

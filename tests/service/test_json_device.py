@@ -232,7 +232,7 @@ def test_a_reply_is_the_host_path_s_reply() -> None:
         "topk_ids": torch.tensor([[1, 0], [2, 3]], dtype=torch.int32),
         "topk_weights": torch.tensor([[0.75, 0.25], [0.5, 0.5]]),
     }
-    reply = json_device.print_reply(output, rest)
+    reply = b"".join(json_device.print_reply(output, rest))
     assert reply == json_tensors.dumps({"output": output} | rest)
     assert orjson.loads(reply)["topk_ids"] == [[1, 0], [2, 3]]
 
@@ -245,7 +245,7 @@ def test_without_device_memory_the_host_reads_and_prints(monkeypatch: pytest.Mon
     monkeypatch.setattr(json_device, "print_rows", no_memory)
     assert device(body_of("[[1, 2]]")) is None
     output = torch.ones(1, 2, dtype=torch.bfloat16)
-    reply = json_device.print_reply(output, {"layer": "demo"})
+    reply = b"".join(json_device.print_reply(output, {"layer": "demo"}))
     assert reply == json_tensors.dumps({"output": output, "layer": "demo"})
 
 
