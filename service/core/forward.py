@@ -67,7 +67,33 @@ async def serve_json(
 ) -> list[bytes | memoryview]:
     """A JSON body -> the JSON reply's pieces, in order (a large reply's text is not joined into
     one copy). On a GPU engine a large body is parsed, and its 16-bit output printed, on the
-    device (service/codecs/json_device.py), from and into host memory where it lies."""
+    device (service/codecs/json_device.py), the body copied there from where it lies."""
+    return await _serve_json(call, body, options, withdrawn, None)
+
+
+async def serve_json_into(
+    call: LayerCall, body: memoryview, reply: memoryview, withdrawn: asyncio.Future
+) -> int | list[bytes | memoryview]:
+    """A JSON body -> its reply written into `reply` (a 16-bit output printed on the device
+    straight into it); the reply's size, or, where it is longer than `reply`, its pieces."""
+    written = await _serve_json(call, body, RequestOptions(), withdrawn, reply)
+    if isinstance(written, int):
+        return written
+    size = sum(map(len, written))
+    if size > len(reply):
+        return written
+    await BINARY.run(size, copy_parts, written, reply)
+    return size
+
+
+async def _serve_json(
+    call: LayerCall,
+    body: bytes | memoryview,
+    options: RequestOptions,
+    withdrawn: asyncio.Future,
+    into: memoryview | None,
+) -> int | list[bytes | memoryview]:
+    """serve_json, or, with `into`, what `_encode_json` writes there."""
     served, metrics = call.served, call.metrics
     device = served.device
     if device.type != "cuda" or not json_device.worth_it(len(body)):
@@ -76,14 +102,14 @@ async def serve_json(
     inputs, want_routing = await JSON.run(len(body), _decode_json, served, body, device)
     metrics.observe_stage(served.name, "decode", time.perf_counter() - started)
     hidden = inputs.hidden_states
-    into = torch.empty_like(hidden, dtype=served.config.dtype) if hidden.is_cuda else None
+    output = torch.empty_like(hidden, dtype=served.config.dtype) if hidden.is_cuda else None
     result = await submit_unless_withdrawn(
-        call.batcher, served.name, inputs, options, withdrawn, into
+        call.batcher, served.name, inputs, options, withdrawn, output
     )
     started = time.perf_counter()
     numbers = result.output.numel() + (2 * result.routing.topk_ids.numel() if want_routing else 0)
     reply = await JSON.run(
-        numbers * json_numbers.NUMBER_BYTES, _encode_json, served, result, want_routing
+        numbers * json_numbers.NUMBER_BYTES, _encode_json, served, result, want_routing, into
     )
     metrics.observe_stage(served.name, "encode", time.perf_counter() - started)
     return reply
@@ -273,15 +299,18 @@ def _decode_json(
 
 
 def _encode_json(
-    served: ServedLayer, result: LayerOutput, routing: bool
-) -> list[bytes | memoryview]:
+    served: ServedLayer, result: LayerOutput, routing: bool, into: memoryview | None = None
+) -> int | list[bytes | memoryview]:
     """The reply's pieces as ForwardResponse describes it, written from the tensors' buffers (a
-    16-bit output still on the device printed there)."""
+    16-bit output still on the device printed there); with `into`, a reply printed on the device
+    is written into it where it fits, and its size returned instead."""
     output = result.output
     rest = {"layer": served.name, "tokens": output.shape[0], "backend": served.backend}
     if routing:
         rest |= {"topk_ids": result.routing.topk_ids, "topk_weights": result.routing.topk_weights}
     size = output.numel() * json_numbers.NUMBER_BYTES
     if output.is_cuda and output.element_size() == 2 and json_device.worth_it(size):
+        if into is not None:
+            return json_device.print_reply_into(output, rest, into)
         return json_device.print_reply(output, rest)
     return [json_tensors.dumps({"output": output} | rest)]

@@ -14,11 +14,9 @@ from pathlib import Path
 
 import torch
 
-from ..core.forward import LayerCall, copy_parts, serve_blob_into, serve_json
+from ..core.forward import LayerCall, serve_blob_into, serve_json_into
 from ..core.runtime import Runtime, ready
-from ..engine.batcher import RequestOptions
 from ..errors import ServiceError
-from ..off_loop import BINARY
 from .arena import BodyArena, Region
 from .channel import (
     CANCEL,
@@ -168,19 +166,18 @@ class _FrontEndLink:
         self, rid: int, layer: str, region: Region, gone: asyncio.Future
     ) -> None:
         """The JSON body read from the arena (on a GPU engine, a large one copied to the device
-        from there); the reply written into the region's reply part, or, longer than that part,
-        carried whole by the REPLY record."""
+        from there, and its output printed back into it); the reply written into the region's
+        reply part, or, longer than that part, carried whole by the REPLY record."""
         arena, runtime = self.arena, ready(self.runtime)
         call = LayerCall.of(runtime, layer)
         await arena.pinned(runtime.engine.enqueues)
-        parts = await serve_json(call, arena.arena.body(region), RequestOptions(), gone)
-        size = sum(map(len, parts))
-        room = arena.arena.reply(region)
-        if size <= len(room):
-            await BINARY.run(size, copy_parts, parts, room)
-            self.out.send(REPLY, REPLY_FIELDS.pack(rid, 200, size))
+        body, room = arena.arena.body(region), arena.arena.reply(region)
+        written = await serve_json_into(call, body, room, gone)
+        if isinstance(written, int):
+            self.out.send(REPLY, REPLY_FIELDS.pack(rid, 200, written))
         else:
-            self.out.send(REPLY, b"".join([REPLY_FIELDS.pack(rid, 200, size), *parts]))
+            size = sum(map(len, written))
+            self.out.send(REPLY, b"".join([REPLY_FIELDS.pack(rid, 200, size), *written]))
 
 
 def _withdraw(gone: asyncio.Future) -> None:

@@ -2,7 +2,7 @@
 safetensors body (Content-Type application/octet-stream, a plain binary forward, the request a
 client library sends in a loop) or a JSON one. A front-end process answers exactly these itself
 (service/frontends/front_end.py) and relays the rest to the engine; in one process on a GPU, a
-plain forward's body is read into pinned memory (service/http/pinned_body.py).
+plain forward's body is read into memory of its own (service/http/forward_body.py).
 """
 
 from __future__ import annotations

@@ -69,13 +69,13 @@ def one_process() -> Iterator[TestClient]:
 @pytest.fixture
 def engine_parsed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The size of each JSON body the engine parsed from a front end's arena."""
-    parsed, serve_json = [], channel_server.serve_json
+    parsed, serve_json_into = [], channel_server.serve_json_into
 
-    async def spy(call, body, options, withdrawn):
+    async def spy(call, body, reply, withdrawn):
         parsed.append(len(body))
-        return await serve_json(call, body, options, withdrawn)
+        return await serve_json_into(call, body, reply, withdrawn)
 
-    monkeypatch.setattr(channel_server, "serve_json", spy)
+    monkeypatch.setattr(channel_server, "serve_json_into", spy)
     return parsed
 
 

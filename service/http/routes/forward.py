@@ -35,7 +35,7 @@ from ...errors import (
 )
 from ..body import read_body
 from ..examples import DEMO_LOGITS, DEMO_ROWS
-from ..pinned_body import get_pinned_body
+from ..forward_body import get_forward_body
 from ..plain_forward import BINARY, FORWARD_PATH, JSON
 from ..schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
 from ..server import client_gone
@@ -161,8 +161,8 @@ class ForwardEndpoint:
         request = Request(scope, receive)
         withdrawn = None
         try:
-            pinned = await get_pinned_body(request, self.runtime)
-            body = await read_body(request, self.runtime) if pinned is None else pinned.body
+            held = await get_forward_body(request, self.runtime)
+            body = await read_body(request, self.runtime) if held is None else held.body
             runtime = ready(self.runtime)
             return_routing, options = _query(scope["query_string"])
             call = LayerCall.of(runtime, name)
@@ -174,9 +174,9 @@ class ForwardEndpoint:
             withdrawn = asyncio.ensure_future(client_gone(receive))
             if media == JSON:
                 parts = await serve_json(call, body, options, withdrawn)
-            elif pinned is not None:
-                size = await serve_blob_into(call, pinned.body, pinned.reply, True, withdrawn)
-                parts = [pinned.reply[:size]]  # its memoryview holds the pinned block until sent
+            elif held is not None:  # pinned, with room for the reply
+                size = await serve_blob_into(call, held.body, held.reply, True, withdrawn)
+                parts = [held.reply[:size]]  # its memoryview holds the pinned block until sent
             else:
                 parts = await serve_blob(call, body, options, return_routing, withdrawn)
             response = PiecesResponse(parts, media)
