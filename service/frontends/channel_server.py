@@ -1,7 +1,8 @@
 """The engine's end of the front-end channel (`service/frontends/channel.py`): forwards whose
 bodies the front-end processes laid in their arenas, run through the forward core
 (service/core/forward.py, as a forward that reached this process over HTTP: `serve_blob_into`
-for a safetensors body, `serve_json` for a JSON one), the reply written back into the arena."""
+for a safetensors body, `serve_json_into` for a JSON one), the reply written back into the
+arena."""
 
 from __future__ import annotations
 

@@ -303,12 +303,12 @@ class FrontEnd:
                     gone = partial(client_gone, receive)
                     if as_text:
                         self.arena.body(region)[:] = body
-                        ours = False
-                        reply = await self.engine.forward_json(name, region, gone)
+                        ask = partial(self.engine.forward_json, name, region, gone)
                     else:
                         _write_blob(arrays, self.arena.body(region))
-                        ours = False
-                        reply = await self.engine.forward(name, region, gone, layer_dtype=True)
+                        ask = partial(self.engine.forward, name, region, gone, layer_dtype=True)
+                    ours = False
+                    reply = await ask()
                     ours = True
                 answer.status = reply.status
                 if reply.status != 200:

@@ -1,7 +1,7 @@
-"""`--http-workers`: front-end processes that lay binary forwards (and JSON ones, decoded) in
-shared memory for the engine process and relay everything else; replies equal the one-process
-service's, metrics are the engine's, a dead front end comes back, and nothing the arena holds
-is handed out twice."""
+"""`--http-workers`: front-end processes that lay binary forwards (and JSON ones, decoded, or as
+their text) in shared memory for the engine process and relay everything else; replies equal
+the one-process service's, metrics are the engine's, a dead front end comes back, and nothing
+the arena holds is handed out twice."""
 
 from __future__ import annotations
 
@@ -301,12 +301,19 @@ def test_bad_json_forwards_get_the_engines_error(front_ends, layer, body, status
     assert reply.headers["X-Request-ID"]
 
 
-def test_a_json_forward_asking_for_the_routing_is_relayed_with_its_body(front_ends) -> None:
+def test_a_json_forward_asking_for_the_routing_goes_to_the_engine_as_its_text(
+    front_ends, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Through the arena, not relayed: the engine writes the routing's JSON."""
     url = _url(front_ends)
     body = {"hidden_states": torch.randn(3, H).tolist(), "return_routing": True}
-    reply = httpx.post(f"{url}/v1/layers/{TINY}/forward", json=body)
+    with caplog.at_level(logging.INFO, logger="moe_serve.service.http.middleware"):
+        reply = httpx.post(f"{url}/v1/layers/{TINY}/forward", json=body)
+    assert "/forward" not in caplog.text
     assert reply.status_code == 200, reply.text
     assert set(reply.json()) >= {"output", "topk_ids", "topk_weights"}
+    relayed = httpx.post(f"{url}/v1/layers/{TINY}/forward?priority=0", json=body)
+    assert reply.content == relayed.content
 
 
 def test_a_json_body_becomes_the_float32_blob_the_engine_would_decode() -> None:
