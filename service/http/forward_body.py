@@ -81,7 +81,10 @@ def forward_body_sink(runtime: Runtime) -> BodySink:
             view = memoryview(torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy())
             held = ForwardBody(view, None)
         else:
-            held = ForwardBody(memoryview(mmap.mmap(-1, size)), None)
+            try:
+                held = ForwardBody(memoryview(mmap.mmap(-1, size)), None)
+            except OSError:  # no address space for it (a strict overcommit policy): as bytes
+                return None
         return BodyTarget(held.body, held)
 
     return target
