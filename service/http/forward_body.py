@@ -5,13 +5,13 @@ on the event loop on its way to the app.
 - On a GPU, a binary body goes into pinned host memory with room after it for the reply: the
   engine copies the body to the device, and the output back, from where they lie.
 - A JSON body large enough that its JSON work leaves the event loop goes into pinned memory on a
-  GPU, from which the device reads it (service/codecs/json_device.py); elsewhere into anonymous
-  memory, mapped page by page as its bytes arrive, so a declared size reserves none.
+  GPU, from which the device reads it (service/codecs/json_device.py), and elsewhere into host
+  memory from the allocator, which recycles it (a mapping of its own per request would cost a
+  page fault per page of body each time).
 """
 
 from __future__ import annotations
 
-import mmap
 from dataclasses import dataclass
 
 import torch
@@ -77,14 +77,9 @@ def forward_body_sink(runtime: Runtime) -> BodySink:
             total = room + size + REPLY_HEADER_BYTES
             view = memoryview(torch.empty(total, dtype=torch.uint8, pin_memory=True).numpy())
             held = ForwardBody(view[:size], view[room:])
-        elif pinned:
-            view = memoryview(torch.empty(size, dtype=torch.uint8, pin_memory=True).numpy())
-            held = ForwardBody(view, None)
         else:
-            try:
-                held = ForwardBody(memoryview(mmap.mmap(-1, size)), None)
-            except OSError:  # no address space for it (a strict overcommit policy): as bytes
-                return None
+            view = memoryview(torch.empty(size, dtype=torch.uint8, pin_memory=pinned).numpy())
+            held = ForwardBody(view, None)
         return BodyTarget(held.body, held)
 
     return target

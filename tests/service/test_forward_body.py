@@ -1,5 +1,5 @@
 """One process: the connection reads a large plain JSON forward's body straight into memory of its
-own (service/http/forward_body.py; on a CPU, anonymous memory), and the forward is answered as
+own (service/http/forward_body.py; on a CPU, unpinned host memory), and the forward is answered as
 when the app reads the body as bytes; what the app refuses is left to it."""
 
 from __future__ import annotations
