@@ -362,7 +362,7 @@ def test_every_program_order_computes_the_same_bits(
 ) -> None:
     """Row blocks first (group_m 0) or swizzled in groups that divide the blocks or not: each
     program computes its own tile, so the order changes nothing but speed."""
-    cfg = Case(scheme, torch.float16, num_experts=8, hidden=256, intermediate=160).config()
+    cfg = Case(scheme, torch.float16, num_experts=8, hidden=128, intermediate=160).config()
     routing = random_routing(37, cfg.num_experts, cfg.top_k, seed=5, only=3)
     outs = []
     for group_m in (0, 3, 32):
