@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -663,3 +664,14 @@ def test_a_json_forward_to_an_unknown_layer_is_the_engines_404(front_ends, body)
     reply = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
     assert reply.status_code == 404, reply.text
     assert reply.json()["error"].startswith("no layer named 'nope'; served layers: ")
+
+
+def test_a_front_end_imports_no_torch() -> None:
+    """A front end starts in a fraction of a second (and again when it dies): no torch, nor the
+    demo layer that the API's examples come from."""
+    code = (
+        "import sys\nimport moe_serve.service.frontends.front_end\n"
+        "print([m for m in ('torch', 'triton', 'moe_serve.weights.demo') if m in sys.modules])"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]"

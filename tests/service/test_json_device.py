@@ -298,16 +298,32 @@ KERNEL_CASES = [
 
 def test_the_kernel_reads_numbers_as_the_torch_ops_do() -> None:
     """service/codecs/json_device_kernel.py (run by the interpreter here, on the GPU in
-    test_gpu.py) against `json_device.read_numbers`: the same numbers, the same refusals."""
+    test_gpu.py) against `json_device.read_numbers`: the same numbers, the same refusals, text
+    by text. The kernel reads every text's numbers in one launch over the texts joined by
+    spaces: each number is read on its own from its first byte to a space, where a text's end
+    stops it too (the kernel reads a space past the end), and the interpreter's cost is a
+    launch's, whatever its numbers."""
     from moe_serve.service.codecs.json_device_kernel import read_numbers as read_by_kernel
 
     where = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    texts, firsts, offset = [], [], 0
     for text in KERNEL_CASES + _mutations(30, 12):
         raw = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).to(where)
         c, starts, first = _classes(raw)
-        if first.numel() == 0:
-            continue
-        value, status = read_by_kernel(raw, first, json_device.LIMITS)
+        if first.numel():
+            texts.append((text, raw, c, starts, first))
+            firsts.append(first + offset)
+            offset += raw.numel() + 1
+    joined = " ".join(t for t, *_ in texts).encode()
+    values, statuses = read_by_kernel(
+        torch.frombuffer(bytearray(joined), dtype=torch.uint8).to(where),
+        torch.cat(firsts),
+        json_device.LIMITS,
+    )
+    counts = [first.numel() for *_, first in texts]
+    for (text, raw, c, starts, first), value, status in zip(
+        texts, values.split(counts), statuses.split(counts), strict=True
+    ):
         assert bool((status > 0).all()), text
         torch_read = json_device.read_numbers(raw, c, starts, first)
         if torch_read is None:  # a number of more than LIMITS.token_bytes
