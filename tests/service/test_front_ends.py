@@ -46,6 +46,7 @@ from tests.service.test_wire import HOSTILE_HEADERS
 
 BINARY = {"Content-Type": "application/octet-stream"}
 TOKEN = "front-end-test-token-0123456789"
+WAIT_S = 30.0  # what a test waits for an answer before calling it a hang
 FORWARD_200 = 'moe_serve_requests_total{route="/v1/layers/{name}/forward",status="200"}'
 
 
@@ -655,3 +656,34 @@ def test_a_json_forward_to_an_unknown_layer_is_the_engines_404(front_ends, body)
     reply = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
     assert reply.status_code == 404, reply.text
     assert reply.json()["error"].startswith("no layer named 'nope'; served layers: ")
+
+
+def _half_closed_requests() -> dict[str, bytes]:
+    blob = _blob(torch.randn(4, H, generator=torch.Generator().manual_seed(1)))
+    rows = json.dumps({"hidden_states": [[0.01] * H] * 2}).encode()
+    forward = f"POST /v1/layers/{TINY}/forward HTTP/1.1\r\nHost: t\r\nContent-Type: "
+    return {
+        "probe": b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n",
+        "relayed": b"GET /v1/layers HTTP/1.1\r\nHost: t\r\n\r\n",
+        "binary forward": (
+            f"{forward}application/octet-stream\r\nContent-Length: {len(blob)}\r\n\r\n".encode()
+            + blob
+        ),
+        "json forward": (
+            f"{forward}application/json\r\nContent-Length: {len(rows)}\r\n\r\n".encode() + rows
+        ),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_half_closed_requests()))
+def test_a_whole_request_then_a_half_close_is_answered_by_the_front_end(front_ends, kind) -> None:
+    """The client's end of stream (shutdown(SHUT_WR)) after a whole request: answered, then the
+    connection is closed, as in one process."""
+    port = front_ends.listener.getsockname()[1]
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(_half_closed_requests()[kind])
+        sock.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200 "), reply[:300]
