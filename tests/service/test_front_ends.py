@@ -623,6 +623,7 @@ def _config(tmp_path: Path, engine_http: Path) -> FrontEndConfig:
         engine_state=str(state.path), engine_stale_s=STALE_S, arena_dir=str(tmp_path / "no-arena"),
         api_token=None, max_connections=4, read_timeout_s=10.0, max_body_bytes=1 << 20,
         json_here_bytes=1 << 20, drain_timeout_s=1.0, log_level="info", log_format="text",
+        routes=[],
     )  # fmt: skip
 
 
@@ -656,6 +657,69 @@ def test_a_json_forward_to_an_unknown_layer_is_the_engines_404(front_ends, body)
     reply = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
     assert reply.status_code == 404, reply.text
     assert reply.json()["error"].startswith("no layer named 'nope'; served layers: ")
+
+
+METHODS = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]
+
+
+@pytest.fixture(scope="module")
+def patient_front_ends():
+    """Front ends whose read timeout no test waits for: an answer that comes is not a 408."""
+    settings = Settings(device="cpu", http_workers=1, grpc_port=0, read_timeout_s=3600)
+    with running_front_ends(settings) as running:
+        yield running
+
+
+def _engine_client(front_ends) -> httpx.Client:
+    """A client of the engine process's own HTTP server (what the front ends relay to)."""
+    transport = httpx.HTTPTransport(uds=str(front_ends.http_path))
+    return httpx.Client(transport=transport, base_url="http://engine", timeout=WAIT_S)
+
+
+def _paths(engine: httpx.Client) -> list[str]:
+    """A path of each of the engine's routes (its API's and the docs'), parameters filled in."""
+    templates = [*engine.get("/openapi.json").json()["paths"], "/docs", "/redoc", "/openapi.json"]
+    filled = {"{name}": TINY, "{version}": "1"}
+    for name, value in filled.items():
+        templates = [path.replace(name, value) for path in templates]
+    return templates
+
+
+def _methods(reply: httpx.Response) -> set[str]:
+    return {m.strip() for m in reply.headers["allow"].split(",")}
+
+
+def test_a_route_asked_with_a_method_it_does_not_take_is_the_engines_405_at_once(
+    patient_front_ends,
+) -> None:
+    """For every route of the engine (the probes too) and method, the front end answers what
+    the engine does; a 405 is the engine's (JSON error, Allow) and comes without waiting for a
+    body that never comes, whose connection is then closed. A path no route has is the
+    engine's 404, as in one process."""
+    url, port = _url(patient_front_ends), patient_front_ends.listener.getsockname()[1]
+    with _engine_client(patient_front_ends) as engine, httpx.Client(timeout=WAIT_S) as http:
+        refused = []
+        for path in [*_paths(engine), "/nope", "/v2/models/x/y/z"]:
+            for method in METHODS:
+                mine, theirs = engine.request(method, path), http.request(method, url + path)
+                assert theirs.status_code == mine.status_code, (method, path, theirs.text)
+                if mine.status_code == 405:
+                    refused.append((method, path))
+                    assert theirs.content == mine.content, (method, path)
+                    assert _methods(theirs) == _methods(mine), (method, path)
+                if mine.status_code == 404 and path.startswith("/nope"):
+                    assert theirs.content == mine.content
+    assert len({path for _, path in refused}) > 20  # the probes, KServe's GET and POST routes
+    for method, path in refused:
+        if method != "HEAD":
+            with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+                head = f"{method} {path} HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n"
+                sock.sendall(head.encode() + b"{")
+                reply = b""
+                while chunk := sock.recv(65536):  # the body never comes: closed after the 405
+                    reply += chunk
+            assert reply.startswith(b"HTTP/1.1 405 "), (method, path, reply[:100])
+            assert b"connection: close\r\n" in reply
 
 
 def _half_closed_requests() -> dict[str, bytes]:
