@@ -11,8 +11,7 @@ HTTP protocol (which also answers bytes that are not HTTP in the service's JSON 
 - no request is lost where uvicorn ends a connection (`_HttpToolsConnection`): a reply that
   closes the connection before its request's body came still reaches the client (the
   connection lingers), requests followed by the client's half-close are answered, and the
-  drain and the keep-alive timeout answer a request that has begun to arrive on a connection
-  between requests;
+  drain gives a connection between requests a moment for its next request, and answers it;
 - a response the client stops reading: once the connection's send buffer is full, it must
   drain within `write_timeout_s`, else the connection is dropped (uvicorn would wait forever,
   holding the response and whatever the request holds).
@@ -194,12 +193,21 @@ class _HttpToolsConnection(httptools_impl.HttpToolsProtocol):
     - a half-close: a client that ends its stream after whole requests (shutdown(SHUT_WR)) sends
       no more, it has not left: its requests are answered, then the connection is closed
       (uvicorn takes the end of the stream for a disconnect and drops them). A request cut
-      short by it never completes: that connection is closed at once;
-    - the drain (uvicorn's `shutdown`): uvicorn closes a connection between requests at once,
-      and with it a request that has begun to arrive on it, read or still in the socket. Such
-      a request is answered first (`Connection: close`), as one in flight is. A client whose
-      connection closes before any byte of its request was read can tell that nothing of it
-      was done. The keep-alive timeout spares such a request too.
+      short by it never completes: that connection is closed at once. The end of the stream
+      alone does not tell a half-close from a client that closed the connection (and whose
+      requests are withdrawn, sparing the work): a Unix socket tells at once, and a TCP client
+      that has closed answers bytes with a reset. Those bytes are a `100 Continue` (a client
+      must take a 1xx it did not ask for) before the response, and the connection is checked
+      every _LEFT_CHECK_S until its response is sent;
+    - the drain (uvicorn's `shutdown`): uvicorn closes every connection between requests at
+      once, and with it a request that has begun to arrive on it (read, or still in the
+      socket), or that the client sends just then: an active client's connection is between
+      requests for a moment after each response. Here such a connection waits _DRAIN_IDLE_S
+      for its next request, which is answered, as one in flight is, with `Connection: close`;
+    - the keep-alive timeout spares a connection whose next request waits in the socket unread
+      (the event loop was busy): it is served. What no server can spare is a request whose
+      first byte arrives after the close: its client finds the connection closed with nothing
+      read, and can tell that nothing of it was done.
     """
 
     _in_head = True  # awaiting or reading a request head
@@ -225,19 +233,38 @@ class _HttpToolsConnection(httptools_impl.HttpToolsProtocol):
                 self._refuse_head()
 
     def eof_received(self) -> bool | None:
-        """True keeps the connection open to answer the requests already whole."""
+        """True keeps the connection open to answer the requests already whole, unless the
+        client has closed both ways (left: its requests are withdrawn, as uvicorn does)."""
         last = self.pipeline[0][0] if self.pipeline else self.cycle
         if self._lingering or self._open or last is None or last.response_complete:
             return None  # the transport closes
+        if self._client_left():
+            return None
         last.keep_alive = False  # closed once its response is sent
+        cycle = self.cycle
+        if not cycle.response_started and cycle.scope["http_version"] == "1.1":
+            # a TCP client that closed both ways answers bytes with a reset: the check sees it
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            cycle.waiting_for_100_continue = False
+        self.loop.call_later(_LEFT_CHECK_S, self._check_client)
         return True
 
     def shutdown(self) -> None:
-        self._draining = True
-        idle = self.cycle is None or self.cycle.response_complete
-        if self._lingering or (idle and (self._open or self._unread())):
-            return  # closing, or a request has begun: on_headers_complete marks it the last
-        super().shutdown()
+        self._draining = True  # on_headers_complete: each request read from now is the last
+        if self.cycle is not None and not self.cycle.response_complete:
+            super().shutdown()  # the request in flight is the last
+        elif not self._lingering:
+            self.loop.call_later(_DRAIN_IDLE_S, self._drain_idle)
+
+    def _drain_idle(self) -> None:
+        """The drain's wait for a connection's next request is over: closed unless a request
+        is in flight (then it closes after the response) or waits in the socket."""
+        if self.transport.is_closing() or (self.cycle and not self.cycle.response_complete):
+            return
+        if self._unread():
+            self.loop.call_later(_DRAIN_IDLE_S, self._drain_idle)
+        else:
+            self.end()  # a request head that has not all come on time is not waited for
 
     def timeout_keep_alive_handler(self) -> None:
         if not self._unread():  # a request arrives just as the connection idles out: served
@@ -291,13 +318,32 @@ class _HttpToolsConnection(httptools_impl.HttpToolsProtocol):
         self.flow.resume_reading()
         self.loop.call_later(_DISCARD_S, self.transport.close)
 
+    def _check_client(self) -> None:
+        """While a half-closed connection's requests are answered: a client found gone has its
+        requests withdrawn (the connection drops, as when it leaves mid-request)."""
+        if self.transport.is_closing():
+            return
+        if self._client_left():
+            log.debug("dropping a half-closed connection: its client has closed it")
+            self.transport.abort()
+        else:
+            self.loop.call_later(_LEFT_CHECK_S, self._check_client)
+
+    def _client_left(self) -> bool:
+        """Whether the client has closed the connection both ways: a Unix socket says so once
+        it has, TCP once the client has answered bytes sent to it with a reset."""
+        return self._polled(0)  # POLLHUP and POLLERR, which poll always reports
+
     def _unread(self) -> bool:
         """Whether bytes (or the end of the stream) wait in the socket, not read yet."""
+        return self._polled(select.POLLIN)
+
+    def _polled(self, events: int) -> bool:
         sock = self.transport.get_extra_info("socket")
         if sock is None:
             return False
         poller = select.poll()
-        poller.register(sock.fileno(), select.POLLIN)
+        poller.register(sock.fileno(), events)
         return bool(poller.poll(0))
 
 
@@ -319,6 +365,12 @@ class _CycleTransport:
         self.connection.end()
 
 
+# During the drain, how long a connection between requests waits for its next request before
+# it closes: an active client sends it within moments of its last response.
+_DRAIN_IDLE_S = 1.0
+# How often a half-closed connection whose requests are being answered checks that its client
+# is still there: a client that has closed both ways has its requests withdrawn within this.
+_LEFT_CHECK_S = 0.1
 _DISCARD_S = 1.0  # how long a lingering connection discards the client's bytes at most
 _DISCARD_BYTES = 1 << 20  # and how many: past them it is reset
 

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import uvicorn
 
+from moe_serve.service.http import server as server_module
 from moe_serve.service.http.app import create_app
 from moe_serve.service.http.server import MAX_HEAD_BYTES, bounded_protocol, listen
 from moe_serve.service.settings import Settings
@@ -258,6 +259,12 @@ def _forward_request(rows: int = 2) -> bytes:
     ).encode()
 
 
+def _final_answers(reply: bytes) -> list[bytes]:
+    """The status lines of the final responses in `reply` (a 1xx is not one)."""
+    lines = [line for line in reply.split(b"\r\n") if line.startswith(b"HTTP/1.1 ")]
+    return [line for line in lines if not line.startswith(b"HTTP/1.1 1")]
+
+
 @pytest.mark.parametrize(
     "requests",
     [
@@ -275,7 +282,30 @@ def test_whole_requests_then_a_half_close_are_answered_then_closed(server, reque
         sock.sendall(requests)
         sock.shutdown(socket.SHUT_WR)
         reply = _read_until_closed(sock)
-    assert reply.count(b"HTTP/1.1 200 OK\r\n") == requests.count(b" HTTP/1.1\r\n"), reply[:300]
+    answers = [b"HTTP/1.1 200 OK"] * requests.count(b" HTTP/1.1\r\n")
+    assert _final_answers(reply) == answers, reply[:300]
+
+
+def test_a_client_that_closes_its_connection_has_its_waiting_request_withdrawn() -> None:
+    """A client that closes its connection (both ways) while its request waits for company in
+    the batcher: the end of stream alone looks like a half-close, but the client is found gone
+    and its request withdrawn (499), not served to no one."""
+    settings = Settings(device="cpu", max_batch_delay_ms=600_000)
+    with running_server(create_app(settings, tiny_loader)) as url:
+        with httpx.Client(base_url=url) as http:
+            wait_ready(http.get)
+        port = int(url.rsplit(":", 1)[1])
+        with _connect(port) as sock:
+            sock.sendall(_forward_request())
+        _await_499(url)
+
+
+def _await_499(url: str, route: str = "/v1/layers/{name}/forward") -> None:
+    series = f'moe_serve_requests_total{{route="{route}",status="499"}}'
+    deadline = time.monotonic() + WAIT_S
+    while series not in httpx.get(f"{url}/metrics").text:
+        assert time.monotonic() < deadline, "the request was not withdrawn"
+        time.sleep(0.05)
 
 
 def test_a_request_cut_short_by_a_half_close_is_closed_unanswered(server) -> None:
@@ -330,11 +360,11 @@ def _idle_out(server: uvicorn.Server) -> None:
 
 @pytest.mark.parametrize("close", [_drain, _idle_out], ids=["drain", "keep-alive timeout"])
 def test_a_request_waiting_unread_as_its_connection_would_close_is_answered(close) -> None:
-    """uvicorn's shutdown and its keep-alive timeout close a connection between requests at
-    once: a request the client has sent on it, waiting in the socket unread, would be lost. It
-    is read and answered instead (during the drain with `Connection: close`). The event loop is
-    held while the request arrives, so that the connection would close before the loop could
-    read it."""
+    """uvicorn's shutdown and its keep-alive timeout close a connection between requests: a
+    request the client has sent on it, waiting in the socket unread, would be lost. It is read
+    and answered instead (during the drain with `Connection: close`). The event loop is held
+    while the request arrives, so that the connection would close before the loop could read
+    it."""
     app, loop = _ok_app()
     config = uvicorn.Config(app, lifespan="off", log_config=None, http=bounded_protocol(8, WAIT_S))
     server = uvicorn.Server(config)
@@ -381,3 +411,44 @@ def test_a_request_begun_as_the_drain_begins_is_answered_then_closed() -> None:
         reply = _read_until_closed(sock)
     assert reply.startswith(b"HTTP/1.1 200 "), reply
     assert b"connection: close\r\n" in reply
+
+
+@pytest.mark.parametrize("used", [True, False], ids=["idle keep-alive", "no request yet"])
+def test_a_request_on_a_connection_between_requests_during_the_drain_is_answered(
+    monkeypatch: pytest.MonkeyPatch, used: bool
+) -> None:
+    """An active client's connection is between requests for a moment after each response:
+    the drain (uvicorn would close such a connection at once) leaves it open for a while, and
+    answers its next request with `Connection: close`."""
+    monkeypatch.setattr(server_module, "_DRAIN_IDLE_S", WAIT_S)  # no test waits for it
+    app, loop = _ok_app()
+    config = uvicorn.Config(app, lifespan="off", log_config=None, http=bounded_protocol(8, WAIT_S))
+    server = uvicorn.Server(config)
+    with _serving(server) as port, _connect(port) as sock, _connect(port) as other:
+        other.sendall(REQUEST)  # the app's event loop known, the connections accepted
+        assert other.recv(65536).startswith(b"HTTP/1.1 200 ")
+        if used:
+            sock.sendall(REQUEST)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        drained = threading.Event()
+        loop[0].call_soon_threadsafe(lambda: (_drain(server), drained.set()))
+        assert drained.wait(WAIT_S)
+        sock.sendall(REQUEST)
+        reply = _read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 200 "), reply
+    assert b"connection: close\r\n" in reply
+
+
+def test_the_drain_closes_a_connection_whose_next_request_does_not_come() -> None:
+    """Nor one whose next request has begun and stalls: the drain does not wait for them."""
+    app, loop = _ok_app()
+    config = uvicorn.Config(app, lifespan="off", log_config=None, http=bounded_protocol(8, WAIT_S))
+    server = uvicorn.Server(config)
+    with _serving(server) as port, _connect(port) as idle, _connect(port) as stalled:
+        for sock in (idle, stalled):
+            sock.sendall(REQUEST)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        stalled.sendall(REQUEST[:20])
+        loop[0].call_soon_threadsafe(_drain, server)
+        assert _read_until_closed(idle) == b""
+        assert _read_until_closed(stalled) == b""

@@ -42,6 +42,7 @@ from moe_serve.service.frontends.supervisor import json_here_bytes, remove_stale
 from moe_serve.service.http.server import MAX_HEAD_BYTES
 from moe_serve.service.settings import Settings
 from tests.service.layers import NO_ROUTER, TINY, H, reference_forward, running_front_ends
+from tests.service.test_connections import _await_499, _final_answers
 from tests.service.test_wire import HOSTILE_HEADERS
 
 BINARY = {"Content-Type": "application/octet-stream"}
@@ -750,4 +751,13 @@ def test_a_whole_request_then_a_half_close_is_answered_by_the_front_end(front_en
         reply = b""
         while chunk := sock.recv(65536):
             reply += chunk
-    assert reply.startswith(b"HTTP/1.1 200 "), reply[:300]
+    assert _final_answers(reply) == [b"HTTP/1.1 200 OK"], reply[:300]
+
+
+def test_a_client_that_closes_its_connection_has_its_relayed_request_withdrawn() -> None:
+    """The front end finds the client gone (its end of stream alone looks like a half-close)
+    and withdraws the relayed request from the engine, which counts it 499."""
+    settings = Settings(device="cpu", http_workers=1, grpc_port=0, max_batch_delay_ms=600_000)
+    with running_front_ends(settings) as front_ends:
+        _infer_held(front_ends.listener.getsockname()[1]).close()
+        _await_499(_url(front_ends), "/v2/models/{name}/infer")
