@@ -297,9 +297,11 @@ class _HttpToolsConnection(httptools_impl.HttpToolsProtocol):
     def end(self) -> None:
         """Close the connection, lingering while its request still arrives (what a request
         cycle's close does, see _CycleTransport)."""
+        if self._lingering:
+            return  # closes as the lingering ends
         if self._open and not self.transport.is_closing():
             self._linger()
-        elif not self._lingering:
+        else:
             self.transport.close()
 
     def _refuse_head(self) -> None:
@@ -354,9 +356,7 @@ class _CycleTransport:
 
     def __init__(self, connection: _HttpToolsConnection) -> None:
         self.connection = connection
-
-    def write(self, data: bytes) -> None:
-        self.connection.transport.write(data)
+        self.write = connection.transport.write
 
     def is_closing(self) -> bool:
         return self.connection._lingering or self.connection.transport.is_closing()
