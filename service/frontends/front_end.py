@@ -22,6 +22,8 @@ socket (the kernel spreads connections over them) and do the per-byte work in pa
 - the probes (/health, /ready, KServe's live, ready and model ready) are answered here, from
   the state the engine publishes with its heartbeat (`service/frontends/engine_state.py`):
   answered at once whatever the engine is doing, and not live once its event loop stops;
+- a route asked with a method it does not take is the engine's 405, answered here at once from
+  the engine's table of routes (`service/http/route_methods.py`), its body not waited for;
 - every other request (KServe v2, metrics, admin, a forward with a query string) is relayed
   unchanged to the engine's own HTTP server on a Unix socket, as is a body the arena cannot
   hold. Scrapes have connections of their own to the engine: relayed responses that slow
@@ -83,6 +85,7 @@ from ..http.plain_forward import (
     JSON,
     plain_forward,
 )
+from ..http.route_methods import MethodTable, RouteMethods
 from ..http.server import OVER_CAPACITY, bounded_protocol, client_gone
 from ..interpreter import collect_less
 from ..logs import new_request_id
@@ -127,6 +130,7 @@ class FrontEndConfig:
     drain_timeout_s: float
     log_level: str
     log_format: str
+    routes: list[RouteMethods]  # the engine's, with the methods each takes
 
     def to_env(self) -> dict[str, str]:
         return {CONFIG_ENV: json.dumps(asdict(self))}
@@ -151,6 +155,7 @@ class FrontEnd:
         self.engine = EngineClient(Path(config.engine_channel), self.arena, self._engine_lost)
         self.on_engine_lost = lambda: None  # main() stops the server: nothing left to serve
         self.state = StateBlock.attach(Path(config.engine_state))
+        self.methods = MethodTable(config.routes)
         self.relay = _relay_client(config.engine_http, config.max_connections)
         # /metrics is relayed: the engine keeps every metric, the front ends' requests included
         self.scrapes = _relay_client(config.engine_http, _SCRAPE_CONNECTIONS)
@@ -193,11 +198,14 @@ class FrontEnd:
                 answer.status = response.status_code
                 response.headers.update(answer.headers)
                 await response(scope, receive, send)
-        elif refused := probes.other_method(scope["method"], scope["path"]):
-            with _answering(self.engine, scope, headers, refused[0]) as answer:
-                answer.status = 405  # at once: a body that never comes is not waited for
-                refused[1].headers.update(answer.headers)
-                await refused[1](scope, receive, send)
+        elif refused := self.methods.refused(scope["method"], scope["path"]):
+            route, response = refused
+            with _answering(self.engine, scope, headers, route) as answer:
+                answer.status = 405  # at once: a body that may never come is not waited for,
+                if _has_body(headers):  # nor read: the connection closes after the answer
+                    response.headers["Connection"] = "close"
+                response.headers.update(answer.headers)
+                await response(scope, receive, send)
         elif plain and (direct := scope.get(DIRECT_BODY)):
             await self._forward(scope, receive, send, *plain, direct)
         elif plain and plain[1] == JSON and (size := self._json_size(scope)):
@@ -503,6 +511,10 @@ def _answering(
                 "%s %s -> %d in %.1f ms", scope["method"], scope["path"], status, seconds * 1e3
             )
         logs.request_id.reset(reset)
+
+
+def _has_body(headers: Headers) -> bool:
+    return headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
 
 
 def _reply_of(err: ServiceError) -> Reply:

@@ -26,6 +26,7 @@ from prometheus_client import Counter
 
 from ..codecs import json_device
 from ..core.runtime import Runtime
+from ..http.route_methods import RouteMethods
 from ..settings import Settings
 from .arena import shm_dir
 from .channel_server import ChannelServer
@@ -47,9 +48,20 @@ class FrontEnds:
         self.directory = Path(tempfile.mkdtemp(prefix=prefix, dir=shm_dir()))
         self.http_path = self.directory / "http.sock"  # the engine's HTTP server
         self.state = StateBlock.create(self.directory / "state")
-        token = settings.api_token
+        self.settings = settings
+        self.config: FrontEndConfig | None = None  # once started
+        self._processes: list[asyncio.subprocess.Process | None] = [None] * self.count
+        self._supervising: list[asyncio.Task] = []
+        self._channel: ChannelServer | None = None
+        self._beating: asyncio.Task | None = None
+        self._runtime: Runtime | None = None
+        self._stopping = False
+
+    async def start(self, runtime: Runtime, routes: list[RouteMethods]) -> None:
+        """Start the front ends, which answer a method `routes` (the engine's) do not take."""
+        settings, token = self.settings, self.settings.api_token
         self.config = FrontEndConfig(
-            listen_fd=listener.fileno(),
+            listen_fd=self.listener.fileno(),
             engine_http=str(self.http_path),
             engine_channel=str(self.directory / "channel.sock"),
             engine_state=str(self.state.path),
@@ -64,15 +76,8 @@ class FrontEnds:
             drain_timeout_s=settings.drain_timeout_s,
             log_level=settings.log_level,
             log_format=settings.log_format,
+            routes=routes,
         )
-        self._processes: list[asyncio.subprocess.Process | None] = [None] * self.count
-        self._supervising: list[asyncio.Task] = []
-        self._channel: ChannelServer | None = None
-        self._beating: asyncio.Task | None = None
-        self._runtime: Runtime | None = None
-        self._stopping = False
-
-    async def start(self, runtime: Runtime) -> None:
         self._runtime = runtime
         loop = asyncio.get_running_loop()
         # written on this event loop alone, whichever thread changed the state (or a signal)

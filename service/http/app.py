@@ -26,6 +26,7 @@ from .endpoints import Endpoints
 from .forward_body import forward_body_sink
 from .metrics_port import MetricsPort
 from .middleware import OPEN_PATHS, RequestMiddleware
+from .route_methods import route_methods
 from .routes import (
     forward,
     health,
@@ -59,7 +60,7 @@ def create_app(
     )
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(served: FastAPI) -> AsyncIterator[None]:
         grpc_server = GrpcServer(runtime) if settings.grpc_port else None
         metrics_port = MetricsPort(settings, runtime.metrics) if settings.metrics_port else None
         try:
@@ -72,7 +73,7 @@ def create_app(
             raise
         starting = asyncio.create_task(start_up(runtime, loader))
         if front_ends is not None:
-            await front_ends.start(runtime)
+            await front_ends.start(runtime, route_methods(served.routes))
         yield
         runtime.not_ready = SHUTTING_DOWN
         if front_ends is not None:  # their requests finish first
