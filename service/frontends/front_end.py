@@ -234,7 +234,7 @@ class FrontEnd:
     ) -> None:
         headers = Headers(scope=scope)
         region = direct.target.holder
-        ours = True  # the region is not the engine's
+        ours = True  # the region is not the engine's, nor lent to the reply
         with _answering(self.engine, scope, headers) as answer:
             try:
                 try:
@@ -249,7 +249,8 @@ class FrontEnd:
                     ours = True
                 answer.status = reply.status
                 if reply.status == 200:
-                    blob = bytes(self.arena.reply(region, reply.nbytes))
+                    blob = self.arena.lend_reply(region, reply.nbytes)  # it frees the region
+                    ours = False
                     response = Response(blob, media_type=BINARY, headers=answer.headers)
                 else:
                     response = _error_response(reply, answer.headers)
