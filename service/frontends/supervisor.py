@@ -60,6 +60,7 @@ class FrontEnds:
             read_timeout_s=settings.read_timeout_s,
             max_body_bytes=settings.max_body_bytes,
             json_here_bytes=json_here_bytes(settings),
+            max_json_bytes=settings.max_json_bytes,
             drain_timeout_s=settings.drain_timeout_s,
             log_level=settings.log_level,
             log_format=settings.log_format,
@@ -170,8 +171,9 @@ def _alive(pid: int) -> bool:
 
 
 def json_here_bytes(settings: Settings) -> int:
-    """The largest JSON forward a front end decodes itself: on a GPU engine the rest goes to the
-    engine, which reads large bodies on the device (service/codecs/json_device.py)."""
+    """The largest JSON forward a front end decodes itself: on a GPU engine a larger one goes to
+    the engine as its text, through the front end's arena, and is read on the device
+    (service/codecs/json_device.py)."""
     if settings.torch_device().type == "cuda":
         return min(settings.max_json_bytes, json_device.HOST_UP_TO_BYTES)
     return settings.max_json_bytes

@@ -23,9 +23,9 @@ from ..triton.repository import Repository
 from ..triton.shared_memory import SharedMemory
 from . import docs
 from .endpoints import Endpoints
+from .forward_body import forward_body_sink
 from .metrics_port import MetricsPort
 from .middleware import OPEN_PATHS, RequestMiddleware
-from .pinned_body import pinned_body_sink
 from .routes import (
     forward,
     health,
@@ -91,7 +91,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.runtime = runtime
-    app.state.body_sink = pinned_body_sink(runtime)  # the server's connections read into it
+    app.state.body_sink = forward_body_sink(runtime)  # the server's connections read into it
     install_handlers(app)
     routers = (
         health,

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import re
 
+from pydantic import BaseModel, Field
 from starlette.responses import JSONResponse, Response
 
 from ..core.probes import ProbeState
 from ..errors import ServiceError, error_response
-from .schemas import HealthResponse, ReadyResponse
 
 # The probes' paths, which are their route templates too
 HEALTH, READY, LIVE_V2, READY_V2 = "/health", "/ready", "/v2/health/live", "/v2/health/ready"
@@ -18,6 +18,19 @@ HEALTH, READY, LIVE_V2, READY_V2 = "/health", "/ready", "/v2/health/live", "/v2/
 MODEL_READY = "/v2/models/{name}/ready"
 VERSION_READY = "/v2/models/{name}/versions/{version}/ready"
 _MODEL_READY = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/ready")
+
+
+# Their bodies, here rather than in schemas.py, whose examples are the demo layer's (torch)
+class HealthResponse(BaseModel):
+    status: str = "alive"
+
+
+class ReadyResponse(BaseModel):
+    ready: bool
+    reason: str = Field("", description="what is missing when not ready; why when degraded")
+    degraded: bool | None = Field(
+        None, description="true: ready, but on fewer expert-parallel ranks than started"
+    )
 
 
 def health(state: ProbeState) -> Response:

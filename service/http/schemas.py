@@ -1,4 +1,5 @@
-"""Pydantic bodies of the /v1 API and the health and introspection routes."""
+"""Pydantic bodies of the /v1 API and the introspection routes (the probes' are in
+service/http/probes.py, which the front ends import without torch)."""
 
 from __future__ import annotations
 
@@ -142,15 +143,3 @@ class BackendsResponse(BaseModel):
     experts: list[BackendInfo]
     prepare_finalize: list[BackendInfo]
     layers: list[LayerBackend]
-
-
-class HealthResponse(BaseModel):
-    status: str = "alive"
-
-
-class ReadyResponse(BaseModel):
-    ready: bool
-    reason: str = Field("", description="what is missing when not ready; why when degraded")
-    degraded: bool | None = Field(
-        None, description="true: ready, but on fewer expert-parallel ranks than started"
-    )

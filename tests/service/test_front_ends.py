@@ -1,7 +1,7 @@
-"""`--http-workers`: front-end processes that lay binary forwards (and JSON ones, decoded) in
-shared memory for the engine process and relay everything else; replies equal the one-process
-service's, metrics are the engine's, a dead front end comes back, and nothing the arena holds
-is handed out twice."""
+"""`--http-workers`: front-end processes that lay binary forwards (and JSON ones, decoded, or as
+their text) in shared memory for the engine process and relay everything else; replies equal
+the one-process service's, metrics are the engine's, a dead front end comes back, and nothing
+the arena holds is handed out twice."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -316,12 +317,19 @@ def test_bad_json_forwards_get_the_engines_error(front_ends, layer, body, status
     assert reply.headers["X-Request-ID"]
 
 
-def test_a_json_forward_asking_for_the_routing_is_relayed_with_its_body(front_ends) -> None:
+def test_a_json_forward_asking_for_the_routing_goes_to_the_engine_as_its_text(
+    front_ends, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Through the arena, not relayed: the engine writes the routing's JSON."""
     url = _url(front_ends)
     body = {"hidden_states": torch.randn(3, H).tolist(), "return_routing": True}
-    reply = httpx.post(f"{url}/v1/layers/{TINY}/forward", json=body)
+    with caplog.at_level(logging.INFO, logger="moe_serve.service.http.middleware"):
+        reply = httpx.post(f"{url}/v1/layers/{TINY}/forward", json=body)
+    assert "/forward" not in caplog.text
     assert reply.status_code == 200, reply.text
     assert set(reply.json()) >= {"output", "topk_ids", "topk_weights"}
+    relayed = httpx.post(f"{url}/v1/layers/{TINY}/forward?priority=0", json=body)
+    assert reply.content == relayed.content
 
 
 def test_a_json_body_becomes_the_float32_blob_the_engine_would_decode() -> None:
@@ -636,7 +644,8 @@ def _config(tmp_path: Path, engine_http: Path) -> FrontEndConfig:
         listen_fd=-1, engine_http=str(engine_http), engine_channel=str(tmp_path / "channel.sock"),
         engine_state=str(state.path), engine_stale_s=STALE_S, arena_dir=str(tmp_path / "no-arena"),
         api_token=None, max_connections=4, read_timeout_s=10.0, max_body_bytes=1 << 20,
-        json_here_bytes=1 << 20, drain_timeout_s=1.0, log_level="info", log_format="text",
+        json_here_bytes=1 << 20, max_json_bytes=1 << 20, drain_timeout_s=1.0, log_level="info",
+        log_format="text",
     )  # fmt: skip
 
 
@@ -670,3 +679,14 @@ def test_a_json_forward_to_an_unknown_layer_is_the_engines_404(front_ends, body)
     reply = httpx.post(url, content=body, headers={"Content-Type": "application/json"})
     assert reply.status_code == 404, reply.text
     assert reply.json()["error"].startswith("no layer named 'nope'; served layers: ")
+
+
+def test_a_front_end_imports_no_torch() -> None:
+    """A front end starts in a fraction of a second (and again when it dies): no torch, nor the
+    demo layer that the API's examples come from."""
+    code = (
+        "import sys\nimport moe_serve.service.frontends.front_end\n"
+        "print([m for m in ('torch', 'triton', 'moe_serve.weights.demo') if m in sys.modules])"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == "[]"

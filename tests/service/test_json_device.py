@@ -232,9 +232,23 @@ def test_a_reply_is_the_host_path_s_reply() -> None:
         "topk_ids": torch.tensor([[1, 0], [2, 3]], dtype=torch.int32),
         "topk_weights": torch.tensor([[0.75, 0.25], [0.5, 0.5]]),
     }
-    reply = json_device.print_reply(output, rest)
+    reply = b"".join(json_device.print_reply(output, rest))
     assert reply == json_tensors.dumps({"output": output} | rest)
     assert orjson.loads(reply)["topk_ids"] == [[1, 0], [2, 3]]
+
+
+@pytest.mark.parametrize("room", [0, -1], ids=["fits exactly", "a byte short"])
+def test_a_reply_printed_into_memory_is_print_reply_s_or_is_not_written(room: int) -> None:
+    output = torch.randn(3, 5, generator=torch.Generator().manual_seed(4)).bfloat16()
+    rest = {"layer": "demo", "tokens": 3, "backend": "torch"}
+    reply = b"".join(json_device.print_reply(output, rest))
+    into = bytearray(b"#" * (len(reply) + room))
+    written = json_device.print_reply_into(output, rest, memoryview(into))
+    if room == 0:
+        assert (written, bytes(into)) == (len(reply), reply)
+    else:
+        assert b"".join(written) == reply
+        assert into == b"#" * len(into)
 
 
 def test_without_device_memory_the_host_reads_and_prints(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -242,11 +256,14 @@ def test_without_device_memory_the_host_reads_and_prints(monkeypatch: pytest.Mon
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(json_device, "parse_rows", no_memory)
-    monkeypatch.setattr(json_device, "print_rows", no_memory)
+    monkeypatch.setattr(json_device, "_rows_text", no_memory)
     assert device(body_of("[[1, 2]]")) is None
     output = torch.ones(1, 2, dtype=torch.bfloat16)
-    reply = json_device.print_reply(output, {"layer": "demo"})
+    reply = b"".join(json_device.print_reply(output, {"layer": "demo"}))
     assert reply == json_tensors.dumps({"output": output, "layer": "demo"})
+    into = memoryview(bytearray(len(reply)))
+    printed = json_device.print_reply_into(output, {"layer": "demo"}, into)
+    assert printed == [reply] and not any(into)  # the caller copies it in
 
 
 def _classes(text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -281,16 +298,32 @@ KERNEL_CASES = [
 
 def test_the_kernel_reads_numbers_as_the_torch_ops_do() -> None:
     """service/codecs/json_device_kernel.py (run by the interpreter here, on the GPU in
-    test_gpu.py) against `json_device.read_numbers`: the same numbers, the same refusals."""
+    test_gpu.py) against `json_device.read_numbers`: the same numbers, the same refusals, text
+    by text. The kernel reads every text's numbers in one launch over the texts joined by
+    spaces: each number is read on its own from its first byte to a space, where a text's end
+    stops it too (the kernel reads a space past the end), and the interpreter's cost is a
+    launch's, whatever its numbers."""
     from moe_serve.service.codecs.json_device_kernel import read_numbers as read_by_kernel
 
     where = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    texts, firsts, offset = [], [], 0
     for text in KERNEL_CASES + _mutations(30, 12):
         raw = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).to(where)
         c, starts, first = _classes(raw)
-        if first.numel() == 0:
-            continue
-        value, status = read_by_kernel(raw, first, json_device.LIMITS)
+        if first.numel():
+            texts.append((text, raw, c, starts, first))
+            firsts.append(first + offset)
+            offset += raw.numel() + 1
+    joined = " ".join(t for t, *_ in texts).encode()
+    values, statuses = read_by_kernel(
+        torch.frombuffer(bytearray(joined), dtype=torch.uint8).to(where),
+        torch.cat(firsts),
+        json_device.LIMITS,
+    )
+    counts = [first.numel() for *_, first in texts]
+    for (text, raw, c, starts, first), value, status in zip(
+        texts, values.split(counts), statuses.split(counts), strict=True
+    ):
         assert bool((status > 0).all()), text
         torch_read = json_device.read_numbers(raw, c, starts, first)
         if torch_read is None:  # a number of more than LIMITS.token_bytes

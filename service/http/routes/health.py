@@ -8,7 +8,6 @@ from starlette.responses import Response
 
 from .. import probes
 from ..deps import RuntimeDep
-from ..schemas import HealthResponse, ReadyResponse
 
 router = APIRouter(tags=["health"])
 
@@ -18,7 +17,7 @@ router = APIRouter(tags=["health"])
     probes.HEALTH,
     methods=["GET", "HEAD"],
     summary="Liveness: 200 while the process serves",
-    response_model=HealthResponse,
+    response_model=probes.HealthResponse,
 )
 async def health(runtime: RuntimeDep) -> Response:
     return probes.health(runtime.probe_state())
@@ -28,8 +27,8 @@ async def health(runtime: RuntimeDep) -> Response:
     probes.READY,
     methods=["GET", "HEAD"],
     summary="Readiness: 200 once every layer is loaded and warmed up, else 503 with the reason",
-    response_model=ReadyResponse,
-    responses={503: {"model": ReadyResponse}},
+    response_model=probes.ReadyResponse,
+    responses={503: {"model": probes.ReadyResponse}},
 )
 async def ready(runtime: RuntimeDep) -> Response:
     return probes.ready(runtime.probe_state())
