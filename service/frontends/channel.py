@@ -2,8 +2,9 @@
 
 It carries records: a kind (1 byte), the payload's length (4 bytes, little-endian), the payload.
 The per-request kinds are fixed structs, so a request costs the engine's event loop a few
-struct unpacks rather than JSON; the records one side writes in a turn of its event loop go out
-in one write, and each read hands over every whole record it brought.
+struct unpacks rather than JSON; the first record one side writes in a turn of its event loop
+goes out at once and the others of that turn in one write at its end, and each read hands over
+every whole record it brought.
 
 A front end sends HELLO once, JSON `{"hello": arena path, "size": bytes}` (the engine maps its
 arena and answers HELLO `{"hello": "ok"}`), then per forward FORWARD (id, offset, body_bytes,
@@ -82,24 +83,34 @@ class RecordReader:
 
 
 class RecordWriter:
-    """Records to one socket; those sent in one turn of the event loop go out in one write."""
+    """Records to one socket: the first of a turn of the event loop goes out at once (a lone
+    reply waits neither for the end of the turn nor for what the loop runs before it: a batch's
+    metrics), those that follow it in the turn together at its end."""
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self._writer = writer
         self._pending = bytearray()
+        self._in_turn = False  # a record went out this turn: the next ones wait for `flush`
 
     def send(self, kind: int, payload: bytes) -> None:
-        if not self._pending:
-            asyncio.get_running_loop().call_soon(self.flush)
-        self._pending += _HEAD.pack(kind, len(payload))
-        self._pending += payload
+        if self._in_turn:
+            self._pending += _HEAD.pack(kind, len(payload))
+            self._pending += payload
+            return
+        self._in_turn = True
+        asyncio.get_running_loop().call_soon(self.flush)
+        self._write(_HEAD.pack(kind, len(payload)) + payload)
 
     def flush(self) -> None:
+        self._in_turn = False
+        self._write(self._pending)
+        self._pending = bytearray()
+
+    def _write(self, data: bytes | bytearray) -> None:
         # no flow control: records are small but for a reply carried whole, which the other
         # side reads at once (RecordReader)
-        if self._pending and not self._writer.is_closing():
-            self._writer.write(self._pending)
-        self._pending = bytearray()
+        if data and not self._writer.is_closing():
+            self._writer.write(data)
 
     def close(self) -> None:
         self.flush()

@@ -258,7 +258,7 @@ class FrontEnd:
         """A forward whose body the connection read into the arena, to the engine as it is."""
         headers = Headers(scope=scope)
         region = direct.target.holder
-        ours = True  # the region is not the engine's
+        ours = True  # the region is not the engine's, nor lent to the reply
         with _answering(self.engine, scope, headers) as answer:
             try:
                 try:
@@ -275,6 +275,7 @@ class FrontEnd:
                 answer.status = reply.status
                 if reply.status == 200:
                     content = self._reply_bytes(region, reply)
+                    ours = reply.data is not None  # else `content` frees the region
                     response = Response(content, media_type=media, headers=answer.headers)
                 else:
                     response = _error_response(reply, answer.headers)
@@ -324,6 +325,7 @@ class FrontEnd:
                 else:
                     if as_text:
                         text = self._reply_bytes(region, reply)
+                        ours = reply.data is not None  # else `text` frees the region
                     else:  # output [T, H], as hidden_states
                         blob = self.arena.reply(region, reply.nbytes)
                         numbers = arrays.hidden_states.size * NUMBER_BYTES
@@ -335,11 +337,12 @@ class FrontEnd:
                     self.arena.free(region)
 
     def _reply_bytes(self, region: Region, reply: Reply) -> bytes | memoryview:
-        """The engine's reply: as the channel carried it, or copied out of the region (freed
-        once answered, while the connection may still hold what it was handed to send)."""
+        """The engine's reply: as the channel carried it, or sent as it lies in the region, as
+        a view that frees the region once the last reference to it is gone (the connection may
+        still hold part of it after the response is sent)."""
         if reply.data is not None:
             return reply.data
-        return bytes(self.arena.reply(region, reply.nbytes))
+        return self.arena.lend_reply(region, reply.nbytes)
 
     def _unknown_layer(self, name: str) -> Reply | None:
         """The engine's 404 for a layer it does not serve, before the body is decoded (as the

@@ -208,6 +208,35 @@ def test_a_front_end_that_goes_away_takes_its_queued_forwards_with_it() -> None:
     assert batch_sizes == [3]
 
 
+def test_the_first_record_of_a_turn_goes_out_at_once_the_rest_at_its_end() -> None:
+    async def main():
+        writes = []
+
+        class Sink:
+            def write(self, data) -> None:
+                writes.append(bytes(data))
+
+            def is_closing(self) -> bool:
+                return False
+
+        out = RecordWriter(Sink())
+        out.send(DONE, DONE_FIELDS.pack(200, 0.5) + b"/a")
+        first = list(writes)
+        out.send(DONE, DONE_FIELDS.pack(200, 0.5) + b"/b")
+        out.send(DONE, DONE_FIELDS.pack(200, 0.5) + b"/c")
+        within = list(writes)
+        await asyncio.sleep(0)  # the turn ends
+        after = list(writes)
+        out.send(DONE, DONE_FIELDS.pack(200, 0.5) + b"/d")  # a new turn
+        return first, within, after, writes
+
+    first, within, after, writes = asyncio.run(main())
+    assert len(first) == 1 and first[0].endswith(b"/a")
+    assert within == first  # the others wait for the turn's end
+    assert len(after) == 2 and after[1].endswith(b"/c") and b"/b" in after[1]
+    assert len(writes) == 3 and writes[2].endswith(b"/d")
+
+
 def test_records_cut_anywhere_by_reads_arrive_whole() -> None:
     sent = [(FORWARD, b"x" * 40 + TINY.encode()), (DONE, DONE_FIELDS.pack(200, 0.5) + b"/r")]
     sent *= 3

@@ -218,6 +218,21 @@ def test_the_arena_never_hands_out_a_region_twice(tmp_path: Path) -> None:
     assert not arena.path.exists()
 
 
+def test_a_lent_reply_holds_its_region_until_its_last_view_is_gone(tmp_path: Path) -> None:
+    arena = BodyArena.create(tmp_path, 8 * BLOCK_BYTES)
+    region = arena.allocate(1)
+    arena.reply(region, 3)[:] = b"out"
+    reply = arena.lend_reply(region, 3)
+    rest = reply[1:]  # what a transport keeps of a partly written reply
+    del reply
+    assert bytes(rest) == b"ut"
+    assert arena.allocate(1).offset != region.offset  # still the reply's
+    del rest
+    assert arena.allocate(1).offset == region.offset  # freed with the last view
+    arena.close()
+    arena.unlink()
+
+
 def test_json_forwards_are_decoded_by_the_front_end_and_equal_the_engines_reply(
     front_ends, caplog: pytest.LogCaptureFixture
 ) -> None:
