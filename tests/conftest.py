@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 
 # Before numpy loads OpenBLAS (torch imports numpy): on a machine without a GPU, Triton's
 # interpreter computes tl.dot with numpy's matmul, and OpenBLAS's Haswell kernel (chosen on AVX2
@@ -12,6 +13,13 @@ import platform
 # Sandybridge kernel computes every row alike.
 if platform.machine() in ("x86_64", "AMD64"):
     os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+# Before torch starts its OpenMP threads and numpy its OpenBLAS ones, on a machine without an
+# NVIDIA driver (the Makefile's test): one thread a process. There the tests' tensors are a few
+# KB, too small for a parallel region to pay, and this process shares the cores (CI has 2) with
+# the servers and ranks the tests start (they inherit the setting): a region waits for each of
+# its threads, and on a busy machine one of them is often descheduled.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
