@@ -22,8 +22,9 @@ socket (the kernel spreads connections over them) and do the per-byte work in pa
 - the probes (/health, /ready, KServe's live, ready and model ready) are answered here, from
   the state the engine publishes with its heartbeat (`service/frontends/engine_state.py`):
   answered at once whatever the engine is doing, and not live once its event loop stops;
-- a route asked with a method it does not take is the engine's 405, answered here at once from
-  the engine's table of routes (`service/http/route_methods.py`), its body not waited for;
+- a route asked with a method it does not take is the engine's 405, and a path no route has its
+  404, answered here at once from the engine's table of routes (`service/http/route_methods.py`),
+  the body not waited for;
 - every other request (KServe v2, metrics, admin, a forward with a query string) is relayed
   unchanged to the engine's own HTTP server on a Unix socket, as is a body the arena cannot
   hold. Scrapes have connections of their own to the engine: relayed responses that slow
@@ -85,7 +86,7 @@ from ..http.plain_forward import (
     JSON,
     plain_forward,
 )
-from ..http.route_methods import MethodTable, RouteMethods
+from ..http.route_methods import UNMATCHED, MethodTable, RouteMethods
 from ..http.server import OVER_CAPACITY, bounded_protocol, client_gone
 from ..interpreter import collect_less
 from ..logs import new_request_id
@@ -201,8 +202,8 @@ class FrontEnd:
         elif refused := self.methods.refused(scope["method"], scope["path"]):
             route, response = refused
             with _answering(self.engine, scope, headers, route) as answer:
-                answer.status = 405  # at once: a body that may never come is not waited for,
-                if _has_body(headers):  # nor read: the connection closes after the answer
+                answer.status = response.status_code  # at once: a body that may never come is
+                if _has_body(headers):  # not waited for, nor read: the connection closes after
                     response.headers["Connection"] = "close"
                 response.headers.update(answer.headers)
                 await response(scope, receive, send)
@@ -474,7 +475,6 @@ def _relayed_request(client: httpx.AsyncClient, scope: Scope, body: bytes) -> ht
 
 
 RELAYED = -1  # an _Answer's status: the engine answers, logs and counts it
-UNMATCHED = "unmatched"  # the route label of what is answered before routing, as the engine's
 _UNAUTHORIZED = Reply(401, error=UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
 
 
