@@ -237,24 +237,30 @@ def test_the_first_record_of_a_turn_goes_out_at_once_the_rest_at_its_end() -> No
     assert len(writes) == 3 and writes[2].endswith(b"/d")
 
 
+def _wire(records: list[tuple[int, bytes]]) -> bytearray:
+    """The bytes a RecordWriter puts on the wire for `records`, sent and flushed."""
+    wire = bytearray()
+
+    class Sink:
+        def write(self, data) -> None:
+            wire.extend(data)
+
+        def is_closing(self) -> bool:
+            return False
+
+    out = RecordWriter(Sink())
+    for kind, payload in records:
+        out.send(kind, payload)
+    out.flush()
+    return wire
+
+
 def test_records_cut_anywhere_by_reads_arrive_whole() -> None:
     sent = [(FORWARD, b"x" * 40 + TINY.encode()), (DONE, DONE_FIELDS.pack(200, 0.5) + b"/r")]
     sent *= 3
 
     async def main():
-        wire = bytearray()
-
-        class Sink:
-            def write(self, data) -> None:
-                wire.extend(data)
-
-            def is_closing(self) -> bool:
-                return False
-
-        out = RecordWriter(Sink())
-        for kind, payload in sent:
-            out.send(kind, payload)
-        out.flush()
+        wire = _wire(sent)
         reader = asyncio.StreamReader()
         records = RecordReader(reader)
         got = []
@@ -276,19 +282,7 @@ def test_a_record_longer_than_a_read_arrives_whole_among_others() -> None:
     sent = [(DONE, b"before"), (REPLY, large), (DONE, b"after")]
 
     async def main():
-        wire = bytearray()
-
-        class Sink:
-            def write(self, data) -> None:
-                wire.extend(data)
-
-            def is_closing(self) -> bool:
-                return False
-
-        out = RecordWriter(Sink())
-        for kind, payload in sent:
-            out.send(kind, payload)
-        out.flush()
+        wire = _wire(sent)
         reader = asyncio.StreamReader()
         records = RecordReader(reader)
 
