@@ -11,7 +11,8 @@ there the time is how many weight bytes are in flight. Prefill buckets (more row
 search each GEMM's column tile, K step, warps and pipeline depth within all of Hopper's shared
 memory, at the row tile so far and twice it: the heuristic's budget leaves room for fewer stages
 than the large tiles want. Buckets of at most one row per expert also time per-pair GEMVs
-(gemv.py), each GEMM's column tile, K step and warps in turn. Last, the fastest few (and, with
+(gemv.py; GEMM2 summing each token's pairs as it writes them, no top-k sum), each GEMM's column
+tile, K step and warps in turn. Last, the fastest few (and, with
 --retune, the bucket's current tiles) are timed again on fresh routings and the fastest on
 average wins: one timing on one routing picks among tiles within noise of each other by chance,
 and `bench kernels` then serves the pick slower than tiles it beat by a hair. Resumable: buckets
@@ -64,9 +65,10 @@ _PREFILL_CHOICES = {
 }  # fmt: skip
 # Hopper's shared memory per block (227 KiB) less room for the epilogue's layout conversions
 PREFILL_SMEM_BYTES = 216 * 1024
-# per-pair round: (block_n, block_k, num_warps) for each GEMM in turn
-_PER_PAIR_STEPS = ((16, 128), (32, 128), (64, 128), (32, 256), (64, 64), (8, 512), (4, 1024),
-                   (8, 1024))  # fmt: skip
+# per-pair round: (block_n, block_k, num_warps) for each GEMM in turn. GEMM2's programs take a
+# token each (gemv.py), so at one token only narrow column tiles give every SM a program
+_PER_PAIR_STEPS = ((4, 128), (8, 128), (16, 128), (32, 128), (64, 128), (4, 256), (8, 256),
+                   (32, 256), (64, 64), (8, 512), (4, 1024), (8, 1024))  # fmt: skip
 _PER_PAIR_CHOICES = tuple((n, k, w) for n, k in _PER_PAIR_STEPS for w in (2, 4, 8))
 _PER_PAIR_ROWS_PER_EXPERT = 1
 _FINALISTS = 4  # the fastest candidates of a bucket, timed again on each of _CONFIRM_ROUTINGS

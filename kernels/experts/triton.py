@@ -8,6 +8,7 @@ Standard format, for M tokens and P = M * k (token, slot) pairs:
     h    = quant(h) over all pairs            # fp8 schemes, as the reference does
     y[p] = w_p * (h[p] @ W2[e_p].T + b2)      # [P, H]
     out[t] = sum over the token's local slots of y   # [M, H]
+                                              # (per pair: summed as GEMM2 writes, y never stored)
 The batched format runs the same two GEMMs over the valid rows of [E, max_tokens, K] and leaves
 weight-and-reduce to finalize. Kernel bodies are in kernels/experts/_triton/.
 """
@@ -36,7 +37,7 @@ from ..workspace import Workspace
 
 if HAS_TRITON:  # without it the backends stay registered and say why they cannot run
     from ._triton.align import AlignedPairs, align_pairs
-    from ._triton.gemv import MAX_PAIRS, EachPair, pair_gemv
+    from ._triton.gemv import MAX_PAIRS, EachPair, SlotSum, pair_gemv
     from ._triton.graphs import MAX_GRAPH_TOKENS, DecodeGraphs
     from ._triton.grouped_gemm import (
         Activations,
@@ -125,20 +126,6 @@ class _TritonBase(Experts):
         # fp8 schemes quantise the intermediate from float32, exactly as the reference does
         return torch.float32 if self.fp8_quant else self.cfg.dtype
 
-    def _gemms(
-        self,
-        a: Activations,
-        rows: AlignedPairs | BatchedRows | EachPair,
-        h: torch.Tensor,  # [R, I]
-        y: torch.Tensor,  # [R, H]
-        tiles: LayerTiles,
-        row_weights: torch.Tensor | None,  # [R] float32, standard format only
-        pair_ids: torch.Tensor | None = None,  # [R] local expert ids, -1 not here; standard only
-    ) -> None:
-        """GEMM1 + activation into h, quantise h if the scheme does, GEMM2 into y."""
-        second = self._gemm1(a, rows, h, tiles, pair_ids)
-        self._gemm2(second, rows, y, tiles, row_weights, self.w2)
-
     def _gemm1(
         self,
         a: Activations,
@@ -160,18 +147,6 @@ class _TritonBase(Experts):
         # only the rows of pairs GEMM1 wrote: no GEMM reads the others
         return Activations(*quantize_rows(h, how, pair_ids, amax), how)
 
-    def _gemm2(
-        self,
-        second: Activations,
-        rows: AlignedPairs | BatchedRows | EachPair,
-        y: torch.Tensor,  # [R, N] of w2's rows N
-        tiles: LayerTiles,
-        row_weights: torch.Tensor | None,
-        w2: ExpertMatrix,  # self.w2 or some of its rows (ExpertMatrix.n_slice)
-    ) -> None:
-        gemm = pair_gemv if isinstance(rows, EachPair) else grouped_gemm
-        gemm(second, w2, y, rows, Epilogue(row_weights=row_weights), tiles.gemm2)
-
 
 class TritonExperts(_TritonBase):
     name: ClassVar[str] = "triton"
@@ -189,10 +164,10 @@ class TritonExperts(_TritonBase):
     def workspace_shapes(self, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         cfg = self.cfg
         pairs = num_tokens * cfg.top_k
-        return {
-            "triton_intermediate": ((pairs, cfg.intermediate_size), self.intermediate_dtype),
-            "triton_pair_out": ((pairs, cfg.hidden_size), cfg.dtype),
-        }
+        shapes = {"triton_intermediate": ((pairs, cfg.intermediate_size), self.intermediate_dtype)}
+        if not self.tiles(num_tokens, self.weights.w13.device).per_pair:  # per pair: GEMM2 sums
+            shapes["triton_pair_out"] = ((pairs, cfg.hidden_size), cfg.dtype)
+        return shapes
 
     def apply(self, x: Dispatched, ws: Workspace, into: SumTarget | None = None) -> torch.Tensor:
         # not inside a whole-layer capture (kernels/layer_graphs.py): graphs do not nest
@@ -231,22 +206,49 @@ class TritonExperts(_TritonBase):
             hidden, scale = quantize_rows(hidden, how)
         a = Activations(hidden, scale, how, pairs_per_row=k)
         row_weights = x.topk_weights.float().flatten().contiguous()  # [P]
-        pair_out = buf["triton_pair_out"]
         if into is None:
             into = SumTarget(torch.empty(m, self.cfg.hidden_size, device=x.hidden.device))
+        second = self._gemm1(a, rows, buf["triton_intermediate"], tiles, pair_ids)
         if not isinstance(into.out, ColumnBlocks):
-            self._gemms(a, rows, buf["triton_intermediate"], pair_out, tiles, row_weights, pair_ids)
-            return topk_sum(pair_out, x.topk_ids, into.out, into.ready_extra())
+            self._gemm2(second, rows, x.topk_ids, buf, tiles, row_weights, into, into.out)
+            return into.out
         # GEMM2 and the sum block by block, each block handed on (to a collective) before the
         # next is computed; each output element is computed as without blocks
-        second = self._gemm1(a, rows, buf["triton_intermediate"], tiles, pair_ids)
         for b, cols, part in into.out.blocks():
-            y = pair_out[:, cols]
-            self._gemm2(second, rows, y, tiles, row_weights, self.w2.n_slice(cols))
-            extra = into.ready_extra()
-            topk_sum(y, x.topk_ids, part, None if extra is None else extra[:, cols])
+            self._gemm2(second, rows, x.topk_ids, buf, tiles, row_weights, into, part, cols)
             into.out.written(b)
         return into.out
+
+    def _gemm2(
+        self,
+        second: Activations,
+        rows: AlignedPairs | EachPair,
+        topk_ids: torch.Tensor,  # [M, k] local ids, -1 not here
+        buf: dict[str, torch.Tensor],
+        tiles: LayerTiles,
+        row_weights: torch.Tensor,  # [P] float32
+        into: SumTarget,  # its extra
+        out: torch.Tensor,  # [M, cols]: into.out or one of its column blocks
+        cols: slice | None = None,  # w2's rows (None: all)
+    ) -> None:
+        """GEMM2 (+ router weight) and each token's sum over its slots (+ extra) into out. Per
+        pair, one launch that sums as it writes (its programs take a token each); else GEMM2
+        into the pair_out workspace and then the top-k sum, which alone waits for extra."""
+        w2 = self.w2 if cols is None else self.w2.n_slice(cols)
+        epilogue = Epilogue(row_weights=row_weights)
+        if isinstance(rows, EachPair):
+            extra = _columns(into.ready_extra(), cols)
+            pair_gemv(
+                second, w2, out, rows, epilogue, tiles.gemm2, SlotSum(topk_ids.shape[1], extra)
+            )
+            return
+        y = buf["triton_pair_out"] if cols is None else buf["triton_pair_out"][:, cols]
+        grouped_gemm(second, w2, y, rows, epilogue, tiles.gemm2)
+        topk_sum(y, topk_ids, out, _columns(into.ready_extra(), cols))
+
+
+def _columns(t: torch.Tensor | None, cols: slice | None) -> torch.Tensor | None:
+    return t if t is None or cols is None else t[:, cols]
 
 
 class TritonBatchedExperts(_TritonBase):
@@ -267,5 +269,8 @@ class TritonBatchedExperts(_TritonBase):
                    self.intermediate_dtype)  # fmt: skip
         out = ws.get("triton_batched_out", (num_experts, max_tokens, cfg.hidden_size), cfg.dtype)
         batched = BatchedRows(x.tokens_per_expert, max_tokens, tiles.block_m)
-        self._gemms(a, batched, h, out.view(rows, cfg.hidden_size), tiles, None)
+        second = self._gemm1(a, batched, h, tiles, None)
+        grouped_gemm(
+            second, self.w2, out.view(rows, cfg.hidden_size), batched, Epilogue(), tiles.gemm2
+        )
         return out

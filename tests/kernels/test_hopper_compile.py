@@ -34,13 +34,20 @@ from moe_serve.kernels.experts._triton.act_quant import (
     mn_major_scales,
 )
 from moe_serve.kernels.experts._triton.codes import WeightKind
-from moe_serve.kernels.experts._triton.grouped_gemm import GemmTile
+from moe_serve.kernels.experts._triton.gemv import EachPair, SlotSum, pair_gemv
+from moe_serve.kernels.experts._triton.grouped_gemm import (
+    Activations,
+    Epilogue,
+    ExpertMatrix,
+    GemmTile,
+)
 from moe_serve.kernels.experts._triton.quantize import quantize_into
 from moe_serve.kernels.experts._triton.sort_pairs import sort_pairs
 from moe_serve.kernels.experts._triton.tiles import LayerTiles
 from moe_serve.kernels.input_checks import NONFINITE_BITS, bit_rows
 from moe_serve.kernels.quant_scheme import FP8, ActQuant, QuantScheme
 from moe_serve.kernels.quantize import quantize_activation
+from moe_serve.kernels.random_weights import random_expert_weights
 from moe_serve.kernels.routing_kernel import route_rows
 from moe_serve.kernels.row_kernels import (
     batch_stats_into,
@@ -100,6 +107,13 @@ def _launch_every_kernel() -> None:
         cfg = Case(scheme).config()
         per_pair = LayerTiles(16, gemv, gemv, per_pair=True)
         triton_vs_reference(cfg, random_routing(1, 4, 2, seed=1), CPU, tiles=per_pair)
+    cfg = Case(QuantScheme.INT8_W8A16, has_bias=True).config()  # a summing GEMV2's every term
+    w = random_expert_weights(cfg)
+    ids = torch.tensor([0, -1, 3, 1], dtype=torch.int32)
+    pair_gemv(Activations(torch.randn(4, 96).half()),
+              ExpertMatrix(w.w2, w.w2_scale, w.w2_bias, cfg.quant), torch.empty(2, 64),
+              EachPair(ids), Epilogue(row_weights=torch.rand(4)), gemv,
+              SlotSum(2, torch.randn(2, 64)))  # fmt: skip
     ids = torch.tensor([[2, 0], [1, 2], [0, 3]], dtype=torch.int32)
     weights = torch.rand(3, 2)
     sort_pairs(ids, weights, 4)

@@ -19,7 +19,7 @@ from moe_serve.kernels.accuracy import relative_error, tolerance
 from moe_serve.kernels.config import Activation, GateUp
 from moe_serve.kernels.experts._triton import tiles
 from moe_serve.kernels.experts._triton.align import align_pairs, align_pairs_torch, aligned_capacity
-from moe_serve.kernels.experts._triton.gemv import MAX_PAIRS, EachPair, pair_gemv
+from moe_serve.kernels.experts._triton.gemv import MAX_PAIRS, EachPair, SlotSum, pair_gemv
 from moe_serve.kernels.experts._triton.graphs import MAX_GRAPH_TOKENS
 from moe_serve.kernels.experts._triton.grouped_gemm import (
     Activations,
@@ -30,6 +30,7 @@ from moe_serve.kernels.experts._triton.grouped_gemm import (
     grouped_gemm,
 )
 from moe_serve.kernels.experts._triton.quantize import quantize_into
+from moe_serve.kernels.experts._triton.topk_sum import topk_sum
 from moe_serve.kernels.experts.deep_gemm import DeepGemmExperts
 from moe_serve.kernels.experts.reference import ReferenceExperts
 from moe_serve.kernels.experts.token_switch import TritonOrDeepGemmExperts
@@ -269,19 +270,21 @@ def test_shared_output_joins_the_top_k_sum_before_its_one_rounding(
     assert torch.equal(got, (without.float() + extra).to(out_dtype)) == (out_dtype == torch.float32)
 
 
+@pytest.mark.parametrize("per_pair", [False, True], ids=["grouped", "per-pair"])
 @pytest.mark.parametrize("m", [9, 133])  # 133: past the decode graphs, the blocks' own path
 @pytest.mark.parametrize("scheme", ALL_SCHEMES)
 def test_a_sum_in_column_blocks_equals_the_whole_sum_bit_for_bit(
-    scheme: QuantScheme, m: int, device: torch.device
+    scheme: QuantScheme, m: int, per_pair: bool, device: torch.device
 ) -> None:
     """GEMM2 and the top-k sum block by block (naive-ep reduces a block while the next one
     computes): every element as the whole sum has it, the shared output included, and each
     block complete, in order, when it is handed on. 384 columns: blocks of 256 and 128, each
-    on fp8-block's 128-row scale groups."""
+    on fp8-block's 128-row scale groups. Per pair, GEMM2 sums each block as it writes it."""
     if device.type == "cpu" and m > MAX_GRAPH_TOKENS:
         pytest.skip("no decode graphs on the CPU: m=9 takes the same path")
     cfg = Case(scheme, num_experts=8, top_k=3, hidden=384).config()
-    experts = TritonExperts(cfg, random_expert_weights(cfg, seed=5).to(device))
+    fixed = PER_PAIR if per_pair else None
+    experts = TritonExperts(cfg, random_expert_weights(cfg, seed=5).to(device), fixed)
     r = random_routing(m, 8, 3, seed=m)
     r.topk_ids[0, 1] = -1  # a pair of another rank's expert
     routing = type(r)(r.topk_ids.to(device), r.topk_weights.to(device))
@@ -409,6 +412,86 @@ def test_per_pair_gemvs_match_reference_for_every_scheme(
     cfg = case.config()
     routing = random_routing(m, cfg.num_experts, cfg.top_k, seed=m)
     assert triton_vs_reference(cfg, routing, device, tiles=PER_PAIR) < tolerance(cfg)
+
+
+# (tokens, hidden, block_n, slots of another rank's expert, all on expert 2, extra, bias): H 160,
+# a multiple of the packed schemes' 32-column groups, not of the 64-column tiles (nor of
+# fp8-block's 128-row scale blocks)
+_SUM_CASES = {
+    "M1": (1, 64, 16, (), False, False, False),
+    "M2-remote-extra-bias": (2, 160, 64, ((1, 1), (1, 3)), False, True, True),
+    "one-expert-extra": (3, 160, 64, (), True, True, False),
+    "all-remote": (2, 96, 16, ((0, 0), (0, 1), (0, 2), (0, 3)), False, True, True),
+}
+_SUMMED_SCHEMES = (QuantScheme.NONE, QuantScheme.FP8_BLOCK, QuantScheme.MXFP4,
+                   QuantScheme.INT4_W4A16)  # fmt: skip
+
+
+def _summing_cases() -> list:
+    """Each case for dense, fp8-block, mxfp4 and int4 weights; the others' scales (per tensor,
+    per channel, per token) with remote slots, extra and bias."""
+    params = [pytest.param(scheme, name, id=f"{scheme}-{name}")
+              for scheme in _SUMMED_SCHEMES for name in _SUM_CASES]  # fmt: skip
+    others = [s for s in ALL_SCHEMES if s not in _SUMMED_SCHEMES]
+    name = "M2-remote-extra-bias"
+    return params + [pytest.param(scheme, name, id=f"{scheme}-{name}") for scheme in others]
+
+
+@pytest.mark.parametrize(("scheme", "case"), _summing_cases())
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_summing_gemv_equals_the_pair_gemvs_then_the_top_k_sum(
+    scheme: QuantScheme, case: str, out_dtype: torch.dtype, device: torch.device
+) -> None:
+    """GEMM2 that sums each token's slots as it writes (one program a token) against GEMM2 a
+    pair at a time into float32 rows and then topk_sum: equal up to float32 summation order.
+    The rows of A of another rank's pairs hold NaN (GEMM1 leaves them unwritten): never read.
+    A token of such pairs alone is its extra."""
+    m, hidden, block_n, remote, one_expert, has_extra, has_bias = _SUM_CASES[case]
+    top_k = 4
+    cfg = Case(scheme, num_experts=4, hidden=hidden, top_k=top_k, has_bias=has_bias).config()
+    weights = random_expert_weights(cfg, seed=3)
+    w2 = ExpertMatrix(weights.w2, weights.w2_scale, weights.w2_bias, cfg.quant)
+    w2 = ExpertMatrix(*(None if t is None else t.to(device) for t in (w2.data, w2.scale, w2.bias)),
+                      cfg.quant)  # fmt: skip
+    g = torch.Generator().manual_seed(m)
+    ids = torch.stack([torch.randperm(4, generator=g) for _ in range(m)]).to(torch.int32)
+    if one_expert:
+        ids[:] = 2
+    for t, slot in remote:
+        ids[t, slot] = -1
+    pairs = m * top_k
+    here = ids.flatten() >= 0
+    h = torch.randn(pairs, cfg.intermediate_size, generator=g)
+    how = cfg.quant.spec.act_quant
+    if how is None:
+        h = h.to(cfg.dtype)
+        h[~here] = torch.nan
+        a = Activations(h.to(device))
+    else:
+        q, scale = quantize_activation(h, how)
+        q.view(torch.uint8)[~here] = 0x7F  # e4m3's NaN
+        if scale.dim() == 2:
+            scale[~here] = torch.nan
+        a = Activations(q.to(device), scale.to(device), how)
+    row_weights = (torch.rand(pairs, generator=g) + 0.1).to(device)
+    extra = (torch.randn(m, hidden, generator=g) * 4).to(device) if has_extra else None
+    ids, epilogue = ids.to(device), Epilogue(row_weights=row_weights)
+    tile = GemmTile(block_n, 64, 2, 1)
+    rows = EachPair(ids.flatten())
+
+    got = torch.full((m, hidden), torch.nan, dtype=out_dtype, device=device)
+    pair_gemv(a, w2, got, rows, epilogue, tile, SlotSum(top_k, extra))
+    y = torch.full((pairs, hidden), torch.nan, device=device)
+    pair_gemv(a, w2, y, rows, epilogue, tile)
+    want = topk_sum(y, ids, torch.empty(m, hidden, dtype=out_dtype, device=device), extra)
+    got, want = got.float().cpu(), want.float().cpu()
+    assert not got.isnan().any()
+    if out_dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    else:  # one rounding each: at most an ulp apart
+        assert ((got - want).abs() <= torch.finfo(out_dtype).eps * want.abs()).all()
+    if case == "all-remote":
+        assert torch.equal(got[0], (extra[0].cpu()).to(out_dtype).float())
 
 
 @pytest.mark.parametrize(

@@ -119,6 +119,50 @@ def test_per_pair_gemvs_skip_other_ranks_and_share_one_expert_on_gpu(scheme: Qua
     assert err < tolerance(cfg)
 
 
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("scheme", [QuantScheme.NONE, QuantScheme.FP8_BLOCK, QuantScheme.MXFP4])
+def test_per_pair_gemm2_sums_eight_slots_and_the_shared_output_on_gpu(
+    scheme: QuantScheme, m: int
+) -> None:
+    """Qwen3-like routing (8 of 64 experts: per pair by the heuristic) on a rank holding half the
+    experts: the eager forward, whose GEMM2 sums each token's slots and the shared output as it
+    writes them, and the layer's forward (the decode graph, extra added after it) against the
+    reference plus the shared output."""
+    from moe_serve.kernels.experts.reference import ReferenceExperts
+    from moe_serve.kernels.experts.triton import TritonExperts
+    from moe_serve.kernels.modular import ModularKernel
+    from moe_serve.kernels.prepare_finalize.no_ep import NoEP
+    from moe_serve.kernels.stages import DispatchSpec, SideOutput, SumTarget
+    from moe_serve.kernels.workspace import Workspace
+
+    cfg = Case(scheme, torch.bfloat16, num_experts=64, hidden=320, intermediate=192, top_k=8,
+               group_size=64).config()  # fmt: skip
+    expert_map = contiguous_expert_map(64, rank=1, world_size=2).to(CUDA)  # 0..31 elsewhere
+    weights = random_expert_weights(cfg).select(torch.arange(32, 64)).to(CUDA)
+    experts = TritonExperts(cfg, weights)
+    assert experts.tiles(m, CUDA).per_pair
+    r = random_routing(m, 64, 8, seed=m)
+    routing = type(r)(r.topk_ids.to(CUDA), r.topk_weights.to(CUDA))
+    hidden = torch.randn(m, 320, device=CUDA).to(cfg.dtype)
+    extra = torch.randn(m, 320, device=CUDA)
+    ref = ModularKernel(NoEP(), ReferenceExperts(cfg, weights), Workspace(CUDA), expert_map)
+    want = ref.forward(hidden, routing).float() + extra
+
+    ws = Workspace(CUDA)
+    layer = ModularKernel(NoEP(), experts, ws, expert_map)
+    got = layer.forward(hidden, routing, shared=lambda: SideOutput(extra))
+    assert relative_error(got.float(), want) < tolerance(cfg)
+    spec = DispatchSpec(experts.act_quant(), 32, expert_map)
+    x = NoEP().prepare(hidden, routing, spec, ws)
+    assert (x.topk_ids < 0).any() and (x.topk_ids >= 0).any()
+    buf = {n: ws.get(n, *s) for n, s in experts.workspace_shapes(m).items()}
+    assert "triton_pair_out" not in buf
+    out = torch.empty(m, 320, dtype=cfg.dtype, device=CUDA)
+    eager = experts._forward(x, buf, SumTarget(out, SideOutput(extra)))
+    assert eager is out
+    assert relative_error(out.float(), want) < tolerance(cfg)
+
+
 def test_auto_selects_triton_on_the_gpu_and_matches_reference_through_the_layer() -> None:
     cfg = _gpu_case(QuantScheme.NONE).config()
     assert select(cfg, CUDA, "triton").experts.name == "triton"
