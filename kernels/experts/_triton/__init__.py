@@ -3,7 +3,8 @@ and the pair sort of `oai-triton`.
 
     align.py         sort (token, slot) pairs by expert, each expert's run padded to BLOCK_M
     grouped_gemm.py  one grouped GEMM: gather rows -> dequantise weights -> dot -> epilogue
-    topk_sum.py      sum each token's k weighted rows
+    gemv.py          decode: a GEMV per pair (GEMM1), per token summing its pairs (GEMM2)
+    topk_sum.py      sum each token's k weighted rows (after the grouped GEMM2)
     sort_pairs.py    sort pairs by expert for triton_kernels' gather/scatter GEMMs
     quantize.py      dynamic fp8 quantisation of activation rows (tensor / token / 1x128 groups)
     graphs.py        decode: one CUDA graph per token count

@@ -3,8 +3,8 @@
 Files live in kernels/tuned/ (written by `moe-serve bench tune`), one per layer shape, scheme, dtype
 and GPU; inside, one entry per token-count bucket M. Both GEMMs share block_m, because they
 share the expert-aligned row order; each has its own block_n / block_k / warps / stages. A
-`per_pair` entry runs both GEMMs as one GEMV per (token, expert) pair instead (gemv.py), for
-decode batches where each expert sees about one row.
+`per_pair` entry runs GEMVs instead (gemv.py), for decode batches where each expert sees about
+one row: GEMM1 one per (token, expert) pair, GEMM2 one per token, summing its pairs.
 """
 
 from __future__ import annotations

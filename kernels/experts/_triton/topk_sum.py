@@ -1,7 +1,8 @@
 """Sum each token's k already-weighted expert rows: [M * k, H] -> [M, H], skipping slots whose
 expert lives elsewhere (id -1), whose rows nothing wrote. Accumulates in float32, adds the
 shared experts' float32 output when given, and rounds once to the output's dtype (float32 for
-a partial sum other ranks' are added to)."""
+a partial sum other ranks' are added to). After the grouped GEMM2; per-pair GEMVs sum as they
+write (gemv.py)."""
 
 from __future__ import annotations
 
