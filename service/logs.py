@@ -65,6 +65,11 @@ def configure(level: str, fmt: str) -> None:
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(level.upper())
+    # Neither format names the record's caller, thread or process: records skip looking them
+    # up (the logging HOWTO's optimizations), a good part of the cost of the line each
+    # request logs, on the event loop
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     for name in ("uvicorn", "uvicorn.error"):
         logging.getLogger(name).handlers = []
         logging.getLogger(name).propagate = True

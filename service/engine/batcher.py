@@ -1,6 +1,8 @@
 """DynamicBatcher: per-layer queues merged into few large forwards, several batches in flight.
 
-    submit(layer, inputs, options) -> a request in the layer's queue, at its priority level
+    submit(layer, inputs, options) -> a request in the layer's queue, at its priority level;
+      launched at once instead, as a batch of its own, when nothing of the layer waits and
+      nothing runs on its device (one client's request pays no scheduler wake-up)
     scheduler (one asyncio task per layer): once a forward may start (fewer than
       engine.max_in_flight running on the layer's device) and the batch is full or its oldest
       request has waited max_batch_delay -> rows taken from the queued requests ->
@@ -28,6 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -219,13 +223,44 @@ def _new_queue(served: ServedLayer) -> _LayerQueue:
     return _LayerQueue(merge=served.config.quant.spec.act_quant != ActQuant.TENSOR)
 
 
-@dataclass(frozen=True)
+class _Completer:
+    """A device's thread that waits for each of its batches to finish, in launch order, and
+    hands it to the loop; started with the first batch. A bare queue: an executor's future,
+    work item and locks per batch cost the launch more."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except Exception:  # the loop has closed: nothing left to answer
+                log.exception("a finished batch could not be handed to the event loop")
+
+    def shutdown(self) -> None:
+        """Blocks until every batch submitted is handed over."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join()
+
+
+@dataclass
 class _Lane:
-    """What the batches of the layers on one device share: how many more may be in flight, and
-    the thread that waits for them to finish."""
+    """What the batches of the layers on one device share: how many more may be in flight, the
+    thread that waits for them to finish, and how many are in flight."""
 
     in_flight: asyncio.Semaphore
-    completer: ThreadPoolExecutor
+    completer: _Completer
+    busy: int = 0  # batches launched and not finished
 
 
 @dataclass(frozen=True)
@@ -270,8 +305,9 @@ class DynamicBatcher:
             q.arrived.set()
         await asyncio.gather(*self._tasks)
         await asyncio.gather(*self._running)
-        for pool in (self._launcher, *(lane.completer for lane in self._lanes.values())):
-            await asyncio.to_thread(pool.shutdown, wait=True)
+        await asyncio.to_thread(self._launcher.shutdown, wait=True)
+        for lane in self._lanes.values():
+            await asyncio.to_thread(lane.completer.shutdown)
 
     async def submit(
         self,
@@ -310,13 +346,17 @@ class DynamicBatcher:
         arrived_ns = time.perf_counter_ns()
         request = _Request(inputs, options, arrived_ns, loop.create_future(), trace, output_into)
         q.requests += 1
-        q.levels.setdefault(options.level, deque()).append(request)
-        q.tokens += request.tokens
-        self.metrics.series(self.metrics.queue_depth, name).set(q.waiting())
         expiry = None
-        if options.timeout_s is not None:
-            expiry = loop.call_later(options.timeout_s, self._expire, q, request)
-        q.arrived.set()
+        lane = self._idle_lane(name, q, request)
+        if lane is not None:
+            await self._launch_alone(name, request, lane)
+        else:
+            q.levels.setdefault(options.level, deque()).append(request)
+            q.tokens += request.tokens
+            self.metrics.series(self.metrics.queue_depth, name).set(q.waiting())
+            if options.timeout_s is not None:
+                expiry = loop.call_later(options.timeout_s, self._expire, q, request)
+            q.arrived.set()
         try:
             return await request.future
         finally:
@@ -330,6 +370,34 @@ class DynamicBatcher:
                 # must not reuse them before
                 request.settled = asyncio.Event()
                 await asyncio.shield(request.settled.wait())
+
+    def _idle_lane(self, name: str, q: _LayerQueue, request: _Request) -> _Lane | None:
+        """The lane of layer `name` when `request` is the scheduler's next batch whole and can
+        start at once, without a turn of the loop for the scheduler to wake: nothing of the
+        layer waits, nothing runs on its device (requests that arrive with it then merge into
+        the next batch, as they do under load), the scheduler would not hold the batch for
+        others to join, and it starts on the loop; else None."""
+        tokens, budget = request.tokens, self.policy.max_batch_tokens
+        if q.tokens or tokens > budget:
+            return None
+        if q.merge and self.policy.max_delay_s > 0 and tokens < budget:
+            return None
+        lane = self._lane(name)
+        if lane.busy or lane.in_flight.locked():
+            return None
+        if self.engine.enqueues and self._launching.locked():
+            return None  # a launch on the launcher thread goes first
+        return lane if self._starts_on_loop([request.inputs]) else None
+
+    async def _launch_alone(self, name: str, request: _Request, lane: _Lane) -> None:
+        """Launch `request` as a batch of its own on its idle lane. Nothing here waits (see
+        `_idle_lane`), so the caller cannot be cancelled halfway through."""
+        await lane.in_flight.acquire()
+        request.taken = request.tokens
+        request.pieces_taken = 1
+        request.running = 1
+        if not await self._launch(name, [_Piece(request, 0, request.tokens)], lane):
+            lane.in_flight.release()
 
     def _drop(self, name: str, q: _LayerQueue, request: _Request) -> None:
         """Rows still waiting leave the queue (rows running finish, unheard)."""
@@ -379,8 +447,7 @@ class DynamicBatcher:
         lane = self._lanes.get(device)
         if lane is None:
             lane = self._lanes[device] = _Lane(
-                asyncio.Semaphore(self.engine.max_in_flight),
-                ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"moe-complete-{device}"),
+                asyncio.Semaphore(self.engine.max_in_flight), _Completer(f"moe-complete-{device}")
             )
         return lane
 
@@ -451,15 +518,29 @@ class DynamicBatcher:
                     line.remove(request)
         return batch
 
+    def _starts_on_loop(self, parts: list[ForwardInputs]) -> bool:
+        """Whether `parts` start without leaving the event loop: a synchronous engine's batch is
+        handed to the launcher thread as it is; an enqueuing engine stages and enqueues a small
+        batch on the loop, which takes less than a thread hop."""
+        if not self.engine.enqueues:
+            return True
+        if self.engine.start_may_wait:
+            return False
+        # bytes the launch copies on the host: rows on a GPU (a CUDA shared-memory region) are
+        # copied by the device (a 64-token DeepSeek-V3 fp32 region took a thread hop for none)
+        nbytes = sum(
+            p.hidden_states.numel() * p.hidden_states.element_size()
+            for p in parts
+            if not p.hidden_states.is_cuda
+        )
+        return nbytes <= off_loop.BINARY.on_loop_bytes
+
     async def _launch(self, name: str, batch: list[_Piece], lane: _Lane) -> bool:
-        """Start `batch` on the launcher thread; False (and its requests failed) if it raised."""
+        """Start `batch` (on the launcher thread unless it starts on the loop); False (and its
+        requests failed) if it raised. Its queue metrics are recorded once it is answered."""
         loop = asyncio.get_running_loop()
         now_ns = time.perf_counter_ns()
         queued_ns = [now_ns - piece.request.arrived_ns for piece in batch]
-        for piece, waited_ns in zip(batch, queued_ns, strict=True):
-            if piece.start == 0:
-                self.metrics.observe_stage(name, "queue", waited_ns / 1e9)
-        self.metrics.series(self.metrics.batch_requests, name).observe(len(batch))
         parts = [piece.inputs() for piece in batch]
         into = [piece.output_into() for piece in batch]
         if not self.engine.enqueues:
@@ -470,17 +551,9 @@ class DynamicBatcher:
             result_of = lambda: self.engine.start(name, parts, into).result()  # noqa: E731
             self._launcher.submit(self._complete, loop, launched, result_of)
             return True
-        # bytes the launch copies on the host: rows on a GPU (a CUDA shared-memory region) are
-        # copied by the device (a 64-token DeepSeek-V3 fp32 region took a thread hop for none)
-        nbytes = sum(
-            p.hidden_states.numel() * p.hidden_states.element_size()
-            for p in parts
-            if not p.hidden_states.is_cuda
-        )
         try:
             async with self._launching:  # one launch at a time: the streams take them in order
-                if not self.engine.start_may_wait and nbytes <= off_loop.BINARY.on_loop_bytes:
-                    # staging a small batch and enqueueing it takes less than a thread hop
+                if self._starts_on_loop(parts):
                     pending = self.engine.start(name, parts, into)
                 else:
                     pending = await loop.run_in_executor(
@@ -489,11 +562,20 @@ class DynamicBatcher:
         except Exception as err:
             for piece in batch:
                 piece.ended()
+            self._count_queued(name, batch, queued_ns)
             self._fail(name, batch, err)
             return False
         launched = self._launched(name, batch, lane, queued_ns)
-        lane.completer.submit(self._complete, loop, launched, pending.result)
+        lane.completer.submit(partial(self._complete, loop, launched, pending.result))
         return True
+
+    def _count_queued(self, name: str, batch: list[_Piece], queued_ns: list[int]) -> None:
+        """The queue metrics of a launched batch: each request's wait for its first rows' forward,
+        and the pieces merged into it."""
+        for piece, waited_ns in zip(batch, queued_ns, strict=True):
+            if piece.start == 0:
+                self.metrics.observe_stage(name, "queue", waited_ns / 1e9)
+        self.metrics.series(self.metrics.batch_requests, name).observe(len(batch))
 
     def _launched(
         self, name: str, batch: list[_Piece], lane: _Lane, queued_ns: list[int]
@@ -501,6 +583,7 @@ class DynamicBatcher:
         """`batch`, launched now: `close` waits until it is answered."""
         answered = asyncio.get_running_loop().create_future()
         launched = _Launched(name, batch, lane, tracing.now_ns(), queued_ns, answered)
+        lane.busy += 1
         self._running.add(launched.answered)
         launched.answered.add_done_callback(self._running.discard)
         return launched
@@ -522,11 +605,13 @@ class DynamicBatcher:
 
     def _finish(self, launched: _Launched, result: BatchResult | Exception) -> None:
         name, batch = launched.name, launched.pieces
+        launched.lane.busy -= 1
         launched.lane.in_flight.release()
         for piece in batch:
             piece.ended()
         launched.answered.set_result(None)
         if isinstance(result, Exception):
+            self._count_queued(name, batch, launched.queued_ns)
             self._fail(name, batch, result)
             return
         served = self.engine.get(name)
@@ -554,6 +639,7 @@ class DynamicBatcher:
         self, launched: _Launched, backend: str, result: BatchResult, nonfinite: bool
     ) -> None:
         name = launched.name
+        self._count_queued(name, launched.pieces, launched.queued_ns)
         tokens = sum(piece.rows for piece in launched.pieces)
         self.metrics.record_batch(
             name, backend, tokens, result.expert_tokens, result.times, launched.queued_ns

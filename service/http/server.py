@@ -281,7 +281,7 @@ class _HttpToolsConnection(httptools_impl.HttpToolsProtocol):
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is not None and cycle.scope is self.scope:  # not an upgrade
-            cycle.transport = _CycleTransport(self)
+            cycle.transport = _CycleTransport(self, cycle)
             if self._draining:
                 cycle.keep_alive = False
 
@@ -352,16 +352,43 @@ class _HttpToolsConnection(httptools_impl.HttpToolsProtocol):
 class _CycleTransport:
     """The transport as uvicorn's request cycle sees it (it writes, asks whether the connection
     is closing, and closes it once a response says `Connection: close`): its close is the
-    connection's, which lingers while the request still arrives."""
+    connection's, which lingers while the request still arrives.
 
-    def __init__(self, connection: _HttpToolsConnection) -> None:
+    The response's head goes out with the body's first bytes, in one vectored write: uvicorn
+    writes the head as the app starts its response, so a reply would take a send of its own
+    for the head, and the client a wake-up, before its body."""
+
+    def __init__(
+        self, connection: _HttpToolsConnection, cycle: httptools_impl.RequestResponseCycle
+    ) -> None:
         self.connection = connection
-        self.write = connection.transport.write
+        self.cycle = cycle
+        self._head: bytes | None = None  # the response's head, until the body's first write
+        self._headed = False  # the head has been written (or is held)
+
+    def write(self, data: bytes | memoryview) -> None:
+        transport = self.connection.transport
+        if self._head is not None:
+            head, self._head = self._head, None
+            transport.writelines((head, data))
+        elif self.cycle.response_started and not self._headed:
+            # an interim 100 Continue comes before the response starts; a HEAD request's
+            # response has no body to write
+            self._headed = True
+            if self.cycle.scope["method"] == "HEAD":
+                transport.write(data)
+            else:
+                self._head = data
+        else:
+            transport.write(data)
 
     def is_closing(self) -> bool:
         return self.connection._lingering or self.connection.transport.is_closing()
 
     def close(self) -> None:
+        if self._head is not None:  # a response that ends with its head
+            head, self._head = self._head, None
+            self.connection.transport.write(head)
         self.connection.end()
 
 

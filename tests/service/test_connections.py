@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -452,3 +453,50 @@ def test_the_drain_closes_a_connection_whose_next_request_does_not_come() -> Non
         loop[0].call_soon_threadsafe(_drain, server)
         assert _read_until_closed(idle) == b""
         assert _read_until_closed(stalled) == b""
+
+
+class _Recording:
+    """A transport that records each write and how it was made."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[bytes]]] = []
+
+    def write(self, data: bytes) -> None:
+        self.calls.append(("write", [bytes(data)]))
+
+    def writelines(self, parts: tuple[bytes, ...]) -> None:
+        self.calls.append(("writelines", [bytes(p) for p in parts]))
+
+
+def _cycle_transport(method: str) -> tuple[object, SimpleNamespace, _Recording, list[str]]:
+    recording, ended = _Recording(), []
+    connection = SimpleNamespace(transport=recording, end=lambda: ended.append("end"))
+    cycle = SimpleNamespace(response_started=False, scope={"method": method})
+    return server_module._CycleTransport(connection, cycle), cycle, recording, ended
+
+
+def test_a_response_head_goes_out_with_its_first_body_bytes_in_one_write() -> None:
+    transport, cycle, recording, _ = _cycle_transport("POST")
+    transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # interim: before the response starts
+    cycle.response_started = True
+    transport.write(b"head")
+    assert len(recording.calls) == 1  # the head waits for the body
+    transport.write(b"body")
+    transport.write(b"more")
+    assert recording.calls == [
+        ("write", [b"HTTP/1.1 100 Continue\r\n\r\n"]),
+        ("writelines", [b"head", b"body"]),
+        ("write", [b"more"]),
+    ]
+
+
+@pytest.mark.parametrize("method", ["HEAD", "POST"])
+def test_a_response_without_body_writes_still_sends_its_head(method: str) -> None:
+    """A HEAD response has no body write: its head goes at once; a response that closes the
+    connection after its head alone sends the head before the close."""
+    transport, cycle, recording, ended = _cycle_transport(method)
+    cycle.response_started = True
+    transport.write(b"head")
+    transport.close()
+    assert recording.calls == [("write", [b"head"])]
+    assert ended == ["end"]

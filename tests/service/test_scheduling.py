@@ -13,8 +13,10 @@ from moe_serve.service.core.forward import submit_unless_withdrawn
 from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher, RequestOptions
 from moe_serve.service.errors import ClientDisconnected, DeadlineExceeded
 from moe_serve.service.http.server import client_gone
+from moe_serve.service.metrics import Metrics
 from tests.service.layers import TINY, reference_forward, tiny_layers
 from tests.service.test_batcher import WAIT_S, RecordingEngine, rows, run
+from tests.service.test_output_into import EnqueuingEngine
 
 
 class OrderEngine(RecordingEngine):
@@ -159,6 +161,71 @@ def test_pieces_of_two_large_requests_take_turns() -> None:
     assert engine.order_of(a, b) == [0, 1, 0]  # a's 16, then b's 16, then a's 8 + b's 8
     torch.testing.assert_close(first.output, reference_forward(TINY, a))
     torch.testing.assert_close(second.output, reference_forward(TINY, b))
+
+
+class _SizesEngine(EnqueuingEngine):
+    """Also records each batch's rows as it is launched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def start(self, name, parts, into=None):
+        self.sizes.append(sum(p.hidden_states.shape[0] for p in parts))
+        return super().start(name, parts, into)
+
+
+def test_a_request_that_finds_its_layer_idle_is_launched_before_the_loop_turns() -> None:
+    """Nothing of the layer waits and nothing runs on its device: `submit` launches the request
+    itself in its first step (no turn for the scheduler to wake), and its queue metrics are
+    counted as any batch's."""
+    engine = EnqueuingEngine()
+    metrics = Metrics()
+    x = rows(3, 0)
+
+    async def main():
+        batcher = DynamicBatcher(engine, BatchPolicy(8, 0.0, 16), metrics)
+        batcher.start()
+        try:
+            work = asyncio.create_task(batcher.submit(TINY, ForwardInputs(x)))
+            await asyncio.sleep(0)  # one turn of the loop: the task's first step
+            launched = engine.launched.is_set()
+            return launched, await asyncio.wait_for(work, WAIT_S)
+        finally:
+            await batcher.close()
+
+    launched, result = asyncio.run(main())
+    assert launched
+    torch.testing.assert_close(result.output, reference_forward(TINY, x))
+    sample = metrics.registry.get_sample_value
+    assert sample("moe_serve_stage_seconds_count", {"layer": TINY, "stage": "queue"}) == 1
+    assert sample("moe_serve_batch_requests_count", {"layer": TINY}) == 1
+    assert sample("moe_serve_batch_tokens_sum", {"layer": TINY}) == 3
+
+
+def test_requests_that_arrive_with_one_launched_at_once_merge_into_the_next_batch() -> None:
+    """The first of requests arriving together on an idle device goes at once; the others wait
+    for the scheduler, which takes them together, by priority, while the first still runs."""
+    engine = _SizesEngine()
+    engine.gate.clear()  # the batches stay on the "device"
+    first, default, urgent = rows(2, 0), rows(3, 1), rows(1, 2)
+
+    async def body(batcher):
+        tasks = [
+            asyncio.create_task(batcher.submit(TINY, ForwardInputs(first))),
+            asyncio.create_task(batcher.submit(TINY, ForwardInputs(default))),
+            asyncio.create_task(batcher.submit(TINY, ForwardInputs(urgent), RequestOptions(1))),
+        ]
+        await _admitted(batcher, 3)
+        while len(engine.sizes) < 2:  # the scheduler's turn: an order of events
+            await asyncio.sleep(0)
+        engine.gate.set()
+        return await asyncio.gather(*tasks)
+
+    results = run(engine, BatchPolicy(8, 0.0, 16), body)
+    assert engine.sizes == [2, 4]
+    for x, result in zip((first, default, urgent), results, strict=True):
+        torch.testing.assert_close(result.output, reference_forward(TINY, x))
 
 
 def test_a_withdrawn_request_leaves_the_queue_and_the_others_are_served() -> None:
