@@ -357,6 +357,16 @@ def test_column_blocks_cover_the_columns_on_scale_group_edges(
     assert [c.start for c in cols] + [cols[-1].stop] == edges
 
 
+def _triton_inputs(case: Case) -> tuple[torch.Tensor, Routing]:
+    """`_inputs` where the Triton experts run: a GPU when there is one (its kernels take no host
+    tensors), else the host, in Triton's interpreter."""
+    hidden, routing = _inputs(case)
+    if not torch.cuda.is_available():
+        return hidden, routing
+    cuda = torch.device("cuda")
+    return hidden.to(cuda), Routing(routing.topk_ids.to(cuda), routing.topk_weights.to(cuda))
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_large_sum_is_reduced_block_by_block_as_the_experts_write_it(
     rank: int, monkeypatch: pytest.MonkeyPatch
@@ -364,8 +374,8 @@ def test_a_large_sum_is_reduced_block_by_block_as_the_experts_write_it(
     """Every rank reduces the same blocks in the same order, each as soon as the experts wrote
     it (inside their apply); the sender's output is the one a whole reduce gives, bit for bit."""
     cfg = _cfg(dtype=torch.float16, hidden=384)  # blocks of 256 and 128 columns
-    hidden, routing = _inputs(Case(cfg, counts=(6, 0)))
-    experts = TritonExperts(cfg, random_expert_weights(cfg))
+    hidden, routing = _triton_inputs(Case(cfg, counts=(6, 0)))
+    experts = TritonExperts(cfg, random_expert_weights(cfg).to(hidden.device))
 
     gemm2 = experts._gemm2
 
@@ -398,7 +408,7 @@ def test_a_forward_that_failed_midway_leaves_nothing_for_the_next(
     survivors' group): reduces the failed forward queued are not waited for again."""
     monkeypatch.setattr(naive_ep, "REDUCE_IN_BLOCKS_BYTES", 0)
     cfg = _cfg(dtype=torch.float16, hidden=384)
-    hidden, routing = _inputs(Case(cfg, counts=(6, 0)))
+    hidden, routing = _triton_inputs(Case(cfg, counts=(6, 0)))
     aborted = _RecordingGroup(0)
 
     def wait_then_fail(work: str) -> None:
@@ -407,7 +417,7 @@ def test_a_forward_that_failed_midway_leaves_nothing_for_the_next(
             raise RuntimeError("the expert-parallel group was aborted: a rank died")
 
     stage = NaiveEP(group=aborted, sender=0, wait=wait_then_fail)  # type: ignore[arg-type]
-    experts = TritonExperts(cfg, random_expert_weights(cfg))
+    experts = TritonExperts(cfg, random_expert_weights(cfg).to(hidden.device))
     kernel = ModularKernel(stage, experts, Workspace(hidden.device))
     with pytest.raises(RuntimeError, match="aborted"):
         kernel.forward(hidden, routing)
