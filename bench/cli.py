@@ -873,7 +873,7 @@ def run_report(args: argparse.Namespace) -> int:
     try:  # matplotlib is the optional `bench` extra
         from .plot import plot_run
     except ImportError as err:
-        log.error("plotting needs matplotlib: pip install 'moe-serve[bench]' (%s)", err)
+        log.error("plotting needs matplotlib (pip install -e '.[bench]'): %s", err)
         return 2
     for path in plot_run(run, args.file):
         log.info("wrote %s", path)

@@ -2,17 +2,17 @@
 layer on this GPU and write them as a tuned file, which kernels/experts/_triton/tiles.py then
 prefers over its heuristic.
 
-For each token-count bucket M it times the experts (align, both GEMMs, top-k sum; replayed from
-a CUDA graph, L2 flushed, median of CUDA-event timings) in rounds, each around the best so far:
-a small set of candidates around the heuristic (both GEMMs alike), GEMM2's own tile, then the
-program order. Decode buckets (at most 16 rows per expert, where the GEMMs stream weights) then
-search each GEMM's column tile, warps and pipeline depth past the heuristic's cap of 4 stages:
-there the time is how many weight bytes are in flight. Prefill buckets (more rows per expert)
-search each GEMM's column tile, K step, warps and pipeline depth within all of Hopper's shared
-memory, at the row tile so far and twice it: the heuristic's budget leaves room for fewer stages
-than the large tiles want. Buckets of at most one row per expert also time per-pair GEMVs
-(gemv.py; GEMM2 summing each token's pairs as it writes them, no top-k sum), each GEMM's column
-tile, K step and warps in turn. Last, the fastest few (and, with
+For each token-count bucket M it times the experts (align, both GEMMs, top-k sum; per pair, both
+GEMVs; replayed from a CUDA graph, L2 flushed, median of CUDA-event timings) in rounds, each
+around the best so far: a small set of candidates around the heuristic (both GEMMs alike),
+GEMM2's own tile, then the program order. Decode buckets (at most 16 rows per expert, where the
+GEMMs stream weights) then search each GEMM's column tile, warps and pipeline depth past the
+heuristic's cap of 4 stages: there the time is how many weight bytes are in flight. Prefill
+buckets (more rows per expert) search each GEMM's column tile, K step, warps and pipeline depth
+within all of Hopper's shared memory, at the row tile so far and twice it: the heuristic's
+budget leaves room for fewer stages than the large tiles want. Buckets of at most one row per
+expert also time per-pair GEMVs (gemv.py; GEMM2 summing each token's pairs as it writes them, no
+top-k sum), each GEMM's column tile, K step and warps in turn. Last, the fastest few (and, with
 --retune, the bucket's current tiles) are timed again on fresh routings and the fastest on
 average wins: one timing on one routing picks among tiles within noise of each other by chance,
 and `bench kernels` then serves the pick slower than tiles it beat by a hair. Resumable: buckets

@@ -60,7 +60,7 @@ FINE_FROM = 64  # buckets double up to here, then grow by a quarter (in steps of
 def token_buckets(max_tokens: int) -> tuple[int, ...]:
     """1, 2, 4, ..., 64, then about 1.25x apart in multiples of 64 (128, 192, 256, 320, 448,
     576, 768, 960, ...), then `max_tokens`. Padded rows skip the experts but not the router and
-    the shared experts: a batch of 269 tokens runs as 320, where doubling buckets ran it as 512."""
+    the shared experts: a batch of 269 tokens runs as 320 (doubling buckets would run it as 512)."""
     buckets, size = [], 1
     while size < max_tokens:
         buckets.append(size)

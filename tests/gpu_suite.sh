@@ -6,9 +6,10 @@
 # graph of one test freed while another captures): `pytest -n 3` mixed them and failed where
 # every file passes on its own. Prints a line per file and the failures; the logs go to
 # OUT_DIR/gpu-logs.tgz. Exit status 1 if any file failed. GPU_SUITE_SKIP: an extended regex of
-# test files to leave out (those bench/ep_device_run.sh has just run, say).
+# test files to leave out (those a run has just covered, say).
 set -uo pipefail
 out=${1:?usage: tests/gpu_suite.sh OUT_DIR}
+mkdir -p "$out"
 logs=$(mktemp -d)
 files=$(grep -rlE "mark\.gpu|needs_gpu" tests --include='test_*.py' | grep -v '^tests/deploy/' \
   | grep -vE "${GPU_SUITE_SKIP:-^$}" | sort)

@@ -65,7 +65,7 @@ def demo_layers() -> list[tuple[Manifest, LayerWeights]]:
 
 def _is_current(path: Path, expected: Manifest) -> bool:
     """Whether `path` already holds `expected`, intact: same manifest, with checksums that the
-    data matches (a copy written before checksums is rewritten to gain them)."""
+    data matches (a copy whose manifest has no checksums is rewritten to gain them)."""
     try:
         found = verify_layer(path)
     except (LayerFileError, OSError, ValueError):

@@ -107,7 +107,7 @@ def weight_bytes(manifest: Manifest) -> int:
 def inspect_layer(path: Path) -> Manifest:
     """Check layer directory `path` without reading tensor data: the manifest, the header hash,
     every tensor's name, shape and dtype, and the checksums' names and counts. Returns the
-    manifest (a directory written before checksums is logged as such)."""
+    manifest (a directory whose manifest has no checksums is logged as such)."""
     path = Path(path)
     manifest = read_manifest(path)
     file = path / TENSORS_FILE

@@ -77,7 +77,7 @@ class Manifest(BaseModel):
     shared_gate: bool = False  # Qwen2-MoE sigmoid gate [1, H] on the shared expert
     tensors_sha256: str = ""  # sha256 of experts.safetensors' header (names, dtypes, offsets)
     # weights.integrity: tensor name -> xxh3-64 of its bytes, one per expert for the tensors with
-    # an expert axis. Empty in directories written before checksums (they load with a warning).
+    # an expert axis. Empty where a manifest has no checksums (its directory loads with a warning).
     tensors_xxh3: dict[str, list[str]] = Field(default_factory=dict)
 
     @model_validator(mode="wrap")

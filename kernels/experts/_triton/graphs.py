@@ -1,5 +1,6 @@
 """CUDA graphs for decode: one captured forward per token count, so a small batch costs one
-graph launch instead of a dozen kernel launches (align, GEMMs, top-k sum).
+graph launch instead of a dozen kernel launches (align, GEMMs, top-k sum; per pair, the GEMVs
+alone).
 
 Each graph owns its buffers (allocated while capturing, from one pool shared by this layer's
 graphs) rather than the shared Workspace, whose buffers may move when another layer grows them.
