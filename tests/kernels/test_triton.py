@@ -428,17 +428,18 @@ _SUMMED_SCHEMES = (QuantScheme.NONE, QuantScheme.FP8_BLOCK, QuantScheme.MXFP4,
 
 
 def _summing_cases() -> list:
-    """Each case for dense, fp8-block, mxfp4 and int4 weights; the others' scales (per tensor,
-    per channel, per token) with remote slots, extra and bias."""
-    params = [pytest.param(scheme, name, id=f"{scheme}-{name}")
-              for scheme in _SUMMED_SCHEMES for name in _SUM_CASES]  # fmt: skip
-    others = [s for s in ALL_SCHEMES if s not in _SUMMED_SCHEMES]
+    """Each case for dense, fp8-block, mxfp4 and int4 weights into a float32 sum, and the case
+    with remote slots, extra and bias into a 16-bit one (the one rounding) too; the other
+    schemes' scales (per tensor, per channel, per token) on that case, both outputs."""
     name = "M2-remote-extra-bias"
-    return params + [pytest.param(scheme, name, id=f"{scheme}-{name}") for scheme in others]
+    others = [s for s in ALL_SCHEMES if s not in _SUMMED_SCHEMES]
+    cases = [(scheme, case, torch.float32) for scheme in _SUMMED_SCHEMES for case in _SUM_CASES]
+    cases += [(scheme, name, torch.float16) for scheme in _SUMMED_SCHEMES]
+    cases += [(scheme, name, out) for scheme in others for out in (torch.float32, torch.float16)]
+    return [pytest.param(*c, id=f"{c[0]}-{c[1]}-{str(c[2]).removeprefix('torch.')}") for c in cases]
 
 
-@pytest.mark.parametrize(("scheme", "case"), _summing_cases())
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("scheme", "case", "out_dtype"), _summing_cases())
 def test_summing_gemv_equals_the_pair_gemvs_then_the_top_k_sum(
     scheme: QuantScheme, case: str, out_dtype: torch.dtype, device: torch.device
 ) -> None:
