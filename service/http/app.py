@@ -90,6 +90,10 @@ def create_app(
         version=__version__,
         summary="Mixture-of-Experts layers over HTTP: JSON, safetensors and KServe v2",
         lifespan=lifespan,
+        # FastAPI's own telemetry asks the OpenTelemetry providers on every request whether it
+        # is on; the tracing middleware (service/tracing.py) makes the request spans, and no
+        # meter or logger provider is ever installed, so it would never record anything
+        telemetry={"tracing": False, "metrics": False, "logs": False},
     )
     app.state.runtime = runtime
     app.state.body_sink = forward_body_sink(runtime)  # the server's connections read into it

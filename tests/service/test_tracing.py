@@ -234,3 +234,23 @@ def test_spans_go_over_otlp_http_protobuf(tmp_path) -> None:
         server.send_signal(signal.SIGTERM)
         server.wait(30)
         receiver.shutdown()
+
+
+def test_only_the_tracing_middleware_makes_request_spans(client, monkeypatch) -> None:
+    """FastAPI's own telemetry is off: a tracer provider the app was not instrumented for (it
+    came after create_app) gets no span of a request."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(trace, "_TRACER_PROVIDER", provider)
+    assert tracing.enabled()
+    assert client.get("/v1/layers").status_code == 200
+    assert (
+        client.post("/v1/layers/nope/forward", json={"hidden_states": [[0.0]]}).status_code == 404
+    )
+    assert exporter.get_finished_spans() == ()
