@@ -8,7 +8,7 @@ import zlib
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
 from ..codecs.kserve import HEADER_LENGTH
 from ..core.runtime import Runtime
@@ -27,7 +27,21 @@ Body = TypeVar("Body", bound=BaseModel)
 _ZLIB_WBITS = {"identity": None, "gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
-def _body_limit(request: Request, settings: Settings) -> tuple[int, str]:
+# The request headers read_body needs, found in one pass over the request's raw headers (a
+# lookup each in starlette's Headers scans and decodes them every time)
+_FIELDS = (b"content-length", b"content-type", b"content-encoding", HEADER_LENGTH.lower().encode())
+
+
+def _fields(request: Request) -> dict[bytes, str]:
+    """The first value of each of _FIELDS the request has (names in ASGI are lowercase)."""
+    found: dict[bytes, str] = {}
+    for name, value in request.scope["headers"]:
+        if name in _FIELDS and name not in found:
+            found[name] = value.decode("latin-1")
+    return found
+
+
+def _body_limit(fields: dict[bytes, str], settings: Settings) -> tuple[int, str]:
     """The byte limit of the request's body, and how to name it in a 413.
 
     JSON has its own, lower limit: decoding it holds the GIL (the event loop waits) and costs a
@@ -38,13 +52,13 @@ def _body_limit(request: Request, settings: Settings) -> tuple[int, str]:
         "send larger requests in binary: a safetensors blob (Content-Type: "
         "application/octet-stream) on /v1, binary tensors on /v2"
     )
-    header = request.headers.get(HEADER_LENGTH)  # KServe: the JSON part's length
+    header = fields.get(_FIELDS[3])  # KServe: the JSON part's length
     if header is not None and header.isascii() and header.isdigit() and int(header) > json_limit:
         raise PayloadTooLarge(
             f"the JSON part of {header} bytes exceeds the {json_limit}-byte limit of JSON "
             f"(MOE_SERVE_MAX_JSON_BYTES); {binary_hint}"
         )
-    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    media = fields.get(b"content-type", "").split(";")[0].strip().lower()
     if media == "application/json" and header is None and json_limit < settings.max_body_bytes:
         return json_limit, (
             f"the {json_limit}-byte limit of a JSON body (MOE_SERVE_MAX_JSON_BYTES); {binary_hint}"
@@ -53,25 +67,37 @@ def _body_limit(request: Request, settings: Settings) -> tuple[int, str]:
 
 
 async def read_body(request: Request, runtime: Runtime) -> bytes:
-    """The request body (gzip/deflate undone), refused with 413 once it passes its limit."""
-    limit, what = _body_limit(request, runtime.settings)
-    declared = request.headers.get("content-length")
+    """The request body (gzip/deflate undone), refused with 413 once it passes its limit.
+
+    It takes the ASGI messages itself: starlette's `Request.stream` would add an async
+    generator's steps per message to every request; no caller has read the body before."""
+    fields = _fields(request)
+    limit, what = _body_limit(fields, runtime.settings)
+    declared = fields.get(b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"request body of {declared} bytes exceeds {what}")
     chunks, size = [], 0
     timeout_s = runtime.settings.read_timeout_s
+    receive = request.receive
     try:
         async with asyncio.timeout(timeout_s):  # a client that stalls mid-body holds nothing long
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise PayloadTooLarge(f"request body exceeds {what}")
-                chunks.append(chunk)
+            more = True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise body_cut(size)
+                if message["type"] != "http.request":
+                    continue
+                more = message.get("more_body", False)
+                chunk = message.get("body", b"")
+                if chunk:
+                    size += len(chunk)
+                    if size > limit:
+                        raise PayloadTooLarge(f"request body exceeds {what}")
+                    chunks.append(chunk)
     except TimeoutError:
         raise body_stalled(timeout_s, size) from None
-    except ClientDisconnect:
-        raise body_cut(size) from None
-    encoding = request.headers.get("content-encoding", "identity")
+    encoding = fields.get(b"content-encoding", "identity")
     return _decode(b"".join(chunks), encoding, limit, what)
 
 
