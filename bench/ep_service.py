@@ -89,7 +89,7 @@ def throughput(
     """Tokens per second over about `seconds`, up to max_in_flight batches at once, each
     waited for on a completer thread as service.engine.batcher does. `pinned`: rows in pinned
     memory and outputs copied into pinned memory, as binary requests are read and answered
-    (service/http/pinned_body.py); else plain host tensors in and the output copied out of the
+    (service/http/forward_body.py); else plain host tensors in and the output copied out of the
     slot."""
     batches = _inputs(m, hidden, pinned)
     first = engine.start(name, [batches[0]]).result().outputs[0]

@@ -23,6 +23,7 @@ import torch
 from ..kernels.arith import ceil_div, round_up
 from ..kernels.experts.deep_gemm import MASKED_M_ALIGNMENT
 from ..kernels.experts.oai_triton import ogs_routing
+from ..kernels.graph_capture import replay_of
 from ..kernels.layer import build_layer
 from ..kernels.layer_graphs import kernel_can_capture
 from ..kernels.quant_scheme import FP8_BLOCK, ActQuant
@@ -43,19 +44,6 @@ BACKENDS = {
     "gpt-oss": ("oai-triton", "oai-triton-unfused"),
 }
 TARGET_RATIO = 1.15
-
-
-def captured(fn: Callable[[], object]) -> Callable[[], object]:
-    """fn captured in a CUDA graph (after a warm-up on a side stream): its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def _mn_major(rows_scale: torch.Tensor) -> torch.Tensor:
@@ -134,7 +122,7 @@ def library_alone(experts, hidden: torch.Tensor, routing) -> Callable:
 def _time(timer: Timer, fn: Callable, capture: bool) -> float | None:
     """Median microseconds, or None where the call cannot be captured."""
     try:
-        call = captured(fn) if capture else fn
+        call = replay_of(fn) if capture else fn
         return timer.measure(call).median_us
     except Exception as err:  # a backend that syncs with the host cannot be captured
         log.warning("not timed (%s): %s", "captured" if capture else "eager", err)

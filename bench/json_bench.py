@@ -68,7 +68,7 @@ def measure(tokens: int, hidden: int, repeats: int) -> JsonRow:
     ):
         raise RuntimeError(f"{tokens}x{hidden}: the device read the body differently")
     reply = json_tensors.dumps({"output": output} | rest)
-    if json_device.print_reply(on_device, rest) != reply:
+    if b"".join(json_device.print_reply(on_device, rest)) != reply:
         raise RuntimeError(f"{tokens}x{hidden}: the device printed the output differently")
     return JsonRow(
         tokens=tokens,

@@ -2,17 +2,20 @@
 layer on this GPU and write them as a tuned file, which kernels/experts/_triton/tiles.py then
 prefers over its heuristic.
 
-For each token-count bucket M it times the experts (align, both GEMMs, top-k sum; L2 flushed,
-median of CUDA-event timings) in rounds, each around the best so far: a small set of
-candidates around the heuristic (both GEMMs alike), GEMM2's own tile, then the program order.
-Decode buckets (at most 16 rows per expert, where the GEMMs stream weights) then search each
-GEMM's column tile, warps and pipeline depth past the heuristic's cap of 4 stages: there the
-time is how many weight bytes are in flight. Buckets of at most one row per expert also time
-per-pair GEMVs (gemv.py), each GEMM's column tile, K step and warps in turn. Last, the
-fastest few (and, with --retune, the bucket's current tiles) are timed again on fresh routings
-and the fastest on average wins: one timing on one routing picks among tiles within noise of
-each other by chance, and `bench kernels` then serves the pick slower than tiles it beat by a
-hair. Resumable: buckets already in --out are kept, and the file is rewritten after each one.
+For each token-count bucket M it times the experts (align, both GEMMs, top-k sum; replayed from
+a CUDA graph, L2 flushed, median of CUDA-event timings) in rounds, each around the best so far:
+a small set of candidates around the heuristic (both GEMMs alike), GEMM2's own tile, then the
+program order. Decode buckets (at most 16 rows per expert, where the GEMMs stream weights) then
+search each GEMM's column tile, warps and pipeline depth past the heuristic's cap of 4 stages:
+there the time is how many weight bytes are in flight. Prefill buckets (more rows per expert)
+search each GEMM's column tile, K step, warps and pipeline depth within all of Hopper's shared
+memory, at the row tile so far and twice it: the heuristic's budget leaves room for fewer stages
+than the large tiles want. Buckets of at most one row per expert also time per-pair GEMVs
+(gemv.py), each GEMM's column tile, K step and warps in turn. Last, the fastest few (and, with
+--retune, the bucket's current tiles) are timed again on fresh routings and the fastest on
+average wins: one timing on one routing picks among tiles within noise of each other by chance,
+and `bench kernels` then serves the pick slower than tiles it beat by a hair. Resumable: buckets
+already in --out are kept, and the file is rewritten after each one.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,12 +48,22 @@ log = logging.getLogger(__name__)
 _GEMM_CHOICES = ((64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 64, 4))
 # GEMM2 alone also tries wide tiles: its K (I) is short and it keeps one accumulator
 _GEMM2_CHOICES = (*_GEMM_CHOICES, (256, 64, 8), (256, 128, 8))
-_GROUP_M_CHOICES = (0, 8, 32)  # GemmTile.group_m, both GEMMs alike
+_GROUP_M_CHOICES = (0, 8, 16, 32)  # GemmTile.group_m, both GEMMs alike
 # decode round: (block_n, num_warps, num_stages) for each GEMM in turn, where they fit
 _DECODE_CHOICES = tuple(
     (n, w, s) for n in (16, 32, 64, 128) for w in (1, 2, 4) for s in (2, 3, 4, 6, 8)
 )
 _DECODE_ROWS_PER_EXPERT = 16
+# prefill round: (block_n, block_k, num_warps, num_stages) for each GEMM in turn; GEMM1's N tile
+# holds gate and up side by side, so its 128 is as wide as GEMM2's 256
+_PREFILL_CHOICES = {
+    "gemm1": tuple((n, k, w, s) for n in (64, 128) for k in (64, 128) for w in (4, 8)
+                   for s in (3, 4, 5)),
+    "gemm2": tuple((n, k, w, s) for n in (128, 256) for k in (64, 128) for w in (4, 8)
+                   for s in (3, 4, 5)),
+}  # fmt: skip
+# Hopper's shared memory per block (227 KiB) less room for the epilogue's layout conversions
+PREFILL_SMEM_BYTES = 216 * 1024
 # per-pair round: (block_n, block_k, num_warps) for each GEMM in turn
 _PER_PAIR_STEPS = ((16, 128), (32, 128), (64, 128), (32, 256), (64, 64), (8, 512), (4, 1024),
                    (8, 1024))  # fmt: skip
@@ -158,6 +172,27 @@ def decode_choices(cfg: MoEConfig, best: LayerTiles, gemm: str) -> list[LayerTil
     return found
 
 
+def prefill_choices(cfg: MoEConfig, best: LayerTiles, gemm: str) -> list[LayerTiles]:
+    """Prefill round: the best tiles, at their block_m and at twice it (up to 128), with `gemm`
+    over _PREFILL_CHOICES whose K step nests with the scale groups and whose pipeline fits
+    PREFILL_SMEM_BYTES. The first round sized both GEMMs' pipelines for the heuristic's budget:
+    a larger block_m can win only with the deeper pipelines tried here."""
+    from ..kernels.experts._triton.tiles import nested_block_k
+
+    elem = 1 if cfg.quant.spec.act_quant else cfg.dtype.itemsize
+    b_tiles = 2 if gemm == "gemm1" else 1
+    found = []
+    for block_m in sorted({best.block_m, min(128, 2 * best.block_m)}):
+        for block_n, block_k, warps, stages in _PREFILL_CHOICES[gemm]:
+            per_stage = (block_m + b_tiles * block_n) * block_k * elem
+            if nested_block_k(cfg, block_k) != block_k or per_stage * stages > PREFILL_SMEM_BYTES:
+                continue
+            tile = replace(getattr(best, gemm), block_n=block_n, block_k=block_k,
+                           num_warps=warps, num_stages=stages)  # fmt: skip
+            found.append(replace(best, block_m=block_m, **{gemm: tile}))
+    return found
+
+
 def per_pair_choices(cfg: MoEConfig, best: LayerTiles, gemm: str) -> list[LayerTiles]:
     """Per-pair round: `best` (per-pair tiles) with `gemm` over _PER_PAIR_CHOICES whose K step
     nests with the scale groups (fp8-block: within one, as pair_gemv would narrow it)."""
@@ -203,6 +238,7 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
 
     from ..kernels.experts._triton.tiles import TileKey, device_name, per_pair_tiles
     from ..kernels.experts.triton import TritonExperts
+    from ..kernels.graph_capture import replay_of
     from ..kernels.prepare_finalize.no_ep import NoEP
     from ..kernels.routing import route
     from ..kernels.stages import DispatchSpec
@@ -232,20 +268,27 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
         f"it) for both GEMMs; GEMM2 alone over {len(_GEMM2_CHOICES)}; program order (group_m "
         f"{', '.join(map(str, _GROUP_M_CHOICES))}); decode buckets (<= "
         f"{_DECODE_ROWS_PER_EXPERT} rows per expert) then each GEMM over {len(_DECODE_CHOICES)} "
-        f"(block_n, warps, stages); buckets of <= {_PER_PAIR_ROWS_PER_EXPERT} row per expert: "
+        f"(block_n, warps, stages), prefill buckets each GEMM over "
+        f"{len(_PREFILL_CHOICES['gemm1'])} (block_n, block_k, warps, stages) x 2 block_m within "
+        f"{PREFILL_SMEM_BYTES // 1024} KiB of shared memory; buckets of <= "
+        f"{_PER_PAIR_ROWS_PER_EXPERT} row per expert: "
         f"per-pair GEMVs, each GEMM over {len(_PER_PAIR_CHOICES)} (block_n, block_k, warps); "
-        "median of CUDA-event timings, L2 flushed; uniform random routing; the fastest "
+        "median of CUDA-event timings of CUDA-graph replays, L2 flushed; uniform random "
+        "routing; the fastest "
         f"{_FINALISTS} (and the bucket's tiles before a --retune) then timed on "
         f"{_CONFIRM_ROUTINGS} fresh routings each, the lowest mean kept ('us')"
     )
     with tqdm(desc=f"tune {key.filename()}", unit="cfg") as bar:
 
         def time_one(tile: LayerTiles, x: Dispatched) -> float | None:
-            """Median us of the experts with these tiles on x; None where they fail to build."""
+            """Median us of the experts with these tiles on x, replayed from a CUDA graph as a
+            served layer runs them (eager launches would add the host's launch time to small
+            buckets); None where they fail to build."""
             experts = TritonExperts(cfg, weights, fixed_tiles=tile)
             bar.update()
             try:
-                return timer.measure(lambda: experts.apply(x, ws)).median_us
+                run = partial(experts.apply, x, ws)
+                return timer.measure(replay_of(run) if device.type == "cuda" else run).median_us
             except Exception as err:  # a candidate the compiler rejects is skipped
                 log.warning("M=%d: %s failed: %s", x.num_tokens, tile, str(err).splitlines()[-1])
                 return None
@@ -271,9 +314,13 @@ def tune(request: TuneRequest, device: torch.device) -> dict:
                 continue
             time_each(gemm2_choices(cfg, fastest(timed, per_pair=False)), x, timed)
             time_each(order_choices(fastest(timed, per_pair=False)), x, timed)
-            if m * cfg.top_k <= _DECODE_ROWS_PER_EXPERT * cfg.num_experts:
-                for gemm in ("gemm1", "gemm2"):
-                    time_each(decode_choices(cfg, fastest(timed, False), gemm), x, timed)
+            rounds = (
+                decode_choices
+                if m * cfg.top_k <= _DECODE_ROWS_PER_EXPERT * cfg.num_experts
+                else prefill_choices
+            )
+            for gemm in ("gemm1", "gemm2"):
+                time_each(rounds(cfg, fastest(timed, False), gemm), x, timed)
             if m * cfg.top_k <= _PER_PAIR_ROWS_PER_EXPERT * cfg.num_experts:
                 for gemm in ("gemm1", "gemm2"):  # from --retune's per-pair tiles or the heuristic's
                     best_pair = fastest(timed, per_pair=True) or per_pair_tiles(cfg)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -96,6 +96,17 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None = None) 
     a `phase_boundary` within it changes nothing."""
     with _capture([graph], pool, phased=False):
         yield
+
+
+def replay_of(fn: Callable[[], object]) -> Callable[[], None]:
+    """`fn` called once (it compiles and allocates), then captured into a graph: the graph's
+    replay, which runs fn's device work with no host launches (the benchmarks and the tile
+    search time kernels as a served layer replays them)."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with capturing(graph):
+        fn()
+    return graph.replay
 
 
 @contextmanager

@@ -86,7 +86,7 @@ class DeviceForward:
     return_routing: bool
 
 
-def forward_span(body: bytes | bytearray) -> tuple[slice, bool] | None:
+def forward_span(body: bytes | bytearray | memoryview) -> tuple[slice, bool] | None:
     """Where hidden_states' array lies in a /v1 forward body holding only it and, before or after
     it, return_routing; and return_routing. None for any other body."""
     head = _HEAD.match(body)
@@ -100,10 +100,12 @@ def forward_span(body: bytes | bytearray) -> tuple[slice, bool] | None:
     return slice(head.end(), tail.start() + 1), routing
 
 
-def decode_forward(body: bytes | bytearray, device: torch.device) -> DeviceForward | None:
-    """A /v1 forward's JSON body -> hidden_states on `device`; None where the host path must
-    decode it (see the module's docstring), or the device has no memory left for the ops'
-    temporaries."""
+def decode_forward(
+    body: bytes | bytearray | memoryview, device: torch.device
+) -> DeviceForward | None:
+    """A /v1 forward's JSON body -> hidden_states on `device`, copied there from where it lies
+    (by DMA from pinned or registered memory); None where the host path must decode it (see the
+    module's docstring), or the device has no memory left for the ops' temporaries."""
     span = forward_span(body)
     if span is None:
         return None
@@ -132,7 +134,19 @@ def warm_up(device: torch.device, dtypes: Iterable[torch.dtype]) -> None:
 
 def print_rows(values: torch.Tensor) -> memoryview:
     """[T, W] of a 16-bit float dtype, on any device -> the JSON text `[[..], ..]` the host path
-    writes for it (`json_tensors.dumps`: orjson, each value in its shortest form), in host memory.
+    writes for it (`json_tensors.dumps`: orjson, each value in its shortest form), in host memory
+    (pinned, from a GPU)."""
+    return _to_host(_rows_text(values))
+
+
+def _to_host(text: torch.Tensor) -> memoryview:
+    host = torch.empty(text.numel(), dtype=torch.uint8, pin_memory=text.is_cuda)
+    host.copy_(text)
+    return memoryview(host.numpy())
+
+
+def _rows_text(values: torch.Tensor) -> torch.Tensor:
+    """`print_rows`'s text, uint8 on the values' device.
 
     Each value's text comes from the dtype's table; each lands at the offset the lengths before
     it sum to, with the row's brackets and the commas between."""
@@ -159,23 +173,54 @@ def print_rows(values: torch.Tensor) -> memoryview:
     between = torch.full((rows,), ord(","), dtype=torch.uint8, device=dev)
     between[-1] = ord("]")
     out[ends[:, -1] + 1] = between
-    text = out[: int(end[-1])]
-    host = torch.empty(text.numel(), dtype=torch.uint8, pin_memory=dev.type == "cuda")
-    host.copy_(text)
-    return memoryview(host.numpy())
+    return out[: int(end[-1])]
 
 
-def print_reply(output: torch.Tensor, rest: dict) -> bytes:
-    """The JSON object {"output": output, **rest} as `json_tensors.dumps` writes it, `output`
-    (16-bit, on the device) printed by `print_rows` (by orjson when the device has no memory
-    left for it)."""
+_REPLY_OPEN = b'{"output":'  # a reply up to its rows
+
+
+def print_reply(output: torch.Tensor, rest: dict) -> list[bytes | memoryview]:
+    """The JSON object {"output": output, **rest} as `json_tensors.dumps` writes it, in pieces
+    (the rows' text stays in the host memory it was copied to), `output` (16-bit, on the
+    device) printed by `print_rows` (by orjson when the device has no memory left for it)."""
     try:
         with _on_stream(output.device):
             rows = print_rows(output)
     except torch.OutOfMemoryError:
         log.warning("no device memory to print a %s output: printed on the host", output.shape)
-        return json_tensors.dumps({"output": output} | rest)
-    return b"".join([b'{"output":', rows, b",", json_tensors.dumps(rest)[1:]])
+        return [json_tensors.dumps({"output": output} | rest)]
+    return [_REPLY_OPEN, rows, _close(rest)]
+
+
+def print_reply_into(
+    output: torch.Tensor, rest: dict, into: memoryview
+) -> int | list[bytes | memoryview]:
+    """`print_reply`'s reply written into `into`, the rows' text copied from the device straight
+    there (by DMA, into memory registered with CUDA); its size. Where it is longer than `into`
+    (or printed on the host, the device's memory full), nothing is written and its pieces are
+    returned instead."""
+    close = _close(rest)
+    try:
+        with _on_stream(output.device):
+            text = _rows_text(output)
+            size = len(_REPLY_OPEN) + text.numel() + len(close)
+            if size > len(into):
+                return [_REPLY_OPEN, _to_host(text), close]
+            rows = torch.frombuffer(
+                into, dtype=torch.uint8, count=text.numel(), offset=len(_REPLY_OPEN)
+            )
+            rows.copy_(text)
+    except torch.OutOfMemoryError:
+        log.warning("no device memory to print a %s output: printed on the host", output.shape)
+        return [json_tensors.dumps({"output": output} | rest)]
+    into[: len(_REPLY_OPEN)] = _REPLY_OPEN
+    into[size - len(close) : size] = close
+    return size
+
+
+def _close(rest: dict) -> bytes:
+    """What follows the rows in a reply: `rest`'s members and the closing brace."""
+    return b"," + json_tensors.dumps(rest)[1:]
 
 
 @lru_cache(maxsize=8)

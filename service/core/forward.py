@@ -60,10 +60,40 @@ def schedule_options(priority: int, timeout_us: int) -> RequestOptions:
 
 
 async def serve_json(
-    call: LayerCall, body: bytes, options: RequestOptions, withdrawn: asyncio.Future
-) -> bytes:
-    """A JSON body -> the JSON reply. On a GPU engine a large body is parsed, and its 16-bit
-    output printed, on the device (service/codecs/json_device.py)."""
+    call: LayerCall,
+    body: bytes | memoryview,
+    options: RequestOptions,
+    withdrawn: asyncio.Future,
+) -> list[bytes | memoryview]:
+    """A JSON body -> the JSON reply's pieces, in order (a large reply's text is not joined into
+    one copy). On a GPU engine a large body is parsed, and its 16-bit output printed, on the
+    device (service/codecs/json_device.py), the body copied there from where it lies."""
+    return await _serve_json(call, body, options, withdrawn, None)
+
+
+async def serve_json_into(
+    call: LayerCall, body: memoryview, reply: memoryview, withdrawn: asyncio.Future
+) -> int | list[bytes | memoryview]:
+    """A JSON body -> its reply written into `reply` (a 16-bit output printed on the device
+    straight into it); the reply's size, or, where it is longer than `reply`, its pieces."""
+    written = await _serve_json(call, body, RequestOptions(), withdrawn, reply)
+    if isinstance(written, int):
+        return written
+    size = sum(map(len, written))
+    if size > len(reply):
+        return written
+    await BINARY.run(size, copy_parts, written, reply)
+    return size
+
+
+async def _serve_json(
+    call: LayerCall,
+    body: bytes | memoryview,
+    options: RequestOptions,
+    withdrawn: asyncio.Future,
+    into: memoryview | None,
+) -> int | list[bytes | memoryview]:
+    """serve_json, or, with `into`, what `_encode_json` writes there."""
     served, metrics = call.served, call.metrics
     device = served.device
     if device.type != "cuda" or not json_device.worth_it(len(body)):
@@ -72,14 +102,14 @@ async def serve_json(
     inputs, want_routing = await JSON.run(len(body), _decode_json, served, body, device)
     metrics.observe_stage(served.name, "decode", time.perf_counter() - started)
     hidden = inputs.hidden_states
-    into = torch.empty_like(hidden, dtype=served.config.dtype) if hidden.is_cuda else None
+    output = torch.empty_like(hidden, dtype=served.config.dtype) if hidden.is_cuda else None
     result = await submit_unless_withdrawn(
-        call.batcher, served.name, inputs, options, withdrawn, into
+        call.batcher, served.name, inputs, options, withdrawn, output
     )
     started = time.perf_counter()
     numbers = result.output.numel() + (2 * result.routing.topk_ids.numel() if want_routing else 0)
     reply = await JSON.run(
-        numbers * json_numbers.NUMBER_BYTES, _encode_json, served, result, want_routing
+        numbers * json_numbers.NUMBER_BYTES, _encode_json, served, result, want_routing, into
     )
     metrics.observe_stage(served.name, "encode", time.perf_counter() - started)
     return reply
@@ -130,7 +160,7 @@ async def serve_blob_into(
         parts = await _encode_timed(call, result, wire, False)
         size = sum(map(len, parts))
         _check_fits(size, len(reply))
-        await BINARY.run(size, _copy_parts, parts, reply)
+        await BINARY.run(size, copy_parts, parts, reply)
         return size
     tokens, width = hidden.shape
     head = _reply_head(served.name, served.backend, hidden.dtype, tokens, width)
@@ -201,7 +231,8 @@ def _check_fits(size: int, room: int) -> None:
         raise ServiceError(f"the reply of {size} bytes does not fit its {room}-byte room")
 
 
-def _copy_parts(parts: list[bytes | memoryview], out: memoryview) -> None:
+def copy_parts(parts: list[bytes | memoryview], out: memoryview) -> None:
+    """A reply's pieces, one after the other, into `out`."""
     at = 0
     for part in parts:
         out[at : at + len(part)] = part
@@ -255,26 +286,31 @@ def _reply_head(layer: str, backend: str, dtype: torch.dtype, tokens: int, width
 
 
 def _decode_json(
-    served: ServedLayer, body: bytes, device: torch.device | None
+    served: ServedLayer, body: bytes | memoryview, device: torch.device | None
 ) -> tuple[ForwardInputs, bool]:
     """`device`: parse there where json_device can (the host path decodes the rest, and names
-    what is wrong)."""
+    what is wrong; from bytes: a body in shared or pinned memory is copied for it)."""
     parsed = None if device is None else json_device.decode_forward(body, device)
     if parsed is not None:
         return check_inputs(served, parsed.hidden_states, None), parsed.return_routing
-    decoded = json_tensors.decode_forward(body)
+    decoded = json_tensors.decode_forward(bytes(body))
     inputs = check_inputs(served, decoded.hidden_states, decoded.router_logits)
     return inputs, decoded.return_routing
 
 
-def _encode_json(served: ServedLayer, result: LayerOutput, routing: bool) -> bytes:
-    """The reply as ForwardResponse describes it, written from the tensors' buffers (a 16-bit
-    output still on the device printed there)."""
+def _encode_json(
+    served: ServedLayer, result: LayerOutput, routing: bool, into: memoryview | None = None
+) -> int | list[bytes | memoryview]:
+    """The reply's pieces as ForwardResponse describes it, written from the tensors' buffers (a
+    16-bit output still on the device printed there); with `into`, a reply printed on the device
+    is written into it where it fits, and its size returned instead."""
     output = result.output
     rest = {"layer": served.name, "tokens": output.shape[0], "backend": served.backend}
     if routing:
         rest |= {"topk_ids": result.routing.topk_ids, "topk_weights": result.routing.topk_weights}
     size = output.numel() * json_numbers.NUMBER_BYTES
     if output.is_cuda and output.element_size() == 2 and json_device.worth_it(size):
+        if into is not None:
+            return json_device.print_reply_into(output, rest, into)
         return json_device.print_reply(output, rest)
-    return json_tensors.dumps({"output": output} | rest)
+    return [json_tensors.dumps({"output": output} | rest)]

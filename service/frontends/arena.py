@@ -14,8 +14,11 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from ...kernels.arith import round_up
 
@@ -106,6 +109,15 @@ class BodyArena:
     def reply(self, region: Region, nbytes: int | None = None) -> memoryview:
         size = region.reply_capacity if nbytes is None else nbytes
         return self.view[region.reply_offset : region.reply_offset + size]
+
+    def lend_reply(self, region: Region, nbytes: int) -> memoryview:
+        """The reply's `nbytes` as a view that frees `region` once the last reference to it is
+        gone: sent as it lies, with no copy. The region outlives the response, not just its
+        send: the transport keeps what the socket did not take yet (uvloop holds a view of it)
+        until it is written."""
+        reply = np.frombuffer(self.view, np.uint8, nbytes, region.reply_offset)
+        weakref.finalize(reply, self.free, region)
+        return memoryview(reply)
 
     def close(self) -> None:
         """Unmap, unless tensors still view the arena (then the mapping goes with them)."""

@@ -2,17 +2,21 @@
 
 It carries records: a kind (1 byte), the payload's length (4 bytes, little-endian), the payload.
 The per-request kinds are fixed structs, so a request costs the engine's event loop a few
-struct unpacks rather than JSON; the records one side writes in a turn of its event loop go out
-in one write, and each read hands over every whole record it brought.
+struct unpacks rather than JSON; the first record one side writes in a turn of its event loop
+goes out at once and the others of that turn in one write at its end, and each read hands over
+every whole record it brought.
 
 A front end sends HELLO once, JSON `{"hello": arena path, "size": bytes}` (the engine maps its
-arena and answers HELLO `{"hello": "ok"}`), then per binary forward FORWARD (id, offset,
-body_bytes, reply_capacity, layer_dtype, then the layer's name: the body lies in the arena at
-that region; `layer_dtype`, set for a JSON forward: the reply's output in the layer's dtype,
-not the body's), CANCEL (id) when its client goes away, and DONE (status, seconds, then the
-route) once a request is answered (the engine keeps every metric). The engine answers each
-forward exactly once: REPLY (id, status, bytes) with the reply blob in the region's reply part,
-or ERROR (id, status, then JSON `{"error", "headers"}`); until then the region is the engine's.
+arena and answers HELLO `{"hello": "ok"}`), then per forward FORWARD (id, offset, body_bytes,
+reply_capacity, layer_dtype, then the layer's name: a safetensors body lies in the arena at that
+region; `layer_dtype`, set for a JSON forward the front end decoded: the reply's output in the
+layer's dtype, not the body's) or FORWARD_JSON (id, offset, body_bytes, reply_capacity, then the
+layer's name: a JSON body lies there as its client sent it, and the reply is JSON), CANCEL (id)
+when its client goes away, and DONE (status, seconds, then the route) once a request is
+answered (the engine keeps every metric). The engine answers each forward exactly once: REPLY
+(id, status, bytes) with the reply in the region's reply part, or, for a JSON reply longer than
+that part, followed by the reply itself; or ERROR (id, status, then JSON `{"error",
+"headers"}`). Until then the region is the engine's.
 """
 
 from __future__ import annotations
@@ -30,13 +34,14 @@ from .arena import BodyArena, Region
 
 log = logging.getLogger(__name__)
 
-HELLO, FORWARD, CANCEL, DONE, REPLY, ERROR = b"HFCDRE"  # record kinds
+HELLO, FORWARD, FORWARD_JSON, CANCEL, DONE, REPLY, ERROR = b"HFJCDRE"  # record kinds
 _HEAD = struct.Struct("<BI")  # kind, payload bytes
 # id, offset, body_bytes, reply_capacity, layer_dtype; then the name
 FORWARD_FIELDS = struct.Struct("<QQQQ?")
+FORWARD_JSON_FIELDS = struct.Struct("<QQQQ")  # id, offset, body_bytes, reply_capacity; the name
 CANCEL_FIELDS = struct.Struct("<Q")  # id
 DONE_FIELDS = struct.Struct("<Hd")  # status, seconds; then the route
-REPLY_FIELDS = struct.Struct("<QHQ")  # id, status, reply bytes
+REPLY_FIELDS = struct.Struct("<QHQ")  # id, status, reply bytes; then the reply, if not in place
 ERROR_FIELDS = struct.Struct("<QH")  # id, status; then JSON {"error", "headers"}
 _READ_BYTES = 1 << 16
 
@@ -51,44 +56,61 @@ class RecordReader:
 
     async def read(self) -> list[tuple[int, bytes]] | None:
         """The whole records of the next read (perhaps none yet), or None once the other side
-        has closed the socket."""
+        has closed the socket. A record cut by the read that is longer than a read (a reply
+        carried whole) is read to its end at once, not grown a read at a time."""
         try:
             data = await self._reader.read(_READ_BYTES)
-        except ConnectionError:
+            if not data:
+                return None
+            if self._rest:
+                data = self._rest + data
+            records, at, end = [], 0, len(data)
+            while end - at >= _HEAD.size:
+                kind, size = _HEAD.unpack_from(data, at)
+                start = at + _HEAD.size
+                if end - start < size:
+                    if size > _READ_BYTES:
+                        rest = await self._reader.readexactly(size - (end - start))
+                        records.append((kind, data[start:] + rest))
+                        at = end
+                    break
+                records.append((kind, data[start : start + size]))
+                at = start + size
+        except (ConnectionError, asyncio.IncompleteReadError):
             return None
-        if not data:
-            return None
-        if self._rest:
-            data = self._rest + data
-        records, at, end = [], 0, len(data)
-        while end - at >= _HEAD.size:
-            kind, size = _HEAD.unpack_from(data, at)
-            start = at + _HEAD.size
-            if end - start < size:
-                break
-            records.append((kind, data[start : start + size]))
-            at = start + size
         self._rest = data[at:]
         return records
 
 
 class RecordWriter:
-    """Records to one socket; those sent in one turn of the event loop go out in one write."""
+    """Records to one socket: the first of a turn of the event loop goes out at once (a lone
+    reply waits neither for the end of the turn nor for what the loop runs before it: a batch's
+    metrics), those that follow it in the turn together at its end."""
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self._writer = writer
         self._pending = bytearray()
+        self._in_turn = False  # a record went out this turn: the next ones wait for `flush`
 
     def send(self, kind: int, payload: bytes) -> None:
-        if not self._pending:
-            asyncio.get_running_loop().call_soon(self.flush)
-        self._pending += _HEAD.pack(kind, len(payload))
-        self._pending += payload
+        if self._in_turn:
+            self._pending += _HEAD.pack(kind, len(payload))
+            self._pending += payload
+            return
+        self._in_turn = True
+        asyncio.get_running_loop().call_soon(self.flush)
+        self._write(_HEAD.pack(kind, len(payload)) + payload)
 
     def flush(self) -> None:
-        if self._pending and not self._writer.is_closing():  # records are small: no flow control
-            self._writer.write(self._pending)
+        self._in_turn = False
+        self._write(self._pending)
         self._pending = bytearray()
+
+    def _write(self, data: bytes | bytearray) -> None:
+        # no flow control: records are small but for a reply carried whole, which the other
+        # side reads at once (RecordReader)
+        if data and not self._writer.is_closing():
+            self._writer.write(data)
 
     def close(self) -> None:
         self.flush()
@@ -107,9 +129,10 @@ def error_payload(rid: int, status: int, error: str, headers: dict[str, str]) ->
 @dataclass(frozen=True)
 class Reply:
     status: int
-    nbytes: int = 0  # the reply blob's size in the region (status 200)
+    nbytes: int = 0  # the reply's size (status 200)
     error: str = ""
     headers: dict[str, str] = field(default_factory=dict)
+    data: memoryview | None = None  # the reply where it did not fit the region, else None
 
 
 ENGINE_GONE = Reply(503, error="the engine process is gone; retry", headers={"Retry-After": "1"})
@@ -156,14 +179,32 @@ class EngineClient:
         gone: Callable[[], Awaitable],
         layer_dtype: bool = False,
     ) -> Reply:
-        """The engine's answer to the body in `region`; `gone()` returning first withdraws it.
-        The region is the engine's until it answers: the caller frees it after reading the
-        reply, or, if the caller is cancelled, the answer's arrival does."""
+        """The engine's answer to the safetensors body in `region`; `gone()` returning first
+        withdraws it. The region is the engine's until it answers: the caller frees it after
+        reading the reply, or, if the caller is cancelled, the answer's arrival does."""
+        fields = (region.offset, region.body_bytes, region.reply_capacity, layer_dtype)
+        return await self._ask(FORWARD, FORWARD_FIELDS, fields, layer, region, gone)
+
+    async def forward_json(
+        self, layer: str, region: Region, gone: Callable[[], Awaitable]
+    ) -> Reply:
+        """As `forward`, for the JSON body in `region`: the engine parses it and answers JSON."""
+        fields = (region.offset, region.body_bytes, region.reply_capacity)
+        return await self._ask(FORWARD_JSON, FORWARD_JSON_FIELDS, fields, layer, region, gone)
+
+    async def _ask(
+        self,
+        kind: int,
+        layout: struct.Struct,
+        fields: tuple,
+        layer: str,
+        region: Region,
+        gone: Callable[[], Awaitable],
+    ) -> Reply:
         rid = next(self._ids)
         answer = asyncio.get_running_loop().create_future()
         self._pending[rid] = answer
-        fields = (rid, region.offset, region.body_bytes, region.reply_capacity, layer_dtype)
-        self._out.send(FORWARD, FORWARD_FIELDS.pack(*fields) + layer.encode())
+        self._out.send(kind, layout.pack(rid, *fields) + layer.encode())
         watch = asyncio.ensure_future(gone())
         try:
             await asyncio.wait((answer, watch), return_when=asyncio.FIRST_COMPLETED)
@@ -186,8 +227,9 @@ class EngineClient:
         while (got := await records.read()) is not None:
             for kind, payload in got:
                 if kind == REPLY:
-                    rid, status, nbytes = REPLY_FIELDS.unpack(payload)
-                    self._pending.pop(rid).set_result(Reply(status, nbytes))
+                    rid, status, nbytes = REPLY_FIELDS.unpack_from(payload)
+                    data = memoryview(payload)[REPLY_FIELDS.size :] or None
+                    self._pending.pop(rid).set_result(Reply(status, nbytes, data=data))
                 elif kind == ERROR:
                     rid, status = ERROR_FIELDS.unpack_from(payload)
                     details = json.loads(payload[ERROR_FIELDS.size :])

@@ -1,19 +1,21 @@
-"""The engine's end of the front-end channel (`service/frontends/channel.py`): binary forwards
-whose bodies the front-end processes laid in their arenas, run through the forward core
-(`serve_blob_into` of service/core/forward.py, as a forward that reached this process over
-HTTP), the reply blob written back into the arena."""
+"""The engine's end of the front-end channel (`service/frontends/channel.py`): forwards whose
+bodies the front-end processes laid in their arenas, run through the forward core
+(service/core/forward.py, as a forward that reached this process over HTTP: `serve_blob_into`
+for a safetensors body, `serve_json_into` for a JSON one), the reply written back into the
+arena."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..core.forward import LayerCall, serve_blob_into
+from ..core.forward import LayerCall, serve_blob_into, serve_json_into
 from ..core.runtime import Runtime, ready
 from ..errors import ServiceError
 from .arena import BodyArena, Region
@@ -25,6 +27,8 @@ from .channel import (
     ERROR,
     FORWARD,
     FORWARD_FIELDS,
+    FORWARD_JSON,
+    FORWARD_JSON_FIELDS,
     HELLO,
     REPLY,
     REPLY_FIELDS,
@@ -100,10 +104,12 @@ class _FrontEndLink:
                 )
                 layer = payload[FORWARD_FIELDS.size :].decode()
                 region = Region(offset, body_bytes, reply_capacity)
-                gone = asyncio.get_running_loop().create_future()
-                task = asyncio.create_task(self._forward(rid, layer, region, layer_dtype, gone))
-                self.running[rid] = (task, gone)
-                task.add_done_callback(lambda _, rid=rid: self.running.pop(rid, None))
+                self._start(rid, self._forward, layer, region, layer_dtype)
+            elif kind == FORWARD_JSON:
+                rid, offset, body_bytes, reply_capacity = FORWARD_JSON_FIELDS.unpack_from(payload)
+                layer = payload[FORWARD_JSON_FIELDS.size :].decode()
+                region = Region(offset, body_bytes, reply_capacity)
+                self._start(rid, self._forward_json, layer, region)
             elif kind == CANCEL:
                 (rid,) = CANCEL_FIELDS.unpack(payload)
                 if rid in self.running:
@@ -113,10 +119,28 @@ class _FrontEndLink:
                 route = payload[DONE_FIELDS.size :].decode()
                 self.runtime.metrics.observe_request(route, str(status), seconds)
 
+    def _start(self, rid: int, forward: Callable[..., Awaitable[None]], *args: object) -> None:
+        """`forward(rid, *args, gone)` as the forward's task, answered however it ends."""
+        gone = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._answer(rid, forward(rid, *args, gone)))
+        self.running[rid] = (task, gone)
+        task.add_done_callback(lambda _, rid=rid: self.running.pop(rid, None))
+
     async def withdraw_all(self) -> None:
         for _, gone in self.running.values():
             _withdraw(gone)
         await asyncio.gather(*(task for task, _ in self.running.values()))
+
+    async def _answer(self, rid: int, forward: Awaitable[None]) -> None:
+        """The forward, whose REPLY it sends itself; its error as an ERROR."""
+        try:
+            await forward
+        except ServiceError as err:
+            self.out.send(ERROR, error_payload(rid, err.status, err.message, err.headers))
+        except Exception:
+            log.exception("unhandled error in a forward from a front end")
+            error = "internal error (logged by the engine process)"
+            self.out.send(ERROR, error_payload(rid, 500, error, {}))
 
     async def _forward(
         self,
@@ -126,28 +150,35 @@ class _FrontEndLink:
         layer_dtype: bool,
         gone: asyncio.Future,
     ) -> None:
-        arena = self.arena
-        try:
-            runtime = ready(self.runtime)
-            call = LayerCall.of(runtime, layer)
-            if runtime.engine.enqueues and arena.pinning is None:  # once per arena
-                arena.pinning = asyncio.ensure_future(asyncio.to_thread(_pin, arena.arena))
-            pinned = arena.pinning is not None and await asyncio.shield(arena.pinning)
-            size = await serve_blob_into(
-                call,
-                arena.arena.body(region),
-                arena.arena.reply(region),
-                bool(pinned),
-                gone,
-                layer_dtype,
-            )
-            self.out.send(REPLY, REPLY_FIELDS.pack(rid, 200, size))
-        except ServiceError as err:
-            self.out.send(ERROR, error_payload(rid, err.status, err.message, err.headers))
-        except Exception:
-            log.exception("unhandled error in a forward from a front end")
-            error = "internal error (logged by the engine process)"
-            self.out.send(ERROR, error_payload(rid, 500, error, {}))
+        arena, runtime = self.arena, ready(self.runtime)
+        call = LayerCall.of(runtime, layer)
+        pinned = await arena.pinned(runtime.engine.enqueues)
+        size = await serve_blob_into(
+            call,
+            arena.arena.body(region),
+            arena.arena.reply(region),
+            pinned,
+            gone,
+            layer_dtype,
+        )
+        self.out.send(REPLY, REPLY_FIELDS.pack(rid, 200, size))
+
+    async def _forward_json(
+        self, rid: int, layer: str, region: Region, gone: asyncio.Future
+    ) -> None:
+        """The JSON body read from the arena (on a GPU engine, a large one copied to the device
+        from there, and its output printed back into it); the reply written into the region's
+        reply part, or, longer than that part, carried whole by the REPLY record."""
+        arena, runtime = self.arena, ready(self.runtime)
+        call = LayerCall.of(runtime, layer)
+        await arena.pinned(runtime.engine.enqueues)
+        body, room = arena.arena.body(region), arena.arena.reply(region)
+        written = await serve_json_into(call, body, room, gone)
+        if isinstance(written, int):
+            self.out.send(REPLY, REPLY_FIELDS.pack(rid, 200, written))
+        else:
+            size = sum(map(len, written))
+            self.out.send(REPLY, b"".join([REPLY_FIELDS.pack(rid, 200, size), *written]))
 
 
 def _withdraw(gone: asyncio.Future) -> None:
@@ -163,6 +194,13 @@ class _Arena:
 
     arena: BodyArena
     pinning: asyncio.Future[int] | None = None
+
+    async def pinned(self, enqueues: bool) -> bool:
+        """Whether the arena is registered with CUDA; registered first where the engine
+        `enqueues` batches on a GPU (once per arena)."""
+        if enqueues and self.pinning is None:
+            self.pinning = asyncio.ensure_future(asyncio.to_thread(_pin, self.arena))
+        return self.pinning is not None and bool(await asyncio.shield(self.pinning))
 
 
 _PORTABLE = 1  # cudaHostRegisterPortable

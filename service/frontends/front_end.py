@@ -11,14 +11,21 @@ socket (the kernel spreads connections over them) and do the per-byte work in pa
   engine as a small record (`service/frontends/channel.py`); the engine decodes it in place, batches
   it with every other front end's requests and writes the reply blob back into the arena (on a
   GPU the body is copied to the device and the output back into the arena with no host copy);
-- a plain JSON forward is decoded here (`service/codecs/json_numbers.py`, the engine's own strict
-  decode) into a float32 blob in the arena and sent as a binary forward answered in the layer's
-  dtype, whose output is written here as the JSON the engine writes: the engine does no JSON
-  work and the request no second HTTP hop;
+- a plain JSON forward up to `json_here_bytes` is decoded here (`service/codecs/json_numbers.py`,
+  the engine's own strict decode) into a float32 blob in the arena and sent as a binary forward
+  answered in the layer's dtype, whose output is written here as the JSON the engine writes:
+  the engine does no JSON work;
+- a larger one (up to MOE_SERVE_MAX_JSON_BYTES), and one that asks for the routing, goes to the
+  engine as its text, read straight into the arena as a binary body is: the engine parses it
+  where it lies (on a GPU, on the device) and writes the JSON reply into the arena, or, longer
+  than the room left for it there, sends it over the channel;
 - the probes (/health, /ready, KServe's live, ready and model ready) are answered here, from
   the state the engine publishes with its heartbeat (`service/frontends/engine_state.py`):
   answered at once whatever the engine is doing, and not live once its event loop stops;
-- every other request (KServe v2, metrics, admin, a JSON forward with return_routing) is relayed
+- a route asked with a method it does not take is the engine's 405, and a path no route has its
+  404, answered here at once from the engine's table of routes (`service/http/route_methods.py`),
+  the body not waited for;
+- every other request (KServe v2, metrics, admin, a forward with a query string) is relayed
   unchanged to the engine's own HTTP server on a Unix socket, as is a body the arena cannot
   hold. Scrapes have connections of their own to the engine: relayed responses that slow
   clients read slowly hold the others.
@@ -77,9 +84,9 @@ from ..http.plain_forward import (
     BINARY,
     FORWARD_PATH,
     JSON,
-    plain_binary_forward,
     plain_forward,
 )
+from ..http.route_methods import UNMATCHED, MethodTable, RouteMethods
 from ..http.server import OVER_CAPACITY, bounded_protocol, client_gone
 from ..interpreter import collect_less
 from ..logs import new_request_id
@@ -117,12 +124,14 @@ class FrontEndConfig:
     max_connections: int
     read_timeout_s: float
     max_body_bytes: int  # a relayed body is read here first: it holds no engine connection
-    # a larger JSON forward is relayed: the engine answers 413 beyond MOE_SERVE_MAX_JSON_BYTES and
-    # on a GPU reads a large one on the device (service/codecs/json_device.py; bench.json_bench)
+    # a larger JSON forward goes to the engine as its text, which on a GPU reads it on the device
+    # (service/codecs/json_device.py; bench.json_bench)
     json_here_bytes: int
+    max_json_bytes: int  # beyond, relayed: the engine's 413
     drain_timeout_s: float
     log_level: str
     log_format: str
+    routes: list[RouteMethods]  # the engine's, with the methods each takes
 
     def to_env(self) -> dict[str, str]:
         return {CONFIG_ENV: json.dumps(asdict(self))}
@@ -147,6 +156,7 @@ class FrontEnd:
         self.engine = EngineClient(Path(config.engine_channel), self.arena, self._engine_lost)
         self.on_engine_lost = lambda: None  # main() stops the server: nothing left to serve
         self.state = StateBlock.attach(Path(config.engine_state))
+        self.methods = MethodTable(config.routes)
         self.relay = _relay_client(config.engine_http, config.max_connections)
         # /metrics is relayed: the engine keeps every metric, the front ends' requests included
         self.scrapes = _relay_client(config.engine_http, _SCRAPE_CONNECTIONS)
@@ -189,13 +199,16 @@ class FrontEnd:
                 answer.status = response.status_code
                 response.headers.update(answer.headers)
                 await response(scope, receive, send)
-        elif refused := probes.other_method(scope["method"], scope["path"]):
-            with _answering(self.engine, scope, headers, refused[0]) as answer:
-                answer.status = 405  # at once: a body that never comes is not waited for
-                refused[1].headers.update(answer.headers)
-                await refused[1](scope, receive, send)
-        elif plain and plain[1] == BINARY and (direct := scope.get(DIRECT_BODY)):
-            await self._forward(scope, receive, send, plain[0], direct)
+        elif refused := self.methods.refused(scope["method"], scope["path"]):
+            route, response = refused
+            with _answering(self.engine, scope, headers, route) as answer:
+                answer.status = response.status_code  # at once: a body that may never come is
+                if _has_body(headers):  # not waited for, nor read: the connection closes after
+                    response.headers["Connection"] = "close"
+                response.headers.update(answer.headers)
+                await response(scope, receive, send)
+        elif plain and (direct := scope.get(DIRECT_BODY)):
+            await self._forward(scope, receive, send, *plain, direct)
         elif plain and plain[1] == JSON and (size := self._json_size(scope)):
             await self._forward_json(scope, receive, send, plain[0], size)
         else:
@@ -212,11 +225,16 @@ class FrontEnd:
         return int(size)
 
     def body_target(self, scope: Scope, size: int) -> BodyTarget[Region] | None:
-        """The connection reads a plain binary forward's body into a region of the arena
-        (`service/http/direct_body.py`); None: relayed instead (see `_body_size`; without the token,
-        too large, or the arena full)."""
+        """The connection reads a plain binary forward's body, or the text of a plain JSON
+        forward too large to decode here, into a region of the arena
+        (`service/http/direct_body.py`); None: read as usual (see `_json_size`) or relayed (see
+        `_body_size`; without the token, too large, or the arena full)."""
+        plain = plain_forward(scope)
         headers = Headers(scope=scope)
-        if plain_binary_forward(scope) is None or not authorized(FORWARD_PATH, headers, self.token):
+        if plain is None or not authorized(FORWARD_PATH, headers, self.token):
+            return None
+        config = self.config
+        if plain[1] == JSON and not config.json_here_bytes < size <= config.max_json_bytes:
             return None
         if self._body_size(scope) != size or size > ARENA_BYTES // 4:
             return None
@@ -230,11 +248,18 @@ class FrontEnd:
         return size if size is not None and size <= self.config.json_here_bytes else None
 
     async def _forward(
-        self, scope: Scope, receive: Receive, send: Send, name: str, direct: DirectBody[Region]
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        name: str,
+        media: str,
+        direct: DirectBody[Region],
     ) -> None:
+        """A forward whose body the connection read into the arena, to the engine as it is."""
         headers = Headers(scope=scope)
         region = direct.target.holder
-        ours = True  # the region is not the engine's
+        ours = True  # the region is not the engine's, nor lent to the reply
         with _answering(self.engine, scope, headers) as answer:
             try:
                 try:
@@ -245,12 +270,14 @@ class FrontEnd:
                 if reply is None:
                     ours = False
                     gone = partial(client_gone, receive)
-                    reply = await self.engine.forward(name, region, gone)
+                    ask = self.engine.forward if media == BINARY else self.engine.forward_json
+                    reply = await ask(name, region, gone)
                     ours = True
                 answer.status = reply.status
                 if reply.status == 200:
-                    blob = bytes(self.arena.reply(region, reply.nbytes))
-                    response = Response(blob, media_type=BINARY, headers=answer.headers)
+                    content = self._reply_bytes(region, reply)
+                    ours = reply.data is not None  # else `content` frees the region
+                    response = Response(content, media_type=media, headers=answer.headers)
                 else:
                     response = _error_response(reply, answer.headers)
                 await response(scope, receive, send)
@@ -262,10 +289,11 @@ class FrontEnd:
     async def _forward_json(
         self, scope: Scope, receive: Receive, send: Send, name: str, size: int
     ) -> None:
-        """A JSON forward run as a binary one (the module's docstring); relayed with its body
-        when it asks for the routing or its blob finds no room in the arena."""
+        """A JSON forward decoded here and run as a binary one (the module's docstring); one
+        that asks for the routing goes to the engine as its text; relayed with its body when
+        the arena has no room for it."""
         headers = Headers(scope=scope)
-        region, ours = None, True
+        region, ours, as_text = None, True, False
         with _answering(self.engine, scope, headers) as answer:
             try:
                 body = await self._read_body(receive, size)
@@ -274,32 +302,48 @@ class FrontEnd:
                     try:
                         arrays = await off_loop.JSON.run(size, decode_forward_arrays, body)
                     except BadInput as err:
-                        arrays, reply = None, Reply(err.status, error=err.message)
-                    if arrays and not arrays.return_routing:
-                        region = self.arena.allocate(_blob_bytes(arrays))
-                    if reply is None and region is None:
+                        reply = Reply(err.status, error=err.message)
+                if reply is None:
+                    as_text = arrays.return_routing  # the engine writes the routing's JSON
+                    region = self.arena.allocate(len(body) if as_text else _blob_bytes(arrays))
+                    if region is None:
                         answer.status = RELAYED
                         await self._relay(scope, body, receive, send)
                         return
-                if reply is None:
-                    _write_blob(arrays, self.arena.body(region))
-                    ours = False
                     gone = partial(client_gone, receive)
-                    reply = await self.engine.forward(name, region, gone, layer_dtype=True)
+                    if as_text:
+                        self.arena.body(region)[:] = body
+                        ask = partial(self.engine.forward_json, name, region, gone)
+                    else:
+                        _write_blob(arrays, self.arena.body(region))
+                        ask = partial(self.engine.forward, name, region, gone, layer_dtype=True)
+                    ours = False
+                    reply = await ask()
                     ours = True
                 answer.status = reply.status
-                if reply.status == 200:
-                    blob = self.arena.reply(region, reply.nbytes)  # output [T, H], as hidden_states
-                    text = await off_loop.JSON.run(
-                        arrays.hidden_states.size * NUMBER_BYTES, _json_reply, blob
-                    )
-                    response = Response(text, media_type=JSON, headers=answer.headers)
-                else:
+                if reply.status != 200:
                     response = _error_response(reply, answer.headers)
+                else:
+                    if as_text:
+                        text = self._reply_bytes(region, reply)
+                        ours = reply.data is not None  # else `text` frees the region
+                    else:  # output [T, H], as hidden_states
+                        blob = self.arena.reply(region, reply.nbytes)
+                        numbers = arrays.hidden_states.size * NUMBER_BYTES
+                        text = await off_loop.JSON.run(numbers, _json_reply, blob)
+                    response = Response(text, media_type=JSON, headers=answer.headers)
                 await response(scope, receive, send)
             finally:
                 if ours and region is not None:
                     self.arena.free(region)
+
+    def _reply_bytes(self, region: Region, reply: Reply) -> bytes | memoryview:
+        """The engine's reply: as the channel carried it, or sent as it lies in the region, as
+        a view that frees the region once the last reference to it is gone (the connection may
+        still hold part of it after the response is sent)."""
+        if reply.data is not None:
+            return reply.data
+        return self.arena.lend_reply(region, reply.nbytes)
 
     def _unknown_layer(self, name: str) -> Reply | None:
         """The engine's 404 for a layer it does not serve, before the body is decoded (as the
@@ -431,7 +475,6 @@ def _relayed_request(client: httpx.AsyncClient, scope: Scope, body: bytes) -> ht
 
 
 RELAYED = -1  # an _Answer's status: the engine answers, logs and counts it
-UNMATCHED = "unmatched"  # the route label of what is answered before routing, as the engine's
 _UNAUTHORIZED = Reply(401, error=UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
 
 
@@ -471,6 +514,10 @@ def _answering(
                 "%s %s -> %d in %.1f ms", scope["method"], scope["path"], status, seconds * 1e3
             )
         logs.request_id.reset(reset)
+
+
+def _has_body(headers: Headers) -> bool:
+    return headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
 
 
 def _reply_of(err: ServiceError) -> Reply:

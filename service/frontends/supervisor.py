@@ -26,6 +26,7 @@ from prometheus_client import Counter
 
 from ..codecs import json_device
 from ..core.runtime import Runtime
+from ..http.route_methods import RouteMethods
 from ..settings import Settings
 from .arena import shm_dir
 from .channel_server import ChannelServer
@@ -47,9 +48,20 @@ class FrontEnds:
         self.directory = Path(tempfile.mkdtemp(prefix=prefix, dir=shm_dir()))
         self.http_path = self.directory / "http.sock"  # the engine's HTTP server
         self.state = StateBlock.create(self.directory / "state")
-        token = settings.api_token
+        self.settings = settings
+        self.config: FrontEndConfig | None = None  # once started
+        self._processes: list[asyncio.subprocess.Process | None] = [None] * self.count
+        self._supervising: list[asyncio.Task] = []
+        self._channel: ChannelServer | None = None
+        self._beating: asyncio.Task | None = None
+        self._runtime: Runtime | None = None
+        self._stopping = False
+
+    async def start(self, runtime: Runtime, routes: list[RouteMethods]) -> None:
+        """Start the front ends, which answer a method `routes` (the engine's) do not take."""
+        settings, token = self.settings, self.settings.api_token
         self.config = FrontEndConfig(
-            listen_fd=listener.fileno(),
+            listen_fd=self.listener.fileno(),
             engine_http=str(self.http_path),
             engine_channel=str(self.directory / "channel.sock"),
             engine_state=str(self.state.path),
@@ -60,18 +72,12 @@ class FrontEnds:
             read_timeout_s=settings.read_timeout_s,
             max_body_bytes=settings.max_body_bytes,
             json_here_bytes=json_here_bytes(settings),
+            max_json_bytes=settings.max_json_bytes,
             drain_timeout_s=settings.drain_timeout_s,
             log_level=settings.log_level,
             log_format=settings.log_format,
+            routes=routes,
         )
-        self._processes: list[asyncio.subprocess.Process | None] = [None] * self.count
-        self._supervising: list[asyncio.Task] = []
-        self._channel: ChannelServer | None = None
-        self._beating: asyncio.Task | None = None
-        self._runtime: Runtime | None = None
-        self._stopping = False
-
-    async def start(self, runtime: Runtime) -> None:
         self._runtime = runtime
         loop = asyncio.get_running_loop()
         # written on this event loop alone, whichever thread changed the state (or a signal)
@@ -170,8 +176,9 @@ def _alive(pid: int) -> bool:
 
 
 def json_here_bytes(settings: Settings) -> int:
-    """The largest JSON forward a front end decodes itself: on a GPU engine the rest goes to the
-    engine, which reads large bodies on the device (service/codecs/json_device.py)."""
+    """The largest JSON forward a front end decodes itself: on a GPU engine a larger one goes to
+    the engine as its text, through the front end's arena, and is read on the device
+    (service/codecs/json_device.py)."""
     if settings.torch_device().type == "cuda":
         return min(settings.max_json_bytes, json_device.HOST_UP_TO_BYTES)
     return settings.max_json_bytes

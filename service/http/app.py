@@ -23,9 +23,10 @@ from ..triton.repository import Repository
 from ..triton.shared_memory import SharedMemory
 from . import docs
 from .endpoints import Endpoints
+from .forward_body import forward_body_sink
 from .metrics_port import MetricsPort
 from .middleware import OPEN_PATHS, RequestMiddleware
-from .pinned_body import pinned_body_sink
+from .route_methods import route_methods
 from .routes import (
     forward,
     health,
@@ -59,7 +60,7 @@ def create_app(
     )
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(served: FastAPI) -> AsyncIterator[None]:
         grpc_server = GrpcServer(runtime) if settings.grpc_port else None
         metrics_port = MetricsPort(settings, runtime.metrics) if settings.metrics_port else None
         try:
@@ -72,7 +73,7 @@ def create_app(
             raise
         starting = asyncio.create_task(start_up(runtime, loader))
         if front_ends is not None:
-            await front_ends.start(runtime)
+            await front_ends.start(runtime, route_methods(served.routes))
         yield
         runtime.not_ready = SHUTTING_DOWN
         if front_ends is not None:  # their requests finish first
@@ -91,7 +92,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.runtime = runtime
-    app.state.body_sink = pinned_body_sink(runtime)  # the server's connections read into it
+    app.state.body_sink = forward_body_sink(runtime)  # the server's connections read into it
     install_handlers(app)
     routers = (
         health,

@@ -27,6 +27,11 @@ from ..errors import body_cut, body_stalled
 
 DIRECT_BODY = "moe_serve.direct_body"  # scope key: the request's DirectBody
 _SCRATCH_BYTES = 256 << 10  # what the event loop reads at once for everything else (uvloop's)
+# What it reads at once while it awaits a request head: the bytes after the head in that read go
+# through the parser (which copies them into a bytes object) and are copied again into a direct
+# body's target, so a read of the whole scratch would pass a quarter of a DeepSeek-V3-sized body
+# that way. A head may be larger (MAX_HEAD_BYTES): it is parsed over several reads.
+_HEAD_READ_BYTES = 16 << 10
 
 Holder = TypeVar("Holder")
 
@@ -112,10 +117,14 @@ class DirectBodyProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        self._head_scratch = self._scratch[:_HEAD_READ_BYTES]
+        self._awaiting_head = True
         self._direct: DirectBody[Any] | None = None
 
     def get_buffer(self, sizehint: int) -> memoryview:  # noqa: ARG002 (asyncio's signature)
-        return self._scratch if self._direct is None else self._direct.room(self._scratch)
+        if self._direct is not None:
+            return self._direct.room(self._scratch)
+        return self._head_scratch if self._awaiting_head else self._scratch
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._direct is None:
@@ -128,6 +137,7 @@ class DirectBodyProtocol(HttpToolsProtocol):
             self.on_message_complete()
 
     def on_headers_complete(self) -> None:
+        self._awaiting_head = False
         super().on_headers_complete()
         size = self._content_length()
         cycle = self.cycle
@@ -149,6 +159,7 @@ class DirectBodyProtocol(HttpToolsProtocol):
             self._direct.take(body)
 
     def on_message_complete(self) -> None:
+        self._awaiting_head = True
         if self._direct is not None:
             self._direct.arrive(True)
             self._direct = None

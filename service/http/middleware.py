@@ -18,6 +18,7 @@ from ..auth import bearer_matches
 from ..errors import ShuttingDown, error_response
 from ..logs import new_request_id
 from . import docs
+from .route_methods import UNMATCHED
 from .server import OVER_CAPACITY
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ class RequestMiddleware:
             await failed(scope, receive, send_with_id)
         finally:
             seconds = time.perf_counter() - started
-            label = getattr(scope.get("route"), "path", "unmatched")  # the route's template
+            label = getattr(scope.get("route"), "path", UNMATCHED)  # the route's template
             self.metrics.observe_request(label, str(status), seconds)
             log.info(
                 "%s %s -> %d in %.1f ms", scope["method"], scope["path"], status, seconds * 1e3

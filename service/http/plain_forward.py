@@ -2,7 +2,7 @@
 safetensors body (Content-Type application/octet-stream, a plain binary forward, the request a
 client library sends in a loop) or a JSON one. A front-end process answers exactly these itself
 (service/frontends/front_end.py) and relays the rest to the engine; in one process on a GPU, a
-plain binary forward's body is read into pinned memory (service/http/pinned_body.py).
+plain forward's body is read into memory of its own (service/http/forward_body.py).
 """
 
 from __future__ import annotations
@@ -33,9 +33,3 @@ def plain_forward(scope: Scope) -> tuple[str, str] | None:
     if media == _BINARY:
         return matched.group(1), BINARY
     return (matched.group(1), JSON) if media == _JSON else None
-
-
-def plain_binary_forward(scope: Scope) -> str | None:
-    """The layer's name when `scope` is a plain binary forward, else None."""
-    plain = plain_forward(scope)
-    return plain[0] if plain and plain[1] == BINARY else None

@@ -86,22 +86,6 @@ def probe(method: str, path: str) -> tuple[str, str, str] | None:
     return None
 
 
-def other_method(method: str, path: str) -> tuple[str, Response] | None:
-    """A probe's path asked with a method it does not take: its route template and the 405 the
-    engine's router answers (with Allow), at once, whatever body follows; else None."""
-    if probe(method, path) is not None:
-        return None
-    if path in (HEALTH, READY):
-        route, allow = path, "HEAD, GET"
-    elif path in (LIVE_V2, READY_V2):
-        route, allow = path, "GET"
-    elif match := _MODEL_READY.fullmatch(path):
-        route, allow = (MODEL_READY if match.group(2) is None else VERSION_READY), "GET"
-    else:
-        return None
-    return route, error_response(405, "Method Not Allowed", {"Allow": allow})
-
-
 def answer(state: ProbeState, route: str, name: str, version: str) -> Response:
     """The answer to the probe `route` (as `probe` names it)."""
     if route in (MODEL_READY, VERSION_READY):

@@ -8,6 +8,10 @@ HTTP protocol (which also answers bytes that are not HTTP in the service's JSON 
   its headers and stalled. The body's deadline is the app's (`service.http.body.read_body`: 408);
 - a request head may hold at most MAX_HEAD_BYTES, else a JSON 431 and the connection closed:
   httptools buffers a head of any size (h11, uvicorn's other parser, has a limit of its own);
+- no request is lost where uvicorn ends a connection (`_HttpToolsConnection`): a reply that
+  closes the connection before its request's body came still reaches the client (the
+  connection lingers), requests followed by the client's half-close are answered, and the
+  drain gives a connection between requests a moment for its next request, and answers it;
 - a response the client stops reading: once the connection's send buffer is full, it must
   drain within `write_timeout_s`, else the connection is dropped (uvicorn would wait forever,
   holding the response and whatever the request holds).
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import select
 import socket
 import struct
 from collections.abc import Callable
@@ -98,7 +103,8 @@ def bounded_protocol(
         protocol.HIGH_WATER_LIMIT = BODY_BUFFER_BYTES
     direct = body_sink is not None and AutoHTTPProtocol is httptools_impl.HttpToolsProtocol
     base = DirectBodyProtocol if direct else AutoHTTPProtocol
-    bases = (_HeadLimit, base) if issubclass(base, httptools_impl.HttpToolsProtocol) else (base,)
+    httptools = issubclass(base, httptools_impl.HttpToolsProtocol)
+    bases = (_HttpToolsConnection, base) if httptools else (base,)
 
     class BoundedHTTPProtocol(*bases):
         _head_deadline: asyncio.TimerHandle | None = None
@@ -171,23 +177,51 @@ def bounded_protocol(
     return lambda **kwargs: BufferedConnection(BoundedHTTPProtocol(**kwargs))
 
 
-class _HeadLimit(httptools_impl.HttpToolsProtocol):
-    """Counts the bytes of each request head as they arrive; past MAX_HEAD_BYTES, a 431. A
-    chunk is counted when the parser was reading a head before and after it and no head ended
-    in it; the chunk that ends one message and starts the next (pipelining) is not, so a head
-    may pass the limit by one read's worth before it is refused. After the 431 the connection
-    discards what the client still sends for a moment before it closes: closing on unread bytes
-    would reset the connection, and the client would lose the reply."""
+class _HttpToolsConnection(httptools_impl.HttpToolsProtocol):
+    """uvicorn's httptools protocol with what it lacks over a connection's life:
+
+    - a head limit: the bytes of each request head are counted as they arrive; past
+      MAX_HEAD_BYTES, a 431. A chunk is counted when the parser was reading a head before and
+      after it and no head ended in it; the chunk that ends one message and starts the next
+      (pipelining) is not, so a head may pass the limit by one read's worth before it is refused;
+    - a close that lingers: when the connection closes while the client may still be sending
+      its request (the 431, or an answer given before its body came that says
+      `Connection: close`: a 408, the front ends' 405), the reply is followed by the end of the
+      stream and what the client still sends is read and dropped for a moment before the
+      connection closes: closing on unread bytes would reset the connection, and the client
+      could lose the reply;
+    - a half-close: a client that ends its stream after whole requests (shutdown(SHUT_WR)) sends
+      no more, it has not left: its requests are answered, then the connection is closed
+      (uvicorn takes the end of the stream for a disconnect and drops them). A request cut
+      short by it never completes: that connection is closed at once. The end of the stream
+      alone does not tell a half-close from a client that closed the connection (and whose
+      requests are withdrawn, sparing the work): a Unix socket tells at once, and a TCP client
+      that has closed answers bytes with a reset. Those bytes are a `100 Continue` (a client
+      must take a 1xx it did not ask for) before the response, and the connection is checked
+      every _LEFT_CHECK_S until its response is sent;
+    - the drain (uvicorn's `shutdown`): uvicorn closes every connection between requests at
+      once, and with it a request that has begun to arrive on it (read, or still in the
+      socket), or that the client sends just then: an active client's connection is between
+      requests for a moment after each response. Here such a connection waits _DRAIN_IDLE_S
+      for its next request, which is answered, as one in flight is, with `Connection: close`;
+    - the keep-alive timeout spares a connection whose next request waits in the socket unread
+      (the event loop was busy): it is served. What no server can spare is a request whose
+      first byte arrives after the close: its client finds the connection closed with nothing
+      read, and can tell that nothing of it was done.
+    """
 
     _in_head = True  # awaiting or reading a request head
     _heads = 0  # heads parsed on this connection
     _head_bytes = 0
-    _discarding = False
+    _open = False  # a request has begun to arrive and not all of it has
+    _draining = False
+    _lingering = False
+    _dropped = 0  # bytes read and dropped while lingering
 
     def data_received(self, data: bytes) -> None:
-        if self._discarding:
-            self._head_bytes += len(data)
-            if self._head_bytes > _DISCARD_BYTES:
+        if self._lingering:
+            self._dropped += len(data)
+            if self._dropped > _DISCARD_BYTES:
                 self.transport.abort()
             return
         in_head, heads = self._in_head, self._heads
@@ -198,27 +232,146 @@ class _HeadLimit(httptools_impl.HttpToolsProtocol):
             if self._head_bytes > MAX_HEAD_BYTES:
                 self._refuse_head()
 
-    def _refuse_head(self) -> None:
-        log.info("refusing a request head of over %d bytes", MAX_HEAD_BYTES)
-        what = f"the request head (request line and headers) is over {MAX_HEAD_BYTES} bytes"
-        body = json.dumps({"error": what}).encode()
-        self.transport.write(_reply_head("431 Request Header Fields Too Large", body) + body)
-        self.transport.write_eof()
-        self._discarding = True
-        self.loop.call_later(_DISCARD_S, self.transport.close)
+    def eof_received(self) -> bool | None:
+        """True keeps the connection open to answer the requests already whole, unless the
+        client has closed both ways (left: its requests are withdrawn, as uvicorn does)."""
+        last = self.pipeline[0][0] if self.pipeline else self.cycle
+        if self._lingering or self._open or last is None or last.response_complete:
+            return None  # the transport closes
+        if self._client_left():
+            return None
+        last.keep_alive = False  # closed once its response is sent
+        cycle = self.cycle
+        if not cycle.response_started and cycle.scope["http_version"] == "1.1":
+            # a TCP client that closed both ways answers bytes with a reset: the check sees it
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            cycle.waiting_for_100_continue = False
+        self.loop.call_later(_LEFT_CHECK_S, self._check_client)
+        return True
+
+    def shutdown(self) -> None:
+        self._draining = True  # on_headers_complete: each request read from now is the last
+        if self.cycle is not None and not self.cycle.response_complete:
+            super().shutdown()  # the request in flight is the last
+        elif not self._lingering:
+            self.loop.call_later(_DRAIN_IDLE_S, self._drain_idle)
+
+    def _drain_idle(self) -> None:
+        """The drain's wait for a connection's next request is over: closed unless a request
+        is in flight (then it closes after the response) or waits in the socket."""
+        if self.transport.is_closing() or (self.cycle and not self.cycle.response_complete):
+            return
+        if self._unread():
+            self.loop.call_later(_DRAIN_IDLE_S, self._drain_idle)
+        else:
+            self.end()  # a request head that has not all come on time is not waited for
+
+    def timeout_keep_alive_handler(self) -> None:
+        if not self._unread():  # a request arrives just as the connection idles out: served
+            super().timeout_keep_alive_handler()
+
+    def on_message_begin(self) -> None:
+        self._open = True
+        super().on_message_begin()
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._heads += 1
         self._head_bytes = 0
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # not an upgrade
+            cycle.transport = _CycleTransport(self)
+            if self._draining:
+                cycle.keep_alive = False
 
     def on_message_complete(self) -> None:
+        self._open = False
         super().on_message_complete()
         self._in_head = True
 
+    def on_response_complete(self) -> None:
+        if not self._lingering:
+            super().on_response_complete()
 
-_DISCARD_S = 1.0  # how long a refused head's connection discards the client's bytes at most
+    def end(self) -> None:
+        """Close the connection, lingering while its request still arrives (what a request
+        cycle's close does, see _CycleTransport)."""
+        if self._lingering:
+            return  # closes as the lingering ends
+        if self._open and not self.transport.is_closing():
+            self._linger()
+        else:
+            self.transport.close()
+
+    def _refuse_head(self) -> None:
+        log.info("refusing a request head of over %d bytes", MAX_HEAD_BYTES)
+        what = f"the request head (request line and headers) is over {MAX_HEAD_BYTES} bytes"
+        body = json.dumps({"error": what}).encode()
+        self.transport.write(_reply_head("431 Request Header Fields Too Large", body) + body)
+        self._linger()
+
+    def _linger(self) -> None:
+        """The end of the stream after what was written; what the client still sends is read
+        and dropped for _DISCARD_S at most (and _DISCARD_BYTES: past them it is reset), then the
+        connection closes (at once when the client closes its end)."""
+        self.transport.write_eof()
+        self._lingering = True
+        self.flow.resume_reading()
+        self.loop.call_later(_DISCARD_S, self.transport.close)
+
+    def _check_client(self) -> None:
+        """While a half-closed connection's requests are answered: a client found gone has its
+        requests withdrawn (the connection drops, as when it leaves mid-request)."""
+        if self.transport.is_closing():
+            return
+        if self._client_left():
+            log.debug("dropping a half-closed connection: its client has closed it")
+            self.transport.abort()
+        else:
+            self.loop.call_later(_LEFT_CHECK_S, self._check_client)
+
+    def _client_left(self) -> bool:
+        """Whether the client has closed the connection both ways: a Unix socket says so once
+        it has, TCP once the client has answered bytes sent to it with a reset."""
+        return self._polled(0)  # POLLHUP and POLLERR, which poll always reports
+
+    def _unread(self) -> bool:
+        """Whether bytes (or the end of the stream) wait in the socket, not read yet."""
+        return self._polled(select.POLLIN)
+
+    def _polled(self, events: int) -> bool:
+        sock = self.transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        poller = select.poll()
+        poller.register(sock.fileno(), events)
+        return bool(poller.poll(0))
+
+
+class _CycleTransport:
+    """The transport as uvicorn's request cycle sees it (it writes, asks whether the connection
+    is closing, and closes it once a response says `Connection: close`): its close is the
+    connection's, which lingers while the request still arrives."""
+
+    def __init__(self, connection: _HttpToolsConnection) -> None:
+        self.connection = connection
+        self.write = connection.transport.write
+
+    def is_closing(self) -> bool:
+        return self.connection._lingering or self.connection.transport.is_closing()
+
+    def close(self) -> None:
+        self.connection.end()
+
+
+# During the drain, how long a connection between requests waits for its next request before
+# it closes: an active client sends it within moments of its last response.
+_DRAIN_IDLE_S = 1.0
+# How often a half-closed connection whose requests are being answered checks that its client
+# is still there: a client that has closed both ways has its requests withdrawn within this.
+_LEFT_CHECK_S = 0.1
+_DISCARD_S = 1.0  # how long a lingering connection discards the client's bytes at most
 _DISCARD_BYTES = 1 << 20  # and how many: past them it is reset
 
 

@@ -78,3 +78,23 @@ def test_served_timings_are_captured_where_a_backend_captures_and_auto_is_timed_
         assert point.auto_served_ratio is not None and point.best_served != "auto"
     rule = rule_table(run)["rules"]["fp8-block/small"]
     assert rule["plan"] and "triton" in rule["captured"]
+
+
+def test_tune_times_graph_replays_and_writes_tiles_that_run_on_a_small_layer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The search's CUDA path (each candidate built, replayed from a graph, confirmed on fresh
+    routings) on a decode and a prefill bucket, its rounds cut to one choice each."""
+    from moe_serve.bench import tune as tuning
+
+    monkeypatch.setattr(tuning, "_GEMM_CHOICES", ((64, 64, 4),))
+    monkeypatch.setattr(tuning, "_GEMM2_CHOICES", ((128, 64, 4),))
+    monkeypatch.setattr(tuning, "_DECODE_CHOICES", ((32, 4, 3),))
+    monkeypatch.setattr(tuning, "_PREFILL_CHOICES", {"gemm1": ((64, 64, 4, 3),),
+                                                      "gemm2": ((128, 64, 8, 4),)})  # fmt: skip
+    monkeypatch.setattr(tuning, "_PER_PAIR_CHOICES", ((16, 128, 2),))
+    cfg = MoEConfig(16, 512, 256, RoutingConfig(top_k=4))
+    out = tmp_path / "tuned.json"
+    body = tuning.tune(tuning.TuneRequest(cfg, (1, 300), out), torch.device("cuda"))
+    assert set(body["buckets"]) == {"1", "300"}
+    assert all(entry["us"] > 0 for entry in body["buckets"].values())

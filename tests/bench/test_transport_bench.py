@@ -30,9 +30,9 @@ def test_transport_bench_times_every_transport_and_writes_json(tmp_path: Path) -
         assert result["matches_http_binary"], name
         assert 0 < result["p50_ms"] <= result["p90_ms"], name
         assert result["server_forward_ms"] > 0, name
-        # the server's own times nest: handler > infer > forward, and the client's latency
-        # holds the handler
-        assert result["mean_ms"] > result["server_handler_ms"] > result["server_infer_ms"], name
+        # the server's own times nest: handler > infer > forward (one clock; the client's
+        # latency is another's, and the handler's span ends after the reply has left)
+        assert result["server_handler_ms"] > result["server_infer_ms"], name
         assert result["server_infer_ms"] > result["server_forward_ms"], name
     assert set(demo["floor"]) == {"grpc", "http"}
     assert all(floor["p50_ms"] > 0 for floor in demo["floor"].values())

@@ -13,6 +13,7 @@ import torch
 
 from moe_serve.bench import environment
 from moe_serve.bench.tune import (
+    PREFILL_SMEM_BYTES,
     TuneRequest,
     buckets_to_search,
     candidates,
@@ -23,6 +24,7 @@ from moe_serve.bench.tune import (
     order_choices,
     parse_shape,
     per_pair_choices,
+    prefill_choices,
     tune,
 )
 from moe_serve.kernels.experts import triton as triton_experts
@@ -52,7 +54,7 @@ def test_tune_later_rounds_vary_gemm2_alone_then_the_program_order_of_both() -> 
     assert all(128 % t.gemm2.block_k == 0 for t in second)
     third = order_choices(second[-1])
     assert sorted(t.gemm1.group_m for t in third) == sorted(t.gemm2.group_m for t in third)
-    assert len({t.gemm1.group_m for t in third}) == len(third) == 3
+    assert len({t.gemm1.group_m for t in third}) == len(third) == 4
 
 
 def test_tune_decode_round_varies_one_gemm_past_four_stages_within_shared_memory() -> None:
@@ -74,6 +76,25 @@ def test_tune_decode_round_varies_one_gemm_past_four_stages_within_shared_memory
     deepest = {g: max(getattr(t, g).num_stages for t in decode_choices(cfg, best, g)
                       if getattr(t, g).block_n == 128) for g in ("gemm1", "gemm2")}  # fmt: skip
     assert deepest["gemm1"] < deepest["gemm2"]
+
+
+def test_tune_prefill_round_varies_one_gemm_within_all_of_the_shared_memory() -> None:
+    """Past the heuristic's budget (its large tiles get 4 stages there at most), never past the
+    block's, and within the fp8 scale blocks."""
+    for scheme in (QuantScheme.NONE, QuantScheme.FP8_BLOCK):
+        cfg = Case(scheme).config()
+        best = tiles.heuristic_tiles(cfg, 4096)
+        elem = 1 if cfg.quant.spec.act_quant else cfg.dtype.itemsize
+        for gemm, other in (("gemm1", "gemm2"), ("gemm2", "gemm1")):
+            found = prefill_choices(cfg, best, gemm)
+            assert found and all(getattr(t, other) == getattr(best, other) for t in found)
+            b_tiles = 2 if gemm == "gemm1" else 1
+            smem = [(best.block_m + b_tiles * getattr(t, gemm).block_n) * getattr(t, gemm).block_k
+                    * elem * getattr(t, gemm).num_stages for t in found]  # fmt: skip
+            assert max(smem) <= PREFILL_SMEM_BYTES
+            assert all(128 % getattr(t, gemm).block_k == 0 for t in found)
+        if scheme == QuantScheme.NONE:  # 16-bit: deeper than the heuristic's budget allows
+            assert max(smem) > tiles.SMEM_BUDGET_BYTES
 
 
 def test_tune_searches_buckets_the_file_lacks_and_on_retune_each_named_one_with_its_tiles(

@@ -7,7 +7,12 @@ import gc
 import pytest
 import torch
 
-from moe_serve.kernels.graph_capture import capturing, capturing_phases, phase_boundary
+from moe_serve.kernels.graph_capture import (
+    capturing,
+    capturing_phases,
+    phase_boundary,
+    replay_of,
+)
 
 
 class FakeGraph:
@@ -165,3 +170,21 @@ def test_the_phases_of_a_capture_replay_its_work_in_order_on_any_streams() -> No
         graphs[1].replay()
     torch.cuda.synchronize()
     assert z.tolist() == [7.0] * 4
+
+
+@pytest.mark.gpu
+def test_replay_of_runs_the_call_once_then_replays_its_device_work_without_it() -> None:
+    x = torch.ones(4, device="cuda")
+    out = torch.zeros(4, device="cuda")
+    calls = []
+
+    def work() -> None:
+        calls.append(1)
+        out.copy_(x * 2)
+
+    replay = replay_of(work)
+    assert len(calls) == 2  # the warm-up call and the captured one
+    x.fill_(5)
+    replay()
+    torch.cuda.synchronize()
+    assert out.tolist() == [10.0] * 4 and len(calls) == 2

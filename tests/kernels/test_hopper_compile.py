@@ -103,6 +103,7 @@ def _launch_every_kernel() -> None:
     ids = torch.tensor([[2, 0], [1, 2], [0, 3]], dtype=torch.int32)
     weights = torch.rand(3, 2)
     sort_pairs(ids, weights, 4)
+    sort_pairs(torch.randint(0, 4, (33, 4), dtype=torch.int32), torch.rand(33, 4), 4)  # a grid
     route_rows(torch.randn(3, 8), RoutingConfig(top_k=2))
     x = torch.randn(3, 300)
     for how in ActQuant:  # the experts use the torch twin on a CPU: the kernel itself here

@@ -1,26 +1,30 @@
 """The front-end channel in one process: EngineClient (a front end's end) against ChannelServer on
-a real CPU engine and batcher. Replies match the reference, errors keep their status and
-headers, a withdrawn forward leaves the queue and is answered 499, a front end that goes away
-takes its queued forwards with it, DONE records reach the metrics, and records cut anywhere by
-the socket's reads arrive whole."""
+a real CPU engine and batcher. Replies match the reference, a JSON reply lies in the region or,
+longer than its room, comes whole over the channel, errors keep their status and headers (for
+safetensors and JSON bodies alike), a withdrawn forward leaves the queue and is answered 499, a
+front end that goes away takes its queued forwards with it, DONE records reach the metrics, and
+records cut anywhere by the socket's reads arrive whole."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from moe_serve.service.codecs.safetensors_wire import decode_safetensors, encode_safetensors
 from moe_serve.service.core.runtime import Runtime
 from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher
-from moe_serve.service.frontends.arena import BLOCK_BYTES, BodyArena
+from moe_serve.service.frontends.arena import BLOCK_BYTES, BodyArena, Region
 from moe_serve.service.frontends.channel import (
     DONE,
     DONE_FIELDS,
     FORWARD,
+    REPLY,
     EngineClient,
     RecordReader,
     RecordWriter,
@@ -61,11 +65,23 @@ def run(policy: BatchPolicy, body: Callable[..., Awaitable]) -> object:
     return asyncio.run(main())
 
 
-def _lay(client, x: torch.Tensor):
-    body = encode_safetensors({"hidden_states": x}, {})
+def _lay(client, x: torch.Tensor, as_json: bool = False):
+    """`x` as a body in a region of the client's arena: a safetensors blob, or JSON."""
+    if as_json:
+        body = json.dumps({"hidden_states": x.tolist()}).encode()
+    else:
+        body = encode_safetensors({"hidden_states": x}, {})
     region = client.arena.allocate(len(body))
     client.arena.body(region)[:] = body
     return region
+
+
+def _ask(client, as_json: bool):
+    """The client's call for a body laid by `_lay(..., as_json)`."""
+    return client.forward_json if as_json else client.forward
+
+
+BODY_KINDS = pytest.mark.parametrize("as_json", [False, True], ids=["safetensors", "json"])
 
 
 def _never() -> Awaitable:
@@ -112,14 +128,16 @@ def test_forwards_match_the_reference_and_their_done_records_are_counted() -> No
     assert registry.get_sample_value("moe_serve_request_seconds_count", labels) == 3
 
 
-def test_errors_keep_their_status_message_and_headers() -> None:
+@BODY_KINDS
+def test_errors_keep_their_status_message_and_headers(as_json: bool) -> None:
     async def body(engine, _metrics, client):
-        unknown = await client.forward("nope", _lay(client, rows(1, 0)), _never)
-        bad = await client.forward(TINY, _lay(client, torch.randn(2, H + 1)), _never)
+        ask = _ask(client, as_json)
+        unknown = await ask("nope", _lay(client, rows(1, 0), as_json), _never)
+        bad = await ask(TINY, _lay(client, torch.randn(2, H + 1), as_json), _never)
         engine.gate.clear()  # the first forward holds the engine; max_queue 1: the next is 429
-        held = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(1, 1)), _never))
+        held = asyncio.ensure_future(ask(TINY, _lay(client, rows(1, 1), as_json), _never))
         await _forward_begun(engine)
-        full = await client.forward(TINY, _lay(client, rows(1, 2)), _never)
+        full = await ask(TINY, _lay(client, rows(1, 2), as_json), _never)
         engine.gate.set()
         return unknown, bad, full, await held
 
@@ -132,13 +150,15 @@ def test_errors_keep_their_status_message_and_headers() -> None:
     assert held.status == 200
 
 
-def test_a_withdrawn_forward_leaves_the_queue_and_is_answered_499() -> None:
+@BODY_KINDS
+def test_a_withdrawn_forward_leaves_the_queue_and_is_answered_499(as_json: bool) -> None:
     async def body(engine, metrics, client):
+        ask = _ask(client, as_json)
         engine.gate.clear()
-        running = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(3, 0)), _never))
+        running = asyncio.ensure_future(ask(TINY, _lay(client, rows(3, 0), as_json), _never))
         await _forward_begun(engine)  # CPU: one forward at a time
         gone = asyncio.Event()
-        queued = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(5, 1)), gone.wait))
+        queued = asyncio.ensure_future(ask(TINY, _lay(client, rows(5, 1), as_json), gone.wait))
         await _queued(metrics, 1)
         gone.set()  # the client went away: CANCEL
         withdrawn = await queued
@@ -149,6 +169,25 @@ def test_a_withdrawn_forward_leaves_the_queue_and_is_answered_499() -> None:
     assert withdrawn.status == 499 and "withdrawn" in withdrawn.error
     assert running.status == 200
     assert batch_sizes == [3]  # the withdrawn rows never ran
+
+
+def test_a_json_reply_lies_in_the_region_or_longer_than_its_room_comes_over_the_channel() -> None:
+    x = rows(40, 3)
+
+    async def body(_engine, _metrics, client):
+        region = _lay(client, x, as_json=True)
+        in_place = await client.forward_json(TINY, region, _never)
+        text = bytes(client.arena.reply(region, in_place.nbytes))
+        cramped = Region(region.offset, region.body_bytes, reply_capacity=in_place.nbytes - 1)
+        carried = await client.forward_json(TINY, cramped, _never)
+        return in_place, text, carried
+
+    in_place, text, carried = run(BatchPolicy(64, 0.0, 16), body)
+    assert (in_place.status, in_place.data) == (200, None)
+    assert (carried.status, carried.nbytes, bytes(carried.data)) == (200, len(text), text)
+    reply = json.loads(text)
+    assert (reply["layer"], reply["tokens"]) == (TINY, 40)
+    torch.testing.assert_close(torch.tensor(reply["output"]), reference_forward(TINY, x))
 
 
 def test_a_front_end_that_goes_away_takes_its_queued_forwards_with_it() -> None:
@@ -169,24 +208,59 @@ def test_a_front_end_that_goes_away_takes_its_queued_forwards_with_it() -> None:
     assert batch_sizes == [3]
 
 
-def test_records_cut_anywhere_by_reads_arrive_whole() -> None:
-    sent = [(FORWARD, b"x" * 40 + TINY.encode()), (DONE, DONE_FIELDS.pack(200, 0.5) + b"/r")]
-    sent *= 3
-
+def test_the_first_record_of_a_turn_goes_out_at_once_the_rest_at_its_end() -> None:
     async def main():
-        wire = bytearray()
+        writes = []
 
         class Sink:
             def write(self, data) -> None:
-                wire.extend(data)
+                writes.append(bytes(data))
 
             def is_closing(self) -> bool:
                 return False
 
         out = RecordWriter(Sink())
-        for kind, payload in sent:
-            out.send(kind, payload)
-        out.flush()
+        out.send(DONE, DONE_FIELDS.pack(200, 0.5) + b"/a")
+        first = list(writes)
+        out.send(DONE, DONE_FIELDS.pack(200, 0.5) + b"/b")
+        out.send(DONE, DONE_FIELDS.pack(200, 0.5) + b"/c")
+        within = list(writes)
+        await asyncio.sleep(0)  # the turn ends
+        after = list(writes)
+        out.send(DONE, DONE_FIELDS.pack(200, 0.5) + b"/d")  # a new turn
+        return first, within, after, writes
+
+    first, within, after, writes = asyncio.run(main())
+    assert len(first) == 1 and first[0].endswith(b"/a")
+    assert within == first  # the others wait for the turn's end
+    assert len(after) == 2 and after[1].endswith(b"/c") and b"/b" in after[1]
+    assert len(writes) == 3 and writes[2].endswith(b"/d")
+
+
+def _wire(records: list[tuple[int, bytes]]) -> bytearray:
+    """The bytes a RecordWriter puts on the wire for `records`, sent and flushed."""
+    wire = bytearray()
+
+    class Sink:
+        def write(self, data) -> None:
+            wire.extend(data)
+
+        def is_closing(self) -> bool:
+            return False
+
+    out = RecordWriter(Sink())
+    for kind, payload in records:
+        out.send(kind, payload)
+    out.flush()
+    return wire
+
+
+def test_records_cut_anywhere_by_reads_arrive_whole() -> None:
+    sent = [(FORWARD, b"x" * 40 + TINY.encode()), (DONE, DONE_FIELDS.pack(200, 0.5) + b"/r")]
+    sent *= 3
+
+    async def main():
+        wire = _wire(sent)
         reader = asyncio.StreamReader()
         records = RecordReader(reader)
         got = []
@@ -199,3 +273,30 @@ def test_records_cut_anywhere_by_reads_arrive_whole() -> None:
     got, at_eof = asyncio.run(main())
     assert got == sent
     assert at_eof is None
+
+
+def test_a_record_longer_than_a_read_arrives_whole_among_others() -> None:
+    """A reply carried whole over the channel: read to its end at once, the records around it
+    as usual."""
+    large = bytes(range(256)) * 1000
+    sent = [(DONE, b"before"), (REPLY, large), (DONE, b"after")]
+
+    async def main():
+        wire = _wire(sent)
+        reader = asyncio.StreamReader()
+        records = RecordReader(reader)
+
+        async def feed() -> None:
+            for at in range(0, len(wire), 10_000):
+                reader.feed_data(wire[at : at + 10_000])
+                await asyncio.sleep(0)
+            reader.feed_eof()
+
+        feeding = asyncio.ensure_future(feed())
+        got = []
+        while (more := await records.read()) is not None:
+            got += more
+        await feeding
+        return got
+
+    assert asyncio.run(main()) == sent

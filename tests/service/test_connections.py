@@ -3,8 +3,10 @@ the open connections are bounded."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import select
 import socket
 import threading
 import time
@@ -14,6 +16,7 @@ import httpx
 import pytest
 import uvicorn
 
+from moe_serve.service.http import server as server_module
 from moe_serve.service.http.app import create_app
 from moe_serve.service.http.server import MAX_HEAD_BYTES, bounded_protocol, listen
 from moe_serve.service.settings import Settings
@@ -246,3 +249,206 @@ def _serving(server: uvicorn.Server) -> Iterator[int]:
     finally:
         server.should_exit = True
         thread.join(WAIT_S)
+
+
+def _forward_request(rows: int = 2) -> bytes:
+    body = json.dumps({"hidden_states": [[0.01] * H for _ in range(rows)]})
+    return (
+        f"POST /v1/layers/{TINY}/forward HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n{body}"
+    ).encode()
+
+
+def _final_answers(reply: bytes) -> list[bytes]:
+    """The status lines of the final responses in `reply` (a 1xx is not one)."""
+    lines = [line for line in reply.split(b"\r\n") if line.startswith(b"HTTP/1.1 ")]
+    return [line for line in lines if not line.startswith(b"HTTP/1.1 1")]
+
+
+@pytest.mark.parametrize(
+    "requests",
+    [
+        b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n",
+        _forward_request(),
+        b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n" + _forward_request(),  # pipelined
+    ],
+    ids=["probe", "forward", "pipelined"],
+)
+def test_whole_requests_then_a_half_close_are_answered_then_closed(server, requests) -> None:
+    """The client's end of stream after whole requests (shutdown(SHUT_WR)) says it sends no
+    more, not that it left: each request is answered, then the connection is closed."""
+    _, port = server
+    with _connect(port) as sock:
+        sock.sendall(requests)
+        sock.shutdown(socket.SHUT_WR)
+        reply = _read_until_closed(sock)
+    answers = [b"HTTP/1.1 200 OK"] * requests.count(b" HTTP/1.1\r\n")
+    assert _final_answers(reply) == answers, reply[:300]
+
+
+def test_a_client_that_closes_its_connection_has_its_waiting_request_withdrawn() -> None:
+    """A client that closes its connection (both ways) while its request waits for company in
+    the batcher: the end of stream alone looks like a half-close, but the client is found gone
+    and its request withdrawn (499), not served to no one."""
+    settings = Settings(device="cpu", max_batch_delay_ms=600_000)
+    with running_server(create_app(settings, tiny_loader)) as url:
+        with httpx.Client(base_url=url) as http:
+            wait_ready(http.get)
+        port = int(url.rsplit(":", 1)[1])
+        with _connect(port) as sock:
+            sock.sendall(_forward_request())
+        _await_499(url)
+
+
+def _await_499(url: str, route: str = "/v1/layers/{name}/forward") -> None:
+    series = f'moe_serve_requests_total{{route="{route}",status="499"}}'
+    deadline = time.monotonic() + WAIT_S
+    while series not in httpx.get(f"{url}/metrics").text:
+        assert time.monotonic() < deadline, "the request was not withdrawn"
+        time.sleep(0.05)
+
+
+def test_a_request_cut_short_by_a_half_close_is_closed_unanswered(server) -> None:
+    _, port = server
+    with _connect(port) as sock:
+        sock.sendall(_forward_request()[:-10])
+        sock.shutdown(socket.SHUT_WR)
+        assert _read_until_closed(sock) == b""
+
+
+def _ok_app():
+    """An app that answers 200 "ok" once it has read the body, and keeps the event loop it runs
+    on in `loop`."""
+    loop: list[asyncio.AbstractEventLoop] = []
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        loop[:] = [asyncio.get_running_loop()]
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    return app, loop
+
+
+def _server_side(server: uvicorn.Server, client: socket.socket) -> socket.socket:
+    """The server's end of the connection `client` (a socket on a duplicate descriptor)."""
+    for connection in server.server_state.connections:
+        sock = connection.transport.get_extra_info("socket")
+        if sock.getpeername() == client.getsockname():
+            return socket.fromfd(sock.fileno(), sock.family, sock.type)
+    raise AssertionError("no such connection")
+
+
+def _drain(server: uvicorn.Server) -> None:
+    """What uvicorn's shutdown does to each connection first (before it waits for them)."""
+    for connection in list(server.server_state.connections):
+        connection.shutdown()
+
+
+REQUEST = b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\n\r\nbody"
+
+
+def _idle_out(server: uvicorn.Server) -> None:
+    """What the keep-alive timeout does to each connection between requests."""
+    for connection in list(server.server_state.connections):
+        connection.timeout_keep_alive_handler()
+
+
+@pytest.mark.parametrize("close", [_drain, _idle_out], ids=["drain", "keep-alive timeout"])
+def test_a_request_waiting_unread_as_its_connection_would_close_is_answered(close) -> None:
+    """uvicorn's shutdown and its keep-alive timeout close a connection between requests: a
+    request the client has sent on it, waiting in the socket unread, would be lost. It is read
+    and answered instead (during the drain with `Connection: close`). The event loop is held
+    while the request arrives, so that the connection would close before the loop could read
+    it."""
+    app, loop = _ok_app()
+    config = uvicorn.Config(app, lifespan="off", log_config=None, http=bounded_protocol(8, WAIT_S))
+    server = uvicorn.Server(config)
+    with _serving(server) as port, _connect(port) as sock:
+        sock.sendall(REQUEST)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")  # a keep-alive connection, idle
+        held, sent = threading.Event(), threading.Event()
+
+        def close_once_the_request_waits() -> None:
+            held.set()
+            assert sent.wait(WAIT_S)
+            with _server_side(server, sock) as theirs:
+                assert select.select([theirs], [], [], WAIT_S)[0], "the request never came"
+            close(server)
+
+        loop[0].call_soon_threadsafe(close_once_the_request_waits)
+        assert held.wait(WAIT_S)
+        sock.sendall(REQUEST)
+        sent.set()
+        reply = _read_until_closed(sock) if close is _drain else sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 200 "), reply
+    assert (b"connection: close\r\n" in reply) == (close is _drain)
+
+
+def test_a_request_begun_as_the_drain_begins_is_answered_then_closed() -> None:
+    """The drain finds part of a request head read (the rest still to come): it is answered
+    once it has all come, then the connection is closed."""
+    app, loop = _ok_app()
+    config = uvicorn.Config(app, lifespan="off", log_config=None, http=bounded_protocol(8, WAIT_S))
+    server = uvicorn.Server(config)
+    with _serving(server) as port, _connect(port) as sock:
+        sock.sendall(REQUEST)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        sock.sendall(REQUEST[:20])
+        with _server_side(server, sock) as theirs:  # until the server has read it
+            deadline = time.monotonic() + WAIT_S
+            while select.select([theirs], [], [], 0)[0]:
+                assert time.monotonic() < deadline, "the server does not read"
+                time.sleep(0.01)
+        drained = threading.Event()
+        loop[0].call_soon_threadsafe(lambda: (_drain(server), drained.set()))
+        assert drained.wait(WAIT_S)
+        sock.sendall(REQUEST[20:])
+        reply = _read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 200 "), reply
+    assert b"connection: close\r\n" in reply
+
+
+@pytest.mark.parametrize("used", [True, False], ids=["idle keep-alive", "no request yet"])
+def test_a_request_on_a_connection_between_requests_during_the_drain_is_answered(
+    monkeypatch: pytest.MonkeyPatch, used: bool
+) -> None:
+    """An active client's connection is between requests for a moment after each response:
+    the drain (uvicorn would close such a connection at once) leaves it open for a while, and
+    answers its next request with `Connection: close`."""
+    monkeypatch.setattr(server_module, "_DRAIN_IDLE_S", WAIT_S)  # no test waits for it
+    app, loop = _ok_app()
+    config = uvicorn.Config(app, lifespan="off", log_config=None, http=bounded_protocol(8, WAIT_S))
+    server = uvicorn.Server(config)
+    with _serving(server) as port, _connect(port) as sock, _connect(port) as other:
+        other.sendall(REQUEST)  # the app's event loop known, the connections accepted
+        assert other.recv(65536).startswith(b"HTTP/1.1 200 ")
+        if used:
+            sock.sendall(REQUEST)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        drained = threading.Event()
+        loop[0].call_soon_threadsafe(lambda: (_drain(server), drained.set()))
+        assert drained.wait(WAIT_S)
+        sock.sendall(REQUEST)
+        reply = _read_until_closed(sock)
+    assert reply.startswith(b"HTTP/1.1 200 "), reply
+    assert b"connection: close\r\n" in reply
+
+
+def test_the_drain_closes_a_connection_whose_next_request_does_not_come() -> None:
+    """Nor one whose next request has begun and stalls: the drain does not wait for them."""
+    app, loop = _ok_app()
+    config = uvicorn.Config(app, lifespan="off", log_config=None, http=bounded_protocol(8, WAIT_S))
+    server = uvicorn.Server(config)
+    with _serving(server) as port, _connect(port) as idle, _connect(port) as stalled:
+        for sock in (idle, stalled):
+            sock.sendall(REQUEST)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        stalled.sendall(REQUEST[:20])
+        loop[0].call_soon_threadsafe(_drain, server)
+        assert _read_until_closed(idle) == b""
+        assert _read_until_closed(stalled) == b""

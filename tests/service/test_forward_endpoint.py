@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from moe_serve.service.http.app import create_app
 from moe_serve.service.http.plain_forward import BINARY as BINARY_MEDIA
-from moe_serve.service.http.plain_forward import JSON, plain_binary_forward, plain_forward
+from moe_serve.service.http.plain_forward import JSON, plain_forward
 from moe_serve.service.http.routes import forward as forward_route
 from moe_serve.service.settings import Settings
 from tests.service.layers import TINY, H, gated_loader
@@ -130,20 +130,21 @@ def test_not_ready_is_503_with_retry_after() -> None:
     assert r.headers["Retry-After"] == "5"
 
 
-def test_only_plain_binary_posts_to_the_forward_route_are_taken() -> None:
+def test_only_plain_posts_to_the_forward_route_are_taken() -> None:
     def scope(method="POST", path=ROUTE, query=b"", media=b"application/octet-stream"):
         headers = [(b"content-type", media)] if media else []
         return {"type": "http", "method": method, "path": path, "query_string": query,
                 "headers": headers}  # fmt: skip
 
-    assert plain_binary_forward(scope()) == TINY
-    assert plain_binary_forward(scope(media=b"Application/Octet-Stream; charset=x")) == TINY
-    assert not plain_binary_forward(scope(query=b"return_routing=true"))
-    assert not plain_binary_forward(scope(media=b"application/json"))
-    assert not plain_binary_forward(scope(media=None))
-    assert not plain_binary_forward(scope(method="GET"))
-    assert not plain_binary_forward(scope(path="/v1/layers/a/b/forward"))
-    assert not plain_binary_forward(scope(path=f"{ROUTE}/x"))
+    binary = (TINY, BINARY_MEDIA)
+    assert plain_forward(scope()) == binary
+    assert plain_forward(scope(media=b"Application/Octet-Stream; charset=x")) == binary
+    assert plain_forward(scope(query=b"return_routing=true")) is None
+    assert plain_forward(scope(media=b"application/json")) == (TINY, JSON)
+    assert plain_forward(scope(media=None)) is None
+    assert plain_forward(scope(method="GET")) is None
+    assert plain_forward(scope(path="/v1/layers/a/b/forward")) is None
+    assert plain_forward(scope(path=f"{ROUTE}/x")) is None
 
 
 def test_a_json_forward_with_or_without_a_query_takes_the_endpoint_and_gets_one_reply(

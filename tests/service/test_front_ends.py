@@ -1,7 +1,7 @@
-"""`--http-workers`: front-end processes that lay binary forwards (and JSON ones, decoded) in
-shared memory for the engine process and relay everything else; replies equal the one-process
-service's, metrics are the engine's, a dead front end comes back, and nothing the arena holds
-is handed out twice."""
+"""`--http-workers`: front-end processes that lay binary forwards (and JSON ones, decoded, or as
+their text) in shared memory for the engine process and relay everything else; replies equal
+the one-process service's, metrics are the engine's, a dead front end comes back, and nothing
+the arena holds is handed out twice."""
 
 from __future__ import annotations
 
@@ -43,10 +43,12 @@ from moe_serve.service.frontends.supervisor import json_here_bytes, remove_stale
 from moe_serve.service.http.server import MAX_HEAD_BYTES
 from moe_serve.service.settings import Settings
 from tests.service.layers import NO_ROUTER, TINY, H, reference_forward, running_front_ends
+from tests.service.test_connections import _await_499, _final_answers
 from tests.service.test_wire import HOSTILE_HEADERS
 
 BINARY = {"Content-Type": "application/octet-stream"}
 TOKEN = "front-end-test-token-0123456789"
+WAIT_S = 30.0  # what a test waits for an answer before calling it a hang
 FORWARD_200 = 'moe_serve_requests_total{route="/v1/layers/{name}/forward",status="200"}'
 
 
@@ -216,6 +218,21 @@ def test_the_arena_never_hands_out_a_region_twice(tmp_path: Path) -> None:
     assert not arena.path.exists()
 
 
+def test_a_lent_reply_holds_its_region_until_its_last_view_is_gone(tmp_path: Path) -> None:
+    arena = BodyArena.create(tmp_path, 8 * BLOCK_BYTES)
+    region = arena.allocate(1)
+    arena.reply(region, 3)[:] = b"out"
+    reply = arena.lend_reply(region, 3)
+    rest = reply[1:]  # what a transport keeps of a partly written reply
+    del reply
+    assert bytes(rest) == b"ut"
+    assert arena.allocate(1).offset != region.offset  # still the reply's
+    del rest
+    assert arena.allocate(1).offset == region.offset  # freed with the last view
+    arena.close()
+    arena.unlink()
+
+
 def test_json_forwards_are_decoded_by_the_front_end_and_equal_the_engines_reply(
     front_ends, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -302,12 +319,19 @@ def test_bad_json_forwards_get_the_engines_error(front_ends, layer, body, status
     assert reply.headers["X-Request-ID"]
 
 
-def test_a_json_forward_asking_for_the_routing_is_relayed_with_its_body(front_ends) -> None:
+def test_a_json_forward_asking_for_the_routing_goes_to_the_engine_as_its_text(
+    front_ends, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Through the arena, not relayed: the engine writes the routing's JSON."""
     url = _url(front_ends)
     body = {"hidden_states": torch.randn(3, H).tolist(), "return_routing": True}
-    reply = httpx.post(f"{url}/v1/layers/{TINY}/forward", json=body)
+    with caplog.at_level(logging.INFO, logger="moe_serve.service.http.middleware"):
+        reply = httpx.post(f"{url}/v1/layers/{TINY}/forward", json=body)
+    assert "/forward" not in caplog.text
     assert reply.status_code == 200, reply.text
     assert set(reply.json()) >= {"output", "topk_ids", "topk_weights"}
+    relayed = httpx.post(f"{url}/v1/layers/{TINY}/forward?priority=0", json=body)
+    assert reply.content == relayed.content
 
 
 def test_a_json_body_becomes_the_float32_blob_the_engine_would_decode() -> None:
@@ -622,7 +646,8 @@ def _config(tmp_path: Path, engine_http: Path) -> FrontEndConfig:
         listen_fd=-1, engine_http=str(engine_http), engine_channel=str(tmp_path / "channel.sock"),
         engine_state=str(state.path), engine_stale_s=STALE_S, arena_dir=str(tmp_path / "no-arena"),
         api_token=None, max_connections=4, read_timeout_s=10.0, max_body_bytes=1 << 20,
-        json_here_bytes=1 << 20, drain_timeout_s=1.0, log_level="info", log_format="text",
+        json_here_bytes=1 << 20, max_json_bytes=1 << 20, drain_timeout_s=1.0, log_level="info",
+        log_format="text", routes=[],
     )  # fmt: skip
 
 
@@ -667,3 +692,111 @@ def test_a_front_end_imports_no_torch() -> None:
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert run.stdout.strip() == "[]"
+
+
+METHODS = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]
+
+
+@pytest.fixture(scope="module")
+def patient_front_ends():
+    """Front ends whose read timeout no test waits for: an answer that comes is not a 408."""
+    settings = Settings(device="cpu", http_workers=1, grpc_port=0, read_timeout_s=3600)
+    with running_front_ends(settings) as running:
+        yield running
+
+
+def _engine_client(front_ends) -> httpx.Client:
+    """A client of the engine process's own HTTP server (what the front ends relay to)."""
+    transport = httpx.HTTPTransport(uds=str(front_ends.http_path))
+    return httpx.Client(transport=transport, base_url="http://engine", timeout=WAIT_S)
+
+
+def _paths(engine: httpx.Client) -> list[str]:
+    """A path of each of the engine's routes (its API's and the docs'), parameters filled in."""
+    templates = [*engine.get("/openapi.json").json()["paths"], "/docs", "/redoc", "/openapi.json"]
+    filled = {"{name}": TINY, "{version}": "1"}
+    for name, value in filled.items():
+        templates = [path.replace(name, value) for path in templates]
+    return templates
+
+
+def _methods(reply: httpx.Response) -> set[str]:
+    return {m.strip() for m in reply.headers["allow"].split(",")}
+
+
+def test_a_route_asked_with_a_method_it_does_not_take_is_the_engines_405_at_once(
+    patient_front_ends,
+) -> None:
+    """For every route of the engine (the probes too) and method, the front end answers what
+    the engine does; a 405 is the engine's (JSON error, Allow), and a path no route has the
+    engine's 404, each coming without waiting for a body that never comes, whose connection is
+    then closed. A path one slash away from a route's is the engine's redirect."""
+    url, port = _url(patient_front_ends), patient_front_ends.listener.getsockname()[1]
+    with _engine_client(patient_front_ends) as engine, httpx.Client(timeout=WAIT_S) as http:
+        refused = []
+        for path in [*_paths(engine), "/nope", "/v2/models/x/y/z", "/v1/layers/", "/health/"]:
+            for method in METHODS:
+                mine, theirs = engine.request(method, path), http.request(method, url + path)
+                assert theirs.status_code == mine.status_code, (method, path, theirs.text)
+                if mine.status_code == 405:
+                    refused.append((method, path))
+                    assert theirs.content == mine.content, (method, path)
+                    assert _methods(theirs) == _methods(mine), (method, path)
+                if mine.status_code in (307, 404):
+                    assert theirs.content == mine.content, (method, path)
+                    where = [httpx.URL(r.headers.get("location", "")).path for r in (theirs, mine)]
+                    assert where[0] == where[1], (method, path)  # each on the host it was asked
+                if mine.status_code == 404 and path in ("/nope", "/v2/models/x/y/z"):
+                    refused.append((method, path))
+    assert len({path for _, path in refused}) > 20  # the probes, KServe's GET and POST routes
+    for method, path in refused:
+        if method != "HEAD":
+            with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+                head = f"{method} {path} HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n"
+                sock.sendall(head.encode() + b"{")
+                reply = b""
+                while chunk := sock.recv(65536):  # the body never comes: closed after the 4xx
+                    reply += chunk
+            status = b"404" if path in ("/nope", "/v2/models/x/y/z") else b"405"
+            assert reply.startswith(b"HTTP/1.1 " + status), (method, path, reply[:100])
+            assert b"connection: close\r\n" in reply
+
+
+def _half_closed_requests() -> dict[str, bytes]:
+    blob = _blob(torch.randn(4, H, generator=torch.Generator().manual_seed(1)))
+    rows = json.dumps({"hidden_states": [[0.01] * H] * 2}).encode()
+    forward = f"POST /v1/layers/{TINY}/forward HTTP/1.1\r\nHost: t\r\nContent-Type: "
+    return {
+        "probe": b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n",
+        "relayed": b"GET /v1/layers HTTP/1.1\r\nHost: t\r\n\r\n",
+        "binary forward": (
+            f"{forward}application/octet-stream\r\nContent-Length: {len(blob)}\r\n\r\n".encode()
+            + blob
+        ),
+        "json forward": (
+            f"{forward}application/json\r\nContent-Length: {len(rows)}\r\n\r\n".encode() + rows
+        ),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_half_closed_requests()))
+def test_a_whole_request_then_a_half_close_is_answered_by_the_front_end(front_ends, kind) -> None:
+    """The client's end of stream (shutdown(SHUT_WR)) after a whole request: answered, then the
+    connection is closed, as in one process."""
+    port = front_ends.listener.getsockname()[1]
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+        sock.sendall(_half_closed_requests()[kind])
+        sock.shutdown(socket.SHUT_WR)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    assert _final_answers(reply) == [b"HTTP/1.1 200 OK"], reply[:300]
+
+
+def test_a_client_that_closes_its_connection_has_its_relayed_request_withdrawn() -> None:
+    """The front end finds the client gone (its end of stream alone looks like a half-close)
+    and withdraws the relayed request from the engine, which counts it 499."""
+    settings = Settings(device="cpu", http_workers=1, grpc_port=0, max_batch_delay_ms=600_000)
+    with running_front_ends(settings) as front_ends:
+        _infer_held(front_ends.listener.getsockname()[1]).close()
+        _await_499(_url(front_ends), "/v2/models/{name}/infer")

@@ -1,7 +1,8 @@
 """`--http-workers` on a GPU: bodies in a front end's arena are copied to the device from where
 they lie and outputs straight back into the arena (registered with CUDA). Replies match the
 reference for merged, padded and split batches, in the layer's dtype (the direct path) and in
-another (cast, then copied), and a NaN body is still a 400."""
+another (cast, then copied), a NaN body is still a 400, and a large JSON body is read on the
+device from the arena."""
 
 from __future__ import annotations
 
@@ -107,12 +108,13 @@ def test_a_nan_body_is_refused_by_name(url: str) -> None:
     assert "row 2, column 5" in reply.text
 
 
-@pytest.mark.parametrize("tokens", [3, 900], ids=["decoded-by-the-front-end", "relayed"])
-def test_json_forwards_match_the_reference_on_either_side_of_the_relay_size(
+@pytest.mark.parametrize("tokens", [3, 900], ids=["decoded-by-the-front-end", "read-on-the-gpu"])
+def test_json_forwards_match_the_reference_on_either_side_of_the_front_ends_json_size(
     url: str, tokens: int
 ) -> None:
-    """A large JSON body goes to the engine, which reads it and prints its output on the GPU
-    (service/codecs/json_device.py; in pieces here: MAX_BATCH rows at a time)."""
+    """A large JSON body goes to the engine as its text, through the front end's arena; the
+    engine reads it and prints its output on the GPU (service/codecs/json_device.py; in pieces
+    here: MAX_BATCH rows at a time)."""
     x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(tokens)).bfloat16()
     body = json.dumps({"hidden_states": x.float().tolist()}).encode()
     assert json_device.worth_it(len(body)) == (tokens > 3)

@@ -280,6 +280,47 @@ def test_large_binary_bodies_read_into_pinned_memory_by_a_real_server_match_the_
     assert taken == [True, False, True, True, True]  # 3 rows: under PINNED_BODY_MIN
 
 
+def test_large_json_bodies_read_into_pinned_memory_by_a_real_server_answer_as_binary_ones(
+    gpu_client,
+) -> None:
+    """One process on a GPU: the connection reads a JSON body the device parses straight into
+    pinned memory, from which it is copied to the device; the output is the binary forward's. A
+    small JSON body is read as bytes, and a large one the device does not read gets the host
+    path's 400."""
+    _, cache = gpu_client
+    app = create_app(Settings(device="cuda", cache_dir=cache, max_batch_tokens=1024))
+    sink, taken = app.state.body_sink, []
+
+    def counting_sink(scope, size):  # a BodySink
+        target = sink(scope, size)
+        taken.append(target is not None)
+        return target
+
+    app.state.body_sink = counting_sink
+    as_json = {"Content-Type": "application/json"}
+    with running_server(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        wait_ready(http.get, GPU_READY_TIMEOUT_S)
+        for tokens in (300, 3):
+            hidden = torch.randn(tokens, 256).bfloat16()
+            binary = http.post(
+                "/v1/layers/demo/forward",
+                content=safetensors.torch.save({"hidden_states": hidden}),
+                headers={"Content-Type": "application/octet-stream"},
+            )
+            body = json.dumps({"hidden_states": hidden.float().tolist()})
+            assert json_device.worth_it(len(body)) == (tokens == 300)
+            r = http.post("/v1/layers/demo/forward", content=body, headers=as_json)
+            assert r.status_code == 200, r.text
+            expected = safetensors.torch.load(binary.content)["output"].float()
+            assert torch.equal(torch.tensor(r.json()["output"]), expected)
+        body = json.dumps({"hidden_states": torch.randn(300, 256).tolist()})
+        r = http.post("/v1/layers/demo/forward", content="[" + body[1:], headers=as_json)
+        assert r.status_code == 400, r.text
+        assert "body is not valid JSON" in r.json()["error"]
+    # binary bodies of 300 and 3 rows are under PINNED_BODY_MIN
+    assert taken == [False, True, False, False, True]
+
+
 def test_large_json_forwards_are_parsed_and_printed_on_the_gpu_as_the_host_would(
     gpu_client, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -232,9 +232,23 @@ def test_a_reply_is_the_host_path_s_reply() -> None:
         "topk_ids": torch.tensor([[1, 0], [2, 3]], dtype=torch.int32),
         "topk_weights": torch.tensor([[0.75, 0.25], [0.5, 0.5]]),
     }
-    reply = json_device.print_reply(output, rest)
+    reply = b"".join(json_device.print_reply(output, rest))
     assert reply == json_tensors.dumps({"output": output} | rest)
     assert orjson.loads(reply)["topk_ids"] == [[1, 0], [2, 3]]
+
+
+@pytest.mark.parametrize("room", [0, -1], ids=["fits exactly", "a byte short"])
+def test_a_reply_printed_into_memory_is_print_reply_s_or_is_not_written(room: int) -> None:
+    output = torch.randn(3, 5, generator=torch.Generator().manual_seed(4)).bfloat16()
+    rest = {"layer": "demo", "tokens": 3, "backend": "torch"}
+    reply = b"".join(json_device.print_reply(output, rest))
+    into = bytearray(b"#" * (len(reply) + room))
+    written = json_device.print_reply_into(output, rest, memoryview(into))
+    if room == 0:
+        assert (written, bytes(into)) == (len(reply), reply)
+    else:
+        assert b"".join(written) == reply
+        assert into == b"#" * len(into)
 
 
 def test_without_device_memory_the_host_reads_and_prints(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -242,11 +256,14 @@ def test_without_device_memory_the_host_reads_and_prints(monkeypatch: pytest.Mon
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(json_device, "parse_rows", no_memory)
-    monkeypatch.setattr(json_device, "print_rows", no_memory)
+    monkeypatch.setattr(json_device, "_rows_text", no_memory)
     assert device(body_of("[[1, 2]]")) is None
     output = torch.ones(1, 2, dtype=torch.bfloat16)
-    reply = json_device.print_reply(output, {"layer": "demo"})
+    reply = b"".join(json_device.print_reply(output, {"layer": "demo"}))
     assert reply == json_tensors.dumps({"output": output, "layer": "demo"})
+    into = memoryview(bytearray(len(reply)))
+    printed = json_device.print_reply_into(output, {"layer": "demo"}, into)
+    assert printed == [reply] and not any(into)  # the caller copies it in
 
 
 def _classes(text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

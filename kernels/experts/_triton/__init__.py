@@ -4,7 +4,7 @@ and the pair sort of `oai-triton`.
     align.py         sort (token, slot) pairs by expert, each expert's run padded to BLOCK_M
     grouped_gemm.py  one grouped GEMM: gather rows -> dequantise weights -> dot -> epilogue
     topk_sum.py      sum each token's k weighted rows
-    sort_pairs.py    sort pairs by expert, stably, for triton_kernels' gather/scatter GEMMs
+    sort_pairs.py    sort pairs by expert for triton_kernels' gather/scatter GEMMs
     quantize.py      dynamic fp8 quantisation of activation rows (tensor / token / 1x128 groups)
     graphs.py        decode: one CUDA graph per token count
     tiles.py         tile sizes per layer shape and M bucket: tuned JSON files or a heuristic

@@ -35,7 +35,7 @@ from ...errors import (
 )
 from ..body import read_body
 from ..examples import DEMO_LOGITS, DEMO_ROWS
-from ..pinned_body import get_pinned_body
+from ..forward_body import get_forward_body
 from ..plain_forward import BINARY, FORWARD_PATH, JSON
 from ..schemas import ErrorBody, ForwardRequest, ForwardResponse, inline_json_schema
 from ..server import client_gone
@@ -161,29 +161,25 @@ class ForwardEndpoint:
         request = Request(scope, receive)
         withdrawn = None
         try:
-            pinned = await get_pinned_body(request, self.runtime)
-            if pinned is None:
-                body = await read_body(request, self.runtime)
+            held = await get_forward_body(request, self.runtime)
+            body = await read_body(request, self.runtime) if held is None else held.body
             runtime = ready(self.runtime)
             return_routing, options = _query(scope["query_string"])
             call = LayerCall.of(runtime, name)
-            media = BINARY if pinned is not None else _media_type(request)
+            media = _media_type(request)
             if media != BINARY and media != JSON:
                 raise UnsupportedMediaType(
                     f"content type {media or '(none)'!r} is not accepted; send {JSON} or {BINARY}"
                 )
             withdrawn = asyncio.ensure_future(client_gone(receive))
-            if pinned is not None:
-                size = await serve_blob_into(call, pinned.body, pinned.reply, True, withdrawn)
-                # its memoryview holds the pinned block until it is sent
-                response = BlobResponse([pinned.reply[:size]])
-            elif media == BINARY:
-                parts = await serve_blob(call, body, options, return_routing, withdrawn)
-                response = BlobResponse(parts)
+            if media == JSON:
+                parts = await serve_json(call, body, options, withdrawn)
+            elif held is not None:  # pinned, with room for the reply
+                size = await serve_blob_into(call, held.body, held.reply, True, withdrawn)
+                parts = [held.reply[:size]]  # its memoryview holds the pinned block until sent
             else:
-                response = Response(
-                    await serve_json(call, body, options, withdrawn), media_type=JSON
-                )
+                parts = await serve_blob(call, body, options, return_routing, withdrawn)
+            response = PiecesResponse(parts, media)
         except ServiceError as err:
             response = error_response(err.status, err.message, err.headers)
         finally:
@@ -196,14 +192,14 @@ def _media_type(request: Request) -> str:
     return request.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
-class BlobResponse(Response):
-    """A safetensors reply sent as its pieces, one ASGI message each: the tensors' bytes are
-    never joined into one copy (a large reply's join would cost the event loop a copy of it)."""
+class PiecesResponse(Response):
+    """A reply (a safetensors blob, or JSON) sent as its pieces, one ASGI message each: a large
+    reply's bytes are never joined into one copy (the join would cost the event loop a copy of
+    it)."""
 
-    media_type = BINARY
-
-    def __init__(self, parts: list[bytes | memoryview]) -> None:
-        super().__init__(None, headers={"content-length": str(sum(map(len, parts)))})
+    def __init__(self, parts: list[bytes | memoryview], media_type: str) -> None:
+        headers = {"content-length": str(sum(map(len, parts)))}
+        super().__init__(None, headers=headers, media_type=media_type)
         self.parts = parts
 
     async def __call__(self, _scope: Scope, _receive: Receive, send: Send) -> None:
