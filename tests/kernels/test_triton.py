@@ -373,10 +373,12 @@ def test_every_program_order_computes_the_same_bits(
     cfg = Case(scheme, torch.float16, num_experts=8, hidden=128, intermediate=160).config()
     routing = random_routing(37, cfg.num_experts, cfg.top_k, seed=5, only=3)
     outs = []
-    for group_m in (0, 3, 32):
+    # groups of 3 leave a partial last group of the 13 row blocks (standard) and divide the 24
+    # (batched); a group of more than either maps the programs as group_m 0 does
+    for group_m in (0, 3):
         tile = GemmTile(64, 64, 4, 2, group_m)
         outs.append(run_triton(cfg, routing, device, fmt, tiles.LayerTiles(16, tile, tile)))
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert torch.equal(outs[0], outs[1])
     assert triton_vs_reference(cfg, routing, device, fmt) < tolerance(cfg)
 
 
