@@ -270,8 +270,13 @@ def test_shared_output_joins_the_top_k_sum_before_its_one_rounding(
     assert torch.equal(got, (without.float() + extra).to(out_dtype)) == (out_dtype == torch.float32)
 
 
-@pytest.mark.parametrize("per_pair", [False, True], ids=["grouped", "per-pair"])
-@pytest.mark.parametrize("m", [9, 133])  # 133: past the decode graphs, the blocks' own path
+# 133: past the decode graphs, the blocks' own path; per pair a few tokens stand for the small
+# batches it serves (the interpreter runs a program a token)
+@pytest.mark.parametrize(
+    ("m", "per_pair"),
+    [(9, False), (133, False), (3, True), (133, True)],
+    ids=["9-grouped", "133-grouped", "3-per-pair", "133-per-pair"],
+)
 @pytest.mark.parametrize("scheme", ALL_SCHEMES)
 def test_a_sum_in_column_blocks_equals_the_whole_sum_bit_for_bit(
     scheme: QuantScheme, m: int, per_pair: bool, device: torch.device
@@ -281,7 +286,7 @@ def test_a_sum_in_column_blocks_equals_the_whole_sum_bit_for_bit(
     block complete, in order, when it is handed on. 384 columns: blocks of 256 and 128, each
     on fp8-block's 128-row scale groups. Per pair, GEMM2 sums each block as it writes it."""
     if device.type == "cpu" and m > MAX_GRAPH_TOKENS:
-        pytest.skip("no decode graphs on the CPU: m=9 takes the same path")
+        pytest.skip("no decode graphs on the CPU: a smaller m takes the same path")
     cfg = Case(scheme, num_experts=8, top_k=3, hidden=384).config()
     fixed = PER_PAIR if per_pair else None
     experts = TritonExperts(cfg, random_expert_weights(cfg, seed=5).to(device), fixed)
@@ -368,10 +373,12 @@ def test_every_program_order_computes_the_same_bits(
     cfg = Case(scheme, torch.float16, num_experts=8, hidden=128, intermediate=160).config()
     routing = random_routing(37, cfg.num_experts, cfg.top_k, seed=5, only=3)
     outs = []
-    for group_m in (0, 3, 32):
+    # groups of 3 leave a partial last group of the 13 row blocks (standard) and divide the 24
+    # (batched); a group of more than either maps the programs as group_m 0 does
+    for group_m in (0, 3):
         tile = GemmTile(64, 64, 4, 2, group_m)
         outs.append(run_triton(cfg, routing, device, fmt, tiles.LayerTiles(16, tile, tile)))
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert torch.equal(outs[0], outs[1])
     assert triton_vs_reference(cfg, routing, device, fmt) < tolerance(cfg)
 
 
