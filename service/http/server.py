@@ -81,6 +81,9 @@ def server_config(app: FastAPI, settings: Settings, uds: str | None = None) -> u
         app,
         uds=uds,
         log_config=None,  # keep the handlers service.logs installed
+        # RequestMiddleware logs each request; without this uvicorn's protocol would still build
+        # the arguments of its access line (which service.logs drops) for every response
+        access_log=False,
         timeout_graceful_shutdown=settings.drain_timeout_s,
         http=bounded_protocol(
             connections, timeout_s, app.state.body_sink, None if uds else timeout_s

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import select
 import socket
 import threading
@@ -500,3 +501,19 @@ def test_a_response_without_body_writes_still_sends_its_head(method: str) -> Non
     transport.close()
     assert recording.calls == [("write", [b"head"])]
     assert ended == ["end"]
+
+
+def test_uvicorn_builds_no_access_line(server, monkeypatch) -> None:
+    """RequestMiddleware logs each request: uvicorn's protocol leaves its own line unmade."""
+    from uvicorn.protocols.http import h11_impl, httptools_impl
+
+    def access_line(scope: dict) -> str:
+        raise AssertionError(f"uvicorn built an access line for {scope['path']}")
+
+    for protocol in (h11_impl, httptools_impl):
+        monkeypatch.setattr(protocol, "get_path_with_query_string", access_line)
+    # as `moe-serve serve` leaves it (pytest's log capture hangs its own handlers on it)
+    monkeypatch.setattr(logging.getLogger("uvicorn.access"), "handlers", [])
+    url, _port = server
+    with httpx.Client(base_url=url) as http:
+        assert http.get("/health").status_code == 200
