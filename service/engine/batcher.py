@@ -21,12 +21,9 @@ the event loop's clock (uvloop's) moves in whole milliseconds, and most waits ar
 One launcher thread starts every batch, so the devices have one owner and the event loop
 never blocks (on a GPU a small batch is staged and enqueued on the loop itself, which costs less
 than the hop); a completer thread per device waits for each of its batches' device work to
-finish (so that a batch done on one GPU never waits behind a longer one on another). A batch
-alone on its device is watched by the event loop itself instead, which asks the device whether
-it is done at each turn until it is: the loop has nothing else to wait for then, and the
-completer's wake-up and its hand-over to the loop (two threads woken from sleep once the device
-is done) cost a one-client request more than the turns cost the host. A synchronous engine (the
-CPU) runs each batch to its end on the launcher thread, which answers it from there.
+finish (so that a batch done on one GPU never waits behind a longer one on another). A
+synchronous engine (the CPU) runs each batch to its end on the launcher thread, which answers
+it from there.
 """
 
 from __future__ import annotations
@@ -62,7 +59,7 @@ from ..errors import (
 )
 from ..interpreter import switch_gil_often
 from ..metrics import Metrics
-from .interface import BatchResult, Pending, ServedLayer, ServingEngine
+from .interface import BatchResult, ServedLayer, ServingEngine
 
 log = logging.getLogger(__name__)
 
@@ -569,30 +566,8 @@ class DynamicBatcher:
             self._fail(name, batch, err)
             return False
         launched = self._launched(name, batch, lane, queued_ns)
-        done = getattr(pending, "done", None)
-        if done is not None and lane.busy == 1:  # alone on its device: the loop watches it
-            loop.call_soon(self._poll, loop, launched, pending, done)
-        else:
-            lane.completer.submit(partial(self._complete, loop, launched, pending.result))
+        lane.completer.submit(partial(self._complete, loop, launched, pending.result))
         return True
-
-    def _poll(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        launched: _Launched,
-        pending: Pending,
-        done: Callable[[], bool],
-    ) -> None:
-        """Once per turn of the loop until the batch's device work is done, then answer it here
-        (the loop keeps serving everything else between turns)."""
-        if not done():
-            loop.call_soon(self._poll, loop, launched, pending, done)
-            return
-        try:
-            result: BatchResult | Exception = pending.result()
-        except Exception as err:
-            result = err
-        self._finish(launched, result)
 
     def _count_queued(self, name: str, batch: list[_Piece], queued_ns: list[int]) -> None:
         """The queue metrics of a launched batch: each request's wait for its first rows' forward,

@@ -353,12 +353,6 @@ class _Guarded:
     engine: Engine
     pending: Pending
 
-    def done(self) -> bool:
-        try:
-            return self.pending.done()
-        except torch.AcceleratorError:  # result() raises it, and stops the engine
-            return True
-
     def result(self) -> BatchResult:
         try:
             return self.pending.result()

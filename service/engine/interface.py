@@ -86,10 +86,6 @@ class BatchResult:
 
 
 class Pending(Protocol):
-    """A batch started on a device. One whose work the device runs on its own may also offer
-    `done() -> bool`: whether `result()` would return at once (the batcher's event loop then
-    watches a batch that runs alone)."""
-
     def result(self) -> BatchResult:
         """Block until the batch is done; raises what its forward raised."""
 

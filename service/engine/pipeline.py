@@ -402,9 +402,6 @@ class _InFlight:
         self.stage_s = stage_s
         self.into = into
 
-    def done(self) -> bool:
-        return self.slot.events["d2h_end"].query()
-
     def result(self) -> BatchResult:
         slot = self.slot
         try:

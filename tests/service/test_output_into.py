@@ -19,7 +19,7 @@ from moe_serve.service.core.forward import submit_unless_withdrawn
 from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher, RequestOptions
 from moe_serve.service.engine.engine import Engine
 from moe_serve.service.engine.interface import BatchResult
-from moe_serve.service.errors import ClientDisconnected, ForwardFailed
+from moe_serve.service.errors import ClientDisconnected
 from tests.service.layers import CPU, TINY, H, reference_forward, tiny_layers
 from tests.service.test_batcher import RecordingEngine, run
 
@@ -39,8 +39,6 @@ class EnqueuingEngine(Engine):
         self.gate.set()
         self.launched = threading.Event()
         self.writes: list[str] = []  # in order: "wrote" when a batch filled its targets
-        self.answered_on: list[str] = []  # the thread that took each batch's result
-        self.fault: Exception | None = None  # what a batch's result raises
 
     @property
     def enqueues(self) -> bool:
@@ -59,9 +57,6 @@ class EnqueuingEngine(Engine):
         class Later:
             def result(self) -> BatchResult:
                 assert engine.gate.wait(WAIT_S), "test gate never opened"
-                engine.answered_on.append(threading.current_thread().name)
-                if engine.fault is not None:
-                    raise engine.fault
                 done = engine._run_now(engine.get(name), parts).result()
                 outputs = []
                 for out, target in zip(done.outputs, into, strict=True):
@@ -73,23 +68,6 @@ class EnqueuingEngine(Engine):
                 return BatchResult(outputs, done.expert_tokens, done.times, True, True)
 
         return Later()
-
-
-class PollableEngine(EnqueuingEngine):
-    """The same, with batches that say whether they are done (the gate is open), as the GPU
-    pipeline's do: the batcher's loop watches one that runs alone."""
-
-    def start(self, name, parts, into=None):
-        later, gate = super().start(name, parts, into), self.gate
-
-        class Polled:
-            def done(self) -> bool:
-                return gate.is_set()
-
-            def result(self) -> BatchResult:
-                return later.result()
-
-        return Polled()
 
 
 def _run(engine: Engine, body, max_batch_tokens: int = 64):
@@ -117,17 +95,13 @@ def test_the_output_is_the_callers_buffer_filled_with_the_layers_output(
     assert out.routing.topk_ids.shape == (7, 2)
 
 
-@pytest.mark.parametrize("engine_type", [EnqueuingEngine, PollableEngine])
 @pytest.mark.parametrize("how", ["gone", "withdrawn", "cancelled"])
-def test_a_withdrawn_request_returns_only_once_its_batch_is_done_with_the_buffer(
-    how: str, engine_type: type[EnqueuingEngine]
-) -> None:
+def test_a_withdrawn_request_returns_only_once_its_batch_is_done_with_the_buffer(how: str) -> None:
     """The client leaves while its rows are on the device: a route's watch of its client ends,
     or the front ends' channel completes `withdrawn` (submit_unless_withdrawn, in the caller's
     own task); both raise ClientDisconnected, and a caller cancelled from elsewhere stays
-    cancelled, all only once the device is done with the buffer (whether the completer thread
-    or the loop watches the batch)."""
-    engine = engine_type()
+    cancelled, all only once the device is done with the buffer."""
+    engine = EnqueuingEngine()
     engine.gate.clear()  # the batch stays "on the device"
     x = _rows(4, seed=2)
     buffer = torch.zeros(4, H)
@@ -195,52 +169,3 @@ def test_an_engine_that_runs_batches_itself_copies_each_piece_into_the_buffer() 
     assert out.output.data_ptr() == buffer.data_ptr()
     expected = reference_forward(TINY, x).double()
     torch.testing.assert_close(buffer, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_a_batch_alone_on_its_device_is_answered_by_the_loop_that_watches_it() -> None:
-    engine = PollableEngine()
-    x = _rows(5, seed=5)
-
-    async def body(batcher: DynamicBatcher):
-        return await batcher.submit(TINY, ForwardInputs(x))
-
-    out = _run(engine, body)
-    torch.testing.assert_close(out.output, reference_forward(TINY, x))
-    assert engine.answered_on == [threading.current_thread().name]  # asyncio.run's thread
-
-
-def test_while_the_loop_watches_a_batch_it_serves_others_and_the_completer_takes_theirs() -> None:
-    """The first request's batch runs alone (the loop watches it); a second arrives while it is
-    on the device, so its batch is not alone and goes to the completer thread."""
-    engine = PollableEngine()
-    engine.gate.clear()
-    first, second = _rows(3, seed=6), _rows(2, seed=7)
-
-    async def body(batcher: DynamicBatcher):
-        a = asyncio.create_task(batcher.submit(TINY, ForwardInputs(first)))
-        await asyncio.to_thread(engine.launched.wait, WAIT_S)  # served while the loop polls
-        engine.launched.clear()
-        b = asyncio.create_task(batcher.submit(TINY, ForwardInputs(second)))
-        await asyncio.to_thread(engine.launched.wait, WAIT_S)
-        engine.gate.set()
-        return await asyncio.gather(a, b)
-
-    a, b = _run(engine, body)
-    torch.testing.assert_close(a.output, reference_forward(TINY, first))
-    torch.testing.assert_close(b.output, reference_forward(TINY, second))
-    loop_thread = threading.current_thread().name
-    assert sorted(engine.answered_on) == sorted([loop_thread, f"moe-complete-{CPU}"])
-
-
-def test_a_watched_batch_that_fails_fails_its_requests() -> None:
-    engine = PollableEngine()
-    engine.fault = RuntimeError("device fault")
-
-    async def body(batcher: DynamicBatcher):
-        with pytest.raises(ForwardFailed, match="device fault"):
-            await batcher.submit(TINY, ForwardInputs(_rows(2, seed=8)))
-        engine.fault = None  # the next one is served
-        return await batcher.submit(TINY, ForwardInputs(_rows(2, seed=9)))
-
-    out = _run(engine, body)
-    torch.testing.assert_close(out.output, reference_forward(TINY, _rows(2, seed=9)))
