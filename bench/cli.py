@@ -310,7 +310,9 @@ def _add_kernels(sub: argparse._SubParsersAction) -> None:
         "--backends",
         "comma list of experts backends (backends: all; NAME+invariant: NAME "
         "built batch-invariant, as serve --batch-invariant; auto: the layer --backend auto "
-        "builds from this run's uniform-load rule, timed as built after the others)",
+        "builds from this run's uniform-load rule, timed as built after the others, then at "
+        "each point as served interleaved with the member it runs there: member, auto, auto, "
+        "member)",
         {"backends": ["all"], "external-alone": EXTERNAL, "profile": ["triton"]},
         type=name_list,
     )

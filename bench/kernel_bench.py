@@ -8,7 +8,12 @@ output is checked against that reference *before* it is timed, then it is timed 
 excluded and included and, where it can be captured, as served: the whole layer replayed from
 a CUDA graph of exactly that many tokens (checked too); it is freed before the next backend is
 built. `auto` among the backends: after the others, the layer `--backend auto` builds from the
-rule these timings make (bench/auto_table.py), timed the same way.
+rule these timings make (bench/auto_table.py), timed the same way; then, at each point, auto and
+the member it runs there (built once more) are timed as served, interleaved member, auto, auto,
+member, so that each is timed once first and once second of a pair: a layer timed right after
+other heavy work runs slower, and auto, timed after every other backend, would otherwise be
+compared with member rows timed in another state of the GPU. Auto's row records the median of
+its two interleaved times and of its member's (`served_beside_us`, `member_beside_us`).
 
 Reference rule: the `reference*` backends dequantise every hit expert to float32 on each call
 (hundreds of milliseconds at full size), so they are timed only up to `reference_max_tokens`
@@ -23,8 +28,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -153,23 +161,57 @@ def make_inputs(cfg: MoEConfig, weights: LayerWeights, config: KernelBenchConfig
     return ShapeInputs(hidden, logits, routing, expected)
 
 
-def time_captured(
-    layer: MoELayer, hidden: torch.Tensor, logits: torch.Tensor, timer: Timer
-) -> tuple[torch.Tensor | None, dict]:
-    """The layer as served: captured in a CUDA graph of exactly hidden's rows and replayed.
-    Returns the replay's output (None where it cannot be captured) and BackendResult fields."""
+@dataclass(frozen=True)
+class Served:
+    """A layer made ready to run as served at one token count."""
+
+    forward: Callable[[], object]  # one served forward: the graph replay where captured
+    output: torch.Tensor | None  # the replay's output; None where uncaptured
+    not_captured: str = ""  # why uncaptured
+
+
+def serve(layer: MoELayer, hidden: torch.Tensor, logits: torch.Tensor) -> Served:
+    """The layer as served: captured in a CUDA graph of exactly hidden's rows and replayed, or
+    its whole forward from the router logits where it cannot be captured."""
+    uncaptured = partial(layer.forward, ForwardInputs(hidden, logits))
     support = can_capture(layer, hidden.device, hidden.shape[0])
     if not support:
-        return None, {"not_captured": support.reason}
+        return Served(uncaptured, None, support.reason)
     m, with_logits = hidden.shape[0], layer.router.weight is None
     try:
         graphs = LayerGraphs(layer, hidden.device, m, with_logits)
         out = graphs.forward(ForwardInputs(hidden, logits if with_logits else None)).output
-        output = out.output.clone()
-        return output, {"captured": timer.measure(lambda: graphs.replay(m))}
+        return Served(partial(graphs.replay, m), out.output.clone())
     except Exception as err:  # a capture that fails is a result: the layer is served uncaptured
         log.warning("%s could not be captured at %d tokens: %s", layer.kernel.experts.name, m, err)
-        return None, {"not_captured": f"capture failed: {type(err).__name__}: {err}"}
+        return Served(uncaptured, None, f"capture failed: {type(err).__name__}: {err}")
+
+
+def time_captured(
+    layer: MoELayer, hidden: torch.Tensor, logits: torch.Tensor, timer: Timer
+) -> tuple[torch.Tensor | None, dict]:
+    """The layer as served, where it can be captured. Returns the replay's output (None where
+    it cannot be captured) and BackendResult fields."""
+    served = serve(layer, hidden, logits)
+    if served.output is None:
+        return None, {"not_captured": served.not_captured}
+    return served.output, {"captured": timer.measure(served.forward)}
+
+
+BESIDE_ORDER = ("member", "auto", "auto", "member")  # each timed once first, once second
+
+
+def time_beside(
+    timer: Timer, auto: Callable[[], object], member: Callable[[], object]
+) -> tuple[float, float]:
+    """Median us of auto's and of its member's forward, each the median of its two timings in
+    BESIDE_ORDER: the order of two timings shifts them (the GPU's clocks after the earlier
+    work), and each is timed once in either place."""
+    forwards = {"auto": auto, "member": member}
+    times: dict[str, list[float]] = {"auto": [], "member": []}
+    for who in BESIDE_ORDER:
+        times[who].append(timer.measure(forwards[who]).median_us)
+    return statistics.median(times["auto"]), statistics.median(times["member"])
 
 
 def check_and_time(
@@ -220,7 +262,8 @@ def score_point(
     auto: str | None,
 ) -> Point:
     """Roofline, fractions of the ceilings and ratios to the best correct backend (auto's own
-    row is never the best: it runs one of the others)."""
+    row is never the best: it runs one of the others). `auto`: auto's row, or the backend auto
+    picks where the run has no such row (then it is its own member)."""
     limit = bound(work, ceilings)
     correct = [r for r in results if r.correct and r.backend != AUTO_ROW]
     timed = [r for r in correct if r.routing_excluded is not None]
@@ -246,6 +289,16 @@ def score_point(
     auto_served_ratio = None
     if auto_row is not None and best_served is not None:
         auto_served_ratio = auto_row.served().median_us / best_served.served().median_us
+    auto_beside_ratio, member = None, auto
+    if auto == AUTO_ROW:
+        row = next((r for r in scored if r.backend == AUTO_ROW), None)
+        member = row.member if row else None
+        if row and row.served_beside_us is not None and row.member_beside_us is not None:
+            auto_beside_ratio = row.served_beside_us / row.member_beside_us
+    member_row = next((r for r in served if r.backend == member), None)
+    member_served_ratio = None
+    if member_row is not None and best_served is not None:
+        member_served_ratio = member_row.served().median_us / best_served.served().median_us
     return Point(
         shape=key.shape,
         load=str(key.load),
@@ -261,6 +314,8 @@ def score_point(
         auto_ratio=auto_ratio,
         best_served=best_served.backend if best_served else None,
         auto_served_ratio=auto_served_ratio,
+        auto_beside_ratio=auto_beside_ratio,
+        member_served_ratio=member_served_ratio,
         results=scored,
     )
 
@@ -302,7 +357,9 @@ class KernelBench:
         inputs: ShapeInputs,
         results: dict[PointKey, list[BackendResult]],
         name: str = "",
+        beside: Callable[[PointKey, BackendResult], BackendResult] | None = None,
     ) -> None:
+        """Check and time the layer at every point; `beside` adds to each point's result."""
         name = name or bench_name(layer)
         for key in results:
             if (
@@ -316,7 +373,7 @@ class KernelBench:
                 continue
             try:
                 point = check_and_time(layer, inputs, key.load, key.tokens, self.timer, name)
-                results[key].append(point)
+                results[key].append(point if beside is None else beside(key, point))
             except Exception as err:  # a failing backend is a result, not the end of the run
                 log.warning("%s failed at %s: %s", name, key, err)
                 results[key].append(
@@ -331,8 +388,9 @@ class KernelBench:
         inputs: ShapeInputs,
         results: dict[PointKey, list[BackendResult]],
     ) -> tuple[str | None, str]:
-        """Time the layer auto builds from this run's rule for the shape, as the row AUTO_ROW:
-        (the backend it built, why it could not be built)."""
+        """Time the layer auto builds from this run's rule for the shape, as the row AUTO_ROW,
+        and beside it at each point the member it runs there (`time_beside`): (the backend it
+        built, why it could not be built)."""
         rows = {k.tokens: r for k, r in results.items() if k.load == Load.UNIFORM}
         if not rows:
             return None, "auto's rule comes from the uniform load: run with it"
@@ -344,9 +402,33 @@ class KernelBench:
         except Exception as err:  # no rule, or no backend: recorded with its reason
             return None, f"{type(err).__name__}: {err}"
         log.info("%s: auto runs %s (%s)", name, selection.experts.name, selection.reason)
-        self._time_backend(layer, inputs, results, AUTO_ROW)
         built = selection.experts.name
+        layers = {AUTO_ROW: layer}  # and each member auto runs, built once
         del layer
+
+        def beside(point: PointKey, result: BackendResult) -> BackendResult:
+            experts = layers[AUTO_ROW].kernel.experts
+            # a registered backend runs itself at every size; auto's token switch, a member
+            member = built if built in experts_backends() else experts.member(point.tokens).name
+            hidden, logits, _ = inputs.at(point.load, point.tokens)
+            try:
+                if member not in layers:
+                    layers[member], _ = build_layer(
+                        cfg, weights, self.config.device, backend=member
+                    )
+                auto_us, member_us = time_beside(
+                    self.timer,
+                    serve(layers[AUTO_ROW], hidden, logits).forward,
+                    serve(layers[member], hidden, logits).forward,
+                )
+            except Exception as err:  # auto's own row stands without the comparison
+                log.warning("%s not timed beside auto at %s: %s", member, point, err)
+                return result.model_copy(update={"member": member})
+            update = {"member": member, "served_beside_us": auto_us, "member_beside_us": member_us}
+            return result.model_copy(update=update)
+
+        self._time_backend(layers[AUTO_ROW], inputs, results, AUTO_ROW, beside)
+        layers.clear()
         _free_device_memory()
         return built, ""
 

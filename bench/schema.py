@@ -18,7 +18,11 @@ the router logits, experts) replayed from a CUDA graph of exactly that many toke
 so their served time is `routing_included` and `not_captured` says why. `auto`'s rule table
 ranks backends by served time (bench/auto_table.py). The row `auto` (`--backends ...,auto`) is
 the layer `--backend auto` builds from the rule this run's uniform-load timings make for the
-shape, timed as built; the shape's `auto` names what it built.
+shape, timed as built; the shape's `auto` names what it built. Auto's row names the `member` it
+runs at the point and holds `served_beside_us` and `member_beside_us`: auto and that member
+timed as served, interleaved (member, auto, auto, member; the median of each's two), the
+comparison `auto_beside_ratio` judges auto by, since the member rows are timed apart from auto's.
+Results without these fields (older runs) are read with them absent.
 """
 
 from __future__ import annotations
@@ -133,6 +137,9 @@ class BackendResult(_Model):
     bandwidth_fraction: float | None = None  # (bytes / median) / copy bandwidth
     compute_fraction: float | None = None  # (flops / median) / GEMM peak
     ratio_to_best: float | None = None  # median / best correct backend's median (>= 1)
+    member: str | None = None  # auto's row: the backend it runs at this point
+    served_beside_us: float | None = None  # auto's row: its served median, timed beside member
+    member_beside_us: float | None = None  # auto's row: member's served median, timed beside it
 
     def served(self) -> Timing | None:
         """The whole-layer forward as served: captured where the backend captures."""
@@ -154,6 +161,9 @@ class Point(_Model):
     auto_ratio: float | None  # auto's backend median / best median, when auto's ran here
     best_served: str | None = None  # fastest correct backend as served (BackendResult.served)
     auto_served_ratio: float | None = None  # auto's served median / best_served's
+    auto_beside_ratio: float | None = None  # auto's served_beside_us / its member_beside_us
+    # the served median of the member auto runs here (its own row) / best_served's
+    member_served_ratio: float | None = None
     results: list[BackendResult]
 
 

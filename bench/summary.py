@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .schema import BenchRun, Point
+from .schema import AUTO_ROW, BenchRun, Point
 from .targets import EXTERNAL_PREFIXES, OUR_TRITON, check_targets
 
 
@@ -68,17 +68,21 @@ def _fastest(point: Point, wanted: Callable[[str], bool]) -> str:
     return f"{r.backend} {r.routing_excluded.median_us:,.0f}"
 
 
-def _auto_ratio(p: Point) -> str:
-    """auto / best as served where the run has served times, else of the modular forward."""
-    if p.auto_served_ratio is not None:
-        return f"{p.auto_served_ratio:.2f}"
-    return "-" if p.auto_ratio is None else f"{p.auto_ratio:.2f} (modular)"
+def _auto_cells(p: Point) -> list[str]:
+    """Auto / the member it runs, timed beside each other (the member named), and that member
+    / the fastest as served, by the rows; "-" where the result lacks one."""
+    row = next((r for r in p.results if r.backend == AUTO_ROW), None)
+    beside = "-"
+    if p.auto_beside_ratio is not None:
+        beside = f"{p.auto_beside_ratio:.3f} ({row.member})"
+    member = "-" if p.member_served_ratio is None else f"{p.member_served_ratio:.3f}"
+    return [beside, member]
 
 
 def headline_table(run: BenchRun, load: str) -> str:
     """One line per point: the best backend against the roofline, ours against the libraries."""
     head = ["shape", "M", "best (us)", "roofline us", "best / roofline", "our Triton (us)"]
-    head += ["best external (us)", "auto / best (served)"]
+    head += ["best external (us)", "auto / member beside it", "member / best (served)"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for p in run.points:
         if p.load != load:
@@ -92,7 +96,7 @@ def headline_table(run: BenchRun, load: str) -> str:
             f"{best.achieved_fraction:.0%}" if best else "-",
             _fastest(p, lambda b: b in OUR_TRITON),
             _fastest(p, lambda b: b.startswith(EXTERNAL_PREFIXES)),
-            _auto_ratio(p),
+            *_auto_cells(p),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

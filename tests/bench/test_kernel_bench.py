@@ -9,8 +9,9 @@ from typing import ClassVar
 import pytest
 import torch
 
+from moe_serve.bench import kernel_bench
 from moe_serve.bench import random_layer as random_layer_module
-from moe_serve.bench.kernel_bench import KernelBench, KernelBenchConfig
+from moe_serve.bench.kernel_bench import KernelBench, KernelBenchConfig, time_beside
 from moe_serve.bench.random_layer import random_layer
 from moe_serve.bench.router_loads import Load, router_logits
 from moe_serve.kernels import registry
@@ -19,7 +20,7 @@ from moe_serve.kernels.experts.reference import ReferenceExperts
 from moe_serve.kernels.quant_scheme import QuantConfig, QuantScheme
 from moe_serve.kernels.random_weights import random_expert_weights
 from moe_serve.kernels.routing import route
-from moe_serve.kernels.timing import TimingPlan
+from moe_serve.kernels.timing import Timing, TimingPlan
 from moe_serve.service.cli import main
 
 CPU = torch.device("cpu")
@@ -258,6 +259,16 @@ def test_kernel_bench_times_auto_as_built_from_the_runs_own_rule(tmp_path: Path)
         # the CPU serves uncaptured, and says why
         assert rows["reference"].captured is None
         assert rows["reference"].not_captured == "CUDA graphs need a CUDA device"
+        # auto timed beside the member it runs, which is what it built
+        auto = rows["auto"]
+        assert auto.member == shape.auto
+        assert auto.served_beside_us > 0 and auto.member_beside_us > 0
+        assert point.auto_beside_ratio == pytest.approx(
+            auto.served_beside_us / auto.member_beside_us
+        )
+        assert point.member_served_ratio == pytest.approx(
+            rows[shape.auto].served().median_us / rows[point.best_served].served().median_us
+        )
     skewed_only = KernelBenchConfig(
         shapes=("tiny",), tokens=(2,), device=CPU, backends=("reference", "auto"),
         loads=(Load.SKEWED,), plan=QUICK,
@@ -265,3 +276,52 @@ def test_kernel_bench_times_auto_as_built_from_the_runs_own_rule(tmp_path: Path)
     run = KernelBench(skewed_only, tmp_path / "skewed.json").run()
     assert "uniform load" in run.shapes[0].not_run["auto"]
     assert {r.backend for r in run.points[0].results} == {"reference"}
+
+
+def test_auto_and_its_member_are_timed_alternately_each_first_of_a_pair_once() -> None:
+    calls: list[str] = []
+
+    class _Timer:
+        def measure(self, fn):
+            fn()
+            us = {"auto": [10.0, 12.0], "member": [11.0, 15.0]}[calls[-1]]
+            return Timing(median_us=us[calls.count(calls[-1]) - 1], p90_us=20.0, iters=2)
+
+    auto_us, member_us = time_beside(
+        _Timer(), lambda: calls.append("auto"), lambda: calls.append("member")
+    )
+    assert calls == ["member", "auto", "auto", "member"]
+    assert (auto_us, member_us) == (11.0, 13.0)  # the median of each's two
+
+
+def test_auto_times_the_member_of_its_token_switch_at_each_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class _Other(ReferenceExperts):
+        name: ClassVar[str] = "test-other"
+
+    monkeypatch.setitem(registry.EXPERTS, "test-other", _Other)
+    # the rule runs reference below 3 tokens, test-other from 3 on: a token switch
+    monkeypatch.setattr(
+        kernel_bench,
+        "shape_rule",
+        lambda name, rows: {
+            "order": ["reference", "test-other"],
+            "served_us": {"1": {"reference": 1.0, "test-other": 2.0},
+                          "3": {"reference": 2.0, "test-other": 1.0}},
+            "plan": [[1, "reference"], [3, "test-other"]],
+        },
+    )  # fmt: skip
+    config = KernelBenchConfig(
+        shapes=("tiny",),
+        tokens=(1, 3),
+        device=CPU,
+        backends=("reference", "test-other", "auto"),
+        loads=(Load.UNIFORM,),
+        plan=QUICK,
+    )
+    run = KernelBench(config, tmp_path / "run.json").run()
+    members = {p.tokens: next(r for r in p.results if r.backend == "auto") for p in run.points}
+    assert run.shapes[0].auto == "reference<3<=test-other"
+    assert {m: r.member for m, r in members.items()} == {1: "reference", 3: "test-other"}
+    assert all(r.member_beside_us is not None for r in members.values())

@@ -7,7 +7,8 @@ import pytest
 from moe_serve.bench.kernel_bench import PointKey, score_point
 from moe_serve.bench.roofline import Ceilings, Work
 from moe_serve.bench.router_loads import Load
-from moe_serve.bench.schema import BackendResult, Timing
+from moe_serve.bench.schema import BackendResult, Point, Timing
+from moe_serve.bench.summary import headline_table
 from moe_serve.bench.targets import check_targets
 from tests.bench.sample import sample_run
 
@@ -63,3 +64,44 @@ def test_targets_report_the_worst_point_and_whether_each_is_met() -> None:
     assert checks["prefill"].met is None
     assert checks["our"].met is False  # deep-gemm beats triton at M=64
     assert checks["auto"].met is True
+
+
+def _auto(member: str, us: float, beside_us: float, member_beside_us: float) -> BackendResult:
+    update = {"member": member, "served_beside_us": beside_us, "member_beside_us": member_beside_us}
+    return _timed("auto", us).model_copy(update=update)
+
+
+def _auto_check(points):
+    return next(c for c in check_targets(sample_run(points)) if c.target.startswith("auto "))
+
+
+def test_auto_is_judged_beside_its_member_and_its_member_against_the_fastest() -> None:
+    rows = [_timed("triton", 2.0), _timed("deep-gemm", 2.01)]
+    # auto timed last reads slower than its member's row, but not beside it
+    fair = _point(8, [*rows, _auto("triton", 2.2, 2.0, 2.0)], auto="auto")
+    assert fair.auto_beside_ratio == pytest.approx(1.0)
+    assert fair.member_served_ratio == pytest.approx(1.0)
+    assert _auto_check([fair]).met is True
+    slow = _point(8, [*rows, _auto("triton", 2.2, 2.1, 2.0)], auto="auto")
+    assert _auto_check([fair, slow]).met is False
+    assert _auto_check([fair, slow]).worst.endswith("M=8: 1.05")
+    # beside its member, but the member is not within 2% of the fastest by the rows
+    far = _point(8, [*rows, _auto("deep-gemm", 3.0, 2.0, 2.0)], auto="auto")
+    assert far.member_served_ratio == pytest.approx(3.01 / 3.0)
+    assert _auto_check([far]).met is True  # within 2% of the fastest counts
+    slow_member = [_timed("triton", 2.0), _timed("deep-gemm", 2.5)]
+    wrong_pick = _point(8, [*slow_member, _auto("deep-gemm", 3.0, 2.0, 2.0)], auto="auto")
+    assert _auto_check([wrong_pick]).met is False
+
+
+def test_an_older_result_without_the_times_beside_is_read_and_not_judged() -> None:
+    point = _point(8, [_timed("triton", 2.0), _timed("auto", 2.2)], auto="auto")
+    old = point.model_dump(exclude={"auto_beside_ratio", "member_served_ratio"})
+    old["results"] = [
+        r.model_dump(exclude={"member", "served_beside_us", "member_beside_us"})
+        for r in point.results
+    ]
+    run = sample_run([Point.model_validate(old)])
+    check = next(c for c in check_targets(run) if c.target.startswith("auto "))
+    assert check.met is None
+    assert headline_table(run, "uniform").endswith("| - | - |")
