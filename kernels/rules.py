@@ -25,10 +25,10 @@ from .tensors import Format
 # switches by token count itself (its threshold from this table): never a member of a plan
 COMPOSED = frozenset({TritonOrDeepGemmExperts.name})
 # A pair of backends replaces the best one alone only where it lowers the worst ratio to the
-# fastest by more than this. Auto's target is 3% (bench/targets.py AUTO_SLACK), and `moe-serve
-# bench kernels` times the same layer up to a percent or two apart within one run (auto's own
-# row against the backend it ran): a plan 1% off leaves the rest for that noise. A smaller gain
-# is within the noise and not worth a second member's weight memory (a switch holds its larger).
+# fastest by more than this. Auto's target is 2% (bench/targets.py AUTO_SLACK), and `moe-serve
+# bench kernels` times the same layer up to a percent or two apart within one run: a plan 1% off
+# leaves the rest for that noise. A smaller gain is within the noise and not worth a second
+# member's weight memory (a switch holds its larger).
 SWITCH_MARGIN = 1.01
 
 Plan = tuple[tuple[int, str], ...]  # (from this many tokens, backend), ascending, from 1

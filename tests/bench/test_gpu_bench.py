@@ -76,6 +76,7 @@ def test_served_timings_are_captured_where_a_backend_captures_and_auto_is_timed_
                 assert "syncs with the host above" in batched.not_captured
         assert rows["auto"].correct and rows["auto"].served() is not None
         assert point.auto_served_ratio is not None and point.best_served != "auto"
+        assert rows["auto"].member in rows and point.auto_beside_ratio is not None
     rule = rule_table(run)["rules"]["fp8-block/small"]
     assert rule["plan"] and "triton" in rule["captured"]
 
