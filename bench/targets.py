@@ -48,7 +48,7 @@ def _median(point: Point, names: Callable[[str], bool]) -> float | None:
     return min(times, default=None)
 
 
-def auto_ratios(point: Point) -> tuple[float, ...] | None:
+def _auto_ratios(point: Point) -> tuple[float, ...] | None:
     """What the auto target judges at the point: (auto / its member timed beside it, member /
     fastest) with a row `auto`, else (auto's pick / fastest); None where one is absent."""
     with_row = any(r.backend == AUTO_ROW for r in point.results)
@@ -82,7 +82,7 @@ def check_targets(run: BenchRun) -> list[TargetCheck]:
         external = _median(p, lambda b: b.startswith(EXTERNAL_PREFIXES))
         if ours is not None and external is not None:
             triton.append((p, external / ours))
-        ratios = auto_ratios(p)
+        ratios = _auto_ratios(p)
         if ratios is not None:
             auto.append((p, max(ratios)))
     return [
