@@ -400,6 +400,7 @@ def _service_load(args: argparse.Namespace, env, path: Path) -> bool:
         generator=args.generator,
         stack_variant=not args.no_stack_variant,
         http_workers=args.front_ends,
+        one_process=not args.no_one_process,
     )
     result = ServiceBench(config, env, path).run()
     _show(render(result))
@@ -520,7 +521,8 @@ def _add_service(sub: argparse._SubParsersAction) -> None:
         "load": "serve the demo and a DeepSeek-V3-sized layer (one process and behind front "
         "ends), load each at every concurrency level with hey (or Python clients), one client "
         "with 1-token and JSON bodies, batching off and uvicorn's pure-Python stack on the demo "
-        "layer, the load generator's own capacity; every level against the bare forward",
+        "layer, the load generator's own capacity; every level against the bare forward, "
+        "with GET /health and /v2/health/ready timed from a side process while it runs",
         "http": "load a running server (--url) and report throughput, latency and its own "
         "forward time",
         "transport": "one request at a time through each KServe transport (binary HTTP, gRPC, "
@@ -585,6 +587,12 @@ def _add_service(sub: argparse._SubParsersAction) -> None:
         "front-end processes (load: each layer also behind them, 0: not)",
         {"load": 8, "path": 8, "channel": 4},
         type=int,
+    )
+    c.add(
+        "--no-one-process",
+        "serve each layer only behind the front ends: no one-process variant",
+        {"load": False},
+        action="store_true",
     )
     c.add("--max-requests", "per concurrency level", {"http": 100_000}, type=int)
     c.add("--timeout", "seconds per request", {"http": 30.0}, type=float)

@@ -143,6 +143,13 @@ def _profile_rows(stored: Stored) -> Iterable[Row]:
             )
 
 
+def _probe_ms(probe: dict | None) -> str:
+    """p50/p99 of the answered probes, to the microsecond."""
+    if probe is None:
+        return "-"
+    return "/".join("-" if v is None else f"{v:.3f}" for v in (probe["p50_ms"], probe["p99_ms"]))
+
+
 def _service_rows(stored: Stored) -> Iterable[Row]:
     for run in stored.data["runs"]:
         variant = run["variant"]
@@ -166,6 +173,7 @@ def _service_rows(stored: Stored) -> Iterable[Row]:
                     _ms(lv.get("bare_forward_ms")),
                     _pct(lv.get("gpu_busy")),
                     _pct(lv.get("tokens_per_s_vs_bare")),
+                    _probe_ms(lv.get("probe")),
                 ],
             )
 
@@ -287,6 +295,7 @@ TABLES: dict[str, Table] = {
             "bare forward ms",
             "GPU busy",
             "tok/s of bare",
+            "probe p50/p99 ms",
         ),
         _service_rows,
         "`moe-serve bench service`: the layer served as `moe-serve serve` runs it, in one "
@@ -295,7 +304,10 @@ TABLES: dict[str, Table] = {
         "latencies are the client's. GPU busy is the forwards' device time (CUDA events) over "
         "the level's wall time; `bare forward` is the layer's own forward (graph replay, back "
         "to back) at each batch size the level formed, and `tok/s of bare` the served tokens "
-        "per second over the bare forward's at those sizes.",
+        "per second over the bare forward's at those sizes. `probe` is GET /health and "
+        "/v2/health/ready in turn, one every 10 ms while the level's load runs, from a process "
+        "of its own on a keep-alive connection of its own (a raw socket: no HTTP library's "
+        "time), timed from sending to the whole response.",
     ),
     "transport": Table(
         "KServe transports, one request at a time",

@@ -8,11 +8,17 @@ differs (hey, several processes; a Python client where hey is absent), then one 
 device time (CUDA events) and the tokens each carried, and the bench server counts its forwards
 by batch size (`/bench/forwards`); afterwards the server times its own bare forward at every
 size formed (`/bench/bare`), and each level is compared with the bare forward of its own sizes.
-Then: the demo layer with batching off (`--max-batch-tokens` = one request) at the most
-clients; the demo layer on uvicorn's pure-Python stack (h11, asyncio loop) beside the default
-(httptools and uvloop where installed); and the load generator's own capacity against a
+Each layer is served by one process and behind front-end processes (`--no-one-process`: only
+behind them). Then: the demo layer with batching off (`--max-batch-tokens` = one request) at
+the most clients; the demo layer on uvicorn's pure-Python stack (h11, asyncio loop) beside the
+default (httptools and uvloop where installed); and the load generator's own capacity against a
 trivial server (bench/echo_server.py) with the same bodies. Every part is guarded: one that
 fails is recorded and the others run.
+
+While each level's load runs, and for a moment with no load once each server is ready (the
+floor), a side prober in a process of its own (bench/load_gen.py `SideProber`: a raw socket,
+one keep-alive connection) sends GET /health and GET /v2/health/ready in turn every 10 ms and
+times each from sending it to its whole response; a probe not answered 200 within 1 s failed.
 
 Writes the result (everything) and its .md (the tables, the targets last), the servers' logs in
 a folder beside them, and prints the tables.
@@ -23,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -42,7 +49,18 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
-from .load_gen import Load, hey_binary, run_hey, run_one_client, run_python
+from .http_bench import percentiles_ms
+from .load_gen import (
+    PROBE_INTERVAL_S,
+    PROBE_PATHS,
+    Load,
+    Probes,
+    SideProber,
+    hey_binary,
+    run_hey,
+    run_one_client,
+    run_python,
+)
 from .schema import Environment, write_result
 from .shapes import SHAPES
 
@@ -53,6 +71,8 @@ JSON = "application/json"
 DEMO = "demo"
 STAGES = ("queue", "decode", "stage", "h2d", "forward", "d2h", "encode")
 _READY_POLL_S = 0.5
+_IDLE_PROBE_S = 1.0
+PROBE_TARGET_MS = 0.5  # p50 of a probe answered by a front end, under any load
 
 
 @dataclass(frozen=True)
@@ -72,6 +92,7 @@ class ServiceBenchConfig:
     stack_variant: bool = True  # also the demo layer on h11 + asyncio
     # also each layer (and batching off) behind this many HTTP front-end processes; 0: not
     http_workers: int = 8
+    one_process: bool = True  # the one-process variants; False: only behind the front ends
 
     def __post_init__(self) -> None:
         for layer in self.layers:
@@ -79,10 +100,37 @@ class ServiceBenchConfig:
                 raise ValueError(f"unknown layer {layer!r}: {DEMO} or one of {', '.join(SHAPES)}")
         if self.http_workers < 0:
             raise ValueError(f"http_workers must be >= 0, got {self.http_workers}")
+        if not self.one_process and not self.http_workers:
+            raise ValueError("nothing to serve: neither one process nor front ends")
         if self.generator not in ("auto", "hey", "python"):
             raise ValueError(f"generator must be auto, hey or python, got {self.generator!r}")
         if not self.clients or min(self.clients) < 1 or self.tokens < 1 or self.bodies < 1:
             raise ValueError("clients, tokens and bodies must be positive")
+
+
+class ProbeStats(BaseModel):
+    """The side prober's probes: answered (200) ones' latencies, the others as failures."""
+
+    probes: int  # sent
+    p50_ms: float | None
+    p99_ms: float | None
+    max_ms: float | None
+    failures: dict[str, int] = {}  # "PATH STATUS", "PATH timeout" or "PATH ERROR" -> count
+
+
+def probe_stats(probes: Probes | None) -> ProbeStats | None:
+    """None where the prober came back with nothing."""
+    if probes is None:
+        return None
+    p50, _, p99 = percentiles_ms(probes.latencies_s)
+    worst = max(probes.latencies_s, default=None)
+    return ProbeStats(
+        probes=probes.sent,
+        p50_ms=p50,
+        p99_ms=p99,
+        max_ms=None if worst is None else worst * 1e3,
+        failures=probes.failures,
+    )
 
 
 class LevelResult(BaseModel):
@@ -111,6 +159,7 @@ class LevelResult(BaseModel):
     tokens_per_s_vs_bare: float | None = None  # service tokens/s over the bare forward's there
     # the batch size whose served forward exceeds its bare one most: (tokens, served ms, bare ms)
     worst_size: tuple[int, float, float] | None = None
+    probe: ProbeStats | None = None  # the side prober's, while the load ran
 
 
 class ServerRun(BaseModel):
@@ -118,6 +167,7 @@ class ServerRun(BaseModel):
     variant: str
     options: list[str]
     seconds_to_ready: float | None = None
+    idle_probe: ProbeStats | None = None  # the side prober's, with no load
     layer_info: dict = {}
     bare: dict[int, dict] = {}  # tokens -> BareTiming as the server returned it
     levels: list[LevelResult] = []
@@ -362,8 +412,9 @@ class ServiceBench:
         c = self.config
         fronted = [front_ends_variant(c.http_workers)] if c.http_workers else []
         for layer in c.layers:
-            self._attempt(f"{layer}: serve", lambda layer=layer: self._serve(layer, "default"))
-            if not any(r.layer == layer and r.levels for r in self.result.runs):
+            if c.one_process:
+                self._attempt(f"{layer}: serve", lambda layer=layer: self._serve(layer, "default"))
+            if c.one_process and not any(r.layer == layer and r.levels for r in self.result.runs):
                 # measure what can be measured: the same without CUDA graphs
                 self._attempt(f"{layer}: serve without CUDA graphs",
                               lambda layer=layer: self._serve(layer, "no graphs"))  # fmt: skip
@@ -372,9 +423,10 @@ class ServiceBench:
                               lambda layer=layer, v=variant: self._serve(layer, v))  # fmt: skip
         self._attempt("load generator capacity", self._echo)
         if DEMO in c.layers and max(c.clients) > 1:
-            for variant in ["batching off"] + [f"batching off, {v}" for v in fronted]:
+            one = ["batching off"] if c.one_process else []
+            for variant in one + [f"batching off, {v}" for v in fronted]:
                 self._attempt(f"{DEMO}: {variant}", lambda v=variant: self._serve(DEMO, v))
-            if c.stack_variant:
+            if c.stack_variant and c.one_process:
                 self._attempt(f"{DEMO}: h11+asyncio", lambda: self._serve(DEMO, "h11+asyncio"))
         self.result.checks = checks(self.result, c)
         self.save()
@@ -409,6 +461,9 @@ class ServiceBench:
         with process(command, log_path, http_ready(url), timeout) as seconds:
             run.seconds_to_ready = seconds
             run.layer_info = httpx.get(f"{url}/v1/layers/{layer}", timeout=10).json()
+            with SideProber(url) as prober:
+                time.sleep(_IDLE_PROBE_S)
+            run.idle_probe = probe_stats(prober.probes)
             bodies = self._bodies(run.layer_info["hidden_size"])
             path = f"/v1/layers/{layer}/forward"
             if _full(variant):
@@ -470,12 +525,14 @@ class ServiceBench:
     ) -> LevelResult:
         httpx.post(f"{url}/bench/forwards", timeout=10)  # counts from here
         before = scrape(url, layer)
-        load = self._load(url + path, bodies, body, tokens, clients)
+        with SideProber(url) as prober:
+            load = self._load(url + path, bodies, body, tokens, clients)
         after = scrape(url, layer)
         level = level_result(layer, variant, body, tokens, load, before, after)
         sizes = httpx.post(f"{url}/bench/forwards", timeout=10).json()
         forward_sizes = {s["tokens"]: (s["forwards"], s["seconds"]) for s in sizes}
-        return level.model_copy(update={"forward_sizes": forward_sizes})
+        update = {"forward_sizes": forward_sizes, "probe": probe_stats(prober.probes)}
+        return level.model_copy(update=update)
 
     def _echo(self) -> None:
         """The load generator against a trivial server, with each layer's bodies."""
@@ -504,6 +561,11 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:.0f}%"
 
 
+def _probe_ms(probe: ProbeStats | None) -> str:
+    """p50/p99 of the answered probes."""
+    return "-" if probe is None else f"{_ms(probe.p50_ms, 3)}/{_ms(probe.p99_ms, 3)}"
+
+
 def _row(lv: LevelResult) -> str:
     errors = sum(lv.errors.values())
     return (
@@ -511,15 +573,24 @@ def _row(lv: LevelResult) -> str:
         f"| {lv.requests_per_s:,.0f} | {lv.tokens_per_s:,.0f} | {_ms(lv.p50_ms)} "
         f"| {_ms(lv.p99_ms)} | {_ms(lv.server_forward_ms, 3)} | {_ms(lv.bare_forward_ms, 3)} "
         f"| {_ms(lv.tokens_per_forward, 0)} | {_pct(lv.gpu_busy)} "
-        f"| {_pct(lv.tokens_per_s_vs_bare)} | {errors} |"
+        f"| {_pct(lv.tokens_per_s_vs_bare)} | {_probe_ms(lv.probe)} | {errors} |"
     )
 
 
 _HEAD = (
     "| layer | variant | body | tok/req | clients | req/s | tok/s | p50 ms | p99 ms "
-    "| server fwd ms | bare fwd ms | tok/fwd | GPU busy | tok/s vs bare | errors |\n"
-    + "|" + " --- |" * 15
+    "| server fwd ms | bare fwd ms | tok/fwd | GPU busy | tok/s vs bare | probe p50/p99 ms "
+    "| errors |\n"
+    + "|" + " --- |" * 16
 )  # fmt: skip
+
+
+def _probe_row(layer: str, variant: str, clients: str, probe: ProbeStats) -> str:
+    failures = ", ".join(f"{kind}: {n}" for kind, n in sorted(probe.failures.items())) or "0"
+    return (
+        f"| {layer} | {variant} | {clients} | {probe.probes} | {_ms(probe.p50_ms, 3)} "
+        f"| {_ms(probe.p99_ms, 3)} | {_ms(probe.max_ms, 3)} | {failures} |"
+    )
 
 
 def render(result: ServiceBenchResult) -> str:
@@ -537,6 +608,16 @@ def render(result: ServiceBenchResult) -> str:
     ]
     lines += [_row(lv) for run in result.runs for lv in run.levels]
     lines += [_row(lv) for lv in result.echo]
+    lines += ["", f"Probes (GET {' and '.join(PROBE_PATHS)} in turn, one every "
+              f"{PROBE_INTERVAL_S * 1e3:.0f} ms on a keep-alive connection of their own, from "
+              "a process of their own, timed to the whole response; idle: no load):",
+              "", "| layer | variant | clients | probes | p50 ms | p99 ms | max ms | failures |",
+              "|" + " --- |" * 8]  # fmt: skip
+    for run in result.runs:
+        if run.idle_probe is not None:
+            lines.append(_probe_row(run.layer, run.variant, "idle", run.idle_probe))
+        lines += [_probe_row(lv.layer, lv.variant, f"{lv.clients} ({lv.body}, {lv.tokens} tok)",
+                             lv.probe) for lv in run.levels if lv.probe is not None]  # fmt: skip
     lines += ["", "Mean time per stage (ms; queue/decode/encode per request, others per batch):",
               "", "| layer | variant | clients | tok/req | " + " | ".join(STAGES) + " |",
               "|" + " --- |" * (4 + len(STAGES))]  # fmt: skip
@@ -584,10 +665,14 @@ def checks(result: ServiceBenchResult, c: ServiceBenchConfig) -> list[Check]:
     """The targets against what this run measured, for the layer served by one process
     and behind front-end processes."""
     out: list[Check] = []
-    served = ["default"] + ([front_ends_variant(c.http_workers)] if c.http_workers else [])
+    served = (["default"] if c.one_process else []) + (
+        [front_ends_variant(c.http_workers)] if c.http_workers else []
+    )
     for layer in c.layers:
         for variant in served:
             out += _layer_checks(result, c, layer, variant)
+        if c.http_workers:
+            out.append(_probe_check(result, layer, front_ends_variant(c.http_workers)))
     most = max(c.clients)
     for variant in served:
         on = _find(result, DEMO, variant, "binary", c.tokens, most)
@@ -613,6 +698,31 @@ def checks(result: ServiceBenchResult, c: ServiceBenchConfig) -> list[Check]:
                 met=echo.requests_per_s >= 3 * max(served),
             ))  # fmt: skip
     return out
+
+
+def _probe_check(result: ServiceBenchResult, layer: str, variant: str) -> Check:
+    """The front ends answer the probes themselves, from the engine's published state: fast
+    and never failing, however busy the engine is."""
+    target = (
+        f"{layer}{_label(variant)}: probes answered within {PROBE_TARGET_MS} ms p50 and never "
+        "failed under load"
+    )
+    runs = [run for run in result.runs if (run.layer, run.variant) == (layer, variant)]
+    probed = [lv for run in runs for lv in run.levels if lv.probe is not None]
+    idle = next((run.idle_probe for run in runs if run.idle_probe is not None), None)
+    if not probed:
+        return Check(target=target, figure="not measured", met=None)
+    worst = max(probed, key=lambda lv: math.inf if lv.probe.p50_ms is None else lv.probe.p50_ms)
+    failed = sum(sum(lv.probe.failures.values()) for lv in probed)
+    sent = sum(lv.probe.probes for lv in probed)
+    p50 = worst.probe.p50_ms
+    return Check(
+        target=target,
+        figure=f"worst p50 {_ms(p50, 3)} ms ({worst.clients} clients, {worst.body}, "
+        f"{worst.tokens} tok), {failed} of {sent:,} failed, idle p50 "
+        f"{_ms(None if idle is None else idle.p50_ms, 3)} ms",
+        met=p50 is not None and p50 <= PROBE_TARGET_MS and failed == 0,
+    )
 
 
 def _label(variant: str) -> str:

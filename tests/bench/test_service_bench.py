@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import socket
+import socketserver
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +19,12 @@ import torch
 from moe_serve.bench.environment import capture
 from moe_serve.bench.load_gen import (
     Load,
+    Probes,
+    SideProber,
     hey_binary,
     hey_load,
     parse_hey_csv,
+    probe,
     run_hey,
     run_one_client,
 )
@@ -27,10 +32,15 @@ from moe_serve.bench.service_bench import (
     DEMO,
     Check,
     LevelResult,
+    ServerRun,
     ServiceBench,
     ServiceBenchConfig,
+    ServiceBenchResult,
+    checks,
     level_result,
     make_bodies,
+    probe_stats,
+    render,
     with_bare,
 )
 
@@ -101,6 +111,62 @@ def test_one_client_times_requests_on_one_connection(echo_url: str) -> None:
 def test_one_client_sends_one_request_however_late_it_starts(echo_url: str) -> None:
     load = run_one_client(echo_url, b"x", "application/octet-stream", 0.0, _Ticks())
     assert load.ok == 1 and load.latencies_s == [1.0]
+
+
+class _ProbeStub(socketserver.StreamRequestHandler):
+    """/health: 200; /v2/health/ready: 503; any other path: no answer until the client goes."""
+
+    def handle(self) -> None:
+        while line := self.rfile.readline():
+            path = line.split()[1]
+            while self.rfile.readline() not in (b"\r\n", b""):
+                pass
+            if path == b"/health":
+                self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            elif path == b"/v2/health/ready":
+                self.wfile.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\n\r\n")
+
+
+@pytest.fixture
+def probe_stub() -> Iterator[str]:
+    socketserver.ThreadingTCPServer.daemon_threads = True
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), _ProbeStub) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+        server.shutdown()
+
+
+class _After:
+    """`stopped` for `probe`: true on its `n`th call; keeps the waits it was asked for."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.waits: list[float] = []
+
+    def __call__(self, seconds: float) -> bool:
+        self.waits.append(seconds)
+        return len(self.waits) >= self.n
+
+
+def test_probes_are_timed_and_failures_counted_by_path_and_kind(probe_stub: str) -> None:
+    stopped = _After(6)
+    paths = ("/health", "/v2/health/ready", "/hang")
+    probes = probe(probe_stub, stopped, paths, interval_s=0.0, timeout_s=0.05)
+    assert len(probes.latencies_s) == 2 and all(t > 0 for t in probes.latencies_s)
+    assert probes.failures == {"/v2/health/ready 503": 2, "/hang timeout": 2}
+    assert probes.sent == 6 and all(w >= 0 for w in stopped.waits)
+
+
+def test_a_probe_that_finds_no_server_has_failed() -> None:
+    probes = probe(f"http://127.0.0.1:{_free_port()}", _After(2), ("/health",), 0.0, 0.05)
+    assert probes.latencies_s == [] and probes.failures == {"/health ConnectionRefusedError": 2}
+
+
+def test_the_side_prober_probes_from_its_own_process_while_the_block_runs(echo_url: str) -> None:
+    with SideProber(echo_url.removesuffix("/echo")) as prober:
+        pass
+    assert prober.probes is not None and prober.probes.failures == {}
+    assert prober.probes.sent >= 1  # one at least, however soon the block ends
 
 
 def _hey_csv(*rows: tuple[float, str, float]) -> str:
@@ -203,6 +269,68 @@ def test_forward_sizes_counts_what_the_metrics_record_until_taken() -> None:
     assert metrics.registry.get_sample_value("moe_serve_tokens_total", {"layer": "demo"}) == 129
 
 
+def test_probe_figures_are_the_answered_probes_percentiles_and_every_probe_sent() -> None:
+    stats = probe_stats(Probes([0.0001 * i for i in range(1, 101)], {"/health 503": 3}))
+    assert stats.probes == 103 and stats.failures == {"/health 503": 3}
+    assert stats.p50_ms == pytest.approx(5.05) and stats.max_ms == pytest.approx(10.0)
+    assert stats.p99_ms == pytest.approx(9.901)
+    assert probe_stats(None) is None
+    assert probe_stats(Probes([], {"/health timeout": 1})).p50_ms is None
+
+
+def _probed(p50_ms: float, failures: dict[str, int]) -> ServiceBenchResult:
+    """A result whose front-ends run's levels were probed: one at `p50_ms`, one faster."""
+    env = capture(torch.device("cpu"), "test", "moe-serve bench service")
+    run = ServerRun(layer="tiny", variant="2 front ends", options=[])
+    run.idle_probe = probe_stats(Probes([0.0001] * 100, {}))
+    for clients, p50_s, failed in ((1, 0.0001, {}), (256, p50_ms / 1e3, failures)):
+        load = Load(clients=clients, elapsed_s=1.0, latencies_s=[0.01], errors={}, generator="hey")
+        level = level_result("tiny", run.variant, "binary", 8, load, None, None)
+        level.probe = probe_stats(Probes([p50_s] * 99 + [0.002], failed))
+        run.levels.append(level)
+    return ServiceBenchResult(environment=env, config={}, http_stack={}, runs=[run])
+
+
+def _probe_check(result: ServiceBenchResult) -> Check:
+    config = ServiceBenchConfig(layers=("tiny",), clients=(1, 256), tokens=8, http_workers=2)
+    return next(c for c in checks(result, config) if "probes" in c.target)
+
+
+def test_probes_meet_their_target_when_fast_and_never_failing() -> None:
+    check = _probe_check(_probed(0.3, {}))
+    assert check.target == (
+        "tiny (2 front ends): probes answered within 0.5 ms p50 and never failed under load"
+    )
+    assert check.met is True and "worst p50 0.300 ms (256 clients" in check.figure
+    assert "0 of 200 failed, idle p50 0.100 ms" in check.figure
+
+
+def test_probes_miss_their_target_when_slow_or_failing_and_are_not_measured_when_absent() -> None:
+    assert _probe_check(_probed(0.6, {})).met is False
+    failed = _probe_check(_probed(0.3, {"/health timeout": 1}))
+    assert failed.met is False and "1 of 201 failed" in failed.figure
+    unprobed = _probed(0.3, {})
+    for level in unprobed.runs[0].levels:
+        level.probe = None
+    assert _probe_check(unprobed).met is None
+
+
+def test_the_tables_show_the_probes_of_each_level_and_the_idle_floor() -> None:
+    table = render(_probed(0.3, {"/health timeout": 1}))
+    assert "| probe p50/p99 ms | errors |" in table
+    assert "| 0.300/0.317 | 0 |" in table  # the 256-client level's row ends so
+    assert "| tiny | 2 front ends | idle | 100 | 0.100 | 0.100 | 0.100 | 0 |" in table
+    assert "| tiny | 2 front ends | 256 (binary, 8 tok) | 101 | 0.300 | " in table
+    assert "| /health timeout: 1 |" in table
+
+
+def test_a_result_written_before_probes_were_timed_still_reads() -> None:
+    level = _level().model_dump(exclude={"probe"})
+    assert LevelResult.model_validate(level).probe is None
+    run = ServerRun.model_validate({"layer": "tiny", "variant": "default", "options": []})
+    assert run.idle_probe is None
+
+
 def test_a_level_without_forwards_has_no_server_figures() -> None:
     level = _level()
     assert level.forwards is None and level.gpu_busy is None
@@ -222,6 +350,15 @@ def test_bodies_differ_and_hey_gets_them_as_files(tmp_path: Path) -> None:
 def test_config_refuses_an_unknown_layer() -> None:
     with pytest.raises(ValueError, match="unknown layer 'nope'"):
         ServiceBenchConfig(layers=("nope",))
+    with pytest.raises(ValueError, match="nothing to serve"):
+        ServiceBenchConfig(one_process=False, http_workers=0)
+
+
+def test_served_only_behind_the_front_ends_only_their_targets_are_checked() -> None:
+    config = ServiceBenchConfig(layers=("tiny",), clients=(1, 256), http_workers=2,
+                                one_process=False)  # fmt: skip
+    targets = [c.target for c in checks(_probed(0.3, {}), config)]
+    assert targets and all(t.startswith("tiny (2 front ends): ") for t in targets)
 
 
 @pytest.mark.slow
@@ -257,12 +394,17 @@ def test_a_short_run_on_the_cpu_fills_every_figure_and_writes_the_tables(tmp_pat
             assert lv.forwards > 0 and lv.gpu_busy > 0 and lv.bare_forward_ms > 0
             assert sum(n for n, _ in lv.forward_sizes.values()) == lv.forwards
             assert {"queue", "decode", "forward", "encode"} <= set(lv.stage_ms)
-    fronted = [c.target for c in result.checks if c.target.startswith("tiny (2 front ends)")]
-    assert len(fronted) == len([c for c in result.checks if c.target.startswith("tiny:")])
+            assert lv.probe.probes > 0
+        assert run.idle_probe.probes > 0
+    fronted = [c.target.removeprefix("tiny (2 front ends)") for c in result.checks
+               if c.target.startswith("tiny (2 front ends)")]  # fmt: skip
+    one = [c.target.removeprefix("tiny") for c in result.checks if c.target.startswith("tiny:")]
+    assert fronted == [*one, ": probes answered within 0.5 ms p50 and never failed under load"]
     assert [echo.tokens for echo in result.echo] == [8, 1]
     assert all(isinstance(c, Check) for c in result.checks)
     capacity = [c for c in result.checks if c.target.startswith("load generator")]
     assert len(capacity) == 2 and all(c.met is not None for c in capacity)
+    assert next(c for c in result.checks if "probes answered" in c.target).met is not None
     table = path.with_suffix(".md").read_text()
     assert "| tiny | default | json | 8 | 1 |" in table and "| target | measured | met |" in table
     assert json.loads(path.read_text())["environment"]["commit"] == "test"
