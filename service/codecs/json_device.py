@@ -4,10 +4,10 @@ numbers go, and its 16-bit output printed there.
 A DeepSeek-V3-sized JSON forward (64 tokens, megabytes of text each way) costs tens of ms in
 orjson on one host core, half a million Python floats each way (`service/codecs/json_numbers.py`;
 `bench/json_bench.py` times both paths).
-Here the body's bytes go to the device as they are: one Triton kernel reads every number
-(`service/codecs/json_device_kernel.py`; `read_numbers` does the same with torch ops, on the CPU and
-as its reference) and torch ops check the layout; the output's text comes from a table of the
-65,536 values a 16-bit dtype has, written by the same orjson call the host path makes.
+Here the body's bytes go to the device as they are: three Triton kernels read every number and
+check the layout (`service/codecs/json_device_kernel.py`; `parse_rows` does the same with torch
+ops on the CPU, their reference); the output's text comes from a table of the 65,536 values a
+16-bit dtype has, written by the same orjson call the host path makes.
 
 Both paths give the same result, and the host path stays the one that explains: anything these
 ops do not accept (another layout of the body, a token that is not a JSON number, ragged or empty
@@ -18,9 +18,10 @@ reads them, to the nearest float64 and then to float32: exactly so (Clinger's fa
 printed in its shortest form; longer or larger ones take one more float64 rounding, which can
 move the float32 only for a number within 2^-29 of a float32 rounding boundary.
 
-The ops run on the caller's thread, on their own CUDA stream, with a few small copies to the host
-(the tokens' and events' positions, the verdict and the shape): the result is complete on the
-device when they return. On the CPU the same ops run the tests.
+The reading runs on the caller's thread, on the codec's own CUDA stream, and the host waits for
+the device once, for the kernels' verdict (read or not, and the shape): the result is complete on
+the device when it returns. On the CPU the torch ops run the tests, and the kernels run in
+Triton's interpreter against them.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def decode_forward(
 
 
 def warm_up(device: torch.device, dtypes: Iterable[torch.dtype]) -> None:
-    """Compile the number-reading kernel and build the print tables of the 16-bit `dtypes` on
+    """Compile the reading kernels and build the print tables of the 16-bit `dtypes` on
     `device` at start-up, so that the first large JSON request does not pay for them (a Triton
     compile takes seconds, longer on a loaded host). On the CPU the torch ops run (tests)."""
     parsed = decode_forward(b'{"hidden_states": [[1.5, -25e-2], [0, 12.25E+1]]}', device)
@@ -243,8 +244,16 @@ def parse_rows(text: torch.Tensor) -> torch.Tensor | None:
     float32 [rows, columns] there; None where it is not one (any other byte or layout, a token
     that is not a JSON number, ragged or empty rows) or holds a number beyond LIMITS.
 
-    The numbers are read by one Triton kernel on a GPU (`service/codecs/json_device_kernel.py`), by
-    torch ops elsewhere (`read_numbers`, the kernel's reference); the layout by torch ops."""
+    On a GPU, Triton kernels read it all (`service/codecs/json_device_kernel.py`) and the host
+    waits once, for their verdict; elsewhere torch ops do: `read_numbers`, the kernels'
+    reference for the numbers, and a check of each event against the nesting depth, theirs for
+    the layout."""
+    if text.numel() == 0:
+        return None
+    if text.is_cuda:
+        from .json_device_kernel import read_rows  # Triton: GPUs only
+
+        return _shaped(*read_rows(text, LIMITS))
     dev = text.device
     c = _class_table(dev)[text.int()]
     number = (c >= DIGIT) & (c <= EXP)
@@ -252,18 +261,10 @@ def parse_rows(text: torch.Tensor) -> torch.Tensor | None:
     first = starts.nonzero().squeeze(1)  # each number's first byte
     if first.numel() == 0:
         return None
-    if dev.type == "cuda":
-        from .json_device_kernel import (
-            read_numbers as read_on_gpu,  # Triton: GPUs only
-        )
-
-        numbers, status = read_on_gpu(text, first, LIMITS)
-        rejected = (status == 2).any()
-    else:
-        read = read_numbers(text, c, starts, first)
-        if read is None:
-            return None
-        numbers, rejected = read
+    read = read_numbers(text, c, starts, first)
+    if read is None:
+        return None
+    numbers, rejected = read
 
     # the structure, [[n, ...], ...]: each event (a bracket, a comma, a number's first byte)
     # checked against the event before it and the nesting depth after it
@@ -296,9 +297,14 @@ def parse_rows(text: torch.Tensor) -> torch.Tensor | None:
     ragged = (row_end & (numbers_so_far != row_end.cumsum(0) * width)).any()
     closed = (kind[-1] == _CLOSE) & (depth[-1] == 0)
     failed = rejected | (c == OTHER).any() | ~allowed.all() | ragged | ~closed
-    verdict = torch.stack([failed.long(), row_end.sum(), width]).tolist()
-    failed, rows, width = verdict
-    return None if failed else numbers.view(rows, width)
+    return _shaped(numbers, torch.stack([failed.long(), row_end.sum(), width]))
+
+
+def _shaped(numbers: torch.Tensor, verdict: torch.Tensor) -> torch.Tensor | None:
+    """The numbers read, in order of the text, as [rows, width]; None where the verdict,
+    [failed, rows, width] (copied to the host: the one wait for the device), says so."""
+    failed, rows, width = verdict.tolist()
+    return None if failed else numbers[: rows * width].view(rows, width)
 
 
 def read_numbers(

@@ -1,4 +1,4 @@
-"""The JSON numbers the device reads, by torch ops (json_device.py) or one Triton kernel
+"""The JSON numbers the device reads, by torch ops (json_device.py) or Triton kernels
 (json_device_kernel.py); the host reads a body holding any other."""
 
 from __future__ import annotations

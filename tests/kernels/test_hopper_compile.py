@@ -2,11 +2,11 @@
 
 On a CPU the suite runs the kernels in Triton's interpreter, which accepts code the compiler
 refuses: a module global that is not a constexpr, code after a compile-time branch's `return`
-(which the compiler still builds); both would fail only on the device. Here tiny forwards launch
-every kernel in the interpreter while a hook records each launch's arguments; a child process
-without the interpreter (tests/kernels/hopper_compile.py) then compiles each recorded variant
-for sm_90 with the compiler and ptxas that ship with Triton, as the GPU would, and reads back
-each one's registers, spills and shared memory.
+(which the compiler still builds); both would fail only on the device. Here tiny forwards and a
+JSON body's reading launch every kernel in the interpreter while a hook records each launch's
+arguments; a child process without the interpreter (tests/kernels/hopper_compile.py) then
+compiles each recorded variant for sm_90 with the compiler and ptxas that ship with Triton, as
+the GPU would, and reads back each one's registers, spills and shared memory.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 import moe_serve.kernels
+import moe_serve.service.codecs
 from moe_serve.kernels.config import RoutingConfig
 from moe_serve.kernels.experts._triton import psum_layout as psum
 from moe_serve.kernels.experts._triton.act_quant import (
@@ -57,6 +58,8 @@ from moe_serve.kernels.row_kernels import (
     zero_rows_from,
 )
 from moe_serve.kernels.tensors import Format
+from moe_serve.service.codecs.json_device_kernel import read_rows
+from moe_serve.service.codecs.json_limits import LIMITS
 from tests.kernels.triton_cases import Case, random_routing, triton_vs_reference
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU suite compiles them")
@@ -79,14 +82,16 @@ def _encode(value: object) -> object:
 
 
 def _launchable_kernels() -> set[tuple[str, str]]:
-    """(module, name) of every jit function in `kernels` that is launched: named *_kernel."""
+    """(module, name) of every jit function in `kernels` and `service.codecs` that is launched:
+    named *_kernel."""
     found = set()
-    for info in pkgutil.walk_packages(moe_serve.kernels.__path__, "moe_serve.kernels."):
-        module = importlib.import_module(info.name)
-        for name, value in vars(module).items():
-            ours = isinstance(value, InterpretedFunction) and value.fn.__module__ == info.name
-            if ours and name.endswith("_kernel"):
-                found.add((info.name, name))
+    for package in (moe_serve.kernels, moe_serve.service.codecs):
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            module = importlib.import_module(info.name)
+            for name, value in vars(module).items():
+                ours = isinstance(value, InterpretedFunction) and value.fn.__module__ == info.name
+                if ours and name.endswith("_kernel"):
+                    found.add((info.name, name))
     return found
 
 
@@ -135,6 +140,8 @@ def _launch_every_kernel() -> None:
     silu_and_mul(torch.randn(3, 256), torch.float16)
     router = torch.randn(8, 64).bfloat16()
     router_logits_into(torch.empty(2, 8), torch.randn(2, 64).bfloat16(), router, torch.randn(8))
+
+    read_rows(torch.frombuffer(bytearray(b"[[1, 2], [3, 4]]"), dtype=torch.uint8), LIMITS)
 
     for repeats in (1, 1400):  # one program; three kernels (4200 pairs)
         psum.psum_layout(ids.repeat(repeats, 1), 4, 8)

@@ -1,10 +1,11 @@
 """service/codecs/json_device.py against the host path (service/codecs/json_tensors.py): the same
 numbers read, the same text written, and every body it does not take left to the host, which
-explains it. The torch ops run on the CPU here, the Triton kernel in the interpreter against them;
-the gpu-marked test and tests/service/test_gpu.py read bodies with the kernel on a GPU."""
+explains it. The torch ops run on the CPU here, the Triton kernels in the interpreter against them;
+the gpu-marked tests and tests/service/test_gpu.py read bodies with the kernels on a GPU."""
 
 import json
 import random
+import re
 
 import numpy as np
 import orjson
@@ -296,48 +297,159 @@ KERNEL_CASES = [
 ]
 
 
-def test_the_kernel_reads_numbers_as_the_torch_ops_do() -> None:
-    """service/codecs/json_device_kernel.py (run by the interpreter here, on the GPU in
-    test_gpu.py) against `json_device.read_numbers`: the same numbers, the same refusals, text
-    by text. The kernel reads every text's numbers in one launch over the texts joined by
-    spaces: each number is read on its own from its first byte to a space, where a text's end
-    stops it too (the kernel reads a space past the end), and the interpreter's cost is a
-    launch's, whatever its numbers."""
-    from moe_serve.service.codecs.json_device_kernel import read_numbers as read_by_kernel
+WHERE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernels' device
 
-    where = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    texts, firsts, offset = [], [], 0
-    for text in KERNEL_CASES + _mutations(30, 12):
-        raw = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).to(where)
-        c, starts, first = _classes(raw)
-        if first.numel():
-            texts.append((text, raw, c, starts, first))
-            firsts.append(first + offset)
-            offset += raw.numel() + 1
-    joined = " ".join(t for t, *_ in texts).encode()
-    values, statuses = read_by_kernel(
-        torch.frombuffer(bytearray(joined), dtype=torch.uint8).to(where),
-        torch.cat(firsts),
-        json_device.LIMITS,
-    )
-    counts = [first.numel() for *_, first in texts]
-    for (text, raw, c, starts, first), value, status in zip(
-        texts, values.split(counts), statuses.split(counts), strict=True
-    ):
-        assert bool((status > 0).all()), text
-        torch_read = json_device.read_numbers(raw, c, starts, first)
-        if torch_read is None:  # a number of more than LIMITS.token_bytes
-            assert bool((status == 2).any()), text
-            continue
-        numbers, rejected = torch_read
-        assert bool((status == 2).any()) == bool(rejected), text
-        read = status == 1
-        assert same(value[read], numbers[read]), text
+
+def _read_alone(token: bytes) -> torch.Tensor | None:
+    """A number's float32 [1] as `json_device.read_numbers` reads it alone; None where it
+    refuses it."""
+    raw = torch.frombuffer(bytearray(token), dtype=torch.uint8)
+    read = json_device.read_numbers(raw, *_classes(raw))
+    return None if read is None or read[1] else read[0]
+
+
+def test_the_kernels_read_numbers_as_the_torch_ops_do() -> None:
+    """service/codecs/json_device_kernel.py (run by the interpreter here, on the GPU in
+    test_gpu.py) against `json_device.read_numbers`: the same numbers, the same refusals, number
+    by number. The kernels read every text's numbers in one run over the texts joined by spaces
+    (no array of rows: refused, its numbers read all the same): a number is read from its first
+    byte to the next byte that is none of a number's, and the interpreter's cost is a run's,
+    whatever its numbers."""
+    from moe_serve.service.codecs.json_device_kernel import read_rows
+
+    joined = " ".join(KERNEL_CASES + _mutations(30, 12)).encode()
+    tokens = re.findall(rb"[0-9eE+.-]+", joined)
+    text = torch.frombuffer(bytearray(joined), dtype=torch.uint8).to(WHERE)
+    values, verdict = read_rows(text, json_device.LIMITS)
+    assert verdict.tolist()[0] == 1
+    refused = 0
+    for token, value in zip(tokens, values[: len(tokens)].cpu(), strict=True):
+        expected = _read_alone(token)
+        if expected is None:
+            refused += 1
+            assert value.isnan(), token
+        else:
+            assert same(value[None], expected), token
+    assert 20 < refused < len(tokens) - 200
+
+
+def _read_by_kernels(text: bytes, block: int) -> torch.Tensor | None:
+    """`json_device.parse_rows` on a GPU (here: the interpreter), in blocks of `block` bytes."""
+    from moe_serve.service.codecs.json_device_kernel import read_rows
+
+    raw = torch.frombuffer(bytearray(text), dtype=torch.uint8).to(WHERE)
+    got = json_device._shaped(*read_rows(raw, json_device.LIMITS, block=block))
+    return None if got is None else got.cpu()
+
+
+def _read_by_torch(text: bytes) -> torch.Tensor | None:
+    return json_device.parse_rows(torch.frombuffer(bytearray(text), dtype=torch.uint8))
+
+
+# in blocks of 16 bytes: events, numbers and runs of whitespace that straddle blocks, and blocks
+# that hold no event, at either end and inside
+TAKEN_ROWS = [
+    "[[1]]",
+    "[[1, 2, 3]]",
+    "[[1, 2], [3, 4], [5, 6]]",
+    "  [[ 1 , 2 ]\n,[3,4]]  ",
+    "[" + " " * 40 + "[1]" + "\t" * 40 + "," + " " * 40 + "[2]" + "\n" * 40 + "]",
+    "[[" + ", ".join(["-1234.5678e-3", "0.000123456789", "-0"] * 4) + "]]",
+    "[[1.5]" + " " * 70 + "]",
+    " " * 50 + "[[-0.0, 2e-5], [7, 8]]" + " " * 50,
+    json.dumps(torch.randn(3, 5, generator=torch.Generator().manual_seed(15)).tolist(), indent=1),
+]
+REFUSED_ROWS = [
+    "[[[1]]]",
+    "[[[1]], [2]]",
+    "[[1], [[2]]]",
+    "[[]]",
+    "[[], []]",
+    "[[1], []]",
+    "[[], [1]]",
+    "[[1, 2], [3]]",
+    "[[1], [2, 3]]",
+    "[[1, 2], [3, 4], [5]]",
+    "[[1, 2], [3, 4, 5], [6]]",
+    "[[1, 2]," + " " * 40 + "[3, 4, 5]," + " " * 40 + "[6]]",
+    "[[1,],[2]]",
+    "[[1],]",
+    "[[1]],",
+    ",[[1]]",
+    "[[1]] [[1]]",
+    "[[,1]]",
+    "[[1],,[2]]",
+    "[[1]]x",
+    "[[1]" + " " * 40 + "x]",
+    "[[1\x00]]",
+    '[[1, "2"]]',
+    "[[1]]]",
+    "[[[1]]",
+    "[[1]",
+    "[[1]" + " " * 70,
+    "[[1 2]]",
+    "[[1" + " " * 40 + "2]]",
+    "[[1e5e5, 2]]",
+    "[[" + "1" * 41 + "]]",
+    "]",
+    "[",
+    " " * 40,
+    "[1]",
+    "1",
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "taken"), [(t, True) for t in TAKEN_ROWS] + [(t, False) for t in REFUSED_ROWS]
+)
+def test_the_kernels_read_rows_as_the_torch_ops_do(text: str, taken: bool) -> None:
+    """parse_rows' kernels against its torch ops: the same rows, bit for bit, the same
+    refusals."""
+    expected = _read_by_torch(text.encode())
+    assert (expected is not None) == taken
+    got = _read_by_kernels(text.encode(), 16)
+    assert (got is not None) == taken
+    if taken:
+        assert same(got, expected)
+
+
+def test_the_kernels_read_mutated_rows_as_the_torch_ops_do() -> None:
+    """Random edits with the structure's bytes, JSON's number bytes and runs of whitespace, in
+    blocks of 16 bytes: the kernels take what the torch ops take and read the same rows."""
+    rng = random.Random(16)
+    base = "[[0.5, -1e-05], [2e3, -0.0], [7, 12.25]]"
+    taken = 0
+    for _ in range(30):
+        text = list(base)
+        for _ in range(rng.randint(1, 2)):
+            if rng.random() < 0.5:  # whitespace before a bracket, a comma or a space: still rows
+                i = rng.choice([k for k, ch in enumerate(text) if ch in "[], "])
+                text.insert(i, rng.choice(" \n\t") * rng.randint(1, 40))
+            else:
+                i = rng.randrange(len(text))
+                text[i : i + rng.randint(0, 1)] = rng.choice("[],-5 ")
+        body = "".join(text).encode()
+        expected, got = _read_by_torch(body), _read_by_kernels(body, 16)
+        assert (got is None) == (expected is None), body
+        if got is not None:
+            taken += 1
+            assert same(got, expected), body
+    assert taken >= 10
+
+
+def test_the_kernels_read_a_row_of_7168_as_the_torch_ops_do() -> None:
+    """A DeepSeek-V3 token's hidden states, in the kernels' own blocks."""
+    from moe_serve.service.codecs.json_device_kernel import BLOCK_BYTES
+
+    rows = torch.randn(1, 7168, generator=torch.Generator().manual_seed(17)).bfloat16().float()
+    text = json.dumps(rows.tolist()).encode()
+    got = _read_by_kernels(text, BLOCK_BYTES)
+    assert got is not None and same(got, _read_by_torch(text)) and same(got, rows)
 
 
 @pytest.mark.gpu
 def test_on_a_gpu_bodies_are_read_as_the_host_reads_them() -> None:
-    """The kernel's path (parse_rows on a GPU) on mutated bodies and a million random values of
+    """The kernels' path (parse_rows on a GPU) on mutated bodies and a million random values of
     every magnitude from 1e-20 to 1e20, float64's 17 digits and float32's."""
     cuda = torch.device("cuda")
     rng = np.random.default_rng(14)
@@ -367,19 +479,22 @@ def test_warm_up_reads_its_body_and_builds_the_print_tables() -> None:
 
 
 @pytest.mark.gpu
-def test_after_warm_up_no_body_compiles_the_kernel_again() -> None:
-    """The engine warms the device path at start-up (service/http/app.py); the kernel is compiled
-    once for every body (no specialisation on the number or byte counts), so the first large
-    request of a served layer finds it compiled."""
-    from moe_serve.service.codecs.json_device_kernel import _read_numbers_kernel
+def test_after_warm_up_no_body_compiles_the_kernels_again() -> None:
+    """The engine warms the device path at start-up (service/core/runtime.py); the kernels are
+    compiled once for every body (no specialisation on the number, block or byte counts), so the
+    first large request of a served layer finds them compiled."""
+    from moe_serve.service.codecs import json_device_kernel as kernels
 
     cuda = torch.device("cuda")
     json_device.warm_up(cuda, [torch.bfloat16, torch.float32])
-    compiled = _read_numbers_kernel.device_caches[torch.cuda.current_device()][0]
-    after_warm_up = len(compiled)
-    assert after_warm_up >= 1
+    compiled = [
+        kernel.device_caches[torch.cuda.current_device()][0]
+        for kernel in (kernels._count_kernel, kernels._place_kernel, kernels._read_kernel)
+    ]
+    after_warm_up = [len(variants) for variants in compiled]
+    assert min(after_warm_up) >= 1
     for numbers in (1, 16, 17, 1024, 4099):
         body = body_of(json.dumps([[0.5] * numbers]))
         assert json_device.decode_forward(body, cuda) is not None
-    assert len(compiled) == after_warm_up
+    assert [len(variants) for variants in compiled] == after_warm_up
     assert json_device._number_table.cache_info().currsize >= 1  # bfloat16's print table
