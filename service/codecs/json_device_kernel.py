@@ -42,7 +42,9 @@ NUMBER = tl.constexpr(4)  # a number's first byte
 FAILED = tl.constexpr(0)
 ROWS = tl.constexpr(1)
 WIDTH = tl.constexpr(2)
-NAN = tl.constexpr(float("nan"))
+# a NaN's bits: Triton refuses a NaN global constant (NaN != NaN reads as "changed since the
+# kernel was compiled" at every launch after the first)
+NAN_BITS = tl.constexpr(0x7FC00000)
 # states of a number's reading, in the order the grammar meets them
 BEGIN = tl.constexpr(0)
 SIGN = tl.constexpr(1)  # "-"
@@ -290,7 +292,8 @@ def _read_kernel(
         value, read = _read_number(
             text_ptr, offs, inside, n, MAX_BYTES, MAX_SIGNIFICANT, MAX_EXP_DIGITS, MAX_POWER
         )
-        tl.store(value_ptr + token, tl.where(read, value, NAN), mask=inside)
+        nan = tl.full(value.shape, NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+        tl.store(value_ptr + token, tl.where(read, value, nan), mask=inside)
         failed |= tl.max((inside & ~read).to(tl.int32), axis=0)
     tl.atomic_max(verdict_ptr + FAILED, failed)
 
