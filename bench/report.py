@@ -106,6 +106,7 @@ def _kernel_rows(stored: Stored) -> Iterable[Row]:
                 "-" if best is None else best.backend + ("*" if best.captured else ""),
                 _us(best_us),
                 "-" if ratio is None else f"{ratio:.3f}",
+                "-" if p.auto_beside_ratio is None else f"{p.auto_beside_ratio:.3f}",
                 "-" if best_us is None else _pct(p.roofline_us / best_us),
             ],
         )
@@ -250,7 +251,17 @@ class Table:
 TABLES: dict[str, Table] = {
     "kernels": Table(
         "Kernels: the whole layer as served",
-        ("layer", "M", "auto runs", "auto us", "fastest", "us", "auto / fastest", "of roofline"),
+        (
+            "layer",
+            "M",
+            "auto runs",
+            "auto us",
+            "fastest",
+            "us",
+            "auto / fastest",
+            "auto / its member beside it",
+            "of roofline",
+        ),
         _kernel_rows,
         "`moe-serve bench kernels`: each experts backend on a random layer of the shape (weights "
         "drawn and quantised on the GPU), M tokens, uniform router load (i.i.d. normal logits). "
@@ -259,7 +270,10 @@ TABLES: dict[str, Table] = {
         "cannot; CUDA events, the L2 flushed (twice its size written) before every iteration, "
         "the median of the iterations after warm-up calls. Every backend's output is "
         "checked against the float32 reference before it is timed; a wrong one is never the "
-        "fastest. `auto runs` is what `--backend auto` builds for the layer on that GPU. The "
+        "fastest. `auto runs` is what `--backend auto` builds for the layer on that GPU; auto "
+        "is timed after every member, and where the run also timed it interleaved with the "
+        "member it runs at that M (member, auto, auto, member: a timing's place in the run "
+        "moves it by a few percent), `auto / its member beside it` is that comparison. The "
         "roofline is max(bytes that must move / copy bandwidth, FLOPs / dense GEMM peak), both "
         "ceilings measured in the same run; `of roofline` is the roofline over the fastest time.",
     ),
