@@ -7,7 +7,9 @@ orjson on one host core, half a million Python floats each way (`service/codecs/
 Here the body's bytes go to the device as they are: three Triton kernels read every number and
 check the layout (`service/codecs/json_device_kernel.py`; `parse_rows` does the same with torch
 ops on the CPU, their reference); the output's text comes from a table of the 65,536 values a
-16-bit dtype has, written by the same orjson call the host path makes.
+16-bit dtype has, written by the same orjson call the host path makes, and two Triton kernels
+print the rows with it (`service/codecs/json_print_kernel.py`; `rows_text`: torch ops, their
+reference).
 
 Both paths give the same result, and the host path stays the one that explains: anything these
 ops do not accept (another layout of the body, a token that is not a JSON number, ragged or empty
@@ -147,13 +149,24 @@ def _to_host(text: torch.Tensor) -> memoryview:
 
 
 def _rows_text(values: torch.Tensor) -> torch.Tensor:
-    """`print_rows`'s text, uint8 on the values' device.
+    """`print_rows`'s text, uint8 on the values' device: on a GPU written by Triton kernels
+    (`service/codecs/json_print_kernel.py`), elsewhere by `rows_text`, their reference."""
+    chars, lengths = _number_table(values.dtype, values.device)
+    if not values.is_cuda:
+        return rows_text(values, chars, lengths)
+    from .json_print_kernel import print_rows as print_on_gpu  # Triton: GPUs only
 
-    Each value's text comes from the dtype's table; each lands at the offset the lengths before
-    it sum to, with the row's brackets and the commas between."""
+    text, length = print_on_gpu(values, chars, lengths)
+    return text[: int(length)]  # the host waits once, for the length
+
+
+def rows_text(values: torch.Tensor, chars: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[T, W] of a 16-bit dtype and its table -> the rows' JSON text, uint8, with torch ops.
+
+    Each value's text comes from the table; each lands at the offset the lengths before it sum
+    to, with the row's brackets and the commas between."""
     rows, width = values.shape
     dev = values.device
-    chars, lengths = _number_table(values.dtype, dev)
     index = values.reshape(-1).view(torch.int16).int() & 0xFFFF
     n = index.numel()
     length = lengths[index]
@@ -227,15 +240,16 @@ def _close(rest: dict) -> bytes:
 @lru_cache(maxsize=8)
 def _number_table(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Each of the 65,536 values of a 16-bit dtype as `json_tensors.dumps` writes it: uint8 text
-    [65536, longest] (zero padded) and int64 lengths, indexed by the value's bits."""
+    [65536, the longest's length rounded up to a power of two] (zero padded) and int32 lengths,
+    indexed by the value's bits."""
     bits = torch.arange(1 << 16, dtype=torch.int32)
     values = torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(dtype)
     texts = json_tensors.dumps(values)[1:-1].split(b",")
-    longest = max(map(len, texts))
-    chars = torch.zeros(len(texts), longest, dtype=torch.uint8)
-    padded = b"".join(t.ljust(longest, b"\0") for t in texts)
-    chars.copy_(torch.frombuffer(bytearray(padded), dtype=torch.uint8).view(len(texts), longest))
-    lengths = torch.tensor([len(t) for t in texts], dtype=torch.int64)
+    room = 1 << (max(map(len, texts)) - 1).bit_length()
+    chars = torch.zeros(len(texts), room, dtype=torch.uint8)
+    padded = b"".join(t.ljust(room, b"\0") for t in texts)
+    chars.copy_(torch.frombuffer(bytearray(padded), dtype=torch.uint8).view(len(texts), room))
+    lengths = torch.tensor([len(t) for t in texts], dtype=torch.int32)
     return chars.to(device), lengths.to(device)
 
 

@@ -16,6 +16,7 @@ from moe_serve.service.codecs import json_device, json_tensors
 from moe_serve.service.errors import BadInput
 
 CPU = torch.device("cpu")
+WHERE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernels' device
 
 
 def host(body: bytes) -> torch.Tensor:
@@ -224,6 +225,47 @@ def test_printed_rows_of_awkward_shapes(shape: tuple[int, int]) -> None:
     assert bytes(json_device.print_rows(rows)) == json_tensors.dumps(rows)
 
 
+def _printed_by_kernels(rows: torch.Tensor, block: int) -> bytes:
+    """`json_device.print_rows` on a GPU (here: the interpreter), in blocks of `block` values."""
+    from moe_serve.service.codecs.json_print_kernel import print_rows
+
+    on = rows.to(WHERE)
+    text, length = print_rows(on, *json_device._number_table(rows.dtype, WHERE), block=block)
+    return bytes(text[: int(length)].cpu().numpy())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 5), (4, 1), (3, 7), (5, 16), (2, 33)])
+def test_the_kernels_print_rows_as_the_host_does(shape: tuple[int, int], dtype) -> None:
+    """In blocks of 16 values: rows that end inside a block, at its end, across blocks, and a
+    last block partly empty; values of every length (subnormals, powers, signs, zeros)."""
+    n = shape[0] * shape[1]
+    bits = torch.randint(0, 1 << 16, (n,), generator=torch.Generator().manual_seed(n))
+    rows = bits.to(torch.int16).view(dtype)
+    rows = torch.where(rows.isfinite(), rows, 0).reshape(shape)
+    assert _printed_by_kernels(rows, 16) == json_tensors.dumps(rows)
+
+
+def test_the_kernels_print_a_row_of_7168_as_the_host_does() -> None:
+    """A DeepSeek-V3 token's output, in the kernels' own blocks."""
+    from moe_serve.service.codecs.json_print_kernel import BLOCK_VALUES
+
+    rows = torch.randn(1, 7168, generator=torch.Generator().manual_seed(18)).bfloat16()
+    assert _printed_by_kernels(rows, BLOCK_VALUES) == json_tensors.dumps(rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_on_a_gpu_every_16_bit_value_is_printed_as_the_host_prints_it(dtype) -> None:
+    bits = torch.arange(1 << 16, dtype=torch.int32)
+    values = torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(torch.int16).view(dtype)
+    finite = values[torch.isfinite(values.float())]
+    for shape in ((256, -1), (-1, 7), (1, -1), (64, 1)):
+        n = {(-1, 7): finite.numel() // 7 * 7, (64, 1): 64}.get(shape, finite.numel())
+        rows = finite[:n].reshape(shape)
+        assert bytes(json_device.print_rows(rows.cuda())) == json_tensors.dumps(rows)
+
+
 def test_a_reply_is_the_host_path_s_reply() -> None:
     output = torch.randn(2, 3, generator=torch.Generator().manual_seed(9)).bfloat16()
     rest = {
@@ -295,9 +337,6 @@ KERNEL_CASES = [
     "[[" + "1" * 40 + ", " + "1" * 41 + "]]",
     *INVALID[:-1],
 ]
-
-
-WHERE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernels' device
 
 
 def _read_alone(token: bytes) -> torch.Tensor | None:
