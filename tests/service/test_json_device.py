@@ -521,19 +521,20 @@ def test_warm_up_reads_its_body_and_builds_the_print_tables() -> None:
 def test_after_warm_up_no_body_compiles_the_kernels_again() -> None:
     """The engine warms the device path at start-up (service/core/runtime.py); the kernels are
     compiled once for every body (no specialisation on the number, block or byte counts), so the
-    first large request of a served layer finds them compiled."""
-    from moe_serve.service.codecs import json_device_kernel as kernels
+    first large request of a served layer finds them compiled; so are the printing kernels."""
+    from moe_serve.service.codecs import json_device_kernel as read
+    from moe_serve.service.codecs import json_print_kernel as print_
 
     cuda = torch.device("cuda")
     json_device.warm_up(cuda, [torch.bfloat16, torch.float32])
-    compiled = [
-        kernel.device_caches[torch.cuda.current_device()][0]
-        for kernel in (kernels._count_kernel, kernels._place_kernel, kernels._read_kernel)
-    ]
+    kernels = (read._count_kernel, read._place_kernel, read._read_kernel)
+    kernels += (print_._size_kernel, print_._write_kernel)
+    compiled = [kernel.device_caches[torch.cuda.current_device()][0] for kernel in kernels]
     after_warm_up = [len(variants) for variants in compiled]
     assert min(after_warm_up) >= 1
     for numbers in (1, 16, 17, 1024, 4099):
         body = body_of(json.dumps([[0.5] * numbers]))
         assert json_device.decode_forward(body, cuda) is not None
+        json_device.print_rows(torch.ones(3, numbers, dtype=torch.bfloat16, device=cuda))
     assert [len(variants) for variants in compiled] == after_warm_up
     assert json_device._number_table.cache_info().currsize >= 1  # bfloat16's print table
