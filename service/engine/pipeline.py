@@ -36,7 +36,6 @@ import torch
 from ...kernels.input_checks import all_finite_on_device, finite_flag
 from ...kernels.layer import LayerOutput, expert_tokens
 from ...kernels.tensors import ForwardInputs, Routing
-from . import host_memory
 from .interface import BatchResult, Pending, ServedLayer, StageTimes
 
 DEPTH = 3  # batches in flight: one computing, the next ones copied in and queued behind it
@@ -102,7 +101,7 @@ def _copied_in_place(part: ForwardInputs, dtype: torch.dtype) -> bool:
     if hidden.device.type == "cuda":
         return True
     large = hidden.shape[0] * hidden.shape[1] * hidden.element_size() >= DIRECT_BYTES
-    return large and hidden.dtype == dtype and host_memory.is_pinned(hidden)
+    return large and hidden.dtype == dtype and hidden.is_pinned()
 
 
 def _runs(sizes: Sequence[int], alone: Sequence[bool]) -> list[_Run]:
