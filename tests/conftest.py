@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import shutil
@@ -31,22 +32,35 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _patch_the_language_once_a_launch() -> None:
-    """Triton's interpreter swaps triton.language's functions for interpreted ones when a launch
-    starts (and back when it ends), and again at every call of a @triton.jit helper inside it,
-    each time walking every member of the language's modules: with our kernels' helpers called
-    in every K step, that walk takes about half the interpreter's time. Within a launch, a
-    helper's swap of modules the launch has swapped already changes nothing, so it is skipped
-    (per thread: launches on other threads keep their own account)."""
+def _lighten_the_interpreter() -> None:
+    """Two chores of Triton's interpreter that change nothing here, skipped; together they took
+    about two thirds of its time on our kernels.
+
+    - It swaps triton.language's functions for interpreted ones when a launch starts (and back
+      when it ends), and again at every call of a @triton.jit helper inside it, each time
+      walking every member of the language's modules. Within a launch, a helper's swap of
+      modules the launch has swapped already changes nothing, so it is skipped (per thread:
+      launches on other threads keep their own account).
+    - Every integer +, - and * under 64 bits is computed again in 64 bits and compared with its
+      type's range for a device_assert, which does nothing unless the interpreter's options say
+      debug: where they do not, the overflow check is off."""
     import triton.language as tl
     from triton.runtime import interpreter
 
+    builder = interpreter.interpreter_builder
+    if not builder.options.debug:
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+
     patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
     state = threading.local()  # .patched: ids of the modules this thread's launch has swapped
+    langs_of: dict[object, set[int]] = {}  # a function -> ids of the language modules it sees
 
     def patch_once(fn: object) -> object:
         patched = getattr(state, "patched", None)
-        langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+            langs_of[fn] = langs
         if patched is None or not langs <= patched:  # outside a launch: as the interpreter does
             if patched is not None:
                 patched |= langs
@@ -65,7 +79,7 @@ def _patch_the_language_once_a_launch() -> None:
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _patch_the_language_once_a_launch()
+    _lighten_the_interpreter()
 
 # No gRPC or metrics listener unless a test asks for one (grpc_port=..., metrics_port=...): the
 # servers that tests start, module-scoped ones included, would all claim the default ports.
