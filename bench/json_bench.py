@@ -3,10 +3,10 @@ and on a GPU (`service/codecs/json_device.py`), side by side in one process, eac
 the other's result byte for byte: `moe-serve bench service --mode json` (needs a GPU).
 
 The bodies (tokens x H of SHAPES: rows of 512 and 2048 where the device's fixed costs show, a
-DeepSeek-V3 row, the demo layer's 64 tokens, DeepSeek-V3's 64 and 512) are what the service benchmark sends (bf16 values as Python floats through
-`json.dumps`); the outputs bf16. Each figure is the median of `--repeats` calls after two
-warm-ups, from the call to its result in host memory (the device's result complete: its last
-step is a copy to the host).
+DeepSeek-V3 row, the demo layer's 64 tokens, DeepSeek-V3's 64 and 512) are what the service
+benchmark sends (bf16 values as Python floats through `json.dumps`); the outputs bf16. Each
+figure is the median of `--repeats` calls after two warm-ups, from the call to its result in
+host memory (the device's result complete: its last step is a copy to the host).
 """
 
 from __future__ import annotations
@@ -25,7 +25,14 @@ from ..service.codecs import json_device, json_tensors
 from .schema import Environment, write_result
 
 log = logging.getLogger(__name__)
-SHAPES = ((1, 512), (1, 2048), (1, 7168), (64, 256), (64, 7168), (512, 7168))  # (tokens, H) of the bodies
+SHAPES = (
+    (1, 512),
+    (1, 2048),
+    (1, 7168),
+    (64, 256),
+    (64, 7168),
+    (512, 7168),
+)  # (tokens, H) of the bodies
 
 
 class JsonRow(BaseModel):

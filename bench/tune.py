@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..kernels.config import MoEConfig, RoutingConfig
-from ..kernels.quant_scheme import FP8_BLOCK, QuantConfig, QuantScheme
+from ..kernels.quant_scheme import QuantConfig, QuantScheme
 
 if TYPE_CHECKING:
     from ..kernels.experts._triton.tiles import LayerTiles
@@ -197,13 +197,13 @@ def prefill_choices(cfg: MoEConfig, best: LayerTiles, gemm: str) -> list[LayerTi
 
 def per_pair_choices(cfg: MoEConfig, best: LayerTiles, gemm: str) -> list[LayerTiles]:
     """Per-pair round: `best` (per-pair tiles) with `gemm` over _PER_PAIR_CHOICES whose K step
-    nests with the scale groups (fp8-block: within one, as pair_gemv would narrow it)."""
+    nests with the scale groups (fp8-block: a K step of several groups scales each column by
+    its own, gemv.py)."""
     from ..kernels.experts._triton.tiles import nested_block_k
 
-    fp8_block = cfg.quant.scheme == QuantScheme.FP8_BLOCK
     found = []
     for block_n, block_k, warps in _PER_PAIR_CHOICES:
-        if nested_block_k(cfg, block_k) == block_k and not (fp8_block and block_k > FP8_BLOCK):
+        if nested_block_k(cfg, block_k) == block_k:
             tile = replace(getattr(best, gemm), block_n=block_n, block_k=block_k, num_warps=warps)
             found.append(replace(best, **{gemm: tile}))
     return found

@@ -244,24 +244,19 @@ class LayerGraphs:
                 captured = self._graphs[copy][bucket] = self._capture(copy, bucket)
         return captured
 
-    def replay_prologue(self, m: int, copy: int = 0) -> bool:
+    def replay_prologue(self, m: int, copy: int = 0) -> None:
         """Replay the prologue of copy `copy`'s graph for m rows on the current stream, where
         its forward has one (expert parallelism's sender: the router, the routing and the rows
-        packed for the broadcast); else nothing. Whether it had one."""
-        prologue = self._captured(m, copy).prologue
-        for graph in prologue:
+        packed for the broadcast); else nothing."""
+        for graph in self._captured(m, copy).prologue:
             graph.replay()
-        return bool(prologue)
 
-    def replay_epilogue(self, m: int, copy: int = 0) -> bool:
+    def replay_epilogue(self, m: int, copy: int = 0) -> None:
         """Replay the epilogue of copy `copy`'s graph for m rows on the current stream (ordered
         after its `replay(..., ends=False)`), where its forward has one (expert parallelism's
-        sender: the reduced sums rounded, the counts and the finite checks); else nothing.
-        Whether it had one."""
-        epilogue = self._captured(m, copy).epilogue
-        for graph in epilogue:
+        sender: the reduced sums rounded, the counts and the finite checks); else nothing."""
+        for graph in self._captured(m, copy).epilogue:
             graph.replay()
-        return bool(epilogue)
 
     def replay(self, m: int, copy: int = 0, ends: bool = True) -> GraphOutput:
         """Replay copy `copy`'s graph for m rows (m <= max_tokens) on the current stream; its

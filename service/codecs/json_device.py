@@ -37,7 +37,6 @@ from functools import lru_cache
 
 import torch
 
-from .. import off_loop
 from . import json_tensors
 from .json_limits import LIMITS
 from .safetensors_wire import byte_view
@@ -69,16 +68,16 @@ _TAIL = re.compile(rb"\]" + _WS + rb"(?:," + _WS + _ROUTING + _WS + rb")?\}" + _
 _TAIL_BYTES = 64
 
 
-# JSON work on up to this many bytes of text stays on the host: the device's launches and copies
-# cost about the same whatever the size, and orjson catches up with them about where JSON work
-# leaves the event loop (a thread then waits for the device, not the loop); measured with
+# JSON work on more than this many bytes of text is done on a GPU: the device's launches, copies
+# and one wait cost about the same whatever the size, and from a DeepSeek-V3 row on (85 KB of
+# text, a 70 KB reply) the device reads faster than orjson and prints about as fast; chosen by
 # `bench/json_bench.py`.
-HOST_UP_TO_BYTES = off_loop.JSON.on_loop_bytes
+DEVICE_FROM_BYTES = 64 << 10
 
 
 def worth_it(nbytes: int) -> bool:
     """Whether JSON work on about `nbytes` of text is done on a GPU."""
-    return nbytes > HOST_UP_TO_BYTES
+    return nbytes > DEVICE_FROM_BYTES
 
 
 @dataclass(frozen=True)

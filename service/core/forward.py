@@ -99,7 +99,10 @@ async def _serve_json(
     if device.type != "cuda" or not json_device.worth_it(len(body)):
         device = None
     started = time.perf_counter()
-    inputs, want_routing = await JSON.run(len(body), _decode_json, served, body, device)
+    if device is not None:  # the reading waits for the device: never on the event loop
+        inputs, want_routing = await JSON.off_loop(_decode_json, served, body, device)
+    else:
+        inputs, want_routing = await JSON.run(len(body), _decode_json, served, body, None)
     metrics.observe_stage(served.name, "decode", time.perf_counter() - started)
     hidden = inputs.hidden_states
     output = torch.empty_like(hidden, dtype=served.config.dtype) if hidden.is_cuda else None
@@ -107,10 +110,13 @@ async def _serve_json(
         call.batcher, served.name, inputs, options, withdrawn, output
     )
     started = time.perf_counter()
-    numbers = result.output.numel() + (2 * result.routing.topk_ids.numel() if want_routing else 0)
-    reply = await JSON.run(
-        numbers * json_numbers.NUMBER_BYTES, _encode_json, served, result, want_routing, into
-    )
+    if _printed_on_device(result.output):  # it waits for the device: never on the event loop
+        reply = await JSON.off_loop(_encode_json, served, result, want_routing, into)
+    else:
+        numbers = result.output.numel()
+        numbers += 2 * result.routing.topk_ids.numel() if want_routing else 0
+        nbytes = numbers * json_numbers.NUMBER_BYTES
+        reply = await JSON.run(nbytes, _encode_json, served, result, want_routing, into)
     metrics.observe_stage(served.name, "encode", time.perf_counter() - started)
     return reply
 
@@ -298,6 +304,12 @@ def _decode_json(
     return inputs, decoded.return_routing
 
 
+def _printed_on_device(output: torch.Tensor) -> bool:
+    """Whether a reply's output is printed on the device: 16-bit, there, and large enough."""
+    size = output.numel() * json_numbers.NUMBER_BYTES
+    return output.is_cuda and output.element_size() == 2 and json_device.worth_it(size)
+
+
 def _encode_json(
     served: ServedLayer, result: LayerOutput, routing: bool, into: memoryview | None = None
 ) -> int | list[bytes | memoryview]:
@@ -308,8 +320,7 @@ def _encode_json(
     rest = {"layer": served.name, "tokens": output.shape[0], "backend": served.backend}
     if routing:
         rest |= {"topk_ids": result.routing.topk_ids, "topk_weights": result.routing.topk_weights}
-    size = output.numel() * json_numbers.NUMBER_BYTES
-    if output.is_cuda and output.element_size() == 2 and json_device.worth_it(size):
+    if _printed_on_device(output):
         if into is not None:
             return json_device.print_reply_into(output, rest, into)
         return json_device.print_reply(output, rest)

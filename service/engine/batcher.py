@@ -59,7 +59,6 @@ from ..errors import (
 )
 from ..interpreter import switch_gil_often
 from ..metrics import Metrics
-from . import host_memory
 from .interface import BatchResult, ServedLayer, ServingEngine
 
 log = logging.getLogger(__name__)
@@ -132,7 +131,7 @@ class _Request:
         """Whether a forward copies from or into the caller's memory on the device's own
         schedule: an output buffer, or inputs on a GPU or in pinned memory."""
         hidden = self.inputs.hidden_states
-        return self.output_into is not None or hidden.is_cuda or host_memory.is_pinned(hidden)
+        return self.output_into is not None or hidden.is_cuda or hidden.is_pinned()
 
     def finish_piece(self, start: int, out: LayerOutput) -> None:
         """One forward's rows of this request; the request completes with its last piece."""

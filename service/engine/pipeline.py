@@ -36,7 +36,6 @@ import torch
 from ...kernels.input_checks import all_finite_on_device, finite_flag
 from ...kernels.layer import LayerOutput, expert_tokens
 from ...kernels.tensors import ForwardInputs, Routing
-from . import host_memory
 from .interface import BatchResult, Pending, ServedLayer, StageTimes
 
 DEPTH = 3  # batches in flight: one computing, the next ones copied in and queued behind it
@@ -102,7 +101,7 @@ def _copied_in_place(part: ForwardInputs, dtype: torch.dtype) -> bool:
     if hidden.device.type == "cuda":
         return True
     large = hidden.shape[0] * hidden.shape[1] * hidden.element_size() >= DIRECT_BYTES
-    return large and hidden.dtype == dtype and host_memory.is_pinned(hidden)
+    return large and hidden.dtype == dtype and hidden.is_pinned()
 
 
 def _runs(sizes: Sequence[int], alone: Sequence[bool]) -> list[_Run]:
@@ -214,7 +213,6 @@ class _Slot:
         self.topk_weights = pair((capacity, k), torch.float32)
         self.stats = pair((e + 2,), torch.int64)  # tokens per expert, output, inputs finite
         self.events = {name: torch.cuda.Event(enable_timing=True) for name in _EVENTS}
-        self.d2h_from = "forward_end"  # the event the batch's copies out began at
         self.host = _HostRows(self.output[0], self.topk_ids[0], self.topk_weights[0], self.stats[0])
 
     def results(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
@@ -338,17 +336,14 @@ class DevicePipeline:
             if replays:
                 graphs.inputs[slot.copy].valid_rows.copy_(slot.valid_rows, non_blocking=True)
             ev["h2d_end"].record(self.copy_in)
-            inputs_ready = ev["h2d_end"]  # unless a prologue runs after the copies
-            # expert parallelism's sender: the part before the first collective, beside the
-            # previous batch's forward
-            if replays and graphs.replay_prologue(m, slot.copy):
-                inputs_ready = ev["inputs_ready"]
-                inputs_ready.record(self.copy_in)
+            if replays:  # expert parallelism's sender: the part before the first collective
+                graphs.replay_prologue(m, slot.copy)  # beside the previous batch's forward
+            ev["inputs_ready"].record(self.copy_in)
 
             if self.on_forward is not None:
                 self.on_forward(served, m, graphs.bucket(m) if replays else None, slot.copy)
             torch.cuda.set_stream(self.compute)
-            self.compute.wait_event(inputs_ready)
+            self.compute.wait_event(ev["inputs_ready"])
             ev["forward_start"].record(self.compute)
             if replays:  # one launch: padding, forward, counts and the finite checks
                 replay = graphs.replay(m, slot.copy, ends=False)
@@ -359,12 +354,9 @@ class DevicePipeline:
 
             torch.cuda.set_stream(self.copy_out)
             self.copy_out.wait_event(ev["forward_end"])
-            slot.d2h_from = "forward_end"  # unless an epilogue runs before the copies
-            # expert parallelism's sender: all after the last collective, beside the next
-            # batch's broadcast
-            if replays and graphs.replay_epilogue(m, slot.copy):
-                slot.d2h_from = "d2h_start"
-                ev["d2h_start"].record(self.copy_out)
+            if replays:  # expert parallelism's sender: all after the last collective
+                graphs.replay_epilogue(m, slot.copy)  # beside the next batch's broadcast
+            ev["d2h_start"].record(self.copy_out)
             for run, target in d2h:
                 target.copy_(out.output[run.begin : run.end], non_blocking=True)
             slot.topk_ids[0][:m].copy_(out.routing.topk_ids, non_blocking=True)
@@ -429,7 +421,7 @@ class _InFlight:
                 forward_s=slot.seconds("forward_start", "forward_end"),
                 stage_s=self.stage_s,
                 h2d_s=slot.seconds("h2d_start", "h2d_end"),
-                d2h_s=slot.seconds(slot.d2h_from, "d2h_end"),
+                d2h_s=slot.seconds("d2h_start", "d2h_end"),
             )
             counts, finite, inputs_finite = host.stats()
             return BatchResult(outputs, counts, times, finite, inputs_finite)

@@ -17,7 +17,6 @@ import torch
 
 from ..core.forward import LayerCall, serve_blob_into, serve_json_into
 from ..core.runtime import Runtime, ready
-from ..engine import host_memory
 from ..errors import ServiceError
 from .arena import BodyArena, Region
 from .channel import (
@@ -204,13 +203,20 @@ class _Arena:
         return self.pinning is not None and bool(await asyncio.shield(self.pinning))
 
 
+_PORTABLE = 1  # cudaHostRegisterPortable
+
+
 def _pin(arena: BodyArena) -> int:
     """Register the arena with CUDA, so bodies are copied to the device and outputs back by
     DMA from where they lie; its address, or 0 if CUDA refused (it then serves through
     copies)."""
     address = torch.frombuffer(arena.view, dtype=torch.uint8).data_ptr()
-    if not host_memory.register(address, arena.size):
-        log.warning("arena %s not registered with CUDA: replies are copied", arena.path)
+    # portable: pinned for every GPU's context, as the layers may sit on several (--devices)
+    error = int(torch.cuda.cudart().cudaHostRegister(address, arena.size, _PORTABLE))
+    if error:
+        log.warning(
+            "arena %s not registered with CUDA (error %s): replies are copied", arena.path, error
+        )
         return 0
     log.info("arena %s registered with CUDA: bodies and replies are copied by DMA", arena.path)
     return address
@@ -219,4 +225,4 @@ def _pin(arena: BodyArena) -> int:
 def _unpin(arena: _Arena) -> None:
     pinning = arena.pinning
     if pinning is not None and pinning.done() and not pinning.exception() and pinning.result():
-        host_memory.unregister(pinning.result())
+        torch.cuda.cudart().cudaHostUnregister(pinning.result())

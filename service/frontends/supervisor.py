@@ -24,7 +24,7 @@ from pathlib import Path
 
 from prometheus_client import Counter
 
-from ..codecs import json_device
+from .. import off_loop
 from ..core.runtime import Runtime
 from ..http.route_methods import RouteMethods
 from ..settings import Settings
@@ -178,7 +178,9 @@ def _alive(pid: int) -> bool:
 def json_here_bytes(settings: Settings) -> int:
     """The largest JSON forward a front end decodes itself: on a GPU engine a larger one goes to
     the engine as its text, through the front end's arena, and is read on the device
-    (service/codecs/json_device.py)."""
+    (service/codecs/json_device.py). Up to the size JSON work may take on an event loop, the
+    front end's own core does it: the engine's host time is every request's, and its reading
+    of so small a body would hold the engine's loop."""
     if settings.torch_device().type == "cuda":
-        return min(settings.max_json_bytes, json_device.HOST_UP_TO_BYTES)
+        return min(settings.max_json_bytes, off_loop.JSON.on_loop_bytes)
     return settings.max_json_bytes

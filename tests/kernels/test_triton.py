@@ -569,15 +569,17 @@ def test_per_pair_gemvs_skip_other_ranks_pairs_and_take_one_expert_for_every_tok
     assert err < tolerance(cfg)
 
 
+@pytest.mark.parametrize("block_k", [256, 1024])
 @pytest.mark.parametrize("layout", list(GateUp))
-def test_per_pair_fp8_block_tiles_wider_than_a_scale_block_narrow_to_fit(
-    layout: GateUp, device: torch.device
+def test_per_pair_fp8_block_tiles_wider_than_a_scale_block(
+    layout: GateUp, block_k: int, device: torch.device
 ) -> None:
-    """256-wide tiles would straddle two 128 x 128 scale blocks (and PARTIAL's last blocks are
-    partial): pair_gemv narrows them to one block."""
+    """256 rows would straddle two 128 x 128 scale blocks: pair_gemv narrows the column tile to
+    one block; a K step of several blocks (and PARTIAL's partial last ones) scales each column
+    by its own block's scale."""
     activation = Activation.SWIGLUOAI if layout == GateUp.INTERLEAVED else Activation.SILU
     cfg = Case(QuantScheme.FP8_BLOCK, torch.float16, activation, layout, **PARTIAL).config()
-    wide = GemmTile(256, 256, 4, 1)
+    wide = GemmTile(256, block_k, 4, 1)
     fixed = tiles.LayerTiles(16, wide, wide, per_pair=True)
     err = triton_vs_reference(cfg, random_routing(3, 4, 2, seed=2), device, tiles=fixed)
     assert err < tolerance(cfg)

@@ -25,7 +25,7 @@ import torch
 from starlette.datastructures import Headers
 
 from moe_serve.service import logs, off_loop
-from moe_serve.service.codecs import json_device, json_tensors
+from moe_serve.service.codecs import json_tensors
 from moe_serve.service.codecs.json_numbers import NUMBER_BYTES, decode_forward_arrays
 from moe_serve.service.codecs.safetensors_wire import decode_safetensors, encode_safetensors
 from moe_serve.service.frontends.arena import BLOCK_BYTES, REPLY_HEADER_BYTES, BodyArena
@@ -396,7 +396,7 @@ def test_a_forward_answered_by_the_front_end_is_counted_once_with_its_status(
 
 
 @pytest.mark.parametrize(
-    ("device", "expected"), [("cpu", 8 << 20), ("cuda", json_device.HOST_UP_TO_BYTES)]
+    ("device", "expected"), [("cpu", 8 << 20), ("cuda", off_loop.JSON.on_loop_bytes)]
 )
 def test_front_ends_leave_large_json_bodies_to_a_gpu_engine(
     monkeypatch: pytest.MonkeyPatch, device: str, expected: int

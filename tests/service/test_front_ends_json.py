@@ -35,7 +35,7 @@ TOKEN = "front-end-json-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 JSON_HEADERS = {"Content-Type": "application/json"} | AUTH
 # A front end decodes JSON bodies up to this; a CPU engine's decode every JSON body up to
-# MOE_SERVE_MAX_JSON_BYTES (a GPU engine's, up to json_device.HOST_UP_TO_BYTES)
+# MOE_SERVE_MAX_JSON_BYTES (a GPU engine's, up to off_loop.JSON.on_loop_bytes)
 JSON_HERE_BYTES = 16 << 10
 READ_TIMEOUT_S = 3.0
 FORWARD_200 = 'moe_serve_requests_total{route="/v1/layers/{name}/forward",status="200"}'
