@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import shutil
+import threading
 
 # Before numpy loads OpenBLAS (torch imports numpy): on a machine without a GPU, Triton's
 # interpreter computes tl.dot with numpy's matmul, and OpenBLAS's Haswell kernel (chosen on AVX2
@@ -28,6 +30,56 @@ if not HAS_CUDA:
     # Triton reads this when a kernel is decorated, so it must be set before any backend module
     # is imported (by any test): on a CPU machine every Triton kernel runs in the interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _lighten_the_interpreter() -> None:
+    """Two chores of Triton's interpreter that change nothing here, skipped; together they took
+    about two thirds of its time on our kernels.
+
+    - It swaps triton.language's functions for interpreted ones when a launch starts (and back
+      when it ends), and again at every call of a @triton.jit helper inside it, each time
+      walking every member of the language's modules. Within a launch, a helper's swap of
+      modules the launch has swapped already changes nothing, so it is skipped (per thread:
+      launches on other threads keep their own account).
+    - Every integer +, - and * under 64 bits is computed again in 64 bits and compared with its
+      type's range for a device_assert, which does nothing unless the interpreter's options say
+      debug: where they do not, the overflow check is off."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    if not builder.options.debug:
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+
+    patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    state = threading.local()  # .patched: ids of the modules this thread's launch has swapped
+    langs_of: dict[object, set[int]] = {}  # a function -> ids of the language modules it sees
+
+    def patch_once(fn: object) -> object:
+        patched = getattr(state, "patched", None)
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+            langs_of[fn] = langs
+        if patched is None or not langs <= patched:  # outside a launch: as the interpreter does
+            if patched is not None:
+                patched |= langs
+            return patch_lang(fn)
+        return interpreter._LangPatchScope()  # nothing to swap, nothing to restore
+
+    def launch_patching_once(self: object, *args: object, **kwargs: object) -> object:
+        state.patched = set()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            state.patched = None
+
+    interpreter._patch_lang = patch_once
+    interpreter.GridExecutor.__call__ = launch_patching_once
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _lighten_the_interpreter()
 
 # No gRPC or metrics listener unless a test asks for one (grpc_port=..., metrics_port=...): the
 # servers that tests start, module-scoped ones included, would all claim the default ports.

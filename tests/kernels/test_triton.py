@@ -271,7 +271,11 @@ def test_shared_output_joins_the_top_k_sum_before_its_one_rounding(
 
 
 # 133: past the decode graphs, the blocks' own path; per pair a few tokens stand for the small
-# batches it serves (the interpreter runs a program a token)
+# batches it serves (the interpreter runs a program a token and column tile, so the tiles here
+# are 64 columns wide: the block of 256 takes four, the one of 128 two, GEMM1's 96 one and a half)
+WIDE_PER_PAIR = tiles.LayerTiles(16, GemmTile(64, 64, 4, 2), GemmTile(64, 128, 4, 1), per_pair=True)
+
+
 @pytest.mark.parametrize(
     ("m", "per_pair"),
     [(9, False), (133, False), (3, True), (133, True)],
@@ -288,7 +292,7 @@ def test_a_sum_in_column_blocks_equals_the_whole_sum_bit_for_bit(
     if device.type == "cpu" and m > MAX_GRAPH_TOKENS:
         pytest.skip("no decode graphs on the CPU: a smaller m takes the same path")
     cfg = Case(scheme, num_experts=8, top_k=3, hidden=384).config()
-    fixed = PER_PAIR if per_pair else None
+    fixed = WIDE_PER_PAIR if per_pair else None
     experts = TritonExperts(cfg, random_expert_weights(cfg, seed=5).to(device), fixed)
     r = random_routing(m, 8, 3, seed=m)
     r.topk_ids[0, 1] = -1  # a pair of another rank's expert

@@ -130,6 +130,9 @@ def running_front_ends(
     try:
         yield front_ends
     finally:
+        # as SIGTERM does (service/serve.py): the front ends drain first, closing their
+        # connections to the engine, whose drain would otherwise wait on them
+        front_ends.terminate()
         server.should_exit = True
         thread.join(START_TIMEOUT_S)
         listener.close()

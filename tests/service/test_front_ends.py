@@ -178,21 +178,27 @@ def _answers(url: str) -> bool:
         return False
 
 
-def test_the_token_is_checked_by_the_front_end_and_by_the_engine() -> None:
+@pytest.fixture(scope="module")
+def token_front_ends():
+    """One front end that asks for TOKEN."""
     settings = Settings(device="cpu", http_workers=1, grpc_port=0, api_token=TOKEN)
-    with running_front_ends(settings) as front_ends:
-        url = _url(front_ends)
-        blob = _blob(torch.randn(1, H))
-        for path, kwargs in [
-            (f"/v1/layers/{TINY}/forward", {"content": blob, "headers": BINARY}),  # front end
-            (f"/v1/layers/{TINY}/forward", {"json": {"hidden_states": [[0.0] * H]}}),  # engine
-        ]:
-            denied = httpx.post(url + path, **kwargs)
-            assert denied.status_code == 401
-            assert denied.headers["WWW-Authenticate"] == "Bearer"
-            auth = {"Authorization": f"Bearer {TOKEN}"}
-            kwargs["headers"] = kwargs.get("headers", {}) | auth
-            assert httpx.post(url + path, **kwargs).status_code == 200
+    with running_front_ends(settings) as running:
+        yield running
+
+
+def test_the_token_is_checked_by_the_front_end_and_by_the_engine(token_front_ends) -> None:
+    url = _url(token_front_ends)
+    blob = _blob(torch.randn(1, H))
+    for path, kwargs in [
+        (f"/v1/layers/{TINY}/forward", {"content": blob, "headers": BINARY}),  # front end
+        (f"/v1/layers/{TINY}/forward", {"json": {"hidden_states": [[0.0] * H]}}),  # engine
+    ]:
+        denied = httpx.post(url + path, **kwargs)
+        assert denied.status_code == 401
+        assert denied.headers["WWW-Authenticate"] == "Bearer"
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        kwargs["headers"] = kwargs.get("headers", {}) | auth
+        assert httpx.post(url + path, **kwargs).status_code == 200
 
 
 def test_the_arena_never_hands_out_a_region_twice(tmp_path: Path) -> None:
@@ -446,13 +452,13 @@ def test_stalled_bodies_get_408_from_the_front_end_and_probes_keep_answering() -
         assert "HTTP/1.1 408 Request Timeout" in answers
 
 
-def test_without_the_token_a_relayed_request_is_401_before_its_body_arrives() -> None:
+def test_without_the_token_a_relayed_request_is_401_before_its_body_arrives(
+    token_front_ends,
+) -> None:
     """Nothing of the body is waited for, nor memory reserved for what it declares."""
-    settings = Settings(device="cpu", http_workers=1, grpc_port=0, api_token=TOKEN)
-    with running_front_ends(settings) as front_ends:
-        port = front_ends.listener.getsockname()[1]
-        for path in STALLED_PATHS:
-            conn = _stalled(port, path, 10 << 20, b"{", None)
+    port = token_front_ends.listener.getsockname()[1]
+    for path in STALLED_PATHS:
+        with _stalled(port, path, 10 << 20, b"{", None) as conn:
             assert _status_line(conn, 20) == "HTTP/1.1 401 Unauthorized"
 
 
@@ -461,20 +467,18 @@ def _rss_bytes(pid: int) -> int:
     return int(next(x for x in status.splitlines() if x.startswith("VmRSS:")).split()[1]) << 10
 
 
-def test_a_declared_body_size_reserves_no_memory_before_its_bytes_arrive() -> None:
-    settings = Settings(device="cpu", http_workers=1, grpc_port=0, api_token=TOKEN)
-    with running_front_ends(settings) as front_ends:
-        port = front_ends.listener.getsockname()[1]
-        pid = front_ends._processes[0].pid
-        declared = front_ends.config.json_here_bytes  # decoded in the front end
-        before = _rss_bytes(pid)
-        path = f"/v1/layers/{TINY}/forward"
-        stalled = [_stalled(port, path, declared, b'{"hidden', TOKEN) for _ in range(24)]
-        assert httpx.get(f"{_url(front_ends)}/health").status_code == 200  # all of them read
-        grown = _rss_bytes(pid) - before
-        for conn in stalled:
-            conn.close()
-        assert grown < 4 * declared, f"{grown >> 20} MiB for 24 x {declared >> 20} MiB declared"
+def test_a_declared_body_size_reserves_no_memory_before_its_bytes_arrive(token_front_ends) -> None:
+    port = token_front_ends.listener.getsockname()[1]
+    pid = token_front_ends._processes[0].pid
+    declared = token_front_ends.config.json_here_bytes  # decoded in the front end
+    before = _rss_bytes(pid)
+    path = f"/v1/layers/{TINY}/forward"
+    stalled = [_stalled(port, path, declared, b'{"hidden', TOKEN) for _ in range(24)]
+    assert httpx.get(f"{_url(token_front_ends)}/health").status_code == 200  # all of them read
+    grown = _rss_bytes(pid) - before
+    for conn in stalled:
+        conn.close()
+    assert grown < 4 * declared, f"{grown >> 20} MiB for 24 x {declared >> 20} MiB declared"
 
 
 def test_json_nested_a_thousand_deep_is_a_json_400_from_the_front_end(front_ends) -> None:

@@ -68,12 +68,15 @@ def _infer(client, module, model: str, x: np.ndarray) -> np.ndarray:
     return client.infer(model, [tensor]).as_numpy("output")
 
 
-def _http(urls) -> httpclient.InferenceServerClient:
-    return httpclient.InferenceServerClient(urls[0].removeprefix("http://"))
+@pytest.fixture
+def http(urls: tuple[str, str]) -> Iterator[httpclient.InferenceServerClient]:
+    """An HTTP client of the server, closed before it stops (its drain waits for an open one)."""
+    with httpclient.InferenceServerClient(urls[0].removeprefix("http://")) as client:
+        yield client
 
 
-def test_start_serves_every_good_directory_and_indexes_the_broken_one(urls, repo) -> None:
-    client = _http(urls)
+def test_start_serves_every_good_directory_and_indexes_the_broken_one(urls, http, repo) -> None:
+    client = http
     index = {m["name"]: m for m in client.get_model_repository_index()}
     assert index["alpha"] == {"name": "alpha", "version": "1", "state": "READY"}
     assert index["broken"]["state"] == "UNAVAILABLE"
@@ -94,9 +97,9 @@ def test_start_serves_every_good_directory_and_indexes_the_broken_one(urls, repo
 
 
 @pytest.mark.parametrize("transport", ["http", "grpc"])
-def test_unload_then_load_with_the_stock_clients(urls, repo, demo_dir, transport) -> None:
+def test_unload_then_load_with_the_stock_clients(urls, http, repo, demo_dir, transport) -> None:
     if transport == "http":
-        client, module = _http(urls), httpclient
+        client, module = http, httpclient
     else:
         client, module = grpcclient.InferenceServerClient(urls[1]), grpcclient
     client.unload_model("alpha")
@@ -117,8 +120,8 @@ def test_unload_then_load_with_the_stock_clients(urls, repo, demo_dir, transport
     )
 
 
-def test_a_failed_load_keeps_the_running_version_serving(urls, repo) -> None:
-    client = _http(urls)
+def test_a_failed_load_keeps_the_running_version_serving(http, repo) -> None:
+    client = http
     x = np.random.default_rng(1).standard_normal((3, H)).astype(np.float32)
     before = _infer(client, httpclient, "alpha", x)
     experts = repo / "alpha" / "experts.safetensors"
@@ -140,11 +143,11 @@ def test_loading_a_broken_directory_is_400_naming_the_file(urls) -> None:
         assert not client.is_model_ready("broken")
 
 
-def test_unknown_model_directories_are_404_naming_the_model_not_the_path(urls, repo) -> None:
+def test_unknown_model_directories_are_404_naming_the_model_not_the_path(urls, http, repo) -> None:
     with pytest.raises(
         httpclient.InferenceServerException, match="has no model named 'nope'"
     ) as err:
-        _http(urls).load_model("nope")
+        http.load_model("nope")
     assert err.value.status() == "404"
     assert str(repo) not in err.value.message()
     with grpcclient.InferenceServerClient(urls[1]) as client:  # no URL normalisation on gRPC
@@ -168,9 +171,9 @@ def test_a_header_announcing_a_terabyte_fails_the_load_saying_so(urls, repo) -> 
     assert "header announces 1099511627776 bytes" in index["huge"]["reason"]
 
 
-def test_load_overrides_are_refused(urls) -> None:
+def test_load_overrides_are_refused(http) -> None:
     with pytest.raises(httpclient.InferenceServerException, match="not supported") as err:
-        _http(urls).load_model("alpha", config='{"backend": "x"}')
+        http.load_model("alpha", config='{"backend": "x"}')
     assert err.value.status() == "400"
 
 

@@ -199,15 +199,15 @@ def test_shared_memory_is_refused_unless_allowed(region) -> None:
     with running_server(create_app(Settings(device="cpu"), tiny_loader)) as url:
         with httpx.Client(base_url=url) as http:
             wait_ready(http.get)
-        c = httpclient.InferenceServerClient(url.removeprefix("http://"))
-        with pytest.raises(
-            httpclient.InferenceServerException, match="--allow-shared-memory"
-        ) as err:
-            c.register_system_shared_memory("data", region[0], 64)
-        assert err.value.status() == "403"
-        with pytest.raises(httpclient.InferenceServerException, match="--allow-shared-memory"):
-            c.infer(TINY, _inputs(httpclient, np.zeros((ROWS, H), np.float32)))
-        assert "system_shared_memory" not in c.get_server_metadata()["extensions"]
+        with httpclient.InferenceServerClient(url.removeprefix("http://")) as c:
+            with pytest.raises(
+                httpclient.InferenceServerException, match="--allow-shared-memory"
+            ) as err:
+                c.register_system_shared_memory("data", region[0], 64)
+            assert err.value.status() == "403"
+            with pytest.raises(httpclient.InferenceServerException, match="--allow-shared-memory"):
+                c.infer(TINY, _inputs(httpclient, np.zeros((ROWS, H), np.float32)))
+            assert "system_shared_memory" not in c.get_server_metadata()["extensions"]
 
 
 def test_a_region_is_visible_only_to_the_token_that_registered_it(region) -> None:
@@ -372,13 +372,13 @@ def test_inputs_in_system_shared_memory_count_against_the_body_limit(region) -> 
     with running_server(create_app(settings, tiny_loader)) as url:
         with httpx.Client(base_url=url) as http:
             wait_ready(http.get)
-        c = httpclient.InferenceServerClient(url.removeprefix("http://"))
-        c.register_system_shared_memory("data", key, 2 * TENSOR_BYTES)
-        x = np.zeros((ROWS * 2, H), np.float32)  # 1536 bytes
-        with pytest.raises(httpclient.InferenceServerException, match="1024-byte limit") as err:
-            c.infer(TINY, _inputs(httpclient, x, size=2 * TENSOR_BYTES))
-        assert err.value.status() == "413"
-        c.unregister_system_shared_memory()
+        with httpclient.InferenceServerClient(url.removeprefix("http://")) as c:
+            c.register_system_shared_memory("data", key, 2 * TENSOR_BYTES)
+            x = np.zeros((ROWS * 2, H), np.float32)  # 1536 bytes
+            with pytest.raises(httpclient.InferenceServerException, match="1024-byte limit") as err:
+                c.infer(TINY, _inputs(httpclient, x, size=2 * TENSOR_BYTES))
+            assert err.value.status() == "413"
+            c.unregister_system_shared_memory()
 
 
 def test_with_a_prefix_only_keys_under_it_are_accepted(region) -> None:
@@ -392,22 +392,24 @@ def test_with_a_prefix_only_keys_under_it_are_accepted(region) -> None:
     with running_server(create_app(settings, tiny_loader)) as url:
         with httpx.Client(base_url=url) as http:
             wait_ready(http.get)
-        http_client = httpclient.InferenceServerClient(url.removeprefix("http://"))
-        with pytest.raises(httpclient.InferenceServerException, match="'/client-'") as err:
-            http_client.register_system_shared_memory("data", key, 64)
-        assert err.value.status() == "403"
-        with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as grpc_client:
-            with pytest.raises(grpcclient.InferenceServerException, match="prefix") as err:
-                grpc_client.register_system_shared_memory("data", key, 64)
-            assert err.value.status() == "StatusCode.PERMISSION_DENIED"
-        ours = f"/client-{uuid.uuid4().hex[:12]}"
-        handle = shm.create_shared_memory_region("ours", ours, 64)
-        try:
-            http_client.register_system_shared_memory("ours", ours, 64)
-            assert [r["name"] for r in http_client.get_system_shared_memory_status()] == ["ours"]
-            http_client.unregister_system_shared_memory("ours")
-        finally:
-            shm.destroy_shared_memory_region(handle)
+        with httpclient.InferenceServerClient(url.removeprefix("http://")) as http_client:
+            with pytest.raises(httpclient.InferenceServerException, match="'/client-'") as err:
+                http_client.register_system_shared_memory("data", key, 64)
+            assert err.value.status() == "403"
+            with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as grpc_client:
+                with pytest.raises(grpcclient.InferenceServerException, match="prefix") as err:
+                    grpc_client.register_system_shared_memory("data", key, 64)
+                assert err.value.status() == "StatusCode.PERMISSION_DENIED"
+            ours = f"/client-{uuid.uuid4().hex[:12]}"
+            handle = shm.create_shared_memory_region("ours", ours, 64)
+            try:
+                http_client.register_system_shared_memory("ours", ours, 64)
+                assert [r["name"] for r in http_client.get_system_shared_memory_status()] == [
+                    "ours"
+                ]
+                http_client.unregister_system_shared_memory("ours")
+            finally:
+                shm.destroy_shared_memory_region(handle)
 
 
 def test_the_regions_a_token_may_hold_are_capped(region) -> None:

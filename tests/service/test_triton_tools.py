@@ -49,8 +49,9 @@ def urls() -> Iterator[tuple[str, str]]:
 
 
 @pytest.fixture
-def http(urls: tuple[str, str]) -> httpclient.InferenceServerClient:
-    return httpclient.InferenceServerClient(urls[0].removeprefix("http://"))
+def http(urls: tuple[str, str]) -> Iterator[httpclient.InferenceServerClient]:
+    with httpclient.InferenceServerClient(urls[0].removeprefix("http://")) as client:
+        yield client
 
 
 @pytest.fixture
