@@ -43,13 +43,20 @@ def _lighten_the_interpreter() -> None:
       launches on other threads keep their own account).
     - Every integer +, - and * under 64 bits is computed again in 64 bits and compared with its
       type's range for a device_assert, which does nothing unless the interpreter's options say
-      debug: where they do not, the overflow check is off."""
+      debug: where they do not, the overflow check is off.
+
+    Both reach into the interpreter's own names (Triton is not pinned here): a Triton without
+    them runs its interpreter as it is, only slower."""
     import triton.language as tl
     from triton.runtime import interpreter
 
+    names = ("_patch_lang", "_LangPatchScope", "GridExecutor", "interpreter_builder")
+    if not all(hasattr(interpreter, name) for name in names):
+        return
     builder = interpreter.interpreter_builder
-    if not builder.options.debug:
-        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+    options = getattr(builder, "options", None)
+    if hasattr(options, "sanitize_overflow") and not getattr(options, "debug", True):
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
     patch_lang, launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
     state = threading.local()  # .patched: ids of the modules this thread's launch has swapped
