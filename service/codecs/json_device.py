@@ -153,9 +153,9 @@ def _rows_text(values: torch.Tensor) -> torch.Tensor:
     chars, lengths = _number_table(values.dtype, values.device)
     if not values.is_cuda:
         return rows_text(values, chars, lengths)
-    from .json_print_kernel import print_rows as print_on_gpu  # Triton: GPUs only
+    from .json_print_kernel import write_rows  # Triton: GPUs only
 
-    text, length = print_on_gpu(values, chars, lengths)
+    text, length = write_rows(values, chars, lengths)
     return text[: int(length)]  # the host waits once, for the length
 
 

@@ -81,7 +81,7 @@ def _write_kernel(
         tl.store(length_ptr, 1 + tl.load(ends_ptr + pid))
 
 
-def print_rows(
+def write_rows(
     values: torch.Tensor, chars: torch.Tensor, lengths: torch.Tensor, block: int = BLOCK_VALUES
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, W] of a 16-bit dtype (T, W >= 1), on a GPU or in Triton's interpreter, and its

@@ -179,8 +179,7 @@ def json_here_bytes(settings: Settings) -> int:
     """The largest JSON forward a front end decodes itself: on a GPU engine a larger one goes to
     the engine as its text, through the front end's arena, and is read on the device
     (service/codecs/json_device.py). Up to the size JSON work may take on an event loop, the
-    front end's own core does it: the engine's host time is every request's, and its reading
-    of so small a body would hold the engine's loop."""
+    front end's own core does it: the engine's host time is every request's."""
     if settings.torch_device().type == "cuda":
         return min(settings.max_json_bytes, off_loop.JSON.on_loop_bytes)
     return settings.max_json_bytes

@@ -61,7 +61,7 @@ from moe_serve.kernels.tensors import Format
 from moe_serve.service.codecs import json_device
 from moe_serve.service.codecs.json_device_kernel import read_rows
 from moe_serve.service.codecs.json_limits import LIMITS
-from moe_serve.service.codecs.json_print_kernel import print_rows
+from moe_serve.service.codecs.json_print_kernel import write_rows
 from tests.kernels.triton_cases import Case, random_routing, triton_vs_reference
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU suite compiles them")
@@ -144,7 +144,7 @@ def _launch_every_kernel() -> None:
     router_logits_into(torch.empty(2, 8), torch.randn(2, 64).bfloat16(), router, torch.randn(8))
 
     read_rows(torch.frombuffer(bytearray(b"[[1, 2], [3, 4]]"), dtype=torch.uint8), LIMITS)
-    print_rows(torch.randn(2, 3).bfloat16(), *json_device._number_table(torch.bfloat16, CPU))
+    write_rows(torch.randn(2, 3).bfloat16(), *json_device._number_table(torch.bfloat16, CPU))
 
     for repeats in (1, 1400):  # one program; three kernels (4200 pairs)
         psum.psum_layout(ids.repeat(repeats, 1), 4, 8)

@@ -227,10 +227,10 @@ def test_printed_rows_of_awkward_shapes(shape: tuple[int, int]) -> None:
 
 def _printed_by_kernels(rows: torch.Tensor, block: int) -> bytes:
     """`json_device.print_rows` on a GPU (here: the interpreter), in blocks of `block` values."""
-    from moe_serve.service.codecs.json_print_kernel import print_rows
+    from moe_serve.service.codecs.json_print_kernel import write_rows
 
     on = rows.to(WHERE)
-    text, length = print_rows(on, *json_device._number_table(rows.dtype, WHERE), block=block)
+    text, length = write_rows(on, *json_device._number_table(rows.dtype, WHERE), block=block)
     return bytes(text[: int(length)].cpu().numpy())
 
 
