@@ -392,10 +392,11 @@ def _decode_e2m1_kernel(codes_ptr, out_ptr):
     tl.store(out_ptr + offs, _e2m1_to_float(tl.load(codes_ptr + offs)))
 
 
-def test_e2m1_decoder_gives_every_code_its_value_and_sign() -> None:
+def test_e2m1_decoder_gives_every_code_its_value_and_sign(device: torch.device) -> None:
     """Through fp16 bits: code 1 (0.5) is an fp16 subnormal, code 8 a negative zero."""
-    out = torch.empty(16)
-    _decode_e2m1_kernel[(1,)](torch.arange(16, dtype=torch.uint8), out)
+    out = torch.empty(16, device=device)
+    _decode_e2m1_kernel[(1,)](torch.arange(16, dtype=torch.uint8, device=device), out)
+    out = out.cpu()
     want = torch.tensor([*E2M1_VALUES, *(-v for v in E2M1_VALUES)])
     assert torch.equal(out, want)
     assert torch.equal(torch.signbit(out), torch.arange(16) >= 8)
