@@ -109,13 +109,13 @@ def _front_end(path: str, in_flight: int, body: bytes, loop: str) -> None:
         regions = [arena.allocate(len(body)) for _ in range(in_flight)]
         if None in regions:
             raise SystemExit(f"{in_flight} bodies do not fit an arena: add front ends")
-        never = asyncio.Event()
+        never = asyncio.get_running_loop().create_future()  # the clients stay
 
         async def client_loop(region) -> None:
             arena.body(region)[:] = body
             while True:
                 started = time.perf_counter()
-                reply = await client.forward(LAYER, region, never.wait)
+                reply = await client.forward(LAYER, region, never)
                 client.done(FORWARD_PATH, reply.status, time.perf_counter() - started)
 
         await asyncio.gather(*map(client_loop, regions))

@@ -25,8 +25,9 @@ import asyncio
 import json
 import logging
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import count
 from pathlib import Path
 
@@ -147,7 +148,8 @@ class EngineClient:
         self.on_lost = on_lost  # the engine closed the channel (it stopped or died)
         self.connected = False
         self._ids = count()
-        self._pending: dict[int, asyncio.Future[Reply]] = {}
+        # id -> the answer its caller awaits, and its region
+        self._pending: dict[int, tuple[asyncio.Future[Reply], Region]] = {}
         self._out: RecordWriter | None = None
         self._reading: asyncio.Task | None = None
 
@@ -176,18 +178,17 @@ class EngineClient:
         self,
         layer: str,
         region: Region,
-        gone: Callable[[], Awaitable],
+        gone: asyncio.Future,
         layer_dtype: bool = False,
     ) -> Reply:
-        """The engine's answer to the safetensors body in `region`; `gone()` returning first
-        withdraws it. The region is the engine's until it answers: the caller frees it after
-        reading the reply, or, if the caller is cancelled, the answer's arrival does."""
+        """The engine's answer to the safetensors body in `region`; withdrawn once `gone` is
+        done (the client left: a future of the caller's, which this only adds a callback to).
+        The region is the engine's until it answers: the caller frees it after reading the
+        reply, or, if the caller is cancelled, the answer's arrival does."""
         fields = (region.offset, region.body_bytes, region.reply_capacity, layer_dtype)
         return await self._ask(FORWARD, FORWARD_FIELDS, fields, layer, region, gone)
 
-    async def forward_json(
-        self, layer: str, region: Region, gone: Callable[[], Awaitable]
-    ) -> Reply:
+    async def forward_json(self, layer: str, region: Region, gone: asyncio.Future) -> Reply:
         """As `forward`, for the JSON body in `region`: the engine parses it and answers JSON."""
         fields = (region.offset, region.body_bytes, region.reply_capacity)
         return await self._ask(FORWARD_JSON, FORWARD_JSON_FIELDS, fields, layer, region, gone)
@@ -199,25 +200,32 @@ class EngineClient:
         fields: tuple,
         layer: str,
         region: Region,
-        gone: Callable[[], Awaitable],
+        gone: asyncio.Future,
     ) -> Reply:
+        """The request's answer, awaited as it is: no watcher task, nor asyncio.wait, per
+        request (each costs the event loop turns between the reply's arrival and the response,
+        `moe-serve bench service --mode path`). A withdrawn request is answered too (499)."""
         rid = next(self._ids)
         answer = asyncio.get_running_loop().create_future()
-        self._pending[rid] = answer
+        self._pending[rid] = (answer, region)
         self._out.send(kind, layout.pack(rid, *fields) + layer.encode())
-        watch = asyncio.ensure_future(gone())
+        withdraw = partial(self._withdraw, rid)
+        gone.add_done_callback(withdraw)
         try:
-            await asyncio.wait((answer, watch), return_when=asyncio.FIRST_COMPLETED)
-            if not answer.done() and self.connected:
-                self._out.send(CANCEL, CANCEL_FIELDS.pack(rid))
-            return await asyncio.shield(answer)  # a withdrawn request is answered too (499)
+            return await answer
         except asyncio.CancelledError:
-            if self.connected:
-                self._out.send(CANCEL, CANCEL_FIELDS.pack(rid))
-            answer.add_done_callback(lambda _: self.arena.free(region))
+            if answer.cancelled():  # still the engine's: its answer frees the region (_read)
+                self._withdraw(rid)
+            else:  # answered as the caller was cancelled: no one reads the reply
+                self.arena.free(region)
             raise
         finally:
-            watch.cancel()
+            gone.remove_done_callback(withdraw)
+
+    def _withdraw(self, rid: int, _: object = None) -> None:
+        """CANCEL for request `rid`, unless the engine has answered it."""
+        if rid in self._pending and self.connected:
+            self._out.send(CANCEL, CANCEL_FIELDS.pack(rid))
 
     def done(self, route: str, status: int, seconds: float) -> None:
         if self.connected:
@@ -229,13 +237,20 @@ class EngineClient:
                 if kind == REPLY:
                     rid, status, nbytes = REPLY_FIELDS.unpack_from(payload)
                     data = memoryview(payload)[REPLY_FIELDS.size :] or None
-                    self._pending.pop(rid).set_result(Reply(status, nbytes, data=data))
+                    self._answer(rid, Reply(status, nbytes, data=data))
                 elif kind == ERROR:
                     rid, status = ERROR_FIELDS.unpack_from(payload)
                     details = json.loads(payload[ERROR_FIELDS.size :])
-                    self._pending.pop(rid).set_result(Reply(status, **details))
+                    self._answer(rid, Reply(status, **details))
         self.connected = False
-        for answer in self._pending.values():
-            answer.set_result(ENGINE_GONE)
-        self._pending.clear()
+        for rid in list(self._pending):
+            self._answer(rid, ENGINE_GONE)
         self.on_lost()
+
+    def _answer(self, rid: int, reply: Reply) -> None:
+        """The engine has answered request `rid`: its region is no longer the engine's."""
+        answer, region = self._pending.pop(rid)
+        if answer.cancelled():  # its caller gave up waiting
+            self.arena.free(region)
+        else:
+            answer.set_result(reply)

@@ -185,8 +185,12 @@ class FrontEnd:
             await error_response(cut.status, cut.message, cut.headers)(scope, receive, send)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
-        plain = plain_forward(scope)
         headers = Headers(scope=scope)
+        if direct := scope.get(DIRECT_BODY):
+            # a plain forward with the token (`body_target`) on a connection within the limit
+            await self._forward(scope, receive, send, headers, *plain_forward(scope), direct)
+            return
+        plain = plain_forward(scope)
         if scope.get(OVER_CAPACITY) and scope["path"] not in OPEN_PATHS:
             await over_capacity(self.config.max_connections)(scope, receive, send)
         elif not authorized(scope["path"], headers, self.token):
@@ -207,8 +211,6 @@ class FrontEnd:
                     response.headers["Connection"] = "close"
                 response.headers.update(answer.headers)
                 await response(scope, receive, send)
-        elif plain and (direct := scope.get(DIRECT_BODY)):
-            await self._forward(scope, receive, send, *plain, direct)
         elif plain and plain[1] == JSON and (size := self._json_size(scope)):
             await self._forward_json(scope, receive, send, plain[0], size)
         else:
@@ -252,12 +254,13 @@ class FrontEnd:
         scope: Scope,
         receive: Receive,
         send: Send,
+        headers: Headers,
         name: str,
         media: str,
         direct: DirectBody[Region],
     ) -> None:
-        """A forward whose body the connection read into the arena, to the engine as it is."""
-        headers = Headers(scope=scope)
+        """A forward whose body the connection read into the arena, to the engine as it is;
+        withdrawn once the connection is lost."""
         region = direct.target.holder
         ours = True  # the region is not the engine's, nor lent to the reply
         with _answering(self.engine, scope, headers) as answer:
@@ -269,18 +272,16 @@ class FrontEnd:
                     reply = _reply_of(err)
                 if reply is None:
                     ours = False
-                    gone = partial(client_gone, receive)
                     ask = self.engine.forward if media == BINARY else self.engine.forward_json
-                    reply = await ask(name, region, gone)
+                    reply = await ask(name, region, direct.left)
                     ours = True
                 answer.status = reply.status
                 if reply.status == 200:
                     content = self._reply_bytes(region, reply)
                     ours = reply.data is not None  # else `content` frees the region
-                    response = Response(content, media_type=media, headers=answer.headers)
+                    await _send_ok(send, content, media, answer)
                 else:
-                    response = _error_response(reply, answer.headers)
-                await response(scope, receive, send)
+                    await _error_response(reply, answer.headers)(scope, receive, send)
             finally:
                 if ours:
                     direct.discard()  # the connection writes no more of the body into it
@@ -310,29 +311,31 @@ class FrontEnd:
                         answer.status = RELAYED
                         await self._relay(scope, body, receive, send)
                         return
-                    gone = partial(client_gone, receive)
                     if as_text:
                         self.arena.body(region)[:] = body
-                        ask = partial(self.engine.forward_json, name, region, gone)
+                        ask = partial(self.engine.forward_json, name, region)
                     else:
                         _write_blob(arrays, self.arena.body(region))
-                        ask = partial(self.engine.forward, name, region, gone, layer_dtype=True)
+                        ask = partial(self.engine.forward, name, region, layer_dtype=True)
+                    gone = asyncio.ensure_future(client_gone(receive))
                     ours = False
-                    reply = await ask()
+                    try:
+                        reply = await ask(gone=gone)
+                    finally:
+                        gone.cancel()
                     ours = True
                 answer.status = reply.status
                 if reply.status != 200:
-                    response = _error_response(reply, answer.headers)
-                else:
-                    if as_text:
-                        text = self._reply_bytes(region, reply)
-                        ours = reply.data is not None  # else `text` frees the region
-                    else:  # output [T, H], as hidden_states
-                        blob = self.arena.reply(region, reply.nbytes)
-                        numbers = arrays.hidden_states.size * NUMBER_BYTES
-                        text = await off_loop.JSON.run(numbers, _json_reply, blob)
-                    response = Response(text, media_type=JSON, headers=answer.headers)
-                await response(scope, receive, send)
+                    await _error_response(reply, answer.headers)(scope, receive, send)
+                    return
+                if as_text:
+                    text = self._reply_bytes(region, reply)
+                    ours = reply.data is not None  # else `text` frees the region
+                else:  # output [T, H], as hidden_states
+                    blob = self.arena.reply(region, reply.nbytes)
+                    numbers = arrays.hidden_states.size * NUMBER_BYTES
+                    text = await off_loop.JSON.run(numbers, _json_reply, blob)
+                await _send_ok(send, text, JSON, answer)
             finally:
                 if ours and region is not None:
                     self.arena.free(region)
@@ -514,6 +517,18 @@ def _answering(
                 "%s %s -> %d in %.1f ms", scope["method"], scope["path"], status, seconds * 1e3
             )
         logs.request_id.reset(reset)
+
+
+async def _send_ok(send: Send, content: bytes | memoryview, media: str, answer: _Answer) -> None:
+    """A forward's 200 with its reply, as a starlette Response with these headers sends it,
+    without making one per request."""
+    headers = [
+        (b"x-request-id", answer.rid.encode()),
+        (b"content-length", str(len(content)).encode()),
+        (b"content-type", media.encode()),
+    ]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": content})
 
 
 def _has_body(headers: Headers) -> bool:

@@ -51,21 +51,26 @@ BodySink = Callable[[Scope, int], BodyTarget[Any] | None]
 
 
 class DirectBody(Generic[Holder]):
-    """A body on its way into its target; the app awaits `read`."""
+    """A body on its way into its target; the app awaits `read`. `left`: done once the
+    connection is lost, the client gone (the connection's own, shared by its requests: the app
+    adds callbacks to it, never cancels it), so a request in flight is withdrawn without a task
+    that waits on `receive` for the disconnect."""
 
-    def __init__(self, target: BodyTarget[Holder], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, target: BodyTarget[Holder], left: asyncio.Future[None]) -> None:
         self.target = target
+        self.left = left
         self.at = 0  # bytes of the body arrived
         self._into: memoryview | None = target.into  # None once discarded
-        self._arrived: asyncio.Future[bool] = loop.create_future()  # False: the client left
+        # False: the client left
+        self._arrived: asyncio.Future[bool] = left.get_loop().create_future()
 
     @property
-    def left(self) -> int:
+    def missing(self) -> int:
         return len(self.target.into) - self.at
 
     def room(self, scratch: memoryview) -> memoryview:
         """Where the socket's next bytes go: the body's own memory, or scratch once discarded."""
-        return scratch[: self.left] if self._into is None else self._into[self.at :]
+        return scratch[: self.missing] if self._into is None else self._into[self.at :]
 
     def advance(self, nbytes: int) -> None:
         self.at += nbytes
@@ -83,13 +88,14 @@ class DirectBody(Generic[Holder]):
     async def read(self, timeout_s: float) -> Holder:
         """The holder once the whole body is in it; 408 when it stalls past `timeout_s`, 499 when
         the client closes the connection first."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                complete = await asyncio.shield(self._arrived)
-        except TimeoutError:
-            self.discard()
-            raise body_stalled(timeout_s, self.at) from None
-        if not complete:
+        if not self._arrived.done():  # as a rule it has: the loop reads it before the app runs
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await asyncio.shield(self._arrived)
+            except TimeoutError:
+                self.discard()
+                raise body_stalled(timeout_s, self.at) from None
+        if not self._arrived.result():
             raise body_cut(self.at)
         return self.target.holder
 
@@ -120,6 +126,7 @@ class DirectBodyProtocol(HttpToolsProtocol):
         self._head_scratch = self._scratch[:_HEAD_READ_BYTES]
         self._awaiting_head = True
         self._direct: DirectBody[Any] | None = None
+        self._left: asyncio.Future[None] = self.loop.create_future()  # DirectBody.left
 
     def get_buffer(self, sizehint: int) -> memoryview:  # noqa: ARG002 (asyncio's signature)
         if self._direct is not None:
@@ -131,7 +138,7 @@ class DirectBodyProtocol(HttpToolsProtocol):
             self.data_received(self._scratch[:nbytes])
             return
         self._direct.advance(nbytes)
-        if self._direct.left == 0:
+        if self._direct.missing == 0:
             # the parser saw the head and the body's first bytes at most: a new one reads on
             self.parser = _parser(self)
             self.on_message_complete()
@@ -146,7 +153,7 @@ class DirectBodyProtocol(HttpToolsProtocol):
         target = self.body_sink(self.scope, size)
         if target is None:
             return
-        self._direct = DirectBody(target, self.loop)
+        self._direct = DirectBody(target, self._left)
         self.scope[DIRECT_BODY] = self._direct  # the app's task has not run yet
         if cycle.waiting_for_100_continue:  # the app never asks for the body: ask for it here
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -169,6 +176,8 @@ class DirectBodyProtocol(HttpToolsProtocol):
         if self._direct is not None:
             self._direct.arrive(False)
             self._direct = None
+        if not self._left.done():
+            self._left.set_result(None)
         super().connection_lost(exc)
 
     def _content_length(self) -> int | None:

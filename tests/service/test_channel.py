@@ -84,8 +84,9 @@ def _ask(client, as_json: bool):
 BODY_KINDS = pytest.mark.parametrize("as_json", [False, True], ids=["safetensors", "json"])
 
 
-def _never() -> Awaitable:
-    return asyncio.Event().wait()
+def _never() -> asyncio.Future:
+    """A client that stays: `gone` never done."""
+    return asyncio.get_running_loop().create_future()
 
 
 async def _forward_begun(engine: RecordingEngine) -> None:
@@ -108,14 +109,14 @@ def test_forwards_match_the_reference_and_their_done_records_are_counted() -> No
 
     async def body(_engine, metrics, client):
         regions = [_lay(client, x) for x in inputs]
-        replies = await asyncio.gather(*(client.forward(TINY, r, _never) for r in regions))
+        replies = await asyncio.gather(*(client.forward(TINY, r, _never()) for r in regions))
         for status in (200, 200, 499):
             client.done(FORWARD_ROUTE, status, 0.002)
         outputs = [
             decode_safetensors(bytes(client.arena.reply(region, reply.nbytes)))["output"]
             for region, reply in zip(regions, replies, strict=True)
         ]
-        await client.forward("nope", regions[0], _never)  # answered after the DONEs
+        await client.forward("nope", regions[0], _never())  # answered after the DONEs
         return replies, outputs, metrics.registry
 
     replies, outputs, registry = run(BatchPolicy(64, 0.01, 16), body)
@@ -132,12 +133,12 @@ def test_forwards_match_the_reference_and_their_done_records_are_counted() -> No
 def test_errors_keep_their_status_message_and_headers(as_json: bool) -> None:
     async def body(engine, _metrics, client):
         ask = _ask(client, as_json)
-        unknown = await ask("nope", _lay(client, rows(1, 0), as_json), _never)
-        bad = await ask(TINY, _lay(client, torch.randn(2, H + 1), as_json), _never)
+        unknown = await ask("nope", _lay(client, rows(1, 0), as_json), _never())
+        bad = await ask(TINY, _lay(client, torch.randn(2, H + 1), as_json), _never())
         engine.gate.clear()  # the first forward holds the engine; max_queue 1: the next is 429
-        held = asyncio.ensure_future(ask(TINY, _lay(client, rows(1, 1), as_json), _never))
+        held = asyncio.ensure_future(ask(TINY, _lay(client, rows(1, 1), as_json), _never()))
         await _forward_begun(engine)
-        full = await ask(TINY, _lay(client, rows(1, 2), as_json), _never)
+        full = await ask(TINY, _lay(client, rows(1, 2), as_json), _never())
         engine.gate.set()
         return unknown, bad, full, await held
 
@@ -155,12 +156,12 @@ def test_a_withdrawn_forward_leaves_the_queue_and_is_answered_499(as_json: bool)
     async def body(engine, metrics, client):
         ask = _ask(client, as_json)
         engine.gate.clear()
-        running = asyncio.ensure_future(ask(TINY, _lay(client, rows(3, 0), as_json), _never))
+        running = asyncio.ensure_future(ask(TINY, _lay(client, rows(3, 0), as_json), _never()))
         await _forward_begun(engine)  # CPU: one forward at a time
-        gone = asyncio.Event()
-        queued = asyncio.ensure_future(ask(TINY, _lay(client, rows(5, 1), as_json), gone.wait))
+        gone = asyncio.get_running_loop().create_future()
+        queued = asyncio.ensure_future(ask(TINY, _lay(client, rows(5, 1), as_json), gone))
         await _queued(metrics, 1)
-        gone.set()  # the client went away: CANCEL
+        gone.set_result(None)  # the client went away: CANCEL
         withdrawn = await queued
         engine.gate.set()
         return withdrawn, await running, engine.batch_sizes
@@ -171,15 +172,46 @@ def test_a_withdrawn_forward_leaves_the_queue_and_is_answered_499(as_json: bool)
     assert batch_sizes == [3]  # the withdrawn rows never ran
 
 
+def _first_free(arena: BodyArena) -> int:
+    """Where the arena's next region would begin."""
+    probe = arena.allocate(0)
+    arena.free(probe)
+    return probe.offset
+
+
+def test_a_cancelled_forward_keeps_its_region_until_the_engine_answers() -> None:
+    """The region stays the engine's while it runs the forward of a caller that was cancelled,
+    and is freed once the engine answers (its withdrawal, 499)."""
+
+    async def body(engine, metrics, client):
+        engine.gate.clear()
+        region = _lay(client, rows(3, 0))
+        running = asyncio.ensure_future(client.forward(TINY, region, _never()))
+        await _forward_begun(engine)
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        held = _first_free(client.arena) != region.offset  # not handed out again
+        engine.gate.set()
+        for _ in range(10_000):  # until the engine's answer has come
+            if _first_free(client.arena) == region.offset:
+                return held, True
+            await asyncio.sleep(0)
+        return held, False
+
+    held, freed = run(BatchPolicy(64, 0.0, 16), body)
+    assert held and freed
+
+
 def test_a_json_reply_lies_in_the_region_or_longer_than_its_room_comes_over_the_channel() -> None:
     x = rows(40, 3)
 
     async def body(_engine, _metrics, client):
         region = _lay(client, x, as_json=True)
-        in_place = await client.forward_json(TINY, region, _never)
+        in_place = await client.forward_json(TINY, region, _never())
         text = bytes(client.arena.reply(region, in_place.nbytes))
         cramped = Region(region.offset, region.body_bytes, reply_capacity=in_place.nbytes - 1)
-        carried = await client.forward_json(TINY, cramped, _never)
+        carried = await client.forward_json(TINY, cramped, _never())
         return in_place, text, carried
 
     in_place, text, carried = run(BatchPolicy(64, 0.0, 16), body)
@@ -193,9 +225,9 @@ def test_a_json_reply_lies_in_the_region_or_longer_than_its_room_comes_over_the_
 def test_a_front_end_that_goes_away_takes_its_queued_forwards_with_it() -> None:
     async def body(engine, metrics, client):
         engine.gate.clear()
-        running = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(3, 0)), _never))
+        running = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(3, 0)), _never()))
         await _forward_begun(engine)
-        queued = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(5, 1)), _never))
+        queued = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(5, 1)), _never()))
         await _queued(metrics, 1)
         await client.close()  # the engine sees the socket close
         replies = await asyncio.gather(running, queued)

@@ -3,6 +3,7 @@ a real uvicorn server on both event loops, raw sockets sending the bytes as a cl
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import itertools
@@ -31,15 +32,15 @@ class Sink:
         self.statuses: list[int] = []  # each answer's, as the app sent it
 
     def __call__(self, scope: Scope, size: int) -> BodyTarget[bytearray] | None:
-        if scope["path"] not in ("/direct", "/early"):
+        if scope["path"] not in ("/direct", "/early", "/left"):
             return None
         memory = bytearray(size)
         self.targets.append(memory)
         return BodyTarget(memoryview(memory), memory)
 
     async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """/direct: the digest of the direct body; /early: answers without it; else the digest
-        of the body read through `receive`."""
+        """/direct: the digest of the direct body; /early: answers without it; /left: whether the
+        client left once its body came; else the digest of the body read through `receive`."""
         if scope["type"] == "http":
             status, text = await _answer(scope, receive)
             self.statuses.append(status)
@@ -55,6 +56,10 @@ async def _answer(scope: Scope, receive: Receive) -> tuple[int, str]:
     if scope["path"] == "/early":
         direct.discard()
         text = "early"
+    elif scope["path"] == "/left":  # waits, its body read, for the client to leave
+        await direct.read(TIMEOUT_S)
+        done, _ = await asyncio.wait({direct.left}, timeout=TIMEOUT_S)
+        status, text = (499, "left") if done else (200, "stayed")
     elif direct is not None:
         try:
             text = "direct " + hashlib.sha256(await direct.read(TIMEOUT_S)).hexdigest()
@@ -224,3 +229,17 @@ def test_a_client_gone_mid_body_is_a_499_and_the_server_serves_on(port_and_sink)
     with _connect(port) as sock:  # the server is fine
         sock.sendall(_head("/direct", 3) + b"abc")
         assert _read_response(sock) == (200, b"direct " + _digest(b"abc"))
+
+
+def test_a_client_gone_after_its_body_came_is_seen_by_its_request(port_and_sink) -> None:
+    """DirectBody.left: the connection's loss reaches a request whose body has arrived, with no
+    task of its own waiting on `receive`."""
+    port, sink = port_and_sink
+    with _connect(port) as sock:
+        sock.sendall(_head("/left", 3) + b"abc")
+        while not sink.targets:
+            time.sleep(0.01)
+    deadline = time.monotonic() + TIMEOUT_S * 2
+    while not sink.statuses and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sink.statuses == [499]
