@@ -312,7 +312,7 @@ def _add_kernels(sub: argparse._SubParsersAction) -> None:
         "built batch-invariant, as serve --batch-invariant; auto: the layer --backend auto "
         "builds from this run's uniform-load rule, timed as built after the others, then at "
         "each point as served interleaved with the member it runs there: member, auto, auto, "
-        "member)",
+        "member, twice)",
         {"backends": ["all"], "external-alone": EXTERNAL, "profile": ["triton"]},
         type=name_list,
     )

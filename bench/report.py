@@ -272,8 +272,9 @@ TABLES: dict[str, Table] = {
         "checked against the float32 reference before it is timed; a wrong one is never the "
         "fastest. `auto runs` is what `--backend auto` builds for the layer on that GPU; auto "
         "is timed after every member, and where the run also timed it interleaved with the "
-        "member it runs at that M (member, auto, auto, member: a timing's place in the run "
-        "moves it by a few percent), `auto / its member beside it` is that comparison. The "
+        "member it runs at that M (member, auto, auto, member, twice, the median of each's four "
+        "timings: a timing's place in the run moves it by a few percent), `auto / its member "
+        "beside it` is that comparison. The "
         "roofline is max(bytes that must move / copy bandwidth, FLOPs / dense GEMM peak), both "
         "ceilings measured in the same run; `of roofline` is the roofline over the fastest time.",
     ),

@@ -20,8 +20,9 @@ ranks backends by served time (bench/auto_table.py). The row `auto` (`--backends
 the layer `--backend auto` builds from the rule this run's uniform-load timings make for the
 shape, timed as built; the shape's `auto` names what it built. Auto's row names the `member` it
 runs at the point and holds `served_beside_us` and `member_beside_us`: auto and that member
-timed as served, interleaved (member, auto, auto, member; the lower of each's two), the
-comparison `auto_beside_ratio` judges auto by, since the member rows are timed apart from auto's.
+timed as served, interleaved (member, auto, auto, member, twice; the median of each's four),
+the comparison `auto_beside_ratio` judges auto by, since the member rows are timed apart from
+auto's.
 Results without these fields (older runs) are read with them absent.
 """
 

@@ -3,8 +3,10 @@
 A kernel launched with `launch_pdl=True` may start while the kernel before it in its stream still
 runs: its launch and the start of its programs hide behind that kernel's last wave. A small
 DeepSeek-V3 forward chains six small-to-mid kernels (quantiser, align, GEMM1, quantiser, GEMM2,
-top-k sum; per pair, four: no align, GEMM2 sums), each waiting for the one before: in a
-profiler trace each launch leaves a gap of a microsecond or two, a visible share of the forward.
+top-k sum; per pair, four: no align, GEMM2 sums), each waiting for the one before, and the
+served forward puts its own around them (a replay's first kernel, the router, the routing, the
+stats pass after the experts): in a profiler trace each launch leaves a gap of a microsecond or
+two, a visible share of the forward.
 
 The rule every kernel launched this way keeps: each program calls `begin` before its first load
 or store of memory any other kernel reads or writes (only arithmetic on arguments and program

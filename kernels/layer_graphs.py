@@ -71,11 +71,16 @@ def token_buckets(max_tokens: int) -> tuple[int, ...]:
     return (*buckets, max_tokens)
 
 
-def zero_padding(rows: torch.Tensor, valid_rows: torch.Tensor) -> torch.Tensor:
+def zero_padding(
+    rows: torch.Tensor, valid_rows: torch.Tensor, stats: torch.Tensor | None = None
+) -> torch.Tensor:
     """rows [bucket, C] with rows from valid_rows (0-d, on the device) on zeroed, in place; on a
-    GPU only those rows are touched (kernels/row_kernels.py)."""
+    GPU only those rows are touched (kernels/row_kernels.py). `stats` (int64 [E + 2]), where
+    given, is reset to a replay's start: no tokens per expert, both finite flags up."""
     if HAS_TRITON and rows.is_cuda:
-        return zero_rows_from(rows, valid_rows)
+        return zero_rows_from(rows, valid_rows, stats)
+    if stats is not None:
+        stats.zero_()[-2:] = 1
     padded = torch.arange(rows.shape[0], device=rows.device) >= valid_rows
     return rows.masked_fill_(padded[:, None], 0)
 
@@ -182,8 +187,6 @@ class LayerGraphs:
 
         self.copies = copies
         self.inputs = [static_inputs() for _ in range(copies)]
-        # a replay's stats start from this: tokens per expert 0, output and inputs finite
-        self._stats_start = torch.tensor([0] * cfg.num_experts + [1, 1], device=device)
         self.pools = [torch.cuda.graph_pool_handle() for _ in range(copies)]
         self._graphs: list[dict[int, _Captured]] = [{} for _ in range(copies)]
 
@@ -210,7 +213,9 @@ class LayerGraphs:
 
     def _run(self, copy: int, bucket: int) -> tuple[LayerOutput, torch.Tensor]:
         static = self.inputs[copy]
-        hidden = zero_padding(static.hidden[:bucket], static.valid_rows)
+        # allocated in the graph's pool while capturing; reset by the replay's first kernel
+        stats = torch.empty(self.layer.cfg.num_experts + 2, dtype=torch.int64, device=self.device)
+        hidden = zero_padding(static.hidden[:bucket], static.valid_rows, stats)
         logits = None
         if static.logits is not None:
             logits = zero_padding(static.logits[:bucket], static.valid_rows)
@@ -218,7 +223,6 @@ class LayerGraphs:
         out = self.layer.forward(
             ForwardInputs(hidden, logits), valid_rows=static.valid_rows, workspace=private
         )
-        stats = self._stats_start.clone()  # no tokens yet, both flags up
         inputs = [bit_rows(t) for t in (hidden, logits) if t is not None]
         batch_stats_into(
             stats, out.routing.topk_ids, static.valid_rows, bit_rows(out.output), inputs

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .config import GroupScore, RoutingConfig, Scoring
+from .dependent_launch import begin, dependent_launch
 from .tensors import Routing
 from .triton_math import exp, interpreted, libdevice_here
 
@@ -47,8 +48,9 @@ def _route_kernel(
     TOP_K: tl.constexpr, KP: tl.constexpr, TOPK_GROUPS: tl.constexpr, ROWS: tl.constexpr,
     SIGMOID: tl.constexpr, AFTER_TOPK: tl.constexpr, HAS_BIAS: tl.constexpr,
     LIMIT_GROUPS: tl.constexpr, TOP2_SUM: tl.constexpr, RENORMALIZE: tl.constexpr,
-    HAS_VALID: tl.constexpr, LIBDEVICE: tl.constexpr,
+    HAS_VALID: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    begin(PDL)  # kernels/dependent_launch.py
     # ROWS rows a program, each as [G, S] (groups x experts of a group) padded to [GP, SP]:
     # [ROWS, GP, SP] tensors, every reduction within a row.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -173,6 +175,7 @@ def route_rows(
     size = e // cfg.num_groups
     block = triton.next_power_of_2(cfg.num_groups) * triton.next_power_of_2(size)
     rows = _rows_per_program(m, block, logits.is_cuda)
+    pdl = dependent_launch(logits.device)
     _route_kernel[(triton.cdiv(m, rows),)](
         logits, bias, valid_rows, ids, weights, m, logits.stride(0),
         float(cfg.routed_scaling_factor),
@@ -185,7 +188,7 @@ def route_rows(
         LIMIT_GROUPS=cfg.num_groups > 1 and not after,
         TOP2_SUM=cfg.group_score == GroupScore.TOP2_SUM,
         RENORMALIZE=cfg.renormalize, HAS_VALID=valid_rows is not None,
-        LIBDEVICE=libdevice_here(logits.is_cuda),
-        num_warps=_num_warps(block * rows),
+        LIBDEVICE=libdevice_here(logits.is_cuda), PDL=pdl,
+        num_warps=_num_warps(block * rows), launch_pdl=pdl,
     )  # fmt: skip
     return Routing(ids, weights)

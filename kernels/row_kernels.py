@@ -6,7 +6,9 @@
   (kernels/nonfinite.py). `torch.isfinite(x).all()` runs four elementwise kernels and a
   reduction over the whole tensor, several times this pass's time in a profile of the layer.
 - `zero_rows_from`: a CUDA graph's padding rows (from its valid_rows on) set to zero, the
-  others not read or written (a broadcast masked_fill_ reads and writes all of them).
+  others not read or written (a broadcast masked_fill_ reads and writes all of them); as a
+  replay's first kernel it also resets the stats `batch_stats_into` then fills, so that no copy
+  of their start values sits between the experts' last kernel and that pass.
 - `batch_stats_into`: what a CUDA graph reports of its batch, in one pass: tokens per expert over
   the valid rows, whether the valid output rows and every input row are finite. Torch takes
   about 17 small kernels for it (a mask, a scatter, two flags, their stack), a visible share of
@@ -28,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dependent_launch import begin, dependent_launch
 from .triton_math import exp, libdevice_here
 
 _MAX_BLOCK = 1024  # columns one step of a program reads
@@ -79,11 +82,12 @@ def _batch_stats_kernel(
     stats_ptr, ids_ptr, valid_ptr, num_experts,
     out_ptr, out_cols, out_stride, a_ptr, a_cols, a_stride, b_ptr, b_cols, b_stride,
     TOP_K: tl.constexpr, OUT_MASK: tl.constexpr, A_MASK: tl.constexpr, B_MASK: tl.constexpr,
-    HAS_B: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_B: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (r, c): row r's columns [c * BLOCK, (c + 1) * BLOCK) of the output checked (rows
     before valid_rows) and of the inputs (every row); the first column block also counts row
     r's pairs. A flag is cleared by storing 0: any program may."""
+    begin(PDL)  # launched beside the experts' last kernel (kernels/dependent_launch.py)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     if row < tl.load(valid_ptr):
@@ -108,11 +112,12 @@ def batch_stats_into(
     output: tuple[torch.Tensor, int],
     inputs: list[tuple[torch.Tensor, int]],
 ) -> None:
-    """stats int64 [E + 2], holding zeros then two ones, gets: [e] += the pairs of rows
-    [0, valid_rows) routed to expert e (ids of -1 count nowhere); [E] = 0 if a value of those
-    rows of `output` is NaN or Inf; [E + 1] = 0 if one of any row of `inputs` is. `output` and
-    `inputs` (one or two) are (bits [R, C] with unit column stride, mask) as `nonfinite_into`
-    takes them, all with topk_ids' R rows; valid_rows a 0-d int64 tensor on the device."""
+    """stats int64 [E + 2], holding zeros then two ones (as `zero_rows_from` resets it), gets:
+    [e] += the pairs of rows [0, valid_rows) routed to expert e (ids of -1 count nowhere); [E] = 0
+    if a value of those rows of `output` is NaN or Inf; [E + 1] = 0 if one of any row of `inputs`
+    is. `output` and `inputs` (one or two) are (bits [R, C] with unit column stride, mask) as
+    `nonfinite_into` takes them, all with topk_ids' R rows; valid_rows a 0-d int64 tensor on the
+    device."""
     rows, top_k = topk_ids.shape
     if rows == 0:
         return
@@ -120,39 +125,57 @@ def batch_stats_into(
     b, b_mask = inputs[1] if len(inputs) > 1 else (a, a_mask)
     widest = max(t.shape[1] for t in (out, a, b))
     block = min(_MAX_BLOCK, triton.next_power_of_2(widest))
+    pdl = dependent_launch(stats.device)
     _batch_stats_kernel[(rows, triton.cdiv(widest, block))](
         stats, topk_ids.contiguous(), valid_rows, stats.shape[0] - 2,
         out, out.shape[1], out.stride(0), a, a.shape[1], a.stride(0), b, b.shape[1], b.stride(0),
         TOP_K=top_k, OUT_MASK=out_mask, A_MASK=a_mask, B_MASK=b_mask, HAS_B=len(inputs) > 1,
-        BLOCK=block,
+        BLOCK=block, PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
 
 
 @triton.jit
-def _zero_rows_kernel(x_ptr, valid_ptr, cols, stride, BLOCK: tl.constexpr):
+def _zero_rows_kernel(
+    x_ptr, valid_ptr, rows, cols, stride, stats_ptr, num_experts,
+    RESET_STATS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    begin(PDL)
     row = tl.program_id(0)
-    if row >= tl.load(valid_ptr):
+    if (row < rows) & (row >= tl.load(valid_ptr)):
         for c in range(0, cols, BLOCK):
             offs = c + tl.arange(0, BLOCK)
             tl.store(x_ptr + row.to(tl.int64) * stride + offs, 0, mask=offs < cols)
+    if RESET_STATS:  # program 0: no tokens per expert yet, both flags up
+        end = tl.where(row == 0, num_experts + 2, 0)
+        for e in range(0, num_experts + 2, BLOCK):
+            offs = e + tl.arange(0, BLOCK)
+            tl.store(stats_ptr + offs, (offs >= num_experts).to(tl.int64), mask=offs < end)
 
 
-def zero_rows_from(x: torch.Tensor, valid_rows: torch.Tensor) -> torch.Tensor:
-    """x [R, C] (unit column stride) with rows from valid_rows (a 0-d int64 tensor on the
-    device) on set to zero, in place; returns x."""
-    if x.numel():
-        cols = x.shape[1]
-        _zero_rows_kernel[(x.shape[0],)](
-            x, valid_rows, cols, x.stride(0), BLOCK=min(_MAX_BLOCK, triton.next_power_of_2(cols))
-        )
+def zero_rows_from(
+    x: torch.Tensor, valid_rows: torch.Tensor, stats: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [R, C] (unit column stride) with rows from valid_rows (a 0-d int64 tensor on
+    the device) on set to zero, in place; returns x. `stats` (int64 [E + 2]), where given, is
+    reset in the same launch to what `batch_stats_into` starts from: E zeros, then two ones."""
+    rows, cols = x.shape
+    if not x.numel() and stats is None:
+        return x
+    pdl = dependent_launch(x.device)
+    _zero_rows_kernel[(max(rows, 1),)](
+        x, valid_rows, rows, cols, x.stride(0), stats, 0 if stats is None else stats.shape[0] - 2,
+        RESET_STATS=stats is not None, BLOCK=min(_MAX_BLOCK, triton.next_power_of_2(max(cols, 1))),
+        PDL=pdl, launch_pdl=pdl,
+    )  # fmt: skip
     return x
 
 
 @triton.jit
 def _router_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, experts, hidden, stride_x, stride_w, stride_out,
-    HAS_BIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    begin(PDL)
     row = tl.program_id(1).to(tl.int64)
     rows_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     acc = tl.zeros((BLOCK_E, BLOCK_H), dtype=tl.float32)  # summed across once, after the loop
@@ -183,9 +206,10 @@ def router_logits_into(
     if out.numel():
         block_e = triton.next_power_of_2(triton.cdiv(experts, _ROUTER_PROGRAMS))
         block_h = min(_MAX_BLOCK, triton.next_power_of_2(hidden))
+        pdl = dependent_launch(x.device)
         _router_kernel[(triton.cdiv(experts, block_e), m)](
             x, weight, bias, out, experts, hidden, x.stride(0), weight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_E=block_e, BLOCK_H=block_h,
+            HAS_BIAS=bias is not None, BLOCK_E=block_e, BLOCK_H=block_h, PDL=pdl, launch_pdl=pdl,
         )  # fmt: skip
     return out
 

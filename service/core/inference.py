@@ -31,7 +31,7 @@ from ..codecs.kserve import (
 from ..engine.batcher import RequestOptions
 from ..engine.interface import ServedLayer, ServingEngine
 from ..errors import BadInput, PayloadTooLarge
-from ..triton.shared_memory import CopyReservation, DeviceRegion, TensorPlace
+from ..triton.shared_memory import CopyReservation, DeviceRegion, Loan, TensorPlace
 from ..triton.statistics import VERSION
 from .forward import MAX_SCHEDULE_VALUE, TENSOR_NAMES, schedule_options, submit_unless_withdrawn
 from .inputs import check_inputs
@@ -168,9 +168,9 @@ async def infer(
     too)."""
     runtime = ready(runtime)
     served = get_model(runtime.engine, name, version)
-    # CUDA regions it views, and the room of what it copied out of system regions: released
-    # once it is done
-    held: list[DeviceRegion | CopyReservation] = []
+    # CUDA regions it views, the room of what it copied out of system regions and the copy
+    # memory it holds: released once it is done
+    held: list[DeviceRegion | CopyReservation | Loan] = []
     try:
         with runtime.metrics.statistics.request(name) as timer:
             tensors = tensors | await _read_shared_memory(runtime, request, owner, held)
@@ -182,8 +182,9 @@ async def infer(
                 raise BadInput("input hidden_states is missing")
             hidden = tensors["hidden_states"]
             inputs = check_inputs(served, hidden, tensors.get("router_logits"))
-            # into: a CUDA region's view, which the forward writes on the device
-            place, into = _output_place(runtime, request, name, hidden, owner, held)
+            # into: what the forward writes the output into (a CUDA region's view, or copy
+            # memory for a system region, which `written` then is)
+            place, into, written = _output_place(runtime, request, name, hidden, owner, held)
             options = schedule_policy(request.parameters)
             timer.submit(hidden.shape[0])
             if withdrawn is None:
@@ -195,10 +196,9 @@ async def infer(
             timer.answer()
             if place is None:
                 return InferenceResult({OUTPUT: result.output.to(hidden.dtype)})
-            if into is None:  # a system region
-                output = result.output.to(hidden.dtype)
+            if written:
                 shm = runtime.shared_memory
-                await shm.write(f"output {OUTPUT}", place, output, owner)
+                await shm.write(f"output {OUTPUT}", place, result.output, owner)
             return InferenceResult({}, [_placed(place, hidden)])
     finally:
         for region in held:  # the batcher returns once no device copy uses them
@@ -226,12 +226,13 @@ async def _read_shared_memory(
     runtime: Runtime,
     request: InferRequest,
     owner: str | None,
-    held: list[DeviceRegion | CopyReservation],
+    held: list[DeviceRegion | CopyReservation | Loan],
 ) -> dict[str, torch.Tensor]:
     """The inputs that name a region: views of a CUDA region (on its GPU), or tensors of the
-    bytes read from a system region. What is copied out of system regions counts against the
-    body limit, as if the client had sent it: it costs the server's memory all the same; and
-    against what all requests in flight may hold (SharedMemory.reserve_copies)."""
+    bytes read from a system region into copy memory (pinned where the engine runs on a GPU,
+    which copies them to the device from there). What is copied out of system regions counts
+    against the body limit, as if the client had sent it: it costs the server's memory all the
+    same; and against what all requests in flight may hold (SharedMemory.reserve_copies)."""
     tensors, copies = {}, []
     shm, limit = runtime.shared_memory, runtime.settings.max_body_bytes
     for t in request.inputs:
@@ -253,8 +254,9 @@ async def _read_shared_memory(
         )
     if copied:
         held.append(shm.reserve_copies(copied))
+    pinned = runtime.engine.enqueues
     for name, what, place, dtype, shape in copies:
-        tensors[name] = await shm.read(what, place, dtype, shape, owner)
+        tensors[name] = await shm.read(what, place, dtype, shape, owner, held, pinned)
     return tensors
 
 
@@ -264,23 +266,29 @@ def _output_place(
     name: str,
     hidden: torch.Tensor,
     owner: str | None,
-    held: list[DeviceRegion],
-) -> tuple[TensorPlace | None, torch.Tensor | None]:
-    """Where the output goes: (None, None) in the reply; else its shared-memory place, checked
-    before the forward so that an output that cannot fit fails first, and for a CUDA region the
-    view of it that the forward writes into."""
+    held: list[DeviceRegion | CopyReservation | Loan],
+) -> tuple[TensorPlace | None, torch.Tensor | None, bool]:
+    """Where the output goes: (None, None, False) in the reply; else its shared-memory place,
+    checked before the forward so that an output that cannot fit fails first, the tensor the
+    forward writes it into in the request's dtype (a CUDA region's view; for a system region
+    copy memory, pinned where the engine runs on a GPU, which casts and copies the output
+    there) and whether that is copy memory, written into the region once the forward is done."""
     place = into = None
+    shm, nbytes = runtime.shared_memory, hidden.numel() * hidden.itemsize
     for requested in request.outputs or ():
         if requested.name != OUTPUT:
             raise BadInput(f"unknown output {requested.name!r}; model {name!r} has {OUTPUT!r}")
         what = f"output {requested.name}"
         place, into = TensorPlace.of(what, requested.parameters), None
         if place is not None:
-            shm = runtime.shared_memory
             into = shm.view(what, place, hidden.dtype, hidden.shape, owner, False, held)
             if into is None:
-                shm.check(what, place, hidden.numel() * hidden.itemsize, owner, exact=False)
-    return place, into
+                shm.check(what, place, nbytes, owner, exact=False)
+    if place is None or into is not None:
+        return place, into, False
+    loan = shm.copy_memory.lend(nbytes, runtime.engine.enqueues)
+    held.append(loan)
+    return place, loan.memory.view(hidden.dtype).view(hidden.shape), True
 
 
 def _placed(place: TensorPlace, hidden: torch.Tensor) -> InferOutput:

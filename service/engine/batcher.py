@@ -60,6 +60,7 @@ from ..errors import (
 from ..interpreter import switch_gil_often
 from ..metrics import Metrics
 from .interface import BatchResult, ServedLayer, ServingEngine
+from .pipeline import copied_in_place
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,8 @@ class _Request:
     arrived_ns: int  # time.perf_counter_ns()
     future: asyncio.Future[LayerOutput]
     trace: tracing.Arrival  # its trace context, for the queue and forward spans
-    # [T, H] pinned host rows the output is copied straight into (its wire dtype is the
-    # layer's), or None: the output comes back as new tensors
+    # [T, H] rows the output is copied straight into (pinned host or GPU memory in a float
+    # dtype: the device casts and copies), or None: the output comes back as new tensors
     output_into: torch.Tensor | None = None
     taken: int = 0  # rows handed to forwards so far
     running: int = 0  # pieces launched and not finished
@@ -322,12 +323,12 @@ class DynamicBatcher:
         entry of every transport.
 
         `output_into`: [T, H] memory the output is written into (and returned as the output):
-        on a GPU engine, pinned host memory in the layer's dtype or GPU memory (a client's CUDA
-        shared memory) is written from the device with no host copy; elsewhere the result is
-        copied in. Cancelling the call (its client went away) takes the request's waiting rows
-        out of the queue; with `output_into` the call returns only once its rows already on the
-        device are done with its buffers (so also when its inputs lie on a GPU or in pinned
-        memory)."""
+        on a GPU engine, pinned host memory or GPU memory (a client's CUDA shared memory), in
+        any float dtype, is written from the device with no host copy (cast there); elsewhere
+        the result is copied in. Cancelling the call (its client went away) takes the request's
+        waiting rows out of the queue; with `output_into` the call returns only once its rows
+        already on the device are done with its buffers (so also when its inputs lie on a GPU
+        or in pinned memory)."""
         self.engine.get(name)  # UnknownLayer before anything is queued
         if self._closing:
             raise ShuttingDown()
@@ -526,12 +527,13 @@ class DynamicBatcher:
             return True
         if self.engine.start_may_wait:
             return False
-        # bytes the launch copies on the host: rows on a GPU (a CUDA shared-memory region) are
-        # copied by the device (a 64-token DeepSeek-V3 fp32 region took a thread hop for none)
+        # bytes the launch copies on the host: rows on a GPU (a CUDA shared-memory region) or
+        # large ones in pinned memory (a system region's copy) are copied by the device (a
+        # 64-token DeepSeek-V3 fp32 region took a thread hop for none)
         nbytes = sum(
             p.hidden_states.numel() * p.hidden_states.element_size()
             for p in parts
-            if not p.hidden_states.is_cuda
+            if not copied_in_place(p)
         )
         return nbytes <= off_loop.BINARY.on_loop_bytes
 

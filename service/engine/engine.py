@@ -276,8 +276,8 @@ class Engine(ServingEngine):
         client's CUDA shared memory), in any wire dtype (cast once, to the layer's), all with
         router logits or none. Its result holds one output per part, in the layer's dtype. On a
         GPU this returns once the batch is enqueued, and a part's output is copied straight into
-        its `into` tensor ([t_i, H]: pinned host memory in the layer's dtype, or GPU memory)
-        where one is given; elsewhere `into` is ignored (the batcher copies)."""
+        its `into` tensor ([t_i, H]: pinned host memory or GPU memory, cast there to its dtype
+        on the device) where one is given; elsewhere `into` is ignored (the batcher copies)."""
         if self.failure is not None:
             raise NotReady(self.failure)
         served = self.get(name)

@@ -74,7 +74,9 @@ class StageTimes:
 
 @dataclass(frozen=True)
 class BatchResult:
-    outputs: list[LayerOutput]  # one per part, on the CPU, output in the layer's dtype
+    # one per part, on the CPU, output in the layer's dtype (or, written into a part's own
+    # `into` on a GPU, in that tensor's dtype)
+    outputs: list[LayerOutput]
     expert_tokens: torch.Tensor  # [E] int64 pairs per expert over the batch, on the CPU
     times: StageTimes
     # every output value is finite: one reduction where the forward ran, copied out with the

@@ -4,12 +4,14 @@ the GPU idles between batches whenever the host is late by a few ms; `moe-serve 
 shows the GPU's busy time).
 
     launcher thread:  parts -> the slot's pinned buffer (cast to the layer's dtype, the one host
-                      copy) -> copy-in stream: H2D, straight into the slot's copy of the
+                      copy; a large part in pinned memory or on a GPU skips it and is cast on
+                      the device) -> copy-in stream: H2D, straight into the slot's copy of the
                       layer's graph inputs (then, on expert parallelism's sender, the graph's
                       prologue) -> compute stream: one graph replay (padding, forward, expert
                       counts, finite checks of inputs and output; the eager forward where the
                       layer has no graphs) -> copy-out stream: (the sender's epilogue, then) D2H
-                      of the output, the routing and the counts -> returns at once
+                      of the output (into a part's own buffer where it gave one, cast there to
+                      its dtype on the device), the routing and the counts -> returns at once
     completer thread: waits for the batch's last event -> per-part results -> frees the slot
 
 The prologue and epilogue are the parts of an expert-parallel forward before its first
@@ -94,14 +96,15 @@ class _Run:
 DIRECT_BYTES = 256 << 10
 
 
-def _copied_in_place(part: ForwardInputs, dtype: torch.dtype) -> bool:
+def copied_in_place(part: ForwardInputs) -> bool:
     """Whether a part's rows go to the device from where they lie: on a GPU, or DIRECT_BYTES
-    or more of pinned host memory in the layer's dtype (a DMA with no cast)."""
+    or more of pinned host memory (one DMA; rows in another dtype than the layer's are cast on
+    the device, by the copy)."""
     hidden = part.hidden_states
     if hidden.device.type == "cuda":
         return True
     large = hidden.shape[0] * hidden.shape[1] * hidden.element_size() >= DIRECT_BYTES
-    return large and hidden.dtype == dtype and hidden.is_pinned()
+    return large and hidden.is_pinned()
 
 
 def _runs(sizes: Sequence[int], alone: Sequence[bool]) -> list[_Run]:
@@ -273,10 +276,11 @@ class DevicePipeline:
     ) -> Pending:
         """Stage `parts` (rows of any wire dtype; all with router logits or none) and enqueue
         the batch on the device; returns without waiting for it. A part on a GPU (a client's
-        CUDA shared memory) or a large one in pinned memory in the layer's dtype is copied to
-        the device from where it lies; the others through the slot's pinned buffer. A part with
-        an `into` tensor (pinned host memory in the layer's dtype, or GPU memory) gets its
-        output rows copied straight there. Both must stay untouched until the result is in."""
+        CUDA shared memory) or a large one in pinned memory is copied to the device from where
+        it lies, cast there to the layer's dtype; the others through the slot's pinned buffer.
+        A part with an `into` tensor (pinned host memory or GPU memory, in any float dtype) gets
+        its output rows copied straight there, cast on the device. Both must stay untouched
+        until the result is in."""
         sizes = [p.hidden_states.shape[0] for p in parts]
         m = sum(sizes)
         with_logits = parts[0].router_logits is not None
@@ -284,7 +288,7 @@ class DevicePipeline:
         slot = self._slot(served, m)
         try:
             started = time.perf_counter()
-            direct = [_copied_in_place(p, served.config.dtype) for p in parts]
+            direct = [copied_in_place(p) for p in parts]
             h2d = []  # (rows of the batch, their hidden states, their logits or None)
             for run in _runs(sizes, direct):
                 rows = slice(run.begin, run.end)
@@ -329,7 +333,9 @@ class DevicePipeline:
         try:
             torch.cuda.set_stream(self.copy_in)
             ev["h2d_start"].record(self.copy_in)
-            for rows, hidden, logits in h2d:  # host to device, or device to device
+            # host to device, or device to device; a non-blocking copy between dtypes casts on
+            # the device (torch's copy makes the temporary there, on this stream)
+            for rows, hidden, logits in h2d:
                 slot.hidden[1][rows].copy_(hidden, non_blocking=True)
                 if logits is not None:
                     slot.logits[1][rows].copy_(logits, non_blocking=True)

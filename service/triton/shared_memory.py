@@ -200,14 +200,15 @@ class SystemRegion(Region):
         finally:
             os.close(fd)
 
-    async def read(self, offset: int, size: int) -> torch.Tensor:
-        """A copy of the `size` bytes at `offset` (uint8): one copy, straight from the object,
-        off the event loop when it is large."""
+    async def read(self, offset: int, size: int, into: torch.Tensor | None = None) -> torch.Tensor:
+        """A copy of the `size` bytes at `offset` (uint8), in `into` (`size` bytes of CPU
+        memory) or new memory: one copy, straight from the object, off the event loop when it
+        is large."""
         with self._own_descriptor() as fd:
-            return await off_loop.BINARY.run(size, self._read, fd, offset, size)
+            return await off_loop.BINARY.run(size, self._read, fd, offset, size, into)
 
-    def _read(self, fd: int, offset: int, size: int) -> torch.Tensor:
-        data = np.empty(size, dtype=np.uint8)
+    def _read(self, fd: int, offset: int, size: int, into: torch.Tensor | None) -> torch.Tensor:
+        data = np.empty(size, dtype=np.uint8) if into is None else into.numpy()
         what = f"region {self.name!r}: {size} bytes at offset {offset} lie past the end of its"
         self._check_object(what, offset + size, fd)
         view, done = memoryview(data), 0
@@ -219,7 +220,7 @@ class SystemRegion(Region):
                     f"{size} bytes at region offset {offset} were read"
                 )
             done += got
-        return torch.from_numpy(data)
+        return into if into is not None else torch.from_numpy(data)
 
     async def write(self, offset: int, data: torch.Tensor) -> None:
         """Write a CPU tensor's bytes at `offset` (one copy, straight into the object, off the
@@ -431,6 +432,68 @@ class CopyReservation:
         self.memory.copied_bytes -= self.nbytes
 
 
+# Blocks of copy memory come in powers of two from this size up, so that a request finds the
+# block an earlier one of about its size gave back.
+MIN_BLOCK_BYTES = 64 << 10
+_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every GPU's context (--devices)
+
+
+@dataclass(frozen=True)
+class Loan:
+    """`nbytes` of copy memory (`memory`, uint8, CPU) a request holds until `release`."""
+
+    memory: torch.Tensor
+    release: Callable[[], None]
+
+
+class CopyMemory:
+    """Host memory that system-region copies go through, kept for the next request: an input is
+    read into it and an output written from it, so neither costs an allocation and its page
+    faults. Where the engine runs batches on a GPU it is pinned (registered with CUDA): the
+    device pipeline copies an input from it and the output into it by DMA, casting on the
+    device (service/engine/pipeline.py), so no host copy lies between the object and the GPU.
+    Blocks given back are kept up to `max_idle_bytes` (MOE_SERVE_MAX_SHARED_MEMORY_COPY_BYTES),
+    past that let go. Used on the event loop only."""
+
+    def __init__(self, max_idle_bytes: int) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self.idle_bytes = 0
+        self._idle: dict[tuple[int, bool], list[np.ndarray]] = {}
+
+    def lend(self, nbytes: int, pinned: bool) -> Loan:
+        """`nbytes` of memory, pinned if `pinned` (and CUDA lets it); the borrower releases the
+        loan once nothing, the device included, reads or writes it any more."""
+        size = max(MIN_BLOCK_BYTES, 1 << (nbytes - 1).bit_length())
+        key = (size, pinned)
+        idle = self._idle.get(key)
+        if idle:
+            block = idle.pop()
+            self.idle_bytes -= size
+        else:
+            block = _pinned_block(size) if pinned else np.empty(size, dtype=np.uint8)
+        return Loan(torch.from_numpy(block[:nbytes]), lambda: self._give_back(key, block))
+
+    def _give_back(self, key: tuple[int, bool], block: np.ndarray) -> None:
+        if self.idle_bytes + block.nbytes <= self.max_idle_bytes:
+            self._idle.setdefault(key, []).append(block)
+            self.idle_bytes += block.nbytes
+
+
+def _pinned_block(size: int) -> np.ndarray:
+    """`size` bytes registered with CUDA, unregistered before their memory is freed; plain
+    memory (the copies then go through the pipeline's staging) if CUDA refuses."""
+    block = np.empty(size, dtype=np.uint8)
+    address = block.ctypes.data
+    cudart = torch.cuda.cudart()
+    error = int(cudart.cudaHostRegister(address, size, _PORTABLE))
+    if error:
+        log.warning("system shared-memory copies: %d bytes not pinned (CUDA error %d)", size, error)
+        return block
+    # a weakref callback runs before the array's memory is freed
+    weakref.finalize(block, cudart.cudaHostUnregister, address).atexit = False
+    return block
+
+
 @dataclass
 class SharedMemory:
     """The registered regions of both kinds, by name."""
@@ -443,6 +506,10 @@ class SharedMemory:
     max_copied_bytes: int = 1 << 30
     regions: dict[str, Region] = field(default_factory=dict)
     copied_bytes: int = 0  # held now by requests in flight
+    copy_memory: CopyMemory = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.copy_memory = CopyMemory(self.max_copied_bytes)
 
     def reserve_copies(self, nbytes: int) -> CopyReservation:
         """Room for `nbytes` of inputs copied out of system regions, held until the request
@@ -563,14 +630,19 @@ class SharedMemory:
         dtype: torch.dtype,
         shape: Sequence[int],
         owner: str | None,
+        held: list[Loan],
+        pinned: bool,
     ) -> torch.Tensor:
         """A copy of the `dtype` tensor of `shape` at `place` in a system region, whose byte
-        size must be the tensor's."""
+        size must be the tensor's: in copy memory (pinned if `pinned`), its loan appended to
+        `held` (the caller releases it once the request is done)."""
         region = self._region_of(tensor, place, owner, "system")
         region.check(tensor, place, math.prod(shape) * dtype.itemsize, exact=True)
         if not place.byte_size:  # no bytes to read (and none to view as `dtype`)
             return torch.empty(shape, dtype=dtype)
-        data = await region.read(place.offset, place.byte_size)
+        loan = self.copy_memory.lend(place.byte_size, pinned)
+        held.append(loan)
+        data = await region.read(place.offset, place.byte_size, loan.memory)
         return data.view(dtype).reshape(shape)
 
     async def write(

@@ -1,7 +1,8 @@
 """kernels/dependent_launch.py: the triton experts' kernels launched as programmatic dependents
-answer bit for bit as launched one after the other, eager and replayed from a whole-layer graph,
-over many batches (a kernel that read before its wait would read its predecessor's output
-half-written, differently from one run to the next)."""
+answer bit for bit as launched one after the other, eager and replayed from a whole-layer graph
+(its router, routing and the stats pass after the experts too), over many batches (a kernel
+that read before its wait would read its predecessor's output half-written, differently from
+one run to the next)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ def _outputs(layer, batches: list[torch.Tensor]) -> list[torch.Tensor]:
     for x in batches:
         outputs.append(layer.forward(ForwardInputs(x)).output)
         if len(x) <= MAX_TOKENS:
-            outputs.append(graphs.forward(ForwardInputs(x)).output.output.clone())
+            replay = graphs.forward(ForwardInputs(x))
+            outputs.append(replay.output.output.clone())
+            outputs.append(replay.stats.clone())  # tokens per expert, both finite flags
     return outputs
 
 
@@ -84,7 +87,9 @@ def test_dependent_launches_answer_as_ordered_ones(
         assert not dependent_launch(CUDA)
         layer, _ = build_layer(cfg, weights, CUDA, "triton")
         ordered = _outputs(layer, batches)
-    assert len(dependent) == len(ordered) == ROUNDS * (len(SIZES) + 2)
+    assert len(dependent) == len(ordered) == ROUNDS * (len(SIZES) + 4)
     for i, (a, b) in enumerate(zip(dependent, ordered, strict=True)):
         assert torch.isfinite(a).all()
         assert torch.equal(a, b), f"{layer_name} output {i}"
+    stats = dependent[2]  # the first one-token replay's
+    assert stats[:-2].sum() == LAYERS[layer_name].routing.top_k and stats[-2:].tolist() == [1, 1]

@@ -134,6 +134,7 @@ def _launch_every_kernel() -> None:
     valid = torch.tensor(2)
     out = torch.randn(3, 64).bfloat16()
     zero_rows_from(out, valid)
+    zero_rows_from(out, valid, torch.zeros(6, dtype=torch.int64))  # a replay's first kernel
     batch_stats_into(torch.tensor([0] * 4 + [1, 1]), ids, valid, bit_rows(out), [bit_rows(out)])
     bits_dtype, mask = NONFINITE_BITS[torch.float32]
     nonfinite_into(

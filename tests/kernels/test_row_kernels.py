@@ -75,6 +75,28 @@ def test_rows_from_valid_rows_on_are_zeroed_and_the_others_left_as_they_were(
     assert torch.equal(x.cpu().view(torch.int16), fallback.view(torch.int16))
 
 
+@pytest.mark.parametrize("shape", [(1, 7168), (5, 1500), (0, 64)])
+@pytest.mark.parametrize("num_experts", [4, 256, 1500])
+@pytest.mark.parametrize("device", _DEVICES)
+def test_the_replays_first_kernel_resets_the_stats_as_it_zeroes_the_padding(
+    device: str, shape: tuple[int, int], num_experts: int
+) -> None:
+    """Whatever a replay's stats held, they start over as the stats pass expects (no tokens
+    per expert, both flags up), also past one block of the kernel and with no rows at all; the
+    padding is zeroed as without them."""
+    x = torch.randn(shape, dtype=torch.float16).to(device)
+    before = x.clone()
+    valid_rows = torch.tensor(1, device=device)
+    stats = torch.randint(-9, 9, (num_experts + 2,), device=device)
+    zero_rows_from(x, valid_rows, stats)
+    assert stats.tolist() == [0] * num_experts + [1, 1]
+    want = zero_padding(before.cpu(), valid_rows.cpu())
+    assert torch.equal(x.cpu().view(torch.int16), want.view(torch.int16))
+    fallback = torch.randint(-9, 9, (num_experts + 2,))
+    zero_padding(before.cpu(), valid_rows.cpu(), fallback)
+    assert torch.equal(fallback, stats.cpu())
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 4096), (7, 3000), (3, 2), (0, 64)])

@@ -22,7 +22,13 @@ from moe_serve.service.errors import BadInput, Forbidden, Overloaded
 from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from moe_serve.service.triton import shared_memory
-from moe_serve.service.triton.shared_memory import SharedMemory, SystemRegion, owner_of
+from moe_serve.service.triton.shared_memory import (
+    MIN_BLOCK_BYTES,
+    CopyMemory,
+    SharedMemory,
+    SystemRegion,
+    owner_of,
+)
 from tests.service.conftest import wait_ready
 from tests.service.layers import TINY, H, free_port, reference_forward, running_server, tiny_loader
 
@@ -580,3 +586,43 @@ def test_the_copies_requests_in_flight_hold_out_of_system_regions_are_bounded(
     for _ in range(2):
         assert client.post(f"/v2/models/{TINY}/infer", json=body).status_code == 200
     assert memory.copied_bytes == 0
+
+
+def test_copy_memory_is_reused_and_what_it_keeps_idle_is_bounded() -> None:
+    """A block given back serves the next request of about its size (no allocation, no page
+    faults); blocks given back past `max_idle_bytes` are let go."""
+    memory = CopyMemory(max_idle_bytes=2 * MIN_BLOCK_BYTES)
+    first = memory.lend(1000, pinned=False)
+    address = first.memory.data_ptr()
+    first.release()
+    again = memory.lend(MIN_BLOCK_BYTES, pinned=False)
+    assert again.memory.data_ptr() == address and again.memory.numel() == MIN_BLOCK_BYTES
+    larger = memory.lend(MIN_BLOCK_BYTES + 1, pinned=False)  # the next power of two
+    assert larger.memory.numel() == MIN_BLOCK_BYTES + 1
+    loans = [again, larger, memory.lend(10, pinned=False)]
+    for loan in loans:
+        loan.release()
+    assert memory.idle_bytes == 2 * MIN_BLOCK_BYTES  # the larger block was let go
+    assert memory.lend(10, pinned=False).memory.data_ptr() in (address, loans[2].memory.data_ptr())
+
+
+def test_system_shared_memory_requests_give_their_copy_memory_back(make_client, region) -> None:
+    """Each request's input and output go through copy memory, which is back once it is
+    answered: the next requests reuse the same two blocks."""
+    client = make_client(allow_shared_memory=True)
+    key, handle = region
+    register = {"key": key, "byte_size": 2 * TENSOR_BYTES}
+    assert client.post("/v2/systemsharedmemory/region/data/register", json=register).is_success
+    x = np.random.default_rng(3).standard_normal((ROWS, H)).astype(np.float32)
+    shm.set_shared_memory_region(handle, [x])
+    place = {"shared_memory_region": "data", "shared_memory_byte_size": TENSOR_BYTES}
+    after = place | {"shared_memory_offset": TENSOR_BYTES}
+    body = {"inputs": [{"name": "hidden_states", "shape": [ROWS, H], "datatype": "FP32",
+                        "parameters": place}],
+            "outputs": [{"name": "output", "parameters": after}]}  # fmt: skip
+    memory = client.app.state.runtime.shared_memory
+    for _ in range(3):
+        assert client.post(f"/v2/models/{TINY}/infer", json=body).status_code == 200
+        assert memory.copy_memory.idle_bytes == 2 * MIN_BLOCK_BYTES  # the input's, the output's
+    out = shm.get_contents_as_numpy(handle, np.float32, [ROWS, H], offset=TENSOR_BYTES).copy()
+    torch.testing.assert_close(torch.from_numpy(out), reference_forward(TINY, torch.from_numpy(x)))
