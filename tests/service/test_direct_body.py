@@ -235,11 +235,11 @@ def test_a_client_gone_after_its_body_came_is_seen_by_its_request(port_and_sink)
     """DirectBody.left: the connection's loss reaches a request whose body has arrived, with no
     task of its own waiting on `receive`."""
     port, sink = port_and_sink
+    deadline = time.monotonic() + TIMEOUT_S * 2
     with _connect(port) as sock:
         sock.sendall(_head("/left", 3) + b"abc")
-        while not sink.targets:
+        while not sink.targets and time.monotonic() < deadline:  # the server has the request
             time.sleep(0.01)
-    deadline = time.monotonic() + TIMEOUT_S * 2
     while not sink.statuses and time.monotonic() < deadline:
         time.sleep(0.01)
     assert sink.statuses == [499]
