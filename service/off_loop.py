@@ -18,6 +18,7 @@ and `bench/json_bench.py`. Torch-free: the front-end processes use it too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -38,9 +39,20 @@ class OffLoop:
         return await self.off_loop(fn, *args)
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)` on a thread, in the caller's context (its log lines keep the request id)."""
+        """`fn(*args)` on a thread, in the caller's context (its log lines keep the request id).
+        A caller cancelled meanwhile (a gRPC call cancelled, the drain's deadline) is cancelled
+        once `fn` has ended: a thread cannot be stopped, and `fn` works on memory the caller
+        gives back as it unwinds (a system region's copy into copy memory, which the next
+        request is lent) and on descriptors it closes then."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, contextvars.copy_context().run, fn, *args)
+        work = loop.run_in_executor(self.executor, contextvars.copy_context().run, fn, *args)
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            while not work.done():  # host work on bytes: it ends soon, cancelled again or not
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([work])
+            raise
 
 
 BINARY = OffLoop(1 << 20, None)

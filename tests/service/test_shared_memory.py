@@ -368,6 +368,63 @@ def test_a_large_copy_runs_off_the_event_loop(monkeypatch) -> None:
     assert threads == ["worker", "worker", "loop"]
 
 
+def test_a_request_cancelled_mid_copy_gives_its_copy_memory_back_once_the_copy_ended(
+    monkeypatch,
+) -> None:
+    """A gRPC call cancelled while its input is read on a thread: the thread cannot be stopped,
+    so the request unwinds (and gives its block back, to be lent to the next request) only once
+    the copy has ended; else the late copy writes the cancelled request's bytes into the next
+    request's input."""
+    key = f"/moe-serve-test-{uuid.uuid4().hex[:12]}"
+    size = 2 << 20  # over 1 MiB: read on a thread
+    handle = shm.create_shared_memory_region("cancelled", key, 2 * size)
+    shm.set_shared_memory_region(handle, [np.full(size // 4, 7.0, np.float32)])
+    shm.set_shared_memory_region(handle, [np.ones(size // 4, np.float32)], offset=size)
+    copying, go_on = threading.Event(), threading.Event()
+    read = SystemRegion._read
+
+    def held_read(region, fd, offset, *rest):
+        if offset == 0:  # the first request's copy
+            copying.set()
+            go_on.wait()
+        return read(region, fd, offset, *rest)
+
+    monkeypatch.setattr(SystemRegion, "_read", held_read)
+    memory = SharedMemory(allowed=True)
+    memory.register_system("r", key, 0, 2 * size, None)
+    shape = (size // (4 * H), H)
+
+    async def cancelled_then_next() -> None:
+        held: list = []
+        place = shared_memory.TensorPlace("r", 0, size)
+        first = asyncio.create_task(
+            memory.read("input a", place, torch.float32, shape, None, held, False)
+        )
+        await asyncio.get_running_loop().run_in_executor(None, copying.wait)
+        first.cancel()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        unwound_mid_copy = first.done()
+        go_on.set()
+        assert not unwound_mid_copy
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        for loan in held:  # as inference.infer's finally does
+            loan.release()
+        after: list = []
+        place = shared_memory.TensorPlace("r", size, size)
+        x = await memory.read("input b", place, torch.float32, shape, None, after, False)
+        assert after[0].memory.data_ptr() == held[0].memory.data_ptr()  # the same block
+        assert x.eq(1).all()
+
+    try:
+        asyncio.run(cancelled_then_next())
+    finally:
+        go_on.set()
+        memory.close()
+        shm.destroy_shared_memory_region(handle)
+
+
 def _thread() -> str:
     return "loop" if threading.current_thread() is threading.main_thread() else "worker"
 
