@@ -345,7 +345,8 @@ class _HttpToolsConnection(httptools_impl.HttpToolsProtocol):
 
     def _polled(self, events: int) -> bool:
         sock = self.transport.get_extra_info("socket")
-        if sock is None:
+        # closed: a client that reset the connection leaves uvicorn's keep-alive timer armed
+        if sock is None or sock.fileno() < 0:
             return False
         poller = select.poll()
         poller.register(sock.fileno(), events)
@@ -371,6 +372,10 @@ class _CycleTransport:
 
     def write(self, data: bytes | memoryview) -> None:
         transport = self.connection.transport
+        if transport.is_closing():
+            # the client left: dropped, as uvicorn drops a disconnected cycle's writes (it marks
+            # only the connection's last cycle so, and uvloop refuses a closed handle's write)
+            return
         if self._head is not None:
             head, self._head = self._head, None
             transport.writelines((head, data))

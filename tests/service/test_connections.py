@@ -9,6 +9,7 @@ import json
 import logging
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -391,6 +392,80 @@ def test_a_request_waiting_unread_as_its_connection_would_close_is_answered(clos
     assert (b"connection: close\r\n" in reply) == (close is _drain)
 
 
+def test_a_keep_alive_connection_its_client_reset_idles_out_quietly() -> None:
+    """A client resets its idle keep-alive connection: uvicorn leaves the keep-alive timer
+    armed when a connection is lost with an error, and when it fires the connection, closed,
+    is let go without an error."""
+    app, loop = _ok_app()
+    config = uvicorn.Config(app, lifespan="off", log_config=None, http=bounded_protocol(8, WAIT_S))
+    server = uvicorn.Server(config)
+    with _serving(server) as port:
+        sock = _connect(port)
+        sock.sendall(REQUEST)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        (connection,) = server.server_state.connections
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # a reset
+        deadline = time.monotonic() + WAIT_S
+        while server.server_state.connections:
+            assert time.monotonic() < deadline, "the reset was not seen"
+            time.sleep(0.01)
+        idled = asyncio.run_coroutine_threadsafe(_idle(connection), loop[0])
+        idled.result(WAIT_S)  # raised ValueError (a closed socket's descriptor, -1)
+
+
+async def _idle(connection) -> None:
+    connection.timeout_keep_alive_handler()
+
+
+def test_a_request_answered_after_its_client_reset_a_pipelined_connection_writes_nothing() -> None:
+    """Two requests pipelined on one connection, which the client resets while the first runs:
+    uvicorn marks only the last request's cycle disconnected, so the first one's response is
+    written to the closed transport, which must drop it as a disconnected cycle does, not raise
+    (uvloop refuses a write to a closed handle)."""
+    release, answered, errors = threading.Event(), threading.Event(), []
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/first":  # it watches for the client leaving, as a relay does
+            await receive()  # its empty body
+            watching = asyncio.ensure_future(receive())  # which resumes reading
+            await asyncio.get_running_loop().run_in_executor(None, release.wait, WAIT_S)
+            watching.cancel()
+        try:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", b"2")]})  # fmt: skip
+            await send({"type": "http.response.body", "body": b"ok"})
+        except Exception as err:  # what uvicorn would log as the app's error
+            errors.append(err)
+        answered.set()
+
+    config = uvicorn.Config(app, lifespan="off", log_config=None, http=bounded_protocol(8, WAIT_S))
+    server = uvicorn.Server(config)
+    with _serving(server) as port:
+        sock = _connect(port)
+        sock.sendall(
+            b"GET /first HTTP/1.1\r\nHost: t\r\n\r\n" + b"GET /second HTTP/1.1\r\nHost: t\r\n\r\n"
+        )
+        deadline = time.monotonic() + WAIT_S
+        while not _pipelined(server):
+            assert time.monotonic() < deadline, "the second request was not read"
+            time.sleep(0.01)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # a reset
+        while server.server_state.connections:
+            assert time.monotonic() < deadline, "the reset was not seen"
+            time.sleep(0.01)
+        release.set()
+        assert answered.wait(WAIT_S)
+    assert errors == []
+
+
+def _pipelined(server: uvicorn.Server) -> bool:
+    return any(c.pipeline for c in list(server.server_state.connections))
+
+
 def test_a_request_begun_as_the_drain_begins_is_answered_then_closed() -> None:
     """The drain finds part of a request head read (the rest still to come): it is answered
     once it has all come, then the connection is closed."""
@@ -461,6 +536,9 @@ class _Recording:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, list[bytes]]] = []
+
+    def is_closing(self) -> bool:
+        return False
 
     def write(self, data: bytes) -> None:
         self.calls.append(("write", [bytes(data)]))
