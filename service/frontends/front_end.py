@@ -241,7 +241,9 @@ class FrontEnd:
         if self._body_size(scope) != size or size > ARENA_BYTES // 4:
             return None
         region = self.arena.allocate(size)
-        return None if region is None else BodyTarget(self.arena.body(region), region)
+        if region is None:
+            return None
+        return BodyTarget(self.arena.body(region), region, partial(self.arena.free, region))
 
     def _json_size(self, scope: Scope) -> int | None:
         """A JSON body's size when it is decoded here, or None: relayed (see `_body_size` and

@@ -39,10 +39,14 @@ Holder = TypeVar("Holder")
 @dataclass(frozen=True)
 class BodyTarget(Generic[Holder]):
     """Where a body goes (`into`: exactly its Content-Length bytes) and what the app serves it
-    from (`holder`: the pinned memory with the reply's room, the arena region)."""
+    from (`holder`: the pinned memory with the reply's room, the arena region). `release` gives
+    the holder back where no request will ever serve it (a request queued behind another on its
+    connection when the client goes away: uvicorn never starts it); None: nothing to give back
+    (memory the collector frees)."""
 
     into: memoryview
     holder: Holder
+    release: Callable[[], None] | None = None
 
 
 # (a request's scope once its head is parsed, its Content-Length) -> where its body goes, or
@@ -104,6 +108,14 @@ class DirectBody(Generic[Holder]):
         the body is read and dropped, the connection carries on, the target is never written
         again. Nothing once the body has arrived."""
         self._into = None
+
+    def abandon(self) -> None:
+        """No request will serve this body (its connection is lost with it queued): the target
+        is never written again and its holder goes back (`BodyTarget.release`)."""
+        self.discard()
+        self.arrive(False)
+        if self.target.release is not None:
+            self.target.release()
 
 
 def _parser(protocol: HttpToolsProtocol) -> httptools.HttpRequestParser:
@@ -176,6 +188,9 @@ class DirectBodyProtocol(HttpToolsProtocol):
         if self._direct is not None:
             self._direct.arrive(False)
             self._direct = None
+        for cycle, _ in self.pipeline:  # queued behind the request in flight: never started now
+            if (queued := cycle.scope.get(DIRECT_BODY)) is not None:
+                queued.abandon()
         if not self._left.done():
             self._left.set_result(None)
         super().connection_lost(exc)

@@ -8,9 +8,11 @@ import contextlib
 import hashlib
 import itertools
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 
 import pytest
 import uvicorn
@@ -30,13 +32,15 @@ class Sink:
     def __init__(self) -> None:
         self.targets: list[bytearray] = []
         self.statuses: list[int] = []  # each answer's, as the app sent it
+        self.released: list[int] = []  # the targets given back unserved, by index
 
     def __call__(self, scope: Scope, size: int) -> BodyTarget[bytearray] | None:
         if scope["path"] not in ("/direct", "/early", "/left"):
             return None
         memory = bytearray(size)
         self.targets.append(memory)
-        return BodyTarget(memoryview(memory), memory)
+        release = partial(self.released.append, len(self.targets) - 1)
+        return BodyTarget(memoryview(memory), memory, release)
 
     async def app(self, scope: Scope, receive: Receive, send: Send) -> None:
         """/direct: the digest of the direct body; /early: answers without it; /left: whether the
@@ -243,3 +247,23 @@ def test_a_client_gone_after_its_body_came_is_seen_by_its_request(port_and_sink)
     while not sink.statuses and time.monotonic() < deadline:
         time.sleep(0.01)
     assert sink.statuses == [499]
+
+
+def test_a_body_queued_behind_another_is_given_back_when_its_client_goes(port_and_sink) -> None:
+    """A request pipelined behind one in flight has its target when its head is parsed; a
+    client that resets the connection before it starts means uvicorn never starts it: the
+    connection gives its target back (an arena region would otherwise stay taken for good),
+    and only that one. (uvicorn reads nothing while a request is queued, so the server sees the
+    reset when it writes the first answer.)"""
+    port, sink = port_and_sink
+    deadline = time.monotonic() + TIMEOUT_S * 3
+    with _connect(port) as sock:
+        sock.sendall(_head("/left", 3) + b"abc" + _head("/direct", 5) + b"hello")
+        while len(sink.targets) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(sink.targets) == 2
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # reset
+    while not sink.released and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sink.released == [1]
+    assert len(sink.statuses) == 1  # the first ran; the second never did
