@@ -49,6 +49,26 @@ def tiny_layers(seed: int = 0) -> list[TinyLayer]:
     ]
 
 
+def layers_of_dtypes(
+    dtypes: dict[str, torch.dtype],
+    device: torch.device,
+    shape: tuple[int, int, int] = (E, H, INTER),
+) -> list[TinyLayer]:
+    """A layer with a stored router per (name, dtype) of `shape` (experts, hidden,
+    intermediate), each drawn from its own seed (its position), its weights on `device`: the
+    same layers on every device."""
+    layers = []
+    experts, hidden, _ = shape
+    for seed, (name, dtype) in enumerate(dtypes.items()):
+        cfg = MoEConfig(*shape, RoutingConfig(top_k=TOP_K), dtype=dtype)
+        gen = torch.Generator().manual_seed(seed)
+        router = torch.randn(experts, hidden, generator=gen) / hidden**0.5
+        weights = LayerWeights(random_expert_weights(cfg, seed), RouterWeights(router))
+        on_device = {n: t.to(device) for n, t in weights.tensors().items()}
+        layers.append(TinyLayer(name, cfg, LayerWeights.from_tensors(on_device), device))
+    return layers
+
+
 def tiny_loader(settings: object, devices: Sequence[torch.device]) -> list[TinyLayer]:
     return tiny_layers()
 

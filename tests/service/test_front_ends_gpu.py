@@ -15,14 +15,12 @@ import pytest
 import torch
 
 from moe_serve.kernels.accuracy import relative_error
-from moe_serve.kernels.config import MoEConfig, RoutingConfig
-from moe_serve.kernels.layer import LayerWeights, RouterWeights, build_layer
-from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.layer import build_layer
 from moe_serve.kernels.tensors import ForwardInputs
 from moe_serve.service.codecs import json_device
 from moe_serve.service.codecs.safetensors_wire import decode_safetensors, encode_safetensors
 from moe_serve.service.settings import Settings
-from tests.service.layers import INTER, TOP_K, E, H, TinyLayer, running_front_ends
+from tests.service.layers import H, TinyLayer, layers_of_dtypes, running_front_ends
 
 pytestmark = pytest.mark.gpu
 
@@ -32,14 +30,7 @@ LAYERS = {"f32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _layers(device: torch.device) -> list[TinyLayer]:
-    layers = []
-    for seed, (name, dtype) in enumerate(LAYERS.items()):
-        cfg = MoEConfig(E, H, INTER, RoutingConfig(top_k=TOP_K), dtype=dtype)
-        router = torch.randn(E, H, generator=torch.Generator().manual_seed(seed)) / H**0.5
-        weights = LayerWeights(random_expert_weights(cfg, seed), RouterWeights(router))
-        on_device = {n: t.to(device) for n, t in weights.tensors().items()}
-        layers.append(TinyLayer(name, cfg, LayerWeights.from_tensors(on_device), device))
-    return layers
+    return layers_of_dtypes(LAYERS, device)
 
 
 def _reference(name: str, x: torch.Tensor) -> torch.Tensor:

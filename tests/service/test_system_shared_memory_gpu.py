@@ -19,16 +19,14 @@ import torch
 from fastapi import FastAPI
 
 from moe_serve.kernels.accuracy import BY_DTYPE, relative_error
-from moe_serve.kernels.config import MoEConfig, RoutingConfig
-from moe_serve.kernels.layer import LayerWeights, RouterWeights, build_layer
-from moe_serve.kernels.random_weights import random_expert_weights
+from moe_serve.kernels.layer import build_layer
 from moe_serve.kernels.tensors import ForwardInputs
 from moe_serve.service.engine import pipeline
 from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from moe_serve.service.triton.shared_memory import SystemRegion
 from tests.service.conftest import wait_ready
-from tests.service.layers import TinyLayer, free_port, running_server
+from tests.service.layers import TinyLayer, free_port, layers_of_dtypes, running_server
 
 httpclient = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -36,7 +34,7 @@ shm = pytest.importorskip("tritonclient.utils.shared_memory")
 
 pytestmark = pytest.mark.gpu
 
-E, H, INTER, TOP_K = 8, 1024, 256, 2
+E, H, INTER = 8, 1024, 256  # experts, hidden, intermediate; top-2 (tests/service/layers.py)
 LAYERS = {"bf16": torch.bfloat16, "f16": torch.float16}
 MAX_BATCH = 256  # a 300-row request runs in two pieces, its second staged on the host
 DIRECT_ROWS = 192  # FP32 and FP16 rows over pipeline.DIRECT_BYTES: copied from where they lie
@@ -45,14 +43,7 @@ WIRE = {"FP32": np.float32, "FP16": np.float16}
 
 
 def _layers(device: torch.device) -> list[TinyLayer]:
-    layers = []
-    for seed, (name, dtype) in enumerate(LAYERS.items()):
-        cfg = MoEConfig(E, H, INTER, RoutingConfig(top_k=TOP_K), dtype=dtype)
-        router = torch.randn(E, H, generator=torch.Generator().manual_seed(seed)) / H**0.5
-        weights = LayerWeights(random_expert_weights(cfg, seed), RouterWeights(router))
-        on_device = {n: t.to(device) for n, t in weights.tensors().items()}
-        layers.append(TinyLayer(name, cfg, LayerWeights.from_tensors(on_device), device))
-    return layers
+    return layers_of_dtypes(LAYERS, device, (E, H, INTER))
 
 
 def _reference(name: str, x: np.ndarray) -> torch.Tensor:
