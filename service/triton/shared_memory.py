@@ -200,18 +200,17 @@ class SystemRegion(Region):
         finally:
             os.close(fd)
 
-    async def read(self, offset: int, size: int, into: torch.Tensor | None = None) -> torch.Tensor:
-        """A copy of the `size` bytes at `offset` (uint8), in `into` (`size` bytes of CPU
-        memory) or new memory: one copy, straight from the object, off the event loop when it
-        is large."""
+    async def read(self, offset: int, size: int, into: torch.Tensor) -> torch.Tensor:
+        """The `size` bytes at `offset` copied into `into` (`size` bytes of CPU memory, uint8),
+        which it returns: one copy, straight from the object, off the event loop when it is
+        large."""
         with self._own_descriptor() as fd:
             return await off_loop.BINARY.run(size, self._read, fd, offset, size, into)
 
-    def _read(self, fd: int, offset: int, size: int, into: torch.Tensor | None) -> torch.Tensor:
-        data = np.empty(size, dtype=np.uint8) if into is None else into.numpy()
+    def _read(self, fd: int, offset: int, size: int, into: torch.Tensor) -> torch.Tensor:
         what = f"region {self.name!r}: {size} bytes at offset {offset} lie past the end of its"
         self._check_object(what, offset + size, fd)
-        view, done = memoryview(data), 0
+        view, done = memoryview(into.numpy()), 0
         while done < size:  # a read is short at the object's end, or when a signal cuts it
             got = self._io(os.preadv, fd, view[done:], offset + done)
             if not got:
@@ -220,7 +219,7 @@ class SystemRegion(Region):
                     f"{size} bytes at region offset {offset} were read"
                 )
             done += got
-        return into if into is not None else torch.from_numpy(data)
+        return into
 
     async def write(self, offset: int, data: torch.Tensor) -> None:
         """Write a CPU tensor's bytes at `offset` (one copy, straight into the object, off the

@@ -40,6 +40,11 @@ ROWS = 3
 TENSOR_BYTES = ROWS * H * 4  # float32
 
 
+def _bytes(n: int) -> torch.Tensor:
+    """Memory a region is read into."""
+    return torch.empty(n, dtype=torch.uint8)
+
+
 @pytest.fixture(scope="module")
 def urls() -> Iterator[tuple[str, str]]:
     port = free_port()
@@ -262,10 +267,10 @@ def test_a_system_region_reads_and_writes_exactly_its_bytes(region) -> None:
         raw = shm.get_contents_as_numpy(handle, np.uint8, [2 * TENSOR_BYTES])
         assert (raw[:24] == 7).all() and (raw[24 + 64 :] == 7).all()
         assert raw[24 : 24 + 64].tobytes() == data.contiguous().view(torch.uint8).numpy().tobytes()
-        read = asyncio.run(r.read(8, 64))
+        read = asyncio.run(r.read(8, 64, _bytes(64)))
         asyncio.run(r.write(8, torch.zeros(32, dtype=torch.bfloat16)))
         torch.testing.assert_close(read.view(torch.bfloat16).reshape(8, 4), data, rtol=0, atol=0)
-        assert asyncio.run(r.read(0, 0)).numel() == 0
+        assert asyncio.run(r.read(0, 0, _bytes(0))).numel() == 0
     finally:
         r.close()
 
@@ -296,10 +301,11 @@ def test_a_shrunk_object_is_refused_by_read_and_write_never_touched(region) -> N
     try:
         os.truncate(Path("/dev/shm") / key.lstrip("/"), 32)
         with pytest.raises(BadInput, match="region 'r': 64 bytes at offset 8 lie past the end"):
-            asyncio.run(r.read(8, 64))
+            asyncio.run(r.read(8, 64, _bytes(64)))
         with pytest.raises(BadInput, match=f"shared-memory object '{key}', now of 32 bytes"):
             asyncio.run(r.write(8, torch.zeros(16)))
-        assert asyncio.run(r.read(0, 16)).numel() == 16  # what is still there reads as before
+        # what is still there reads as before
+        assert asyncio.run(r.read(0, 16, _bytes(16))).numel() == 16
     finally:
         r.close()
 
@@ -358,8 +364,8 @@ def test_a_large_copy_runs_off_the_event_loop(monkeypatch) -> None:
 
         async def copies() -> None:
             await r.write(0, torch.ones(size // 4))
-            assert (await r.read(0, size)).view(torch.float32).eq(1).all()
-            await r.read(0, 64)  # small: here
+            assert (await r.read(0, size, _bytes(size))).view(torch.float32).eq(1).all()
+            await r.read(0, 64, _bytes(64))  # small: here
 
         asyncio.run(copies())
     finally:
