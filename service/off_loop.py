@@ -12,7 +12,15 @@ that the loop would wait on it longer than a thread hop costs. One policy, by ki
   /health.
 
 Both limits were chosen with `bench/request_path.py` (the decode and encode stages, one client)
-and `bench/json_bench.py`. Torch-free: the front-end processes use it too.
+and `bench/json_bench.py`.
+
+A caller that is the server's only request (nothing else admitted to the batcher) keeps larger
+work on the loop, up to `alone_bytes`: the loop has no one else to serve meanwhile, and a thread
+hop each way (a worker's wake-up, then the loop's, and the future chain back) costs the request
+more than it frees. BINARY's 4 MiB takes a system shared-memory copy of a 64-token DeepSeek-V3
+fp32 input or output (1.84 MB) on the loop; past it the hops are a small share of the copy
+(`bench/transport_bench.py`, system shared memory). Torch-free: the front-end processes use it
+too.
 """
 
 from __future__ import annotations
@@ -28,13 +36,18 @@ T = TypeVar("T")
 
 
 class OffLoop:
-    def __init__(self, on_loop_bytes: int, executor: Executor | None) -> None:
+    def __init__(
+        self, on_loop_bytes: int, executor: Executor | None, alone_bytes: int | None = None
+    ) -> None:
         self.on_loop_bytes = on_loop_bytes  # work on more bytes than this leaves the loop
         self.executor = executor  # None: asyncio's default thread pool
+        # the same for the server's only request
+        self.alone_bytes = on_loop_bytes if alone_bytes is None else alone_bytes
 
-    async def run(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)`, work on about `nbytes`: here up to `on_loop_bytes`, else on a thread."""
-        if nbytes <= self.on_loop_bytes:
+    async def run(self, nbytes: int, fn: Callable[..., T], *args: Any, alone: bool = False) -> T:
+        """`fn(*args)`, work on about `nbytes`: here up to `on_loop_bytes` (`alone_bytes` where
+        the caller is the server's only request), else on a thread."""
+        if nbytes <= (self.alone_bytes if alone else self.on_loop_bytes):
             return fn(*args)
         return await self.off_loop(fn, *args)
 
@@ -55,5 +68,5 @@ class OffLoop:
             raise
 
 
-BINARY = OffLoop(1 << 20, None)
+BINARY = OffLoop(1 << 20, None, alone_bytes=4 << 20)
 JSON = OffLoop(512 << 10, ThreadPoolExecutor(max_workers=2, thread_name_prefix="moe-json"))

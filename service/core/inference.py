@@ -197,8 +197,8 @@ async def infer(
             if place is None:
                 return InferenceResult({OUTPUT: result.output.to(hidden.dtype)})
             if written:
-                shm = runtime.shared_memory
-                await shm.write(f"output {OUTPUT}", place, result.output, owner)
+                shm, alone = runtime.shared_memory, runtime.batcher.idle
+                await shm.write(f"output {OUTPUT}", place, result.output, owner, alone)
             return InferenceResult({}, [_placed(place, hidden)])
     finally:
         for region in held:  # the batcher returns once no device copy uses them
@@ -232,7 +232,8 @@ async def _read_shared_memory(
     bytes read from a system region into copy memory (pinned where the engine runs on a GPU,
     which copies them to the device from there). What is copied out of system regions counts
     against the body limit, as if the client had sent it: it costs the server's memory all the
-    same; and against what all requests in flight may hold (SharedMemory.reserve_copies)."""
+    same; and against what all requests in flight may hold (SharedMemory.reserve_copies). The
+    server's only request copies larger inputs on the event loop (service/off_loop.py)."""
     tensors, copies = {}, []
     shm, limit = runtime.shared_memory, runtime.settings.max_body_bytes
     for t in request.inputs:
@@ -254,9 +255,9 @@ async def _read_shared_memory(
         )
     if copied:
         held.append(shm.reserve_copies(copied))
-    pinned = runtime.engine.enqueues
+    pinned, alone = runtime.engine.enqueues, runtime.batcher.idle
     for name, what, place, dtype, shape in copies:
-        tensors[name] = await shm.read(what, place, dtype, shape, owner, held, pinned)
+        tensors[name] = await shm.read(what, place, dtype, shape, owner, held, pinned, alone)
     return tensors
 
 

@@ -288,10 +288,18 @@ class DynamicBatcher:
         self._queues = {name: _new_queue(served) for name, served in engine.layers.items()}
         self._tasks: list[asyncio.Task[None]] = []
         self._running: set[asyncio.Future[None]] = set()  # batches in flight
+        self._admitted = 0  # requests in `submit`, every layer's
         self._launching = asyncio.Lock()
         self._closing = False
         if engine.enqueues:  # process-wide: this process serves the device
             switch_gil_often()
+
+    @property
+    def idle(self) -> bool:
+        """No request is admitted (queued or running): a caller outside `submit` is the
+        server's only request, which may keep larger host work on the event loop
+        (service/off_loop.py)."""
+        return not self._admitted
 
     def start(self) -> None:
         self._tasks = [
@@ -347,6 +355,7 @@ class DynamicBatcher:
         arrived_ns = time.perf_counter_ns()
         request = _Request(inputs, options, arrived_ns, loop.create_future(), trace, output_into)
         q.requests += 1
+        self._admitted += 1
         expiry = None
         lane = self._idle_lane(name, q, request)
         if lane is not None:
@@ -362,6 +371,7 @@ class DynamicBatcher:
             return await request.future
         finally:
             q.requests -= 1
+            self._admitted -= 1
             if expiry is not None:
                 expiry.cancel()
             if request.waiting:  # cancelled, expired or failed: its other rows need not run

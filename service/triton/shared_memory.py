@@ -200,12 +200,14 @@ class SystemRegion(Region):
         finally:
             os.close(fd)
 
-    async def read(self, offset: int, size: int, into: torch.Tensor) -> torch.Tensor:
+    async def read(
+        self, offset: int, size: int, into: torch.Tensor, alone: bool = False
+    ) -> torch.Tensor:
         """The `size` bytes at `offset` copied into `into` (`size` bytes of CPU memory, uint8),
         which it returns: one copy, straight from the object, off the event loop when it is
-        large."""
+        large (larger where the request is `alone`: off_loop.py)."""
         with self._own_descriptor() as fd:
-            return await off_loop.BINARY.run(size, self._read, fd, offset, size, into)
+            return await off_loop.BINARY.run(size, self._read, fd, offset, size, into, alone=alone)
 
     def _read(self, fd: int, offset: int, size: int, into: torch.Tensor) -> torch.Tensor:
         what = f"region {self.name!r}: {size} bytes at offset {offset} lie past the end of its"
@@ -221,12 +223,13 @@ class SystemRegion(Region):
             done += got
         return into
 
-    async def write(self, offset: int, data: torch.Tensor) -> None:
+    async def write(self, offset: int, data: torch.Tensor, alone: bool = False) -> None:
         """Write a CPU tensor's bytes at `offset` (one copy, straight into the object, off the
-        event loop when it is large); visible to the client when this returns."""
+        event loop when it is large, larger where the request is `alone`); visible to the
+        client when this returns."""
         raw = memoryview(data.contiguous().view(-1).view(torch.uint8).numpy())
         with self._own_descriptor() as fd:
-            await off_loop.BINARY.run(raw.nbytes, self._write, fd, offset, raw)
+            await off_loop.BINARY.run(raw.nbytes, self._write, fd, offset, raw, alone=alone)
 
     def _write(self, fd: int, offset: int, raw: memoryview) -> None:
         what = (
@@ -631,24 +634,31 @@ class SharedMemory:
         owner: str | None,
         held: list[Loan],
         pinned: bool,
+        alone: bool = False,
     ) -> torch.Tensor:
         """A copy of the `dtype` tensor of `shape` at `place` in a system region, whose byte
         size must be the tensor's: in copy memory (pinned if `pinned`), its loan appended to
-        `held` (the caller releases it once the request is done)."""
+        `held` (the caller releases it once the request is done). `alone`: the request is the
+        server's only one (off_loop.py)."""
         region = self._region_of(tensor, place, owner, "system")
         region.check(tensor, place, math.prod(shape) * dtype.itemsize, exact=True)
         if not place.byte_size:  # no bytes to read (and none to view as `dtype`)
             return torch.empty(shape, dtype=dtype)
         loan = self.copy_memory.lend(place.byte_size, pinned)
         held.append(loan)
-        data = await region.read(place.offset, place.byte_size, loan.memory)
+        data = await region.read(place.offset, place.byte_size, loan.memory, alone)
         return data.view(dtype).reshape(shape)
 
     async def write(
-        self, tensor: str, place: TensorPlace, data: torch.Tensor, owner: str | None
+        self,
+        tensor: str,
+        place: TensorPlace,
+        data: torch.Tensor,
+        owner: str | None,
+        alone: bool = False,
     ) -> None:
         """Write a CPU tensor at `place` in a system region, which must hold at least its
-        bytes."""
+        bytes; `alone`: the request is the server's only one (off_loop.py)."""
         region = self._region_of(tensor, place, owner, "system")
         region.check(tensor, place, data.numel() * data.itemsize, exact=False)
-        await region.write(place.offset, data)
+        await region.write(place.offset, data, alone)

@@ -132,6 +132,45 @@ def test_full_queue_raises_overloaded_and_drops_nothing() -> None:
         torch.testing.assert_close(result.output, reference_forward(TINY, x))
 
 
+def test_the_batcher_is_idle_only_while_no_request_is_admitted() -> None:
+    """`idle` tells a request outside `submit` that it is the server's only one (it then keeps
+    its shared-memory copies on the loop): not while another waits or runs."""
+    engine = RecordingEngine(tiny_layers())
+    engine.gate.clear()  # the device is busy
+
+    async def body(batcher):
+        assert batcher.idle
+        running = asyncio.create_task(batcher.submit(TINY, ForwardInputs(rows(2, 0))))
+        await asyncio.to_thread(engine.entered.wait, WAIT_S)
+        queued = asyncio.create_task(batcher.submit(TINY, ForwardInputs(rows(1, 1))))
+        await asyncio.sleep(0)
+        busy = batcher.idle
+        engine.gate.set()
+        await asyncio.gather(running, queued)
+        return busy, batcher.idle
+
+    assert run(engine, BatchPolicy(64, 0.0, 16), body) == (False, True)
+
+
+def test_a_cancelled_request_leaves_the_batcher_idle() -> None:
+    engine = RecordingEngine(tiny_layers())
+    engine.gate.clear()
+
+    async def body(batcher):
+        admitted = asyncio.create_task(batcher.submit(TINY, ForwardInputs(rows(2, 0))))
+        await asyncio.to_thread(engine.entered.wait, WAIT_S)
+        queued = asyncio.create_task(batcher.submit(TINY, ForwardInputs(rows(1, 1))))
+        await asyncio.sleep(0)
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        engine.gate.set()
+        await admitted
+        return batcher.idle
+
+    assert run(engine, BatchPolicy(64, 0.0, 16), body) is True
+
+
 def test_failing_forward_fails_only_its_batch() -> None:
     engine = RecordingEngine(tiny_layers())
     engine.fail_next = True

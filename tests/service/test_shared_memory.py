@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from moe_serve.service import off_loop
 from moe_serve.service.errors import BadInput, Forbidden, Overloaded
 from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
@@ -372,6 +373,68 @@ def test_a_large_copy_runs_off_the_event_loop(monkeypatch) -> None:
         r.close()
         shm.destroy_shared_memory_region(handle)
     assert threads == ["worker", "worker", "loop"]
+
+
+def test_the_servers_only_request_copies_a_few_megabytes_on_the_loop(monkeypatch) -> None:
+    """Alone (nothing else admitted to the batcher), a copy up to BINARY.alone_bytes skips the
+    thread hops each way; a larger one still leaves the loop."""
+    key = f"/moe-serve-test-{uuid.uuid4().hex[:12]}"
+    size, large = 2 << 20, off_loop.BINARY.alone_bytes + 4
+    handle = shm.create_shared_memory_region("alone", key, large)
+    threads = []
+    read, write = SystemRegion._read, SystemRegion._write
+    monkeypatch.setattr(SystemRegion, "_read", lambda *a: threads.append(_thread()) or read(*a))
+    monkeypatch.setattr(SystemRegion, "_write", lambda *a: threads.append(_thread()) or write(*a))
+    r = SystemRegion("alone", key, 0, large, None)
+    try:
+
+        async def copies() -> None:
+            await r.write(0, torch.full((size // 4,), 3.0), alone=True)
+            got = await r.read(0, size, _bytes(size), alone=True)
+            assert got.view(torch.float32).eq(3).all()
+            await r.read(0, large, _bytes(large), alone=True)
+
+        asyncio.run(copies())
+    finally:
+        r.close()
+        shm.destroy_shared_memory_region(handle)
+    assert threads == ["loop", "loop", "worker"]
+
+
+def test_a_request_copies_on_the_loop_only_while_it_is_the_servers_only_one(
+    monkeypatch, region
+) -> None:
+    """inference.infer asks the batcher whether it is idle before the input's copy and after
+    the forward, for the output's."""
+    key, _ = region
+    seen = []
+    read, write = SharedMemory.read, SharedMemory.write
+
+    async def spy_read(self, *args):
+        seen.append(("read", args[-1]))
+        return await read(self, *args)
+
+    async def spy_write(self, *args):
+        seen.append(("write", args[-1]))
+        return await write(self, *args)
+
+    monkeypatch.setattr(SharedMemory, "read", spy_read)
+    monkeypatch.setattr(SharedMemory, "write", spy_write)
+    port = free_port()
+    settings = Settings(device="cpu", grpc_port=port, allow_shared_memory=True)
+    with running_server(create_app(settings, tiny_loader)) as url:
+        with httpx.Client(base_url=url) as http:
+            wait_ready(http.get)
+        c = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        try:
+            c.register_system_shared_memory("data", key, 2 * TENSOR_BYTES)
+            x = np.ones((ROWS, H), np.float32)
+            shm.set_shared_memory_region(region[1], [x])
+            c.infer(TINY, _inputs(grpcclient, x), outputs=_output(grpcclient))
+        finally:
+            c.unregister_system_shared_memory()
+            c.close()
+    assert seen == [("read", True), ("write", True)]
 
 
 def test_a_request_cancelled_mid_copy_gives_its_copy_memory_back_once_the_copy_ended(
