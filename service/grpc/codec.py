@@ -2,7 +2,7 @@
 service/codecs/kserve.py: an InferRequest plus its input tensors, and output tensors back.
 
 Input tensors come as typed `contents` or, one entry per input, `raw_input_contents`; outputs
-always go back as `raw_output_contents`, as Triton sends them.
+always go back as `raw_output_contents`, as Triton sends them, in a reply serialized here.
 """
 
 from __future__ import annotations
@@ -23,11 +23,16 @@ from ..codecs.kserve import (
     InferOutput,
     InferRequest,
     RequestedOutput,
-    tensor_bytes,
     tensor_from_bytes,
     tensor_type,
 )
+from ..codecs.safetensors_wire import tensor_bytes
 from ..errors import BadInput
+
+# The tags (field number << 3 | 2: length-delimited) of ModelInferResponse.raw_output_contents
+# and of ModelStreamInferResponse.infer_response, as encode_infer writes them itself
+RAW_OUTPUT_CONTENTS = bytes([pb.ModelInferResponse.RAW_OUTPUT_CONTENTS_FIELD_NUMBER << 3 | 2])
+STREAM_INFER_RESPONSE = bytes([pb.ModelStreamInferResponse.INFER_RESPONSE_FIELD_NUMBER << 3 | 2])
 
 # datatype -> the InferTensorContents field that carries it: of the datatypes a layer takes
 # (service.codecs.kserve.DATATYPES), FP16 and BF16 have no typed field and travel raw only
@@ -129,19 +134,42 @@ def encode_infer(
     request: InferRequest,
     outputs: dict[str, torch.Tensor],
     placed: Sequence[InferOutput] = (),
-) -> pb.ModelInferResponse:
-    """Output tensors -> a ModelInferResponse: raw bytes per output; `placed` outputs are in
-    shared memory already and go back as metadata only, after the others."""
+    stream: bool = False,
+) -> bytes:
+    """Output tensors -> a ModelInferResponse, serialized (as a ModelStreamInferResponse's
+    infer_response where `stream`): raw bytes per output; `placed` outputs are in shared memory
+    already and go back as metadata only, after the others.
+
+    The tensors' bytes are written on the wire as the message's raw_output_contents fields,
+    after the rest of it (a parser reads fields in any order), so each is copied once, into the
+    reply: set in the message and serialized with it, they were copied twice more."""
     response = pb.ModelInferResponse(model_name=model_name, model_version=version, id=request.id)
+    raw = []
     for name, tensor in outputs.items():
         response.outputs.add(
             name=name, datatype=DATATYPE_NAMES[tensor.dtype], shape=list(tensor.shape)
         )
-        response.raw_output_contents.append(tensor_bytes(tensor))
+        raw.append(tensor_bytes(tensor))
     for entry in placed:
         out = response.outputs.add(name=entry.name, datatype=entry.datatype, shape=entry.shape)
         dict_to_parameters(entry.parameters or {}, out.parameters)
-    return response
+    parts: list[bytes | memoryview] = [response.SerializeToString()]
+    for contents in raw:
+        parts += [RAW_OUTPUT_CONTENTS, _varint(len(contents)), contents]
+    if stream:
+        parts[:0] = [STREAM_INFER_RESPONSE, _varint(sum(map(len, parts)))]
+    return b"".join(parts)
+
+
+def _varint(value: int) -> bytes:
+    """A length as protobuf writes it: 7 bits a byte, low first, the high bit set on all but
+    the last."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
 def from_model(model: BaseModel, message: type[Message]) -> Message:

@@ -134,8 +134,7 @@ class CallGate(grpc.aio.ServerInterceptor):
             counted = self._count(rpc)
             raw = await self._message(requests)
             request = await BINARY.run(len(raw), _parse, handler.request_deserializer, raw)
-            reply = await handler.unary_unary(request, context)
-            return await BINARY.run(reply.ByteSize(), handler.response_serializer, reply)
+            return await _serialized(handler, await handler.unary_unary(request, context))
         except ServiceError as err:
             code = grpc_status(err)
             await context.abort(code, capped(err.message))
@@ -264,7 +263,7 @@ class CallGate(grpc.aio.ServerInterceptor):
             reply = _stream_error(request, f"internal error; request id {logs.request_id.get()}")
         finally:
             self._done(route, code, started, counted)
-        return await BINARY.run(reply.ByteSize(), handler.response_serializer, reply)
+        return await _serialized(handler, reply)
 
     def _count(self, rpc: str) -> bool:
         """Count an admitted call in flight (not a probe); whether it was."""
@@ -345,6 +344,14 @@ def _stream_error(
         answered.model_name, answered.model_version = request.model_name, request.model_version
         answered.id = request.id
     return pb.ModelStreamInferResponse(error_message=message, infer_response=answered)
+
+
+async def _serialized(handler: grpc.RpcMethodHandler, reply: Message | bytes) -> bytes:
+    """A reply as it goes on the wire: as it is where the servicer serialized it (inference,
+    which copies its tensors once so), else serialized here, off the event loop when large."""
+    if isinstance(reply, bytes):
+        return reply
+    return await BINARY.run(reply.ByteSize(), handler.response_serializer, reply)
 
 
 def _parse(deserialize: Callable[[bytes], Message], raw: bytes) -> Message:

@@ -1,5 +1,6 @@
 """KServe v2 over gRPC: the GRPCInferenceService of tritonclient's generated stubs. Each method
-takes its request message and answers its reply, or raises one of service/errors.py's errors;
+takes its request message and answers its reply (inference's already serialized), or raises one
+of service/errors.py's errors;
 interceptors.py's CallGate admits, reads and answers the calls around them, and server.py
 serves them on the event loop that runs uvicorn, so both transports share one batcher.
 """
@@ -79,20 +80,17 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         stats = inference.statistics(self.runtime, request.name, request.version)
         return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
 
-    async def ModelInfer(
-        self, request: pb.ModelInferRequest, _context: Context
-    ) -> pb.ModelInferResponse:
-        return await self._infer(request)
+    async def ModelInfer(self, request: pb.ModelInferRequest, _context: Context) -> bytes:
+        """A ModelInferResponse, serialized (codec.encode_infer copies each output once)."""
+        return await self._infer(request, stream=False)
 
-    async def ModelStreamInfer(
-        self, request: pb.ModelInferRequest, _context: Context
-    ) -> pb.ModelStreamInferResponse:
+    async def ModelStreamInfer(self, request: pb.ModelInferRequest, _context: Context) -> bytes:
         """One request of a stream: CallGate reads the stream, calls this for each request it
         carries and answers them in order (a model here is never decoupled: one response per
-        request)."""
-        return pb.ModelStreamInferResponse(infer_response=await self._infer(request))
+        request); a ModelStreamInferResponse, serialized."""
+        return await self._infer(request, stream=True)
 
-    async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    async def _infer(self, request: pb.ModelInferRequest, stream: bool) -> bytes:
         infer_request, tensors = await BINARY.run(input_bytes(request), decode_infer, request)
         name, version = request.model_name, request.model_version
         result = await inference.infer(
@@ -108,6 +106,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 infer_request,
                 result.outputs,
                 result.placed,
+                stream,
             )
 
     # Triton's trace and log settings (service/tracing.py, service/logs.py)
