@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 from typing import TypeVar
 
 import torch
@@ -693,6 +693,7 @@ def _fail_bad_values(piece: _Piece, layer_dtype: torch.dtype) -> bool:
     return False
 
 
+@cache  # asked for every piece of every batch, of a handful of dtype pairs
 def _narrower(wire: torch.dtype, layer: torch.dtype) -> torch.dtype | None:
     """The request's dtype where the output's cast into it can overflow (float16 against a
     bfloat16 or float32 layer), else None."""

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")  # where Linux keeps POSIX shared-memory objects (shm_open)
 _KEY = re.compile(r"/*([^/\0]+)")  # shm_open names: leading slashes, then no slash
 CUDA_IPC_HANDLE_BYTES = 64
+VIEWS_KEPT = 16  # a CUDA region's views kept for the next request's same places
 # A region's name and a key are kept (and listed by status) as long as the region is: Triton's
 # are short, and a file name has at most 255 bytes.
 MAX_NAME_CHARS = 256
@@ -279,6 +280,10 @@ class DeviceRegion(Region):
         self.memory: torch.Tensor | None = memory
         self.device_id = device_id
         self.users = 0  # requests whose device work may still read or write the memory
+        # views made, by (offset, dtype, shape): a client names the same places request after
+        # request, and a view's slicing and reshaping cost more host time than the rest of the
+        # request's shared-memory handling (`bench/transport_bench.py`, CUDA shared memory)
+        self._views: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
         self._closing = False
         self._release = release  # let the memory go (close the IPC handle)
 
@@ -309,7 +314,14 @@ class DeviceRegion(Region):
                 f"multiple of the {DATATYPE_NAMES.get(dtype, dtype)} element size "
                 f"({dtype.itemsize} bytes)"
             )
-        return self.memory[place.offset : place.offset + needed].view(dtype).view(*shape)
+        key = (place.offset, dtype, tuple(shape))
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= VIEWS_KEPT:
+                self._views.clear()
+            view = self.memory[place.offset : place.offset + needed].view(dtype).view(*shape)
+            self._views[key] = view
+        return view
 
     def close(self) -> None:
         """Unregistered: the memory goes now, or when the last request using it is done."""
@@ -321,6 +333,7 @@ class DeviceRegion(Region):
         # explicitly, not when the last view is collected: a view may outlive its request
         # (found on the H100: views kept alive from C++ after the request had finished)
         self.memory = None
+        self._views.clear()
         self._release()
 
     def status(self) -> dict[str, Any]:

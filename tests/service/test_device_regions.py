@@ -17,7 +17,13 @@ from fastapi import FastAPI
 
 from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
-from moe_serve.service.triton.shared_memory import DeviceRegion, Region, SharedMemory, TensorPlace
+from moe_serve.service.triton.shared_memory import (
+    VIEWS_KEPT,
+    DeviceRegion,
+    Region,
+    SharedMemory,
+    TensorPlace,
+)
 from tests.service.conftest import wait_ready
 from tests.service.layers import TINY, H, free_port, reference_forward, running_server, tiny_loader
 
@@ -205,6 +211,28 @@ def test_a_device_region_views_its_memory_and_closes_once_its_last_user_is_done(
     )
     regions.unregister("cuda", "idle", None)
     assert idle.memory is None and released == ["dev", "idle"]  # no user: closed at once
+
+
+def test_a_place_named_again_gets_the_view_made_for_it_and_views_go_with_the_memory() -> None:
+    memory = torch.arange(256, dtype=torch.uint8)
+    region = DeviceRegion("dev", memory, 0, None)
+    place = TensorPlace("dev", 8, 16)
+    first = region.view("input x", place, torch.int32, [2, 2], True)
+    assert region.view("input x", place, torch.int32, (2, 2), True) is first
+    other_shape = region.view("input x", place, torch.int32, [4], True)
+    other_dtype = region.view("input x", place, torch.int16, [2, 4], True)
+    assert other_shape.shape == (4,) and other_dtype.dtype == torch.int16
+    at_zero = region.view("input x", TensorPlace("dev", 0, 16), torch.int32, [2, 2], True)
+    assert at_zero.data_ptr() == memory.data_ptr()
+    with pytest.raises(Exception, match="takes 8 bytes"):  # the place is checked every time
+        region.view("input x", place, torch.int16, [2, 2], True)
+    assert region.view("output y", place, torch.int32, [2, 2], False) is first
+    for offset in range(0, 4 * (VIEWS_KEPT + 1), 4):  # more places than are kept
+        view = region.view("y", TensorPlace("dev", offset, 4), torch.int32, [1], True)
+        assert view.data_ptr() == memory.data_ptr() + offset
+    assert len(region._views) <= VIEWS_KEPT
+    region.close()
+    assert region.memory is None and not region._views
 
 
 def test_system_regions_are_not_viewed() -> None:
