@@ -182,9 +182,9 @@ async def infer(
                 raise BadInput("input hidden_states is missing")
             hidden = tensors["hidden_states"]
             inputs = check_inputs(served, hidden, tensors.get("router_logits"))
-            # into: what the forward writes the output into (a CUDA region's view, or copy
-            # memory for a system region, which `written` then is)
-            place, into, written = _output_place(runtime, request, name, hidden, owner, held)
+            # into: what the forward writes the output into (a CUDA region's view, or, for a
+            # system region, copy memory: `copied` the loan of it)
+            place, into, copied = _output_place(runtime, request, name, hidden, owner, held)
             options = schedule_policy(request.parameters)
             timer.submit(hidden.shape[0])
             if withdrawn is None:
@@ -196,9 +196,9 @@ async def infer(
             timer.answer()
             if place is None:
                 return InferenceResult({OUTPUT: result.output.to(hidden.dtype)})
-            if written:
+            if copied is not None:  # the output's bytes are in it (the batcher's `into`)
                 shm, alone = runtime.shared_memory, runtime.batcher.idle
-                await shm.write(f"output {OUTPUT}", place, result.output, owner, alone)
+                await shm.write(f"output {OUTPUT}", place, copied.raw, owner, alone)
             return InferenceResult({}, [_placed(place, hidden)])
     finally:
         for region in held:  # the batcher returns once no device copy uses them
@@ -268,12 +268,13 @@ def _output_place(
     hidden: torch.Tensor,
     owner: str | None,
     held: list[DeviceRegion | CopyReservation | Loan],
-) -> tuple[TensorPlace | None, torch.Tensor | None, bool]:
-    """Where the output goes: (None, None, False) in the reply; else its shared-memory place,
+) -> tuple[TensorPlace | None, torch.Tensor | None, Loan | None]:
+    """Where the output goes: (None, None, None) in the reply; else its shared-memory place,
     checked before the forward so that an output that cannot fit fails first, the tensor the
     forward writes it into in the request's dtype (a CUDA region's view; for a system region
     copy memory, pinned where the engine runs on a GPU, which casts and copies the output
-    there) and whether that is copy memory, written into the region once the forward is done."""
+    there) and the loan of that copy memory, written into the region once the forward is
+    done."""
     place = into = None
     shm, nbytes = runtime.shared_memory, hidden.numel() * hidden.itemsize
     for requested in request.outputs or ():
@@ -286,10 +287,10 @@ def _output_place(
             if into is None:
                 shm.check(what, place, nbytes, owner, exact=False)
     if place is None or into is not None:
-        return place, into, False
+        return place, into, None
     loan = shm.copy_memory.lend(nbytes, runtime.engine.enqueues)
     held.append(loan)
-    return place, loan.memory.view(hidden.dtype).view(hidden.shape), True
+    return place, loan.view(hidden.dtype, hidden.shape), loan
 
 
 def _placed(place: TensorPlace, hidden: torch.Tensor) -> InferOutput:

@@ -42,6 +42,7 @@ import torch
 
 from .. import off_loop
 from ..codecs.kserve import DATATYPE_NAMES, SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION
+from ..codecs.safetensors_wire import tensor_bytes
 from ..errors import BadInput, Conflict, Forbidden, NotReady, Overloaded, UnknownRegion
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")  # where Linux keeps POSIX shared-memory objects (shm_open)
 _KEY = re.compile(r"/*([^/\0]+)")  # shm_open names: leading slashes, then no slash
 CUDA_IPC_HANDLE_BYTES = 64
-VIEWS_KEPT = 16  # a CUDA region's views kept for the next request's same places
+VIEWS_KEPT = 16  # a CUDA region's or copy memory block's views kept for the next requests
 # A region's name and a key are kept (and listed by status) as long as the region is: Triton's
 # are short, and a file name has at most 255 bytes.
 MAX_NAME_CHARS = 256
@@ -224,11 +225,13 @@ class SystemRegion(Region):
             done += got
         return into
 
-    async def write(self, offset: int, data: torch.Tensor, alone: bool = False) -> None:
-        """Write a CPU tensor's bytes at `offset` (one copy, straight into the object, off the
-        event loop when it is large, larger where the request is `alone`); visible to the
-        client when this returns."""
-        raw = memoryview(data.contiguous().view(-1).view(torch.uint8).numpy())
+    async def write(
+        self, offset: int, data: torch.Tensor | memoryview, alone: bool = False
+    ) -> None:
+        """Write a CPU tensor's bytes (or bytes) at `offset` (one copy, straight into the
+        object, off the event loop when it is large, larger where the request is `alone`);
+        visible to the client when this returns."""
+        raw = data if isinstance(data, memoryview) else tensor_bytes(data)
         with self._own_descriptor() as fd:
             await off_loop.BINARY.run(raw.nbytes, self._write, fd, offset, raw, alone=alone)
 
@@ -453,12 +456,48 @@ MIN_BLOCK_BYTES = 64 << 10
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every GPU's context (--devices)
 
 
+class _Block:
+    """A block of copy memory (uint8, CPU) and the tensors made over its start, kept with it:
+    the requests that borrow it are mostly of one shape, and making a tensor costs each of them
+    host time (`bench/transport_bench.py`, system shared memory)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+        self._views: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
+
+    def view(self, nbytes: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        """Its first `nbytes` as a `dtype` tensor of `shape`."""
+        key = (nbytes, dtype, tuple(shape))
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) >= VIEWS_KEPT:
+                self._views.clear()
+            view = torch.from_numpy(self.array[:nbytes]).view(dtype).view(*shape)
+            self._views[key] = view
+        return view
+
+
 @dataclass(frozen=True)
 class Loan:
-    """`nbytes` of copy memory (`memory`, uint8, CPU) a request holds until `release`."""
+    """`nbytes` of copy memory a request holds until `release`."""
 
-    memory: torch.Tensor
+    block: _Block
+    nbytes: int
     release: Callable[[], None]
+
+    @property
+    def memory(self) -> torch.Tensor:
+        """The loan's bytes (uint8, CPU)."""
+        return self.block.view(self.nbytes, torch.uint8, (self.nbytes,))
+
+    @property
+    def raw(self) -> memoryview:
+        """The loan's bytes, for a copy by the operating system."""
+        return memoryview(self.block.array)[: self.nbytes]
+
+    def view(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        """The loan's bytes as a `dtype` tensor of `shape` (of as many bytes)."""
+        return self.block.view(self.nbytes, dtype, shape)
 
 
 class CopyMemory:
@@ -473,7 +512,7 @@ class CopyMemory:
     def __init__(self, max_idle_bytes: int) -> None:
         self.max_idle_bytes = max_idle_bytes
         self.idle_bytes = 0
-        self._idle: dict[tuple[int, bool], list[np.ndarray]] = {}
+        self._idle: dict[tuple[int, bool], list[_Block]] = {}
 
     def lend(self, nbytes: int, pinned: bool) -> Loan:
         """`nbytes` of memory, pinned if `pinned` (and CUDA lets it); the borrower releases the
@@ -485,13 +524,14 @@ class CopyMemory:
             block = idle.pop()
             self.idle_bytes -= size
         else:
-            block = _pinned_block(size) if pinned else np.empty(size, dtype=np.uint8)
-        return Loan(torch.from_numpy(block[:nbytes]), lambda: self._give_back(key, block))
+            block = _Block(_pinned_block(size) if pinned else np.empty(size, dtype=np.uint8))
+        return Loan(block, nbytes, lambda: self._give_back(key, block))
 
-    def _give_back(self, key: tuple[int, bool], block: np.ndarray) -> None:
-        if self.idle_bytes + block.nbytes <= self.max_idle_bytes:
+    def _give_back(self, key: tuple[int, bool], block: _Block) -> None:
+        size = block.array.nbytes
+        if self.idle_bytes + size <= self.max_idle_bytes:
             self._idle.setdefault(key, []).append(block)
-            self.idle_bytes += block.nbytes
+            self.idle_bytes += size
 
 
 def _pinned_block(size: int) -> np.ndarray:
@@ -659,19 +699,20 @@ class SharedMemory:
             return torch.empty(shape, dtype=dtype)
         loan = self.copy_memory.lend(place.byte_size, pinned)
         held.append(loan)
-        data = await region.read(place.offset, place.byte_size, loan.memory, alone)
-        return data.view(dtype).reshape(shape)
+        await region.read(place.offset, place.byte_size, loan.memory, alone)
+        return loan.view(dtype, shape)
 
     async def write(
         self,
         tensor: str,
         place: TensorPlace,
-        data: torch.Tensor,
+        data: memoryview,
         owner: str | None,
         alone: bool = False,
     ) -> None:
-        """Write a CPU tensor at `place` in a system region, which must hold at least its
-        bytes; `alone`: the request is the server's only one (off_loop.py)."""
+        """Write bytes (an output in copy memory: Loan.raw) at `place` in a system region,
+        which must hold at least as many; `alone`: the request is the server's only one
+        (off_loop.py)."""
         region = self._region_of(tensor, place, owner, "system")
-        region.check(tensor, place, data.numel() * data.itemsize, exact=False)
+        region.check(tensor, place, data.nbytes, exact=False)
         await region.write(place.offset, data, alone)

@@ -732,6 +732,25 @@ def test_copy_memory_is_reused_and_what_it_keeps_idle_is_bounded() -> None:
     assert memory.lend(10, pinned=False).memory.data_ptr() in (address, loans[2].memory.data_ptr())
 
 
+def test_a_block_of_copy_memory_keeps_the_tensors_made_over_it_for_its_next_loans() -> None:
+    """The next request of a shape gets the tensors the last one of it had; a loan's bytes are
+    its block's first `nbytes`, however it is viewed."""
+    memory = CopyMemory(max_idle_bytes=4 * MIN_BLOCK_BYTES)
+    first = memory.lend(48, pinned=False)
+    rows = first.view(torch.float32, (3, 4))
+    rows.copy_(torch.arange(12.0).view(3, 4))
+    assert first.memory.data_ptr() == rows.data_ptr() and first.memory.numel() == 48
+    assert bytes(first.raw) == first.memory.numpy().tobytes() == rows.numpy().tobytes()
+    first.release()
+    again = memory.lend(48, pinned=False)
+    assert again.view(torch.float32, [3, 4]) is rows  # the same tensor, shape as a list too
+    assert again.memory is first.memory
+    assert again.view(torch.int32, (12,)).data_ptr() == rows.data_ptr()
+    assert memory.lend(48, pinned=False).view(torch.float32, (3, 4)) is not rows  # another block
+    smaller = again.block.view(8, torch.uint8, (8,))
+    assert smaller.numel() == 8 and smaller.data_ptr() == rows.data_ptr()
+
+
 def test_system_shared_memory_requests_give_their_copy_memory_back(make_client, region) -> None:
     """Each request's input and output go through copy memory, which is back once it is
     answered: the next requests reuse the same two blocks."""
