@@ -322,7 +322,7 @@ class DeviceRegion(Region):
         if view is None:
             if len(self._views) >= VIEWS_KEPT:
                 self._views.clear()
-            view = self.memory[place.offset : place.offset + needed].view(dtype).view(*shape)
+            view = self.memory[place.offset : place.offset + needed].view(dtype).view(key[2])
             self._views[key] = view
         return view
 
@@ -472,7 +472,7 @@ class _Block:
         if view is None:
             if len(self._views) >= VIEWS_KEPT:
                 self._views.clear()
-            view = torch.from_numpy(self.array[:nbytes]).view(dtype).view(*shape)
+            view = torch.from_numpy(self.array[:nbytes]).view(dtype).view(key[2])
             self._views[key] = view
         return view
 

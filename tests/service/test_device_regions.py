@@ -224,6 +224,8 @@ def test_a_place_named_again_gets_the_view_made_for_it_and_views_go_with_the_mem
     assert other_shape.shape == (4,) and other_dtype.dtype == torch.int16
     at_zero = region.view("input x", TensorPlace("dev", 0, 16), torch.int32, [2, 2], True)
     assert at_zero.data_ptr() == memory.data_ptr()
+    scalar = region.view("input s", TensorPlace("dev", 0, 4), torch.int32, [], True)
+    assert scalar.shape == () and scalar.data_ptr() == memory.data_ptr()
     with pytest.raises(Exception, match="takes 8 bytes"):  # the place is checked every time
         region.view("input x", place, torch.int16, [2, 2], True)
     assert region.view("output y", place, torch.int32, [2, 2], False) is first

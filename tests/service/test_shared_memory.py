@@ -668,6 +668,21 @@ def test_an_empty_shared_memory_input_of_a_shape_torch_cannot_lay_out_is_400(
     assert "shape [0, 9223372036854775808] is too large" in r.json()["error"]
 
 
+def test_a_scalar_input_in_a_system_region_is_400_as_any_input_of_the_wrong_rank(
+    make_client, region
+) -> None:
+    client = make_client(allow_shared_memory=True)
+    key, _ = region
+    register = {"key": key, "byte_size": 64}
+    assert client.post("/v2/systemsharedmemory/region/io/register", json=register).is_success
+    place = {"shared_memory_region": "io", "shared_memory_byte_size": 4}
+    body = {"inputs": [{"name": "hidden_states", "shape": [], "datatype": "FP32",
+                        "parameters": place}]}  # fmt: skip
+    r = client.post(f"/v2/models/{TINY}/infer", json=body)
+    assert r.status_code == 400, r.text
+    assert "hidden_states" in r.json()["error"]
+
+
 EMPTY = {"[0, H]": ([0, H], "hidden_states is empty"), "[4, 0]": ([4, 0], "has 0 columns"),
          "[0, 0]": ([0, 0], "hidden_states is empty")}  # fmt: skip
 
@@ -747,6 +762,7 @@ def test_a_block_of_copy_memory_keeps_the_tensors_made_over_it_for_its_next_loan
     assert again.memory is first.memory
     assert again.view(torch.int32, (12,)).data_ptr() == rows.data_ptr()
     assert memory.lend(48, pinned=False).view(torch.float32, (3, 4)) is not rows  # another block
+    assert again.block.view(4, torch.float32, []).shape == ()  # a scalar
     smaller = again.block.view(8, torch.uint8, (8,))
     assert smaller.numel() == 8 and smaller.data_ptr() == rows.data_ptr()
 
