@@ -185,8 +185,11 @@ class _OaiBase(Experts):
             FnSpecs("swiglu", swiglu_fn, ("alpha", "limit")), (spec.alpha, spec.limit), 2
         )
 
-    def _experts(self, hidden: torch.Tensor, routing: OgsRouting) -> torch.Tensor:
-        """hidden [M, H] bf16 -> [M, H]: GEMM1 (gather) -> act -> GEMM2 (weigh, scatter-sum)."""
+    def _experts(
+        self, hidden: torch.Tensor, routing: OgsRouting, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """hidden [M, H] bf16 -> [M, H]: GEMM1 (gather) -> act -> GEMM2 (weigh, scatter-sum),
+        which writes `out` when given."""
         from triton_kernels.matmul_ogs import matmul_ogs
 
         g1, g2 = self.gemm1, self.gemm2
@@ -210,6 +213,7 @@ class _OaiBase(Experts):
             scatter_indx=routing.scatter,
             precision_config=g2.precision,
             gammas=routing.data.gate_scal,
+            y=out,
         )
 
     def apply(
@@ -222,8 +226,18 @@ class _OaiBase(Experts):
             out = torch.zeros_like(x.hidden)
         else:
             routing = ogs_routing(x.topk_ids, x.topk_weights, self.weights.num_experts)
-            out = self._experts(x.hidden, routing)
-        return out if into is None else into.write(out)
+            out = self._experts(x.hidden, routing, _summed_in_place(into, x.hidden))
+        return out if into is None else into.write(out)  # no copy when GEMM2 wrote into it
+
+
+def _summed_in_place(into: SumTarget | None, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The target GEMM2's scatter-sum can write itself (saving a copy of the output): one plain
+    tensor of hidden's shape and dtype, with no shared experts' output to add."""
+    if into is None or into.extra is not None or not isinstance(into.out, torch.Tensor):
+        return None
+    out = into.out
+    fits = out.shape == hidden.shape and out.dtype == hidden.dtype and out.is_contiguous()
+    return out if fits else None
 
 
 class OaiTritonExperts(_OaiBase):

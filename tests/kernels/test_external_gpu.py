@@ -178,3 +178,35 @@ def test_deep_gemm_skips_pairs_of_other_ranks_and_empty_experts(backend: str, m:
     experts = selection.select(cfg, CUDA, backend).experts(cfg, weights)
     err = relative_error(modular(experts).forward(hidden, routing), expected)
     assert err < tolerance(cfg), f"{err:.3g}"
+
+
+@pytest.mark.parametrize("backend", ["oai-triton", "oai-triton-unfused"])
+def test_oai_sum_lands_in_the_target_itself_or_through_one_pass(backend: str) -> None:
+    """GEMM2's scatter-sum writes a plain target of the layer's dtype itself; a target with the
+    shared experts' output to add, or of float32 (a partial sum), takes the sum through a pass.
+    Every way gives the same sum."""
+    from moe_serve.kernels.prepare_finalize.no_ep import NoEP
+    from moe_serve.kernels.stages import DispatchSpec, SideOutput, SumTarget
+    from moe_serve.kernels.workspace import Workspace
+
+    name, m = "gpt-oss-small", 37
+    cfg = SHAPES[name]
+    experts = selection.select(cfg, CUDA, backend).experts(cfg, layer_weights(name))
+    hidden, _, routing = layer_inputs(name, m, False)
+    ws = Workspace(CUDA)
+    x = NoEP().prepare(hidden, routing, DispatchSpec(None, cfg.num_experts), ws)
+    alone = experts.apply(x, ws).clone()
+    assert relative_error(alone, reference_output(name, m, False)) < tolerance(cfg)
+
+    out = torch.full_like(hidden, float("nan"))
+    assert experts.apply(x, ws, SumTarget(out)) is out
+    assert torch.equal(out, alone)
+
+    extra = torch.randn(m, cfg.hidden_size, device=CUDA)
+    out = torch.full_like(hidden, float("nan"))
+    assert experts.apply(x, ws, SumTarget(out, SideOutput(extra))) is out
+    assert torch.equal(out, (alone.float() + extra).to(cfg.dtype))
+
+    partial = torch.full(hidden.shape, float("nan"), device=CUDA)
+    assert experts.apply(x, ws, SumTarget(partial)) is partial
+    assert torch.equal(partial, alone.float())
