@@ -359,3 +359,40 @@ def test_a_connection_that_does_not_begin_with_a_mappable_arena_is_closed(first)
         assert json.loads(records[0][1])["hello"].startswith("refused")
     else:
         assert records == []
+
+
+def test_closing_the_server_ends_each_front_end_s_connection_once_its_forwards_are_done() -> None:
+    """The engine stopping with a front end still connected: the front end sees the channel
+    close (its forward answered ENGINE_GONE, its on_lost called), and the close returns once the
+    forward the engine was running has finished."""
+
+    async def main():
+        engine = RecordingEngine(tiny_layers())
+        metrics = Metrics()
+        batcher = DynamicBatcher(engine, BatchPolicy(64, 0.0, 16), metrics)
+        batcher.start()
+        runtime = Runtime(Settings(device="cpu"), metrics, engine, batcher, not_ready=None)
+        with tempfile.TemporaryDirectory() as directory:
+            server = ChannelServer(runtime, Path(directory) / "channel.sock")
+            await server.start()
+            arena = BodyArena.create(Path(directory), 64 * BLOCK_BYTES)
+            lost = []
+            client = EngineClient(server.path, arena, on_lost=lambda: lost.append(True))
+            await client.connect()
+            engine.gate.clear()
+            region = _lay(client, rows(3, 0))
+            running = asyncio.ensure_future(client.forward(TINY, region, _never()))
+            await _forward_begun(engine)
+            closing = asyncio.ensure_future(server.close())
+            reply = await asyncio.wait_for(running, WAIT_S)
+            still_closing = not closing.done()  # the engine's forward holds it
+            engine.gate.set()
+            await asyncio.wait_for(closing, WAIT_S)
+            await batcher.close()
+            arena.close()
+            return reply, lost, client.connected, still_closing
+
+    reply, lost, connected, still_closing = asyncio.run(main())
+    assert reply.status == 503 and "engine process is gone" in reply.error
+    assert lost == [True] and not connected
+    assert still_closing
