@@ -188,11 +188,9 @@ async def _measure(load: ChannelLoad) -> dict:
             for p in processes:
                 p.kill()
                 p.join()
+            # returns once each front end's connection has ended (its forwards withdrawn, its
+            # arena unmapped): before the stand-ins for CUDA registration are put back
             await server.close()
-            # each front end's connection ends (its forwards withdrawn, its arena unmapped)
-            # before the stand-ins for CUDA registration are put back
-            others = asyncio.all_tasks() - {asyncio.current_task()}
-            await asyncio.wait(others, timeout=10)
     return {
         "front_ends": load.front_ends,
         "clients": load.clients,

@@ -44,43 +44,64 @@ CANCEL_FIELDS = struct.Struct("<Q")  # id
 DONE_FIELDS = struct.Struct("<Hd")  # status, seconds; then the route
 REPLY_FIELDS = struct.Struct("<QHQ")  # id, status, reply bytes; then the reply, if not in place
 ERROR_FIELDS = struct.Struct("<QH")  # id, status; then JSON {"error", "headers"}
-_READ_BYTES = 1 << 16
 
 
 class RecordReader:
     """Bytes as they arrive -> whole records (kind, payload); a record cut by a read waits for
-    the rest."""
+    the rest, gathered in a buffer that grows as it arrives (a reply carried whole is copied
+    once, not once per read)."""
 
-    def __init__(self, reader: asyncio.StreamReader) -> None:
-        self._reader = reader
-        self._rest = b""
+    def __init__(self) -> None:
+        self._rest = bytearray()
 
-    async def read(self) -> list[tuple[int, bytes]] | None:
-        """The whole records of the next read (perhaps none yet), or None once the other side
-        has closed the socket. A record cut by the read that is longer than a read (a reply
-        carried whole) is read to its end at once, not grown a read at a time."""
-        try:
-            data = await self._reader.read(_READ_BYTES)
-            if not data:
-                return None
-            if self._rest:
-                data = self._rest + data
-            records, at, end = [], 0, len(data)
+    def feed(self, data: bytes) -> list[tuple[int, bytes]]:
+        """The whole records that `data` completes, in order (perhaps none yet)."""
+        if self._rest:
+            self._rest += data
+            data = self._rest
+        records, at, end = [], 0, len(data)
+        with memoryview(data) as view:
             while end - at >= _HEAD.size:
-                kind, size = _HEAD.unpack_from(data, at)
+                kind, size = _HEAD.unpack_from(view, at)
                 start = at + _HEAD.size
                 if end - start < size:
-                    if size > _READ_BYTES:
-                        rest = await self._reader.readexactly(size - (end - start))
-                        records.append((kind, data[start:] + rest))
-                        at = end
                     break
-                records.append((kind, data[start : start + size]))
+                records.append((kind, bytes(view[start : start + size])))
                 at = start + size
-        except (ConnectionError, asyncio.IncompleteReadError):
-            return None
-        self._rest = data[at:]
+        if data is self._rest:
+            del self._rest[:at]
+        elif at < end:
+            self._rest = bytearray(data[at:])
         return records
+
+
+class RecordProtocol(asyncio.Protocol):
+    """One end of the channel's socket: each read's whole records handed to `on_records` as
+    they arrive, in the read's own callback (no task waits on a stream for them: a record is
+    acted on a turn of the event loop sooner), and `on_lost` called once the socket closes."""
+
+    def __init__(
+        self,
+        on_records: Callable[[list[tuple[int, bytes]]], None],
+        on_lost: Callable[[], None],
+    ) -> None:
+        self.on_records = on_records
+        self.on_lost = on_lost
+        self.transport: asyncio.Transport | None = None
+        self._reader = RecordReader()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if records := self._reader.feed(data):
+            self.on_records(records)
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:  # noqa: ARG002 (asyncio's signature)
+        self.on_lost()
 
 
 class RecordWriter:
@@ -88,8 +109,8 @@ class RecordWriter:
     reply waits neither for the end of the turn nor for what the loop runs before it: a batch's
     metrics), those that follow it in the turn together at its end."""
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self._writer = writer
+    def __init__(self, transport: asyncio.WriteTransport) -> None:
+        self._transport = transport
         self._pending = bytearray()
         self._in_turn = False  # a record went out this turn: the next ones wait for `flush`
 
@@ -109,13 +130,13 @@ class RecordWriter:
 
     def _write(self, data: bytes | bytearray) -> None:
         # no flow control: records are small but for a reply carried whole, which the other
-        # side reads at once (RecordReader)
-        if data and not self._writer.is_closing():
-            self._writer.write(data)
+        # side reads as it comes (RecordProtocol)
+        if data and not self._transport.is_closing():
+            self._transport.write(data)
 
     def close(self) -> None:
         self.flush()
-        self._writer.close()
+        self._transport.close()
 
 
 def hello(payload: dict) -> bytes:
@@ -151,28 +172,29 @@ class EngineClient:
         # id -> the answer its caller awaits, and its region
         self._pending: dict[int, tuple[asyncio.Future[Reply], Region]] = {}
         self._out: RecordWriter | None = None
-        self._reading: asyncio.Task | None = None
+        self._hello: asyncio.Future[list | None] | None = None  # the engine's answer to HELLO
+        self._closed: asyncio.Future[None] | None = None  # done once the socket has closed
 
     async def connect(self) -> None:
-        reader, writer = await asyncio.open_unix_connection(self.path)
-        self._out = RecordWriter(writer)
+        loop = asyncio.get_running_loop()
+        self._hello, self._closed = loop.create_future(), loop.create_future()
+        transport, protocol = await loop.create_unix_connection(
+            lambda: RecordProtocol(self._on_hello, self._lost), self.path
+        )
+        self._out = RecordWriter(transport)
         self._out.send(HELLO, hello({"hello": str(self.arena.path), "size": self.arena.size}))
-        records = RecordReader(reader)
-        answer: list | None = []
-        while answer == []:
-            answer = await records.read()
+        answer = await self._hello
         if answer is None or answer[0][0] != HELLO or json.loads(answer[0][1]) != {"hello": "ok"}:
             self._out.close()
             raise ConnectionError(f"the engine refused the arena: {answer}")
         self.connected = True
-        self._reading = asyncio.create_task(self._read(records))
+        protocol.on_records = self._on_records
 
     async def close(self) -> None:
         self.on_lost = lambda: None  # closed on purpose
         if self._out is not None:
             self._out.close()
-        if self._reading is not None:
-            await self._reading
+            await self._closed
 
     async def forward(
         self,
@@ -231,21 +253,31 @@ class EngineClient:
         if self.connected:
             self._out.send(DONE, DONE_FIELDS.pack(status, seconds) + route.encode())
 
-    async def _read(self, records: RecordReader) -> None:
-        while (got := await records.read()) is not None:
-            for kind, payload in got:
-                if kind == REPLY:
-                    rid, status, nbytes = REPLY_FIELDS.unpack_from(payload)
-                    data = memoryview(payload)[REPLY_FIELDS.size :] or None
-                    self._answer(rid, Reply(status, nbytes, data=data))
-                elif kind == ERROR:
-                    rid, status = ERROR_FIELDS.unpack_from(payload)
-                    details = json.loads(payload[ERROR_FIELDS.size :])
-                    self._answer(rid, Reply(status, **details))
-        self.connected = False
+    def _on_hello(self, records: list[tuple[int, bytes]]) -> None:
+        if not self._hello.done():
+            self._hello.set_result(records)
+
+    def _on_records(self, records: list[tuple[int, bytes]]) -> None:
+        for kind, payload in records:
+            if kind == REPLY:
+                rid, status, nbytes = REPLY_FIELDS.unpack_from(payload)
+                data = memoryview(payload)[REPLY_FIELDS.size :] or None
+                self._answer(rid, Reply(status, nbytes, data=data))
+            elif kind == ERROR:
+                rid, status = ERROR_FIELDS.unpack_from(payload)
+                details = json.loads(payload[ERROR_FIELDS.size :])
+                self._answer(rid, Reply(status, **details))
+
+    def _lost(self) -> None:
+        """The socket has closed: every forward still the engine's is answered ENGINE_GONE."""
+        connected, self.connected = self.connected, False
+        if not self._hello.done():  # closed before the engine answered HELLO
+            self._hello.set_result(None)
         for rid in list(self._pending):
             self._answer(rid, ENGINE_GONE)
-        self.on_lost()
+        self._closed.set_result(None)
+        if connected:
+            self.on_lost()
 
     def _answer(self, rid: int, reply: Reply) -> None:
         """The engine has answered request `rid`: its region is no longer the engine's."""

@@ -32,7 +32,7 @@ from .channel import (
     HELLO,
     REPLY,
     REPLY_FIELDS,
-    RecordReader,
+    RecordProtocol,
     RecordWriter,
     error_payload,
     hello,
@@ -46,55 +46,89 @@ class ChannelServer:
         self.runtime = runtime
         self.path = path
         self._server: asyncio.Server | None = None
+        self._links: set[_FrontEndLink] = set()  # the front ends connected
 
     async def start(self) -> None:
-        self._server = await asyncio.start_unix_server(self._serve, self.path)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(self._accept, self.path)
+
+    def _accept(self) -> RecordProtocol:
+        link = _FrontEndLink(self.runtime, self._links)
+        self._links.add(link)
+        return link.protocol
 
     async def close(self) -> None:
-        """Stop accepting front ends (call once they have stopped: their requests finish)."""
+        """Stop accepting front ends and end the connections left (call once they have stopped:
+        their requests finish); returns once each one's forwards are withdrawn and its arena
+        unmapped."""
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        records, out = RecordReader(reader), RecordWriter(writer)
-        got: list | None = []
-        while got == []:
-            got = await records.read()
-        if got is None or got[0][0] != HELLO:
-            out.close()
-            return
-        try:
-            request = json.loads(got[0][1])
-            arena = BodyArena.attach(Path(request["hello"]), request["size"])
-        except (TypeError, KeyError, ValueError, OSError) as err:
-            log.error("a front end's arena could not be mapped: %s", err)
-            out.send(HELLO, hello({"hello": f"refused: {err}"}))
-            out.close()
-            return
-        out.send(HELLO, hello({"hello": "ok"}))
-        link = _FrontEndLink(self.runtime, _Arena(arena), out)
-        got = got[1:]
-        try:
-            while got is not None:
-                link.handle(got)
-                got = await records.read()
-        finally:
-            await link.withdraw_all()  # the front end is gone: so are its clients
-            out.close()
-            _unpin(link.arena)  # no forward of this front end is left on the device
-            arena.close()
+        links = list(self._links)
+        for link in links:
+            link.end()
+        await asyncio.gather(*(link.ended for link in links))
 
 
 class _FrontEndLink:
-    """One front end's forwards in the engine: a task each, withdrawn by its CANCEL."""
+    """One front end's connection: its arena, mapped on its HELLO, and its forwards in the
+    engine: a task each, withdrawn by its CANCEL."""
 
-    def __init__(self, runtime: Runtime, arena: _Arena, out: RecordWriter) -> None:
+    def __init__(self, runtime: Runtime, links: set[_FrontEndLink]) -> None:
         self.runtime = runtime
-        self.arena = arena
-        self.out = out
+        self.links = links
+        self.protocol = RecordProtocol(self._hello, self._lost)
+        self.arena: _Arena | None = None  # once its HELLO has mapped it
+        self.out: RecordWriter | None = None
         # id -> the forward's task and the future whose result withdraws it
         self.running: dict[int, tuple[asyncio.Task, asyncio.Future]] = {}
+        self._tearing_down: asyncio.Task | None = None
+        self.ended = asyncio.get_running_loop().create_future()  # the connection is torn down
+
+    def _hello(self, records: list[tuple[int, bytes]]) -> None:
+        """The front end's first records: HELLO, which names its arena, then perhaps more."""
+        self.out = RecordWriter(self.protocol.transport)
+        self.protocol.on_records = _ignore  # refused: what it sends until the close is not read
+        kind, payload = records[0]
+        if kind != HELLO:
+            self.out.close()
+            return
+        try:
+            request = json.loads(payload)
+            arena = BodyArena.attach(Path(request["hello"]), request["size"])
+        except (TypeError, KeyError, ValueError, OSError) as err:
+            log.error("a front end's arena could not be mapped: %s", err)
+            self.out.send(HELLO, hello({"hello": f"refused: {err}"}))
+            self.out.close()
+            return
+        self.arena = _Arena(arena)
+        self.out.send(HELLO, hello({"hello": "ok"}))
+        self.protocol.on_records = self.handle
+        self.handle(records[1:])
+
+    def end(self) -> None:
+        """Close the connection (the engine stops): torn down as when the front end closes it."""
+        if self.protocol.transport is not None:
+            self.protocol.transport.close()
+        else:  # accepted, never made
+            self._lost()
+
+    def _lost(self) -> None:
+        if self._tearing_down is None:
+            self._tearing_down = asyncio.ensure_future(self._tear_down())
+
+    async def _tear_down(self) -> None:
+        """The front end is gone: so are its clients."""
+        try:
+            await self.withdraw_all()
+        finally:
+            if self.out is not None:
+                self.out.close()
+            if self.arena is not None:
+                _unpin(self.arena)  # no forward of this front end is left on the device
+                self.arena.arena.close()
+            self.links.discard(self)
+            self.ended.set_result(None)
 
     def handle(self, records: list[tuple[int, bytes]]) -> None:
         for kind, payload in records:
@@ -179,6 +213,10 @@ class _FrontEndLink:
         else:
             size = sum(map(len, written))
             self.out.send(REPLY, b"".join([REPLY_FIELDS.pack(rid, 200, size), *written]))
+
+
+def _ignore(records: list[tuple[int, bytes]]) -> None:
+    pass
 
 
 def _withdraw(gone: asyncio.Future) -> None:

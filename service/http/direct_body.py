@@ -92,10 +92,12 @@ class DirectBody(Generic[Holder]):
     async def read(self, timeout_s: float) -> Holder:
         """The holder once the whole body is in it; 408 when it stalls past `timeout_s`, 499 when
         the client closes the connection first."""
-        if not self._arrived.done():  # as a rule it has: the loop reads it before the app runs
+        if not self._arrived.done():  # a large body may still be arriving as the app starts
             try:
                 async with asyncio.timeout(timeout_s):
-                    await asyncio.shield(self._arrived)
+                    # awaited as it is (a shield would wake this task a turn of the event loop
+                    # later); cancelled with the wait, it is never set nor read again
+                    await self._arrived
             except TimeoutError:
                 self.discard()
                 raise body_stalled(timeout_s, self.at) from None

@@ -24,8 +24,10 @@ from moe_serve.service.frontends.channel import (
     DONE,
     DONE_FIELDS,
     FORWARD,
+    HELLO,
     REPLY,
     EngineClient,
+    RecordProtocol,
     RecordReader,
     RecordWriter,
 )
@@ -269,7 +271,7 @@ def test_the_first_record_of_a_turn_goes_out_at_once_the_rest_at_its_end() -> No
     assert len(writes) == 3 and writes[2].endswith(b"/d")
 
 
-def _wire(records: list[tuple[int, bytes]]) -> bytearray:
+def _wire(records: list[tuple[int, bytes]]) -> bytes:
     """The bytes a RecordWriter puts on the wire for `records`, sent and flushed."""
     wire = bytearray()
 
@@ -280,55 +282,117 @@ def _wire(records: list[tuple[int, bytes]]) -> bytearray:
         def is_closing(self) -> bool:
             return False
 
-    out = RecordWriter(Sink())
-    for kind, payload in records:
-        out.send(kind, payload)
-    out.flush()
-    return wire
+    async def send() -> None:
+        out = RecordWriter(Sink())
+        for kind, payload in records:
+            out.send(kind, payload)
+        out.flush()
+
+    asyncio.run(send())
+    return bytes(wire)
 
 
 def test_records_cut_anywhere_by_reads_arrive_whole() -> None:
+    """Every split of the wire into two reads, and a byte per read: the same records, each
+    handed over by the read that completes it."""
     sent = [(FORWARD, b"x" * 40 + TINY.encode()), (DONE, DONE_FIELDS.pack(200, 0.5) + b"/r")]
     sent *= 3
-
-    async def main():
-        wire = _wire(sent)
-        reader = asyncio.StreamReader()
-        records = RecordReader(reader)
-        got = []
-        for i in range(len(wire)):  # a byte per read
-            reader.feed_data(wire[i : i + 1])
-            got += await records.read()
-        reader.feed_eof()
-        return got, await records.read()
-
-    got, at_eof = asyncio.run(main())
+    wire = _wire(sent)
+    for cut in range(len(wire) + 1):
+        records = RecordReader()
+        assert records.feed(wire[:cut]) + records.feed(wire[cut:]) == sent
+    records = RecordReader()
+    got = []
+    for i in range(len(wire)):
+        got += records.feed(wire[i : i + 1])
     assert got == sent
-    assert at_eof is None
 
 
 def test_a_record_longer_than_a_read_arrives_whole_among_others() -> None:
-    """A reply carried whole over the channel: read to its end at once, the records around it
-    as usual."""
+    """A reply carried whole over the channel, gathered across reads, the records around it as
+    usual."""
     large = bytes(range(256)) * 1000
     sent = [(DONE, b"before"), (REPLY, large), (DONE, b"after")]
+    wire = _wire(sent)
+    records = RecordReader()
+    got = []
+    for at in range(0, len(wire), 10_000):
+        got += records.feed(wire[at : at + 10_000])
+    assert got == sent
+
+
+def test_the_protocol_hands_over_each_read_s_records_and_reports_the_close() -> None:
+    got, lost = [], []
+    protocol = RecordProtocol(got.append, lambda: lost.append(True))
+    wire = _wire([(DONE, b"a"), (DONE, b"b"), (REPLY, b"c")])
+    protocol.data_received(wire[:5])  # no whole record yet: nothing handed over
+    protocol.data_received(wire[5:-3])
+    protocol.data_received(wire[-3:])
+    assert protocol.eof_received() is False  # the transport closes
+    protocol.connection_lost(None)
+    assert got == [[(DONE, b"a"), (DONE, b"b")], [(REPLY, b"c")]]
+    assert lost == [True]
+
+
+@pytest.mark.parametrize(
+    "first",
+    [(FORWARD, b"x" * 40 + TINY.encode()), (HELLO, b'{"hello": "/nonexistent", "size": 65536}')],
+    ids=["not-hello", "unmappable-arena"],
+)
+def test_a_connection_that_does_not_begin_with_a_mappable_arena_is_closed(first) -> None:
+    """Before its HELLO names an arena the engine maps, a connection is answered at most with a
+    refusal, then closed; the server still closes cleanly."""
+
+    wire = _wire([first, (DONE, DONE_FIELDS.pack(200, 0.5) + b"/r")])
+
+    async def body(_engine, _metrics, client):
+        reader, writer = await asyncio.open_unix_connection(client.path)
+        writer.write(wire)
+        answer = await reader.read()  # to the end: the engine closed it
+        writer.close()
+        return answer
+
+    answer = run(BatchPolicy(64, 0.0, 16), body)
+    records = RecordReader().feed(answer)
+    if first[0] == HELLO:
+        assert [kind for kind, _ in records] == [HELLO]
+        assert json.loads(records[0][1])["hello"].startswith("refused")
+    else:
+        assert records == []
+
+
+def test_closing_the_server_ends_each_front_end_s_connection_once_its_forwards_are_done() -> None:
+    """The engine stopping with a front end still connected: the front end sees the channel
+    close (its forward answered ENGINE_GONE, its on_lost called), and the close returns once the
+    forward the engine was running has finished."""
 
     async def main():
-        wire = _wire(sent)
-        reader = asyncio.StreamReader()
-        records = RecordReader(reader)
+        engine = RecordingEngine(tiny_layers())
+        metrics = Metrics()
+        batcher = DynamicBatcher(engine, BatchPolicy(64, 0.0, 16), metrics)
+        batcher.start()
+        runtime = Runtime(Settings(device="cpu"), metrics, engine, batcher, not_ready=None)
+        with tempfile.TemporaryDirectory() as directory:
+            server = ChannelServer(runtime, Path(directory) / "channel.sock")
+            await server.start()
+            arena = BodyArena.create(Path(directory), 64 * BLOCK_BYTES)
+            lost = []
+            client = EngineClient(server.path, arena, on_lost=lambda: lost.append(True))
+            await client.connect()
+            engine.gate.clear()
+            region = _lay(client, rows(3, 0))
+            running = asyncio.ensure_future(client.forward(TINY, region, _never()))
+            await _forward_begun(engine)
+            closing = asyncio.ensure_future(server.close())
+            reply = await asyncio.wait_for(running, WAIT_S)
+            still_closing = not closing.done()  # the engine's forward holds it
+            engine.gate.set()
+            await asyncio.wait_for(closing, WAIT_S)
+            await batcher.close()
+            arena.close()
+            return reply, lost, client.connected, still_closing
 
-        async def feed() -> None:
-            for at in range(0, len(wire), 10_000):
-                reader.feed_data(wire[at : at + 10_000])
-                await asyncio.sleep(0)
-            reader.feed_eof()
-
-        feeding = asyncio.ensure_future(feed())
-        got = []
-        while (more := await records.read()) is not None:
-            got += more
-        await feeding
-        return got
-
-    assert asyncio.run(main()) == sent
+    reply, lost, connected, still_closing = asyncio.run(main())
+    assert reply.status == 503 and "engine process is gone" in reply.error
+    assert lost == [True] and not connected
+    assert still_closing
