@@ -213,7 +213,7 @@ class _OaiBase(Experts):
             scatter_indx=routing.scatter,
             precision_config=g2.precision,
             gammas=routing.data.gate_scal,
-            y=out,
+            y=None if out is None else out.unsqueeze(0),  # its output is [1, M, H]
         )
 
     def apply(
