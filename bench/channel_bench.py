@@ -100,7 +100,9 @@ def _front_end(path: str, in_flight: int, body: bytes, loop: str) -> None:
     """One front-end process: `in_flight` forwards always under way, until it is killed."""
 
     async def run() -> None:
-        arena = BodyArena.create(shm_dir(), ARENA_BYTES)
+        # beside the socket, in the directory the engine's side removes: a front end killed
+        # before its connection is made leaves no file behind
+        arena = BodyArena.create(Path(path).parent, ARENA_BYTES)
         client = EngineClient(Path(path), arena, on_lost=lambda: None)
         try:
             await client.connect()
@@ -159,7 +161,7 @@ async def _measure(load: ChannelLoad) -> dict:
     engine = _Engine(served)
     batcher = _AnswerNextTurn(engine)
     runtime = Runtime(Settings(device="cpu"), metrics, engine, batcher, not_ready=None)
-    with tempfile.TemporaryDirectory() as directory:
+    with tempfile.TemporaryDirectory(prefix="moe-serve-bench-", dir=shm_dir()) as directory:
         path = Path(directory) / "channel.sock"
         server = ChannelServer(runtime, path)
         await server.start()
