@@ -8,8 +8,10 @@ records cut anywhere by the socket's reads arrive whole."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import tempfile
+import weakref
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -436,3 +438,47 @@ def test_closing_the_server_returns_while_a_front_end_does_not_read_its_replies(
     waiting, closed, reply = asyncio.run(main())
     assert waiting and closed
     assert reply.status == 503 and "engine process is gone" in reply.error
+
+
+def test_a_front_end_gone_mid_forward_leaves_no_mapping_of_its_arena() -> None:
+    """The engine's teardown of a front end's connection finds the arena still viewed by the
+    forward it was running (on the CPU it does not wait for it): the mapping goes as soon as
+    that forward lets go of it, not once the garbage collector frees the connection's cycle of
+    references (rarely, in a serving process: the arena is 128 MiB)."""
+
+    async def main():
+        engine = RecordingEngine(tiny_layers())
+        metrics = Metrics()
+        batcher = DynamicBatcher(engine, BatchPolicy(64, 0.0, 16), metrics)
+        batcher.start()
+        runtime = Runtime(Settings(device="cpu"), metrics, engine, batcher, not_ready=None)
+        with tempfile.TemporaryDirectory() as directory:
+            server = ChannelServer(runtime, Path(directory) / "channel.sock")
+            await server.start()
+            arena = BodyArena.create(Path(directory), 64 * BLOCK_BYTES)
+            client = EngineClient(server.path, arena, on_lost=lambda: None)
+            await client.connect()
+            (link,) = server._links
+            mapping = weakref.ref(link.arena.arena._map)  # the engine's mapping of the arena
+            ended = link.ended
+            del link
+            engine.gate.clear()
+            running = asyncio.ensure_future(
+                client.forward(TINY, _lay(client, rows(3, 0)), _never())
+            )
+            await _forward_begun(engine)
+            await client.close()  # the engine sees the socket close
+            await running
+            await asyncio.wait_for(ended, WAIT_S)
+            engine.gate.set()
+            await batcher.close()  # the forward has ended
+            await server.close()
+            arena.close()
+            return mapping() is None
+
+    gc.disable()  # what frees the mapping is not the collector
+    try:
+        unmapped = asyncio.run(main())
+    finally:
+        gc.enable()
+    assert unmapped
