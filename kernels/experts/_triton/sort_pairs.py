@@ -24,7 +24,7 @@ from .align import rank_pairs_kernel
 
 ONE_PROGRAM_MAX_PAIRS = 128  # [pairs, pairs] and [experts, pairs] tiles one program handles well
 _RANK_BLOCK = 1024
-_PLACE_BLOCK = 256  # [pairs, experts] tiles per program
+_PLACE_BLOCK = 256  # pairs a program places
 _PAST_EVERY_EXPERT = tl.constexpr(1 << 30)  # lanes past the last pair sort after every pair
 
 
@@ -80,18 +80,25 @@ def _sort_pairs_kernel(
 
 @triton.jit
 def _place_kernel(
-    ids_ptr, weights_ptr, rank_ptr, counts_ptr, sorted_ptr, row_of_ptr, row_weights_ptr,
-    num_pairs, num_experts, BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    ids_ptr, weights_ptr, rank_ptr, counts_ptr, start_ptr, sorted_ptr, row_of_ptr,
+    row_weights_ptr, num_pairs, num_experts, BLOCK: tl.constexpr, E_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
-    """Pair p's row: the pairs of lower experts, then its rank within its own expert."""
+    """Pair p's row: the pairs of lower experts, then its rank within its own expert. Each
+    program writes the experts' first rows (a sum over the counts) to its own E_BLOCK of
+    `start_ptr` and gathers its pairs' from there: a [pairs, experts] tile summed per pair took
+    several times longer."""
     begin(PDL)
+    experts = tl.arange(0, E_BLOCK)
+    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
+    start_ptr += tl.program_id(0) * E_BLOCK
+    tl.store(start_ptr + experts, tl.cumsum(counts, axis=0) - counts)
+    tl.debug_barrier()  # the starts land before this program's threads gather them
     pairs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     valid = pairs < num_pairs
     ids = tl.load(ids_ptr + pairs, mask=valid, other=0)
-    experts = tl.arange(0, E_BLOCK)
-    counts = tl.load(counts_ptr + experts, mask=experts < num_experts, other=0)
-    start = tl.sum(tl.where(experts[None, :] < ids[:, None], counts[None, :], 0), axis=1)
-    row = start + tl.load(rank_ptr + pairs, mask=valid, other=0)
+    row = tl.load(start_ptr + ids, mask=valid, other=0) + tl.load(rank_ptr + pairs, mask=valid,
+                                                                   other=0)  # fmt: skip
     weights = tl.load(weights_ptr + pairs, mask=valid, other=0).to(tl.float32)
     tl.store(row_of_ptr + pairs, row, mask=valid)
     tl.store(sorted_ptr + row, pairs, mask=valid)
@@ -133,14 +140,17 @@ def _sort_pairs_grid(ids: torch.Tensor, weights: torch.Tensor, num_experts: int)
         torch.zeros(num_experts, dtype=torch.int32, device=device),
     )
     rank = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    grid = triton.cdiv(num_pairs, _PLACE_BLOCK)
+    e_block = triton.next_power_of_2(num_experts)
+    start = torch.empty(grid * e_block, dtype=torch.int32, device=device)  # a block a program
     pdl = dependent_launch(device)
     rank_pairs_kernel[(triton.cdiv(num_pairs, _RANK_BLOCK),)](
         ids, out.tokens_per_expert, rank, num_pairs, num_experts, BLOCK=_RANK_BLOCK, PDL=pdl,
         launch_pdl=pdl,
     )  # fmt: skip
-    _place_kernel[(triton.cdiv(num_pairs, _PLACE_BLOCK),)](
-        ids, weights, rank, out.tokens_per_expert, out.sorted_pairs, out.row_of_pair,
-        out.row_weights, num_pairs, num_experts, BLOCK=_PLACE_BLOCK,
-        E_BLOCK=triton.next_power_of_2(num_experts), PDL=pdl, num_warps=4, launch_pdl=pdl,
+    _place_kernel[(grid,)](
+        ids, weights, rank, out.tokens_per_expert, start, out.sorted_pairs, out.row_of_pair,
+        out.row_weights, num_pairs, num_experts, BLOCK=_PLACE_BLOCK, E_BLOCK=e_block, PDL=pdl,
+        num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return out
