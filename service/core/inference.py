@@ -277,9 +277,11 @@ def _output_place(
     done."""
     place = into = None
     shm, nbytes = runtime.shared_memory, hidden.numel() * hidden.itemsize
-    for requested in request.outputs or ():
+    for i, requested in enumerate(request.outputs or ()):
         if requested.name != OUTPUT:
             raise BadInput(f"unknown output {requested.name!r}; model {name!r} has {OUTPUT!r}")
+        if i:  # the one output, named again: which entry's place and parameters hold?
+            raise BadInput(f"output {OUTPUT} is requested twice")
         what = f"output {requested.name}"
         place, into = TensorPlace.of(what, requested.parameters), None
         if place is not None:

@@ -120,9 +120,13 @@ class BodyArena:
         return memoryview(reply)
 
     def close(self) -> None:
-        """Unmap, unless tensors still view the arena (then the mapping goes with them)."""
+        """Unmap, unless tensors still view the arena: then the mapping goes with the last of
+        them, as this object lets go of it (it may itself be held longer, in a cycle of
+        references that the garbage collector, run rarely in a serving process, frees late)."""
+        view, mapping = self.view, self._map
+        del self.view, self._map
         try:
-            self.view.release()
-            self._map.close()
+            view.release()
+            mapping.close()
         except BufferError:
             pass

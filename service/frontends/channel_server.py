@@ -107,9 +107,11 @@ class _FrontEndLink:
         self.handle(records[1:])
 
     def end(self) -> None:
-        """Close the connection (the engine stops): torn down as when the front end closes it."""
+        """Close the connection (the engine stops): torn down as when the front end closes it.
+        What the front end has not read yet is dropped: one that stopped reading would
+        otherwise hold the close (and the engine's exit) until it reads."""
         if self.protocol.transport is not None:
-            self.protocol.transport.close()
+            self.protocol.transport.abort()
         else:  # accepted, never made
             self._lost()
 

@@ -8,8 +8,10 @@ records cut anywhere by the socket's reads arrive whole."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import tempfile
+import weakref
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -396,3 +398,87 @@ def test_closing_the_server_ends_each_front_end_s_connection_once_its_forwards_a
     assert reply.status == 503 and "engine process is gone" in reply.error
     assert lost == [True] and not connected
     assert still_closing
+
+
+def test_closing_the_server_returns_while_a_front_end_does_not_read_its_replies() -> None:
+    """A front end that stopped reading (a reply the engine sent it waits in the socket's
+    buffers): the close drops what is unsent rather than wait for a flush that never comes."""
+
+    async def main():
+        engine = RecordingEngine(tiny_layers())
+        metrics = Metrics()
+        batcher = DynamicBatcher(engine, BatchPolicy(64, 0.0, 16), metrics)
+        batcher.start()
+        runtime = Runtime(Settings(device="cpu"), metrics, engine, batcher, not_ready=None)
+        with tempfile.TemporaryDirectory() as directory:
+            server = ChannelServer(runtime, Path(directory) / "channel.sock")
+            await server.start()
+            arena = BodyArena.create(Path(directory), 64 * BLOCK_BYTES)
+            client = EngineClient(server.path, arena, on_lost=lambda: None)
+            await client.connect()
+            region = _lay(client, rows(1000, 4), as_json=True)  # a reply of about 1 MB
+            cramped = Region(region.offset, region.body_bytes, reply_capacity=BLOCK_BYTES)
+            client._out._transport.pause_reading()
+            forward = asyncio.ensure_future(client.forward_json(TINY, cramped, _never()))
+            (link,) = server._links
+            for _ in range(int(WAIT_S / 0.01)):  # until the reply waits in the engine's buffer
+                if waiting := link.protocol.transport.get_write_buffer_size():
+                    break
+                await asyncio.sleep(0.01)
+            closing = asyncio.ensure_future(server.close())
+            closed = (await asyncio.wait([closing], timeout=WAIT_S))[0] == {closing}
+            client._out._transport.resume_reading()  # the front end reads again
+            await closing
+            reply = await asyncio.wait_for(forward, WAIT_S)
+            await client.close()
+            await batcher.close()
+            arena.close()
+            return waiting, closed, reply
+
+    waiting, closed, reply = asyncio.run(main())
+    assert waiting and closed
+    assert reply.status == 503 and "engine process is gone" in reply.error
+
+
+def test_a_front_end_gone_mid_forward_leaves_no_mapping_of_its_arena() -> None:
+    """The engine's teardown of a front end's connection finds the arena still viewed by the
+    forward it was running (on the CPU it does not wait for it): the mapping goes as soon as
+    that forward lets go of it, not once the garbage collector frees the connection's cycle of
+    references (rarely, in a serving process: the arena is 128 MiB)."""
+
+    async def main():
+        engine = RecordingEngine(tiny_layers())
+        metrics = Metrics()
+        batcher = DynamicBatcher(engine, BatchPolicy(64, 0.0, 16), metrics)
+        batcher.start()
+        runtime = Runtime(Settings(device="cpu"), metrics, engine, batcher, not_ready=None)
+        with tempfile.TemporaryDirectory() as directory:
+            server = ChannelServer(runtime, Path(directory) / "channel.sock")
+            await server.start()
+            arena = BodyArena.create(Path(directory), 64 * BLOCK_BYTES)
+            client = EngineClient(server.path, arena, on_lost=lambda: None)
+            await client.connect()
+            (link,) = server._links
+            mapping = weakref.ref(link.arena.arena._map)  # the engine's mapping of the arena
+            ended = link.ended
+            del link
+            engine.gate.clear()
+            running = asyncio.ensure_future(
+                client.forward(TINY, _lay(client, rows(3, 0)), _never())
+            )
+            await _forward_begun(engine)
+            await client.close()  # the engine sees the socket close
+            await running
+            await asyncio.wait_for(ended, WAIT_S)
+            engine.gate.set()
+            await batcher.close()  # the forward has ended
+            await server.close()
+            arena.close()
+            return mapping() is None
+
+    gc.disable()  # what frees the mapping is not the collector
+    try:
+        unmapped = asyncio.run(main())
+    finally:
+        gc.enable()
+    assert unmapped

@@ -108,6 +108,20 @@ def test_infer_with_an_unknown_output_returns_400(server_url: str) -> None:
     assert r.json() == {"error": "unknown output 'logits'; model 'tiny' has 'output'"}
 
 
+def test_infer_with_an_output_requested_twice_returns_400(server_url: str) -> None:
+    """Two entries for the one output (each may name its own place or binary_data): a 400, not
+    one of them chosen."""
+    body = {
+        "inputs": [
+            {"name": "hidden_states", "shape": [1, H], "datatype": "FP32", "data": [0.0] * H}
+        ],
+        "outputs": [{"name": "output"}, {"name": "output", "parameters": {"binary_data": True}}],
+    }
+    r = httpx.post(f"{server_url}/v2/models/{TINY}/infer", json=body)
+    assert r.status_code == 400
+    assert r.json() == {"error": "output output is requested twice"}
+
+
 @pytest.mark.parametrize(
     "length", [b"x", b"-1", b"\xb2"], ids=["letter", "negative", "superscript"]
 )
