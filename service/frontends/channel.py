@@ -51,11 +51,16 @@ class RecordReader:
     the rest, gathered in a buffer that grows as it arrives (a reply carried whole is copied
     once, not once per read)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_record_bytes: int | None = None) -> None:
         self._rest = bytearray()
+        self._max = max_record_bytes
+        self.too_long: str | None = None  # why reading stopped: a record over the maximum
 
     def feed(self, data: bytes) -> list[tuple[int, bytes]]:
-        """The whole records that `data` completes, in order (perhaps none yet)."""
+        """The whole records that `data` completes, in order (perhaps none yet); none from a
+        record longer than `max_record_bytes` on (`too_long` says so), which is not gathered."""
+        if self.too_long:
+            return []
         if self._rest:
             self._rest += data
             data = self._rest
@@ -63,6 +68,9 @@ class RecordReader:
         with memoryview(data) as view:
             while end - at >= _HEAD.size:
                 kind, size = _HEAD.unpack_from(view, at)
+                if self._max is not None and size > self._max:
+                    self.too_long = f"a record of {size} bytes, over the {self._max} allowed"
+                    break
                 start = at + _HEAD.size
                 if end - start < size:
                     break
@@ -84,11 +92,12 @@ class RecordProtocol(asyncio.Protocol):
         self,
         on_records: Callable[[list[tuple[int, bytes]]], None],
         on_lost: Callable[[], None],
+        max_record_bytes: int | None = None,
     ) -> None:
         self.on_records = on_records
         self.on_lost = on_lost
         self.transport: asyncio.Transport | None = None
-        self._reader = RecordReader()
+        self._reader = RecordReader(max_record_bytes)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
@@ -96,12 +105,25 @@ class RecordProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if records := self._reader.feed(data):
             self.on_records(records)
+        if self._reader.too_long:
+            self.refuse(self._reader.too_long)
+
+    def refuse(self, why: str) -> None:
+        """Drop the connection: the other side sent what no end of the channel sends."""
+        log.warning("the channel's other end sent %s: its connection is closed", why)
+        self.on_records = _drop
+        if self.transport is not None:
+            self.transport.abort()
 
     def eof_received(self) -> bool:
         return False  # the transport closes: connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:  # noqa: ARG002 (asyncio's signature)
         self.on_lost()
+
+
+def _drop(records: list[tuple[int, bytes]]) -> None:
+    """Records read after a connection was refused, until its close."""
 
 
 class RecordWriter:

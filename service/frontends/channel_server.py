@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,9 @@ from .channel import (
 )
 
 log = logging.getLogger(__name__)
+# A front end sends small records (HELLO's arena path, a forward's fields and layer name):
+# a longer one is refused before it is gathered
+MAX_FRONT_END_RECORD_BYTES = 64 << 10
 
 
 class ChannelServer:
@@ -77,7 +81,7 @@ class _FrontEndLink:
     def __init__(self, runtime: Runtime, links: set[_FrontEndLink]) -> None:
         self.runtime = runtime
         self.links = links
-        self.protocol = RecordProtocol(self._hello, self._lost)
+        self.protocol = RecordProtocol(self._hello, self._lost, MAX_FRONT_END_RECORD_BYTES)
         self.arena: _Arena | None = None  # once its HELLO has mapped it
         self.out: RecordWriter | None = None
         # id -> the forward's task and the future whose result withdraws it
@@ -134,29 +138,41 @@ class _FrontEndLink:
 
     def handle(self, records: list[tuple[int, bytes]]) -> None:
         for kind, payload in records:
-            if kind == FORWARD:
-                rid, offset, body_bytes, reply_capacity, layer_dtype = FORWARD_FIELDS.unpack_from(
-                    payload
-                )
-                layer = payload[FORWARD_FIELDS.size :].decode()
-                region = Region(offset, body_bytes, reply_capacity)
-                self._start(rid, self._forward, layer, region, layer_dtype)
-            elif kind == FORWARD_JSON:
-                rid, offset, body_bytes, reply_capacity = FORWARD_JSON_FIELDS.unpack_from(payload)
-                layer = payload[FORWARD_JSON_FIELDS.size :].decode()
-                region = Region(offset, body_bytes, reply_capacity)
-                self._start(rid, self._forward_json, layer, region)
-            elif kind == CANCEL:
-                (rid,) = CANCEL_FIELDS.unpack(payload)
-                if rid in self.running:
-                    _withdraw(self.running[rid][1])
-            elif kind == DONE:  # a request the front end answered itself
-                status, seconds = DONE_FIELDS.unpack_from(payload)
-                route = payload[DONE_FIELDS.size :].decode()
-                self.runtime.metrics.observe_request(route, str(status), seconds)
+            try:
+                self._act_on(kind, payload)
+            except (struct.error, UnicodeDecodeError, ValueError) as err:
+                self.protocol.refuse(f"a malformed {chr(kind)!r} record ({err})")
+                return
+
+    def _act_on(self, kind: int, payload: bytes) -> None:
+        """One record; ValueError (or struct's, or the layer name's decoding error) for one no
+        front end sends."""
+        if kind == FORWARD:
+            rid, offset, body_bytes, reply_capacity, layer_dtype = FORWARD_FIELDS.unpack_from(
+                payload
+            )
+            layer = payload[FORWARD_FIELDS.size :].decode()
+            region = Region(offset, body_bytes, reply_capacity)
+            self._start(rid, self._forward, layer, region, layer_dtype)
+        elif kind == FORWARD_JSON:
+            rid, offset, body_bytes, reply_capacity = FORWARD_JSON_FIELDS.unpack_from(payload)
+            layer = payload[FORWARD_JSON_FIELDS.size :].decode()
+            region = Region(offset, body_bytes, reply_capacity)
+            self._start(rid, self._forward_json, layer, region)
+        elif kind == CANCEL:
+            (rid,) = CANCEL_FIELDS.unpack(payload)
+            if rid in self.running:
+                _withdraw(self.running[rid][1])
+        elif kind == DONE:  # a request the front end answered itself
+            status, seconds = DONE_FIELDS.unpack_from(payload)
+            route = payload[DONE_FIELDS.size :].decode()
+            self.runtime.metrics.observe_request(route, str(status), seconds)
 
     def _start(self, rid: int, forward: Callable[..., Awaitable[None]], *args: object) -> None:
-        """`forward(rid, *args, gone)` as the forward's task, answered however it ends."""
+        """`forward(rid, *args, gone)` as the forward's task, answered however it ends;
+        ValueError for an id running already (its answer would go to neither)."""
+        if rid in self.running:
+            raise ValueError(f"forward {rid} is running already")
         gone = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(self._answer(rid, forward(rid, *args, gone)))
         self.running[rid] = (task, gone)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import logging
 import tempfile
 import weakref
 from collections.abc import Awaitable, Callable
@@ -23,9 +24,12 @@ from moe_serve.service.core.runtime import Runtime
 from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher
 from moe_serve.service.frontends.arena import BLOCK_BYTES, BodyArena, Region
 from moe_serve.service.frontends.channel import (
+    _HEAD,
+    CANCEL,
     DONE,
     DONE_FIELDS,
     FORWARD,
+    FORWARD_FIELDS,
     HELLO,
     REPLY,
     EngineClient,
@@ -33,7 +37,7 @@ from moe_serve.service.frontends.channel import (
     RecordReader,
     RecordWriter,
 )
-from moe_serve.service.frontends.channel_server import ChannelServer
+from moe_serve.service.frontends.channel_server import MAX_FRONT_END_RECORD_BYTES, ChannelServer
 from moe_serve.service.metrics import Metrics
 from moe_serve.service.settings import Settings
 from tests.service.layers import TINY, H, reference_forward, tiny_layers
@@ -361,6 +365,50 @@ def test_a_connection_that_does_not_begin_with_a_mappable_arena_is_closed(first)
         assert json.loads(records[0][1])["hello"].startswith("refused")
     else:
         assert records == []
+
+
+def test_a_record_longer_than_allowed_is_refused_before_it_is_gathered() -> None:
+    records = RecordReader(max_record_bytes=64)
+    fits = _wire([(DONE, b"x" * 64)])
+    assert records.feed(fits + _HEAD.pack(DONE, 1 << 30) + fits) == [(DONE, b"x" * 64)]
+    assert records.too_long == "a record of 1073741824 bytes, over the 64 allowed"
+    assert records.feed(fits) == []  # nothing is read past it
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        _wire([(FORWARD, b"short")]),
+        _wire([(FORWARD, FORWARD_FIELDS.pack(1, 0, 0, 0, False) + b"\xff\xfe")]),
+        _wire([(CANCEL, b"\x01")]),
+        _wire([(DONE, DONE_FIELDS.pack(200, 0.5) + b"\xff")]),
+        _HEAD.pack(DONE, MAX_FRONT_END_RECORD_BYTES + 1),
+    ],
+    ids=["short-forward", "forward-name-not-utf8", "short-cancel", "done-route", "too-long"],
+)
+def test_a_front_end_that_sends_a_malformed_record_is_cut_off_and_the_others_are_served(
+    sent: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a HELLO the engine maps, a record no front end sends (too short, a name that is
+    not UTF-8, longer than the engine takes) closes that connection with a warning that says
+    why (no traceback); the others are served."""
+
+    async def body(_engine, _metrics, client):
+        reader, writer = await asyncio.open_unix_connection(client.path)
+        hello = json.dumps({"hello": str(client.arena.path), "size": client.arena.size}).encode()
+        writer.write(_HEAD.pack(HELLO, len(hello)) + hello + sent)
+        answer = await reader.read()  # to the end: the engine closed it
+        writer.close()
+        reply = await client.forward(TINY, _lay(client, rows(3, 0)), _never())
+        return answer, reply
+
+    with caplog.at_level(logging.WARNING):
+        answer, reply = run(BatchPolicy(64, 0.0, 16), body)
+    assert [kind for kind, _ in RecordReader().feed(answer)] == [HELLO]
+    assert reply.status == 200
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("its connection is closed" in m for m in warned), warned
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_closing_the_server_ends_each_front_end_s_connection_once_its_forwards_are_done() -> None:
