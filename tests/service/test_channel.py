@@ -8,12 +8,14 @@ records cut anywhere by the socket's reads arrive whole."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import logging
 import tempfile
 import weakref
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -46,29 +48,48 @@ from tests.service.test_batcher import WAIT_S, RecordingEngine, rows
 FORWARD_ROUTE = "/v1/layers/{name}/forward"
 
 
+@dataclass(frozen=True)
+class Served:
+    """A channel served on a fresh engine and batcher, one front end connected."""
+
+    engine: RecordingEngine
+    metrics: Metrics
+    batcher: DynamicBatcher
+    server: ChannelServer
+    client: EngineClient
+
+
+@contextlib.asynccontextmanager
+async def served(policy: BatchPolicy, on_lost: Callable[[], None] = lambda: None):
+    """`Served`; everything closed after (closing twice is harmless: a test may close parts
+    itself)."""
+    engine = RecordingEngine(tiny_layers())
+    metrics = Metrics()
+    batcher = DynamicBatcher(engine, policy, metrics)
+    batcher.start()
+    runtime = Runtime(Settings(device="cpu"), metrics, engine, batcher, not_ready=None)
+    with tempfile.TemporaryDirectory() as directory:
+        server = ChannelServer(runtime, Path(directory) / "channel.sock")
+        await server.start()
+        arena = BodyArena.create(Path(directory), 64 * BLOCK_BYTES)
+        client = EngineClient(server.path, arena, on_lost=on_lost)
+        await client.connect()
+        try:
+            yield Served(engine, metrics, batcher, server, client)
+        finally:
+            engine.gate.set()
+            await client.close()
+            await server.close()
+            await batcher.close()
+            arena.close()
+
+
 def run(policy: BatchPolicy, body: Callable[..., Awaitable]) -> object:
-    """body(engine, metrics, client) with a channel served on a fresh engine and batcher."""
+    """body(engine, metrics, client) with a channel `served`."""
 
     async def main():
-        engine = RecordingEngine(tiny_layers())
-        metrics = Metrics()
-        batcher = DynamicBatcher(engine, policy, metrics)
-        batcher.start()
-        runtime = Runtime(Settings(device="cpu"), metrics, engine, batcher, not_ready=None)
-        with tempfile.TemporaryDirectory() as directory:
-            server = ChannelServer(runtime, Path(directory) / "channel.sock")
-            await server.start()
-            arena = BodyArena.create(Path(directory), 64 * BLOCK_BYTES)
-            client = EngineClient(server.path, arena, on_lost=lambda: None)
-            await client.connect()
-            try:
-                return await asyncio.wait_for(body(engine, metrics, client), WAIT_S)
-            finally:
-                engine.gate.set()
-                await client.close()
-                await server.close()
-                await batcher.close()
-                arena.close()
+        async with served(policy) as s:
+            return await asyncio.wait_for(body(s.engine, s.metrics, s.client), WAIT_S)
 
     return asyncio.run(main())
 
@@ -417,30 +438,18 @@ def test_closing_the_server_ends_each_front_end_s_connection_once_its_forwards_a
     forward the engine was running has finished."""
 
     async def main():
-        engine = RecordingEngine(tiny_layers())
-        metrics = Metrics()
-        batcher = DynamicBatcher(engine, BatchPolicy(64, 0.0, 16), metrics)
-        batcher.start()
-        runtime = Runtime(Settings(device="cpu"), metrics, engine, batcher, not_ready=None)
-        with tempfile.TemporaryDirectory() as directory:
-            server = ChannelServer(runtime, Path(directory) / "channel.sock")
-            await server.start()
-            arena = BodyArena.create(Path(directory), 64 * BLOCK_BYTES)
-            lost = []
-            client = EngineClient(server.path, arena, on_lost=lambda: lost.append(True))
-            await client.connect()
-            engine.gate.clear()
-            region = _lay(client, rows(3, 0))
-            running = asyncio.ensure_future(client.forward(TINY, region, _never()))
-            await _forward_begun(engine)
-            closing = asyncio.ensure_future(server.close())
+        lost = []
+        async with served(BatchPolicy(64, 0.0, 16), lambda: lost.append(True)) as s:
+            s.engine.gate.clear()
+            region = _lay(s.client, rows(3, 0))
+            running = asyncio.ensure_future(s.client.forward(TINY, region, _never()))
+            await _forward_begun(s.engine)
+            closing = asyncio.ensure_future(s.server.close())
             reply = await asyncio.wait_for(running, WAIT_S)
             still_closing = not closing.done()  # the engine's forward holds it
-            engine.gate.set()
+            s.engine.gate.set()
             await asyncio.wait_for(closing, WAIT_S)
-            await batcher.close()
-            arena.close()
-            return reply, lost, client.connected, still_closing
+            return reply, lost, s.client.connected, still_closing
 
     reply, lost, connected, still_closing = asyncio.run(main())
     assert reply.status == 503 and "engine process is gone" in reply.error
@@ -453,34 +462,22 @@ def test_closing_the_server_returns_while_a_front_end_does_not_read_its_replies(
     buffers): the close drops what is unsent rather than wait for a flush that never comes."""
 
     async def main():
-        engine = RecordingEngine(tiny_layers())
-        metrics = Metrics()
-        batcher = DynamicBatcher(engine, BatchPolicy(64, 0.0, 16), metrics)
-        batcher.start()
-        runtime = Runtime(Settings(device="cpu"), metrics, engine, batcher, not_ready=None)
-        with tempfile.TemporaryDirectory() as directory:
-            server = ChannelServer(runtime, Path(directory) / "channel.sock")
-            await server.start()
-            arena = BodyArena.create(Path(directory), 64 * BLOCK_BYTES)
-            client = EngineClient(server.path, arena, on_lost=lambda: None)
-            await client.connect()
+        async with served(BatchPolicy(64, 0.0, 16)) as s:
+            client = s.client
             region = _lay(client, rows(1000, 4), as_json=True)  # a reply of about 1 MB
             cramped = Region(region.offset, region.body_bytes, reply_capacity=BLOCK_BYTES)
             client._out._transport.pause_reading()
             forward = asyncio.ensure_future(client.forward_json(TINY, cramped, _never()))
-            (link,) = server._links
+            (link,) = s.server._links
             for _ in range(int(WAIT_S / 0.01)):  # until the reply waits in the engine's buffer
                 if waiting := link.protocol.transport.get_write_buffer_size():
                     break
                 await asyncio.sleep(0.01)
-            closing = asyncio.ensure_future(server.close())
+            closing = asyncio.ensure_future(s.server.close())
             closed = (await asyncio.wait([closing], timeout=WAIT_S))[0] == {closing}
             client._out._transport.resume_reading()  # the front end reads again
             await closing
             reply = await asyncio.wait_for(forward, WAIT_S)
-            await client.close()
-            await batcher.close()
-            arena.close()
             return waiting, closed, reply
 
     waiting, closed, reply = asyncio.run(main())
@@ -495,33 +492,22 @@ def test_a_front_end_gone_mid_forward_leaves_no_mapping_of_its_arena() -> None:
     references (rarely, in a serving process: the arena is 128 MiB)."""
 
     async def main():
-        engine = RecordingEngine(tiny_layers())
-        metrics = Metrics()
-        batcher = DynamicBatcher(engine, BatchPolicy(64, 0.0, 16), metrics)
-        batcher.start()
-        runtime = Runtime(Settings(device="cpu"), metrics, engine, batcher, not_ready=None)
-        with tempfile.TemporaryDirectory() as directory:
-            server = ChannelServer(runtime, Path(directory) / "channel.sock")
-            await server.start()
-            arena = BodyArena.create(Path(directory), 64 * BLOCK_BYTES)
-            client = EngineClient(server.path, arena, on_lost=lambda: None)
-            await client.connect()
-            (link,) = server._links
+        async with served(BatchPolicy(64, 0.0, 16)) as s:
+            (link,) = s.server._links
             mapping = weakref.ref(link.arena.arena._map)  # the engine's mapping of the arena
             ended = link.ended
             del link
-            engine.gate.clear()
+            s.engine.gate.clear()
             running = asyncio.ensure_future(
-                client.forward(TINY, _lay(client, rows(3, 0)), _never())
+                s.client.forward(TINY, _lay(s.client, rows(3, 0)), _never())
             )
-            await _forward_begun(engine)
-            await client.close()  # the engine sees the socket close
+            await _forward_begun(s.engine)
+            await s.client.close()  # the engine sees the socket close
             await running
             await asyncio.wait_for(ended, WAIT_S)
-            engine.gate.set()
-            await batcher.close()  # the forward has ended
-            await server.close()
-            arena.close()
+            s.engine.gate.set()
+            await s.batcher.close()  # the forward has ended
+            await s.server.close()
             return mapping() is None
 
     gc.disable()  # what frees the mapping is not the collector

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import re
 import threading
@@ -350,18 +351,29 @@ def _nonfinite_count(url: str) -> float:
     return 0.0 if line is None else float(line.rsplit(" ", 1)[1])
 
 
-def test_a_large_copy_runs_off_the_event_loop(monkeypatch) -> None:
-    """Reading or writing megabytes of a region must not hold the event loop (probes, other
-    requests)."""
+@contextlib.contextmanager
+def _copies_seen(monkeypatch, size: int) -> Iterator[tuple[SystemRegion, list[str]]]:
+    """A system region of `size` bytes, and where each of its reads and writes runs ("loop"
+    or "worker", in order)."""
     key = f"/moe-serve-test-{uuid.uuid4().hex[:12]}"
-    size = 4 << 20
-    handle = shm.create_shared_memory_region("big", key, size)
-    threads = []
+    handle = shm.create_shared_memory_region("copies", key, size)
+    threads: list[str] = []
     read, write = SystemRegion._read, SystemRegion._write
     monkeypatch.setattr(SystemRegion, "_read", lambda *a: threads.append(_thread()) or read(*a))
     monkeypatch.setattr(SystemRegion, "_write", lambda *a: threads.append(_thread()) or write(*a))
-    r = SystemRegion("big", key, 0, size, None)
+    r = SystemRegion("copies", key, 0, size, None)
     try:
+        yield r, threads
+    finally:
+        r.close()
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_a_large_copy_runs_off_the_event_loop(monkeypatch) -> None:
+    """Reading or writing megabytes of a region must not hold the event loop (probes, other
+    requests)."""
+    size = 4 << 20
+    with _copies_seen(monkeypatch, size) as (r, threads):
 
         async def copies() -> None:
             await r.write(0, torch.ones(size // 4))
@@ -369,24 +381,14 @@ def test_a_large_copy_runs_off_the_event_loop(monkeypatch) -> None:
             await r.read(0, 64, _bytes(64))  # small: here
 
         asyncio.run(copies())
-    finally:
-        r.close()
-        shm.destroy_shared_memory_region(handle)
     assert threads == ["worker", "worker", "loop"]
 
 
 def test_the_servers_only_request_copies_a_few_megabytes_on_the_loop(monkeypatch) -> None:
     """Alone (nothing else admitted to the batcher), a copy up to BINARY.alone_bytes skips the
     thread hops each way; a larger one still leaves the loop."""
-    key = f"/moe-serve-test-{uuid.uuid4().hex[:12]}"
     size, large = 2 << 20, off_loop.BINARY.alone_bytes + 4
-    handle = shm.create_shared_memory_region("alone", key, large)
-    threads = []
-    read, write = SystemRegion._read, SystemRegion._write
-    monkeypatch.setattr(SystemRegion, "_read", lambda *a: threads.append(_thread()) or read(*a))
-    monkeypatch.setattr(SystemRegion, "_write", lambda *a: threads.append(_thread()) or write(*a))
-    r = SystemRegion("alone", key, 0, large, None)
-    try:
+    with _copies_seen(monkeypatch, large) as (r, threads):
 
         async def copies() -> None:
             await r.write(0, torch.full((size // 4,), 3.0), alone=True)
@@ -395,9 +397,6 @@ def test_the_servers_only_request_copies_a_few_megabytes_on_the_loop(monkeypatch
             await r.read(0, large, _bytes(large), alone=True)
 
         asyncio.run(copies())
-    finally:
-        r.close()
-        shm.destroy_shared_memory_region(handle)
     assert threads == ["loop", "loop", "worker"]
 
 
@@ -653,34 +652,27 @@ def test_regions_leave_descriptors_for_connections_and_the_probes_answer(
 WAIT_S = 30.0  # what a probe may take before it counts as hung
 
 
-def test_an_empty_shared_memory_input_of_a_shape_torch_cannot_lay_out_is_400(
-    make_client, region
+@pytest.mark.parametrize(
+    ("shape", "byte_size", "message"),
+    [
+        ([0, 2**63], 0, "shape [0, 9223372036854775808] is too large"),  # torch cannot lay out
+        ([], 4, "hidden_states"),  # a scalar: the wrong rank, as anywhere else
+    ],
+    ids=["too-large-to-lay-out", "scalar"],
+)
+def test_a_system_region_input_of_a_shape_no_layer_takes_is_400(
+    make_client, region, shape, byte_size, message
 ) -> None:
     client = make_client(allow_shared_memory=True)
     key, _ = region
     register = {"key": key, "byte_size": 64}
     assert client.post("/v2/systemsharedmemory/region/io/register", json=register).is_success
-    place = {"shared_memory_region": "io", "shared_memory_byte_size": 0}
-    body = {"inputs": [{"name": "hidden_states", "shape": [0, 2**63], "datatype": "FP32",
-                        "parameters": place}]}  # fmt: skip
-    r = client.post(f"/v2/models/{TINY}/infer", json=body)
-    assert r.status_code == 400
-    assert "shape [0, 9223372036854775808] is too large" in r.json()["error"]
-
-
-def test_a_scalar_input_in_a_system_region_is_400_as_any_input_of_the_wrong_rank(
-    make_client, region
-) -> None:
-    client = make_client(allow_shared_memory=True)
-    key, _ = region
-    register = {"key": key, "byte_size": 64}
-    assert client.post("/v2/systemsharedmemory/region/io/register", json=register).is_success
-    place = {"shared_memory_region": "io", "shared_memory_byte_size": 4}
-    body = {"inputs": [{"name": "hidden_states", "shape": [], "datatype": "FP32",
+    place = {"shared_memory_region": "io", "shared_memory_byte_size": byte_size}
+    body = {"inputs": [{"name": "hidden_states", "shape": shape, "datatype": "FP32",
                         "parameters": place}]}  # fmt: skip
     r = client.post(f"/v2/models/{TINY}/infer", json=body)
     assert r.status_code == 400, r.text
-    assert "hidden_states" in r.json()["error"]
+    assert message in r.json()["error"]
 
 
 EMPTY = {"[0, H]": ([0, H], "hidden_states is empty"), "[4, 0]": ([4, 0], "has 0 columns"),
