@@ -22,7 +22,6 @@ from ..codecs.kserve import (
     InferInput,
     InferOutput,
     InferRequest,
-    RequestedOutput,
     tensor_from_bytes,
     tensor_type,
 )
@@ -42,6 +41,8 @@ TYPED_CONTENTS = {"FP32": "fp32_contents"}
 def parameters_to_dict(parameters: Mapping[str, Message]) -> dict[str, Any]:
     """An InferParameter (or ModelRepositoryParameter) map -> plain values; BadInput for a
     parameter with no value set."""
+    if not parameters:  # most maps of a request are empty
+        return {}
     values = {}
     for key, p in parameters.items():
         choice = p.WhichOneof("parameter_choice")
@@ -89,23 +90,26 @@ def input_bytes(message: pb.ModelInferRequest) -> int:
 
 def decode_infer(message: pb.ModelInferRequest) -> tuple[InferRequest, dict[str, torch.Tensor]]:
     """A ModelInferRequest -> the request and its input tensors (shared-memory ones excluded)."""
-    request = InferRequest(
-        id=message.id or None,
-        parameters=parameters_to_dict(message.parameters),
-        inputs=[
-            InferInput(
-                name=t.name,
-                shape=list(t.shape),
-                datatype=t.datatype,
-                parameters=parameters_to_dict(t.parameters),
-            )
-            for t in message.inputs
-        ],
-        outputs=[
-            RequestedOutput(name=o.name, parameters=parameters_to_dict(o.parameters))
-            for o in message.outputs
-        ]
-        or None,
+    # validated as one: pydantic builds the nested models itself, faster than one call each
+    request = InferRequest.model_validate(
+        {
+            "id": message.id or None,
+            "parameters": parameters_to_dict(message.parameters),
+            "inputs": [
+                {
+                    "name": t.name,
+                    "shape": list(t.shape),
+                    "datatype": t.datatype,
+                    "parameters": parameters_to_dict(t.parameters),
+                }
+                for t in message.inputs
+            ],
+            "outputs": [
+                {"name": o.name, "parameters": parameters_to_dict(o.parameters)}
+                for o in message.outputs
+            ]
+            or None,
+        }
     )
     raw = message.raw_input_contents
     in_memory = [t for t in request.inputs if SHM_REGION not in t.parameters]

@@ -72,3 +72,39 @@ def test_lengths_are_written_as_protobuf_writes_them(size: int) -> None:
     contents = b"x" * size
     message = pb.ModelInferResponse(raw_output_contents=[contents])
     assert message.SerializeToString() == RAW_OUTPUT_CONTENTS + _varint(size) + contents
+
+
+def test_a_request_decodes_to_the_models_of_its_fields() -> None:
+    """Every field of the message, its parameters of each type and its empty maps alike, lands
+    where the HTTP codec's models put it."""
+    from moe_serve.service.codecs.kserve import InferInput, RequestedOutput
+    from moe_serve.service.grpc.codec import decode_infer
+
+    message = pb.ModelInferRequest(model_name="m", id="req-2")
+    message.parameters["priority"].uint64_param = 2
+    message.parameters["sequence_start"].bool_param = True
+    hidden = message.inputs.add(name="hidden_states", datatype="FP32", shape=[2, 3])
+    hidden.parameters["shared_memory_region"].string_param = "r"
+    hidden.parameters["shared_memory_byte_size"].int64_param = 24
+    logits = message.inputs.add(name="router_logits", datatype="FP32", shape=[2, 4])
+    logits.contents.fp32_contents.extend([0.5] * 8)
+    output = message.outputs.add(name="output")
+    output.parameters["scale"].double_param = 0.25
+    request, tensors = decode_infer(message)
+    assert request == InferRequest(
+        id="req-2",
+        parameters={"priority": 2, "sequence_start": True},
+        inputs=[
+            InferInput(
+                name="hidden_states",
+                shape=[2, 3],
+                datatype="FP32",
+                parameters={"shared_memory_region": "r", "shared_memory_byte_size": 24},
+            ),
+            InferInput(name="router_logits", shape=[2, 4], datatype="FP32"),
+        ],
+        outputs=[RequestedOutput(name="output", parameters={"scale": 0.25})],
+    )
+    assert list(tensors) == ["router_logits"] and tensors["router_logits"].eq(0.5).all()
+    bare, _ = decode_infer(pb.ModelInferRequest(model_name="m"))
+    assert bare == InferRequest(inputs=[]) and bare.outputs is None
