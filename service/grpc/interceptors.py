@@ -235,7 +235,7 @@ class CallGate(grpc.aio.ServerInterceptor):
         reading = asyncio.ensure_future(anext(requests, None))
         try:
             while not reading.done():
-                await asyncio.wait([reading], timeout=self.read_timeout_s)
+                await _for(reading, self.read_timeout_s)
                 if not reading.done() and not running:
                     raise RequestTimeout(
                         f"the stream carried no request for {self.read_timeout_s:g} s with "
@@ -329,7 +329,7 @@ class CallGate(grpc.aio.ServerInterceptor):
         what grpc core may still write into, so a late one is left to end with the call."""
         reading = asyncio.ensure_future(anext(requests, None))
         try:
-            await asyncio.wait([reading], timeout=self.read_timeout_s)
+            await _for(reading, self.read_timeout_s)
         finally:
             if not reading.done():
                 reading.add_done_callback(_retrieve)
@@ -379,6 +379,26 @@ def _parse(deserialize: Callable[[bytes], Message], raw: bytes) -> Message:
         return deserialize(raw)
     except DecodeError as err:  # not the RPC's message, or a string field that is not UTF-8
         raise BadInput(f"the request message cannot be parsed: {err}") from None
+
+
+async def _for(reading: asyncio.Future, timeout_s: float) -> None:
+    """Wait until `reading` is done or `timeout_s` has passed, leaving it running: what
+    asyncio.wait does for one future, without the sets and checks of its arguments it makes on
+    every call (the read of every call's message waits here)."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def wake(_: object = None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    reading.add_done_callback(wake)
+    timer = loop.call_later(timeout_s, wake)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+        reading.remove_done_callback(wake)
 
 
 def _retrieve(reading: asyncio.Future) -> None:
