@@ -154,3 +154,29 @@ def test_a_message_without_tensor_values_decodes_once_and_is_kept() -> None:
     for i in range(KEPT_REQUESTS):
         decode_infer(_in_shared_memory(request_id=f"other-{i}"))
     assert decode_infer(_in_shared_memory(request_id="first-kept"))[0] is not kept
+
+
+def test_a_reply_of_outputs_in_shared_memory_is_kept_for_the_same_entries() -> None:
+    """inference lists an output at a place by one entry kept per place, shape and dtype; the
+    reply of such entries only is built once per model, id and stream, and one of entries that
+    are equal but not the same is built anew, equal."""
+    from moe_serve.service.core.inference import _placed
+    from moe_serve.service.triton.shared_memory import TensorPlace
+
+    hidden = torch.ones(2, 3)
+    entry = _placed(TensorPlace("r", 24, 24), hidden)
+    assert _placed(TensorPlace("r", 24, 24), torch.zeros(2, 3)) is entry
+    assert _placed(TensorPlace("r", 0, 24), hidden) is not entry
+    request = InferRequest(inputs=[])
+    reply = encode_infer("m", "1", request, {}, [entry])
+    assert encode_infer("m", "1", request, {}, [entry]) is reply
+    assert pb.ModelInferResponse.FromString(reply) == _built(request, {}, [entry])
+    for other in (
+        encode_infer("m", "1", InferRequest(id="req-3", inputs=[]), {}, [entry]),
+        encode_infer("m", "1", request, {}, [entry], stream=True),
+        encode_infer("m", "1", request, {"output": hidden}, [entry]),
+    ):
+        assert other is not reply and other != reply
+    equal = entry.model_copy(deep=True)
+    rebuilt = encode_infer("m", "1", request, {}, [equal])
+    assert rebuilt is not reply and rebuilt == reply
