@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +23,6 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
-from starlette.datastructures import Headers
 
 from moe_serve.service import logs, off_loop
 from moe_serve.service.codecs import json_tensors
@@ -34,12 +34,13 @@ from moe_serve.service.frontends.front_end import (
     RELAYED,
     FrontEnd,
     FrontEndConfig,
-    _answering,
+    _Answer,
     _blob_bytes,
     _json_reply,
     _write_blob,
 )
 from moe_serve.service.frontends.supervisor import json_here_bytes, remove_stale_directories
+from moe_serve.service.http.plain_forward import FORWARD_PATH
 from moe_serve.service.http.server import MAX_HEAD_BYTES
 from moe_serve.service.settings import Settings
 from tests.service.layers import NO_ROUTER, TINY, H, reference_forward, running_front_ends
@@ -380,18 +381,21 @@ def test_a_forward_answered_by_the_front_end_is_counted_once_with_its_status(
 ) -> None:
     done: list[int] = []
     engine = SimpleNamespace(done=lambda _route, status, _seconds: done.append(status))
+    logged: list[tuple] = []
+    lines = SimpleNamespace(log=lambda *fields: logged.append(fields[:4]))
     scope = {"type": "http", "method": "POST", "path": "/forward",
              "headers": [(b"x-request-id", b"rid-1")]}  # fmt: skip
     before = logs.request_id.get()
     with (
         pytest.raises(raised) if raised else contextlib.nullcontext(),
-        _answering(engine, scope, Headers(scope=scope)) as answer,
+        _Answer(engine, lines, scope, FORWARD_PATH) as answer,
     ):
         assert (answer.rid, logs.request_id.get()) == ("rid-1", "rid-1")
         answer.status = status
         if raised:
             raise raised
     assert done == counted
+    assert logged == [("rid-1", "POST", "/forward", status) for status in counted]
     assert logs.request_id.get() == before
 
 
@@ -804,3 +808,40 @@ def test_a_client_that_closes_its_connection_has_its_relayed_request_withdrawn()
     with running_front_ends(settings) as front_ends:
         _infer_held(front_ends.listener.getsockname()[1]).close()
         _await_499(_url(front_ends), "/v2/models/{name}/infer")
+
+
+def test_request_lines_are_written_off_the_caller_s_thread_with_their_id_and_end_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(logs.time, "time", lambda: 1234.5678)
+    logger = logging.getLogger("tests.request_lines")
+    monkeypatch.setattr(logger, "propagate", False)
+    logger.setLevel(logging.INFO)
+    written, arrived = [], threading.Event()
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            thread = threading.current_thread().name
+            written.append((record.getMessage(), record.request_id, record.created, thread))
+            arrived.set()
+
+    handler = Keep()
+    handler.addFilter(logs._RequestIdFilter())
+    logger.addHandler(handler)
+    try:
+        lines = logs.RequestLines(logger)
+        lines.log("rid-1", "GET", "/health", 200, 0.00012)
+        assert arrived.wait(WAIT_S)
+        lines.log("rid-2", "POST", "/x", 500, 0.5)
+        lines.flush()  # what is left, on this thread: each line once, in order
+        logger.setLevel(logging.WARNING)
+        lines.log("rid-3", "GET", "/ready", 200, 0.001)  # below the level: not queued
+        lines.flush()
+    finally:
+        logger.removeHandler(handler)
+    assert [w[:3] for w in written] == [
+        ("GET /health -> 200 in 0.1 ms", "rid-1", 1234.5678),
+        ("POST /x -> 500 in 500.0 ms", "rid-2", 1234.5678),
+    ]
+    assert written[0][3] == "request-lines"
+    assert logs.request_id.get() == "-"
