@@ -9,9 +9,6 @@ import json
 import logging
 import os
 import re
-import threading
-import time
-from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,61 +25,6 @@ def new_request_id(given: str) -> str:
     if given and _REQUEST_ID.fullmatch(given):  # no log injection
         return given
     return os.urandom(16).hex()  # as random as uuid4().hex, in a quarter of its time
-
-
-class RequestLines:
-    """The line each request logs once answered ("GET /health -> 200 in 0.1 ms", with its
-    request id), made and written by a thread of its own: the event loop only queues the
-    request's fields, and the thread formats and writes them while the loop waits (for the
-    next request, or the engine), not between a response and the next request."""
-
-    FORMAT = "%s %s -> %d in %.1f ms"
-
-    def __init__(self, logger: logging.Logger) -> None:
-        self.logger = logger
-        self._queued: deque[tuple] = deque()
-        self._wake = threading.Event()
-        self._writing = threading.Lock()  # held while lines are written: in order, once each
-        self._thread: threading.Thread | None = None
-
-    def log(self, rid: str, method: str, path: str, status: int, seconds: float) -> None:
-        if not self.logger.isEnabledFor(logging.INFO):
-            return
-        self._queued.append((time.time(), rid, method, path, status, seconds * 1e3))
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="request-lines", daemon=True)
-            self._thread.start()
-        if not self._wake.is_set():
-            self._wake.set()
-
-    def flush(self) -> None:
-        """Write every line queued, on the caller's thread (before the process ends)."""
-        with self._writing:
-            while self._queued:
-                self._write(*self._queued.popleft())
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            self.flush()
-
-    def _write(
-        self, created: float, rid: str, method: str, path: str, status: int, ms: float
-    ) -> None:
-        logger = self.logger
-        record = logger.makeRecord(
-            logger.name, logging.INFO, "(unknown file)", 0, self.FORMAT,
-            (method, path, status, ms), None,
-        )  # fmt: skip
-        # stamped when the request ended, not when its line is written
-        record.created, record.msecs = created, int(created % 1 * 1000) + 0.0
-        record.relativeCreated = (created - logging._startTime) * 1000
-        reset = request_id.set(rid)
-        try:
-            logger.handle(record)
-        finally:
-            request_id.reset(reset)
 
 
 class _RequestIdFilter(logging.Filter):

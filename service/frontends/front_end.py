@@ -157,7 +157,6 @@ class FrontEnd:
         self.on_engine_lost = lambda: None  # main() stops the server: nothing left to serve
         self.state = StateBlock.attach(Path(config.engine_state))
         self._probed: tuple[object, dict] = (None, {})  # a state, the probe answers made of it
-        self.lines = logs.RequestLines(log)  # each request's line, written off the event loop
         self.methods = MethodTable(config.routes)
         self.relay = _relay_client(config.engine_http, config.max_connections)
         # /metrics is relayed: the engine keeps every metric, the front ends' requests included
@@ -222,7 +221,7 @@ class FrontEnd:
             await self._relay_read(scope, receive, send)
 
     def _answer(self, scope: Scope, route: str = FORWARD_PATH) -> _Answer:
-        return _Answer(self.engine, self.lines, scope, route)
+        return _Answer(self.engine, scope, route)
 
     def _probe_answer(self, probe: tuple[str, str, str]) -> tuple[int, list, bytes]:
         """The probe's status, headers and body as `probes.answer` gives them, made once per
@@ -469,7 +468,6 @@ class FrontEnd:
         await self.engine.close()
         await self.relay.aclose()
         await self.scrapes.aclose()
-        self.lines.flush()  # every request has ended: its line is not lost with the process
         self.state.close()
         await send({"type": "lifespan.shutdown.complete"})
 
@@ -512,15 +510,13 @@ class _Answer:
     none at the end: 500, or cancelled: the 503 __call__ sends). At the end it is counted by
     `engine` under `route` and its line logged as the engine logs one, unless relayed."""
 
-    __slots__ = ("_engine", "_lines", "_reset", "_route", "_scope", "_started", "rid", "status")
+    __slots__ = ("_engine", "_reset", "_route", "_scope", "_started", "rid", "status")
 
-    def __init__(
-        self, engine: EngineClient, lines: logs.RequestLines, scope: Scope, route: str
-    ) -> None:
+    def __init__(self, engine: EngineClient, scope: Scope, route: str) -> None:
         given = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
         self.rid = new_request_id(given.decode("latin-1"))
         self.status = 0
-        self._engine, self._lines, self._scope, self._route = engine, lines, scope, route
+        self._engine, self._scope, self._route = engine, scope, route
 
     def __enter__(self) -> _Answer:
         self._reset = logs.request_id.set(self.rid)
@@ -534,8 +530,8 @@ class _Answer:
             status = self.status or 500
             seconds = time.perf_counter() - self._started
             self._engine.done(self._route, status, seconds)
-            scope = self._scope
-            self._lines.log(self.rid, scope["method"], scope["path"], status, seconds)
+            method, path = self._scope["method"], self._scope["path"]
+            log.info("%s %s -> %d in %.1f ms", method, path, status, seconds * 1e3)
         logs.request_id.reset(self._reset)
 
     @property

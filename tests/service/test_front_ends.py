@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -381,21 +380,33 @@ def test_a_forward_answered_by_the_front_end_is_counted_once_with_its_status(
 ) -> None:
     done: list[int] = []
     engine = SimpleNamespace(done=lambda _route, status, _seconds: done.append(status))
-    logged: list[tuple] = []
-    lines = SimpleNamespace(log=lambda *fields: logged.append(fields[:4]))
+    logged: list[tuple[str, str]] = []
+
+    class Keep(logging.Handler):  # the line and the request id it is written under
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append((record.getMessage().split(" in ")[0], logs.request_id.get()))
+
     scope = {"type": "http", "method": "POST", "path": "/forward",
              "headers": [(b"x-request-id", b"rid-1")]}  # fmt: skip
     before = logs.request_id.get()
-    with (
-        pytest.raises(raised) if raised else contextlib.nullcontext(),
-        _Answer(engine, lines, scope, FORWARD_PATH) as answer,
-    ):
-        assert (answer.rid, logs.request_id.get()) == ("rid-1", "rid-1")
-        answer.status = status
-        if raised:
-            raise raised
+    logger = logging.getLogger("moe_serve.service.frontends.front_end")
+    keep, level = Keep(), logger.level
+    logger.addHandler(keep)
+    logger.setLevel(logging.INFO)
+    try:
+        with (
+            pytest.raises(raised) if raised else contextlib.nullcontext(),
+            _Answer(engine, scope, FORWARD_PATH) as answer,
+        ):
+            assert (answer.rid, logs.request_id.get()) == ("rid-1", "rid-1")
+            answer.status = status
+            if raised:
+                raise raised
+    finally:
+        logger.removeHandler(keep)
+        logger.setLevel(level)
     assert done == counted
-    assert logged == [("rid-1", "POST", "/forward", status) for status in counted]
+    assert logged == [(f"POST /forward -> {status}", "rid-1") for status in counted]
     assert logs.request_id.get() == before
 
 
@@ -808,40 +819,3 @@ def test_a_client_that_closes_its_connection_has_its_relayed_request_withdrawn()
     with running_front_ends(settings) as front_ends:
         _infer_held(front_ends.listener.getsockname()[1]).close()
         _await_499(_url(front_ends), "/v2/models/{name}/infer")
-
-
-def test_request_lines_are_written_off_the_caller_s_thread_with_their_id_and_end_time(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(logs.time, "time", lambda: 1234.5678)
-    logger = logging.getLogger("tests.request_lines")
-    monkeypatch.setattr(logger, "propagate", False)
-    logger.setLevel(logging.INFO)
-    written, arrived = [], threading.Event()
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            thread = threading.current_thread().name
-            written.append((record.getMessage(), record.request_id, record.created, thread))
-            arrived.set()
-
-    handler = Keep()
-    handler.addFilter(logs._RequestIdFilter())
-    logger.addHandler(handler)
-    try:
-        lines = logs.RequestLines(logger)
-        lines.log("rid-1", "GET", "/health", 200, 0.00012)
-        assert arrived.wait(WAIT_S)
-        lines.log("rid-2", "POST", "/x", 500, 0.5)
-        lines.flush()  # what is left, on this thread: each line once, in order
-        logger.setLevel(logging.WARNING)
-        lines.log("rid-3", "GET", "/ready", 200, 0.001)  # below the level: not queued
-        lines.flush()
-    finally:
-        logger.removeHandler(handler)
-    assert [w[:3] for w in written] == [
-        ("GET /health -> 200 in 0.1 ms", "rid-1", 1234.5678),
-        ("POST /x -> 500 in 500.0 ms", "rid-2", 1234.5678),
-    ]
-    assert written[0][3] == "request-lines"
-    assert logs.request_id.get() == "-"
