@@ -366,7 +366,8 @@ def run_service(args: argparse.Namespace) -> int:
     from .environment import capture
     from .schema import result_path
 
-    cuda = torch.cuda.is_available() and args.mode != "channel" and args.device != "cpu"
+    on_cpu = args.mode in ("channel", "front-end") or args.device == "cpu"
+    cuda = torch.cuda.is_available() and not on_cpu
     env = capture(torch.device("cuda" if cuda else "cpu"), args.commit, args.command)
     names = {
         "load": "service",
@@ -468,6 +469,16 @@ def _service_channel(args: argparse.Namespace, env, path: Path) -> bool:
     return False
 
 
+def _service_front_end(args: argparse.Namespace, env, path: Path) -> bool:
+    from .channel_bench import FrontEndLoad, render_front_end, run_front_end
+    from .shapes import SHAPES
+
+    (layer,) = _layers(args.layers, demo=False)
+    load = FrontEndLoad(args.tokens, SHAPES[layer].hidden_size, args.duration)
+    _show(render_front_end(run_front_end(load, env, path)))
+    return False
+
+
 def _service_path(args: argparse.Namespace, env, path: Path) -> bool:
     from .request_path import render, run
 
@@ -510,6 +521,7 @@ _SERVICE_MODES = {
     "transport": _service_transport,
     "json": _service_json,
     "channel": _service_channel,
+    "front-end": _service_front_end,
     "path": _service_path,
     "timeline": _service_timeline,
     "weights": _service_weights,
@@ -529,6 +541,8 @@ def _add_service(sub: argparse._SubParsersAction) -> None:
         "system and CUDA shared memory) against the server's forward",
         "json": "a JSON forward's numbers read and printed on the host and on a GPU",
         "channel": "the engine's end of the front ends' channel under load, on the CPU",
+        "front-end": "one client through one HTTP front end to a stub engine, against the "
+        "echo server, on the CPU: each process's CPU time per request and the latency",
         "path": "one request at a time, each level of the server's path timed alone",
         "timeline": "one request at a time, laid out from the spans the service records",
         "weights": "loading a DeepSeek-V3-sized layer onto the GPU, cold and warm",
@@ -546,7 +560,7 @@ def _add_service(sub: argparse._SubParsersAction) -> None:
         "--layers",
         "comma list: demo or layer shapes of bench/shapes.py",
         {mode: ["deepseek-v3", "demo"] for mode in served}
-        | {"http": ["demo"], "channel": ["deepseek-v3"]},
+        | {"http": ["demo"], "channel": ["deepseek-v3"], "front-end": ["deepseek-v3"]},
         type=name_list,
     )
     c.add("--url", "the server", {"http": "http://127.0.0.1:8000"})
@@ -558,12 +572,15 @@ def _add_service(sub: argparse._SubParsersAction) -> None:
     )
     c.add(
         "--tokens",
-        "tokens per request (path, timeline: 1 and this many)",
-        dict.fromkeys((*served, "http", "channel"), 64),
+        "tokens per request (path, timeline, front-end: 1 and this many)",
+        dict.fromkeys((*served, "http", "channel", "front-end"), 64),
         type=int,
     )
     c.add(
-        "--duration", "seconds per level", {"load": 4.0, "http": 20.0, "channel": 5.0}, type=float
+        "--duration",
+        "seconds per level (front-end: per request and server)",
+        {"load": 4.0, "http": 20.0, "channel": 5.0, "front-end": 3.0},
+        type=float,
     )
     c.add("--device", "the servers' --device", {"load": "auto", "transport": "auto"})
     c.add("--backend", "the servers' --backend", {"load": "triton"})

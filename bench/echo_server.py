@@ -3,6 +3,8 @@ entry point: `moe-serve bench service` starts it in its own process,
 
     python -m moe_serve.bench.echo_server --port 8900 [--processes 4]
 
+or one such process of the caller's own (`serve`, the target of a multiprocessing process).
+
 The service benchmark loads it with the same bodies and clients as the real server, to show
 what the load generator itself can drive (it must be well above every rate reported). HTTP/1.1
 keep-alive with Content-Length bodies only, which is what hey and httpx send; several processes
@@ -64,7 +66,7 @@ def _listen(port: int) -> socket.socket:
     return sock
 
 
-def _serve(port: int) -> None:
+def serve(port: int) -> None:
     try:
         import uvloop
 
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM exits through Python, so that the daemon workers are ended with this process
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     workers = [
-        multiprocessing.Process(target=_serve, args=(args.port,), daemon=True)
+        multiprocessing.Process(target=serve, args=(args.port,), daemon=True)
         for _ in range(args.processes)
     ]
     for worker in workers:

@@ -134,20 +134,23 @@ def run_python(url: str, body: bytes, content_type: str, clients: int, duration_
 
 def run_one_client(
     url: str,
-    body: bytes,
+    body: bytes | None,
     content_type: str,
     duration_s: float,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Load:
     """One keep-alive connection, one request at a time, for `duration_s` of `clock` (one
-    request at least)."""
+    request at least): a POST of `body`, or a GET where it is None."""
     parts = urlsplit(url)
     host, port = parts.hostname or "127.0.0.1", parts.port or 80
-    head = (
-        f"POST {parts.path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: {content_type}\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode()
-    message = head + body
+    if body is None:
+        message = f"GET {parts.path} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
+    else:
+        head = (
+            f"POST {parts.path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: {content_type}\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        message = head + body
     latencies: list[float] = []
     errors: Counter = Counter()
     with socket.create_connection((host, port), timeout=_HEY_TIMEOUT_S) as sock:

@@ -4,7 +4,7 @@ and Triton's (service/triton/metrics.py) beside them on the same page (`Metrics.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -127,10 +127,18 @@ class Metrics:
         )
         # labelled series looked up once, for what is observed per request
         self._series: dict[tuple, Counter | Histogram] = {}
+        # awaited before a scrape: what other processes hold back comes in (--http-workers:
+        # the requests the front ends answered, service/frontends/channel_server.py)
+        self.settle: Callable[[], Awaitable[None]] = _settled
 
     def page(self) -> bytes:
         """The Prometheus text page: ours, then Triton's."""
         return generate_latest(self.registry) + exposition(self.triton)
+
+    async def scrape(self) -> bytes:
+        """The page once what is held back elsewhere has come in (`settle`)."""
+        await self.settle()
+        return self.page()
 
     def add_layer(self, layer: str, num_experts: int) -> None:
         """Start the layer's series at 0, so a cold expert shows up as 0 rather than missing."""
@@ -190,6 +198,10 @@ class Metrics:
         if series is None:
             series = self._series[key] = metric.labels(*labels)
         return series
+
+
+async def _settled() -> None:
+    """Nothing is held back elsewhere."""
 
 
 def _ns(seconds: float) -> int:

@@ -17,6 +17,11 @@ answered (the engine keeps every metric). The engine answers each forward exactl
 (id, status, bytes) with the reply in the region's reply part, or, for a JSON reply longer than
 that part, followed by the reply itself; or ERROR (id, status, then JSON `{"error",
 "headers"}`). Until then the region is the engine's.
+
+DONE is no request's business: it waits for the next record the front end sends (after which it
+goes, in the same write) or LATER_S at most, so that it costs neither side a wake-up of its own.
+To count every request answered before a scrape, the engine sends SETTLE (empty): the front end
+sends what it holds, then SETTLE back.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from .arena import BodyArena, Region
 
 log = logging.getLogger(__name__)
 
-HELLO, FORWARD, FORWARD_JSON, CANCEL, DONE, REPLY, ERROR = b"HFJCDRE"  # record kinds
+HELLO, FORWARD, FORWARD_JSON, CANCEL, DONE, REPLY, ERROR, SETTLE = b"HFJCDRES"  # record kinds
 _HEAD = struct.Struct("<BI")  # kind, payload bytes
 # id, offset, body_bytes, reply_capacity, layer_dtype; then the name
 FORWARD_FIELDS = struct.Struct("<QQQQ?")
@@ -44,6 +49,9 @@ CANCEL_FIELDS = struct.Struct("<Q")  # id
 DONE_FIELDS = struct.Struct("<Hd")  # status, seconds; then the route
 REPLY_FIELDS = struct.Struct("<QHQ")  # id, status, reply bytes; then the reply, if not in place
 ERROR_FIELDS = struct.Struct("<QH")  # id, status; then JSON {"error", "headers"}
+# How long a record sent `later` waits for the next record at most: what the metrics of a front
+# end's requests lag by between scrapes (a scrape settles them)
+LATER_S = 0.1
 
 
 class RecordReader:
@@ -129,21 +137,43 @@ def _drop(records: list[tuple[int, bytes]]) -> None:
 class RecordWriter:
     """Records to one socket: the first of a turn of the event loop goes out at once (a lone
     reply waits neither for the end of the turn nor for what the loop runs before it: a batch's
-    metrics), those that follow it in the turn together at its end."""
+    metrics), those that follow it in the turn together at its end. A record sent `later` waits
+    for the next one sent, and goes right after it, or LATER_S at most."""
 
     def __init__(self, transport: asyncio.WriteTransport) -> None:
         self._transport = transport
         self._pending = bytearray()
         self._in_turn = False  # a record went out this turn: the next ones wait for `flush`
+        self._later = bytearray()
+        self._later_timer: asyncio.TimerHandle | None = None
 
     def send(self, kind: int, payload: bytes) -> None:
+        record = _HEAD.pack(kind, len(payload)) + payload
+        if self._later:
+            record += self._later
+            self._later = bytearray()
+        self._send(record)
+
+    def later(self, kind: int, payload: bytes) -> None:
+        self._later += _HEAD.pack(kind, len(payload))
+        self._later += payload
+        if self._later_timer is None:
+            self._later_timer = asyncio.get_running_loop().call_later(LATER_S, self.send_later)
+
+    def send_later(self) -> None:
+        """What waits to go `later`, now (as a record sent now goes)."""
+        self._later_timer = None
+        if self._later:
+            records, self._later = self._later, bytearray()
+            self._send(records)
+
+    def _send(self, records: bytes | bytearray) -> None:
         if self._in_turn:
-            self._pending += _HEAD.pack(kind, len(payload))
-            self._pending += payload
+            self._pending += records
             return
         self._in_turn = True
         asyncio.get_running_loop().call_soon(self.flush)
-        self._write(_HEAD.pack(kind, len(payload)) + payload)
+        self._write(records)
 
     def flush(self) -> None:
         self._in_turn = False
@@ -157,6 +187,10 @@ class RecordWriter:
             self._transport.write(data)
 
     def close(self) -> None:
+        if self._later_timer is not None:
+            self._later_timer.cancel()
+        self._pending += self._later
+        self._later = bytearray()
         self.flush()
         self._transport.close()
 
@@ -272,8 +306,9 @@ class EngineClient:
             self._out.send(CANCEL, CANCEL_FIELDS.pack(rid))
 
     def done(self, route: str, status: int, seconds: float) -> None:
+        """A request this front end answered, for the engine's metrics (sent `later`)."""
         if self.connected:
-            self._out.send(DONE, DONE_FIELDS.pack(status, seconds) + route.encode())
+            self._out.later(DONE, DONE_FIELDS.pack(status, seconds) + route.encode())
 
     def _on_hello(self, records: list[tuple[int, bytes]]) -> None:
         if not self._hello.done():
@@ -289,6 +324,9 @@ class EngineClient:
                 rid, status = ERROR_FIELDS.unpack_from(payload)
                 details = json.loads(payload[ERROR_FIELDS.size :])
                 self._answer(rid, Reply(status, **details))
+            elif kind == SETTLE:  # what waits to go later, then SETTLE: the engine scrapes
+                self._out.later(SETTLE, b"")
+                self._out.send_later()
 
     def _lost(self) -> None:
         """The socket has closed: every forward still the engine's is answered ENGINE_GONE."""

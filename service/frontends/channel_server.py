@@ -33,6 +33,7 @@ from .channel import (
     HELLO,
     REPLY,
     REPLY_FIELDS,
+    SETTLE,
     RecordProtocol,
     RecordWriter,
     error_payload,
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 # A front end sends small records (HELLO's arena path, a forward's fields and layer name):
 # a longer one is refused before it is gathered
 MAX_FRONT_END_RECORD_BYTES = 64 << 10
+# How long a scrape waits for the front ends' DONE records (`settle`) at most: one that does not
+# answer (stopped, or its event loop blocked) is not waited for
+SETTLE_S = 0.5
 
 
 class ChannelServer:
@@ -60,6 +64,13 @@ class ChannelServer:
         link = _FrontEndLink(self.runtime, self._links)
         self._links.add(link)
         return link.protocol
+
+    async def settle(self) -> None:
+        """Returns once every front end has sent the DONE records of the requests it answered
+        before (SETTLE_S at most): a scrape then counts them."""
+        waits = [link.settle() for link in self._links if link.arena is not None]
+        if waits:
+            await asyncio.wait(waits, timeout=SETTLE_S)
 
     async def close(self) -> None:
         """Stop accepting front ends and end the connections left (call once they have stopped:
@@ -88,6 +99,7 @@ class _FrontEndLink:
         self.running: dict[int, tuple[asyncio.Task, asyncio.Future]] = {}
         self._tearing_down: asyncio.Task | None = None
         self.ended = asyncio.get_running_loop().create_future()  # the connection is torn down
+        self._settled: asyncio.Future[None] | None = None  # done once SETTLE comes back
 
     def _hello(self, records: list[tuple[int, bytes]]) -> None:
         """The front end's first records: HELLO, which names its arena, then perhaps more."""
@@ -109,6 +121,17 @@ class _FrontEndLink:
         self.out.send(HELLO, hello({"hello": "ok"}))
         self.protocol.on_records = self.handle
         self.handle(records[1:])
+
+    def settle(self) -> asyncio.Future[None]:
+        """Done once the front end has sent what it held back (its DONE records) and SETTLE."""
+        if self._settled is None or self._settled.done():
+            self._settled = asyncio.get_running_loop().create_future()
+            self.out.send(SETTLE, b"")
+        return self._settled
+
+    def _answer_settled(self) -> None:
+        if self._settled is not None and not self._settled.done():
+            self._settled.set_result(None)
 
     def end(self) -> None:
         """Close the connection (the engine stops): torn down as when the front end closes it.
@@ -134,6 +157,7 @@ class _FrontEndLink:
                 _unpin(self.arena)  # no forward of this front end is left on the device
                 self.arena.arena.close()
             self.links.discard(self)
+            self._answer_settled()  # nothing more comes
             self.ended.set_result(None)
 
     def handle(self, records: list[tuple[int, bytes]]) -> None:
@@ -167,6 +191,8 @@ class _FrontEndLink:
             status, seconds = DONE_FIELDS.unpack_from(payload)
             route = payload[DONE_FIELDS.size :].decode()
             self.runtime.metrics.observe_request(route, str(status), seconds)
+        elif kind == SETTLE:  # the DONE records it held have come
+            self._answer_settled()
 
     def _start(self, rid: int, forward: Callable[..., Awaitable[None]], *args: object) -> None:
         """`forward(rid, *args, gone)` as the forward's task, answered however it ends;

@@ -41,8 +41,6 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -110,6 +108,8 @@ _NOT_RELAYED_BACK = _HOP_BY_HOP | {b"date", b"server"}
 # lets one go sooner, so as not to send a request down a connection being closed.
 _RELAY_KEEPALIVE_S = 2.0
 _SCRAPE_CONNECTIONS = 2  # to the engine, for /metrics alone
+# Probe answers kept per published state: one per probe and model name asked, these at most
+_PROBE_ANSWERS = 256
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,7 @@ class FrontEnd:
         self.engine = EngineClient(Path(config.engine_channel), self.arena, self._engine_lost)
         self.on_engine_lost = lambda: None  # main() stops the server: nothing left to serve
         self.state = StateBlock.attach(Path(config.engine_state))
+        self._probed: tuple[object, dict] = (None, {})  # a state, the probe answers made of it
         self.methods = MethodTable(config.routes)
         self.relay = _relay_client(config.engine_http, config.max_connections)
         # /metrics is relayed: the engine keeps every metric, the front ends' requests included
@@ -185,41 +186,61 @@ class FrontEnd:
             await error_response(cut.status, cut.message, cut.headers)(scope, receive, send)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = Headers(scope=scope)
         if direct := scope.get(DIRECT_BODY):
             # a plain forward with the token (`body_target`) on a connection within the limit
-            await self._forward(scope, receive, send, headers, *plain_forward(scope), direct)
+            await self._forward(scope, receive, send, *plain_forward(scope), direct)
             return
-        plain = plain_forward(scope)
-        if scope.get(OVER_CAPACITY) and scope["path"] not in OPEN_PATHS:
+        path = scope["path"]
+        if scope.get(OVER_CAPACITY) and path not in OPEN_PATHS:
             await over_capacity(self.config.max_connections)(scope, receive, send)
-        elif not authorized(scope["path"], headers, self.token):
-            with _answering(self.engine, scope, headers, UNMATCHED) as answer:
+            return
+        probe = probes.probe(scope["method"], path)
+        if probe and (path in OPEN_PATHS or authorized(path, Headers(scope=scope), self.token)):
+            with self._answer(scope, probe[0]) as answer:
+                status, headers, body = self._probe_answer(probe)
+                answer.status = status
+                await _send(send, status, [*headers, answer.id_header], body)
+            return
+        headers = Headers(scope=scope)
+        plain = plain_forward(scope)
+        if not authorized(path, headers, self.token):
+            with self._answer(scope, UNMATCHED) as answer:
                 answer.status = 401  # before any byte of the body is read
                 await _error_response(_UNAUTHORIZED, answer.headers)(scope, receive, send)
-        elif probe := probes.probe(scope["method"], scope["path"]):
-            with _answering(self.engine, scope, headers, probe[0]) as answer:
-                response = probes.answer(self.state.read(self.config.engine_stale_s), *probe)
-                answer.status = response.status_code
-                response.headers.update(answer.headers)
-                await response(scope, receive, send)
-        elif refused := self.methods.refused(scope["method"], scope["path"]):
+        elif refused := self.methods.refused(scope["method"], path):
             route, response = refused
-            with _answering(self.engine, scope, headers, route) as answer:
+            with self._answer(scope, route) as answer:
                 answer.status = response.status_code  # at once: a body that may never come is
                 if _has_body(headers):  # not waited for, nor read: the connection closes after
                     response.headers["Connection"] = "close"
                 response.headers.update(answer.headers)
                 await response(scope, receive, send)
-        elif plain and plain[1] == JSON and (size := self._json_size(scope)):
+        elif plain and plain[1] == JSON and (size := self._json_size(headers)):
             await self._forward_json(scope, receive, send, plain[0], size)
         else:
             await self._relay_read(scope, receive, send)
 
-    def _body_size(self, scope: Scope) -> int | None:
+    def _answer(self, scope: Scope, route: str = FORWARD_PATH) -> _Answer:
+        return _Answer(self.engine, scope, route)
+
+    def _probe_answer(self, probe: tuple[str, str, str]) -> tuple[int, list, bytes]:
+        """The probe's status, headers and body as `probes.answer` gives them, made once per
+        state the engine publishes (the probes' paths and the models' names asked)."""
+        state = self.state.read(self.config.engine_stale_s)
+        if state is not self._probed[0]:
+            self._probed = (state, {})
+        answers = self._probed[1]
+        found = answers.get(probe)
+        if found is None:
+            response = probes.answer(state, *probe)
+            found = (response.status_code, response.raw_headers, response.body)
+            if len(answers) < _PROBE_ANSWERS:  # the names asked come from clients
+                answers[probe] = found
+        return found
+
+    def _body_size(self, headers: Headers) -> int | None:
         """The body's size when the channel can take it, or None: relayed instead (no
         Content-Length, compressed, or the channel not up)."""
-        headers = Headers(scope=scope)
         size = headers.get("content-length", "")
         plain = headers.get("content-encoding", "identity").strip().lower() == "identity"
         if not (self.arena and self.engine.connected and plain and size.isdigit()):
@@ -232,23 +253,25 @@ class FrontEnd:
         (`service/http/direct_body.py`); None: read as usual (see `_json_size`) or relayed (see
         `_body_size`; without the token, too large, or the arena full)."""
         plain = plain_forward(scope)
+        if plain is None:
+            return None
         headers = Headers(scope=scope)
-        if plain is None or not authorized(FORWARD_PATH, headers, self.token):
+        if not authorized(FORWARD_PATH, headers, self.token):
             return None
         config = self.config
         if plain[1] == JSON and not config.json_here_bytes < size <= config.max_json_bytes:
             return None
-        if self._body_size(scope) != size or size > ARENA_BYTES // 4:
+        if self._body_size(headers) != size or size > ARENA_BYTES // 4:
             return None
         region = self.arena.allocate(size)
         if region is None:
             return None
         return BodyTarget(self.arena.body(region), region, partial(self.arena.free, region))
 
-    def _json_size(self, scope: Scope) -> int | None:
+    def _json_size(self, headers: Headers) -> int | None:
         """A JSON body's size when it is decoded here, or None: relayed (see `_body_size` and
         FrontEndConfig.json_here_bytes)."""
-        size = self._body_size(scope)
+        size = self._body_size(headers)
         return size if size is not None and size <= self.config.json_here_bytes else None
 
     async def _forward(
@@ -256,7 +279,6 @@ class FrontEnd:
         scope: Scope,
         receive: Receive,
         send: Send,
-        headers: Headers,
         name: str,
         media: str,
         direct: DirectBody[Region],
@@ -265,7 +287,7 @@ class FrontEnd:
         withdrawn once the connection is lost."""
         region = direct.target.holder
         ours = True  # the region is not the engine's, nor lent to the reply
-        with _answering(self.engine, scope, headers) as answer:
+        with self._answer(scope) as answer:
             try:
                 try:
                     await direct.read(self.config.read_timeout_s)
@@ -295,9 +317,8 @@ class FrontEnd:
         """A JSON forward decoded here and run as a binary one (the module's docstring); one
         that asks for the routing goes to the engine as its text; relayed with its body when
         the arena has no room for it."""
-        headers = Headers(scope=scope)
         region, ours, as_text = None, True, False
-        with _answering(self.engine, scope, headers) as answer:
+        with self._answer(scope) as answer:
             try:
                 body = await self._read_body(receive, size)
                 reply = body if isinstance(body, Reply) else self._unknown_layer(name)
@@ -392,7 +413,7 @@ class FrontEnd:
         else:
             body = await self._read_body(receive, limit)
         if isinstance(body, Reply):
-            with _answering(self.engine, scope, headers, UNMATCHED) as answer:
+            with self._answer(scope, UNMATCHED) as answer:
                 answer.status = body.status
                 await _error_response(body, answer.headers)(scope, receive, send)
             return
@@ -483,54 +504,59 @@ RELAYED = -1  # an _Answer's status: the engine answers, logs and counts it
 _UNAUTHORIZED = Reply(401, error=UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
 
 
-@dataclass
 class _Answer:
-    """A forward answered here: its request id and, once known, its status (0: none yet)."""
+    """A request answered by this front end (a context manager around its answering): its
+    request id, set for the log lines while it runs, and once known its status (0: none yet;
+    none at the end: 500, or cancelled: the 503 __call__ sends). At the end it is counted by
+    `engine` under `route` and its line logged as the engine logs one, unless relayed."""
 
-    rid: str
-    status: int = 0
+    __slots__ = ("_engine", "_reset", "_route", "_scope", "_started", "rid", "status")
+
+    def __init__(self, engine: EngineClient, scope: Scope, route: str) -> None:
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
+        self.rid = new_request_id(given.decode("latin-1"))
+        self.status = 0
+        self._engine, self._scope, self._route = engine, scope, route
+
+    def __enter__(self) -> _Answer:
+        self._reset = logs.request_id.set(self.rid)
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is not None and issubclass(kind, asyncio.CancelledError):
+            self.status = self.status or ShuttingDown.status
+        if self.status != RELAYED:
+            status = self.status or 500
+            seconds = time.perf_counter() - self._started
+            self._engine.done(self._route, status, seconds)
+            method, path = self._scope["method"], self._scope["path"]
+            log.info("%s %s -> %d in %.1f ms", method, path, status, seconds * 1e3)
+        logs.request_id.reset(self._reset)
 
     @property
     def headers(self) -> dict[str, str]:
         return {"X-Request-ID": self.rid}
 
+    @property
+    def id_header(self) -> tuple[bytes, bytes]:
+        return (b"x-request-id", self.rid.encode())
 
-@contextmanager
-def _answering(
-    engine: EngineClient, scope: Scope, headers: Headers, route: str = FORWARD_PATH
-) -> Iterator[_Answer]:
-    """A request answered by this front end: its request id set for the log lines while it
-    runs, then counted by `engine` under `route` and logged as the engine does (no status yet:
-    500, or cancelled: the 503 __call__ sends), unless relayed."""
-    answer = _Answer(new_request_id(headers.get("x-request-id", "")))
-    reset = logs.request_id.set(answer.rid)
-    started = time.perf_counter()
-    try:
-        yield answer
-    except asyncio.CancelledError:
-        answer.status = answer.status or ShuttingDown.status
-        raise
-    finally:
-        if answer.status != RELAYED:
-            status = answer.status or 500
-            seconds = time.perf_counter() - started
-            engine.done(route, status, seconds)
-            log.info(
-                "%s %s -> %d in %.1f ms", scope["method"], scope["path"], status, seconds * 1e3
-            )
-        logs.request_id.reset(reset)
+
+async def _send(send: Send, status: int, headers: list, body: bytes | memoryview) -> None:
+    """A response, as a starlette Response with these headers sends it, without making one."""
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _send_ok(send: Send, content: bytes | memoryview, media: str, answer: _Answer) -> None:
-    """A forward's 200 with its reply, as a starlette Response with these headers sends it,
-    without making one per request."""
+    """A forward's 200 with its reply."""
     headers = [
-        (b"x-request-id", answer.rid.encode()),
+        answer.id_header,
         (b"content-length", str(len(content)).encode()),
         (b"content-type", media.encode()),
     ]
-    await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await send({"type": "http.response.body", "body": content})
+    await _send(send, 200, headers, content)
 
 
 def _has_body(headers: Headers) -> bool:
@@ -636,6 +662,7 @@ def main() -> None:
         uvicorn.Config(
             app,
             log_config=None,
+            access_log=False,  # each request logs its line (_Answer) with its id and duration
             lifespan="on",
             timeout_graceful_shutdown=config.drain_timeout_s,
             http=bounded_protocol(

@@ -85,6 +85,8 @@ class FrontEnds:
         self._beating = asyncio.create_task(self._beat())  # publishes before the front ends start
         self._channel = ChannelServer(runtime, Path(self.config.engine_channel))
         await self._channel.start()
+        # a scrape counts what the front ends answered until it
+        self._settle, runtime.metrics.settle = runtime.metrics.settle, self._channel.settle
         restarts = runtime.metrics.front_end_restarts
         self._supervising = [
             asyncio.create_task(self._supervise(i, restarts)) for i in range(self.count)
@@ -111,6 +113,7 @@ class FrontEnds:
                 process.kill()
         await asyncio.gather(*running, return_exceptions=True)
         if self._channel is not None:
+            self._runtime.metrics.settle = self._settle
             await self._channel.close()
         if self._beating is not None:
             self._beating.cancel()

@@ -57,7 +57,7 @@ class MetricsPort:
             elif method not in ("GET", "HEAD"):
                 status, body, media = "405 Method Not Allowed", b"GET /metrics\n", "text/plain"
             else:
-                status, body, media = "200 OK", self.metrics.page(), CONTENT_TYPE_LATEST
+                status, body, media = "200 OK", await self.metrics.scrape(), CONTENT_TYPE_LATEST
             writer.write(
                 f"HTTP/1.1 {status}\r\nContent-Type: {media}\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()

@@ -2,8 +2,9 @@
 a real CPU engine and batcher. Replies match the reference, a JSON reply lies in the region or,
 longer than its room, comes whole over the channel, errors keep their status and headers (for
 safetensors and JSON bodies alike), a withdrawn forward leaves the queue and is answered 499, a
-front end that goes away takes its queued forwards with it, DONE records reach the metrics, and
-records cut anywhere by the socket's reads arrive whole."""
+front end that goes away takes its queued forwards with it, DONE records reach the metrics (held
+back until the next record, or until a scrape settles them), and records cut anywhere by the
+socket's reads arrive whole."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 from moe_serve.service.codecs.safetensors_wire import decode_safetensors, encode_safetensors
 from moe_serve.service.core.runtime import Runtime
 from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher
+from moe_serve.service.frontends import channel
 from moe_serve.service.frontends.arena import BLOCK_BYTES, BodyArena, Region
 from moe_serve.service.frontends.channel import (
     _HEAD,
@@ -317,6 +319,70 @@ def _wire(records: list[tuple[int, bytes]]) -> bytes:
 
     asyncio.run(send())
     return bytes(wire)
+
+
+def test_a_record_sent_later_goes_after_the_next_record_or_alone_once_its_wait_is_over(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(channel, "LATER_S", 0.0)
+
+    async def main():
+        writes = []
+
+        class Sink:
+            def write(self, data) -> None:
+                writes.append(bytes(data))
+
+            def is_closing(self) -> bool:
+                return False
+
+        out = RecordWriter(Sink())
+        out.later(DONE, b"/a")
+        held = list(writes)
+        out.send(CANCEL, b"c")
+        carried = list(writes)
+        await asyncio.sleep(0)  # the turn ends
+        out.later(DONE, b"/b")
+        while len(writes) < 2:  # its wait is over at the loop's next turns
+            await asyncio.sleep(0)
+        return held, carried, writes
+
+    held, carried, writes = asyncio.run(main())
+    assert held == []
+    assert carried == [_wire([(CANCEL, b"c"), (DONE, b"/a")])]  # in the same write, after it
+    assert writes[1] == _wire([(DONE, b"/b")])
+
+
+def test_a_scrape_settles_the_done_records_a_front_end_holds() -> None:
+    async def body(served):
+        served.client.done(FORWARD_ROUTE, 200, 0.002)  # held: no record follows it
+        held = _requests(served.metrics)
+        await served.server.settle()
+        return held, _requests(served.metrics)
+
+    async def main():
+        async with served(BatchPolicy(64, 0.0, 16)) as s:
+            return await asyncio.wait_for(body(s), WAIT_S)
+
+    held, settled = asyncio.run(main())
+    assert (held, settled) == (None, 1)
+
+
+def test_a_scrape_does_not_wait_for_a_front_end_that_has_gone() -> None:
+    async def main():
+        async with served(BatchPolicy(64, 0.0, 16)) as s:
+            (link,) = s.server._links
+            settling = link.settle()
+            await s.client.close()  # gone without answering the SETTLE
+            await asyncio.wait_for(s.server.settle(), WAIT_S)
+            return settling.done()
+
+    assert asyncio.run(main())
+
+
+def _requests(metrics: Metrics) -> float | None:
+    labels = {"route": FORWARD_ROUTE, "status": "200"}
+    return metrics.registry.get_sample_value("moe_serve_requests_total", labels)
 
 
 def test_records_cut_anywhere_by_reads_arrive_whole() -> None:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -21,6 +22,9 @@ import pytest
 from moe_serve.service.core.probes import ProbeState
 from moe_serve.service.frontends import supervisor
 from moe_serve.service.frontends.engine_state import _SLOT_HEAD, _SLOTS, StateBlock
+from moe_serve.service.frontends.front_end import _PROBE_ANSWERS, FrontEnd
+from moe_serve.service.http import probes
+from moe_serve.service.http.probes import MODEL_READY, READY
 from moe_serve.service.settings import Settings
 from tests.service.layers import NO_ROUTER, TINY, running_front_ends
 from tests.service.test_cli import _serve_until_ready
@@ -234,4 +238,31 @@ def test_a_reader_finds_the_last_whole_state_and_its_age() -> None:
         writer.write(ProbeState(draining=True))  # the stopped write, done
         assert reader.read(math.inf) == ProbeState(draining=True)
         reader.close()
+        writer.close()
+
+
+def test_a_probe_s_answer_is_made_once_per_published_state_and_alike_to_a_fresh_one() -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "state"
+        writer = StateBlock.create(path)
+        front_end = FrontEnd.__new__(FrontEnd)  # only what _probe_answer reads
+        front_end.state = StateBlock.attach(path)
+        front_end.config = SimpleNamespace(engine_stale_s=math.inf)
+        front_end._probed = (None, {})
+        writer.write(ProbeState(models=(TINY,)))
+        asked = [(READY, "", ""), (MODEL_READY, TINY, ""), (MODEL_READY, "nope", "")]
+        first = [front_end._probe_answer(probe) for probe in asked]
+        assert [front_end._probe_answer(probe) for probe in asked] == first
+        assert all(a is b for a, b in zip(first, map(front_end._probe_answer, asked), strict=True))
+        for state in (ProbeState(models=(TINY,)), ProbeState(draining=True)):
+            writer.write(state)  # published again: made afresh, as probes.answer makes it
+            for probe in asked:
+                fresh = probes.answer(state, *probe)
+                made = (fresh.status_code, fresh.raw_headers, fresh.body)
+                assert front_end._probe_answer(probe) == made
+        # the names asked come from clients: past the bound, answered but not kept
+        names = [(MODEL_READY, f"m{i}", "") for i in range(_PROBE_ANSWERS + 8)]
+        assert all(front_end._probe_answer(probe)[0] == 404 for probe in names)
+        assert len(front_end._probed[1]) == _PROBE_ANSWERS
+        front_end.state.close()
         writer.close()

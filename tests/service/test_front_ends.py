@@ -22,7 +22,6 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
-from starlette.datastructures import Headers
 
 from moe_serve.service import logs, off_loop
 from moe_serve.service.codecs import json_tensors
@@ -34,12 +33,13 @@ from moe_serve.service.frontends.front_end import (
     RELAYED,
     FrontEnd,
     FrontEndConfig,
-    _answering,
+    _Answer,
     _blob_bytes,
     _json_reply,
     _write_blob,
 )
 from moe_serve.service.frontends.supervisor import json_here_bytes, remove_stale_directories
+from moe_serve.service.http.plain_forward import FORWARD_PATH
 from moe_serve.service.http.server import MAX_HEAD_BYTES
 from moe_serve.service.settings import Settings
 from tests.service.layers import NO_ROUTER, TINY, H, reference_forward, running_front_ends
@@ -380,18 +380,33 @@ def test_a_forward_answered_by_the_front_end_is_counted_once_with_its_status(
 ) -> None:
     done: list[int] = []
     engine = SimpleNamespace(done=lambda _route, status, _seconds: done.append(status))
+    logged: list[tuple[str, str]] = []
+
+    class Keep(logging.Handler):  # the line and the request id it is written under
+        def emit(self, record: logging.LogRecord) -> None:
+            logged.append((record.getMessage().split(" in ")[0], logs.request_id.get()))
+
     scope = {"type": "http", "method": "POST", "path": "/forward",
              "headers": [(b"x-request-id", b"rid-1")]}  # fmt: skip
     before = logs.request_id.get()
-    with (
-        pytest.raises(raised) if raised else contextlib.nullcontext(),
-        _answering(engine, scope, Headers(scope=scope)) as answer,
-    ):
-        assert (answer.rid, logs.request_id.get()) == ("rid-1", "rid-1")
-        answer.status = status
-        if raised:
-            raise raised
+    logger = logging.getLogger("moe_serve.service.frontends.front_end")
+    keep, level = Keep(), logger.level
+    logger.addHandler(keep)
+    logger.setLevel(logging.INFO)
+    try:
+        with (
+            pytest.raises(raised) if raised else contextlib.nullcontext(),
+            _Answer(engine, scope, FORWARD_PATH) as answer,
+        ):
+            assert (answer.rid, logs.request_id.get()) == ("rid-1", "rid-1")
+            answer.status = status
+            if raised:
+                raise raised
+    finally:
+        logger.removeHandler(keep)
+        logger.setLevel(level)
     assert done == counted
+    assert logged == [(f"POST /forward -> {status}", "rid-1") for status in counted]
     assert logs.request_id.get() == before
 
 

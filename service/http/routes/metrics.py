@@ -17,4 +17,4 @@ router = APIRouter(tags=["health"])
     responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
 )
 async def metrics(runtime: RuntimeDep) -> Response:
-    return Response(runtime.metrics.page(), media_type=CONTENT_TYPE_LATEST)
+    return Response(await runtime.metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
