@@ -14,9 +14,11 @@ metrics: CUDA events around the captured forward as served) and, once per layer,
 captured forward (/bench/bare). Where the time goes comes from the server's own numbers over the
 same requests: its infer handler (moe_serve_request_seconds), `inference.infer` (the model's
 statistics) and the forward; the client and wire floor is a call that does no work (gRPC
-ServerLive, HTTP /v2/health/live). The targets: CUDA shared memory p50 <= the server's forward
-+ the same protocol's no-op call + CUDA_SHM_SLACK_MS; system shared memory within
-SYSTEM_SHM_EXTRA_MS of that.
+ServerLive, HTTP /v2/health/live), with the server's own handler time of it. The targets: CUDA
+shared memory p50 <= the server's forward + the same protocol's no-op call + CUDA_SHM_SLACK_MS;
+system shared memory within SYSTEM_SHM_EXTRA_MS of that. On a host without a GPU (`--device cpu
+--layers demo`) every transport but CUDA shared memory runs, the demo layer's forward on the
+CPU.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ def _free_port() -> int:
 
 
 ROUTES = {"http": "/v2/models/{name}/infer", "grpc": "grpc ModelInfer"}  # metrics' route label
+NO_OP_ROUTES = {"http": "/v2/health/live", "grpc": "grpc ServerLive"}  # the floor's calls
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ class ServerTimes:
     and the layer's requests from the statistics' start to end of `inference.infer`."""
 
     forward: tuple[float, float]
-    handler: dict[str, tuple[float, float]]  # by "http" / "grpc"
+    handler: dict[str, tuple[float, float]]  # by route label (ROUTES, NO_OP_ROUTES)
     infer: tuple[float, float]
 
 
@@ -92,7 +95,10 @@ def _server_times(url: str, layer: str) -> ServerTimes:
     success = stats["inference_stats"]["success"]
     return ServerTimes(
         forward=pair("moe_serve_forward_seconds"),
-        handler={kind: pair("moe_serve_request_seconds", r) for kind, r in ROUTES.items()},
+        handler={
+            r: pair("moe_serve_request_seconds", r)
+            for r in (*ROUTES.values(), *NO_OP_ROUTES.values())
+        },
         infer=(success["ns"] / 1e9, success["count"]),
     )
 
@@ -118,22 +124,33 @@ def _time(transport: Transport, requests: int) -> tuple[list[float], np.ndarray]
     return latencies, out if transport.read is None else transport.read()
 
 
-def _floors(http_addr: str, grpc_addr: str, requests: int) -> dict[str, dict[str, float]]:
+def _floors(
+    http_addr: str, grpc_addr: str, requests: int, layer: str
+) -> dict[str, dict[str, float | None]]:
     """The client and transport floor: p50 and mean of a trivial call that does no work on the
-    server (gRPC ServerLive, HTTP GET /v2/health/live), one at a time as the others."""
+    server (gRPC ServerLive, HTTP GET /v2/health/live), one at a time as the others, and the
+    server's own handler time of it (moe_serve_request_seconds)."""
     import tritonclient.grpc as grpcclient
 
+    url = f"http://{http_addr}"
     with (
         grpcclient.InferenceServerClient(grpc_addr) as grpc,
-        httpx.Client(base_url=f"http://{http_addr}") as http,
+        httpx.Client(base_url=url) as http,
     ):
-        calls = {"grpc": grpc.is_server_live, "http": lambda: http.get("/v2/health/live")}
+        calls = {"grpc": grpc.is_server_live, "http": lambda: http.get(NO_OP_ROUTES["http"])}
         floors = {}
         for name, call in calls.items():
             for _ in range(WARM_UP):
                 call()
+            before = _server_times(url, layer)
             ms = np.array(_time(Transport(call), requests)[0]) * 1e3
-            floors[name] = {"p50_ms": float(np.percentile(ms, 50)), "mean_ms": float(ms.mean())}
+            after = _server_times(url, layer)
+            route = NO_OP_ROUTES[name]
+            floors[name] = {
+                "p50_ms": float(np.percentile(ms, 50)),
+                "mean_ms": float(ms.mean()),
+                "server_handler_ms": _mean_ms(before.handler[route], after.handler[route]),
+            }
     return floors
 
 
@@ -289,12 +306,14 @@ def run_layer(layer: str, out_dir: Path, tokens: int, requests: int, device: str
                     "mean_ms": float(ms.mean()),
                     "requests_per_s": float(len(ms) / (ms.sum() / 1e3)),
                     "server_forward_ms": _mean_ms(before.forward, after.forward),
-                    "server_handler_ms": _mean_ms(before.handler[kind], after.handler[kind]),
+                    "server_handler_ms": _mean_ms(
+                        before.handler[ROUTES[kind]], after.handler[ROUTES[kind]]
+                    ),
                     "server_infer_ms": _mean_ms(before.infer, after.infer),
                     "matches_http_binary": bool(np.array_equal(out, reference)),
                 }
                 log.info("%s %-16s %s", layer, name, results[name])
-            floor = _floors(*addresses, requests)
+            floor = _floors(*addresses, requests, layer)
             bare = httpx.post(f"{url}/bench/bare", json={"tokens": [tokens]}, timeout=600).json()
         finally:
             for free in cleanup:
@@ -394,13 +413,20 @@ def render(report: dict) -> str:
                 + " | ".join(map(_ms, parts))
                 + f" | {_ms(forward)} |"
             )
-    lines += ["", "The client and wire floor, a call that does no work (p50 / mean ms):", ""]
+    lines += [
+        "",
+        "The client and wire floor, a call that does no work (p50 / mean ms; the server's "
+        "handler of it, mean ms):",
+        "",
+    ]
     for layer, result in report["layers"].items():
         if "floor" in result:
             grpc, http = result["floor"]["grpc"], result["floor"]["http"]
+            served = {kind: _ms(f.get("server_handler_ms")) for kind, f in result["floor"].items()}
             lines.append(
-                f"- {layer}: gRPC ServerLive {grpc['p50_ms']:.3f} / {grpc['mean_ms']:.3f}, "
-                f"HTTP GET /v2/health/live {http['p50_ms']:.3f} / {http['mean_ms']:.3f}"
+                f"- {layer}: gRPC ServerLive {grpc['p50_ms']:.3f} / {grpc['mean_ms']:.3f} "
+                f"({served['grpc']}), HTTP GET /v2/health/live {http['p50_ms']:.3f} / "
+                f"{http['mean_ms']:.3f} ({served['http']})"
             )
     lines += ["", "Bare captured forward (/bench/bare, CUDA events, back to back):", ""]
     for layer, result in report["layers"].items():

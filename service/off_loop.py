@@ -44,10 +44,14 @@ class OffLoop:
         # the same for the server's only request
         self.alone_bytes = on_loop_bytes if alone_bytes is None else alone_bytes
 
+    def stays(self, nbytes: int, alone: bool = False) -> bool:
+        """Whether work on about `nbytes` runs on the loop: up to `on_loop_bytes`
+        (`alone_bytes` where the caller is the server's only request)."""
+        return nbytes <= (self.alone_bytes if alone else self.on_loop_bytes)
+
     async def run(self, nbytes: int, fn: Callable[..., T], *args: Any, alone: bool = False) -> T:
-        """`fn(*args)`, work on about `nbytes`: here up to `on_loop_bytes` (`alone_bytes` where
-        the caller is the server's only request), else on a thread."""
-        if nbytes <= (self.alone_bytes if alone else self.on_loop_bytes):
+        """`fn(*args)`, work on about `nbytes`: here where it `stays`, else on a thread."""
+        if self.stays(nbytes, alone):
             return fn(*args)
         return await self.off_loop(fn, *args)
 

@@ -88,16 +88,31 @@ class CallGate(grpc.aio.ServerInterceptor):
         self.in_flight = 0  # calls admitted and not yet answered, probes left out
         self.idle = asyncio.Event()  # set while in_flight is 0
         self.idle.set()
+        # each RPC's handler as wrapped here, made by its first call: a method's handler never
+        # changes, and making it (the servicer's looked up, a closure, grpc's handler tuple)
+        # cost every call as much as the rest of its admission
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
+        wrapped = self._handlers.get(details.method)
+        if wrapped is not None:
+            return wrapped
         service, _, rpc = details.method.lstrip("/").partition("/")
         if service != SERVICE:
             return await continuation(details)  # none: grpc answers UNIMPLEMENTED
         handler = await continuation(details) if rpc in self.served else None
+        wrapped = self._wrap(rpc, handler)
+        if handler is not None:  # not every unknown name a client sends: those stay unkept
+            self._handlers[details.method] = wrapped
+        return wrapped
+
+    def _wrap(self, rpc: str, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+        """The handler grpc.aio runs for RPC `rpc` of the service (the servicer's `handler`, or
+        None where it does not serve it)."""
         if handler is not None and handler.response_streaming:
 
             async def stream(
@@ -220,7 +235,7 @@ class CallGate(grpc.aio.ServerInterceptor):
         reading = asyncio.ensure_future(anext(requests, None))
         try:
             while not reading.done():
-                await asyncio.wait([reading], timeout=self.read_timeout_s)
+                await _for(reading, self.read_timeout_s)
                 if not reading.done() and not running:
                     raise RequestTimeout(
                         f"the stream carried no request for {self.read_timeout_s:g} s with "
@@ -274,14 +289,19 @@ class CallGate(grpc.aio.ServerInterceptor):
         return True
 
     def _done(self, route: str, code: grpc.StatusCode, started: float, counted: bool) -> None:
-        """A call (or a stream's request) is answered: uncounted, measured, logged."""
+        """A call (or a stream's request) is answered: uncounted and measured now; its metric
+        and log line are written once its reply is on its way (grpc.aio sends it as the
+        handler returns, before the loop's next callback), not ahead of it."""
         if counted:
             self.in_flight -= 1
             if not self.in_flight:
                 self.idle.set()
         seconds = time.perf_counter() - started
-        self.runtime.metrics.observe_request(route, code.name, seconds)
-        log.info("%s -> %s in %.1f ms", route, code.name, seconds * 1e3)
+        asyncio.get_running_loop().call_soon(self._record, route, code.name, seconds)
+
+    def _record(self, route: str, code: str, seconds: float) -> None:
+        self.runtime.metrics.observe_request(route, code, seconds)
+        log.info("%s -> %s in %.1f ms", route, code, seconds * 1e3)
 
     def _admit(self, rpc: str, authorization: str | None) -> None:
         """Refuse, before its message is read, a call the server will not take now;
@@ -309,7 +329,7 @@ class CallGate(grpc.aio.ServerInterceptor):
         what grpc core may still write into, so a late one is left to end with the call."""
         reading = asyncio.ensure_future(anext(requests, None))
         try:
-            await asyncio.wait([reading], timeout=self.read_timeout_s)
+            await _for(reading, self.read_timeout_s)
         finally:
             if not reading.done():
                 reading.add_done_callback(_retrieve)
@@ -359,6 +379,26 @@ def _parse(deserialize: Callable[[bytes], Message], raw: bytes) -> Message:
         return deserialize(raw)
     except DecodeError as err:  # not the RPC's message, or a string field that is not UTF-8
         raise BadInput(f"the request message cannot be parsed: {err}") from None
+
+
+async def _for(reading: asyncio.Future, timeout_s: float) -> None:
+    """Wait until `reading` is done or `timeout_s` has passed, leaving it running: what
+    asyncio.wait does for one future, without the sets and checks of its arguments it makes on
+    every call (the read of every call's message waits here)."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def wake(_: object = None) -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    reading.add_done_callback(wake)
+    timer = loop.call_later(timeout_s, wake)
+    try:
+        await waiter
+    finally:
+        timer.cancel()
+        reading.remove_done_callback(wake)
 
 
 def _retrieve(reading: asyncio.Future) -> None:

@@ -189,8 +189,8 @@ class SystemRegion(Region):
 
     @contextmanager
     def _own_descriptor(self) -> Iterator[int]:
-        """A descriptor of the object for one copy, which may run on a worker thread: an
-        unregister meanwhile closes the region's, not this one."""
+        """A descriptor of the object for one copy on a worker thread: an unregister meanwhile
+        closes the region's, not this one."""
         try:
             fd = os.dup(self._fd)
         except OSError as err:
@@ -202,28 +202,41 @@ class SystemRegion(Region):
         finally:
             os.close(fd)
 
-    async def read(
-        self, offset: int, size: int, into: torch.Tensor, alone: bool = False
-    ) -> torch.Tensor:
-        """The `size` bytes at `offset` copied into `into` (`size` bytes of CPU memory, uint8),
-        which it returns: one copy, straight from the object, off the event loop when it is
-        large (larger where the request is `alone`: off_loop.py)."""
+    async def _copy(
+        self,
+        copy: Callable[[int, int, memoryview], None],
+        offset: int,
+        raw: memoryview,
+        alone: bool,
+    ) -> None:
+        """`copy(fd, offset, raw)`: on the event loop where it is small (larger where the
+        request is `alone`: off_loop.py), through the region's own descriptor, which nothing
+        closes before the copy ends (an unregister runs on the loop too); else on a thread,
+        through a descriptor of its own."""
+        if off_loop.BINARY.stays(raw.nbytes, alone):
+            copy(self._fd, offset, raw)
+            return
         with self._own_descriptor() as fd:
-            return await off_loop.BINARY.run(size, self._read, fd, offset, size, into, alone=alone)
+            await off_loop.BINARY.off_loop(copy, fd, offset, raw)
 
-    def _read(self, fd: int, offset: int, size: int, into: torch.Tensor) -> torch.Tensor:
+    async def read(self, offset: int, into: memoryview, alone: bool = False) -> None:
+        """Fill `into` (CPU memory) with as many bytes at `offset`: one copy, straight from the
+        object, off the event loop when it is large (larger where the request is `alone`)."""
+        await self._copy(self._read, offset, into, alone)
+
+    def _read(self, fd: int, offset: int, into: memoryview) -> None:
+        size = into.nbytes
         what = f"region {self.name!r}: {size} bytes at offset {offset} lie past the end of its"
         self._check_object(what, offset + size, fd)
-        view, done = memoryview(into.numpy()), 0
+        done = 0
         while done < size:  # a read is short at the object's end, or when a signal cuts it
-            got = self._io(os.preadv, fd, view[done:], offset + done)
+            got = self._io(os.preadv, fd, into[done:], offset + done)
             if not got:
                 raise BadInput(
                     f"shared-memory object {self.key!r} of region {self.name!r} shrank while "
                     f"{size} bytes at region offset {offset} were read"
                 )
             done += got
-        return into
 
     async def write(
         self, offset: int, data: torch.Tensor | memoryview, alone: bool = False
@@ -232,8 +245,7 @@ class SystemRegion(Region):
         object, off the event loop when it is large, larger where the request is `alone`);
         visible to the client when this returns."""
         raw = data if isinstance(data, memoryview) else tensor_bytes(data)
-        with self._own_descriptor() as fd:
-            await off_loop.BINARY.run(raw.nbytes, self._write, fd, offset, raw, alone=alone)
+        await self._copy(self._write, offset, raw, alone)
 
     def _write(self, fd: int, offset: int, raw: memoryview) -> None:
         what = (
@@ -486,11 +498,6 @@ class Loan:
     release: Callable[[], None]
 
     @property
-    def memory(self) -> torch.Tensor:
-        """The loan's bytes (uint8, CPU)."""
-        return self.block.view(self.nbytes, torch.uint8, (self.nbytes,))
-
-    @property
     def raw(self) -> memoryview:
         """The loan's bytes, for a copy by the operating system."""
         return memoryview(self.block.array)[: self.nbytes]
@@ -699,7 +706,7 @@ class SharedMemory:
             return torch.empty(shape, dtype=dtype)
         loan = self.copy_memory.lend(place.byte_size, pinned)
         held.append(loan)
-        await region.read(place.offset, place.byte_size, loan.memory, alone)
+        await region.read(place.offset, loan.raw, alone)
         return loan.view(dtype, shape)
 
     async def write(

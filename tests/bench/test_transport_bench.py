@@ -36,6 +36,7 @@ def test_transport_bench_times_every_transport_and_writes_json(tmp_path: Path) -
         assert result["server_infer_ms"] > result["server_forward_ms"], name
     assert set(demo["floor"]) == {"grpc", "http"}
     assert all(floor["p50_ms"] > 0 for floor in demo["floor"].values())
+    assert all(floor["server_handler_ms"] > 0 for floor in demo["floor"].values())
     assert demo["bare_forward_ms"] > 0
     met = [c["met"] for c in report["checks"]]
     assert met[:2] == [None, None]  # no CUDA regions on the CPU
@@ -116,14 +117,15 @@ def test_the_split_table_shows_client_handler_batcher_and_forward_and_the_floor(
                 "bare_graphs": True,
                 "transports": {"grpc": figures},
                 "floor": {
-                    "grpc": {"p50_ms": 0.3, "mean_ms": 0.35},
-                    "http": {"p50_ms": 0.5, "mean_ms": 0.55},
+                    "grpc": {"p50_ms": 0.3, "mean_ms": 0.35, "server_handler_ms": 0.1},
+                    "http": {"p50_ms": 0.5, "mean_ms": 0.55, "server_handler_ms": 0.12},
                 },
             }
         }
     ) | {"checks": []}
     markdown = render(report)
     assert "| demo | grpc | 4.000 | 1.000 | 0.500 | 1.500 | 1.000 |" in markdown
-    assert "- demo: gRPC ServerLive 0.300 / 0.350, HTTP GET /v2/health/live 0.500 / 0.550" in (
-        markdown
+    assert (
+        "- demo: gRPC ServerLive 0.300 / 0.350 (0.100), HTTP GET /v2/health/live 0.500 / 0.550 "
+        "(0.120)" in markdown
     )

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from moe_serve.service import logs
 from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from tests.service.conftest import wait_ready
@@ -30,6 +31,7 @@ from tests.service.layers import (
 # a test dependency; the GPU machine lacks it (its CPU twin runs these in CI)
 grpcclient = pytest.importorskip("tritonclient.grpc")
 TOKEN = "grpc-test-token-0123456789"
+SERVICE = "inference.GRPCInferenceService"
 
 
 @pytest.fixture(scope="module")
@@ -311,6 +313,85 @@ def test_grpc_rpcs_not_served_answer_unimplemented_without_an_error_logged(clien
     assert err.value.code() == grpcclient.grpc.StatusCode.UNIMPLEMENTED
     assert err.value.details() == "moe-serve does not serve NoSuchRpc"
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def _requests_counted(url: str, route: str, status: str) -> float:
+    series = f'moe_serve_requests_total{{route="{route}",status="{status}"}} '
+    line = next((x for x in httpx.get(url).text.splitlines() if x.startswith(series)), None)
+    return 0.0 if line is None else float(line.rsplit(" ", 1)[1])
+
+
+class _Logged(logging.Handler):
+    """Each record's message and the request id it was logged under."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((logs.request_id.get(), record.getMessage()))
+
+
+def test_grpc_calls_are_counted_and_logged_with_their_request_id(urls, client) -> None:
+    """Each call (the RPC's handler made once, by its first call, and kept) is counted with its
+    status in the request metric and logged under its x-request-id, once it is answered; an RPC
+    moe-serve does not serve is counted UNIMPLEMENTED each time it is called."""
+    metrics = f"{urls[0]}/metrics"
+    series = [("grpc ModelInfer", "OK"), ("grpc NoSuchRpc", "UNIMPLEMENTED")]
+    before = [_requests_counted(metrics, *s) for s in series]
+    x = np.ones((1, H), np.float32)
+    call = client._channel.unary_unary("/inference.GRPCInferenceService/NoSuchRpc")
+    logger = logging.getLogger("moe_serve.service.grpc.interceptors")
+    logged, level = _Logged(), logger.level
+    logger.addHandler(logged)
+    logger.setLevel(logging.INFO)
+    try:
+        for i in range(3):
+            client.infer(TINY, [_input("hidden_states", x)], headers={"x-request-id": f"id-{i}"})
+        for _ in range(2):
+            with pytest.raises(grpcclient.grpc.RpcError):
+                call(b"")
+        # answered by the server's loop: after every call's bookkeeping
+        after = [_requests_counted(metrics, *s) for s in series]
+    finally:
+        logger.removeHandler(logged)
+        logger.setLevel(level)
+    assert [a - b for a, b in zip(after, before, strict=True)] == [3, 2]
+    for i in range(3):
+        assert any(
+            rid == f"id-{i}" and m.startswith("grpc ModelInfer -> OK in ")
+            for rid, m in logged.lines
+        )
+
+
+def test_the_call_gate_makes_each_served_rpcs_handler_once() -> None:
+    """The servicer's handler of an RPC is looked up, and wrapped, by its first call only; a
+    name the service does not serve is answered each time, and nothing of it is kept."""
+    from moe_serve.service.core.runtime import Runtime
+    from moe_serve.service.grpc.interceptors import CallGate
+    from moe_serve.service.metrics import Metrics
+
+    looked_up = []
+
+    async def continuation(details):
+        looked_up.append(details.method)
+        return grpcclient.grpc.unary_unary_rpc_method_handler(lambda request, context: None)
+
+    class Details:
+        def __init__(self, method: str) -> None:
+            self.method = method
+
+    async def calls() -> list:
+        gate = CallGate(Runtime(Settings(device="cpu"), Metrics()), {"ModelInfer"})
+        return [
+            await gate.intercept_service(continuation, Details(f"/{SERVICE}/{rpc}"))
+            for rpc in ("ModelInfer", "ModelInfer", "NoSuchRpc", "NoSuchRpc")
+        ] + [gate._handlers]
+
+    infer, again, unknown, unknown_again, kept = asyncio.run(calls())
+    assert looked_up == [f"/{SERVICE}/ModelInfer"]
+    assert again is infer and infer.request_streaming and not infer.response_streaming
+    assert unknown is not unknown_again and list(kept) == [f"/{SERVICE}/ModelInfer"]
 
 
 def test_grpc_raw_contents_of_the_wrong_size_are_refused(client) -> None:

@@ -72,3 +72,111 @@ def test_lengths_are_written_as_protobuf_writes_them(size: int) -> None:
     contents = b"x" * size
     message = pb.ModelInferResponse(raw_output_contents=[contents])
     assert message.SerializeToString() == RAW_OUTPUT_CONTENTS + _varint(size) + contents
+
+
+def test_a_request_decodes_to_the_models_of_its_fields() -> None:
+    """Every field of the message, its parameters of each type and its empty maps alike, lands
+    where the HTTP codec's models put it."""
+    from moe_serve.service.codecs.kserve import InferInput, RequestedOutput
+    from moe_serve.service.grpc.codec import decode_infer
+
+    message = pb.ModelInferRequest(model_name="m", id="req-2")
+    message.parameters["priority"].uint64_param = 2
+    message.parameters["sequence_start"].bool_param = True
+    hidden = message.inputs.add(name="hidden_states", datatype="FP32", shape=[2, 3])
+    hidden.parameters["shared_memory_region"].string_param = "r"
+    hidden.parameters["shared_memory_byte_size"].int64_param = 24
+    logits = message.inputs.add(name="router_logits", datatype="FP32", shape=[2, 4])
+    logits.contents.fp32_contents.extend([0.5] * 8)
+    output = message.outputs.add(name="output")
+    output.parameters["scale"].double_param = 0.25
+    request, tensors = decode_infer(message)
+    assert request == InferRequest(
+        id="req-2",
+        parameters={"priority": 2, "sequence_start": True},
+        inputs=[
+            InferInput(
+                name="hidden_states",
+                shape=[2, 3],
+                datatype="FP32",
+                parameters={"shared_memory_region": "r", "shared_memory_byte_size": 24},
+            ),
+            InferInput(name="router_logits", shape=[2, 4], datatype="FP32"),
+        ],
+        outputs=[RequestedOutput(name="output", parameters={"scale": 0.25})],
+    )
+    assert list(tensors) == ["router_logits"] and tensors["router_logits"].eq(0.5).all()
+    bare, _ = decode_infer(pb.ModelInferRequest(model_name="m"))
+    assert bare == InferRequest(inputs=[]) and bare.outputs is None
+
+
+def _in_shared_memory(request_id: str = "", rows: int = 2, name: str = "r") -> pb.ModelInferRequest:
+    message = pb.ModelInferRequest(model_name="m", id=request_id)
+    hidden = message.inputs.add(name="hidden_states", datatype="FP32", shape=[rows, 3])
+    hidden.parameters["shared_memory_region"].string_param = name
+    hidden.parameters["shared_memory_byte_size"].int64_param = rows * 12
+    return message
+
+
+def test_a_message_without_tensor_values_decodes_once_and_is_kept() -> None:
+    """The same message again (its map's entries in another order too) gets the request decoded
+    the first time; another id, region or shape is another request; tensors in the message, an
+    input of no rows and a message past KEPT_MESSAGE_BYTES are decoded each time."""
+    from moe_serve.service.grpc.codec import KEPT_MESSAGE_BYTES, KEPT_REQUESTS, decode_infer
+
+    first, tensors = decode_infer(_in_shared_memory())
+    again, more = decode_infer(
+        pb.ModelInferRequest.FromString(_in_shared_memory().SerializeToString())
+    )
+    assert again is first and tensors == more == {} and more is not tensors
+    reordered = pb.ModelInferRequest(model_name="m")
+    hidden = reordered.inputs.add(name="hidden_states", datatype="FP32", shape=[2, 3])
+    hidden.parameters["shared_memory_byte_size"].int64_param = 24
+    hidden.parameters["shared_memory_region"].string_param = "r"
+    assert decode_infer(reordered)[0] is first
+    other = decode_infer(_in_shared_memory(request_id="req-7"))[0]
+    assert other is not first and other.id == "req-7" and first.id is None
+    assert decode_infer(_in_shared_memory(rows=3))[0].inputs[0].shape == [3, 3]
+    with_values = _in_shared_memory()
+    logits = with_values.inputs.add(name="router_logits", datatype="FP32", shape=[1, 2])
+    logits.contents.fp32_contents.extend([1.0, 2.0])
+    decoded = [decode_infer(with_values) for _ in range(2)]
+    assert decoded[0][0] == decoded[1][0] and decoded[0][0] is not decoded[1][0]
+    assert decoded[1][1]["router_logits"].tolist() == [[1.0, 2.0]]
+    empty = pb.ModelInferRequest(model_name="m")
+    empty.inputs.add(name="hidden_states", datatype="FP32", shape=[0, 3])
+    rows = [decode_infer(empty) for _ in range(2)]
+    assert rows[0][0] is not rows[1][0] and rows[1][1]["hidden_states"].shape == (0, 3)
+    long = _in_shared_memory(name="r" * KEPT_MESSAGE_BYTES)
+    assert decode_infer(long)[0] is not decode_infer(long)[0]
+    # at most KEPT_REQUESTS are kept: past them, the first is decoded anew
+    kept = decode_infer(_in_shared_memory(request_id="first-kept"))[0]
+    for i in range(KEPT_REQUESTS):
+        decode_infer(_in_shared_memory(request_id=f"other-{i}"))
+    assert decode_infer(_in_shared_memory(request_id="first-kept"))[0] is not kept
+
+
+def test_a_reply_of_outputs_in_shared_memory_is_kept_for_the_same_entries() -> None:
+    """inference lists an output at a place by one entry kept per place, shape and dtype; the
+    reply of such entries only is built once per model, id and stream, and one of entries that
+    are equal but not the same is built anew, equal."""
+    from moe_serve.service.core.inference import _placed
+    from moe_serve.service.triton.shared_memory import TensorPlace
+
+    hidden = torch.ones(2, 3)
+    entry = _placed(TensorPlace("r", 24, 24), hidden)
+    assert _placed(TensorPlace("r", 24, 24), torch.zeros(2, 3)) is entry
+    assert _placed(TensorPlace("r", 0, 24), hidden) is not entry
+    request = InferRequest(inputs=[])
+    reply = encode_infer("m", "1", request, {}, [entry])
+    assert encode_infer("m", "1", request, {}, [entry]) is reply
+    assert pb.ModelInferResponse.FromString(reply) == _built(request, {}, [entry])
+    for other in (
+        encode_infer("m", "1", InferRequest(id="req-3", inputs=[]), {}, [entry]),
+        encode_infer("m", "1", request, {}, [entry], stream=True),
+        encode_infer("m", "1", request, {"output": hidden}, [entry]),
+    ):
+        assert other is not reply and other != reply
+    equal = entry.model_copy(deep=True)
+    rebuilt = encode_infer("m", "1", request, {}, [equal])
+    assert rebuilt is not reply and rebuilt == reply

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import errno
 import os
 import re
 import threading
@@ -20,13 +21,14 @@ import pytest
 import torch
 
 from moe_serve.service import off_loop
-from moe_serve.service.errors import BadInput, Forbidden, Overloaded
+from moe_serve.service.errors import BadInput, Forbidden, NotReady, Overloaded
 from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from moe_serve.service.triton import shared_memory
 from moe_serve.service.triton.shared_memory import (
     MIN_BLOCK_BYTES,
     CopyMemory,
+    Loan,
     SharedMemory,
     SystemRegion,
     owner_of,
@@ -42,9 +44,16 @@ ROWS = 3
 TENSOR_BYTES = ROWS * H * 4  # float32
 
 
-def _bytes(n: int) -> torch.Tensor:
-    """Memory a region is read into."""
-    return torch.empty(n, dtype=torch.uint8)
+async def _read(r: SystemRegion, offset: int, size: int, alone: bool = False) -> torch.Tensor:
+    """`size` bytes of region `r` at `offset`, read into new memory."""
+    into = torch.empty(size, dtype=torch.uint8)
+    await r.read(offset, memoryview(into.numpy()), alone)
+    return into
+
+
+def _memory(loan: Loan) -> torch.Tensor:
+    """A loan's bytes (uint8)."""
+    return loan.view(torch.uint8, (loan.nbytes,))
 
 
 @pytest.fixture(scope="module")
@@ -269,10 +278,10 @@ def test_a_system_region_reads_and_writes_exactly_its_bytes(region) -> None:
         raw = shm.get_contents_as_numpy(handle, np.uint8, [2 * TENSOR_BYTES])
         assert (raw[:24] == 7).all() and (raw[24 + 64 :] == 7).all()
         assert raw[24 : 24 + 64].tobytes() == data.contiguous().view(torch.uint8).numpy().tobytes()
-        read = asyncio.run(r.read(8, 64, _bytes(64)))
+        read = asyncio.run(_read(r, 8, 64))
         asyncio.run(r.write(8, torch.zeros(32, dtype=torch.bfloat16)))
         torch.testing.assert_close(read.view(torch.bfloat16).reshape(8, 4), data, rtol=0, atol=0)
-        assert asyncio.run(r.read(0, 0, _bytes(0))).numel() == 0
+        assert asyncio.run(_read(r, 0, 0)).numel() == 0
     finally:
         r.close()
 
@@ -303,11 +312,11 @@ def test_a_shrunk_object_is_refused_by_read_and_write_never_touched(region) -> N
     try:
         os.truncate(Path("/dev/shm") / key.lstrip("/"), 32)
         with pytest.raises(BadInput, match="region 'r': 64 bytes at offset 8 lie past the end"):
-            asyncio.run(r.read(8, 64, _bytes(64)))
+            asyncio.run(_read(r, 8, 64))
         with pytest.raises(BadInput, match=f"shared-memory object '{key}', now of 32 bytes"):
             asyncio.run(r.write(8, torch.zeros(16)))
         # what is still there reads as before
-        assert asyncio.run(r.read(0, 16, _bytes(16))).numel() == 16
+        assert asyncio.run(_read(r, 0, 16)).numel() == 16
     finally:
         r.close()
 
@@ -377,11 +386,35 @@ def test_a_large_copy_runs_off_the_event_loop(monkeypatch) -> None:
 
         async def copies() -> None:
             await r.write(0, torch.ones(size // 4))
-            assert (await r.read(0, size, _bytes(size))).view(torch.float32).eq(1).all()
-            await r.read(0, 64, _bytes(64))  # small: here
+            assert (await _read(r, 0, size)).view(torch.float32).eq(1).all()
+            await _read(r, 0, 64)  # small: here
 
         asyncio.run(copies())
     assert threads == ["worker", "worker", "loop"]
+
+
+def test_a_copy_on_the_loop_goes_through_the_regions_descriptor_one_on_a_thread_its_own(
+    monkeypatch,
+) -> None:
+    """Nothing closes the region's descriptor while a copy on the loop runs, so that copy makes
+    no descriptor of its own (and still serves with none left); a copy on a thread does, which
+    an unregister meanwhile leaves open."""
+    size = 4 << 20
+    with _copies_seen(monkeypatch, size) as (r, threads):
+
+        def no_descriptor_left(fd: int) -> int:
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        monkeypatch.setattr(shared_memory.os, "dup", no_descriptor_left)
+
+        async def copies() -> None:
+            await r.write(0, torch.full((16,), 2.0))
+            assert (await _read(r, 0, 64)).view(torch.float32).eq(2).all()
+            with pytest.raises(NotReady, match="no file descriptor left"):
+                await _read(r, 0, size)
+
+        asyncio.run(copies())
+    assert threads == ["loop", "loop"]
 
 
 def test_the_servers_only_request_copies_a_few_megabytes_on_the_loop(monkeypatch) -> None:
@@ -392,9 +425,9 @@ def test_the_servers_only_request_copies_a_few_megabytes_on_the_loop(monkeypatch
 
         async def copies() -> None:
             await r.write(0, torch.full((size // 4,), 3.0), alone=True)
-            got = await r.read(0, size, _bytes(size), alone=True)
+            got = await _read(r, 0, size, alone=True)
             assert got.view(torch.float32).eq(3).all()
-            await r.read(0, large, _bytes(large), alone=True)
+            await _read(r, 0, large, alone=True)
 
         asyncio.run(copies())
     assert threads == ["loop", "loop", "worker"]
@@ -482,7 +515,7 @@ def test_a_request_cancelled_mid_copy_gives_its_copy_memory_back_once_the_copy_e
         after: list = []
         place = shared_memory.TensorPlace("r", size, size)
         x = await memory.read("input b", place, torch.float32, shape, None, after, False)
-        assert after[0].memory.data_ptr() == held[0].memory.data_ptr()  # the same block
+        assert _memory(after[0]).data_ptr() == _memory(held[0]).data_ptr()  # the same block
         assert x.eq(1).all()
 
     try:
@@ -726,17 +759,20 @@ def test_copy_memory_is_reused_and_what_it_keeps_idle_is_bounded() -> None:
     faults); blocks given back past `max_idle_bytes` are let go."""
     memory = CopyMemory(max_idle_bytes=2 * MIN_BLOCK_BYTES)
     first = memory.lend(1000, pinned=False)
-    address = first.memory.data_ptr()
+    address = _memory(first).data_ptr()
     first.release()
     again = memory.lend(MIN_BLOCK_BYTES, pinned=False)
-    assert again.memory.data_ptr() == address and again.memory.numel() == MIN_BLOCK_BYTES
+    assert _memory(again).data_ptr() == address and _memory(again).numel() == MIN_BLOCK_BYTES
     larger = memory.lend(MIN_BLOCK_BYTES + 1, pinned=False)  # the next power of two
-    assert larger.memory.numel() == MIN_BLOCK_BYTES + 1
+    assert _memory(larger).numel() == MIN_BLOCK_BYTES + 1
     loans = [again, larger, memory.lend(10, pinned=False)]
     for loan in loans:
         loan.release()
     assert memory.idle_bytes == 2 * MIN_BLOCK_BYTES  # the larger block was let go
-    assert memory.lend(10, pinned=False).memory.data_ptr() in (address, loans[2].memory.data_ptr())
+    assert _memory(memory.lend(10, pinned=False)).data_ptr() in (
+        address,
+        _memory(loans[2]).data_ptr(),
+    )
 
 
 def test_a_block_of_copy_memory_keeps_the_tensors_made_over_it_for_its_next_loans() -> None:
@@ -746,12 +782,12 @@ def test_a_block_of_copy_memory_keeps_the_tensors_made_over_it_for_its_next_loan
     first = memory.lend(48, pinned=False)
     rows = first.view(torch.float32, (3, 4))
     rows.copy_(torch.arange(12.0).view(3, 4))
-    assert first.memory.data_ptr() == rows.data_ptr() and first.memory.numel() == 48
-    assert bytes(first.raw) == first.memory.numpy().tobytes() == rows.numpy().tobytes()
+    assert _memory(first).data_ptr() == rows.data_ptr() and _memory(first).numel() == 48
+    assert bytes(first.raw) == _memory(first).numpy().tobytes() == rows.numpy().tobytes()
     first.release()
     again = memory.lend(48, pinned=False)
     assert again.view(torch.float32, [3, 4]) is rows  # the same tensor, shape as a list too
-    assert again.memory is first.memory
+    assert _memory(again) is _memory(first)
     assert again.view(torch.int32, (12,)).data_ptr() == rows.data_ptr()
     assert memory.lend(48, pinned=False).view(torch.float32, (3, 4)) is not rows  # another block
     assert again.block.view(4, torch.float32, []).shape == ()  # a scalar
