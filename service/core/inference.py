@@ -10,7 +10,6 @@ Triton model configuration are both read from the layer and the batcher that ser
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
 from dataclasses import dataclass, field
 
@@ -32,7 +31,7 @@ from ..codecs.kserve import (
 from ..engine.batcher import RequestOptions
 from ..engine.interface import ServedLayer, ServingEngine
 from ..errors import BadInput, PayloadTooLarge
-from ..triton.shared_memory import VIEWS_KEPT, CopyReservation, DeviceRegion, Loan, TensorPlace
+from ..triton.shared_memory import CopyReservation, DeviceRegion, Loan, TensorPlace
 from ..triton.statistics import VERSION
 from .forward import MAX_SCHEDULE_VALUE, TENSOR_NAMES, schedule_options, submit_unless_withdrawn
 from .inputs import check_inputs
@@ -299,18 +298,14 @@ def _output_place(
 def _placed(place: TensorPlace, hidden: torch.Tensor) -> InferOutput:
     """The output written at `place` (as big as the input, in its datatype), as the reply lists
     it."""
-    return _placed_output(place, hidden.shape, hidden.dtype)
-
-
-@functools.lru_cache(maxsize=VIEWS_KEPT)
-def _placed_output(place: TensorPlace, shape: torch.Size, dtype: torch.dtype) -> InferOutput:
-    """One entry per place, shape and dtype, kept: a client names the same place request after
-    request, and the replies only read it (gRPC's codec keeps its reply by it)."""
-    parameters = {SHM_REGION: place.region, SHM_BYTE_SIZE: shape.numel() * dtype.itemsize}
+    parameters = {SHM_REGION: place.region, SHM_BYTE_SIZE: hidden.numel() * hidden.itemsize}
     if place.offset:
         parameters[SHM_OFFSET] = place.offset
     return InferOutput(
-        name=OUTPUT, shape=list(shape), datatype=DATATYPE_NAMES[dtype], parameters=parameters
+        name=OUTPUT,
+        shape=list(hidden.shape),
+        datatype=DATATYPE_NAMES[hidden.dtype],
+        parameters=parameters,
     )
 
 

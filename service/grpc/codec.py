@@ -88,36 +88,8 @@ def input_bytes(message: pb.ModelInferRequest) -> int:
     return raw + sum(4 * len(t.contents.fp32_contents) for t in message.inputs)
 
 
-# Requests decoded from a message that carries no tensor values (its inputs are in shared
-# memory), kept by the message: a client sends the same one again and again (its regions,
-# shapes and parameters stay), and decoding it was the codec's largest share of such a
-# request's host time (`bench/transport_bench.py`). A request kept is shared by the calls that
-# send its message, so nothing changes one once decoded (inference and encode_infer only read).
-KEPT_REQUESTS = 16
-KEPT_MESSAGE_BYTES = 4 << 10  # a longer message (many inputs, long names) is decoded each time
-_kept: dict[bytes, InferRequest] = {}
-_replies: dict[tuple, tuple[tuple[InferOutput, ...], bytes]] = {}  # encode_infer's
-
-
 def decode_infer(message: pb.ModelInferRequest) -> tuple[InferRequest, dict[str, torch.Tensor]]:
-    """A ModelInferRequest -> the request and its input tensors (shared-memory ones excluded).
-    A message with no tensor values decodes once, as long as it is among the last
-    KEPT_REQUESTS such messages."""
-    if message.raw_input_contents or any(t.HasField("contents") for t in message.inputs):
-        return _decode(message)
-    key = message.SerializeToString(deterministic=True)  # maps in one order
-    request = _kept.get(key)
-    if request is not None:
-        return request, {}
-    request, tensors = _decode(message)
-    if not tensors and len(key) <= KEPT_MESSAGE_BYTES:  # (an input of no rows has a tensor)
-        if len(_kept) >= KEPT_REQUESTS:
-            _kept.clear()
-        _kept[key] = request
-    return request, tensors
-
-
-def _decode(message: pb.ModelInferRequest) -> tuple[InferRequest, dict[str, torch.Tensor]]:
+    """A ModelInferRequest -> the request and its input tensors (shared-memory ones excluded)."""
     # validated as one: pydantic builds the nested models itself, faster than one call each
     request = InferRequest.model_validate(
         {
@@ -174,17 +146,7 @@ def encode_infer(
 
     The tensors' bytes are written on the wire as the message's raw_output_contents fields,
     after the rest of it (a parser reads fields in any order), so each is copied once, into the
-    reply: set in the message and serialized with it, they were copied twice more.
-
-    A reply of `placed` outputs only is kept, by the entries themselves (inference keeps one
-    per place): the next request that names the same places gets it as it is."""
-    key = None
-    if placed and not outputs:
-        key = (model_name, version, request.id, stream, *map(id, placed))
-        kept = _replies.get(key)
-        # the entries kept with it are alive: an id of theirs names no other object
-        if kept is not None and all(a is b for a, b in zip(kept[0], placed, strict=True)):
-            return kept[1]
+    reply: set in the message and serialized with it, they were copied twice more."""
     response = pb.ModelInferResponse(model_name=model_name, model_version=version, id=request.id)
     raw = []
     for name, tensor in outputs.items():
@@ -200,12 +162,7 @@ def encode_infer(
         parts += [RAW_OUTPUT_CONTENTS, _varint(len(contents)), contents]
     if stream:
         parts[:0] = [STREAM_INFER_RESPONSE, _varint(sum(map(len, parts)))]
-    reply = b"".join(parts)
-    if key is not None:
-        if len(_replies) >= KEPT_REQUESTS:
-            _replies.clear()
-        _replies[key] = (tuple(placed), reply)
-    return reply
+    return b"".join(parts)
 
 
 def _varint(value: int) -> bytes:
