@@ -282,6 +282,8 @@ def _output_place(
             raise BadInput(f"unknown output {requested.name!r}; model {name!r} has {OUTPUT!r}")
         if i:  # the one output, named again: which entry's place and parameters hold?
             raise BadInput(f"output {OUTPUT} is requested twice")
+        if requested.parameters.get("classification", 0):  # an extension not advertised
+            raise BadInput(f"output {OUTPUT}: classification is not supported (the tensor only)")
         what = f"output {requested.name}"
         place, into = TensorPlace.of(what, requested.parameters), None
         if place is not None:

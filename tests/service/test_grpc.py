@@ -175,6 +175,15 @@ def test_grpc_parameters_with_no_value_are_invalid_argument(client) -> None:
     assert err.value.code() == grpcclient.grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_grpc_classification_asked_by_the_stock_client_is_invalid_argument(client) -> None:
+    x = np.zeros((1, H), dtype=np.float32)
+    asked = grpcclient.InferRequestedOutput("output", class_count=3)
+    with pytest.raises(grpcclient.InferenceServerException) as err:
+        client.infer(TINY, [_input("hidden_states", x)], outputs=[asked])
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "classification is not supported" in err.value.message()
+
+
 def test_grpc_sends_router_logits(client) -> None:
     rng = np.random.default_rng(2)
     x = rng.standard_normal((3, H)).astype(np.float32)

@@ -122,6 +122,22 @@ def test_infer_with_an_output_requested_twice_returns_400(server_url: str) -> No
     assert r.json() == {"error": "output output is requested twice"}
 
 
+def test_infer_asking_for_classification_returns_400(server_url: str) -> None:
+    """The classification extension is not offered: asking for it is a 400, not a tensor
+    answered as if it had not been asked."""
+    body = {
+        "inputs": [
+            {"name": "hidden_states", "shape": [1, H], "datatype": "FP32", "data": [0.0] * H}
+        ],
+        "outputs": [{"name": "output", "parameters": {"classification": 3}}],
+    }
+    r = httpx.post(f"{server_url}/v2/models/{TINY}/infer", json=body)
+    assert r.status_code == 400
+    assert r.json() == {"error": "output output: classification is not supported (the tensor only)"}
+    body["outputs"] = [{"name": "output", "parameters": {"classification": 0}}]  # not asked
+    assert httpx.post(f"{server_url}/v2/models/{TINY}/infer", json=body).status_code == 200
+
+
 @pytest.mark.parametrize(
     "length", [b"x", b"-1", b"\xb2"], ids=["letter", "negative", "superscript"]
 )
