@@ -42,7 +42,11 @@ from moe_serve.service.frontends.channel import (
     RecordReader,
     RecordWriter,
 )
-from moe_serve.service.frontends.channel_server import MAX_FRONT_END_RECORD_BYTES, ChannelServer
+from moe_serve.service.frontends.channel_server import (
+    MAX_FRONT_END_RECORD_BYTES,
+    ChannelServer,
+    _FrontEndLink,
+)
 from moe_serve.service.metrics import Metrics
 from moe_serve.service.settings import Settings
 from tests.service.layers import TINY, H, reference_forward, tiny_layers
@@ -396,6 +400,27 @@ def test_a_scrape_begun_while_another_settles_counts_what_was_answered_before_it
             return await asyncio.wait_for(body(s), WAIT_S)
 
     assert asyncio.run(main()) == 1
+
+
+def test_a_settle_sent_as_the_front_end_is_accepted_is_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A scrape as a front end (re)starts: its SETTLE follows the answer to HELLO, before the
+    front end is connected."""
+    scrapes = []
+
+    def accept_then_settle(link, records):
+        accept(link, records)
+        scrapes.append(link.settle())
+
+    accept = _FrontEndLink._hello
+    monkeypatch.setattr(_FrontEndLink, "_hello", accept_then_settle)
+
+    async def main():
+        async with served(BatchPolicy(64, 0.0, 16)):
+            await asyncio.wait_for(asyncio.shield(scrapes[0]), WAIT_S)
+
+    asyncio.run(main())
 
 
 def test_a_scrape_does_not_wait_for_a_front_end_that_has_gone() -> None:
