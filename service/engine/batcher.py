@@ -2,7 +2,8 @@
 
     submit(layer, inputs, options) -> a request in the layer's queue, at its priority level;
       launched at once instead, as a batch of its own, when nothing of the layer waits and
-      nothing runs on its device (one client's request pays no scheduler wake-up)
+      nothing runs on its device (one client's request pays no scheduler wake-up), and then
+      waited for by the event loop itself (no thread's wake-up, nor the loop's)
     scheduler (one asyncio task per layer): once a forward may start (fewer than
       engine.max_in_flight running on the layer's device) and the batch is full or its oldest
       request has waited max_batch_delay -> rows taken from the queued requests ->
@@ -24,6 +25,16 @@ than the hop); a completer thread per device waits for each of its batches' devi
 finish (so that a batch done on one GPU never waits behind a longer one on another). A
 synchronous engine (the CPU) runs each batch to its end on the launcher thread, which answers
 it from there.
+
+A lone request's batch on a GPU is not handed to the completer: the event loop looks whether
+it is done at each of its turns, and turns without sleeping meanwhile (still serving what
+arrives), then answers it at once. A loop that slept through a forward of milliseconds woke to
+the completer's call late (its core idle deep, its caches cold) and ran the reply's host work
+slowly, and the completer, woken and waiting for the GIL, took longer still: one client paid
+it on every request (`bench/request_path.py`: batcher-pinned against engine-pinned, which
+grows with the forward's time). It costs a core while the batch runs. The batch goes to the
+completer as soon as another one is launched on its device: a loop that never sleeps holds the
+GIL that the launcher and completer threads then need.
 """
 
 from __future__ import annotations
@@ -59,7 +70,7 @@ from ..errors import (
 )
 from ..interpreter import switch_gil_often
 from ..metrics import Metrics
-from .interface import BatchResult, ServedLayer, ServingEngine
+from .interface import BatchResult, Pending, ServedLayer, ServingEngine
 from .pipeline import copied_in_place
 
 log = logging.getLogger(__name__)
@@ -262,6 +273,8 @@ class _Lane:
     in_flight: asyncio.Semaphore
     completer: _Completer
     busy: int = 0  # batches launched and not finished
+    # the lone batch the event loop waits for itself (see the module doc), and its result
+    polled: tuple[_Launched, Pending] | None = None
 
 
 @dataclass(frozen=True)
@@ -407,7 +420,8 @@ class DynamicBatcher:
         request.taken = request.tokens
         request.pieces_taken = 1
         request.running = 1
-        if not await self._launch(name, [_Piece(request, 0, request.tokens)], lane):
+        piece = _Piece(request, 0, request.tokens)
+        if not await self._launch(name, [piece], lane, alone=True):
             lane.in_flight.release()
 
     def _drop(self, name: str, q: _LayerQueue, request: _Request) -> None:
@@ -547,9 +561,12 @@ class DynamicBatcher:
         )
         return nbytes <= off_loop.BINARY.on_loop_bytes
 
-    async def _launch(self, name: str, batch: list[_Piece], lane: _Lane) -> bool:
-        """Start `batch` (on the launcher thread unless it starts on the loop); False (and its
-        requests failed) if it raised. Its queue metrics are recorded once it is answered."""
+    async def _launch(
+        self, name: str, batch: list[_Piece], lane: _Lane, alone: bool = False
+    ) -> bool:
+        """Start `batch` (on the launcher thread unless it starts on the loop; `alone`: a lone
+        request's, known to start on the loop, and waited for there); False (and its requests
+        failed) if it raised. Its queue metrics are recorded once it is answered."""
         loop = asyncio.get_running_loop()
         now_ns = time.perf_counter_ns()
         queued_ns = [now_ns - piece.request.arrived_ns for piece in batch]
@@ -565,7 +582,7 @@ class DynamicBatcher:
             return True
         try:
             async with self._launching:  # one launch at a time: the streams take them in order
-                if self._starts_on_loop(parts):
+                if alone or self._starts_on_loop(parts):
                     pending = self.engine.start(name, parts, into)
                 else:
                     pending = await loop.run_in_executor(
@@ -578,8 +595,40 @@ class DynamicBatcher:
             self._fail(name, batch, err)
             return False
         launched = self._launched(name, batch, lane, queued_ns)
-        lane.completer.submit(partial(self._complete, loop, launched, pending.result))
+        if lane.polled is not None:  # the completer takes the lone batch before this one
+            self._hand_over(loop, lane)
+        if alone:
+            lane.polled = (launched, pending)
+            loop.call_soon(self._poll, lane, launched)
+        else:
+            lane.completer.submit(partial(self._complete, loop, launched, pending.result))
         return True
+
+    def _poll(self, lane: _Lane, launched: _Launched) -> None:
+        """At each turn of the loop: answer the lone batch once it is done, else look again
+        at the next turn (a callback always ready: the loop polls for I/O, never sleeps)."""
+        if lane.polled is None or lane.polled[0] is not launched:
+            return  # handed to the completer
+        pending = lane.polled[1]
+        try:
+            done = pending.done()
+        except Exception:
+            done = True  # the device failed: its result raises it
+        if not done:
+            asyncio.get_running_loop().call_soon(self._poll, lane, launched)
+            return
+        lane.polled = None
+        try:
+            result: BatchResult | Exception = pending.result()
+        except Exception as err:
+            result = err
+        self._finish(launched, result)
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop, lane: _Lane) -> None:
+        """The lone batch the loop waits for goes to the completer (in launch order)."""
+        launched, pending = lane.polled
+        lane.polled = None
+        lane.completer.submit(partial(self._complete, loop, launched, pending.result))
 
     def _count_queued(self, name: str, batch: list[_Piece], queued_ns: list[int]) -> None:
         """The queue metrics of a launched batch: each request's wait for its first rows' forward,

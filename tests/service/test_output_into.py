@@ -55,6 +55,9 @@ class EnqueuingEngine(Engine):
         engine = self
 
         class Later:
+            def done(self) -> bool:
+                return engine.gate.is_set()
+
             def result(self) -> BatchResult:
                 assert engine.gate.wait(WAIT_S), "test gate never opened"
                 done = engine._run_now(engine.get(name), parts).result()
