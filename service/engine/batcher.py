@@ -32,9 +32,11 @@ arrives), then answers it at once. A loop that slept through a forward of millis
 the completer's call late (its core idle deep, its caches cold) and ran the reply's host work
 slowly, and the completer, woken and waiting for the GIL, took longer still: one client paid
 it on every request (`bench/request_path.py`: batcher-pinned against engine-pinned, which
-grows with the forward's time). It costs a core while the batch runs. The batch goes to the
-completer as soon as another one is launched on its device: a loop that never sleeps holds the
-GIL that the launcher and completer threads then need.
+grows with the forward's time). It costs a core while the batch runs (CUDA's own wait spins
+one in the completer otherwise). Only a batch launched while no other is in flight is polled,
+and it goes to its completer as soon as another one is launched, on any device: a loop that
+never sleeps holds the GIL for long stretches, which the launcher and completer threads would
+then wait for.
 """
 
 from __future__ import annotations
@@ -273,8 +275,6 @@ class _Lane:
     in_flight: asyncio.Semaphore
     completer: _Completer
     busy: int = 0  # batches launched and not finished
-    # the lone batch the event loop waits for itself (see the module doc), and its result
-    polled: tuple[_Launched, Pending] | None = None
 
 
 @dataclass(frozen=True)
@@ -304,6 +304,8 @@ class DynamicBatcher:
         self._admitted = 0  # requests in `submit`, every layer's
         self._launching = asyncio.Lock()
         self._closing = False
+        # the lone batch the event loop waits for itself (see the module doc), and its result
+        self._polled: tuple[_Launched, Pending] | None = None
         if engine.enqueues:  # process-wide: this process serves the device
             switch_gil_often()
 
@@ -572,6 +574,8 @@ class DynamicBatcher:
         queued_ns = [now_ns - piece.request.arrived_ns for piece in batch]
         parts = [piece.inputs() for piece in batch]
         into = [piece.output_into() for piece in batch]
+        if self._polled is not None:  # the launch may need the GIL: the loop stops polling
+            self._hand_over(loop)
         if not self.engine.enqueues:
             # A synchronous engine (CPU) runs the batch to its end on the launcher thread, which
             # hands the result straight to the loop: an executor future and the completer's hop
@@ -594,41 +598,43 @@ class DynamicBatcher:
             self._count_queued(name, batch, queued_ns)
             self._fail(name, batch, err)
             return False
+        # polled where nothing else is in flight on any device (no lone launch happens while
+        # another launch is under way: nothing was polled meanwhile)
+        polls = alone and not any(other.busy for other in self._lanes.values())
         launched = self._launched(name, batch, lane, queued_ns)
-        if lane.polled is not None:  # the completer takes the lone batch before this one
-            self._hand_over(loop, lane)
-        if alone:
-            lane.polled = (launched, pending)
-            loop.call_soon(self._poll, lane, launched)
+        if polls:
+            self._polled = (launched, pending)
+            loop.call_soon(self._poll, launched)
         else:
             lane.completer.submit(partial(self._complete, loop, launched, pending.result))
         return True
 
-    def _poll(self, lane: _Lane, launched: _Launched) -> None:
+    def _poll(self, launched: _Launched) -> None:
         """At each turn of the loop: answer the lone batch once it is done, else look again
         at the next turn (a callback always ready: the loop polls for I/O, never sleeps)."""
-        if lane.polled is None or lane.polled[0] is not launched:
+        if self._polled is None or self._polled[0] is not launched:
             return  # handed to the completer
-        pending = lane.polled[1]
+        pending = self._polled[1]
         try:
             done = pending.done()
         except Exception:
             done = True  # the device failed: its result raises it
         if not done:
-            asyncio.get_running_loop().call_soon(self._poll, lane, launched)
+            asyncio.get_running_loop().call_soon(self._poll, launched)
             return
-        lane.polled = None
+        self._polled = None
         try:
             result: BatchResult | Exception = pending.result()
         except Exception as err:
             result = err
         self._finish(launched, result)
 
-    def _hand_over(self, loop: asyncio.AbstractEventLoop, lane: _Lane) -> None:
-        """The lone batch the loop waits for goes to the completer (in launch order)."""
-        launched, pending = lane.polled
-        lane.polled = None
-        lane.completer.submit(partial(self._complete, loop, launched, pending.result))
+    def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The lone batch the loop waits for goes to its device's completer (ahead of any batch
+        launched after it)."""
+        launched, pending = self._polled
+        self._polled = None
+        launched.lane.completer.submit(partial(self._complete, loop, launched, pending.result))
 
     def _count_queued(self, name: str, batch: list[_Piece], queued_ns: list[int]) -> None:
         """The queue metrics of a launched batch: each request's wait for its first rows' forward,

@@ -16,7 +16,8 @@ from moe_serve.kernels.tensors import ForwardInputs
 from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher
 from moe_serve.service.errors import ForwardFailed
 from moe_serve.service.metrics import Metrics
-from tests.service.layers import TINY, H, reference_forward
+from tests.service.layers import NO_ROUTER, TINY, E, H, reference_forward
+from tests.service.test_devices import _HeldPerLayer
 from tests.service.test_output_into import WAIT_S, EnqueuingEngine, _run
 
 COMPLETER = "moe-complete-cpu"
@@ -56,6 +57,26 @@ def test_a_batch_launched_behind_a_lone_one_takes_it_to_the_completer_in_launch_
     torch.testing.assert_close(lone.output, reference_forward(TINY, first))
     torch.testing.assert_close(behind.output, reference_forward(TINY, second))
     assert engine.answered_on == [(COMPLETER, 2), (COMPLETER, 3)]
+
+
+def test_a_lone_request_on_a_device_while_another_has_a_batch_goes_to_its_completer() -> None:
+    """The loop polls only where nothing else is in flight: a batch on another device hands the
+    one it polled to that device's completer, and goes to its own."""
+    engine = _HeldPerLayer()  # TINY on cpu:0, NO_ROUTER on cpu:1
+    engine.held[NO_ROUTER].set()
+    x, logits = _rows(3, seed=6), torch.randn(3, E, generator=torch.Generator().manual_seed(7))
+
+    async def body(batcher: DynamicBatcher):
+        held = asyncio.create_task(batcher.submit(TINY, ForwardInputs(x)))
+        await asyncio.to_thread(engine.launched.wait, WAIT_S)
+        other = await batcher.submit(NO_ROUTER, ForwardInputs(x, logits))
+        engine.held[TINY].set()
+        return await held, other
+
+    held, other = _run(engine, body)
+    torch.testing.assert_close(held.output, reference_forward(TINY, x))
+    torch.testing.assert_close(other.output, reference_forward(NO_ROUTER, x, logits))
+    assert engine.answered_on == [("moe-complete-cpu:1", 3), ("moe-complete-cpu:0", 3)]
 
 
 class _Timeouts(selectors.DefaultSelector):
