@@ -2,7 +2,8 @@
 
     submit(layer, inputs, options) -> a request in the layer's queue, at its priority level;
       launched at once instead, as a batch of its own, when nothing of the layer waits and
-      nothing runs on its device (one client's request pays no scheduler wake-up)
+      nothing runs on its device (one client's request pays no scheduler wake-up), and then
+      waited for by the event loop itself (no thread's wake-up, nor the loop's)
     scheduler (one asyncio task per layer): once a forward may start (fewer than
       engine.max_in_flight running on the layer's device) and the batch is full or its oldest
       request has waited max_batch_delay -> rows taken from the queued requests ->
@@ -24,6 +25,18 @@ than the hop); a completer thread per device waits for each of its batches' devi
 finish (so that a batch done on one GPU never waits behind a longer one on another). A
 synchronous engine (the CPU) runs each batch to its end on the launcher thread, which answers
 it from there.
+
+A lone request's batch on a GPU is not handed to the completer: the event loop looks whether
+it is done at each of its turns, and turns without sleeping meanwhile (still serving what
+arrives), then answers it at once. A loop that slept through a forward of milliseconds woke to
+the completer's call late (its core idle deep, its caches cold) and ran the reply's host work
+slowly, and the completer, woken and waiting for the GIL, took longer still: one client paid
+it on every request (`bench/request_path.py`: batcher-pinned against engine-pinned, which
+grows with the forward's time). It costs a core while the batch runs (CUDA's own wait spins
+one in the completer otherwise). Only a batch launched while no other is in flight is polled,
+and it goes to its completer as soon as another one is launched, on any device: a loop that
+never sleeps holds the GIL for long stretches, which the launcher and completer threads would
+then wait for.
 """
 
 from __future__ import annotations
@@ -59,7 +72,7 @@ from ..errors import (
 )
 from ..interpreter import switch_gil_often
 from ..metrics import Metrics
-from .interface import BatchResult, ServedLayer, ServingEngine
+from .interface import BatchResult, Pending, ServedLayer, ServingEngine
 from .pipeline import copied_in_place
 
 log = logging.getLogger(__name__)
@@ -291,6 +304,8 @@ class DynamicBatcher:
         self._admitted = 0  # requests in `submit`, every layer's
         self._launching = asyncio.Lock()
         self._closing = False
+        # the lone batch the event loop waits for itself (see the module doc), and its result
+        self._polled: tuple[_Launched, Pending] | None = None
         if engine.enqueues:  # process-wide: this process serves the device
             switch_gil_often()
 
@@ -407,7 +422,8 @@ class DynamicBatcher:
         request.taken = request.tokens
         request.pieces_taken = 1
         request.running = 1
-        if not await self._launch(name, [_Piece(request, 0, request.tokens)], lane):
+        piece = _Piece(request, 0, request.tokens)
+        if not await self._launch(name, [piece], lane, alone=True):
             lane.in_flight.release()
 
     def _drop(self, name: str, q: _LayerQueue, request: _Request) -> None:
@@ -547,14 +563,19 @@ class DynamicBatcher:
         )
         return nbytes <= off_loop.BINARY.on_loop_bytes
 
-    async def _launch(self, name: str, batch: list[_Piece], lane: _Lane) -> bool:
-        """Start `batch` (on the launcher thread unless it starts on the loop); False (and its
-        requests failed) if it raised. Its queue metrics are recorded once it is answered."""
+    async def _launch(
+        self, name: str, batch: list[_Piece], lane: _Lane, alone: bool = False
+    ) -> bool:
+        """Start `batch` (on the launcher thread unless it starts on the loop; `alone`: a lone
+        request's, known to start on the loop, and waited for there); False (and its requests
+        failed) if it raised. Its queue metrics are recorded once it is answered."""
         loop = asyncio.get_running_loop()
         now_ns = time.perf_counter_ns()
         queued_ns = [now_ns - piece.request.arrived_ns for piece in batch]
         parts = [piece.inputs() for piece in batch]
         into = [piece.output_into() for piece in batch]
+        if self._polled is not None:  # the launch may need the GIL: the loop stops polling
+            self._hand_over(loop)
         if not self.engine.enqueues:
             # A synchronous engine (CPU) runs the batch to its end on the launcher thread, which
             # hands the result straight to the loop: an executor future and the completer's hop
@@ -565,7 +586,7 @@ class DynamicBatcher:
             return True
         try:
             async with self._launching:  # one launch at a time: the streams take them in order
-                if self._starts_on_loop(parts):
+                if alone or self._starts_on_loop(parts):
                     pending = self.engine.start(name, parts, into)
                 else:
                     pending = await loop.run_in_executor(
@@ -577,9 +598,43 @@ class DynamicBatcher:
             self._count_queued(name, batch, queued_ns)
             self._fail(name, batch, err)
             return False
+        # polled where nothing else is in flight on any device (no lone launch happens while
+        # another launch is under way: nothing was polled meanwhile)
+        polls = alone and not any(other.busy for other in self._lanes.values())
         launched = self._launched(name, batch, lane, queued_ns)
-        lane.completer.submit(partial(self._complete, loop, launched, pending.result))
+        if polls:
+            self._polled = (launched, pending)
+            loop.call_soon(self._poll, launched)
+        else:
+            lane.completer.submit(partial(self._complete, loop, launched, pending.result))
         return True
+
+    def _poll(self, launched: _Launched) -> None:
+        """At each turn of the loop: answer the lone batch once it is done, else look again
+        at the next turn (a callback always ready: the loop polls for I/O, never sleeps)."""
+        if self._polled is None or self._polled[0] is not launched:
+            return  # handed to the completer
+        pending = self._polled[1]
+        try:
+            done = pending.done()
+        except Exception:
+            done = True  # the device failed: its result raises it
+        if not done:
+            asyncio.get_running_loop().call_soon(self._poll, launched)
+            return
+        self._polled = None
+        try:
+            result: BatchResult | Exception = pending.result()
+        except Exception as err:
+            result = err
+        self._finish(launched, result)
+
+    def _hand_over(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The lone batch the loop waits for goes to its device's completer (ahead of any batch
+        launched after it)."""
+        launched, pending = self._polled
+        self._polled = None
+        launched.lane.completer.submit(partial(self._complete, loop, launched, pending.result))
 
     def _count_queued(self, name: str, batch: list[_Piece], queued_ns: list[int]) -> None:
         """The queue metrics of a launched batch: each request's wait for its first rows' forward,

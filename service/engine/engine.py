@@ -353,6 +353,9 @@ class _Guarded:
     engine: Engine
     pending: Pending
 
+    def done(self) -> bool:
+        return self.pending.done()  # a device fault raises: `result` then stops the engine
+
     def result(self) -> BatchResult:
         try:
             return self.pending.result()

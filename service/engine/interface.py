@@ -88,6 +88,10 @@ class BatchResult:
 
 
 class Pending(Protocol):
+    def done(self) -> bool:
+        """Whether `result` would return without waiting for the device (it may raise what
+        made the device fail)."""
+
     def result(self) -> BatchResult:
         """Block until the batch is done; raises what its forward raised."""
 

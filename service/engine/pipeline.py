@@ -53,6 +53,9 @@ class Finished:
 
     value: BatchResult
 
+    def done(self) -> bool:
+        return True
+
     def result(self) -> BatchResult:
         return self.value
 
@@ -407,6 +410,9 @@ class _InFlight:
         self.sizes = sizes
         self.stage_s = stage_s
         self.into = into
+
+    def done(self) -> bool:
+        return self.slot.events["d2h_end"].query()
 
     def result(self) -> BatchResult:
         slot = self.slot

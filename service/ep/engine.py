@@ -598,6 +598,11 @@ class _EPBatch:
     gen: Generation
     pending: Pending
 
+    def done(self) -> bool:
+        """Whether rank 0's forward is done (`result` may still run it again, on an aborted
+        group: the batcher never waits for an expert-parallel batch on its event loop)."""
+        return self.pending.done()
+
     def result(self) -> BatchResult:
         try:
             result = self.pending.result()

@@ -205,6 +205,9 @@ class _HeldPerLayer(EnqueuingEngine):
         later, held = super().start(name, parts, into), self.held[name]
 
         class Held:
+            def done(self):
+                return held.is_set() and later.done()
+
             def result(self):
                 assert held.wait(WAIT_S), "test gate never opened"
                 return later.result()

@@ -39,6 +39,8 @@ class EnqueuingEngine(Engine):
         self.gate.set()
         self.launched = threading.Event()
         self.writes: list[str] = []  # in order: "wrote" when a batch filled its targets
+        self.answered_on: list[tuple[str, int]] = []  # (thread, rows) of each batch answered
+        self.starts = 0
 
     @property
     def enqueues(self) -> bool:
@@ -51,10 +53,14 @@ class EnqueuingEngine(Engine):
         into: Sequence[torch.Tensor | None] | None = None,
     ):
         into = list(into or [None] * len(parts))
+        self.starts += 1
         self.launched.set()
         engine = self
 
         class Later:
+            def done(self) -> bool:
+                return engine.gate.is_set()
+
             def result(self) -> BatchResult:
                 assert engine.gate.wait(WAIT_S), "test gate never opened"
                 done = engine._run_now(engine.get(name), parts).result()
@@ -65,6 +71,8 @@ class EnqueuingEngine(Engine):
                         out = type(out)(target, out.routing)
                     outputs.append(out)
                 engine.writes.append("wrote")
+                rows = sum(p.hidden_states.shape[0] for p in parts)
+                engine.answered_on.append((threading.current_thread().name, rows))
                 return BatchResult(outputs, done.expert_tokens, done.times, True, True)
 
         return Later()
