@@ -245,6 +245,7 @@ class EngineClient:
             raise ConnectionError(f"the engine refused the arena: {answer}")
         self.connected = True
         protocol.on_records = self._on_records
+        self._on_records(answer[1:])  # what the engine sent after its answer (a scrape's SETTLE)
 
     async def close(self) -> None:
         self.on_lost = lambda: None  # closed on purpose
@@ -311,8 +312,11 @@ class EngineClient:
             self._out.later(DONE, DONE_FIELDS.pack(status, seconds) + route.encode())
 
     def _on_hello(self, records: list[tuple[int, bytes]]) -> None:
+        """The engine's answer to HELLO, then what it sends until `connect` takes them."""
         if not self._hello.done():
             self._hello.set_result(records)
+        elif self._hello.result() is not None:
+            self._hello.result().extend(records)
 
     def _on_records(self, records: list[tuple[int, bytes]]) -> None:
         for kind, payload in records:

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import struct
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +100,9 @@ class _FrontEndLink:
         self.running: dict[int, tuple[asyncio.Task, asyncio.Future]] = {}
         self._tearing_down: asyncio.Task | None = None
         self.ended = asyncio.get_running_loop().create_future()  # the connection is torn down
-        self._settled: asyncio.Future[None] | None = None  # done once SETTLE comes back
+        # one per SETTLE sent, done as the front end answers them (in order): a scrape waits for
+        # its own, as the front end may have answered one sent before after requests it counts
+        self._settling: deque[asyncio.Future[None]] = deque()
 
     def _hello(self, records: list[tuple[int, bytes]]) -> None:
         """The front end's first records: HELLO, which names its arena, then perhaps more."""
@@ -124,14 +127,14 @@ class _FrontEndLink:
 
     def settle(self) -> asyncio.Future[None]:
         """Done once the front end has sent what it held back (its DONE records) and SETTLE."""
-        if self._settled is None or self._settled.done():
-            self._settled = asyncio.get_running_loop().create_future()
-            self.out.send(SETTLE, b"")
-        return self._settled
+        settled = asyncio.get_running_loop().create_future()
+        self._settling.append(settled)
+        self.out.send(SETTLE, b"")
+        return settled
 
     def _answer_settled(self) -> None:
-        if self._settled is not None and not self._settled.done():
-            self._settled.set_result(None)
+        if self._settling:
+            self._settling.popleft().set_result(None)
 
     def end(self) -> None:
         """Close the connection (the engine stops): torn down as when the front end closes it.
@@ -157,7 +160,8 @@ class _FrontEndLink:
                 _unpin(self.arena)  # no forward of this front end is left on the device
                 self.arena.arena.close()
             self.links.discard(self)
-            self._answer_settled()  # nothing more comes
+            while self._settling:  # nothing more comes
+                self._answer_settled()
             self.ended.set_result(None)
 
     def handle(self, records: list[tuple[int, bytes]]) -> None:

@@ -84,8 +84,9 @@ class GrpcServer:
         what still runs (UNAVAILABLE)."""
         self.runtime.drain()
         left = max(0.0, self.runtime.drain_deadline - time.monotonic())
-        try:
-            await asyncio.wait_for(self.gate.idle.wait(), left)
+        try:  # a wait of no time left times out even when there is nothing to wait for
+            if not self.gate.idle.is_set():
+                await asyncio.wait_for(self.gate.idle.wait(), left)
         except TimeoutError:
             log.warning("%d gRPC calls did not finish within the drain", self.gate.in_flight)
         await self.server.stop(0)

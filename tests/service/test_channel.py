@@ -36,12 +36,17 @@ from moe_serve.service.frontends.channel import (
     FORWARD_FIELDS,
     HELLO,
     REPLY,
+    SETTLE,
     EngineClient,
     RecordProtocol,
     RecordReader,
     RecordWriter,
 )
-from moe_serve.service.frontends.channel_server import MAX_FRONT_END_RECORD_BYTES, ChannelServer
+from moe_serve.service.frontends.channel_server import (
+    MAX_FRONT_END_RECORD_BYTES,
+    ChannelServer,
+    _FrontEndLink,
+)
 from moe_serve.service.metrics import Metrics
 from moe_serve.service.settings import Settings
 from tests.service.layers import TINY, H, reference_forward, tiny_layers
@@ -366,6 +371,56 @@ def test_a_scrape_settles_the_done_records_a_front_end_holds() -> None:
 
     held, settled = asyncio.run(main())
     assert (held, settled) == (None, 1)
+
+
+def test_a_scrape_begun_while_another_settles_counts_what_was_answered_before_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The front end answers a request once it has settled the first scrape: the second scrape,
+    begun before that SETTLE's answer is back, must count it too."""
+    monkeypatch.setattr(channel, "LATER_S", WAIT_S * 10)  # held until a record takes it
+
+    async def body(served):
+        protocol = served.client._out._transport.get_protocol()
+        front_end_records, second = protocol.on_records, []
+
+        def on_records(records):
+            front_end_records(records)
+            if not second and any(kind == SETTLE for kind, _ in records):
+                served.client.done(FORWARD_ROUTE, 200, 0.002)  # answered, then scraped
+                second.append(asyncio.ensure_future(served.server.settle()))
+
+        protocol.on_records = on_records
+        await served.server.settle()
+        await second[0]
+        return _requests(served.metrics)
+
+    async def main():
+        async with served(BatchPolicy(64, 0.0, 16)) as s:
+            return await asyncio.wait_for(body(s), WAIT_S)
+
+    assert asyncio.run(main()) == 1
+
+
+def test_a_settle_sent_as_the_front_end_is_accepted_is_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A scrape as a front end (re)starts: its SETTLE follows the answer to HELLO, before the
+    front end is connected."""
+    scrapes = []
+
+    def accept_then_settle(link, records):
+        accept(link, records)
+        scrapes.append(link.settle())
+
+    accept = _FrontEndLink._hello
+    monkeypatch.setattr(_FrontEndLink, "_hello", accept_then_settle)
+
+    async def main():
+        async with served(BatchPolicy(64, 0.0, 16)):
+            await asyncio.wait_for(asyncio.shield(scrapes[0]), WAIT_S)
+
+    asyncio.run(main())
 
 
 def test_a_scrape_does_not_wait_for_a_front_end_that_has_gone() -> None:

@@ -295,3 +295,24 @@ def test_sigterm_makes_grpc_not_ready_and_refuse_new_calls_while_calls_in_flight
             in_flight.join(WAIT_S)
     out = np.frombuffer(replies[0].raw_output_contents[0], np.float32).reshape(x.shape)
     torch.testing.assert_close(torch.tensor(out), reference_forward(TINY, torch.tensor(x)))
+
+
+def test_a_drain_whose_time_is_spent_warns_of_no_call_when_none_is_in_flight(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The front ends' drain can take the whole of it: gRPC then stops at once, and warns only
+    of calls that were still in flight."""
+    from moe_serve.service.grpc.server import GrpcServer
+    from moe_serve.service.metrics import Metrics
+
+    runtime = Runtime(Settings(device="cpu", grpc_port=free_port()), Metrics())
+
+    async def main() -> None:
+        server = GrpcServer(runtime)
+        await server.start()
+        runtime.drain_deadline = time.monotonic() - 1.0  # spent
+        await server.stop()
+
+    with caplog.at_level("WARNING", logger="moe_serve.service.grpc.server"):
+        asyncio.run(main())
+    assert [r.getMessage() for r in caplog.records] == []
