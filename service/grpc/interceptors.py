@@ -181,7 +181,7 @@ class CallGate(grpc.aio.ServerInterceptor):
         try:
             self._admit(rpc, authorization)
         except ServiceError as err:
-            self.runtime.metrics.observe_request(f"grpc {rpc}", grpc_status(err).name, 0.0)
+            self._record(f"grpc {rpc}", grpc_status(err).name, 0.0)  # counted and logged
             await context.abort(grpc_status(err), err.message)
         answers: asyncio.Queue[asyncio.Task[bytes] | None] = asyncio.Queue()
         slots = asyncio.Semaphore(STREAM_IN_FLIGHT)  # requests read and not yet answered

@@ -159,11 +159,14 @@ def test_stream_infer_answers_each_request_in_order_with_its_own_errors(http, gr
     assert after["success"]["count"] - before["success"]["count"] == 8
 
 
-def test_stream_infer_needs_the_token_and_a_silent_stream_ends() -> None:
+def test_stream_infer_needs_the_token_and_a_silent_stream_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     token = "stream-test-token-0123456789"
     port = free_port()
     settings = Settings(device="cpu", grpc_port=port, api_token=token, read_timeout_s=0.5)
     app = create_app(settings, tiny_loader)
+    caplog.set_level(logging.INFO, logger="moe_serve.service.grpc.interceptors")
     with running_server(app) as url:
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as client:
             wait_ready(client.get)
@@ -181,6 +184,9 @@ def test_stream_infer_needs_the_token_and_a_silent_stream_ends() -> None:
                 assert error is None and result.as_numpy("output").shape == (1, H)
             else:
                 assert result is None and error.status() == "StatusCode.UNAUTHENTICATED"
+                # the refused stream is logged as every call is, not only counted
+                lines = [r.getMessage() for r in caplog.records]
+                assert any(m.startswith("grpc ModelStreamInfer -> UNAUTHENTICATED") for m in lines)
         with grpcclient.InferenceServerClient(f"127.0.0.1:{port}") as grpc:
             answers = queue.Queue()
             grpc.start_stream(_into(answers), headers={"authorization": f"Bearer {token}"})
