@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 # a longer one is refused before it is gathered
 MAX_FRONT_END_RECORD_BYTES = 64 << 10
 # How long a scrape waits for the front ends' DONE records (`settle`) at most: one that does not
-# answer (stopped, or its event loop blocked) is not waited for
+# answer (stopped, or its event loop blocked) is not waited for, and while a SETTLE sent to it
+# is older than that, later scrapes neither wait for it nor send it another
 SETTLE_S = 0.5
 
 
@@ -69,7 +70,8 @@ class ChannelServer:
     async def settle(self) -> None:
         """Returns once every front end has sent the DONE records of the requests it answered
         before (SETTLE_S at most): a scrape then counts them."""
-        waits = [link.settle() for link in self._links if link.arena is not None]
+        links = [link for link in self._links if link.arena is not None and not link.overdue()]
+        waits = [link.settle() for link in links]
         if waits:
             await asyncio.wait(waits, timeout=SETTLE_S)
 
@@ -102,7 +104,8 @@ class _FrontEndLink:
         self.ended = asyncio.get_running_loop().create_future()  # the connection is torn down
         # one per SETTLE sent, done as the front end answers them (in order): a scrape waits for
         # its own, as the front end may have answered one sent before after requests it counts
-        self._settling: deque[asyncio.Future[None]] = deque()
+        # (each with the loop time it was sent)
+        self._settling: deque[tuple[asyncio.Future[None], float]] = deque()
 
     def _hello(self, records: list[tuple[int, bytes]]) -> None:
         """The front end's first records: HELLO, which names its arena, then perhaps more."""
@@ -127,14 +130,20 @@ class _FrontEndLink:
 
     def settle(self) -> asyncio.Future[None]:
         """Done once the front end has sent what it held back (its DONE records) and SETTLE."""
-        settled = asyncio.get_running_loop().create_future()
-        self._settling.append(settled)
+        loop = asyncio.get_running_loop()
+        settled = loop.create_future()
+        self._settling.append((settled, loop.time()))
         self.out.send(SETTLE, b"")
         return settled
 
+    def overdue(self) -> bool:
+        """A SETTLE sent SETTLE_S ago or more is not answered yet: the front end is not reading."""
+        now = asyncio.get_running_loop().time()
+        return bool(self._settling) and now - self._settling[0][1] >= SETTLE_S
+
     def _answer_settled(self) -> None:
         if self._settling:
-            self._settling.popleft().set_result(None)
+            self._settling.popleft()[0].set_result(None)
 
     def end(self) -> None:
         """Close the connection (the engine stops): torn down as when the front end closes it.

@@ -25,7 +25,7 @@ import torch
 from moe_serve.service.codecs.safetensors_wire import decode_safetensors, encode_safetensors
 from moe_serve.service.core.runtime import Runtime
 from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher
-from moe_serve.service.frontends import channel
+from moe_serve.service.frontends import channel, channel_server
 from moe_serve.service.frontends.arena import BLOCK_BYTES, BodyArena, Region
 from moe_serve.service.frontends.channel import (
     _HEAD,
@@ -421,6 +421,45 @@ def test_a_settle_sent_as_the_front_end_is_accepted_is_answered(
             await asyncio.wait_for(asyncio.shield(scrapes[0]), WAIT_S)
 
     asyncio.run(main())
+
+
+def test_a_front_end_that_does_not_answer_a_settle_is_not_sent_another_until_it_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stopped front end: the first scrape waits for it SETTLE_S at most; the next ones neither
+    wait for it nor send it more, until it answers."""
+    monkeypatch.setattr(channel_server, "SETTLE_S", 0.05)
+
+    async def body(served):
+        protocol = served.client._out._transport.get_protocol()
+        front_end_records, sent, held, answering = protocol.on_records, [], [], [False]
+
+        def front_end(records):  # stopped: SETTLE read, not answered
+            settles = [r for r in records if r[0] == SETTLE]
+            sent.extend(settles)
+            if answering[0]:
+                front_end_records(records)
+            else:
+                held.extend(settles)
+                front_end_records([r for r in records if r[0] != SETTLE])
+
+        protocol.on_records = front_end
+        await served.server.settle()  # its cap
+        await served.server.settle()  # at once: overdue
+        sent_while_stopped = len(sent)
+        answering[0] = True
+        front_end_records(held)  # it resumes and answers
+        (link,) = served.server._links
+        while link.overdue():
+            await asyncio.sleep(0)
+        await served.server.settle()  # sent, and answered
+        return sent_while_stopped, len(sent)
+
+    async def main():
+        async with served(BatchPolicy(64, 0.0, 16)) as s:
+            return await asyncio.wait_for(body(s), WAIT_S)
+
+    assert asyncio.run(main()) == (1, 2)
 
 
 def test_a_scrape_does_not_wait_for_a_front_end_that_has_gone() -> None:
