@@ -49,13 +49,13 @@ class Metrics:
         self.triton = (StatisticsCollector(self.statistics), HostCollector(), GpuCollector())
         self.requests = Counter(
             "moe_serve_requests",
-            "HTTP requests by route and status",
+            "Requests (HTTP and gRPC) by route and status",
             ["route", "status"],
             registry=r,
         )
         self.request_seconds = Histogram(
             "moe_serve_request_seconds",
-            "HTTP request latency",
+            "Request (HTTP and gRPC) latency",
             ["route"],
             buckets=_LATENCY_BUCKETS_S,
             registry=r,

@@ -58,8 +58,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--http-workers",
         metavar="N|auto",
         help="HTTP front-end processes that share the port around the GPU process; 0: this "
-        "process serves HTTP (default auto: none on the CPU, on a GPU one per two usable CPU "
-        "cores, at most 8; docs/serving.md, Which mode to run)",
+        "process serves HTTP (default auto: none on the CPU or with --ep, on a GPU one per two "
+        "usable CPU cores, at most 8; docs/serving.md, Which mode to run)",
     )
     p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     p.add_argument(
