@@ -278,16 +278,8 @@ def test_a_front_end_that_goes_away_takes_its_queued_forwards_with_it() -> None:
 
 def test_the_first_record_of_a_turn_goes_out_at_once_the_rest_at_its_end() -> None:
     async def main():
-        writes = []
-
-        class Sink:
-            def write(self, data) -> None:
-                writes.append(bytes(data))
-
-            def is_closing(self) -> bool:
-                return False
-
-        out = RecordWriter(Sink())
+        sink = _Sink()
+        writes, out = sink.writes, RecordWriter(sink)
         out.send(DONE, DONE_FIELDS.pack(200, 0.5) + b"/a")
         first = list(writes)
         out.send(DONE, DONE_FIELDS.pack(200, 0.5) + b"/b")
@@ -307,23 +299,29 @@ def test_the_first_record_of_a_turn_goes_out_at_once_the_rest_at_its_end() -> No
 
 def _wire(records: list[tuple[int, bytes]]) -> bytes:
     """The bytes a RecordWriter puts on the wire for `records`, sent and flushed."""
-    wire = bytearray()
-
-    class Sink:
-        def write(self, data) -> None:
-            wire.extend(data)
-
-        def is_closing(self) -> bool:
-            return False
+    sink = _Sink()
 
     async def send() -> None:
-        out = RecordWriter(Sink())
+        out = RecordWriter(sink)
         for kind, payload in records:
             out.send(kind, payload)
         out.flush()
 
     asyncio.run(send())
-    return bytes(wire)
+    return b"".join(sink.writes)
+
+
+class _Sink:
+    """A transport that keeps each write."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data) -> None:
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return False
 
 
 def test_a_record_sent_later_goes_after_the_next_record_or_alone_once_its_wait_is_over(
@@ -332,16 +330,8 @@ def test_a_record_sent_later_goes_after_the_next_record_or_alone_once_its_wait_i
     monkeypatch.setattr(channel, "LATER_S", 0.0)
 
     async def main():
-        writes = []
-
-        class Sink:
-            def write(self, data) -> None:
-                writes.append(bytes(data))
-
-            def is_closing(self) -> bool:
-                return False
-
-        out = RecordWriter(Sink())
+        sink = _Sink()
+        writes, out = sink.writes, RecordWriter(sink)
         out.later(DONE, b"/a")
         held = list(writes)
         out.send(CANCEL, b"c")
