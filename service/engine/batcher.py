@@ -36,7 +36,9 @@ grows with the forward's time). It costs a core while the batch runs (CUDA's own
 one in the completer otherwise). Only a batch launched while no other is in flight is polled,
 and it goes to its completer as soon as another one is launched, on any device: a loop that
 never sleeps holds the GIL for long stretches, which the launcher and completer threads would
-then wait for.
+then wait for. For the same reason the loop stays awake (service/awake.py) for a moment after a
+batch is answered only while nothing is in flight on any device: a client's next request, sent
+as the reply arrives, is read at once.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from ...kernels.layer import LayerOutput
 from ...kernels.quant_scheme import ActQuant
 from ...kernels.tensors import ForwardInputs, Routing
 from .. import off_loop, tracing
+from ..awake import Awake
 from ..errors import (
     BadInput,
     DeadlineExceeded,
@@ -306,6 +309,7 @@ class DynamicBatcher:
         self._closing = False
         # the lone batch the event loop waits for itself (see the module doc), and its result
         self._polled: tuple[_Launched, Pending] | None = None
+        self._awake = Awake(allowed=lambda: not any(lane.busy for lane in self._lanes.values()))
         if engine.enqueues:  # process-wide: this process serves the device
             switch_gil_often()
 
@@ -701,6 +705,8 @@ class DynamicBatcher:
         # their path
         record = partial(self._record, launched, served.backend, result, nonfinite)
         asyncio.get_running_loop().call_soon(record)
+        if self.engine.enqueues:
+            self._awake.linger()
 
     def _record(
         self, launched: _Launched, backend: str, result: BatchResult, nonfinite: bool

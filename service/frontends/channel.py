@@ -36,6 +36,7 @@ from functools import partial
 from itertools import count
 from pathlib import Path
 
+from ..awake import Awake
 from .arena import BodyArena, Region
 
 log = logging.getLogger(__name__)
@@ -230,6 +231,9 @@ class EngineClient:
         self._out: RecordWriter | None = None
         self._hello: asyncio.Future[list | None] | None = None  # the engine's answer to HELLO
         self._closed: asyncio.Future[None] | None = None  # done once the socket has closed
+        # awake while a forward is the engine's, and a moment after: its reply, then the
+        # client's next request, are read as they arrive
+        self.awake = Awake()
 
     async def connect(self) -> None:
         loop = asyncio.get_running_loop()
@@ -290,6 +294,7 @@ class EngineClient:
         self._out.send(kind, layout.pack(rid, *fields) + layer.encode())
         withdraw = partial(self._withdraw, rid)
         gone.add_done_callback(withdraw)
+        self.awake.hold()
         try:
             return await answer
         except asyncio.CancelledError:
@@ -299,6 +304,7 @@ class EngineClient:
                 self.arena.free(region)
             raise
         finally:
+            self.awake.release()
             gone.remove_done_callback(withdraw)
 
     def _withdraw(self, rid: int, _: object = None) -> None:

@@ -208,6 +208,25 @@ def test_a_withdrawn_forward_leaves_the_queue_and_is_answered_499(as_json: bool)
     assert batch_sizes == [3]  # the withdrawn rows never ran
 
 
+def test_the_front_end_is_held_awake_while_a_forward_is_the_engines_until_it_is_answered() -> None:
+    async def body(engine, _metrics, client):
+        engine.gate.clear()
+        answered = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(3, 0)), _never()))
+        cancelled = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(2, 1)), _never()))
+        await _forward_begun(engine)
+        running = client.awake.held and client.awake.awake
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        still = client.awake.held  # the answered one is still the engine's
+        engine.gate.set()
+        await answered
+        return running, still, client.awake.held
+
+    running, still, after = run(BatchPolicy(64, 0.0, 16), body)
+    assert running and still and not after
+
+
 def _first_free(arena: BodyArena) -> int:
     """Where the arena's next region would begin."""
     probe = arena.allocate(0)

@@ -91,7 +91,7 @@ class _Timeouts(selectors.DefaultSelector):
         return super().select(timeout)
 
 
-def test_the_loop_polls_while_a_lone_batch_is_on_the_device_and_sleeps_once_it_is_answered() -> (
+def test_the_loop_polls_while_a_lone_batch_is_on_the_device_and_sleeps_after_it_is_answered() -> (
     None
 ):
     engine = EnqueuingEngine()
@@ -109,8 +109,10 @@ def test_the_loop_polls_while_a_lone_batch_is_on_the_device_and_sleeps_once_it_i
             while_on_device = list(selector.timeouts)
             engine.gate.set()
             await work
+            while batcher._awake.awake:  # it lingers a moment (service/awake.py)
+                await asyncio.sleep(0.001)
             selector.timeouts.clear()
-            await asyncio.sleep(0.01)
+            await asyncio.to_thread(threading.Event().wait, 0.01)
             return while_on_device, list(selector.timeouts)
         finally:
             engine.gate.set()

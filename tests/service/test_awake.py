@@ -1,0 +1,108 @@
+"""An event loop kept awake polls for I/O at each turn (its selector's timeout is 0) while held
+and for its linger after; then it sleeps again. Time is a clock the test moves."""
+
+from __future__ import annotations
+
+import asyncio
+import selectors
+import time
+
+from moe_serve.service.awake import Awake
+
+
+class _Timeouts(selectors.DefaultSelector):
+    """The loop's selector, recording how long each of its turns may wait for I/O."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeouts: list[float | None] = []
+
+    def select(self, timeout: float | None = None):
+        self.timeouts.append(timeout)
+        return super().select(timeout)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _run(main) -> None:
+    selector = _Timeouts()
+    loop = asyncio.SelectorEventLoop(selector)
+    try:
+        loop.run_until_complete(asyncio.wait_for(main(selector), 10))
+    finally:
+        loop.close()
+
+
+async def _turns(selector: _Timeouts, n: int = 3) -> list[float | None]:
+    """The selector's timeouts while the loop waits `n` times for a thread (no timer of its own:
+    a loop asleep waits without a timeout, one awake polls)."""
+    selector.timeouts.clear()
+    for _ in range(n):
+        await asyncio.to_thread(time.sleep, 0.002)
+    return list(selector.timeouts)
+
+
+def _polled(timeouts: list[float | None]) -> bool:
+    return bool(timeouts) and all(timeout == 0 for timeout in timeouts)
+
+
+def test_a_held_loop_polls_until_its_linger_after_the_release_has_passed() -> None:
+    clock = _Clock()
+
+    async def main(selector: _Timeouts) -> None:
+        awake = Awake(linger_s=0.002, clock=clock)
+        assert not _polled(await _turns(selector))
+        awake.hold()
+        clock.now += 60.0  # held: however long
+        assert _polled(await _turns(selector))
+        awake.release()
+        clock.now += 0.001  # within the linger
+        assert _polled(await _turns(selector))
+        clock.now += 0.002
+        await _turns(selector, 1)  # the turn that sees the linger over stops polling
+        assert awake.awake is False
+        assert not _polled(await _turns(selector))
+
+    _run(main)
+
+
+def test_two_holds_keep_it_awake_until_both_are_released() -> None:
+    clock = _Clock()
+
+    async def main(selector: _Timeouts) -> None:
+        awake = Awake(linger_s=0.002, clock=clock)
+        awake.hold()
+        awake.hold()
+        awake.release()
+        clock.now += 1.0
+        assert _polled(await _turns(selector))
+        awake.release()
+        clock.now += 1.0
+        await _turns(selector, 1)
+        assert awake.awake is False
+
+    _run(main)
+
+
+def test_a_loop_not_allowed_to_stay_awake_sleeps_even_when_held() -> None:
+    clock = _Clock()
+    allowed = [True]
+
+    async def main(selector: _Timeouts) -> None:
+        awake = Awake(linger_s=0.002, allowed=lambda: allowed[0], clock=clock)
+        awake.hold()
+        assert _polled(await _turns(selector))
+        allowed[0] = False  # asked at each turn
+        await _turns(selector, 1)
+        assert awake.awake is False
+        assert not _polled(await _turns(selector))
+        awake.linger()  # not allowed: not woken
+        assert awake.awake is False
+
+    _run(main)
