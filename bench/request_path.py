@@ -12,13 +12,15 @@ front ends, and timed at each level, by the host clock, medians:
 | engine-pinned | the same from pinned memory into pinned memory (the front ends' arena path) |
 | batcher | `DynamicBatcher.submit`: queue, launch, completion (pageable part) |
 | batcher-pinned | the same with pinned inputs and `output_into` |
+| batcher-cuda | float32 inputs and `output_into` on the device (CUDA shared memory's forward) |
 | blob | `serve_blob`: decode a safetensors body, submit, encode the reply (one process) |
 | blob-into | `serve_blob_into`: the engine's side of a front end's forward (pinned arena) |
 | http | one client over HTTP (a lean keep-alive client, `load_gen.run_one_client`), one process |
 | http-front-ends | the same through the front-end processes (`--front-ends`) |
 | http-floor | the same body posted to bench/echo_server.py (client, loopback and HTTP alone) |
 
-The first six run inside the server (POST /bench/path); consecutive levels differ by one stage.
+The levels up to blob-into run inside the server (POST /bench/path); consecutive levels differ by
+one stage.
 """
 
 from __future__ import annotations
@@ -105,6 +107,15 @@ async def time_levels(runtime, tokens: list[int]) -> list[dict]:
         if cuda:
             levels["batcher-pinned"] = lambda p=pinned, o=into: batcher.submit(
                 name, p, output_into=o
+            )
+            # float32 rows on the device in and out: a CUDA shared-memory request's forward
+            gpu = ForwardInputs(
+                hidden.float().to(served.device),
+                None if logits is None else logits.to(served.device),
+            )
+            gpu_into = torch.empty_like(gpu.hidden_states)
+            levels["batcher-cuda"] = lambda g=gpu, o=gpu_into: batcher.submit(
+                name, g, output_into=o
             )
         levels["blob"] = lambda b=blob: serve_blob(layer_call, b, RequestOptions(), False, never)
         if cuda and logits is None:
