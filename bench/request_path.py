@@ -13,6 +13,7 @@ front ends, and timed at each level, by the host clock, medians:
 | batcher | `DynamicBatcher.submit`: queue, launch, completion (pageable part) |
 | batcher-pinned | the same with pinned inputs and `output_into` |
 | batcher-cuda | float32 inputs and `output_into` on the device (CUDA shared memory's forward) |
+| infer-cuda | `inference.infer` of a KServe request whose tensors lie in a CUDA region |
 | blob | `serve_blob`: decode a safetensors body, submit, encode the reply (one process) |
 | blob-into | `serve_blob_into`: the engine's side of a front end's forward (pinned arena) |
 | http | one client over HTTP (a lean keep-alive client, `load_gen.run_one_client`), one process |
@@ -38,8 +39,18 @@ import safetensors.torch
 import torch
 
 from ..kernels.tensors import ForwardInputs
+from ..service.codecs.kserve import (
+    SHM_BYTE_SIZE,
+    SHM_OFFSET,
+    SHM_REGION,
+    InferInput,
+    InferRequest,
+    RequestedOutput,
+)
+from ..service.core import inference
 from ..service.core.forward import LayerCall, serve_blob, serve_blob_into
 from ..service.engine.batcher import RequestOptions
+from ..service.triton.shared_memory import DeviceRegion
 from .load_gen import run_one_client
 from .schema import Environment, write_result
 from .service_bench import _free_port, _tcp_ready, http_ready, process
@@ -117,6 +128,9 @@ async def time_levels(runtime, tokens: list[int]) -> list[dict]:
             levels["batcher-cuda"] = lambda g=gpu, o=gpu_into: batcher.submit(
                 name, g, output_into=o
             )
+            if runtime.shared_memory.allowed:
+                request = _cuda_region_request(runtime, served, gpu.hidden_states)
+                levels["infer-cuda"] = lambda r=request: inference.infer(runtime, name, "", r, {})
         levels["blob"] = lambda b=blob: serve_blob(layer_call, b, RequestOptions(), False, never)
         if cuda and logits is None:
             arena = torch.empty(2 * len(blob) + (64 << 10), dtype=torch.uint8).pin_memory()
@@ -131,6 +145,24 @@ async def time_levels(runtime, tokens: list[int]) -> list[dict]:
             rows.append({"tokens": t, "level": level, "median_us": median * 1e6,
                          "p90_us": p90 * 1e6})  # fmt: skip
     return rows
+
+
+def _cuda_region_request(runtime, served, rows: torch.Tensor) -> InferRequest:
+    """A KServe request whose input `rows` (float32, on the layer's GPU) and output lie in a
+    CUDA region of their own, registered as a client's would be (without the IPC handle, which
+    one process cannot open for itself)."""
+    nbytes = rows.numel() * rows.element_size()
+    memory = torch.empty(2 * nbytes, dtype=torch.uint8, device=served.device)
+    memory[:nbytes].copy_(rows.flatten().view(torch.uint8))
+    region = f"bench-path-{rows.shape[0]}"
+    device = DeviceRegion(region, memory, served.device.index or 0, None)
+    runtime.shared_memory.regions[region] = device
+    place = {SHM_REGION: region, SHM_BYTE_SIZE: nbytes}
+    return InferRequest(
+        inputs=[InferInput(name="hidden_states", shape=list(rows.shape), datatype="FP32",
+                           parameters=place)],
+        outputs=[RequestedOutput(name="output", parameters=place | {SHM_OFFSET: nbytes})],
+    )  # fmt: skip
 
 
 def _http_level(url: str, body: Path, level: str, tokens: int) -> dict:
@@ -155,7 +187,8 @@ def _bodies(hidden_size: int, tokens: list[int], where: Path) -> dict[int, Path]
 def server_command(layer: str, port: int, front_ends: int, shared: int) -> list[str]:
     """bench/service_server.py serving `layer` (the demo layer has no shared expert to add)."""
     command = [sys.executable, "-m", "moe_serve.bench.service_server", "--layer", layer,
-               "--port", str(port), "--http-workers", str(front_ends)]  # fmt: skip
+               "--port", str(port), "--http-workers", str(front_ends),
+               "--allow-shared-memory"]  # fmt: skip
     return command if layer == "demo" else [*command, "--shared-intermediate", str(shared)]
 
 
