@@ -20,12 +20,16 @@ from collections.abc import Callable
 # same host (the reply read, the next request written) for a 64-token DeepSeek-V3 body
 # (`moe-serve bench service --mode path`)
 LINGER_S = 0.002
+# A loop held this long with no hold or release meanwhile sleeps all the same: an engine that
+# stopped answering would otherwise keep a core of every front end busy
+HELD_S = 1.0
 
 
 class Awake:
-    """One event loop's wakefulness. `hold` keeps it awake until the matching `release`, which
-    (as `linger`) keeps it awake LINGER_S more; `allowed`, asked at each turn, ends it early (a
-    process whose threads need the GIL that a loop polling without pause would keep)."""
+    """One event loop's wakefulness. `hold` keeps it awake until the matching `release` (or
+    HELD_S without either), which (as `linger`) keeps it awake LINGER_S more; `allowed`, asked
+    at each turn, ends it early (a process whose threads need the GIL that a loop polling
+    without pause would keep) or keeps it asleep."""
 
     def __init__(
         self,
@@ -37,7 +41,8 @@ class Awake:
         self._allowed = allowed
         self._clock = clock
         self._holds = 0
-        self._until = 0.0
+        self._held_at = 0.0  # the last hold or release
+        self._until = 0.0  # the linger's end
         self._turn: asyncio.Handle | None = None  # scheduled while awake
 
     @property
@@ -50,10 +55,12 @@ class Awake:
 
     def hold(self) -> None:
         self._holds += 1
+        self._held_at = self._clock()
         self._wake()
 
     def release(self) -> None:
         self._holds -= 1
+        self._held_at = self._clock()
         self.linger()
 
     def linger(self) -> None:
@@ -67,7 +74,9 @@ class Awake:
 
     def _again(self) -> None:
         """A callback always ready while awake: the loop polls for I/O without waiting."""
-        if (self._holds or self._clock() < self._until) and self._allowed():
+        now = self._clock()
+        held = self._holds and now - self._held_at < HELD_S
+        if (held or now < self._until) and self._allowed():
             self._turn = asyncio.get_running_loop().call_soon(self._again)
         else:
             self._turn = None

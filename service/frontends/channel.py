@@ -220,7 +220,13 @@ ENGINE_GONE = Reply(503, error="the engine process is gone; retry", headers={"Re
 class EngineClient:
     """A front end's end of the channel: forwards bodies laid in its arena to the engine."""
 
-    def __init__(self, path: Path, arena: BodyArena, on_lost: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        path: Path,
+        arena: BodyArena,
+        on_lost: Callable[[], None],
+        stay_awake: bool = False,
+    ) -> None:
         self.path = path
         self.arena = arena
         self.on_lost = on_lost  # the engine closed the channel (it stopped or died)
@@ -231,9 +237,10 @@ class EngineClient:
         self._out: RecordWriter | None = None
         self._hello: asyncio.Future[list | None] | None = None  # the engine's answer to HELLO
         self._closed: asyncio.Future[None] | None = None  # done once the socket has closed
-        # awake while a forward is the engine's, and a moment after: its reply, then the
-        # client's next request, are read as they arrive
-        self.awake = Awake()
+        # `stay_awake` (an engine on a GPU): awake while a forward is the engine's, and a moment
+        # after, so that its reply, then the client's next request, are read as they arrive; an
+        # engine on the CPU needs every core for its forwards
+        self.awake = Awake(allowed=lambda: stay_awake)
 
     async def connect(self) -> None:
         loop = asyncio.get_running_loop()

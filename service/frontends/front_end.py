@@ -129,6 +129,7 @@ class FrontEndConfig:
     json_here_bytes: int
     max_json_bytes: int  # beyond, relayed: the engine's 413
     drain_timeout_s: float
+    stay_awake: bool  # the engine runs on a GPU: replies are waited for awake (service/awake.py)
     log_level: str
     log_format: str
     routes: list[RouteMethods]  # the engine's, with the methods each takes
@@ -153,7 +154,9 @@ class FrontEnd:
             log.error("no %d MiB arena in %s (%s): relaying every request", ARENA_BYTES >> 20,
                       config.arena_dir, err.strerror)  # fmt: skip
             self.arena = None
-        self.engine = EngineClient(Path(config.engine_channel), self.arena, self._engine_lost)
+        self.engine = EngineClient(
+            Path(config.engine_channel), self.arena, self._engine_lost, config.stay_awake
+        )
         self.on_engine_lost = lambda: None  # main() stops the server: nothing left to serve
         self.state = StateBlock.attach(Path(config.engine_state))
         self._probed: tuple[object, dict] = (None, {})  # a state, the probe answers made of it

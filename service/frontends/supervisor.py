@@ -74,6 +74,7 @@ class FrontEnds:
             json_here_bytes=json_here_bytes(settings),
             max_json_bytes=settings.max_json_bytes,
             drain_timeout_s=settings.drain_timeout_s,
+            stay_awake=settings.torch_device().type == "cuda",
             log_level=settings.log_level,
             log_format=settings.log_format,
             routes=routes,

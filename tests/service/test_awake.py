@@ -7,7 +7,7 @@ import asyncio
 import selectors
 import time
 
-from moe_serve.service.awake import Awake
+from moe_serve.service.awake import HELD_S, Awake
 
 
 class _Timeouts(selectors.DefaultSelector):
@@ -59,7 +59,7 @@ def test_a_held_loop_polls_until_its_linger_after_the_release_has_passed() -> No
         awake = Awake(linger_s=0.002, clock=clock)
         assert not _polled(await _turns(selector))
         awake.hold()
-        clock.now += 60.0  # held: however long
+        clock.now += HELD_S / 2
         assert _polled(await _turns(selector))
         awake.release()
         clock.now += 0.001  # within the linger
@@ -80,10 +80,10 @@ def test_two_holds_keep_it_awake_until_both_are_released() -> None:
         awake.hold()
         awake.hold()
         awake.release()
-        clock.now += 1.0
+        clock.now += HELD_S / 2
         assert _polled(await _turns(selector))
         awake.release()
-        clock.now += 1.0
+        clock.now += HELD_S / 2
         await _turns(selector, 1)
         assert awake.awake is False
 
@@ -104,5 +104,25 @@ def test_a_loop_not_allowed_to_stay_awake_sleeps_even_when_held() -> None:
         assert not _polled(await _turns(selector))
         awake.linger()  # not allowed: not woken
         assert awake.awake is False
+
+    _run(main)
+
+
+def test_a_loop_held_with_no_hold_or_release_for_a_while_sleeps_all_the_same() -> None:
+    """An engine that stopped answering: the front end waiting for it sleeps after HELD_S, and
+    wakes again with its next forward."""
+    clock = _Clock()
+
+    async def main(selector: _Timeouts) -> None:
+        awake = Awake(linger_s=0.002, clock=clock)
+        awake.hold()
+        clock.now += HELD_S / 2
+        assert _polled(await _turns(selector))
+        clock.now += HELD_S
+        await _turns(selector, 1)
+        assert awake.awake is False and awake.held
+        assert not _polled(await _turns(selector))
+        awake.hold()  # another forward
+        assert _polled(await _turns(selector))
 
     _run(main)

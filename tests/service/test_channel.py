@@ -67,9 +67,11 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def served(policy: BatchPolicy, on_lost: Callable[[], None] = lambda: None):
+async def served(
+    policy: BatchPolicy, on_lost: Callable[[], None] = lambda: None, stay_awake: bool = False
+):
     """`Served`; everything closed after (closing twice is harmless: a test may close parts
-    itself)."""
+    itself). `stay_awake`: the front end's, as for an engine on a GPU."""
     engine = RecordingEngine(tiny_layers())
     metrics = Metrics()
     batcher = DynamicBatcher(engine, policy, metrics)
@@ -79,7 +81,7 @@ async def served(policy: BatchPolicy, on_lost: Callable[[], None] = lambda: None
         server = ChannelServer(runtime, Path(directory) / "channel.sock")
         await server.start()
         arena = BodyArena.create(Path(directory), 64 * BLOCK_BYTES)
-        client = EngineClient(server.path, arena, on_lost=on_lost)
+        client = EngineClient(server.path, arena, on_lost=on_lost, stay_awake=stay_awake)
         await client.connect()
         try:
             yield Served(engine, metrics, batcher, server, client)
@@ -91,11 +93,11 @@ async def served(policy: BatchPolicy, on_lost: Callable[[], None] = lambda: None
             arena.close()
 
 
-def run(policy: BatchPolicy, body: Callable[..., Awaitable]) -> object:
+def run(policy: BatchPolicy, body: Callable[..., Awaitable], stay_awake: bool = False) -> object:
     """body(engine, metrics, client) with a channel `served`."""
 
     async def main():
-        async with served(policy) as s:
+        async with served(policy, stay_awake=stay_awake) as s:
             return await asyncio.wait_for(body(s.engine, s.metrics, s.client), WAIT_S)
 
     return asyncio.run(main())
@@ -208,13 +210,16 @@ def test_a_withdrawn_forward_leaves_the_queue_and_is_answered_499(as_json: bool)
     assert batch_sizes == [3]  # the withdrawn rows never ran
 
 
-def test_the_front_end_is_held_awake_while_a_forward_is_the_engines_until_it_is_answered() -> None:
+@pytest.mark.parametrize("stay_awake", [True, False], ids=["gpu-engine", "cpu-engine"])
+def test_the_front_end_is_held_while_a_forward_is_the_engines_and_awake_for_a_gpu_engine(
+    stay_awake: bool,
+) -> None:
     async def body(engine, _metrics, client):
         engine.gate.clear()
         answered = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(3, 0)), _never()))
         cancelled = asyncio.ensure_future(client.forward(TINY, _lay(client, rows(2, 1)), _never()))
         await _forward_begun(engine)
-        running = client.awake.held and client.awake.awake
+        running = client.awake.held, client.awake.awake
         cancelled.cancel()
         with pytest.raises(asyncio.CancelledError):
             await cancelled
@@ -223,8 +228,9 @@ def test_the_front_end_is_held_awake_while_a_forward_is_the_engines_until_it_is_
         await answered
         return running, still, client.awake.held
 
-    running, still, after = run(BatchPolicy(64, 0.0, 16), body)
-    assert running and still and not after
+    running, still, after = run(BatchPolicy(64, 0.0, 16), body, stay_awake)
+    assert running == (True, stay_awake)
+    assert still and not after
 
 
 def _first_free(arena: BodyArena) -> int:

@@ -665,7 +665,8 @@ def _config(tmp_path: Path, engine_http: Path) -> FrontEndConfig:
         listen_fd=-1, engine_http=str(engine_http), engine_channel=str(tmp_path / "channel.sock"),
         engine_state=str(state.path), engine_stale_s=STALE_S, arena_dir=str(tmp_path / "no-arena"),
         api_token=None, max_connections=4, read_timeout_s=10.0, max_body_bytes=1 << 20,
-        json_here_bytes=1 << 20, max_json_bytes=1 << 20, drain_timeout_s=1.0, log_level="info",
+        json_here_bytes=1 << 20, max_json_bytes=1 << 20, drain_timeout_s=1.0, stay_awake=False,
+        log_level="info",
         log_format="text", routes=[],
     )  # fmt: skip
 
