@@ -100,9 +100,25 @@ class RequestMiddleware:
             await failed(scope, receive, send_with_id)
         finally:
             seconds = time.perf_counter() - started
-            label = getattr(scope.get("route"), "path", UNMATCHED)  # the route's template
-            self.metrics.observe_request(label, str(status), seconds)
+            self.metrics.observe_request(_route_label(scope), str(status), seconds)
             log.info(
                 "%s %s -> %d in %.1f ms", scope["method"], scope["path"], status, seconds * 1e3
             )
             logs.request_id.reset(reset)
+
+
+def _route_label(scope: Scope) -> str:
+    """The template of the route that answered, the request metrics' label. FastAPI's router
+    names the route in the scope for its own routes only: the Starlette ones it adds
+    (/openapi.json, the docs' assets) leave just their endpoint there."""
+    route = scope.get("route")
+    if route is None and "endpoint" in scope:
+        endpoint = scope["endpoint"]
+        routes = getattr(scope.get("router"), "routes", ())
+        route = next((r for r in routes if endpoint in _ends(r)), None)
+    return getattr(route, "path", UNMATCHED)
+
+
+def _ends(route: object) -> tuple[object, ...]:
+    """What a route hands a request to: a Route's endpoint, a Mount's app."""
+    return (getattr(route, "endpoint", None), getattr(route, "app", None))

@@ -192,6 +192,24 @@ def test_docs_and_openapi_describe_every_route_with_examples(client: TestClient)
     assert infer["application/json"]["examples"]
 
 
+def test_every_operation_of_the_api_description_has_an_id_of_its_own(client: TestClient) -> None:
+    spec = client.get("/openapi.json").json()
+    ids = [op["operationId"] for route in spec["paths"].values() for op in route.values()]
+    assert len(ids) == len(set(ids))
+    assert client.head("/health").status_code == 200  # served, not described
+
+
+def test_the_docs_routes_are_counted_under_their_own_paths(client: TestClient) -> None:
+    asset = client.get("/docs").text.split('src="')[1].split('"')[0]  # a bundled script
+    assert asset.startswith("/docs/static/")
+    for path in ("/openapi.json", asset):
+        assert client.get(path).status_code == 200
+    text = client.get("/metrics").text
+    for route in ("/openapi.json", "/docs", "/docs/static"):
+        assert f'moe_serve_requests_total{{route="{route}",status="200"}} 1.0' in text
+    assert 'route="unmatched"' not in text
+
+
 def test_request_id_that_could_forge_log_lines_is_replaced(client: TestClient) -> None:
     r = client.get("/health", headers={"X-Request-ID": "abc\\n2026 INFO forged"})
     assert r.headers["X-Request-ID"] != "abc\\n2026 INFO forged"
