@@ -10,7 +10,7 @@ import time
 from moe_serve.service.awake import HELD_S, Awake
 
 
-class _Timeouts(selectors.DefaultSelector):
+class LoopTimeouts(selectors.DefaultSelector):
     """The loop's selector, recording how long each of its turns may wait for I/O."""
 
     def __init__(self) -> None:
@@ -31,7 +31,7 @@ class _Clock:
 
 
 def _run(main) -> None:
-    selector = _Timeouts()
+    selector = LoopTimeouts()
     loop = asyncio.SelectorEventLoop(selector)
     try:
         loop.run_until_complete(asyncio.wait_for(main(selector), 10))
@@ -39,7 +39,7 @@ def _run(main) -> None:
         loop.close()
 
 
-async def _turns(selector: _Timeouts, n: int = 3) -> list[float | None]:
+async def _turns(selector: LoopTimeouts, n: int = 3) -> list[float | None]:
     """The selector's timeouts while the loop waits `n` times for a thread (no timer of its own:
     a loop asleep waits without a timeout, one awake polls)."""
     selector.timeouts.clear()
@@ -55,7 +55,7 @@ def _polled(timeouts: list[float | None]) -> bool:
 def test_a_held_loop_polls_until_its_linger_after_the_release_has_passed() -> None:
     clock = _Clock()
 
-    async def main(selector: _Timeouts) -> None:
+    async def main(selector: LoopTimeouts) -> None:
         awake = Awake(linger_s=0.002, clock=clock)
         assert not _polled(await _turns(selector))
         awake.hold()
@@ -75,7 +75,7 @@ def test_a_held_loop_polls_until_its_linger_after_the_release_has_passed() -> No
 def test_two_holds_keep_it_awake_until_both_are_released() -> None:
     clock = _Clock()
 
-    async def main(selector: _Timeouts) -> None:
+    async def main(selector: LoopTimeouts) -> None:
         awake = Awake(linger_s=0.002, clock=clock)
         awake.hold()
         awake.hold()
@@ -94,7 +94,7 @@ def test_a_loop_not_allowed_to_stay_awake_sleeps_even_when_held() -> None:
     clock = _Clock()
     allowed = [True]
 
-    async def main(selector: _Timeouts) -> None:
+    async def main(selector: LoopTimeouts) -> None:
         awake = Awake(linger_s=0.002, allowed=lambda: allowed[0], clock=clock)
         awake.hold()
         assert _polled(await _turns(selector))
@@ -113,7 +113,7 @@ def test_a_loop_held_with_no_hold_or_release_for_a_while_sleeps_all_the_same() -
     wakes again with its next forward."""
     clock = _Clock()
 
-    async def main(selector: _Timeouts) -> None:
+    async def main(selector: LoopTimeouts) -> None:
         awake = Awake(linger_s=0.002, clock=clock)
         awake.hold()
         clock.now += HELD_S / 2

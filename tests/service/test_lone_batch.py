@@ -5,7 +5,6 @@ launched behind it hands it to the device's completer thread, which answers both
 from __future__ import annotations
 
 import asyncio
-import selectors
 import threading
 from collections.abc import Sequence
 
@@ -17,6 +16,7 @@ from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher
 from moe_serve.service.errors import ForwardFailed
 from moe_serve.service.metrics import Metrics
 from tests.service.layers import NO_ROUTER, TINY, E, H, reference_forward
+from tests.service.test_awake import LoopTimeouts
 from tests.service.test_devices import _HeldPerLayer
 from tests.service.test_output_into import WAIT_S, EnqueuingEngine, _run
 
@@ -79,24 +79,12 @@ def test_a_lone_request_on_a_device_while_another_has_a_batch_goes_to_its_comple
     assert engine.answered_on == [("moe-complete-cpu:1", 3), ("moe-complete-cpu:0", 3)]
 
 
-class _Timeouts(selectors.DefaultSelector):
-    """The loop's selector, recording how long each of its turns may wait for I/O."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.timeouts: list[float | None] = []
-
-    def select(self, timeout: float | None = None):
-        self.timeouts.append(timeout)
-        return super().select(timeout)
-
-
 def test_the_loop_polls_while_a_lone_batch_is_on_the_device_and_sleeps_after_it_is_answered() -> (
     None
 ):
     engine = EnqueuingEngine()
     engine.gate.clear()
-    selector = _Timeouts()
+    selector = LoopTimeouts()
 
     async def main() -> tuple[list, list]:
         batcher = DynamicBatcher(engine, BatchPolicy(64, 0.0, 64), Metrics())
