@@ -155,8 +155,9 @@ def _cuda_region_request(runtime, served, rows: torch.Tensor) -> InferRequest:
     memory = torch.empty(2 * nbytes, dtype=torch.uint8, device=served.device)
     memory[:nbytes].copy_(rows.flatten().view(torch.uint8))
     region = f"bench-path-{rows.shape[0]}"
-    device = DeviceRegion(region, memory, served.device.index or 0, None)
-    runtime.shared_memory.regions[region] = device
+    runtime.shared_memory.regions[region] = DeviceRegion(
+        region, memory, served.device.index or 0, None
+    )
     place = {SHM_REGION: region, SHM_BYTE_SIZE: nbytes}
     return InferRequest(
         inputs=[InferInput(name="hidden_states", shape=list(rows.shape), datatype="FP32",
