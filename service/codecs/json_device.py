@@ -13,12 +13,13 @@ reference).
 
 Both paths give the same result, and the host path stays the one that explains: anything these
 ops do not accept (another layout of the body, a token that is not a JSON number, ragged or empty
-rows, a number with more than 18 significant digits or an exponent beyond 10^±44) returns None
-and the caller decodes on the host, which names the problem. Numbers are read as the host path
-reads them, to the nearest float64 and then to float32: exactly so (Clinger's fast path) for up to
-15 significant digits and a power of ten within 10^±22, which covers every float32 or bfloat16
-printed in its shortest form; longer or larger ones take one more float64 rounding, which can
-move the float32 only for a number within 2^-29 of a float32 rounding boundary.
+rows, a number with more than 18 significant digits, an exponent beyond 10^±44 or a value beyond
+float32's range) returns None and the caller decodes on the host, which names the problem.
+Numbers are read as the host path reads them, to the nearest float64 and then to float32: exactly
+so (Clinger's fast path) for up to 15 significant digits and a power of ten within 10^±22, which
+covers every float32 or bfloat16 printed in its shortest form; longer or larger ones take one
+more float64 rounding, which can move the float32 only for a number within 2^-29 of a float32
+rounding boundary.
 
 The reading runs on the caller's thread, on the codec's own CUDA stream, and the host waits for
 the device once, for the kernels' verdict (read or not, and the shape): the result is complete on
@@ -387,7 +388,8 @@ def read_numbers(
         | (exponent & (exponent_left >= LIMITS.exponent_digits)).any()
         | (power.abs() > 2 * LIMITS.exact_power).any()
     )
-    return numbers.float(), bad | beyond
+    floats = numbers.float()
+    return floats, bad | beyond | floats.isinf().any()  # beyond float32: an infinity
 
 
 def _scaled(m: torch.Tensor, power: torch.Tensor) -> torch.Tensor:

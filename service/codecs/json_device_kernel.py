@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .json_limits import NumberLimits
+from .json_numbers import FLOAT32_MAX as _FLOAT32_MAX
 
 # bytes a program of each kernel takes: each reads a block's bytes, or as many events and half
 # as many numbers (a text holds no more events than bytes, no more numbers than half its bytes,
@@ -45,6 +46,7 @@ WIDTH = tl.constexpr(2)
 # a NaN's bits: Triton refuses a NaN global constant (NaN != NaN reads as "changed since the
 # kernel was compiled" at every launch after the first)
 NAN_BITS = tl.constexpr(0x7FC00000)
+FLOAT32_MAX = tl.constexpr(_FLOAT32_MAX)  # a number read beyond it is the host's to name
 # states of a number's reading, in the order the grammar meets them
 BEGIN = tl.constexpr(0)
 SIGN = tl.constexpr(1)  # "-"
@@ -181,7 +183,8 @@ def _read_number(
     MAX_POWER: tl.constexpr,
 ):
     """The numbers whose first bytes are at `offs` (where `inside`) -> their float32 values and
-    whether each was read (False: not JSON, or beyond the limits: the host must read it)."""
+    whether each was read (False: not JSON, beyond the limits or beyond float32's range: the
+    host must read it)."""
     state = tl.where(inside, BEGIN, DONE)  # DONE: nothing to read
     m = tl.zeros(offs.shape, tl.int64)
     significant = tl.zeros(offs.shape, tl.int32)
@@ -251,8 +254,8 @@ def _read_number(
     value = _scale(_scale(m.to(tl.float64), near, MAX_POWER), far, MAX_POWER)
     # "-0" is an integer (0, as orjson reads it); "-0.0" a float (-0.0: times -1, as Triton's
     # unary minus is 0 - x, +0.0 for a zero)
-    value = tl.where(negative & ((m != 0) | is_float), value * -1.0, value)
-    return value.to(tl.float32), (state == DONE) & ~too_much
+    value = tl.where(negative & ((m != 0) | is_float), value * -1.0, value).to(tl.float32)
+    return value, (state == DONE) & ~too_much & (tl.abs(value) <= FLOAT32_MAX)
 
 
 @triton.jit(do_not_specialize=["n", "blocks"])

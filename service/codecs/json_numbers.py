@@ -30,6 +30,10 @@ _ARRAY_BYTES = b"0123456789+-.eE[], \t\n\r"
 # what a number costs as JSON text at most, about: float32's shortest form (up to 15 bytes,
 # 10-12 for most values) and its comma; sizes a reply's JSON before it is written
 NUMBER_BYTES = 16
+# A number at least this far from zero becomes an infinity as a float32: it lies halfway between
+# float32's largest value and 2^128, or beyond, and rounds up (to the even neighbour)
+FLOAT32_OVERFLOW = 2.0**128 - 2.0**103
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def parse(body: bytes | bytearray, what: str = "body") -> Any:
@@ -43,7 +47,8 @@ def parse(body: bytes | bytearray, what: str = "body") -> Any:
 MAX_DIMS = 32  # numpy's limit in its 1.x releases; no tensor of ours comes near it
 
 
-def _where(name: str, index: tuple[int, ...]) -> str:
+def element_name(name: str, index: tuple[int, ...]) -> str:
+    """An element of array `name` as a message names it: `hidden_states[0][3]`."""
     return name + "".join(f"[{i}]" for i in index)
 
 
@@ -103,7 +108,8 @@ def to_array(name: str, value: Any, numbers_only: bool = False) -> np.ndarray:
         set(map(type, numbers)) <= _NUMBERS for numbers in _innermost(name, value)
     ):
         index, item = _first_non_number(value, ())
-        raise BadInput(f"{_where(name, index)} is {orjson.dumps(item).decode()}; expected a number")
+        item_text = orjson.dumps(item).decode()
+        raise BadInput(f"{element_name(name, index)} is {item_text}; expected a number")
     try:
         return np.array(value, dtype=np.float64)
     except ValueError:  # nested lists of unequal lengths, or an array among numbers
@@ -131,6 +137,18 @@ def rows_to_array(name: str, value: Any, numbers_only: bool = False) -> np.ndarr
         return to_array(name, value)
 
 
+def check_float32(name: str, array: np.ndarray) -> None:
+    """BadInput naming the first number of `array` (float64, finite: orjson reads no other)
+    that a float32 cannot hold: cast, it would become an infinity, which a forward refuses as
+    though the client had sent one."""
+    if array.size and (array.max() >= FLOAT32_OVERFLOW or array.min() <= -FLOAT32_OVERFLOW):
+        index = tuple(int(i) for i in np.argwhere(np.abs(array) >= FLOAT32_OVERFLOW)[0])
+        raise BadInput(
+            f"{element_name(name, index)} is {array[index]:g}, beyond float32's range "
+            f"(±{FLOAT32_MAX:g})"
+        )
+
+
 @lru_cache(maxsize=64)
 def _row_format(width: int) -> struct.Struct:
     return struct.Struct(f"{width}d")
@@ -152,8 +170,8 @@ def _packed_rows(rows: list[list], width: int) -> np.ndarray:
 class ForwardArrays:
     """A /v1 forward's JSON body, decoded (schema: service.http.schemas.ForwardRequest)."""
 
-    hidden_states: np.ndarray  # [T, H] float64
-    router_logits: np.ndarray | None  # [T, E] float64
+    hidden_states: np.ndarray  # [T, H] float64, each number within float32's range
+    router_logits: np.ndarray | None  # [T, E] float64, each number within float32's range
     return_routing: bool
 
 
@@ -173,11 +191,12 @@ def decode_forward_arrays(body: bytes | bytearray) -> ForwardArrays:
         got = orjson.dumps(routing).decode()
         raise BadInput(f"return_routing must be true or false, got {got}")
     numbers_only = arrays_hold_only_numbers(body, value)
-    return ForwardArrays(
-        rows_to_array("hidden_states", value["hidden_states"], numbers_only),
-        None if logits is None else rows_to_array("router_logits", logits, numbers_only),
-        routing,
-    )
+    hidden = rows_to_array("hidden_states", value["hidden_states"], numbers_only)
+    check_float32("hidden_states", hidden)
+    if logits is not None:
+        logits = rows_to_array("router_logits", logits, numbers_only)
+        check_float32("router_logits", logits)
+    return ForwardArrays(hidden, logits, routing)
 
 
 def dumps(value: Any, default: Callable[[Any], Any] | None = None) -> bytes:

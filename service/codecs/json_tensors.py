@@ -13,19 +13,22 @@ import numpy as np
 import torch
 
 from ..errors import BadInput
-from .json_numbers import decode_forward_arrays, rows_to_array, to_array
+from .json_numbers import decode_forward_arrays, element_name, to_array
 from .json_numbers import dumps as dumps_arrays
 
 
-def rows_to_tensor(name: str, value: Any, numbers_only: bool = False) -> torch.Tensor:
-    """A JSON array of rows of numbers -> float32 [T, C]; refuses empty, ragged and non-number
-    arrays, naming the row or the element (json_numbers.rows_to_array)."""
-    return torch.from_numpy(rows_to_array(name, value, numbers_only)).to(torch.float32)
-
-
 def array_to_tensor(name: str, value: Any, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """A JSON array of numbers, flat or nested, -> a tensor of `shape` and `dtype`."""
-    tensor = torch.from_numpy(to_array(name, value)).to(dtype)
+    """A JSON array of numbers, flat or nested, -> a tensor of `shape` and `dtype`; BadInput
+    naming a number `dtype` cannot hold (a float one would become an infinity)."""
+    array = to_array(name, value)
+    tensor = torch.from_numpy(array).to(dtype)
+    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        # the numbers are finite (orjson reads no other): one overflowed
+        index = tuple(int(i) for i in (~torch.isfinite(tensor)).nonzero()[0])
+        kind, largest = str(dtype).removeprefix("torch."), torch.finfo(dtype).max
+        raise BadInput(
+            f"{element_name(name, index)} is {array[index]:g}, beyond {kind}'s range (±{largest:g})"
+        )
     if tensor.numel() != int(np.prod(shape)):
         raise BadInput(f"{name}: {tensor.numel()} values do not fill shape {shape}")
     return tensor.reshape(shape)

@@ -601,14 +601,13 @@ def _blob_bytes(arrays: ForwardArrays) -> int:
 
 def _write_blob(arrays: ForwardArrays, into: memoryview) -> None:
     """`arrays` as a float32 safetensors blob into `into`, rounded as the engine rounds a JSON
-    body (a number beyond float32 becomes Inf, which the engine names)."""
+    body (each number lies within float32's range: `decode_forward_arrays`)."""
     head = _blob_head(arrays)
     into[: len(head)] = head
     at = len(head)
     for array in (arrays.hidden_states, arrays.router_logits):
         if array is not None:
-            with np.errstate(over="ignore"):  # beyond float32: inf, as torch casts it
-                np.frombuffer(into, np.float32, array.size, at).reshape(array.shape)[...] = array
+            np.frombuffer(into, np.float32, array.size, at).reshape(array.shape)[...] = array
             at += array.size * 4
 
 

@@ -25,7 +25,11 @@ import torch
 
 from moe_serve.service import logs, off_loop
 from moe_serve.service.codecs import json_tensors
-from moe_serve.service.codecs.json_numbers import NUMBER_BYTES, decode_forward_arrays
+from moe_serve.service.codecs.json_numbers import (
+    FLOAT32_MAX,
+    NUMBER_BYTES,
+    decode_forward_arrays,
+)
 from moe_serve.service.codecs.safetensors_wire import decode_safetensors, encode_safetensors
 from moe_serve.service.frontends.arena import BLOCK_BYTES, REPLY_HEADER_BYTES, BodyArena
 from moe_serve.service.frontends.engine_state import STALE_S, StateBlock
@@ -308,7 +312,12 @@ def test_json_forwards_on_either_side_of_the_on_loop_limit_equal_the_engines_rep
         (TINY, b'{"hidden_states": [[1.0, 2.0]', 400, "body is not valid JSON"),
         (TINY, b'{"hidden": [[1.0]]}', 400, "unknown fields ['hidden']"),
         (TINY, b'{"hidden_states": [[1.0, 2.0]]}', 400, f"hidden_size is {H}"),
-        (TINY, f'{{"hidden_states": [{[1e39] * H}]}}'.encode(), 400, "NaN or Inf"),
+        (
+            TINY,
+            f'{{"hidden_states": [{[1e39] * H}]}}'.encode(),
+            400,
+            "hidden_states[0][0] is 1e+39, beyond float32's range",
+        ),
         ("nope", b'{"hidden_states": [[1.0]]}', 404, "no layer named 'nope'"),
     ],
     ids=["true", "cut", "unknown-field", "width", "beyond-float32", "no-layer"],
@@ -350,10 +359,10 @@ def test_a_json_body_becomes_the_float32_blob_the_engine_would_decode() -> None:
     decoded = json_tensors.decode_forward(body)
     assert torch.equal(tensors["hidden_states"], decoded.hidden_states)
     assert torch.equal(tensors["router_logits"], decoded.router_logits)
-    beyond = decode_forward_arrays(b'{"hidden_states": [[1e39, 1.0]]}')
-    blob = bytearray(_blob_bytes(beyond))
-    _write_blob(beyond, memoryview(blob))  # beyond float32: Inf, which the engine names
-    assert decode_safetensors(bytes(blob))["hidden_states"].tolist() == [[float("inf"), 1.0]]
+    largest = decode_forward_arrays(b'{"hidden_states": [[3.4028234663852886e38, 1.0]]}')
+    blob = bytearray(_blob_bytes(largest))
+    _write_blob(largest, memoryview(blob))
+    assert decode_safetensors(bytes(blob))["hidden_states"].tolist() == [[FLOAT32_MAX, 1.0]]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)

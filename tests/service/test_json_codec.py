@@ -3,22 +3,21 @@ in their dtype's shortest form."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import orjson
 import pytest
 import torch
 
 from moe_serve.service.codecs.json_numbers import (
+    FLOAT32_MAX,
     FORWARD_FIELDS,
     arrays_hold_only_numbers,
+    decode_forward_arrays,
     rows_to_array,
 )
-from moe_serve.service.codecs.json_tensors import (
-    array_to_tensor,
-    decode_forward,
-    dumps,
-    rows_to_tensor,
-)
+from moe_serve.service.codecs.json_tensors import array_to_tensor, decode_forward, dumps
 from moe_serve.service.errors import BadInput
 from moe_serve.service.http.schemas import ForwardRequest
 
@@ -38,13 +37,56 @@ from moe_serve.service.http.schemas import ForwardRequest
 )
 def test_rows_that_are_not_a_matrix_of_numbers_are_named(value, message: str) -> None:
     with pytest.raises(BadInput, match=message.replace("[", r"\[")):
-        rows_to_tensor("h", value)
+        rows_to_array("h", value)
 
 
 def test_rows_become_one_float32_tensor_ints_included() -> None:
-    t = rows_to_tensor("h", [[1, 2.5], [-3, 1e-8]])
+    t = decode_forward(orjson.dumps({"hidden_states": [[1, 2.5], [-3, 1e-8]]})).hidden_states
     assert t.dtype == torch.float32
     assert torch.equal(t, torch.tensor([[1.0, 2.5], [-3.0, 1e-8]]))
+
+
+# float64 numbers about float32's largest value: the last below the point halfway to 2^128 rounds
+# down to it; that point, and all beyond, round up to an infinity
+BELOW_HALFWAY, HALFWAY = 3.4028235677973362e38, 3.4028235677973366e38
+
+
+@pytest.mark.parametrize("field", ["hidden_states", "router_logits"])
+@pytest.mark.parametrize(
+    ("number", "shown"), [(1e39, "1e+39"), (-HALFWAY, "-3.40282e+38"), (1.7e308, "1.7e+308")]
+)
+def test_a_number_beyond_float32_is_named_not_read_as_an_infinity(
+    field: str, number: float, shown: str
+) -> None:
+    rows = [[0.5, 1.0], [2.0, 3.0]]
+    body = {"hidden_states": rows, "router_logits": rows}
+    body[field] = [[0.5, 1.0], [2.0, number]]
+    message = f"{field}[1][1] is {shown}, beyond float32's range (±3.40282e+38)"
+    for decode in (decode_forward_arrays, decode_forward):
+        with pytest.raises(BadInput, match=re.escape(message)):
+            decode(orjson.dumps(body))
+
+
+def test_the_last_number_below_halfway_to_2_128_is_float32s_largest() -> None:
+    decoded = decode_forward(orjson.dumps({"hidden_states": [[BELOW_HALFWAY, -BELOW_HALFWAY]]}))
+    assert decoded.hidden_states.tolist() == [[FLOAT32_MAX, -FLOAT32_MAX]]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "number", "message"),
+    [
+        (torch.float32, 1e39, "d[1] is 1e+39, beyond float32's range (±3.40282e+38)"),
+        (torch.float16, 65520.0, "d[1] is 65520, beyond float16's range (±65504)"),
+        (torch.bfloat16, -3.4e38, "d[1] is -3.4e+38, beyond bfloat16's range (±3.38953e+38)"),
+    ],
+    ids=str,
+)
+def test_kserve_data_beyond_its_dtype_is_named(dtype, number: float, message: str) -> None:
+    with pytest.raises(BadInput, match=re.escape(message)):
+        array_to_tensor("d", [1.0, number], [2], dtype)
+    # the largest value rounds to itself
+    largest = torch.finfo(dtype).max
+    assert array_to_tensor("d", [1.0, largest], [2], dtype)[1].item() == largest
 
 
 @pytest.mark.parametrize("value", [[1, 2, 3, 4], [[1, 2], [3, 4]]], ids=["flat", "nested"])
@@ -127,8 +169,9 @@ def test_decode_forward_equals_the_item_checked_decode() -> None:
     rows[1][2] = 3  # ints too
     body = orjson.dumps({"hidden_states": rows, "router_logits": rows})
     decoded = decode_forward(body)
-    assert torch.equal(decoded.hidden_states, rows_to_tensor("h", rows))
-    assert torch.equal(decoded.router_logits, rows_to_tensor("l", rows))
+    checked = torch.from_numpy(rows_to_array("h", rows)).float()  # each item's type checked
+    assert torch.equal(decoded.hidden_states, checked)
+    assert torch.equal(decoded.router_logits, checked)
 
 
 AWKWARD_NUMBERS = [0, -0.0, 3, -7, 2**53 + 1, 2**63 + 1, 18446744073709551615, 5e-324, 1e-45,

@@ -168,6 +168,9 @@ def test_what_is_not_json_rows_is_left_to_the_host_which_names_it(text: str) -> 
         "[[1e400]]",  # beyond float64: the host refuses it
         "[[1e0001]]",  # a four-digit exponent
         "[[1.1754943508222875e-38]]",  # float32's smallest normal, in float64's 17 digits
+        "[[1, 1e39]]",  # beyond float32: an infinity, which the host names
+        "[[-3.5e38]]",
+        "[[9e44]]",
         "[[[1]]]",  # three dimensions (the layer's shape check refuses them)
     ],
 )
@@ -334,6 +337,7 @@ KERNEL_CASES = [
     json.dumps(torch.randn(4, 9, generator=torch.Generator().manual_seed(10)).tolist()),
     json.dumps((np.random.default_rng(11).standard_normal((2, 8)) * 1e-30).tolist()),
     "[[0.1234567890123456789, 123456789012345678, 1e-44, 1e-45, 9e44, 1e0001, 1e999]]",
+    "[[1e39, -3.5e38, 3.4e38, 3.4028234663852886e38, -3.40282357e38, 3.4028235e38]]",
     "[[" + "1" * 40 + ", " + "1" * 41 + "]]",
     *INVALID[:-1],
 ]
