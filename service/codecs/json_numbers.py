@@ -47,9 +47,15 @@ def parse(body: bytes | bytearray, what: str = "body") -> Any:
 MAX_DIMS = 32  # numpy's limit in its 1.x releases; no tensor of ours comes near it
 
 
-def element_name(name: str, index: tuple[int, ...]) -> str:
-    """An element of array `name` as a message names it: `hidden_states[0][3]`."""
+def _where(name: str, index: tuple[int, ...]) -> str:
     return name + "".join(f"[{i}]" for i in index)
+
+
+def out_of_range(
+    name: str, index: tuple[int, ...], number: float, dtype: str, largest: float
+) -> BadInput:
+    """The error for the number at `index` of array `name`, which a `dtype` cannot hold."""
+    return BadInput(f"{_where(name, index)} is {number!r}, beyond {dtype}'s range (±{largest:.8g})")
 
 
 def _innermost(name: str, value: list) -> Iterator[list]:
@@ -109,7 +115,7 @@ def to_array(name: str, value: Any, numbers_only: bool = False) -> np.ndarray:
     ):
         index, item = _first_non_number(value, ())
         item_text = orjson.dumps(item).decode()
-        raise BadInput(f"{element_name(name, index)} is {item_text}; expected a number")
+        raise BadInput(f"{_where(name, index)} is {item_text}; expected a number")
     try:
         return np.array(value, dtype=np.float64)
     except ValueError:  # nested lists of unequal lengths, or an array among numbers
@@ -143,10 +149,7 @@ def check_float32(name: str, array: np.ndarray) -> None:
     though the client had sent one."""
     if array.size and (array.max() >= FLOAT32_OVERFLOW or array.min() <= -FLOAT32_OVERFLOW):
         index = tuple(int(i) for i in np.argwhere(np.abs(array) >= FLOAT32_OVERFLOW)[0])
-        raise BadInput(
-            f"{element_name(name, index)} is {array[index]:g}, beyond float32's range "
-            f"(±{FLOAT32_MAX:g})"
-        )
+        raise out_of_range(name, index, float(array[index]), "float32", FLOAT32_MAX)
 
 
 @lru_cache(maxsize=64)

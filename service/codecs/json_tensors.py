@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..errors import BadInput
-from .json_numbers import decode_forward_arrays, element_name, to_array
+from .json_numbers import decode_forward_arrays, out_of_range, to_array
 from .json_numbers import dumps as dumps_arrays
 
 
@@ -26,9 +26,7 @@ def array_to_tensor(name: str, value: Any, shape: list[int], dtype: torch.dtype)
         # the numbers are finite (orjson reads no other): one overflowed
         index = tuple(int(i) for i in (~torch.isfinite(tensor)).nonzero()[0])
         kind, largest = str(dtype).removeprefix("torch."), torch.finfo(dtype).max
-        raise BadInput(
-            f"{element_name(name, index)} is {array[index]:g}, beyond {kind}'s range (±{largest:g})"
-        )
+        raise out_of_range(name, index, float(array[index]), kind, largest)
     if tensor.numel() != int(np.prod(shape)):
         raise BadInput(f"{name}: {tensor.numel()} values do not fill shape {shape}")
     return tensor.reshape(shape)

@@ -363,7 +363,7 @@ def test_large_json_forwards_are_parsed_and_printed_on_the_gpu_as_the_host_would
     text = json.dumps({"hidden_states": rows})
     for broken, error in (
         (text.replace("12345.0", "012345.0"), "body is not valid JSON"),
-        (text, "hidden_states[0][1] is 1e+39, beyond float32's range (±3.40282e+38)"),
+        (text, "hidden_states[0][1] is 1e+39, beyond float32's range (±3.4028235e+38)"),
     ):
         r = client.post(
             "/v1/layers/demo/forward",

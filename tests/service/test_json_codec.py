@@ -53,7 +53,8 @@ BELOW_HALFWAY, HALFWAY = 3.4028235677973362e38, 3.4028235677973366e38
 
 @pytest.mark.parametrize("field", ["hidden_states", "router_logits"])
 @pytest.mark.parametrize(
-    ("number", "shown"), [(1e39, "1e+39"), (-HALFWAY, "-3.40282e+38"), (1.7e308, "1.7e+308")]
+    ("number", "shown"),
+    [(1e39, "1e+39"), (-HALFWAY, "-3.4028235677973366e+38"), (1.7e308, "1.7e+308")],
 )
 def test_a_number_beyond_float32_is_named_not_read_as_an_infinity(
     field: str, number: float, shown: str
@@ -61,7 +62,7 @@ def test_a_number_beyond_float32_is_named_not_read_as_an_infinity(
     rows = [[0.5, 1.0], [2.0, 3.0]]
     body = {"hidden_states": rows, "router_logits": rows}
     body[field] = [[0.5, 1.0], [2.0, number]]
-    message = f"{field}[1][1] is {shown}, beyond float32's range (±3.40282e+38)"
+    message = f"{field}[1][1] is {shown}, beyond float32's range (±3.4028235e+38)"
     for decode in (decode_forward_arrays, decode_forward):
         with pytest.raises(BadInput, match=re.escape(message)):
             decode(orjson.dumps(body))
@@ -75,9 +76,9 @@ def test_the_last_number_below_halfway_to_2_128_is_float32s_largest() -> None:
 @pytest.mark.parametrize(
     ("dtype", "number", "message"),
     [
-        (torch.float32, 1e39, "d[1] is 1e+39, beyond float32's range (±3.40282e+38)"),
-        (torch.float16, 65520.0, "d[1] is 65520, beyond float16's range (±65504)"),
-        (torch.bfloat16, -3.4e38, "d[1] is -3.4e+38, beyond bfloat16's range (±3.38953e+38)"),
+        (torch.float32, 1e39, "d[1] is 1e+39, beyond float32's range (±3.4028235e+38)"),
+        (torch.float16, 65520.0, "d[1] is 65520.0, beyond float16's range (±65504)"),
+        (torch.bfloat16, -3.4e38, "d[1] is -3.4e+38, beyond bfloat16's range (±3.3895314e+38)"),
     ],
     ids=str,
 )
