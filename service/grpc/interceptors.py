@@ -59,8 +59,8 @@ OPEN = frozenset({"ServerLive", "ServerReady"})  # answered without the bearer t
 # answered while draining and beyond the cap on calls in flight, and not counted in it
 PROBES = OPEN | {"ModelReady"}
 
-# a stream's requests in flight at once, as a connection's calls (server.STREAMS_PER_CONNECTION);
-# beyond, the stream is read no further until its oldest is answered
+# a stream's requests in flight at once (HTTP/2's advised least of a connection's streams, RFC
+# 9113, 6.5.2); beyond, the stream is read no further until its oldest is answered
 STREAM_IN_FLIGHT = 100
 
 # whose shared-memory regions the call may use (shared_memory.owner_of; None without a token)

@@ -4,8 +4,10 @@ grpc core's own limits, from the settings HTTP uses for the same things:
 
 - a message of at most MOE_SERVE_MAX_BODY_BYTES plus MESSAGE_HEADROOM (a length prefix above it
   is refused at once, RESOURCE_EXHAUSTED, before the message is read);
-- at most MOE_SERVE_MAX_CONNECTIONS connections (more are closed as they come), each with at most
-  STREAMS_PER_CONNECTION calls open at once;
+- at most MOE_SERVE_MAX_CONNECTIONS connections (more are closed as they come), each with as
+  many calls open at once as the server takes in flight (CallGate answers a call beyond them
+  RESOURCE_EXHAUSTED, naming the limit). A lower stream limit is not one a stock client waits
+  for: calls past it race the client's count of open streams, and those refused end UNAVAILABLE;
 - a connection must finish its HTTP/2 handshake within MOE_SERVE_READ_TIMEOUT_S, and one with no
   call open for as long is closed (GOAWAY), as uvicorn closes idle keep-alive connections;
 - a peer that does not answer a ping within MOE_SERVE_READ_TIMEOUT_S, sent after as long without
@@ -34,8 +36,6 @@ log = logging.getLogger(__name__)
 # A message carries names, shapes and parameters besides its tensors' bytes: with this, tensors
 # of MOE_SERVE_MAX_BODY_BYTES fit in one, as in one HTTP body with its JSON header.
 MESSAGE_HEADROOM = 64 << 10
-# HTTP/2's advised least (RFC 9113, 6.5.2); a client with more calls waits for a stream.
-STREAMS_PER_CONNECTION = 100
 
 
 class GrpcServer:
@@ -53,7 +53,7 @@ class GrpcServer:
                 ("grpc.max_receive_message_length", settings.max_body_bytes + MESSAGE_HEADROOM),
                 ("grpc.max_send_message_length", -1),
                 ("grpc.max_allowed_incoming_connections", settings.max_connections),
-                ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+                ("grpc.max_concurrent_streams", settings.max_connections),
                 ("grpc.server_handshake_timeout_ms", idle_ms),
                 ("grpc.max_connection_idle_ms", idle_ms),
                 ("grpc.keepalive_time_ms", idle_ms),

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from moe_serve.service.core.runtime import Runtime
-from moe_serve.service.grpc.server import MESSAGE_HEADROOM, STREAMS_PER_CONNECTION
+from moe_serve.service.grpc.server import MESSAGE_HEADROOM
 from moe_serve.service.http.app import create_app
 from moe_serve.service.http.server import server_config
 from moe_serve.service.serve import _DrainingServer
@@ -242,12 +242,40 @@ def test_connections_beyond_max_connections_are_closed_and_http_answers() -> Non
             kind, _, _, settings = next(connection.frames())
             assert kind == SETTINGS
             values = dict(struct.iter_unpack(">HI", settings))
-            assert values[SETTINGS_MAX_CONCURRENT_STREAMS] == STREAMS_PER_CONNECTION
+            assert values[SETTINGS_MAX_CONCURRENT_STREAMS] == 2  # the calls it takes in flight
         extra = RawH2(s.grpc)
         assert HEADERS not in _kinds_until_closed(extra)
         assert httpx.get(f"{s.url}/health").status_code == 200
         for connection in [*held, extra]:
             connection.close()
+
+
+def test_two_hundred_calls_at_once_on_one_channel_are_all_answered() -> None:
+    """A stock client's asynchronous calls on one channel: each is served, none is refused as a
+    stream beyond the connection's limit (UNAVAILABLE, "RST_STREAM with error code 7")."""
+    calls = 200
+    with serving(max_queue=calls) as s:
+        client = grpcclient.InferenceServerClient(s.grpc)
+        x = np.random.default_rng(0).standard_normal((2, H)).astype(np.float32)
+        tensor = grpcclient.InferInput("hidden_states", [2, H], "FP32")
+        tensor.set_data_from_numpy(x)
+        client.infer(TINY, [tensor])  # the connection is up, its settings known
+        answered: list[tuple[object, object]] = []
+        all_in = threading.Event()
+
+        def done(result, error) -> None:
+            answered.append((result, error))
+            if len(answered) == calls:
+                all_in.set()
+
+        for _ in range(calls):
+            client.async_infer(TINY, [tensor], done, client_timeout=WAIT_S)
+        assert all_in.wait(WAIT_S)
+        client.close()
+    assert [error for _, error in answered if error is not None] == []
+    expected = reference_forward(TINY, torch.from_numpy(x))
+    for result, _ in answered:
+        torch.testing.assert_close(torch.from_numpy(result.as_numpy("output")), expected)
 
 
 def test_idle_connections_are_closed_after_the_read_timeout() -> None:
