@@ -70,6 +70,11 @@ class OffLoop:
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait([work])
             raise
+        finally:
+            # `fn`'s error keeps its frames, and so the bytes it worked on; this frame, in its
+            # traceback, must not keep the future that holds it (a cycle the collector, run
+            # rarely in a serving process, would be left to find)
+            del work
 
 
 BINARY = OffLoop(1 << 20, None, alone_bytes=4 << 20)

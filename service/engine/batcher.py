@@ -400,6 +400,11 @@ class DynamicBatcher:
                 # must not reuse them before
                 request.settled = asyncio.Event()
                 await asyncio.shield(request.settled.wait())
+            # A failed request's error, raised here, holds this frame in its traceback: the
+            # frame must not hold the future that holds the error, a cycle that would keep the
+            # request's inputs (and its caller's body) until the collector, run rarely in a
+            # serving process, found it
+            del request
 
     def _idle_lane(self, name: str, q: _LayerQueue, request: _Request) -> _Lane | None:
         """The lane of layer `name` when `request` is the scheduler's next batch whole and can

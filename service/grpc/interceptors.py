@@ -147,25 +147,29 @@ class CallGate(grpc.aio.ServerInterceptor):
                 raise _Refused(grpc.StatusCode.UNIMPLEMENTED, f"moe-serve does not serve {rpc}")
             self._admit(rpc, authorization)
             counted = self._count(rpc)
-            raw = await self._message(requests)
-            request = await BINARY.run(len(raw), _parse, handler.request_deserializer, raw)
+            request = await self._request(handler, requests)
             return await _serialized(handler, await handler.unary_unary(request, context))
         except ServiceError as err:
-            code = grpc_status(err)
-            await context.abort(code, capped(err.message))
+            code, details = grpc_status(err), capped(err.message)
         except _Refused as err:
-            code = err.code
-            await context.abort(code, str(err))
+            code, details = err.code, str(err)
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED  # the client went away, or the drain cut it off
             raise
         except Exception:
             log.exception("unhandled error in %s", route)
             code = grpc.StatusCode.INTERNAL
-            await context.abort(code, f"internal error; request id {logs.request_id.get()}")
+            details = f"internal error; request id {logs.request_id.get()}"
         finally:
             self._done(route, code, started, counted)
             logs.request_id.reset(reset)
+        # Aborted here, with the error let go and the message dropped: grpc keeps the abort's
+        # exception, and its traceback this frame, with the call, in a cycle the collector
+        # (run rarely in a serving process) is left to find; raised in an except block, it
+        # would hold the error, and through its frames the message, as long (the messages of
+        # large calls that failed piled up so)
+        request = None
+        await context.abort(code, details)
 
     async def _stream(
         self,
@@ -324,6 +328,13 @@ class CallGate(grpc.aio.ServerInterceptor):
                 "(MOE_SERVE_MAX_CONNECTIONS); retry"
             )
 
+    async def _request(
+        self, handler: grpc.RpcMethodHandler, requests: AsyncIterator[bytes]
+    ) -> Message:
+        """The call's one request message, parsed (off the event loop when large)."""
+        raw = await self._message(requests)
+        return await BINARY.run(len(raw), _parse, handler.request_deserializer, raw)
+
     async def _message(self, requests: AsyncIterator[bytes]) -> bytes:
         """The call's one request message, within the read timeout. A read cut short would free
         what grpc core may still write into, so a late one is left to end with the call."""
@@ -341,6 +352,9 @@ class CallGate(grpc.aio.ServerInterceptor):
         raw = reading.result()
         if raw is None:
             raise BadInput("the call carried no request message")
+        # grpc's reader holds the last message it gave until it is closed, in a cycle with the
+        # call (the message of every large call stayed until the collector ran)
+        await aiter(requests).aclose()
         return raw
 
 
