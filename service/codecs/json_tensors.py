@@ -22,11 +22,14 @@ def array_to_tensor(name: str, value: Any, shape: list[int], dtype: torch.dtype)
     naming a number `dtype` cannot hold (a float one would become an infinity)."""
     array = to_array(name, value)
     tensor = torch.from_numpy(array).to(dtype)
-    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-        # the numbers are finite (orjson reads no other): one overflowed
-        index = tuple(int(i) for i in (~torch.isfinite(tensor)).nonzero()[0])
-        kind, largest = str(dtype).removeprefix("torch."), torch.finfo(dtype).max
-        raise out_of_range(name, index, float(array[index]), kind, largest)
+    if tensor.is_floating_point():
+        # a finite number that became an infinity (a NaN or an Infinity sent as such is for
+        # the input checks to name)
+        overflowed = ~torch.isfinite(tensor) & torch.from_numpy(np.isfinite(array))
+        if overflowed.any():
+            index = tuple(int(i) for i in overflowed.nonzero()[0])
+            kind, largest = str(dtype).removeprefix("torch."), torch.finfo(dtype).max
+            raise out_of_range(name, index, float(array[index]), kind, largest)
     if tensor.numel() != int(np.prod(shape)):
         raise BadInput(f"{name}: {tensor.numel()} values do not fill shape {shape}")
     return tensor.reshape(shape)

@@ -607,6 +607,12 @@ class SharedMemory:
         self._check_allowed()
         if len(name) > MAX_NAME_CHARS:
             raise BadInput(f"region name of {len(name)} characters is longer than {MAX_NAME_CHARS}")
+        if not name or "/" in name or name in (".", "..") or not name.isprintable():
+            # the HTTP routes name a region in their path (and an empty name means every region)
+            raise BadInput(
+                f"region name {name!r} cannot be used: a name is printable characters, not "
+                "'.' or '..', with no '/'"
+            )
         if name in self.regions:
             raise Conflict(f"a shared-memory region named {name!r} is already registered")
         if sum(r.owner == owner for r in self.regions.values()) >= self.max_regions:

@@ -275,7 +275,7 @@ def test_two_hundred_calls_at_once_on_one_channel_are_all_answered() -> None:
     assert [error for _, error in answered if error is not None] == []
     expected = reference_forward(TINY, torch.from_numpy(x))
     for result, _ in answered:
-        torch.testing.assert_close(torch.from_numpy(result.as_numpy("output")), expected)
+        torch.testing.assert_close(torch.tensor(result.as_numpy("output")), expected)
 
 
 def test_idle_connections_are_closed_after_the_read_timeout() -> None:

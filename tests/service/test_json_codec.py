@@ -85,9 +85,12 @@ def test_the_last_number_below_halfway_to_2_128_is_float32s_largest() -> None:
 def test_kserve_data_beyond_its_dtype_is_named(dtype, number: float, message: str) -> None:
     with pytest.raises(BadInput, match=re.escape(message)):
         array_to_tensor("d", [1.0, number], [2], dtype)
-    # the largest value rounds to itself
+    # the largest value rounds to itself; a NaN or an Infinity sent as one is left to the input
+    # checks, which name it as such
     largest = torch.finfo(dtype).max
     assert array_to_tensor("d", [1.0, largest], [2], dtype)[1].item() == largest
+    sent = array_to_tensor("d", [float("nan"), float("-inf")], [2], dtype)
+    assert sent[0].isnan() and sent[1].item() == float("-inf")
 
 
 @pytest.mark.parametrize("value", [[1, 2, 3, 4], [[1, 2], [3, 4]]], ids=["flat", "nested"])

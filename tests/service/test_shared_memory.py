@@ -628,6 +628,19 @@ def test_region_names_and_keys_longer_than_256_characters_are_refused(region) ->
     regions.close()
 
 
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "a\x00b", "tab\there"])
+def test_region_names_no_http_route_could_carry_are_refused(region, name: str) -> None:
+    """HTTP names a region in its routes' paths, and an empty name means every region: a name
+    gRPC could register but HTTP could not address (or unregister alone) is refused."""
+    key, _ = region
+    regions = SharedMemory(allowed=True)
+    with pytest.raises(BadInput, match="cannot be used: a name is printable characters"):
+        regions.register_system(name, key, 0, 64, None)
+    assert regions.regions == {}
+    regions.register_system("a.b-c_d:é", key, 0, 64, None)
+    regions.close()
+
+
 def test_with_a_prefix_an_object_with_a_second_link_is_refused() -> None:
     """A hard link under the prefix to another program's object would carry that object past
     --shared-memory-prefix: with a prefix set, an object of more than one link is refused."""
