@@ -166,8 +166,7 @@ class CallGate(grpc.aio.ServerInterceptor):
         # Aborted here, with the error let go and the message dropped: grpc keeps the abort's
         # exception, and its traceback this frame, with the call, in a cycle the collector
         # (run rarely in a serving process) is left to find; raised in an except block, it
-        # would hold the error, and through its frames the message, as long (the messages of
-        # large calls that failed piled up so)
+        # would hold the error, and through its frames the message, as long
         request = None
         await context.abort(code, details)
 
@@ -353,7 +352,7 @@ class CallGate(grpc.aio.ServerInterceptor):
         if raw is None:
             raise BadInput("the call carried no request message")
         # grpc's reader holds the last message it gave until it is closed, in a cycle with the
-        # call (the message of every large call stayed until the collector ran)
+        # call that only the collector would break
         await aiter(requests).aclose()
         return raw
 
