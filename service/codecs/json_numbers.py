@@ -11,6 +11,7 @@ times, and hold the GIL for as long).
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,11 +38,24 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def parse(body: bytes | bytearray, what: str = "body") -> Any:
-    """The JSON value of `body`; BadInput naming `what` and the position when it is not JSON."""
+    """The JSON value of `body`; BadInput naming `what` and the position when it is not JSON,
+    or holds a number no float64 can (which orjson refuses; JSON sets no range)."""
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as err:
+        if err.msg == _BEYOND_FLOAT64 and (number := _NUMBER.match(body, err.pos)):
+            text = number.group().decode()
+            text = text if len(text) <= _NUMBER_CHARS else text[:_NUMBER_CHARS] + "..."
+            raise BadInput(
+                f"{what} holds {text} at line {err.lineno} column {err.colno}, beyond "
+                f"float64's range (±{np.finfo(np.float64).max:.8g})"
+            ) from None
         raise BadInput(f"{what} is not valid JSON: {err}") from None
+
+
+_BEYOND_FLOAT64 = "number is infinity when parsed as double"  # orjson's message
+_NUMBER_CHARS = 40  # of such a number named in the error; a longer one is cut there
+_NUMBER = re.compile(rb"-?[0-9][0-9.eE+-]{0,%d}" % _NUMBER_CHARS)
 
 
 MAX_DIMS = 32  # numpy's limit in its 1.x releases; no tensor of ours comes near it

@@ -500,7 +500,16 @@ async def _send_to_engine(client: httpx.AsyncClient, scope: Scope, body: bytes) 
 
 def _relayed_request(client: httpx.AsyncClient, scope: Scope, body: bytes) -> httpx.Request:
     headers = [(k, v) for k, v in scope["headers"] if k not in _HOP_BY_HOP]
-    return client.build_request(scope["method"], _target(scope), headers=headers, content=body)
+    target = _target(scope)
+    # httpx's URL removes dot segments (`/region/../register`): the request line carries the
+    # target as the client sent it, so that the engine answers what it would have answered
+    return client.build_request(
+        scope["method"],
+        target.decode("latin-1"),
+        headers=headers,
+        content=body,
+        extensions={"target": target},
+    )
 
 
 RELAYED = -1  # an _Answer's status: the engine answers, logs and counts it
@@ -648,11 +657,11 @@ def _quiet_cancelled_wakeups(loop: asyncio.AbstractEventLoop, context: dict) -> 
     loop.default_exception_handler(context)
 
 
-def _target(scope: Scope) -> str:
+def _target(scope: Scope) -> bytes:
     """The request's path and query as the client sent them (still percent-encoded)."""
     path = scope.get("raw_path") or scope["path"].encode()
     query = scope["query_string"]
-    return (path + b"?" + query if query else path).decode("latin-1")
+    return path + b"?" + query if query else path
 
 
 def main() -> None:

@@ -240,7 +240,11 @@ def test_bad_json_decoded_on_a_json_thread_gets_the_same_4xx(
 
 @pytest.mark.parametrize(
     ("number", "message"),
-    [("NaN", "unexpected character"), ("Infinity", "unexpected character"), ("1e400", "infinity")],
+    [
+        ("NaN", "body is not valid JSON: unexpected character"),
+        ("Infinity", "body is not valid JSON: unexpected character"),
+        ("1e400", "body holds 1e400 at line 1 column "),
+    ],
 )
 def test_a_non_finite_json_number_returns_400(client: TestClient, number, message) -> None:
     row = ", ".join(["0.0"] * (H - 1) + [number])
@@ -248,8 +252,7 @@ def test_a_non_finite_json_number_returns_400(client: TestClient, number, messag
         URL, content=f'{{"hidden_states": [[{row}]]}}', headers={"Content-Type": "application/json"}
     )
     assert r.status_code == 400
-    assert r.json()["error"].startswith("body is not valid JSON: ")
-    assert message in r.json()["error"]
+    assert r.json()["error"].startswith(message)
 
 
 def test_malformed_json_returns_400(client: TestClient) -> None:

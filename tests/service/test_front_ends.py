@@ -318,9 +318,15 @@ def test_json_forwards_on_either_side_of_the_on_loop_limit_equal_the_engines_rep
             400,
             "hidden_states[0][0] is 1e+39, beyond float32's range",
         ),
+        (
+            TINY,
+            b'{"hidden_states": [[1.0, 1e400]]}',
+            400,
+            "body holds 1e400 at line 1 column 26, beyond float64's range",
+        ),
         ("nope", b'{"hidden_states": [[1.0]]}', 404, "no layer named 'nope'"),
     ],
-    ids=["true", "cut", "unknown-field", "width", "beyond-float32", "no-layer"],
+    ids=["true", "cut", "unknown-field", "width", "beyond-float32", "beyond-float64", "no-layer"],
 )
 def test_bad_json_forwards_get_the_engines_error(front_ends, layer, body, status, message):
     url = f"{_url(front_ends)}/v1/layers/{layer}/forward"
@@ -620,6 +626,18 @@ def test_a_relayed_response_has_one_date_and_one_server_header(front_ends) -> No
     assert head[0] == "http/1.1 200 ok"
     names = [line.split(":", 1)[0] for line in head[1:]]
     assert (names.count("date"), names.count("server")) == (1, 1)
+
+
+def test_a_relayed_path_reaches_the_engine_as_the_client_sent_it(front_ends) -> None:
+    # "/v1/layers/.." is the route /v1/layers/{name} with the name "..", not /v1/layers
+    with socket.create_connection(("127.0.0.1", front_ends.listener.getsockname()[1])) as conn:
+        conn.sendall(b"GET /v1/layers/..?x=1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        received = b""
+        while chunk := conn.recv(65536):
+            received += chunk
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0] == b"HTTP/1.1 404 Not Found"
+    assert "no layer named '..'" in json.loads(body)["error"]
 
 
 @pytest.mark.parametrize("case", HOSTILE_HEADERS)

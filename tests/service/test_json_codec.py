@@ -68,6 +68,18 @@ def test_a_number_beyond_float32_is_named_not_read_as_an_infinity(
             decode(orjson.dumps(body))
 
 
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [("1e400", "1e400 at line 2 column 33"), ("-1" + "0" * 400, "-1" + "0" * 38 + "... at")],
+)
+def test_a_number_beyond_float64_is_named_with_where_it_stands(text: str, shown: str) -> None:
+    body = f'{{"hidden_states": [[0.5, 1.0],\n                          [2.0, {text}]]}}'.encode()
+    for decode in (decode_forward_arrays, decode_forward):
+        with pytest.raises(BadInput, match=re.escape(f"body holds {shown}")) as refused:
+            decode(body)
+        assert str(refused.value).endswith("beyond float64's range (±1.7976931e+308)")
+
+
 def test_the_last_number_below_halfway_to_2_128_is_float32s_largest() -> None:
     decoded = decode_forward(orjson.dumps({"hidden_states": [[BELOW_HALFWAY, -BELOW_HALFWAY]]}))
     assert decoded.hidden_states.tolist() == [[FLOAT32_MAX, -FLOAT32_MAX]]
