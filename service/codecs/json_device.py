@@ -137,15 +137,16 @@ def warm_up(device: torch.device, dtypes: Iterable[torch.dtype]) -> None:
 
 def print_rows(values: torch.Tensor) -> memoryview:
     """[T, W] of a 16-bit float dtype, on any device -> the JSON text `[[..], ..]` the host path
-    writes for it (`json_tensors.dumps`: orjson, each value in its shortest form), in host memory
-    (pinned, from a GPU)."""
+    writes for it (`json_tensors.dumps`: orjson, each value in its shortest form), in host
+    memory."""
     return _to_host(_rows_text(values))
 
 
 def _to_host(text: torch.Tensor) -> memoryview:
-    host = torch.empty(text.numel(), dtype=torch.uint8, pin_memory=text.is_cuda)
-    host.copy_(text)
-    return memoryview(host.numpy())
+    # Pageable: a pinned block from torch's cache per reply often came as a new page-locked
+    # allocation of milliseconds. The service prints a large reply into pinned memory of its
+    # own instead (`print_reply_into`).
+    return memoryview(text.cpu().numpy())
 
 
 def _rows_text(values: torch.Tensor) -> torch.Tensor:

@@ -64,11 +64,15 @@ async def serve_json(
     body: bytes | memoryview,
     options: RequestOptions,
     withdrawn: asyncio.Future,
+    room: memoryview | None = None,
 ) -> list[bytes | memoryview]:
     """A JSON body -> the JSON reply's pieces, in order (a large reply's text is not joined into
     one copy). On a GPU engine a large body is parsed, and its 16-bit output printed, on the
-    device (service/codecs/json_device.py), the body copied there from where it lies."""
-    return await _serve_json(call, body, options, withdrawn, None)
+    device (service/codecs/json_device.py), the body copied there from where it lies; with
+    `room` (pinned memory, the room after the body's), the printed reply is copied straight
+    there, where it fits, and sent from it."""
+    written = await _serve_json(call, body, options, withdrawn, room)
+    return [room[:written]] if isinstance(written, int) else written
 
 
 async def serve_json_into(

@@ -29,9 +29,10 @@ from ..codecs.kserve import (
     tensor_type,
 )
 from ..engine.batcher import RequestOptions
+from ..engine.copy_memory import Loan
 from ..engine.interface import ServedLayer, ServingEngine
 from ..errors import BadInput, PayloadTooLarge
-from ..triton.shared_memory import CopyReservation, DeviceRegion, Loan, TensorPlace
+from ..triton.shared_memory import CopyReservation, DeviceRegion, TensorPlace
 from ..triton.statistics import VERSION
 from .forward import MAX_SCHEDULE_VALUE, TENSOR_NAMES, schedule_options, submit_unless_withdrawn
 from .inputs import check_inputs

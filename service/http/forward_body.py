@@ -2,19 +2,21 @@
 one process (`service/http/direct_body.py`): it skips uvicorn's chunks, each copied several times
 on the event loop on its way to the app.
 
-- On a GPU, a binary body goes into pinned host memory with room after it for the reply: the
-  engine copies the body to the device, and the output back, from where they lie.
-- A JSON body large enough that its JSON work leaves the event loop goes into pinned memory on a
-  GPU, from which the device reads it (service/codecs/json_device.py), and elsewhere into host
-  memory from the allocator, which recycles it (a mapping of its own per request would cost a
-  page fault per page of body each time).
+The memory is copy memory (service/engine/copy_memory.py), a block per request kept for the next
+ones, with room after the body for the reply; it goes back once the reply is sent.
+
+- On a GPU it is pinned: the engine copies a binary body to the device and the output back from
+  where they lie, and reads a JSON body there (service/codecs/json_device.py), printing its
+  reply into the room after it.
+- Elsewhere, only a JSON body large enough that its JSON work leaves the event loop is read
+  into it (a mapping of its own per request would cost a page fault per page of body each time);
+  its reply is printed on the host.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.types import Scope
@@ -30,17 +32,18 @@ from .plain_forward import BINARY, plain_forward
 
 @dataclass(frozen=True)
 class ForwardBody:
-    """A request body read into memory of its own; after a binary body (pinned), room for the
-    reply, None after a JSON body (its reply is written into memory of its own)."""
+    """A request body read into copy memory and, on a GPU, the room after it for the reply
+    (None elsewhere: the reply is printed on the host)."""
 
     body: memoryview
     reply: memoryview | None
 
 
 # Binary bodies between these are read into pinned memory. A smaller body is staged faster by the
-# batch's one host copy than a pinned block comes from torch's cache (`bench/request_path.py`,
-# engine against engine-pinned); a larger one is read as bytes, since the cache keeps every block
-# it ever handed out. JSON bodies are read into pinned memory up to PINNED_BODY_MAX too.
+# batch's one host copy than it is copied to the device alone (`bench/request_path.py`, engine
+# against engine-pinned); a larger one is read as bytes, as a larger JSON body is: a block of
+# copy memory is a power of two of about twice the body. JSON bodies are read into pinned memory
+# up to PINNED_BODY_MAX too.
 PINNED_BODY_MIN, PINNED_BODY_MAX = 256 << 10, 64 << 20
 
 
@@ -54,6 +57,7 @@ def forward_body_sink(runtime: Runtime) -> BodySink:
     binary_limit = min(PINNED_BODY_MAX, settings.max_body_bytes)
     json_limit = min(settings.max_json_bytes, settings.max_body_bytes)
     pinned_json_limit = min(json_limit, PINNED_BODY_MAX)
+    memory = runtime.shared_memory.copy_memory
 
     def target(scope: Scope, size: int) -> BodyTarget[ForwardBody] | None:
         engine = runtime.engine
@@ -72,14 +76,12 @@ def forward_body_sink(runtime: Runtime) -> BodySink:
             return None
         if token is not None and not bearer_matches(headers.get("authorization", ""), token):
             return None
-        if plain[1] == BINARY:
+        if pinned:  # the reply as large as the body allows, as in a front end's arena
             room = round_up(size, BLOCK_BYTES)
-            total = room + size + REPLY_HEADER_BYTES
-            view = memoryview(torch.empty(total, dtype=torch.uint8, pin_memory=True).numpy())
+            view = memory.lend_view(room + size + REPLY_HEADER_BYTES, pinned=True)
             held = ForwardBody(view[:size], view[room:])
         else:
-            view = memoryview(torch.empty(size, dtype=torch.uint8, pin_memory=pinned).numpy())
-            held = ForwardBody(view, None)
+            held = ForwardBody(memory.lend_view(size, pinned=False), None)
         return BodyTarget(held.body, held)
 
     return target

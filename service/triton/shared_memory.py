@@ -37,12 +37,12 @@ from pathlib import Path
 from stat import S_ISREG
 from typing import Any
 
-import numpy as np
 import torch
 
 from .. import off_loop
 from ..codecs.kserve import DATATYPE_NAMES, SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION
 from ..codecs.safetensors_wire import tensor_bytes
+from ..engine.copy_memory import CopyMemory, Loan
 from ..errors import BadInput, Conflict, Forbidden, NotReady, Overloaded, UnknownRegion
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")  # where Linux keeps POSIX shared-memory objects (shm_open)
 _KEY = re.compile(r"/*([^/\0]+)")  # shm_open names: leading slashes, then no slash
 CUDA_IPC_HANDLE_BYTES = 64
-VIEWS_KEPT = 16  # a CUDA region's or copy memory block's views kept for the next requests
+VIEWS_KEPT = 16  # a CUDA region's views kept for the next requests
 # A region's name and a key are kept (and listed by status) as long as the region is: Triton's
 # are short, and a file name has at most 255 bytes.
 MAX_NAME_CHARS = 256
@@ -460,100 +460,6 @@ class CopyReservation:
 
     def release(self) -> None:
         self.memory.copied_bytes -= self.nbytes
-
-
-# Blocks of copy memory come in powers of two from this size up, so that a request finds the
-# block an earlier one of about its size gave back.
-MIN_BLOCK_BYTES = 64 << 10
-_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every GPU's context (--devices)
-
-
-class _Block:
-    """A block of copy memory (uint8, CPU) and the tensors made over its start, kept with it:
-    the requests that borrow it are mostly of one shape, and making a tensor costs each of them
-    host time (`bench/transport_bench.py`, system shared memory)."""
-
-    def __init__(self, array: np.ndarray) -> None:
-        self.array = array
-        self._views: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
-
-    def view(self, nbytes: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-        """Its first `nbytes` as a `dtype` tensor of `shape`."""
-        key = (nbytes, dtype, tuple(shape))
-        view = self._views.get(key)
-        if view is None:
-            if len(self._views) >= VIEWS_KEPT:
-                self._views.clear()
-            view = torch.from_numpy(self.array[:nbytes]).view(dtype).view(key[2])
-            self._views[key] = view
-        return view
-
-
-@dataclass(frozen=True)
-class Loan:
-    """`nbytes` of copy memory a request holds until `release`."""
-
-    block: _Block
-    nbytes: int
-    release: Callable[[], None]
-
-    @property
-    def raw(self) -> memoryview:
-        """The loan's bytes, for a copy by the operating system."""
-        return memoryview(self.block.array)[: self.nbytes]
-
-    def view(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-        """The loan's bytes as a `dtype` tensor of `shape` (of as many bytes)."""
-        return self.block.view(self.nbytes, dtype, shape)
-
-
-class CopyMemory:
-    """Host memory that system-region copies go through, kept for the next request: an input is
-    read into it and an output written from it, so neither costs an allocation and its page
-    faults. Where the engine runs batches on a GPU it is pinned (registered with CUDA): the
-    device pipeline copies an input from it and the output into it by DMA, casting on the
-    device (service/engine/pipeline.py), so no host copy lies between the object and the GPU.
-    Blocks given back are kept up to `max_idle_bytes` (MOE_SERVE_MAX_SHARED_MEMORY_COPY_BYTES),
-    past that let go. Used on the event loop only."""
-
-    def __init__(self, max_idle_bytes: int) -> None:
-        self.max_idle_bytes = max_idle_bytes
-        self.idle_bytes = 0
-        self._idle: dict[tuple[int, bool], list[_Block]] = {}
-
-    def lend(self, nbytes: int, pinned: bool) -> Loan:
-        """`nbytes` of memory, pinned if `pinned` (and CUDA lets it); the borrower releases the
-        loan once nothing, the device included, reads or writes it any more."""
-        size = max(MIN_BLOCK_BYTES, 1 << (nbytes - 1).bit_length())
-        key = (size, pinned)
-        idle = self._idle.get(key)
-        if idle:
-            block = idle.pop()
-            self.idle_bytes -= size
-        else:
-            block = _Block(_pinned_block(size) if pinned else np.empty(size, dtype=np.uint8))
-        return Loan(block, nbytes, lambda: self._give_back(key, block))
-
-    def _give_back(self, key: tuple[int, bool], block: _Block) -> None:
-        size = block.array.nbytes
-        if self.idle_bytes + size <= self.max_idle_bytes:
-            self._idle.setdefault(key, []).append(block)
-            self.idle_bytes += size
-
-
-def _pinned_block(size: int) -> np.ndarray:
-    """`size` bytes registered with CUDA, unregistered before their memory is freed; plain
-    memory (the copies then go through the pipeline's staging) if CUDA refuses."""
-    block = np.empty(size, dtype=np.uint8)
-    address = block.ctypes.data
-    cudart = torch.cuda.cudart()
-    error = int(cudart.cudaHostRegister(address, size, _PORTABLE))
-    if error:
-        log.warning("system shared-memory copies: %d bytes not pinned (CUDA error %d)", size, error)
-        return block
-    # a weakref callback runs before the array's memory is freed
-    weakref.finalize(block, cudart.cudaHostUnregister, address).atexit = False
-    return block
 
 
 @dataclass

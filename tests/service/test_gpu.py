@@ -14,16 +14,19 @@ import torch
 from fastapi.testclient import TestClient
 
 from moe_serve.kernels.accuracy import BY_DTYPE, SERVED_FP8_LAYER, relative_error
+from moe_serve.kernels.arith import round_up
 from moe_serve.kernels.layer import build_layer
 from moe_serve.kernels.layer_graphs import token_buckets
 from moe_serve.kernels.tensors import ForwardInputs
 from moe_serve.service.codecs import json_device
 from moe_serve.service.engine.engine import Engine
+from moe_serve.service.frontends.arena import BLOCK_BYTES, REPLY_HEADER_BYTES
 from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from moe_serve.weights.load import load_layer
 from tests.service.conftest import wait_ready
 from tests.service.layers import running_server
+from tests.service.test_copy_memory import given_back
 
 pytestmark = pytest.mark.gpu
 
@@ -319,6 +322,37 @@ def test_large_json_bodies_read_into_pinned_memory_by_a_real_server_answer_as_bi
         assert "body is not valid JSON" in r.json()["error"]
     # binary bodies of 300 and 3 rows are under PINNED_BODY_MIN
     assert taken == [False, True, False, False, True]
+
+
+def test_pinned_bodies_and_replies_come_from_copy_memory_and_go_back(gpu_client) -> None:
+    """One process on a GPU: a large body and its reply lie in a block of copy memory, pinned
+    once, which each repeat of the request gets back; torch's pinned allocator makes no block
+    per request (its cache's new blocks are page-locked allocations of milliseconds)."""
+    _, cache = gpu_client
+    app = create_app(Settings(device="cuda", cache_dir=cache, max_batch_tokens=1024))
+    memory = app.state.runtime.shared_memory.copy_memory
+    hidden = torch.randn(600, 256).bfloat16()
+    bodies = [
+        (safetensors.torch.save({"hidden_states": hidden}), "application/octet-stream"),
+        (json.dumps({"hidden_states": hidden.float().tolist()}).encode(), "application/json"),
+    ]
+    idle = 0
+    with running_server(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        wait_ready(http.get, GPU_READY_TIMEOUT_S)
+        for body, media in bodies:
+            headers = {"Content-Type": media}
+            room = round_up(len(body), BLOCK_BYTES)
+            idle += 1 << (room + len(body) + REPLY_HEADER_BYTES - 1).bit_length()
+            replies = []
+            for i in range(4):
+                r = http.post("/v1/layers/demo/forward", content=body, headers=headers)
+                assert r.status_code == 200, r.text
+                replies.append(r.content)
+                assert given_back(memory, idle), (memory.idle_bytes, idle)
+                if i == 0:
+                    allocated = torch.cuda.host_memory_stats()["num_host_alloc"]
+            assert torch.cuda.host_memory_stats()["num_host_alloc"] == allocated
+            assert replies.count(replies[0]) == len(replies)
 
 
 def test_large_json_forwards_are_parsed_and_printed_on_the_gpu_as_the_host_would(

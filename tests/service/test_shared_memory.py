@@ -21,18 +21,12 @@ import pytest
 import torch
 
 from moe_serve.service import off_loop
+from moe_serve.service.engine.copy_memory import MIN_BLOCK_BYTES
 from moe_serve.service.errors import BadInput, Forbidden, NotReady, Overloaded
 from moe_serve.service.http.app import create_app
 from moe_serve.service.settings import Settings
 from moe_serve.service.triton import shared_memory
-from moe_serve.service.triton.shared_memory import (
-    MIN_BLOCK_BYTES,
-    CopyMemory,
-    Loan,
-    SharedMemory,
-    SystemRegion,
-    owner_of,
-)
+from moe_serve.service.triton.shared_memory import SharedMemory, SystemRegion, owner_of
 from tests.service.conftest import wait_ready
 from tests.service.layers import TINY, H, free_port, reference_forward, running_server, tiny_loader
 
@@ -49,11 +43,6 @@ async def _read(r: SystemRegion, offset: int, size: int, alone: bool = False) ->
     into = torch.empty(size, dtype=torch.uint8)
     await r.read(offset, memoryview(into.numpy()), alone)
     return into
-
-
-def _memory(loan: Loan) -> torch.Tensor:
-    """A loan's bytes (uint8)."""
-    return loan.view(torch.uint8, (loan.nbytes,))
 
 
 @pytest.fixture(scope="module")
@@ -515,7 +504,7 @@ def test_a_request_cancelled_mid_copy_gives_its_copy_memory_back_once_the_copy_e
         after: list = []
         place = shared_memory.TensorPlace("r", size, size)
         x = await memory.read("input b", place, torch.float32, shape, None, after, False)
-        assert _memory(after[0]).data_ptr() == _memory(held[0]).data_ptr()  # the same block
+        assert after[0].block is held[0].block  # the same block
         assert x.eq(1).all()
 
     try:
@@ -765,47 +754,6 @@ def test_the_copies_requests_in_flight_hold_out_of_system_regions_are_bounded(
     for _ in range(2):
         assert client.post(f"/v2/models/{TINY}/infer", json=body).status_code == 200
     assert memory.copied_bytes == 0
-
-
-def test_copy_memory_is_reused_and_what_it_keeps_idle_is_bounded() -> None:
-    """A block given back serves the next request of about its size (no allocation, no page
-    faults); blocks given back past `max_idle_bytes` are let go."""
-    memory = CopyMemory(max_idle_bytes=2 * MIN_BLOCK_BYTES)
-    first = memory.lend(1000, pinned=False)
-    address = _memory(first).data_ptr()
-    first.release()
-    again = memory.lend(MIN_BLOCK_BYTES, pinned=False)
-    assert _memory(again).data_ptr() == address and _memory(again).numel() == MIN_BLOCK_BYTES
-    larger = memory.lend(MIN_BLOCK_BYTES + 1, pinned=False)  # the next power of two
-    assert _memory(larger).numel() == MIN_BLOCK_BYTES + 1
-    loans = [again, larger, memory.lend(10, pinned=False)]
-    for loan in loans:
-        loan.release()
-    assert memory.idle_bytes == 2 * MIN_BLOCK_BYTES  # the larger block was let go
-    assert _memory(memory.lend(10, pinned=False)).data_ptr() in (
-        address,
-        _memory(loans[2]).data_ptr(),
-    )
-
-
-def test_a_block_of_copy_memory_keeps_the_tensors_made_over_it_for_its_next_loans() -> None:
-    """The next request of a shape gets the tensors the last one of it had; a loan's bytes are
-    its block's first `nbytes`, however it is viewed."""
-    memory = CopyMemory(max_idle_bytes=4 * MIN_BLOCK_BYTES)
-    first = memory.lend(48, pinned=False)
-    rows = first.view(torch.float32, (3, 4))
-    rows.copy_(torch.arange(12.0).view(3, 4))
-    assert _memory(first).data_ptr() == rows.data_ptr() and _memory(first).numel() == 48
-    assert bytes(first.raw) == _memory(first).numpy().tobytes() == rows.numpy().tobytes()
-    first.release()
-    again = memory.lend(48, pinned=False)
-    assert again.view(torch.float32, [3, 4]) is rows  # the same tensor, shape as a list too
-    assert _memory(again) is _memory(first)
-    assert again.view(torch.int32, (12,)).data_ptr() == rows.data_ptr()
-    assert memory.lend(48, pinned=False).view(torch.float32, (3, 4)) is not rows  # another block
-    assert again.block.view(4, torch.float32, []).shape == ()  # a scalar
-    smaller = again.block.view(8, torch.uint8, (8,))
-    assert smaller.numel() == 8 and smaller.data_ptr() == rows.data_ptr()
 
 
 def test_system_shared_memory_requests_give_their_copy_memory_back(make_client, region) -> None:

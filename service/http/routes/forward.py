@@ -34,6 +34,7 @@ from ...errors import (
     error_response,
 )
 from ..body import read_body
+from ..direct_body import DIRECT_BODY
 from ..examples import DEMO_LOGITS, DEMO_ROWS
 from ..forward_body import get_forward_body
 from ..plain_forward import BINARY, FORWARD_PATH, JSON
@@ -172,11 +173,12 @@ class ForwardEndpoint:
                     f"content type {media or '(none)'!r} is not accepted; send {JSON} or {BINARY}"
                 )
             withdrawn = asyncio.ensure_future(client_gone(receive))
-            if media == JSON:
-                parts = await serve_json(call, body, options, withdrawn)
+            if media == JSON:  # printed into the room after the body where it has one
+                room = None if held is None else held.reply
+                parts = await serve_json(call, body, options, withdrawn, room)
             elif held is not None:  # pinned, with room for the reply
                 size = await serve_blob_into(call, held.body, held.reply, True, withdrawn)
-                parts = [held.reply[:size]]  # its memoryview holds the pinned block until sent
+                parts = [held.reply[:size]]  # its view holds the block until it is sent
             else:
                 parts = await serve_blob(call, body, options, return_routing, withdrawn)
             response = PiecesResponse(parts, media)
@@ -185,7 +187,12 @@ class ForwardEndpoint:
         finally:
             if withdrawn is not None:
                 withdrawn.cancel()
-        await response(scope, receive, send)
+        try:
+            await response(scope, receive, send)
+        finally:
+            # the connection keeps the scope until its next request: the body's block of copy
+            # memory goes back once the reply is sent, not then
+            scope.pop(DIRECT_BODY, None)
 
 
 def _media_type(request: Request) -> str:
