@@ -398,7 +398,8 @@ def test_a_short_run_on_the_cpu_fills_every_figure_and_writes_the_tables(tmp_pat
         assert run.idle_probe.probes > 0
     fronted = [c.target.removeprefix("tiny (2 front ends)") for c in result.checks
                if c.target.startswith("tiny (2 front ends)")]  # fmt: skip
-    one = [c.target.removeprefix("tiny") for c in result.checks if c.target.startswith("tiny:")]
+    one = [c.target.removeprefix("tiny (one process)") for c in result.checks
+           if c.target.startswith("tiny (one process)")]  # fmt: skip
     assert fronted == [*one, ": probes answered within 0.5 ms p50 and never failed under load"]
     assert [echo.tokens for echo in result.echo] == [8, 1]
     assert all(isinstance(c, Check) for c in result.checks)
