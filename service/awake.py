@@ -7,7 +7,10 @@ end, the front end's forward reaching the engine, the engine's reply reaching th
 
 It costs a core while it lasts: a process stays awake while it waits for the engine's answer
 and for LINGER_S after its last reply only, so a client that sends its requests one after
-another finds it awake, and an idle server sleeps. Torch-free: the front-end processes use it.
+another finds it awake, and an idle server sleeps. It sleeps too while a request's host work runs
+on a thread (service/off_loop.py): polling, the loop would hold the GIL that the thread takes
+back after each call that lets it go, a switch interval each time. Torch-free: the front-end
+processes use it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+
+from . import off_loop
 
 # How long a loop stays awake after its last reply: longer than a client's turn-around on the
 # same host (the reply read, the next request written) for a 64-token DeepSeek-V3 body
@@ -69,14 +74,17 @@ class Awake:
         self._wake()
 
     def _wake(self) -> None:
-        if self._turn is None and self._allowed():
+        if self._turn is None and self._may_poll():
             self._turn = asyncio.get_running_loop().call_soon(self._again)
+
+    def _may_poll(self) -> bool:
+        return self._allowed() and not off_loop.working()
 
     def _again(self) -> None:
         """A callback always ready while awake: the loop polls for I/O without waiting."""
         now = self._clock()
         held = self._holds and now - self._held_at < HELD_S
-        if (held or now < self._until) and self._allowed():
+        if (held or now < self._until) and self._may_poll():
             self._turn = asyncio.get_running_loop().call_soon(self._again)
         else:
             self._turn = None

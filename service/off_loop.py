@@ -43,6 +43,7 @@ class OffLoop:
         self.executor = executor  # None: asyncio's default thread pool
         # the same for the server's only request
         self.alone_bytes = on_loop_bytes if alone_bytes is None else alone_bytes
+        self.running = 0  # calls on a thread now (counted on the loop)
 
     def stays(self, nbytes: int, alone: bool = False) -> bool:
         """Whether work on about `nbytes` runs on the loop: up to `on_loop_bytes`
@@ -63,6 +64,7 @@ class OffLoop:
         request is lent) and on descriptors it closes then."""
         loop = asyncio.get_running_loop()
         work = loop.run_in_executor(self.executor, contextvars.copy_context().run, fn, *args)
+        self.running += 1
         try:
             return await asyncio.shield(work)
         except asyncio.CancelledError:
@@ -71,6 +73,7 @@ class OffLoop:
                     await asyncio.wait([work])
             raise
         finally:
+            self.running -= 1
             # `fn`'s error keeps its frames, and so the bytes it worked on; this frame, in its
             # traceback, must not keep the future that holds it (a cycle the collector, run
             # rarely in a serving process, would be left to find)
@@ -79,3 +82,10 @@ class OffLoop:
 
 BINARY = OffLoop(1 << 20, None, alone_bytes=4 << 20)
 JSON = OffLoop(512 << 10, ThreadPoolExecutor(max_workers=2, thread_name_prefix="moe-json"))
+
+
+def working() -> bool:
+    """Whether a request's host work runs on a thread now: a loop kept awake (service/awake.py)
+    would hold the GIL that the thread takes back after each call that lets it go (torch's, a
+    CUDA wait), a switch interval each time."""
+    return bool(BINARY.running or JSON.running)

@@ -34,11 +34,12 @@ slowly, and the completer, woken and waiting for the GIL, took longer still: one
 it on every request (`bench/request_path.py`: batcher-pinned against engine-pinned, which
 grows with the forward's time). It costs a core while the batch runs (CUDA's own wait spins
 one in the completer otherwise). Only a batch launched while no other is in flight is polled,
-and it goes to its completer as soon as another one is launched, on any device: a loop that
-never sleeps holds the GIL for long stretches, which the launcher and completer threads would
-then wait for. For the same reason the loop stays awake (service/awake.py) for a moment after a
-batch is answered only while nothing is in flight on any device: a client's next request, sent
-as the reply arrives, is read at once.
+and it goes to its completer as soon as another one is launched, on any device, or a request's
+host work runs on a thread (service/off_loop.py): a loop that never sleeps holds the GIL for
+long stretches, which the launcher, completer and those threads would then wait for. For the
+same reason the loop stays awake (service/awake.py) for a moment after a batch is answered only
+while nothing is in flight on any device: a client's next request, sent as the reply arrives,
+is read at once.
 """
 
 from __future__ import annotations
@@ -629,7 +630,11 @@ class DynamicBatcher:
         except Exception:
             done = True  # the device failed: its result raises it
         if not done:
-            asyncio.get_running_loop().call_soon(self._poll, launched)
+            loop = asyncio.get_running_loop()
+            if off_loop.working():  # a thread would wait on the polling loop for the GIL
+                self._hand_over(loop)
+            else:
+                loop.call_soon(self._poll, launched)
             return
         self._polled = None
         try:

@@ -7,6 +7,7 @@ import asyncio
 import selectors
 import time
 
+from moe_serve.service import off_loop
 from moe_serve.service.awake import HELD_S, Awake
 
 
@@ -104,6 +105,28 @@ def test_a_loop_not_allowed_to_stay_awake_sleeps_even_when_held() -> None:
         assert not _polled(await _turns(selector))
         awake.linger()  # not allowed: not woken
         assert awake.awake is False
+
+    _run(main)
+
+
+def test_a_loop_sleeps_while_host_work_runs_on_a_thread(monkeypatch) -> None:
+    """Polling, it would hold the GIL that the thread takes back after each call that lets it
+    go; it sleeps until the work is done and a hold or a linger wakes it."""
+    clock = _Clock()
+
+    async def main(selector: LoopTimeouts) -> None:
+        awake = Awake(linger_s=0.002, clock=clock)
+        awake.hold()
+        assert _polled(await _turns(selector))
+        monkeypatch.setattr(off_loop.JSON, "running", 1)
+        await _turns(selector, 1)
+        assert awake.awake is False and awake.held
+        assert not _polled(await _turns(selector))
+        awake.linger()  # host work still runs: not woken
+        assert awake.awake is False
+        monkeypatch.setattr(off_loop.JSON, "running", 0)
+        awake.linger()
+        assert _polled(await _turns(selector))
 
     _run(main)
 

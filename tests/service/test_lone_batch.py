@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_serve.kernels.tensors import ForwardInputs
+from moe_serve.service import off_loop
 from moe_serve.service.engine.batcher import BatchPolicy, DynamicBatcher
 from moe_serve.service.errors import ForwardFailed
 from moe_serve.service.metrics import Metrics
@@ -57,6 +58,33 @@ def test_a_batch_launched_behind_a_lone_one_takes_it_to_the_completer_in_launch_
     torch.testing.assert_close(lone.output, reference_forward(TINY, first))
     torch.testing.assert_close(behind.output, reference_forward(TINY, second))
     assert engine.answered_on == [(COMPLETER, 2), (COMPLETER, 3)]
+
+
+def test_a_lone_batch_goes_to_its_completer_once_host_work_runs_on_a_thread() -> None:
+    """A thread working for another request (a JSON body parsed off the loop) would wait for the
+    GIL that the polling loop holds: the loop stops polling and the completer answers."""
+    engine = EnqueuingEngine()
+    engine.gate.clear()
+    x = _rows(4, seed=9)
+    working = threading.Event()
+
+    def host_work() -> None:
+        working.set()
+        engine.gate.wait(WAIT_S)  # until the batch is done
+
+    async def body(batcher: DynamicBatcher):
+        lone = asyncio.create_task(batcher.submit(TINY, ForwardInputs(x)))
+        await asyncio.to_thread(engine.launched.wait, WAIT_S)
+        other = asyncio.create_task(off_loop.JSON.off_loop(host_work))
+        await asyncio.to_thread(working.wait, WAIT_S)
+        await asyncio.sleep(0.01)  # turns of the loop: the poll sees the work
+        engine.gate.set()
+        await other
+        return await lone
+
+    out = _run(engine, body)
+    torch.testing.assert_close(out.output, reference_forward(TINY, x))
+    assert engine.answered_on == [(COMPLETER, 4)]
 
 
 def test_a_lone_request_on_a_device_while_another_has_a_batch_goes_to_its_completer() -> None:
