@@ -95,7 +95,8 @@ class Settings(BaseSettings):
     # a descriptor (system) or a mapping (CUDA) until it is unregistered; beyond, 429
     max_shared_memory_regions: int = Field(256, ge=1)
     # Bytes that requests in flight may hold copied out of system regions (a request names
-    # them in a few hundred bytes); beyond, 429. One request alone may take up to the body limit
+    # them in a few hundred bytes); beyond, 429. One request alone may take up to the body limit.
+    # Also how much copy memory (service/engine/copy_memory.py) is kept idle for later requests
     max_shared_memory_copy_bytes: int = Field(1 << 30, ge=1)
     api_token: SecretStr | None = None  # bearer token required on every non-probe route
     # where the demo layers are written and calibrated rules cached (its calibration/ folder)
