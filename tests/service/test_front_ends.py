@@ -616,26 +616,32 @@ def _new_connection(port: int) -> str:
         return "refused"
 
 
-def test_a_relayed_response_has_one_date_and_one_server_header(front_ends) -> None:
+def _exchange(front_ends, request: bytes) -> tuple[bytes, bytes]:
+    """A request sent as it is (no client library rewrites it) on a connection of its own:
+    the response's head and body."""
     with socket.create_connection(("127.0.0.1", front_ends.listener.getsockname()[1])) as conn:
-        conn.sendall(b"GET /v1/layers HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        conn.sendall(request)
         received = b""
         while chunk := conn.recv(65536):
             received += chunk
-    head = received.partition(b"\r\n\r\n")[0].decode("latin-1").lower().split("\r\n")
-    assert head[0] == "http/1.1 200 ok"
-    names = [line.split(":", 1)[0] for line in head[1:]]
+    head, _, body = received.partition(b"\r\n\r\n")
+    return head, body
+
+
+def test_a_relayed_response_has_one_date_and_one_server_header(front_ends) -> None:
+    head, _ = _exchange(
+        front_ends, b"GET /v1/layers HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    lines = head.decode("latin-1").lower().split("\r\n")
+    assert lines[0] == "http/1.1 200 ok"
+    names = [line.split(":", 1)[0] for line in lines[1:]]
     assert (names.count("date"), names.count("server")) == (1, 1)
 
 
 def test_a_relayed_path_reaches_the_engine_as_the_client_sent_it(front_ends) -> None:
     # "/v1/layers/.." is the route /v1/layers/{name} with the name "..", not /v1/layers
-    with socket.create_connection(("127.0.0.1", front_ends.listener.getsockname()[1])) as conn:
-        conn.sendall(b"GET /v1/layers/..?x=1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        received = b""
-        while chunk := conn.recv(65536):
-            received += chunk
-    head, _, body = received.partition(b"\r\n\r\n")
+    request = b"GET /v1/layers/..?x=1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    head, body = _exchange(front_ends, request)
     assert head.split(b"\r\n")[0] == b"HTTP/1.1 404 Not Found"
     assert "no layer named '..'" in json.loads(body)["error"]
 
