@@ -43,8 +43,10 @@ def parse(body: bytes | bytearray, what: str = "body") -> Any:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as err:
-        if err.msg == _BEYOND_FLOAT64 and (number := _NUMBER.match(body, err.pos)):
-            text = number.group().decode()
+        # orjson's position counts characters, not bytes
+        text = bytes(body).decode(errors="replace") if err.msg == _BEYOND_FLOAT64 else ""
+        if number := _NUMBER.match(text, err.pos):
+            text = number.group()
             text = text if len(text) <= _NUMBER_CHARS else text[:_NUMBER_CHARS] + "..."
             raise BadInput(
                 f"{what} holds {text} at line {err.lineno} column {err.colno}, beyond "
@@ -55,7 +57,7 @@ def parse(body: bytes | bytearray, what: str = "body") -> Any:
 
 _BEYOND_FLOAT64 = "number is infinity when parsed as double"  # orjson's message
 _NUMBER_CHARS = 40  # of such a number named in the error; a longer one is cut there
-_NUMBER = re.compile(rb"-?[0-9][0-9.eE+-]{0,%d}" % _NUMBER_CHARS)
+_NUMBER = re.compile(rf"-?[0-9][0-9.eE+-]{{0,{_NUMBER_CHARS}}}")
 
 
 MAX_DIMS = 32  # numpy's limit in its 1.x releases; no tensor of ours comes near it

@@ -72,8 +72,12 @@ def test_a_number_beyond_float32_is_named_not_read_as_an_infinity(
     ("text", "shown"),
     [("1e400", "1e400 at line 2 column 33"), ("-1" + "0" * 400, "-1" + "0" * 38 + "... at")],
 )
-def test_a_number_beyond_float64_is_named_with_where_it_stands(text: str, shown: str) -> None:
-    body = f'{{"hidden_states": [[0.5, 1.0],\n                          [2.0, {text}]]}}'.encode()
+@pytest.mark.parametrize("before", ["ab", "é😀"], ids=["ascii", "wider-characters-before"])
+def test_a_number_beyond_float64_is_named_with_where_it_stands(
+    text: str, shown: str, before: str
+) -> None:
+    rows = f"[[0.5, 1.0],\n{' ' * 26}[2.0, {text}]]"
+    body = f'{{"note": "{before}", "hidden_states": {rows}}}'.encode()
     for decode in (decode_forward_arrays, decode_forward):
         with pytest.raises(BadInput, match=re.escape(f"body holds {shown}")) as refused:
             decode(body)
