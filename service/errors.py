@@ -74,13 +74,6 @@ def body_stalled(timeout_s: float, arrived: int) -> RequestTimeout:
     )
 
 
-def body_too_large(limit: int, declared: int | None = None) -> PayloadTooLarge:
-    size = "" if declared is None else f" of {declared} bytes"
-    return PayloadTooLarge(
-        f"request body{size} exceeds the {limit}-byte limit (MOE_SERVE_MAX_BODY_BYTES)"
-    )
-
-
 def body_cut(arrived: int) -> ClientDisconnected:
     return ClientDisconnected(f"the client closed the connection after {arrived} bytes of the body")
 

@@ -18,10 +18,10 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_va
 
 from ...weights.errors import describe_validation_error
 from ..errors import BadInput
+from .body_limit import HEADER_LENGTH
 from .json_tensors import array_to_tensor
 from .shapes import too_large, too_large_message
 
-HEADER_LENGTH = "Inference-Header-Content-Length"
 # The shared-memory extension's tensor parameters (inputs and requested outputs)
 SHM_REGION = "shared_memory_region"
 SHM_OFFSET = "shared_memory_offset"

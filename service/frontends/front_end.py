@@ -53,6 +53,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from .. import logs, off_loop
+from ..codecs.body_limit import HEADER_LENGTH, body_limit, body_too_large
 from ..codecs.json_numbers import (
     NUMBER_BYTES,
     ForwardArrays,
@@ -62,11 +63,11 @@ from ..codecs.json_numbers import (
 from ..codecs.safetensors_header import read_header
 from ..errors import (
     BadInput,
+    PayloadTooLarge,
     ServiceError,
     ShuttingDown,
     body_cut,
     body_stalled,
-    body_too_large,
     error_response,
     no_layer,
 )
@@ -323,7 +324,7 @@ class FrontEnd:
         region, ours, as_text = None, True, False
         with self._answer(scope) as answer:
             try:
-                body = await self._read_body(receive, size)
+                body = await self._read_body(receive, size, f"its Content-Length of {size} bytes")
                 reply = body if isinstance(body, Reply) else self._unknown_layer(name)
                 if reply is None:
                     try:
@@ -383,9 +384,10 @@ class FrontEnd:
             return None
         return _reply_of(no_layer(name, state.models))
 
-    async def _read_body(self, receive: Receive, limit: int) -> bytes | Reply:
+    async def _read_body(self, receive: Receive, limit: int, what: str) -> bytes | Reply:
         """The whole body, grown as its bytes arrive (never sized by what the client declares),
-        or the reply when it passes `limit`, stalls past the read timeout or is cut."""
+        or the reply when it passes `limit` (named `what` in its 413), stalls past the read
+        timeout or is cut."""
         chunks, size, timeout_s = [], 0, self.config.read_timeout_s
         try:
             async with asyncio.timeout(timeout_s):
@@ -397,7 +399,7 @@ class FrontEnd:
                     chunk = message.get("body", b"")
                     size += len(chunk)
                     if size > limit:
-                        return _reply_of(body_too_large(limit))
+                        return _reply_of(body_too_large(what))
                     chunks.append(chunk)
                     more = message.get("more_body", False)
         except TimeoutError:
@@ -406,15 +408,23 @@ class FrontEnd:
 
     async def _relay_read(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A request for the engine's HTTP server: its body read here first, within the read
-        timeout and the body limit, so that a client that stalls holds no engine connection
-        and gets its 408 from this process."""
+        timeout and the engine's limit for it (its 413 too), so that a client that stalls holds
+        no engine connection and gets its 408 from this process."""
         headers = Headers(scope=scope)
-        limit = self.config.max_body_bytes
+        config = self.config
+        media = headers.get("content-type", "").split(";")[0].strip().lower()
         declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            body: bytes | Reply = _reply_of(body_too_large(limit, int(declared)))
+        try:
+            limit, what = body_limit(
+                media, headers.get(HEADER_LENGTH), config.max_json_bytes, config.max_body_bytes
+            )
+        except PayloadTooLarge as err:
+            body: bytes | Reply = _reply_of(err)
         else:
-            body = await self._read_body(receive, limit)
+            if declared.isdigit() and int(declared) > limit:
+                body = _reply_of(body_too_large(what, int(declared)))
+            else:
+                body = await self._read_body(receive, limit, what)
         if isinstance(body, Reply):
             with self._answer(scope, UNMATCHED) as answer:
                 answer.status = body.status

@@ -10,7 +10,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from ..codecs.kserve import HEADER_LENGTH
+from ..codecs.body_limit import HEADER_LENGTH, body_limit, body_too_large
 from ..core.runtime import Runtime
 from ..errors import (
     BadInput,
@@ -42,28 +42,9 @@ def _fields(request: Request) -> dict[bytes, str]:
 
 
 def _body_limit(fields: dict[bytes, str], settings: Settings) -> tuple[int, str]:
-    """The byte limit of the request's body, and how to name it in a 413.
-
-    JSON has its own, lower limit: decoding it holds the GIL (the event loop waits) and costs a
-    few times its size in memory; binary bodies cost neither.
-    """
-    json_limit = settings.max_json_bytes
-    binary_hint = (
-        "send larger requests in binary: a safetensors blob (Content-Type: "
-        "application/octet-stream) on /v1, binary tensors on /v2"
-    )
-    header = fields.get(_FIELDS[3])  # KServe: the JSON part's length
-    if header is not None and header.isascii() and header.isdigit() and int(header) > json_limit:
-        raise PayloadTooLarge(
-            f"the JSON part of {header} bytes exceeds the {json_limit}-byte limit of JSON "
-            f"(MOE_SERVE_MAX_JSON_BYTES); {binary_hint}"
-        )
     media = fields.get(b"content-type", "").split(";")[0].strip().lower()
-    if media == "application/json" and header is None and json_limit < settings.max_body_bytes:
-        return json_limit, (
-            f"the {json_limit}-byte limit of a JSON body (MOE_SERVE_MAX_JSON_BYTES); {binary_hint}"
-        )
-    return settings.max_body_bytes, f"the {settings.max_body_bytes}-byte limit"
+    json_part = fields.get(_FIELDS[3])
+    return body_limit(media, json_part, settings.max_json_bytes, settings.max_body_bytes)
 
 
 async def read_body(request: Request, runtime: Runtime) -> bytes:
@@ -75,7 +56,7 @@ async def read_body(request: Request, runtime: Runtime) -> bytes:
     limit, what = _body_limit(fields, runtime.settings)
     declared = fields.get(b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"request body of {declared} bytes exceeds {what}")
+        raise body_too_large(what, int(declared))
     chunks, size = [], 0
     timeout_s = runtime.settings.read_timeout_s
     receive = request.receive
@@ -93,7 +74,7 @@ async def read_body(request: Request, runtime: Runtime) -> bytes:
                 if chunk:
                     size += len(chunk)
                     if size > limit:
-                        raise PayloadTooLarge(f"request body exceeds {what}")
+                        raise body_too_large(what)
                     chunks.append(chunk)
     except TimeoutError:
         raise body_stalled(timeout_s, size) from None

@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -48,6 +49,7 @@ from moe_serve.service.http.server import MAX_HEAD_BYTES
 from moe_serve.service.settings import Settings
 from tests.service.layers import NO_ROUTER, TINY, H, reference_forward, running_front_ends
 from tests.service.test_connections import _await_499, _final_answers
+from tests.service.test_grpc_limits import serving
 from tests.service.test_wire import HOSTILE_HEADERS
 
 BINARY = {"Content-Type": "application/octet-stream"}
@@ -509,6 +511,47 @@ def test_a_declared_body_size_reserves_no_memory_before_its_bytes_arrive(token_f
     for conn in stalled:
         conn.close()
     assert grown < 4 * declared, f"{grown >> 20} MiB for 24 x {declared >> 20} MiB declared"
+
+
+def _answer_to_head(port: int, head: bytes) -> tuple[str, dict]:
+    """The status line and JSON body answered to a request head whose body is never sent."""
+    with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as conn:
+        conn.sendall(head)
+        received = b""
+        while b"\r\n\r\n" not in received:
+            received += conn.recv(65536)
+        top, _, body = received.partition(b"\r\n\r\n")
+        size = int(re.search(rb"(?i)content-length: *(\d+)", top).group(1))
+        while len(body) < size:
+            body += conn.recv(65536)
+    return top.split(b"\r\n")[0].decode(), json.loads(body)
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        # a JSON forward relayed (its query string), declared past the JSON limit
+        f"POST /v1/layers/{TINY}/forward?priority=0 HTTP/1.1\r\nHost: x\r\n"
+        "Content-Type: application/json\r\nContent-Length: 20971520\r\n\r\n",
+        # past the body limit too, where the JSON limit is still the one named
+        f"POST /v1/layers/{TINY}/forward?priority=0 HTTP/1.1\r\nHost: x\r\n"
+        "Content-Type: application/json\r\nContent-Length: 67108865\r\n\r\n",
+        # KServe binary tensors whose JSON part passes the JSON limit
+        f"POST /v2/models/{TINY}/infer HTTP/1.1\r\nHost: x\r\n"
+        "Inference-Header-Content-Length: 999999999\r\nContent-Length: 1000000000\r\n\r\n",
+    ],
+    ids=["json", "json-past-the-body-limit", "kserve-json-part"],
+)
+def test_a_body_past_its_limit_gets_the_same_413_behind_front_ends_as_in_one_process(
+    front_ends, head: str
+) -> None:
+    fronted = _answer_to_head(front_ends.listener.getsockname()[1], head.encode())
+    with serving() as s:
+        alone = _answer_to_head(int(s.url.rsplit(":", 1)[1]), head.encode())
+    assert fronted == alone
+    assert (
+        fronted[0].startswith("HTTP/1.1 413") and "MOE_SERVE_MAX_JSON_BYTES" in fronted[1]["error"]
+    )
 
 
 def test_json_nested_a_thousand_deep_is_a_json_400_from_the_front_end(front_ends) -> None:
